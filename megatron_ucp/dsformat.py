@@ -1,0 +1,76 @@
+"""Names of DeepSpeed's checkpoint files and keys, and the keys megatron-ucp adds.
+
+Kept in one place so that the reader, the writer, the hooks and the upstream patches in
+patches/ agree on spelling. DeepSpeed's own names are restated (not imported) so that reading a
+checkpoint does not depend on the installed DeepSpeed's constants module.
+"""
+from __future__ import annotations
+
+import re
+
+# ---- DeepSpeed file names -------------------------------------------------------------------
+LATEST = "latest"
+LATEST_UNIVERSAL = "latest_universal"
+MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
+OPTIM_FILE_RE = re.compile(r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+MODEL_FILE_RE = re.compile(r"^mp_rank_(?P<mp>\d+)(?:_(?P<pp>\d+))?_model_states\.pt$")
+LAYER_FILE_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
+UNIVERSAL_SUFFIX = "_universal"
+UNIVERSAL_ZERO_DIR = "zero"
+UNIVERSAL_OPTIMIZER_STATE_FILE = "optimizer_state.pt"
+
+# ---- DeepSpeed keys ---------------------------------------------------------------------------
+OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+BASE_OPTIMIZER_STATE = "base_optimizer_state"
+SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"
+PARAM_SLICE_MAPPINGS = "param_slice_mappings"
+GROUP_PADDINGS = "group_paddings"
+PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"
+PARTITION_COUNT = "partition_count"
+ZERO_STAGE = "zero_stage"
+DS_VERSION = "ds_version"
+DS_CONFIG = "ds_config"
+PARAM_GROUPS = "param_groups"
+PARAM_SHAPES = "param_shapes"
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
+UNIVERSAL_CHECKPOINT_VERSION_KEY = "universal_checkpoint_version"
+UNIVERSAL_CHECKPOINT_VERSION_VALUE = 0.2
+VOCABULARY_PARAMETER_PATTERNS = "vocabulary_parameter_patterns"
+ORIGINAL_VOCAB_SIZE = "original_vocab_size"
+PARAMETER_WITH_ROW_PARALLELISM_PATTERNS = "parameter_with_row_parallelism_patterns"
+PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"
+PARAM = "param"
+CAT_DIM = "cat_dim"
+VOCAB_TENSOR = "vocab_tensor"
+PARAM_N_SUB_PARAMS = "param_n_sub_params"
+FP32_STATE = "fp32"
+STEP_STATE = "step"
+DP_WORLD_SIZE = "dp_world_size"
+MP_WORLD_SIZE = "mp_world_size"
+
+# Keys of the optimizer state dict that are per-rank shards (not copied to optimizer_state.pt).
+SHARDED_OPTIMIZER_KEYS = (BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)
+
+# ---- keys megatron-ucp adds at save time (hooks and patches/ write the same) ---------------
+GROUP_TRUE_LENGTHS = "group_true_lengths"
+"""Per param group: this rank's true (unpadded) number of elements in its partition."""
+ZERO_PARTITION_INFO = "zero_partition_info"
+"""Dict: version, dp_size, dp_rank, alignment, group_numels, padded_group_numels, partition_sizes."""
+ZERO_PARTITION_INFO_VERSION = 1
+
+# ---- megatron-ucp universal-folder bookkeeping -----------------------------------------------
+MANIFEST_FILE = "ucp_manifest.json"
+"""Written last inside a finished universal folder; its presence after the rename is the commit."""
+MANIFEST_FORMAT = "megatron-ucp/universal"
+MANIFEST_VERSION = 1
+STAGING_SUFFIX = ".ucp-staging"
+"""Temporary sibling: <parent>/.<output name>.ucp-staging, renamed into place when complete."""
+
+
+def universal_tag(tag: str) -> str:
+    """The universal twin's tag for a native tag: global_step100 -> global_step100_universal."""
+    return tag if tag.endswith(UNIVERSAL_SUFFIX) else tag + UNIVERSAL_SUFFIX
+
+
+def staging_name(output_name: str) -> str:
+    return f".{output_name}{STAGING_SUFFIX}"

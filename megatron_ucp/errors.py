@@ -1,0 +1,37 @@
+"""The package's one exception type.
+
+Every user-facing failure raises :class:`UcpError` (or a subclass) with a message that names the
+offending file, parameter or state and says what to do. The CLI turns it into one line on stderr
+and a non-zero exit; nothing is reported with ``assert``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class UcpError(Exception):
+    """A failure the user can act on. ``subject`` is the offending object (path, parameter, ...)."""
+
+    def __init__(self, message: str, subject: Any = None):
+        super().__init__(message)
+        self.subject = subject
+
+
+class CheckpointFormatError(UcpError):
+    """A checkpoint file or folder is missing, corrupt, inconsistent or not what it claims to be."""
+
+
+class PlanError(UcpError):
+    """A conversion or load plan failed its checks (gap, overlap, out-of-bounds fragment)."""
+
+
+class UnsupportedError(UcpError):
+    """A configuration this version cannot handle correctly (TP>1, PP>1, unknown DeepSpeed, ...)."""
+
+
+class OutputExistsError(UcpError):
+    """The output is already there; pass ``--force`` (``force=True``) to replace it."""
+
+
+class AccountingError(UcpError):
+    """A load did not account for every tensor of the checkpoint (the PyTorch DCP lesson)."""

@@ -1,0 +1,64 @@
+"""Which DeepSpeed versions this package knows, for hooks (runtime internals) and for files.
+
+Hooks patch named functions of DeepSpeed; they are written against specific versions and refuse
+any other one loudly rather than misbehave. Checkpoint *files* are read by their recorded
+``ds_version``; the on-disk ZeRO-1/2 layout has been stable across the range below.
+"""
+from __future__ import annotations
+
+import logging
+
+from packaging.version import Version
+
+from .errors import UnsupportedError
+
+log = logging.getLogger(__name__)
+
+# Versions whose optimizer/engine internals the hooks were written and tested against.
+HOOKS_TESTED_DEEPSPEED = ("0.19.8",)
+
+# Range of ds_version values recorded in checkpoint files that the reader understands.
+FILES_MIN_DEEPSPEED = Version("0.10.0")
+FILES_MAX_DEEPSPEED = Version("0.19.8")
+
+# BF16_Optimizer records group_paddings on the last rank only, in every version up to this one.
+BF16_LAST_RANK_PADDING_UNTIL = Version("0.19.8")
+# DeepSpeedZeroOptimizer records per-rank (clamped) group_paddings from this version on.
+ZERO_PER_RANK_PADDING_SINCE = Version("0.16.4")
+
+
+def installed_deepspeed_version() -> str:
+    import deepspeed
+
+    return str(deepspeed.__version__)
+
+
+def check_hooks_supported(allow_untested: bool = False) -> str:
+    """Return the installed DeepSpeed version, or raise if the hooks were not written for it."""
+    found = installed_deepspeed_version()
+    base = Version(found).base_version
+    if base in HOOKS_TESTED_DEEPSPEED:
+        return found
+    message = (f"megatron-ucp hooks were written for DeepSpeed {', '.join(HOOKS_TESTED_DEEPSPEED)}, "
+               f"but DeepSpeed {found} is installed. Its internals may differ; refusing to patch them. "
+               "Install a supported DeepSpeed, apply the diffs in patches/ instead, or pass "
+               "allow_untested_deepspeed=True (MEGATRON_UCP_ALLOW_UNTESTED_DEEPSPEED=1) at your own risk.")
+    if not allow_untested:
+        raise UnsupportedError(message, subject=found)
+    log.warning("UNTESTED DEEPSPEED: %s", message)
+    return found
+
+
+def check_file_version(ds_version: str, path: str) -> Version:
+    """Parse a checkpoint file's recorded ds_version and refuse ones outside the known range."""
+    try:
+        parsed = Version(str(ds_version))
+    except Exception as exc:  # packaging raises InvalidVersion
+        raise UnsupportedError(f"{path}: unreadable ds_version {ds_version!r}", subject=path) from exc
+    base = Version(parsed.base_version)
+    if not (FILES_MIN_DEEPSPEED <= base <= FILES_MAX_DEEPSPEED):
+        raise UnsupportedError(
+            f"{path}: written by DeepSpeed {ds_version}, outside the versions this converter knows "
+            f"({FILES_MIN_DEEPSPEED} .. {FILES_MAX_DEEPSPEED}); refusing rather than guessing its layout.",
+            subject=path)
+    return parsed

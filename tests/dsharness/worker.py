@@ -1,0 +1,261 @@
+"""One rank of a harness run: ``python -m tests.dsharness.worker <spec-json>``.
+
+Launched by :func:`tests.dsharness.run_training` with the torch.distributed environment
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``) and
+``DS_ACCELERATOR=cpu``. Call order: optional ``megatron_ucp.install`` -> gloo process group ->
+model/AdamW -> ``deepspeed.initialize`` -> optional ``load_checkpoint`` (+ dump) -> train, saving
+(+ dump) after every step in ``save_at``.
+
+Rank 0 reports to the launcher through single stdout lines ``UCP_HARNESS <json>`` (kind ``info``,
+``step`` or ``done``), so that a run that dies half-way still yields the losses it produced.
+Written against the public DeepSpeed API only, so it runs under DeepSpeed 0.16.2 as well as 0.19.8.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .spec import MARKER, TrainSpec
+
+LR_MAX = 1e-2
+LR_MIN = 1e-3
+WARMUP_STEPS = 8
+BETAS = (0.9, 0.95)
+WEIGHT_DECAY = 0.1
+GRADIENT_CLIPPING = 1.0
+
+
+def _report(kind: str, **payload: Any) -> None:
+    print(MARKER + json.dumps({"kind": kind, **payload}), flush=True)
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def ds_config(spec) -> dict:
+    """The DeepSpeed config of a spec (also used by tests that want to see it)."""
+    config: dict[str, Any] = {
+        "train_batch_size": spec.global_batch,
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": GRADIENT_CLIPPING,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": spec.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": LR_MIN, "warmup_max_lr": LR_MAX,
+                       "warmup_num_steps": WARMUP_STEPS, "warmup_type": "linear"},
+        },
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }
+    if spec.optimizer == "bf16":
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if spec.load_universal:
+        config["checkpoint"] = {"load_universal": True}
+    return _deep_merge(config, spec.extra_config)
+
+
+def universal_checkpoint_info(spec) -> dict:
+    """What Megatron-DeepSpeed puts in the client state (TP=PP=1 subset)."""
+    from deepspeed.checkpoint import constants as c
+
+    from .model import original_vocab_size
+
+    return {
+        c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        c.VOCABULARY_PARAMETER_PATTERNS: ["word_embeddings.weight"],
+        c.ORIGINAL_VOCAB_SIZE: original_vocab_size(spec.vocab),
+        c.PARAMETER_TO_AVERAGE_PATTERNS: [],
+        c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [],
+    }
+
+
+class Rank:
+    def __init__(self, spec) -> None:
+        self.spec = spec
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        if self.world != spec.dp:
+            raise RuntimeError(f"WORLD_SIZE {self.world} != spec.dp {spec.dp}")
+        self.t0 = time.perf_counter()
+        self.times: dict[str, float] = {}
+
+    def mark(self, what: str) -> None:
+        self.times[what] = round(time.perf_counter() - self.t0, 3)
+
+    # --- setup ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        spec = self.spec
+        if spec.plugin:
+            import megatron_ucp
+
+            megatron_ucp.install(**spec.plugin_kwargs)
+        import deepspeed
+        from deepspeed import comm as dist
+
+        from .model import build_model, param_group_names, tiny_model_param_groups
+
+        self.torch, self.deepspeed, self.dist = torch, deepspeed, dist
+        self.mark("import")
+        deepspeed.init_distributed(dist_backend="gloo")
+        self.mark("init_distributed")
+        model = build_model(vocab=spec.vocab, hidden=spec.hidden, num_layers=spec.num_layers, seed=spec.seed)
+        self.group_names = param_group_names(model)
+        optimizer = torch.optim.AdamW(tiny_model_param_groups(model, WEIGHT_DECAY), lr=LR_MAX, betas=BETAS,
+                                      eps=1e-8)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(spec))
+        self.mark("initialize")
+        self.optimizer_class = type(self.engine.optimizer).__name__
+        if self.rank == 0:
+            _report("info", optimizer_class=self.optimizer_class, ds_version=deepspeed.__version__,
+                    torch_version=torch.__version__, dp=self.world,
+                    base_optimizer_class=type(self.engine.optimizer.optimizer).__name__,
+                    group_names=self.group_names)
+
+    # --- dumps ------------------------------------------------------------------------------------
+    def _base(self):
+        return self.engine.optimizer.optimizer
+
+    def _state_keys(self) -> list[str]:
+        """Optimizer states shaped like the flat partitions (exp_avg, ...), the same on every rank."""
+        base = self._base()
+        keys: set[str] = set()
+        for group in base.param_groups:
+            for p in group["params"]:
+                for key, value in base.state.get(p, {}).items():
+                    if self.torch.is_tensor(value) and value.shape == p.shape:
+                        keys.add(key)
+        gathered: list[Any] = [None] * self.world
+        self.dist.all_gather_object(gathered, sorted(keys))
+        if any(g != gathered[0] for g in gathered):
+            raise RuntimeError(f"optimizer state keys differ between ranks: {gathered}")
+        return gathered[0]
+
+    def dump(self, suffix: str) -> None:
+        """Rank 0: full tensors per parameter; every rank: its raw flat partitions per group."""
+        spec = self.spec
+        if spec.dump_dir is None:
+            return
+        torch = self.torch
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        step = self.engine.global_steps
+        keys = self._state_keys()
+        base = self._base()
+        group_of = {name: g for g, names in enumerate(self.group_names) for name in names}
+        group_steps = []
+        for group in base.param_groups:
+            st = base.state.get(group["params"][0], {})
+            value = st.get("step")
+            group_steps.append(value.clone() if torch.is_tensor(value) else value)
+
+        full: dict[str, dict[str, Any]] = {}
+        for name, param in self.engine.module.named_parameters():
+            entry: dict[str, Any] = {"fp32": safe_get_full_fp32_param(param).detach().clone().cpu()}
+            for key in keys:
+                entry[key] = safe_get_full_optimizer_state(param, key).detach().clone().cpu()
+            entry["step"] = group_steps[group_of[name]]
+            full[name] = entry
+
+        def clone(v: Any) -> Any:
+            return v.detach().clone().cpu() if torch.is_tensor(v) else v
+
+        scheduler = self.engine.lr_scheduler
+        rank_dump = {
+            "rank": self.rank,
+            "dp": self.world,
+            "global_step": step,
+            "optimizer_class": self.optimizer_class,
+            "ds_version": self.deepspeed.__version__,
+            "param_names": self.group_names,
+            "fp32": [clone(g["params"][0]) for g in base.param_groups],
+            "optim_state": [{k: clone(v) for k, v in base.state.get(g["params"][0], {}).items()}
+                            for g in base.param_groups],
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups],
+            "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "global_steps": self.engine.global_steps,
+            "global_samples": self.engine.global_samples,
+            "skipped_steps": self.engine.skipped_steps,
+        }
+        out = Path(spec.dump_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(rank_dump, out / f"rank{self.rank}_step{step}{suffix}.pt")
+        if self.rank == 0:
+            torch.save(full, out / f"state_step{step}{suffix}.pt")
+        self.dist.barrier()
+
+    # --- run --------------------------------------------------------------------------------------
+    def load(self) -> None:
+        spec = self.spec
+        path, client_state = self.engine.load_checkpoint(str(spec.load_dir), tag=spec.load_tag)
+        if path is None:
+            raise RuntimeError(f"load_checkpoint({spec.load_dir}, tag={spec.load_tag}) found no checkpoint")
+        self.mark("load")
+        if self.rank == 0:
+            _report("info", loaded_step=self.engine.global_steps, loaded_path=str(path),
+                    loaded_client_state_keys=sorted((client_state or {}).keys()))
+        self.dump("_loaded")
+
+    def train(self) -> None:
+        spec, engine, torch = self.spec, self.engine, self.torch
+        from .model import rank_batch
+
+        while engine.global_steps < spec.steps:
+            index = engine.global_steps  # 0-based data step: the same samples at any DP size
+            tokens, labels = rank_batch(index, self.rank, self.world, spec.global_batch, spec.seq, spec.vocab,
+                                        spec.seed)
+            loss = engine(tokens, labels)
+            engine.backward(loss)
+            engine.step()
+            mean = loss.detach().float().clone().reshape(1)
+            self.dist.all_reduce(mean)
+            mean = float(mean.item()) / self.world
+            step = engine.global_steps
+            if self.rank == 0:
+                _report("step", step=step, loss=mean, lr=[g["lr"] for g in engine.optimizer.param_groups])
+            if step in spec.save_at:
+                client_state: dict[str, Any] = {"iteration": step}
+                if spec.uc_info:
+                    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+                    client_state[UNIVERSAL_CHECKPOINT_INFO] = universal_checkpoint_info(spec)
+                engine.save_checkpoint(str(spec.save_dir), client_state=client_state)
+                self.dump("")
+        self.mark("train")
+
+    def run(self) -> None:
+        self.setup()
+        if self.spec.load_dir is not None:
+            self.load()
+        self.train()
+        self.dist.barrier()
+        if self.rank == 0:
+            _report("done", times=self.times)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m tests.dsharness.worker <spec-json>", file=sys.stderr)
+        return 2
+    Rank(TrainSpec.from_json(argv[1])).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
