@@ -145,8 +145,11 @@ class AccountingReport:
             line += "; " + "; ".join(self.extras)
         return line
 
-    def enforce(self, strict: bool, logger: logging.Logger, log_summary: bool = True) -> None:
-        """Raise :class:`AccountingError` listing every problem (strict), else warn about each."""
+    def enforce(self, strict: bool, logger: logging.Logger, verbose: bool = True) -> None:
+        """Raise :class:`AccountingError` listing every problem (strict), else warn about each.
+
+        ``verbose``: log the warnings and the summary line (the hooks pass True on one rank only).
+        """
         if self.problems and strict:
             shown = "\n  ".join(str(p) for p in self.problems[:40])
             more = f"\n  ... and {len(self.problems) - 40} more" if len(self.problems) > 40 else ""
@@ -154,10 +157,11 @@ class AccountingReport:
                 f"universal checkpoint load is incomplete ({len(self.problems)} problem(s)):\n  {shown}{more}\n"
                 "Fix or reconvert the checkpoint; pass strict=False (MEGATRON_UCP_STRICT=0) only for a "
                 "deliberate partial load.", subject=list(self.problems))
+        if not verbose:
+            return
         for problem in self.problems:
             logger.warning("megatron-ucp (strict=False, continuing): %s", problem)
-        if log_summary:
-            logger.info("%s", self.summary_line())
+        logger.info("%s", self.summary_line())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -333,7 +333,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
                f"{meta.ds_version}): {len(mine)} params, {n_states} state tensors, {human_bytes(written)} in "
                f"{seconds:.2f}s ({human_bytes(written / max(seconds, 1e-9))}/s) -> {output}"
                + ("" if committed else f" [share {options.share_index + 1}/{options.share_count}; commit by the last]"))
-    log.info(summary)
+    log.debug(summary)
     return ConvertResult(output=output, tag=ck.tag, committed=committed, params=len(mine), states=n_states,
                          bytes_written=written, seconds=seconds, source_dp=meta.dp, optimizer=meta.kind,
                          share_index=options.share_index, share_count=options.share_count, summary=summary)

@@ -382,27 +382,38 @@ def share_of(plan: ConversionPlan, share_index: int, share_count: int) -> list[P
 
 def synthesize_layouts(param_groups: Sequence[Sequence[ParamSpec]], dp: int,
                        states: Sequence[str] = ("fp32", "exp_avg", "exp_avg_sq"),
-                       alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR) -> list[RankLayout]:
-    """The rank layouts DeepSpeed writes for these parameters at ``dp`` (default flat order).
+                       alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR, param_alignment: int = 1,
+                       flat_orders: Optional[Sequence[Sequence[str]]] = None) -> list[RankLayout]:
+    """The rank layouts DeepSpeed writes for these parameters at ``dp``.
 
-    Used to reason about checkpoints from metadata alone (inspect's what-if, property tests, the
-    AuroraGPT-7B shapes at DP=768) without producing a single tensor.
+    ``param_alignment`` pads every parameter but the last to a multiple (DeepSpeedZeroOptimizer's
+    ``parameter_alignment``); ``flat_orders`` gives each group's flat order (``round_robin_gradients``
+    reorders). Used to reason about checkpoints from metadata alone (inspect's what-if, property
+    tests, the AuroraGPT-7B shapes at DP=768) without producing a single tensor.
     """
     per_rank: list[list[RankGroupLayout]] = [[] for _ in range(dp)]
     for g, specs in enumerate(param_groups):
-        geo = GroupGeometry(numel=sum(s.numel for s in specs), dp=dp, alignment_factor=alignment_factor)
+        by_name = {spec.name: spec for spec in specs}
+        order = [by_name[n] for n in flat_orders[g]] if flat_orders is not None else list(specs)
+        offsets, offset = [], 0
+        for i, spec in enumerate(order):
+            offsets.append(offset)
+            offset += spec.numel
+            if i != len(order) - 1:
+                offset += (-offset) % param_alignment
+        numel = sum(s.numel for s in specs)
+        geo = GroupGeometry(numel=numel, dp=dp, padded_numel=offset, alignment_factor=alignment_factor)
         s = geo.partition_size
         frags: list[list[Fragment]] = [[] for _ in range(dp)]
-        offset = 0
-        for spec in specs:
-            lo, hi = offset, offset + spec.numel
+        for spec, lo in zip(order, offsets):
+            hi = lo + spec.numel
             for r in range(lo // s if s else 0, min(dp, -(-hi // s)) if s else 0):
                 a, b = max(lo, r * s), min(hi, (r + 1) * s)
                 if a < b:
                     frags[r].append(Fragment(spec.name, a - r * s, b - a))
-            offset = hi
         for r in range(dp):
             per_rank[r].append(RankGroupLayout(
                 fragments=tuple(frags[r]), state_lengths=tuple((st, s) for st in states),
-                recorded_padding=geo.padding(r), recorded_true_length=geo.true_length(r)))
+                recorded_padding=geo.padding(r), recorded_true_length=geo.true_length(r),
+                param_alignment_padding=offset - numel, has_step=True))
     return [RankLayout(rank=r, groups=tuple(per_rank[r]), source=f"<synthetic rank {r}>") for r in range(dp)]

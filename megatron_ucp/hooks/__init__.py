@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 # Order matters only for readability of logs: save-time recording, load path, background conversion.
 HOOK_MODULES = (
     "megatron_ucp.hooks.save_recording",
+    "megatron_ucp.hooks.elastic_load",
 )
 
 _MARK = "__megatron_ucp_original__"

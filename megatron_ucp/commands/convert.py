@@ -1,0 +1,51 @@
+"""``megatron-ucp convert ROOT``: convert a ZeRO-1/2 checkpoint to the universal layout."""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from ..convert import ConvertOptions, convert
+from ..errors import UcpError
+
+log = logging.getLogger(__name__)
+
+
+def _share(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N (e.g. 0/2), got {text!r}")
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"share index must be in 0..{count - 1}, got {index}")
+    return index, count
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="convert a ZeRO-1/2 checkpoint to the universal layout",
+                       description="Convert a DeepSpeed ZeRO-1/2 (bf16/fp16) checkpoint into DeepSpeed's universal "
+                       "layout, bit-exactly, streaming, without temporary fragment files.")
+    p.add_argument("root", type=Path, help="checkpoint root (holding 'latest') or a tag folder (global_stepN)")
+    p.add_argument("--tag", help="tag to convert (default: the root's 'latest')")
+    p.add_argument("--output", type=Path, help="output folder (default: ROOT/<tag>_universal)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--force", action="store_true", help="replace an existing output folder")
+    p.add_argument("--no-latest", action="store_true", help="do not update ROOT/latest_universal")
+    p.add_argument("--share", type=_share, default=(0, 1), metavar="I/N",
+                   help="convert share I of N (one converter per node); the last share to finish commits")
+    p.add_argument("--attempt-id", help="id shared by the N converters of one conversion (required with --share)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    index, count = args.share
+    if count > 1 and not args.attempt_id:
+        raise UcpError("--share I/N needs --attempt-id (the same for all N converters)")
+    result = convert(ConvertOptions(source=args.root, tag=args.tag, output=args.output, workers=args.workers,
+                                    threads=args.threads, force=args.force,
+                                    update_latest=False if args.no_latest else None, share_index=index,
+                                    share_count=count, attempt_id=args.attempt_id, progress=not args.no_progress))
+    print(result.summary)
+    return 0

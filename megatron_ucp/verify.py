@@ -1,0 +1,154 @@
+"""Verify a universal checkpoint folder: complete and well-shaped, and (given the source) bit-exact.
+
+Completeness needs only the folder: the copied model-states file says which parameters and
+shapes to expect, every parameter of a group must hold the same state files, steps must agree.
+With the source tag folder the conversion plan is rebuilt from the source's metadata and every
+state tensor is compared with the concatenation of its fragments, element for element and dtype.
+Problems are collected and reported together, each naming the parameter and file.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from . import dsformat as F
+from .convert import RankFileCache, assemble_state, plan_checkpoint
+from .errors import CheckpointFormatError
+from .reader import load_torch_file, read_checkpoint, read_model_states, resolve_checkpoint
+from .universal import read_manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VerifyReport:
+    folder: Path
+    params: int = 0
+    state_files: int = 0
+    elements: int = 0
+    compared_with: Optional[Path] = None
+    problems: list[str] = field(default_factory=list)
+    manifest: Optional[dict] = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        what = f"bit-exact against {self.compared_with}" if self.compared_with else "complete (shapes and files)"
+        if self.ok:
+            return (f"OK: {self.folder} is {what}: {self.params} params, {self.state_files} state files, "
+                    f"{self.elements} elements")
+        return f"FAILED: {self.folder}: {len(self.problems)} problem(s); first: {self.problems[0]}"
+
+
+def _expected_shape(name: str, shape: tuple, uc_info: Optional[dict], entry: dict) -> tuple:
+    if entry.get(F.VOCAB_TENSOR) and uc_info and uc_info.get(F.ORIGINAL_VOCAB_SIZE) is not None:
+        return (int(uc_info[F.ORIGINAL_VOCAB_SIZE]), *shape[1:])
+    return shape
+
+
+def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | str] = None,
+                     progress: bool = False) -> VerifyReport:
+    folder = Path(folder)
+    report = VerifyReport(folder=folder)
+    zero = folder / F.UNIVERSAL_ZERO_DIR
+    model_file = folder / F.MODEL_STATES_FILE
+    if not zero.is_dir() or not model_file.is_file():
+        raise CheckpointFormatError(f"{folder}: not a universal checkpoint (needs {F.MODEL_STATES_FILE} and "
+                                    f"{F.UNIVERSAL_ZERO_DIR}/)", subject=folder)
+    if not (zero / F.UNIVERSAL_OPTIMIZER_STATE_FILE).is_file():
+        report.problems.append(f"{zero / F.UNIVERSAL_OPTIMIZER_STATE_FILE}: missing")
+    report.manifest = read_manifest(folder)
+    model = read_model_states(model_file)
+    uc_info = model.universal_checkpoint_info
+    expected_states = None
+    if report.manifest is not None:
+        expected_states = {int(g["index"]): set(g["states"]) | ({F.STEP_STATE} if g.get("step") else set())
+                           for g in report.manifest.get("groups", [])}
+    listed = {p.name for group in model.param_groups for p in group}
+    frozen = set((report.manifest or {}).get("frozen_params", []))
+    present = set()
+    for dirpath, _, files in os.walk(zero):
+        rel = os.path.relpath(dirpath, zero)
+        if rel != "." and any(f.endswith(".pt") for f in files):
+            present.add(rel.replace(os.sep, "/"))
+    for name in sorted(present - listed - frozen):
+        report.problems.append(f"{zero / name}: folder for a parameter the model states do not list")
+
+    plan = cache = None
+    if source is not None:
+        ck = resolve_checkpoint(source)
+        meta = read_checkpoint(ck.tag_dir)
+        plan = plan_checkpoint(meta)
+        cache = RankFileCache(list(meta.files.rank_files))
+        report.compared_with = ck.tag_dir
+        steps = meta.steps[0]
+
+    for group in model.param_groups:
+        group_files: Optional[set] = None
+        group_step = None
+        for spec in tqdm(group, desc="verify", disable=not progress, leave=False):
+            pdir = zero / spec.name
+            if spec.name not in present:
+                report.problems.append(f"{pdir}: missing (parameter {spec.name!r} has no folder)")
+                continue
+            files = {f[:-3] for f in os.listdir(pdir) if f.endswith(".pt")}
+            report.params += 1
+            if F.FP32_STATE not in files:
+                report.problems.append(f"{pdir}: no fp32.pt")
+            want = expected_states.get(spec.group) if expected_states else group_files
+            if want is not None and files != want:
+                report.problems.append(f"{pdir}: state files {sorted(files)}, expected {sorted(want)}")
+            group_files = group_files if group_files is not None else files
+            for state in sorted(files):
+                path = pdir / f"{state}.pt"
+                try:
+                    entry = load_torch_file(path)
+                except CheckpointFormatError as exc:
+                    report.problems.append(str(exc))
+                    continue
+                report.state_files += 1
+                if state == F.STEP_STATE:
+                    value = float(entry)
+                    if group_step is None:
+                        group_step = value
+                    elif value != group_step:
+                        report.problems.append(f"{path}: step {value} differs from {group_step} in the same group")
+                    if plan is not None and steps[spec.group] is not None and value != steps[spec.group]:
+                        report.problems.append(f"{path}: step {value}, source has {steps[spec.group]}")
+                    continue
+                tensor = entry.get(F.PARAM) if isinstance(entry, dict) else None
+                if not torch.is_tensor(tensor):
+                    report.problems.append(f"{path}: no '{F.PARAM}' tensor")
+                    continue
+                shape = _expected_shape(spec.name, spec.shape, uc_info, entry)
+                if tuple(tensor.shape) != tuple(shape):
+                    report.problems.append(f"{path}: shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+                    continue
+                report.elements += tensor.numel()
+                if plan is not None and spec.name not in frozen:
+                    p = plan.param(spec.name)
+                    if state not in plan.groups[p.group].states:
+                        report.problems.append(f"{path}: state {state!r} is not in the source")
+                        continue
+                    want_tensor = assemble_state(p, state, cache)
+                    if want_tensor.dtype != tensor.dtype:
+                        report.problems.append(f"{path}: dtype {tensor.dtype}, source {want_tensor.dtype}")
+                    elif not torch.equal(want_tensor, tensor):
+                        diff = (want_tensor != tensor).sum().item()
+                        report.problems.append(f"{path}: {diff} of {tensor.numel()} elements differ from the source")
+    if plan is not None:
+        for g in plan.groups:
+            for p_name in g.param_names:
+                for state in g.states:
+                    if not (zero / p_name / f"{state}.pt").is_file():
+                        report.problems.append(f"{zero / p_name / (state + '.pt')}: missing (source has state {state!r})")
+    log.debug(report.summary())
+    return report
