@@ -20,7 +20,6 @@ from megatron_ucp.convert import ConvertOptions, convert
 from megatron_ucp.reader import RankFile, find_checkpoint_files
 from megatron_ucp.universal import read_manifest
 from megatron_ucp.verify import verify_universal
-from tests.ckpt_cache import built_checkpoint, copy_root
 
 pytestmark = pytest.mark.slow
 
@@ -47,13 +46,13 @@ def assert_matches_dump(universal: Path, dump: dict, vocab_rows: dict | None = N
 
 
 @pytest.mark.parametrize("optimizer", ["bf16", "zero"])
-def test_convert_is_bit_exact_against_deepspeed_gathered_state(optimizer, tmp_path):
-    ck = built_checkpoint(optimizer=optimizer, dp=4)
-    root = copy_root(ck.root, tmp_path / "ck")
+def test_convert_is_bit_exact_against_deepspeed_gathered_state(optimizer, tmp_path, ds_checkpoint):
+    ck = ds_checkpoint(optimizer=optimizer, dp=4)
+    root = ck.copy_to(tmp_path / "ck")
     result = convert(ConvertOptions(source=root, progress=False))
-    assert result.committed and result.output == root / "global_step2_universal"
-    assert (root / F.LATEST_UNIVERSAL).read_text() == "global_step2_universal"
-    dump = torch.load(ck.dump, weights_only=False)
+    assert result.committed and result.output == root / "global_step4_universal"
+    assert (root / F.LATEST_UNIVERSAL).read_text() == "global_step4_universal"
+    dump = torch.load(ck.dump("state_step4"), weights_only=False)
     n = assert_matches_dump(result.output, dump)
     assert n == sum(len(s) - 1 for s in dump.values())  # every state but step of every param
     manifest = read_manifest(result.output)
@@ -62,12 +61,12 @@ def test_convert_is_bit_exact_against_deepspeed_gathered_state(optimizer, tmp_pa
     assert not list(root.glob(".*ucp-staging"))
 
 
-def test_vocabulary_rows_are_trimmed_when_megatron_info_present(tmp_path):
-    ck = built_checkpoint(optimizer="bf16", dp=4, uc_info=True)
-    root = copy_root(ck.root, tmp_path / "ck")
+def test_vocabulary_rows_are_trimmed_when_megatron_info_present(tmp_path, ds_checkpoint):
+    ck = ds_checkpoint(optimizer="bf16", dp=4, uc_info=True)
+    root = ck.copy_to(tmp_path / "ck")
     result = convert(ConvertOptions(source=root, progress=False))
-    dump = torch.load(ck.dump, weights_only=False)
-    info = torch.load(root / "global_step2" / F.MODEL_STATES_FILE, weights_only=False)[F.UNIVERSAL_CHECKPOINT_INFO]
+    dump = torch.load(ck.dump("state_step4"), weights_only=False)
+    info = torch.load(root / "global_step4" / F.MODEL_STATES_FILE, weights_only=False)[F.UNIVERSAL_CHECKPOINT_INFO]
     import re
     vocab_params = {n: info[F.ORIGINAL_VOCAB_SIZE] for n in dump
                     if any(re.match(p, n) for p in info[F.VOCABULARY_PARAMETER_PATTERNS])}
@@ -76,14 +75,13 @@ def test_vocabulary_rows_are_trimmed_when_megatron_info_present(tmp_path):
     assert verify_universal(result.output, source=root).ok
 
 
-def test_identical_to_stock_converter_where_stock_works(tmp_path):
+def test_identical_to_stock_converter_where_stock_works(tmp_path, ds_checkpoint):
     """DeepSpeedZeroOptimizer 0.19.8 files have correct per-rank paddings: stock converts them; we match it."""
-    ck = built_checkpoint(optimizer="zero", dp=4)
-    root = copy_root(ck.root, tmp_path / "ck")
+    root = ds_checkpoint(optimizer="zero", dp=4).copy_to(tmp_path / "ck")
     ours = convert(ConvertOptions(source=root, progress=False)).output
     stock = tmp_path / "stock"
     proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           str(root / "global_step2"), "--output_folder", str(stock), "--inject_missing_state"],
+                           str(root / "global_step4"), "--output_folder", str(stock), "--inject_missing_state"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for folder in sorted((stock / "zero").iterdir()):
@@ -101,11 +99,14 @@ def test_identical_to_stock_converter_where_stock_works(tmp_path):
     b = torch.load(ours / "zero" / F.UNIVERSAL_OPTIMIZER_STATE_FILE, weights_only=False)
     assert sorted(a) == sorted(b) and a[F.PARAM_GROUPS] == b[F.PARAM_GROUPS]
     assert a[F.GROUP_PADDINGS] == b[F.GROUP_PADDINGS]
+    for key in a:  # DeepSpeed objects (loss scaler, stage enum) must come back as DeepSpeed's own classes
+        assert type(a[key]) is type(b[key]), (key, type(a[key]), type(b[key]))
+        assert type(a[key]).__module__.split(".")[0] != "megatron_ucp", key
+    assert vars(a["loss_scaler"]) == vars(b["loss_scaler"])
 
 
-def test_workers_and_shares_give_the_same_bytes(tmp_path):
-    ck = built_checkpoint(optimizer="bf16", dp=4)
-    root = copy_root(ck.root, tmp_path / "ck")
+def test_workers_and_shares_give_the_same_bytes(tmp_path, ds_checkpoint):
+    root = ds_checkpoint(optimizer="bf16", dp=4).copy_to(tmp_path / "ck")
     single = convert(ConvertOptions(source=root, output=tmp_path / "single", progress=False)).output
     multi = convert(ConvertOptions(source=root, output=tmp_path / "multi", workers=2, progress=False)).output
     first = convert(ConvertOptions(source=root, output=tmp_path / "shared", share_index=1, share_count=2,
@@ -123,11 +124,10 @@ def test_workers_and_shares_give_the_same_bytes(tmp_path):
         assert verify_universal(other, source=root).ok
 
 
-def test_save_hook_records_true_lengths_and_stock_converter_then_works(tmp_path):
+def test_save_hook_records_true_lengths_and_stock_converter_then_works(tmp_path, ds_checkpoint):
     """With megatron_ucp installed at save time, BF16_Optimizer files carry per-rank paddings and true lengths."""
-    ck = built_checkpoint(optimizer="bf16", dp=4, plugin=True)
-    root = copy_root(ck.root, tmp_path / "ck")
-    files = find_checkpoint_files(root / "global_step2")
+    root = ds_checkpoint(optimizer="bf16", dp=4, plugin=True).copy_to(tmp_path / "ck")
+    files = find_checkpoint_files(root / "global_step4")
     norms = []
     for r, path in enumerate(files.rank_files):
         sd = RankFile(path, r).sd
@@ -137,24 +137,24 @@ def test_save_hook_records_true_lengths_and_stock_converter_then_works(tmp_path)
         norms.append((sd[F.GROUP_TRUE_LENGTHS][1], sd[F.GROUP_PADDINGS][1]))
     assert norms == [(4, 0), (4, 0), (1, 3), (0, 4)]
     proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           str(root / "global_step2"), "--output_folder", str(tmp_path / "stock"),
+                           str(root / "global_step4"), "--output_folder", str(tmp_path / "stock"),
                            "--inject_missing_state"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ours = convert(ConvertOptions(source=root, progress=False))
     assert verify_universal(ours.output, source=root).ok
 
 
-def test_stock_loader_reads_our_output(tmp_path):
+def test_stock_loader_reads_our_output(tmp_path, ds_checkpoint):
     """Round trip through stock DeepSpeed: its own load_universal (no plugin) at a DP where it works (2)."""
     from tests.dsharness import TrainSpec, run_training
 
-    ck = built_checkpoint(optimizer="bf16", dp=4)
-    root = copy_root(ck.root, tmp_path / "ck")
+    ck = ds_checkpoint(optimizer="bf16", dp=4)
+    root = ck.copy_to(tmp_path / "ck")
     convert(ConvertOptions(source=root, progress=False))
     dumps = tmp_path / "dumps"
-    run_training(TrainSpec(dp=2, optimizer="bf16", steps=2, load_dir=root, load_universal=True, dump_dir=dumps))
-    loaded = torch.load(dumps / "state_step2_loaded.pt", weights_only=False)
-    source = torch.load(ck.dump, weights_only=False)
+    run_training(TrainSpec(dp=2, optimizer="bf16", steps=4, load_dir=root, load_universal=True, dump_dir=dumps))
+    loaded = torch.load(dumps / "state_step4_loaded.pt", weights_only=False)
+    source = torch.load(ck.dump("state_step4"), weights_only=False)
     assert loaded.keys() == source.keys()
     for name in source:
         for state, value in source[name].items():
@@ -165,13 +165,10 @@ def test_stock_loader_reads_our_output(tmp_path):
 
 
 @pytest.mark.parametrize("optimizer", ["bf16_optimizer", "zero_optimizer"])
-def test_legacy_deepspeed_0_16_2_checkpoints(optimizer, tmp_path):
-    fixture = Path(__file__).parent / "fixtures" / "legacy" / "ds0.16.2" / optimizer
-    if not fixture.is_dir():
-        pytest.fail(f"legacy fixture missing: {fixture}")
-    root = copy_root(fixture, tmp_path / "ck")
+def test_legacy_deepspeed_0_16_2_checkpoints(optimizer, tmp_path, legacy_fixture):
+    fixture = legacy_fixture(optimizer)
+    root = fixture.copy_to(tmp_path / "ck")
     result = convert(ConvertOptions(source=root, progress=False))
-    dumps = sorted(root.glob("reference*.pt")) + sorted(root.glob("*/reference*.pt"))
-    assert dumps, f"no reference dump next to {fixture}"
-    assert_matches_dump(result.output, torch.load(dumps[0], weights_only=False))
+    assert result.committed and result.source_dp == 4
+    assert_matches_dump(result.output, torch.load(fixture.reference, weights_only=False))
     assert verify_universal(result.output, source=root).ok

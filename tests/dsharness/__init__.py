@@ -26,7 +26,12 @@ every save; ``N`` is ``engine.global_steps``:
   "global_samples", "skipped_steps", "rank", "dp", "global_step", "optimizer_class",
   "ds_version"}``.
 
+``res.dumps`` maps the stem of every ``*.pt`` in ``dump_dir`` to its path (use a fresh folder per run).
+
 Model and data: :mod:`tests.dsharness.model` (group 0 = weight decay, group 1 = the norm weights).
+Session-cached checkpoints, the 0.16.2 fixtures and the geometry oracle:
+:mod:`tests.dsharness.checkpoints` (fixtures ``ds_checkpoint`` / ``legacy_fixture`` in
+``tests/conftest.py``). Stock ``ds_to_universal``: :func:`tests.dsharness.stock.stock_ds_to_universal`.
 """
 from __future__ import annotations
 

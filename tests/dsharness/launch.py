@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from .spec import MARKER, TrainResult, TrainSpec
 
@@ -40,24 +41,41 @@ def _kill(proc: subprocess.Popen) -> None:
         pass
 
 
-def extensions_dir(python: str) -> Path:
-    """A torch-extensions cache private to one interpreter (venv).
+def extensions_dir(python: str, pythonpath: str = "") -> Path:
+    """A torch-extensions cache private to one interpreter (venv) and ``PYTHONPATH``.
 
-    DeepSpeed's CPU backend JIT-builds its ``deepspeed_shm_comm`` op in every process group
-    (~30 s of g++ on this machine). In the shared default cache every venv (main, the 0.16.2 legacy
-    venv, other checkouts) writes the same op name with different sources and include paths, so
-    each switch rebuilds it and concurrent runs wait on one another's build lock. One cache per
-    interpreter builds it once. An explicit ``TORCH_EXTENSIONS_DIR`` in the environment wins.
+    DeepSpeed's CPU backend JIT-builds its ``deepspeed_shm_comm`` op whenever a process group is
+    created (~30 s of g++ here, minutes on a loaded machine). In the shared default cache every
+    venv (main, the 0.16.2 legacy venv, other checkouts, patched copies on ``PYTHONPATH``) writes
+    the same op name with different sources, so each switch rebuilds it and concurrent runs wait on
+    one another's build lock. An explicit ``TORCH_EXTENSIONS_DIR`` in the environment wins.
     """
-    key = hashlib.sha1(str(Path(python).absolute()).encode()).hexdigest()[:12]
+    key = hashlib.sha1(f"{Path(python).absolute()}\0{pythonpath}".encode()).hexdigest()[:12]
     return Path.home() / ".cache" / "megatron-ucp-test-extensions" / key
 
 
-def _rank_env(spec: TrainSpec, rank: int, port: int) -> dict[str, str]:
+def child_env(python: str, extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """Environment of a DeepSpeed child process: CPU accelerator, one thread, the repo importable,
+    the interpreter's own bin/ first on PATH (so torch's JIT always finds the same ``ninja``: the
+    pip ``ninja`` 1.13 and /usr/bin/ninja 1.11 hash build commands differently, and alternating
+    between them rebuilds the op every time) and a private extensions cache (see above)."""
     env = dict(os.environ)
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir(spec.python or sys.executable)))
-    env.update(spec.env)
+    env.update(extra or {})
     pythonpath = [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env.update({
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(pythonpath),
+        "PATH": os.pathsep.join([str(Path(python).absolute().parent), env.get("PATH", "")]),
+    })
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir(python, env["PYTHONPATH"])))
+    return env
+
+
+def _rank_env(spec: TrainSpec, rank: int, port: int) -> dict[str, str]:
+    env = child_env(spec.python or sys.executable, spec.env)
     env.update({
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
@@ -65,11 +83,6 @@ def _rank_env(spec: TrainSpec, rank: int, port: int) -> dict[str, str]:
         "WORLD_SIZE": str(spec.dp),
         "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(spec.dp),
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(pythonpath),
     })
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
@@ -135,6 +148,8 @@ def _launch_once(spec: TrainSpec, port: int) -> TrainResult:
             steps.append(int(record["step"]))
             losses.append(float(record["loss"]))
             info.setdefault("lr", []).append(record["lr"])
+        elif kind == "dump":
+            info.setdefault("dumps", {})[record.pop("name")] = record
         else:
             info.update(record)
 

@@ -12,6 +12,7 @@ Written against the public DeepSpeed API only, so it runs under DeepSpeed 0.16.2
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -69,14 +70,19 @@ def ds_config(spec) -> dict:
 
 
 def universal_checkpoint_info(spec) -> dict:
-    """What Megatron-DeepSpeed puts in the client state (TP=PP=1 subset)."""
+    """What Megatron-DeepSpeed puts in the client state (TP=PP=1 subset).
+
+    Only the word embedding is a vocabulary parameter: its padded rows are never looked up, so
+    trimming them (as universal conversion does) cannot change the loss of a resumed run.
+    """
     from deepspeed.checkpoint import constants as c
 
     from .model import original_vocab_size
 
     return {
         c.UNIVERSAL_CHECKPOINT_VERSION_KEY: c.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-        c.VOCABULARY_PARAMETER_PATTERNS: ["word_embeddings.weight"],
+        # ds_to_universal applies these with re.match (anchored at the start of the name).
+        c.VOCABULARY_PARAMETER_PATTERNS: [r"language_model\.embedding\.word_embeddings\.weight"],
         c.ORIGINAL_VOCAB_SIZE: original_vocab_size(spec.vocab),
         c.PARAMETER_TO_AVERAGE_PATTERNS: [],
         c.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [],
@@ -107,11 +113,16 @@ class Rank:
 
             megatron_ucp.install(**spec.plugin_kwargs)
         import deepspeed
-        from deepspeed import comm as dist
+        import torch.distributed as dist  # the harness's own collectives (DeepSpeed's comm API varies)
 
         from .model import build_model, param_group_names, tiny_model_param_groups
 
         self.torch, self.deepspeed, self.dist = torch, deepspeed, dist
+        import torch._dynamo  # noqa: F401  (torch.optim imports it lazily; pay for it here)
+
+        # DeepSpeed's see_memory_usage() calls gc.collect() several times during initialize; with
+        # the imported modules moved out of the collected generations that is ~0.05 s, not ~0.5 s.
+        gc.freeze()
         self.mark("import")
         deepspeed.init_distributed(dist_backend="gloo")
         self.mark("init_distributed")
@@ -147,8 +158,35 @@ class Rank:
             raise RuntimeError(f"optimizer state keys differ between ranks: {gathered}")
         return gathered[0]
 
+    def _gather(self, param, flat):
+        """The full fp32 tensor of ``param`` from every rank's flat partition ``flat`` (sum of zeros
+        and the owned fragments: exact). Uses the fragment addresses DeepSpeed attaches to each
+        bf16 parameter (``param._hp_mapping``), i.e. DeepSpeed's own map of who owns what."""
+        torch = self.torch
+        buf = torch.zeros(param.numel(), dtype=torch.float32)
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is not None:
+            lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+            buf.narrow(0, lp.start, lp.numel).copy_(flat.detach().reshape(-1).narrow(0, hp.start, hp.numel).float())
+        self.dist.all_reduce(buf)
+        return buf.view(param.shape)
+
+    def _all_true(self, flag: bool) -> bool:
+        t = self.torch.tensor([1 if flag else 0], dtype=self.torch.int32)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN)
+        return bool(t.item())
+
     def dump(self, suffix: str) -> None:
-        """Rank 0: full tensors per parameter; every rank: its raw flat partitions per group."""
+        """Rank 0: full tensors per parameter; every rank: its raw flat partitions per group.
+
+        The full tensors are assembled from the flat fp32 partition and the flat optimizer states
+        the base optimizer will actually use next step (``base.state[flat partition]``), and
+        cross-checked against ``deepspeed.utils.safe_get_full_fp32_param`` /
+        ``safe_get_full_optimizer_state`` (reported in the info line as ``safe_get``). The latter
+        cannot be the source: DeepSpeedZeroOptimizer links the optimizer-state views after the
+        first group's ``step()``, so groups >= 1 have none ("exp_avg not found in optimizer state
+        fragment"), and calling it on only some ranks would deadlock the collective.
+        """
         spec = self.spec
         if spec.dump_dir is None:
             return
@@ -159,18 +197,31 @@ class Rank:
         keys = self._state_keys()
         base = self._base()
         group_of = {name: g for g, names in enumerate(self.group_names) for name in names}
+        flats = [g["params"][0] for g in base.param_groups]
         group_steps = []
-        for group in base.param_groups:
-            st = base.state.get(group["params"][0], {})
-            value = st.get("step")
+        for flat in flats:
+            value = base.state.get(flat, {}).get("step")
             group_steps.append(value.clone() if torch.is_tensor(value) else value)
 
         full: dict[str, dict[str, Any]] = {}
+        safe_get: dict[str, str] = {}
         for name, param in self.engine.module.named_parameters():
-            entry: dict[str, Any] = {"fp32": safe_get_full_fp32_param(param).detach().clone().cpu()}
+            g = group_of[name]
+            entry: dict[str, Any] = {"fp32": self._gather(param, flats[g])}
+            ds_fp32 = safe_get_full_fp32_param(param)
+            if not torch.equal(ds_fp32.float().cpu(), entry["fp32"]):
+                safe_get[f"{name}/fp32"] = "DIFFERS"
             for key in keys:
-                entry[key] = safe_get_full_optimizer_state(param, key).detach().clone().cpu()
-            entry["step"] = group_steps[group_of[name]]
+                entry[key] = self._gather(param, base.state[flats[g]][key])
+                mapping = getattr(param, "_hp_mapping", None)
+                linked = mapping is None or key in (getattr(mapping, "optim_fragment", None) or {})
+                if self._all_true(linked):
+                    ds_state = safe_get_full_optimizer_state(param, key)
+                    if not torch.equal(ds_state.float().cpu(), entry[key]):
+                        safe_get[f"{name}/{key}"] = "DIFFERS"
+                else:
+                    safe_get[f"{name}/{key}"] = "unavailable"
+            entry["step"] = group_steps[g]
             full[name] = entry
 
         def clone(v: Any) -> Any:
@@ -184,9 +235,8 @@ class Rank:
             "optimizer_class": self.optimizer_class,
             "ds_version": self.deepspeed.__version__,
             "param_names": self.group_names,
-            "fp32": [clone(g["params"][0]) for g in base.param_groups],
-            "optim_state": [{k: clone(v) for k, v in base.state.get(g["params"][0], {}).items()}
-                            for g in base.param_groups],
+            "fp32": [clone(flat) for flat in flats],
+            "optim_state": [{k: clone(v) for k, v in base.state.get(flat, {}).items()} for flat in flats],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups],
             "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
             "global_steps": self.engine.global_steps,
@@ -198,6 +248,10 @@ class Rank:
         torch.save(rank_dump, out / f"rank{self.rank}_step{step}{suffix}.pt")
         if self.rank == 0:
             torch.save(full, out / f"state_step{step}{suffix}.pt")
+            summary = {verdict: sorted(k for k, v in safe_get.items() if v == verdict)
+                       for verdict in ("unavailable", "DIFFERS")}
+            _report("dump", name=f"state_step{step}{suffix}", state_keys=keys, safe_get_unavailable=
+                    summary["unavailable"], safe_get_differs=summary["DIFFERS"])
         self.dist.barrier()
 
     # --- run --------------------------------------------------------------------------------------

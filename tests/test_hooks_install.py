@@ -1,0 +1,82 @@
+"""install()/uninstall(): idempotent, fully reversible, and refusing unknown DeepSpeed versions."""
+from __future__ import annotations
+
+import logging
+
+import deepspeed
+import pytest
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+import megatron_ucp
+from megatron_ucp import dsformat as F
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.errors import UcpError, UnsupportedError
+from megatron_ucp.hooks import PatchSet
+from megatron_ucp.hooks.save_recording import partition_record
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    megatron_ucp.uninstall()
+    yield
+    megatron_ucp.uninstall()
+
+
+def test_install_is_idempotent_and_uninstall_restores_originals():
+    originals = (BF16_Optimizer.state_dict, DeepSpeedZeroOptimizer.state_dict)
+    cfg = megatron_ucp.install()
+    assert megatron_ucp.active_config() == cfg
+    patched = (BF16_Optimizer.state_dict, DeepSpeedZeroOptimizer.state_dict)
+    assert patched != originals
+    assert megatron_ucp.install() == cfg  # same config: nothing changes
+    assert (BF16_Optimizer.state_dict, DeepSpeedZeroOptimizer.state_dict) == patched
+    megatron_ucp.install(strict=False)  # new config: reinstalled, not stacked
+    assert megatron_ucp.active_config().strict is False
+    assert BF16_Optimizer.state_dict.__megatron_ucp_original__ is originals[0]
+    megatron_ucp.uninstall()
+    assert (BF16_Optimizer.state_dict, DeepSpeedZeroOptimizer.state_dict) == originals
+    assert megatron_ucp.active_config() is None
+    megatron_ucp.uninstall()  # harmless when nothing is installed
+
+
+def test_unknown_deepspeed_version_is_refused(monkeypatch, caplog):
+    monkeypatch.setattr(deepspeed, "__version__", "0.15.0")
+    with pytest.raises(UnsupportedError, match="0.15.0"):
+        megatron_ucp.install()
+    assert megatron_ucp.active_config() is None
+    with caplog.at_level(logging.WARNING):
+        megatron_ucp.install(allow_untested_deepspeed=True)
+    assert "UNTESTED DEEPSPEED" in caplog.text
+
+
+def test_config_validation():
+    with pytest.raises(UcpError):
+        UcpConfig(keep_last=0)
+    with pytest.raises(UcpError):
+        UcpConfig(converter_workers=0)
+
+
+def test_patchset_refuses_double_patching():
+    class Target:
+        def f(self):
+            return 1
+
+    patches = PatchSet()
+    patches.replace(Target, "f", lambda orig: (lambda self: orig(self) + 1))
+    assert Target().f() == 2
+    with pytest.raises(RuntimeError):
+        patches.replace(Target, "f", lambda orig: orig)
+    patches.undo()
+    assert Target().f() == 1
+
+
+def test_partition_record_for_the_design_example():
+    rec = [partition_record([100, 9], [100, 9], [104, 16], [4, 4], [r, r]) for r in range(4)]
+    assert [r[F.GROUP_TRUE_LENGTHS][1] for r in rec] == [4, 4, 1, 0]
+    assert [r[F.GROUP_PADDINGS][1] for r in rec] == [0, 0, 3, 4]
+    assert rec[3][F.ZERO_PARTITION_INFO] == {"version": 1, "dp_size": 4, "dp_rank": 3, "alignment": 8,
+                                             "group_numels": [100, 9], "padded_group_numels": [100, 9],
+                                             "partition_sizes": [26, 4]}
+    with pytest.raises(UnsupportedError, match="flat buffer"):
+        partition_record([100], [100], [200], [4], [0])
