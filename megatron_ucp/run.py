@@ -40,7 +40,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 from .config import UcpConfig
 from .errors import UcpError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("megatron_ucp.run")  # not __name__: "__main__" under python -m
 
 OPTION_PREFIX = "--ucp-"
 ENV_PREFIX = "MEGATRON_UCP_"
@@ -51,7 +51,9 @@ MEGATRON_DEFAULT_SEED = 1234
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-_NONE = {"none", "all", "unlimited", ""}
+_NONE = {"none", "all", "auto", "unlimited", ""}
+_NONE_WORD = {"keep_last": "all", "ranks_per_node": "auto"}
+"""How each optional-int field spells None on the command line and in help."""
 
 
 # ================================================================================================
@@ -245,7 +247,7 @@ def _parse_value(spec: OptionSpec, raw: str, where: str) -> Any:
         try:
             return int(text)
         except ValueError:
-            extra = " or 'all'" if spec.kind == "optint" else ""
+            extra = f" or {_NONE_WORD.get(spec.name, 'none')!r}" if spec.kind == "optint" else ""
             raise UcpError(f"{where}: expected an integer{extra}, got {raw!r}", subject=where) from None
     return raw
 
@@ -280,7 +282,8 @@ def config_env(config: UcpConfig) -> dict[str, str]:
         if spec.runner:
             continue
         value = getattr(config, spec.name)
-        out[spec.env] = ("1" if value else "0") if spec.kind == "bool" else ("all" if value is None else str(value))
+        out[spec.env] = ("1" if value else "0") if spec.kind == "bool" else (
+            _NONE_WORD.get(spec.name, "none") if value is None else str(value))
     return out
 
 
@@ -363,6 +366,16 @@ def detect_world_size(env: Mapping[str, str]) -> Optional[int]:
 
 def detect_rank(env: Mapping[str, str]) -> Optional[int]:
     return _first_int(env, _RANK_VARS)
+
+
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "PALS_LOCAL_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                    "SLURM_NTASKS_PER_NODE")
+
+
+def detect_ranks_per_node(env: Mapping[str, str]) -> Optional[int]:
+    """Processes per node from the launcher (torchrun, PALS/MPICH on Aurora, Open MPI, Slurm), for
+    one converter per node when ``ranks_per_node`` is not given."""
+    return _first_int(env, _LOCAL_SIZE_VARS)
 
 
 @dataclass(frozen=True)
@@ -477,6 +490,48 @@ def plan_launch(margs: MegatronArgs, facts: Optional[CheckpointFacts], world_siz
                       dp_from=dp_from, dp_to=dp_to, reseed_base=reseed)
 
 
+@dataclass(frozen=True)
+class BatchEnv:
+    """Variables for ALCF/helpers.sh so that a resume keeps the checkpoint's global batch."""
+
+    assignments: tuple[tuple[str, int], ...] = ()
+    messages: tuple[str, ...] = ()
+
+
+def alcf_batch_env(facts: Optional[CheckpointFacts], world_size: int, micro_batch: int, mp_size: int,
+                   user_global_batch: Optional[int], user_grad_acc_steps: Optional[int]) -> BatchEnv:
+    """GLOBAL_BATCH and GRAD_ACC_STEPS for helpers.sh (pure).
+
+    train_aGPT_7B.sh always passes ``--global-batch-size=$GLOBAL_BATCH``, where GLOBAL_BATCH
+    defaults to nodes x 12 x MICRO_BATCH x GAS (GAS from a node-count table) and also sizes the
+    DeepSpeed config. The runner cannot un-pin it, so the wrapper sets both variables before
+    helpers.sh runs: GAS = checkpoint batch / (micro x DP), when that divides exactly.
+    """
+    if facts is None:
+        return BatchEnv(messages=("no checkpoint to resume: helpers.sh's global batch applies",))
+    if world_size % mp_size:
+        return BatchEnv(messages=(f"world size {world_size} is not divisible by TP x PP x SP = {mp_size}",))
+    dp = world_size // mp_size
+    ckpt = facts.global_batch_size
+    where = f"{facts.load_dir}/{facts.tag}"
+    if user_global_batch is not None:
+        same = "the checkpoint's" if user_global_batch == ckpt else f"the checkpoint has {ckpt}"
+        return BatchEnv(messages=(f"GLOBAL_BATCH={user_global_batch} set by you ({same}): left as it is",))
+    if ckpt is None:
+        return BatchEnv(messages=(f"{where} does not record its global batch: helpers.sh's default applies",))
+    if ckpt % (micro_batch * dp):
+        return BatchEnv(messages=(f"cannot keep the checkpoint's global batch {ckpt} at DP={dp}: not a multiple of "
+                                  f"MICRO_BATCH {micro_batch} x DP {dp}; helpers.sh's default applies "
+                                  "(set GLOBAL_BATCH to choose)",))
+    gas = ckpt // (micro_batch * dp)
+    if user_grad_acc_steps is not None and user_grad_acc_steps != gas:
+        return BatchEnv(messages=(f"GRAD_ACC_STEPS={user_grad_acc_steps} set by you: keeping the checkpoint's global "
+                                  f"batch {ckpt} at DP={dp} needs {gas}; left as it is",))
+    return BatchEnv(assignments=(("GLOBAL_BATCH", ckpt), ("GRAD_ACC_STEPS", gas)),
+                    messages=(f"keeping the global batch {ckpt} of {where} (saved at DP={facts.dp_world_size}): "
+                              f"GLOBAL_BATCH={ckpt} GRAD_ACC_STEPS={gas} at DP={dp} x MICRO_BATCH={micro_batch}",))
+
+
 def derived_seed(base_seed: int, iteration: int, rank: int) -> int:
     """A per-rank seed for the resumed run: deterministic, distinct per (iteration, rank), < 2**31."""
     digest = hashlib.sha256(f"megatron-ucp:{base_seed}:{iteration}:{rank}".encode()).digest()
@@ -584,7 +639,7 @@ def _configure_logging(rank: Optional[int]) -> None:
     pkg = logging.getLogger("megatron_ucp")
     if not pkg.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[megatron-ucp] %(message)s"))
+        handler.setFormatter(logging.Formatter("%(message)s"))
         pkg.addHandler(handler)
         pkg.propagate = False
     level = os.environ.get("MEGATRON_UCP_LOG_LEVEL", "INFO").upper()
@@ -633,7 +688,7 @@ def reseed_after_load(base_seed: int) -> Iterator[None]:
             seed = derived_seed(base_seed, iteration, rank)
             apply_seed(seed)
             if rank == 0:
-                log.info("re-seeded RNG after the load: rank r uses sha256(seed=%d, iteration=%d, r) "
+                log.info("megatron-ucp run: re-seeded RNG after the load: rank r uses sha256(seed=%d, iteration=%d, r) "
                          "(rank 0: %d)", base_seed, iteration, seed)
         return result
 
@@ -698,13 +753,50 @@ def usage() -> str:
         if spec.kind == "bool":
             name = f"{spec.option} / {spec.negative}"
         else:
-            name = f"{spec.option} {'N|all' if spec.kind == 'optint' else 'N' if spec.kind == 'int' else 'VALUE'}"
+            word = _NONE_WORD.get(spec.name, "none")
+            name = f"{spec.option} {'N|' + word if spec.kind == 'optint' else 'N' if spec.kind == 'int' else 'VALUE'}"
         default = defaults[spec.name]
-        shown = ("on" if default else "off") if spec.kind == "bool" else ("all" if default is None else default)
+        shown = ("on" if default else "off") if spec.kind == "bool" else (
+            _NONE_WORD.get(spec.name, "none") if default is None else default)
         lines.append(f"  {name}")
         lines.append(f"      {spec.help} ({spec.env}; default {shown})")
-    lines += ["", "MEGATRON_UCP_LOG_LEVEL sets megatron-ucp's log level on rank 0 (default INFO)."]
+    lines += ["", "MEGATRON_UCP_LOG_LEVEL sets megatron-ucp's log level on rank 0 (default INFO).",
+              "",
+              "helper for train_scripts/train_aGPT_7B_ucp.sh:",
+              "  python -m megatron_ucp.run --ucp-alcf-batch-env CKPT_DIR",
+              "      prints GLOBAL_BATCH=... and GRAD_ACC_STEPS=... that keep the checkpoint's global batch at",
+              "      WORLD_SIZE (reads helpers.sh's MICRO_BATCH, TP, PP, SP, GLOBAL_BATCH, GRAD_ACC_STEPS)"]
     return "\n".join(lines)
+
+
+def _alcf_batch_env_main(args: Sequence[str], env: Mapping[str, str]) -> int:
+    """``--ucp-alcf-batch-env CKPT_DIR`` (for train_aGPT_7B_ucp.sh): print ``NAME=value`` lines.
+
+    Reads helpers.sh's variables WORLD_SIZE, MICRO_BATCH, TP, PP, SP, GLOBAL_BATCH, GRAD_ACC_STEPS.
+    """
+    if len(args) != 1:
+        print("usage: python -m megatron_ucp.run --ucp-alcf-batch-env CKPT_DIR", file=sys.stderr)
+        return 2
+    try:
+        def num(name: str, default: Optional[int]) -> Optional[int]:
+            text = env.get(name, "").strip()
+            return _int_or_none(text, name) if text else default
+
+        facts = read_checkpoint_facts(MegatronArgs(load=args[0]))
+        world = num("WORLD_SIZE", None)
+        if world is None:
+            raise UcpError("WORLD_SIZE is not set", subject="WORLD_SIZE")
+        mp = (num("TP", 1) or 1) * (num("PP", 1) or 1) * (num("SP", 1) or 1)
+        result = alcf_batch_env(facts, world, num("MICRO_BATCH", 1) or 1, mp, num("GLOBAL_BATCH", None),
+                                num("GRAD_ACC_STEPS", None))
+    except Exception as exc:
+        print(f"megatron-ucp: cannot read the checkpoint in {args[0]}: {exc}", file=sys.stderr)
+        return 0  # the launch goes on with helpers.sh's defaults
+    for line in result.messages:
+        print(f"megatron-ucp: {line}", file=sys.stderr)
+    for key, value in result.assignments:
+        print(f"{key}={value}")
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -712,22 +804,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = os.environ
     rank = detect_rank(env)
     _configure_logging(rank)
+    if argv[:1] == ["--ucp-alcf-batch-env"]:
+        return _alcf_batch_env_main(argv[1:], env)
     try:
         split = split_argv(argv)
         if split.help or split.target is None:
             print(usage(), file=sys.stdout if split.help else sys.stderr)
             return 0 if split.help else 2
         if env.get(ENV_SWITCH, "1").strip().lower() in _FALSE:
-            log.info("%s=0: running %s without megatron-ucp", ENV_SWITCH, split.target.value)
+            log.info("megatron-ucp run: %s=0: running %s without megatron-ucp", ENV_SWITCH, split.target.value)
             return _run_target(split.target, split.script_args)
         config, settings, changed = build_settings(split.options, env)
+        if config.ranks_per_node is None and detect_ranks_per_node(env):
+            config = dataclasses.replace(config, ranks_per_node=detect_ranks_per_node(env))
+            changed += (f"ranks_per_node={config.ranks_per_node} (from the launcher's environment)",)
         if split.target.kind == "path" and not Path(split.target.value).is_file():
             raise UcpError(f"{split.target.value}: no such script", subject=split.target.value)
         margs = megatron_args(split.script_args)
         try:
             facts = read_checkpoint_facts(margs)
         except Exception as exc:  # the script's own load reports a broken checkpoint in its own words
-            log.warning("could not read the checkpoint in --load %s: %s: %s", margs.load, type(exc).__name__, exc)
+            log.warning("megatron-ucp run: could not read the checkpoint in --load %s: %s: %s", margs.load,
+                        type(exc).__name__, exc)
             facts = None
         plan = plan_launch(margs, facts, detect_world_size(env), config, settings)
     except UcpError as exc:
@@ -736,11 +834,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     final_args = [*split.script_args, *plan.extra_args]
     for line in changed:
-        log.info("setting %s", line)
+        log.info("megatron-ucp run: setting %s", line)
     for line in plan.notes:
-        log.info("%s", line)
+        log.info("megatron-ucp run: %s", line)
     for line in plan.warnings:
-        log.warning("%s", line)
+        log.warning("megatron-ucp run: WARNING: %s", line)
     if settings.dry_run:
         print(json.dumps({"target": dataclasses.asdict(split.target), "argv": final_args,
                           "config": dataclasses.asdict(config), "runner": dataclasses.asdict(settings),

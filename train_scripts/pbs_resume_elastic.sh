@@ -1,0 +1,70 @@
+#!/bin/bash --login
+#PBS -A <your_project>
+#PBS -q prod
+#PBS -l select=48
+#PBS -l walltime=06:00:00
+#PBS -l filesystems=flare:home
+#PBS -j oe
+#PBS -N aGPT7B-elastic
+###############################################################################
+# pbs_resume_elastic.sh: resume AuroraGPT-7B on Aurora at whatever node count
+# this job got, from a checkpoint saved at another node count.
+#
+# Example: the run was saved by a 64-node job (768 tiles, DP=768); 16 of those
+# nodes are down, so resume on 48:
+#
+#   cd /path/to/Megatron-DeepSpeed           # your checkout: the job runs from here
+#   qsub -l select=48 -v CKPT_DIR=/flare/<project>/checkpoints/aGPT-7B \
+#        /path/to/megatron-ucp/train_scripts/pbs_resume_elastic.sh
+#
+# What happens:
+#   * train_aGPT_7B_ucp.sh runs your train_aGPT_7B.sh with EXEC pointing at a
+#     shim that starts pretrain_gpt_alcf.py through `python -m megatron_ucp.run`;
+#   * if GLOBAL_BATCH is not set, it keeps the checkpoint's global batch at the new
+#     node count (GLOBAL_BATCH and GRAD_ACC_STEPS for helpers.sh), when it divides;
+#   * on every rank, the runner sees the DP change (768 -> 576), adds --no-load-rng
+#     and re-seeds each rank after the load; the elastic-load hook loads
+#     <tag>_universal, converting it first (one converter per node) if the
+#     asynchronous conversion of the previous job did not get to finish;
+#   * new checkpoints are converted to universal ones in the background (UCP_ASYNC_CONVERT=1),
+#     so the next resume at yet another node count starts at once.
+#
+# Requirements: megatron-ucp installed in the Python environment that
+# train_aGPT_7B.sh activates (pip install -e /path/to/megatron-ucp), and a
+# CKPT_DIR that does not depend on the node count (helpers.sh's default folder
+# name contains WORLD_SIZE and GLOBAL_BATCH).
+#
+# UCP_DRY_RUN=1 prints the command lines instead of launching (also outside PBS).
+###############################################################################
+set -euo pipefail
+
+cd "${PBS_O_WORKDIR:-${PWD}}" || exit 1
+here="$(pwd)"
+
+# Where this script lives (PBS copies job scripts to a spool folder; set MEGATRON_UCP_HOME then).
+megatron_ucp_home="${MEGATRON_UCP_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
+wrapper="${megatron_ucp_home}/train_scripts/train_aGPT_7B_ucp.sh"
+if [[ ! -f "${wrapper}" ]]; then
+	echo "pbs_resume_elastic.sh: ${wrapper} not found; set MEGATRON_UCP_HOME to your megatron-ucp checkout" >&2
+	exit 2
+fi
+
+if [[ -z "${CKPT_DIR:-}" ]]; then
+	echo "pbs_resume_elastic.sh: set CKPT_DIR to the checkpoint folder to resume (qsub -v CKPT_DIR=...)" >&2
+	exit 2
+fi
+export CKPT_DIR
+export UCP=1
+export UCP_ASYNC_CONVERT="${UCP_ASYNC_CONVERT:-1}"
+export UCP_KEEP_LAST="${UCP_KEEP_LAST:-3}"
+export UCP_CONVERTER_WORKERS="${UCP_CONVERTER_WORKERS:-4}"
+export NGPU_PER_HOST="${NGPU_PER_HOST:-12}" # Aurora: 6 GPUs x 2 tiles per node
+
+nodes="unknown"
+if [[ -f "${PBS_NODEFILE:-}" ]]; then
+	nodes="$(wc -l <"${PBS_NODEFILE}")"
+fi
+echo "pbs_resume_elastic.sh: ${nodes} node(s) x ${NGPU_PER_HOST} ranks, resuming ${CKPT_DIR} from ${here}"
+
+# Any arguments (e.g. --train-iters=...) go to train_aGPT_7B.sh, as they would without megatron-ucp.
+bash "${wrapper}" "$@"
