@@ -1,36 +1,31 @@
-"""Session cache of real DeepSpeed checkpoints for the converter tests (built once per session)."""
+"""``built_checkpoint``: a plain-function view of the session checkpoint cache (the ``ds_checkpoint`` fixture).
+
+Returns the step-2 checkpoint of the shared default run (``steps=4, save_at=(2, 4)``), so tests that
+use it and tests that use the fixture train each distinct configuration only once per session.
+"""
 from __future__ import annotations
 
-import atexit
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.dsharness import TrainSpec, run_training
-
-_CACHE: dict[tuple, "BuiltCheckpoint"] = {}
-_BASE = Path(tempfile.mkdtemp(prefix="ucp-ckpts-"))
-atexit.register(shutil.rmtree, _BASE, True)
+from tests.dsharness.checkpoints import session_cache
 
 
 @dataclass(frozen=True)
 class BuiltCheckpoint:
     root: Path
+    """Checkpoint root holding global_step2 and global_step4 (``latest`` names global_step4)."""
     dump: Path
-    """state_step{N}.pt: DeepSpeed's own gathered full fp32 + optimizer states at the save."""
+    """state_step2.pt: DeepSpeed's own gathered full fp32 + optimizer states at the step-2 save."""
 
 
-def built_checkpoint(optimizer: str, dp: int, steps: int = 2, uc_info: bool = False, plugin: bool = False,
+def built_checkpoint(optimizer: str, dp: int, uc_info: bool = False, plugin: bool = False,
                      zero_stage: int = 1) -> BuiltCheckpoint:
-    key = (optimizer, dp, steps, uc_info, plugin, zero_stage)
-    if key not in _CACHE:
-        name = "-".join(str(k) for k in key)
-        root, dumps = _BASE / name / "ckpt", _BASE / name / "dumps"
-        run_training(TrainSpec(dp=dp, optimizer=optimizer, zero_stage=zero_stage, steps=steps, save_dir=root,
-                               save_at=(steps,), uc_info=uc_info, plugin=plugin, dump_dir=dumps))
-        _CACHE[key] = BuiltCheckpoint(root=root, dump=dumps / f"state_step{steps}.pt")
-    return _CACHE[key]
+    fields = {"uc_info": uc_info, "plugin": plugin, "zero_stage": zero_stage}
+    defaults = {"uc_info": False, "plugin": False, "zero_stage": 1}
+    ck = session_cache()(optimizer=optimizer, dp=dp, **{k: v for k, v in fields.items() if v != defaults[k]})
+    return BuiltCheckpoint(root=ck.root, dump=ck.dump("state_step2"))
 
 
 def copy_root(root: Path, dest: Path) -> Path:

@@ -15,13 +15,13 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from tests.dsharness.checkpoints import CheckpointCache, LegacyFixture  # noqa: E402
+from tests.dsharness.checkpoints import CheckpointCache, LegacyFixture, session_cache  # noqa: E402
 from tests.dsharness.checkpoints import legacy_fixture as _legacy_fixture  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def ds_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointCache:
-    return CheckpointCache(tmp_path_factory.mktemp("ds_checkpoints"))
+def ds_checkpoint() -> CheckpointCache:
+    return session_cache()
 
 
 @pytest.fixture(scope="session")

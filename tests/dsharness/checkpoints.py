@@ -8,6 +8,7 @@ default output, ``latest_universal``, ...).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import threading
@@ -133,7 +134,10 @@ class CheckpointCache:
         with self._lock:
             if key in self._done:
                 return self._done[key]
-            folder = self.base / f"ck{len(self._done):02d}-{optimizer}-dp{dp}"
+            digest = hashlib.sha1(key.encode()).hexdigest()[:8]
+            folder = self.base / f"{optimizer}-dp{dp}-{digest}"
+            if folder.exists():  # an earlier attempt at the same run failed part-way
+                shutil.rmtree(folder)
             spec = TrainSpec(dp=dp, optimizer=optimizer, save_dir=folder / "ckpt", dump_dir=folder / "dumps",
                              **fields)
             folder.mkdir(parents=True)
@@ -176,3 +180,19 @@ def legacy_fixture(name: str) -> LegacyFixture:
     if name not in LEGACY_CLASSES:
         raise ValueError(f"unknown legacy fixture {name!r}; one of {sorted(LEGACY_CLASSES)}")
     return LegacyFixture(name=name, root=LEGACY_162 / name)
+
+
+_SESSION: Optional[CheckpointCache] = None
+
+
+def session_cache() -> CheckpointCache:
+    """The one cache of this test session, shared by the ``ds_checkpoint`` fixture and plain helpers."""
+    global _SESSION
+    if _SESSION is None:
+        import atexit
+        import tempfile
+
+        base = Path(tempfile.mkdtemp(prefix="ucp-ds-checkpoints-"))
+        atexit.register(shutil.rmtree, base, True)
+        _SESSION = CheckpointCache(base)
+    return _SESSION

@@ -124,6 +124,7 @@ class Rank:
         # the imported modules moved out of the collected generations that is ~0.05 s, not ~0.5 s.
         gc.freeze()
         self.mark("import")
+        _skip_shm_comm_kernel(deepspeed)
         deepspeed.init_distributed(dist_backend="gloo")
         self.mark("init_distributed")
         model = build_model(vocab=spec.vocab, hidden=spec.hidden, num_layers=spec.num_layers, seed=spec.seed)
@@ -301,6 +302,20 @@ class Rank:
         self.dist.barrier()
         if self.rank == 0:
             _report("done", times=self.times)
+
+
+def _skip_shm_comm_kernel(deepspeed: Any) -> None:
+    """Run DeepSpeed's plain gloo path: do not JIT-build its optional shared-memory all-reduce kernel.
+
+    DeepSpeed's CPU backend compiles ``deepspeed_shm_comm`` with g++ on first use (30 s idle,
+    minutes on a loaded machine, once per interpreter), only to speed up CPU collectives. The tests
+    are about checkpoint contents, which do not depend on it; ``TrainSpec.env`` can set
+    ``UCP_HARNESS_SHM_COMM=1`` to build and use it anyway.
+    """
+    if os.environ.get("UCP_HARNESS_SHM_COMM") == "1":
+        return
+    ops = deepspeed.ops.__compatible_ops__  # the probe DeepSpeed consults before building
+    ops["deepspeed_shm_comm"] = False
 
 
 def main(argv: list[str]) -> int:
