@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from .errors import UcpError
 
-COMMANDS = ("convert", "inspect", "verify")
+COMMANDS = ("convert", "inspect", "verify", "status")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +41,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(args.func(args) or 0)
     except UcpError as exc:
         print(f"megatron-ucp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"megatron-ucp {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"megatron-ucp {args.command}: interrupted; outputs not committed", file=sys.stderr)

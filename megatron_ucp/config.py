@@ -5,8 +5,9 @@ validated in ``__post_init__``; every hook reads the same frozen object.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Mapping, Optional
 
 from .errors import UcpError
 
@@ -34,6 +35,8 @@ class UcpConfig:
     """torch intra-op threads per converter worker."""
     ranks_per_node: Optional[int] = None
     """Processes per node, to pick one converter per node; None reads LOCAL_WORLD_SIZE / launcher env."""
+    converter_exit_wait: int = 900
+    """Seconds a node's launcher process waits at exit for its background converter (0: no wait)."""
 
     # --- safety -------------------------------------------------------------------------------
     allow_untested_deepspeed: bool = False
@@ -46,8 +49,21 @@ class UcpConfig:
             raise UcpError(f"converter_workers must be >= 1, got {self.converter_workers}")
         if self.converter_threads < 1:
             raise UcpError(f"converter_threads must be >= 1, got {self.converter_threads}")
+        if self.converter_exit_wait < 0:
+            raise UcpError(f"converter_exit_wait must be >= 0 seconds, got {self.converter_exit_wait}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise UcpError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "UcpConfig":
+        """The config ``MEGATRON_UCP_<FIELD>`` variables describe (unset fields keep their defaults).
+
+        Same parsing as the runner's ``--ucp-*`` options (see :mod:`megatron_ucp.run`); bad values
+        raise :class:`UcpError` naming the variable.
+        """
+        from .run import build_settings  # the one parser of options and variables
+
+        return build_settings([], os.environ if env is None else env)[0]
 
     @classmethod
     def field_names(cls) -> list[str]:

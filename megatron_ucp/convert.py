@@ -6,19 +6,19 @@ staging sibling, then writes this share's parameters: each parameter is assemble
 state, from the contiguous run of rank files that hold its fragments, and written once. There are
 no per-fragment temporary files; memory is bounded by the largest parameter's largest state plus
 the rank files' mapped pages. Work is split deterministically by bytes between shares (e.g. one
-converter per node) and, inside a share, between worker processes. The last share to finish
+converter per node) and, inside a share, between writer threads. The last share to finish
 writes the common files, verifies completeness, and commits (see :mod:`megatron_ucp.universal`).
 """
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import shutil
 import socket
+import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -28,10 +28,13 @@ from tqdm import tqdm
 
 from . import __version__
 from . import dsformat as F
+from . import osio
 from .errors import CheckpointFormatError, OutputExistsError, UcpError
+from .lightpickle import PICKLE_MODULE, needs_light_pickler
 from .plan import ConversionPlan, GroupPlan, ParamPlan, build_plan, share_of, split_by_bytes
 from .reader import (CheckpointMeta, RankFile, ResolvedCheckpoint, human_bytes, load_torch_file, read_checkpoint,
                      resolve_checkpoint)
+from .torchfile import TensorSpec, TooLargeForFastWriter, fast_writer_available, tensor_bytes, write_tensor_file
 from .universal import COMPLETE, Staging, read_manifest, universal_state, write_latest_universal
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,8 @@ class ConvertOptions:
     stale_after: float = 60.0
     start_method: str = "forkserver"
     verify_complete: bool = True
+    on_progress: Optional[Callable[[int, int], None]] = field(default=None, compare=False)
+    """Called in the converting process as parameters finish: (bytes done, bytes expected) of this share."""
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.threads < 1:
@@ -96,31 +101,81 @@ def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
 
 
 class RankFileCache:
-    """A few memory-mapped rank files, least recently used evicted (a worker walks ranks in order)."""
+    """Memory-mapped rank files shared by the writer threads, opened on first use.
 
-    def __init__(self, paths: Sequence[Path], capacity: int = 8):
+    Opening a rank file maps it and unpickles its metadata (no tensor bytes): a few MB of address
+    space and ~2 ms each, so by default every file stays open (a parameter at DP=768 spans up to
+    hundreds of ranks, and a small cache would reopen them for every state). ``capacity`` bounds
+    the number open; the least recently used is closed first. :meth:`mapped` tells whether a
+    tensor's bytes are file-backed, which is what makes dropping its pages after use safe.
+    """
+
+    def __init__(self, paths: Sequence[Path], capacity: Optional[int] = None):
         self.paths = list(paths)
-        self.capacity = capacity
+        self.capacity = capacity if capacity is not None else max(16, min(len(self.paths), 4096))
         self._open: OrderedDict[int, RankFile] = OrderedDict()
+        self._bounds: dict[int, Optional[tuple[int, int]]] = {}
+        self._lock = threading.Lock()
 
     def get(self, rank: int) -> RankFile:
-        rf = self._open.get(rank)
-        if rf is None:
-            rf = RankFile(self.paths[rank], rank)
-            self._open[rank] = rf
-            while len(self._open) > self.capacity:
-                self._open.popitem(last=False)
-        else:
-            self._open.move_to_end(rank)
-        return rf
+        with self._lock:
+            rf = self._open.get(rank)
+            if rf is None:
+                rf = RankFile(self.paths[rank], rank)
+                self._open[rank] = rf
+                self._bounds[rank] = _mapped_bounds(rf) if _is_zip(self.paths[rank]) else None
+                while len(self._open) > self.capacity:
+                    old, _ = self._open.popitem(last=False)
+                    self._bounds.pop(old, None)
+            else:
+                self._open.move_to_end(rank)
+            return rf
+
+    def mapped_bounds(self, rank: int) -> Optional[tuple[int, int]]:
+        """An address range inside ``rank``'s file mapping that covers its state tensors, or None when
+        its tensors are not file-backed (zip-format files are loaded with mmap by
+        :func:`~megatron_ucp.reader.load_torch_file`; legacy ones are read into memory)."""
+        with self._lock:
+            return self._bounds.get(rank)
 
 
-def _save(obj: Any, path: Path) -> int:
-    with open(path, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-        return fh.tell()
+def _mapped_bounds(rf: RankFile) -> Optional[tuple[int, int]]:
+    spans = []
+    for g in range(rf.num_groups):
+        for state in rf.state_names(g):
+            t = rf.state_tensor(g, state)
+            if t.numel():
+                spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None
+
+
+def _is_zip(path: Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
+
+
+def _save(obj: Any, path: Path, durable: bool = True) -> int:
+    """torch.save (+ fsync when ``durable``); a failed write (disk full, quota, I/O error) names the file.
+
+    Objects read while DeepSpeed was not imported may hold stand-ins for DeepSpeed classes
+    (:mod:`megatron_ucp.lightpickle`); they are written back as the original classes.
+    """
+    extra = {"pickle_module": PICKLE_MODULE} if needs_light_pickler() else {}
+    try:
+        with open(path, "wb") as fh:
+            torch.save(obj, fh, **extra)
+            fh.flush()
+            if durable:
+                os.fsync(fh.fileno())
+            else:
+                osio.start_writeback(fh.fileno())
+            return fh.tell()
+    except (OSError, RuntimeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UcpError(f"{path}: write failed: {reason}", subject=path) from exc
 
 
 def assemble_state(p: ParamPlan, state: str, cache: RankFileCache) -> torch.Tensor:
@@ -148,25 +203,110 @@ class _Chunk:
     params: tuple[ParamPlan, ...]
     groups: tuple[GroupPlan, ...]
     steps: tuple[Any, ...]
-    rank_paths: tuple[str, ...]
     zero_dir: str
-    threads: int
 
 
-def _write_chunk(chunk: _Chunk, on_param: Optional[Callable[[int], None]] = None) -> int:
+FSYNC_THREADS = 8
+"""Concurrent fsyncs at the end of a share (see :meth:`_Writer.make_durable`)."""
+
+
+class _Writer:
+    """Writes parameters' state files: fragments straight from the mapped rank files to disk.
+
+    Shared by the writer threads of one converter: :meth:`write_param` is thread-safe. Files are
+    not fsynced one by one (each fsync would wait for the disk before the next file starts):
+    writeback is started as each file is finished and :meth:`make_durable` fsyncs them at the end.
+    """
+
+    def __init__(self, cache: RankFileCache, fast: bool):
+        self.cache = cache
+        self.fast = fast
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._pending: list[Path] = []
+
+    def _sources(self, p: ParamPlan, state: str) -> list[tuple[int, torch.Tensor]]:
+        return [(item.rank, self.cache.get(item.rank).state_tensor(p.group, state)
+                 .narrow(0, item.src_offset, item.length)) for item in p.items]
+
+    def write_param(self, p: ParamPlan, group: GroupPlan, step: Any, zero_dir: str) -> int:
+        folder = Path(zero_dir) / p.name
+        folder.mkdir(parents=True, exist_ok=True)
+        sources = {state: self._sources(p, state) for state in group.states}
+        for parts in sources.values():  # readahead for this parameter (cold caches)
+            for rank, t in parts:
+                osio.will_need(t.data_ptr(), t.numel() * t.element_size())
+        nbytes = 0
+        written: list[Path] = []
+        for state in group.states:
+            path = folder / f"{state}.pt"
+            nbytes += self._write_state(p, sources[state], path)
+            written.append(path)
+            for rank, t in sources[state]:  # this process is done with these pages
+                bounds = self.cache.mapped_bounds(rank)
+                if bounds is not None:
+                    osio.done_with(t.data_ptr(), t.numel() * t.element_size(), bounds)
+        if group.has_step:
+            path = folder / f"{F.STEP_STATE}.pt"
+            nbytes += _save(step, path, durable=False)
+            written.append(path)
+        with self._lock:
+            self._pending.extend(written)
+        return nbytes
+
+    def _write_state(self, p: ParamPlan, parts: list[tuple[int, torch.Tensor]], path: Path) -> int:
+        if self.fast and parts and all(t.is_contiguous() for _, t in parts):
+            dtype = parts[0][1].dtype
+            if all(t.dtype == dtype for _, t in parts):
+                entry = universal_entry(p, TensorSpec(dtype, p.out_shape))
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+                    try:
+                        size = write_tensor_file(path, entry, [tensor_bytes(t) for _, t in parts], fd=fd)
+                        osio.start_writeback(fd)
+                    finally:
+                        os.close(fd)
+                    return size
+                except TooLargeForFastWriter:
+                    pass
+                except OSError as exc:
+                    raise UcpError(f"{path}: write failed: {exc.strerror or exc}", subject=path) from exc
+        out = torch.empty(p.out_numel, dtype=parts[0][1].dtype if parts else torch.float32)
+        for item, (_, t) in zip(p.items, parts):
+            out.narrow(0, item.dst_offset, item.length).copy_(t)
+        return _save(universal_entry(p, out.view(p.out_shape)), path, durable=False)
+
+    def make_durable(self) -> None:
+        """fsync every file written (their writeback started as each was finished).
+
+        Several at a time: the file system commits concurrent fsyncs together, and the disk
+        queue stays full; one after the other, each would wait for its own journal commit.
+        """
+        with self._lock:
+            pending, self._pending = self._pending, []
+
+        def sync(path: Path) -> None:
+            try:
+                osio.fsync_file(path)
+            except OSError as exc:
+                raise UcpError(f"{path}: fsync failed: {exc.strerror or exc}", subject=path) from exc
+
+        if len(pending) <= 1:
+            for path in pending:
+                sync(path)
+            return
+        with ThreadPoolExecutor(max_workers=min(FSYNC_THREADS, len(pending)), thread_name_prefix="ucp-fsync") as pool:
+            for _ in pool.map(sync, pending):
+                pass
+
+
+def _write_chunk(chunk: _Chunk, writer: "_Writer", on_param: Optional[Callable[[int], None]] = None) -> int:
     """Write every state of the chunk's parameters; returns bytes written."""
-    torch.set_num_threads(chunk.threads)
-    cache = RankFileCache([Path(p) for p in chunk.rank_paths])
     written = 0
     for p in chunk.params:
-        folder = Path(chunk.zero_dir) / p.name
-        folder.mkdir(parents=True, exist_ok=True)
-        group = chunk.groups[p.group]
-        nbytes = 0
-        for state in group.states:
-            nbytes += _save(universal_entry(p, assemble_state(p, state, cache)), folder / f"{state}.pt")
-        if group.has_step:
-            nbytes += _save(chunk.steps[p.group], folder / f"{F.STEP_STATE}.pt")
+        if writer.stop.is_set():
+            break
+        nbytes = writer.write_param(p, chunk.groups[p.group], chunk.steps[p.group], chunk.zero_dir)
         written += nbytes
         if on_param is not None:
             on_param(nbytes)
@@ -292,8 +432,12 @@ def convert(options: ConvertOptions) -> ConvertResult:
     plan = plan_checkpoint(meta)
     steps = _group_steps(meta, plan)
     mine = share_of(plan, options.share_index, options.share_count)
-    staging = Staging(output, plan.fingerprint(), options.share_index, options.share_count, options.attempt_id,
-                      options.stale_after).open()
+    try:
+        staging = Staging(output, plan.fingerprint(), options.share_index, options.share_count, options.attempt_id,
+                          options.stale_after).open()
+    except OSError as exc:
+        raise UcpError(f"{exc.filename or output.parent}: cannot create the staging folder: {exc.strerror}",
+                       subject=output) from exc
     log.info("converting %s (DP=%d, %s, DeepSpeed %s): %d params, share %d/%d -> %s", ck.tag_dir, meta.dp, meta.kind,
              meta.ds_version, len(mine), options.share_index + 1, options.share_count, output)
     try:
@@ -317,12 +461,11 @@ def convert(options: ConvertOptions) -> ConvertResult:
                     log.warning("not updating latest_universal: output %s is not in the checkpoint root", output)
                 else:
                     write_latest_universal(ck.root, output.name)
+    except OSError as exc:
+        _abandon(staging, options, exc)
+        raise UcpError(f"{exc.filename or staging.path}: {exc.strerror or exc}", subject=exc.filename) from exc
     except BaseException as exc:
-        if options.share_count == 1:
-            staging.discard()
-        else:
-            staging.mark_share_failed(f"{type(exc).__name__}: {exc}")
-            staging.close()
+        _abandon(staging, options, exc)
         raise
     finally:
         staging.close()
@@ -339,32 +482,64 @@ def convert(options: ConvertOptions) -> ConvertResult:
                          share_index=options.share_index, share_count=options.share_count, summary=summary)
 
 
+def _abandon(staging: Staging, options: ConvertOptions, exc: BaseException) -> None:
+    """A single converter removes its staging folder; a share leaves a failure note for the others."""
+    if options.share_count == 1:
+        staging.discard()
+    else:
+        staging.mark_share_failed(f"{type(exc).__name__}: {exc}")
+        staging.close()
+
+
 def _write_params(mine: Sequence[ParamPlan], plan: ConversionPlan, steps: tuple, meta: CheckpointMeta,
                   staging: Staging, options: ConvertOptions) -> int:
+    """Write this share's parameters with ``options.workers`` threads over contiguous, byte-balanced chunks.
+
+    Threads, not processes: the work is system calls (write, madvise, fsync) and zlib's CRC, all of
+    which release the GIL, so threads overlap as well as processes would, without starting
+    interpreters that import torch again (seconds on a small machine). Memory: each thread holds
+    the pages of the parameter it is writing, nothing more (see :class:`_Writer`).
+    """
     per_group = {g.index: len(g.states) for g in plan.groups}
     total = sum(p.out_numel * per_group[p.group] * 4 for p in mine)
-    parts = 1 if options.workers == 1 else options.workers * 4
-    chunks = [_Chunk(params=tuple(ps), groups=plan.groups, steps=steps,
-                     rank_paths=tuple(str(p) for p in meta.files.rank_files),
-                     zero_dir=str(staging.path / F.UNIVERSAL_ZERO_DIR), threads=options.threads)
+    workers = max(1, min(options.workers, len(mine)))
+    parts = 1 if workers == 1 else workers * 4
+    zero_dir = str(staging.path / F.UNIVERSAL_ZERO_DIR)
+    chunks = [_Chunk(params=tuple(ps), groups=plan.groups, steps=steps, zero_dir=zero_dir)
               for ps in split_by_bytes(mine, parts, per_group) if ps]
+    writer = _Writer(RankFileCache(list(meta.files.rank_files)), fast_writer_available())
+    if not writer.fast:
+        log.info("writing with torch.save (the direct writer does not match this torch's format)")
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {meta.files.tag_dir.name}",
                disable=not options.progress, leave=False)
     written = 0
+    done = 0
+    lock = threading.Lock()
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        with lock:
+            bar.update(nbytes)
+            done += nbytes
+            if options.on_progress is not None:
+                options.on_progress(done, total)
+
     try:
-        if options.workers == 1:
+        if workers == 1:
             for chunk in chunks:
-                written += _write_chunk(chunk, on_param=bar.update)
+                written += _write_chunk(chunk, writer, on_param=advance)
         else:
-            ctx = multiprocessing.get_context(options.start_method)
-            if options.start_method == "forkserver":
-                ctx.set_forkserver_preload(["torch", "megatron_ucp.convert"])
-            with ProcessPoolExecutor(max_workers=options.workers, mp_context=ctx) as pool:
-                futures = {pool.submit(_write_chunk, chunk): chunk for chunk in chunks}
-                for fut in as_completed(futures):
-                    nbytes = fut.result()
-                    written += nbytes
-                    bar.update(sum(p.out_numel * per_group[p.group] * 4 for p in futures[fut].params))
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ucp-writer") as pool:
+                futures = [pool.submit(_write_chunk, chunk, writer, advance) for chunk in chunks]
+                try:
+                    for fut in as_completed(futures):
+                        written += fut.result()
+                except BaseException:
+                    writer.stop.set()
+                    for fut in futures:
+                        fut.cancel()
+                    raise
+        writer.make_durable()
     finally:
         bar.close()
     return written

@@ -1,24 +1,27 @@
-"""``make demo``: stock DeepSpeed fails to resume at another DP size; megatron-ucp continues the curve.
+"""``make demo``: stock DeepSpeed cannot resume at another DP size; megatron-ucp continues the curve.
 
 What it runs, all on the CPU with the Megatron-DeepSpeed stand-in (train_scripts/cpu_demo.sh:
 megatron-core GPT, DeepSpeed ZeRO-1 bf16, gloo):
 
-1. **uninterrupted** -- DP=3 (default), K iterations, through the megatron-ucp runner with
-   asynchronous conversion on; it saves at K/2 (and at K). Its loss curve is the reference.
-2. **elastic** -- the K/2 checkpoint resumed at DP=4 through the runner, continued to K. Nothing on
+1. **uninterrupted** -- DP=4 (default), K iterations, through the megatron-ucp runner with
+   asynchronous conversion on; it saves at K/2 (and at K). Its loss curve is the reference. The
+   save-time recording is switched off here, so the checkpoint is byte for byte what stock
+   DeepSpeed writes (last-rank-only ``group_paddings``): the background converter copes with it.
+2. **elastic** -- the K/2 checkpoint resumed at DP=3 through the runner, continued to K. Nothing on
    the command line says "universal": the runner keeps the checkpoint's global batch and re-seeds
-   RNG; the elastic-load hook loads the universal twin (written in the background by step 1, or
-   converted on demand).
-3. **stock DeepSpeed** on the same checkpoint, without the plugin: (a) a plain resume at DP=4,
-   (b) DeepSpeed's ``ds_to_universal``, (c) ``--universal-checkpoint`` at DP=4 on the universal
-   folder. Each error is reported as DeepSpeed prints it.
+   RNG; the elastic-load hook loads the universal twin written in the background by step 1 (or
+   converts on demand).
+3. **stock DeepSpeed** on the same checkpoint, without the plugin: (a) a plain resume at DP=3,
+   (b) DeepSpeed's ``ds_to_universal``, (c) ``--universal-checkpoint`` at DP=3 on a universal
+   folder, (d) the same at DP=4, the size the checkpoint was saved at. Each error is reported as
+   DeepSpeed prints it.
 
 The tiny model's no-weight-decay group has 9 elements (3 RMSNorm weights of size 3). At DP=4
-ZeRO aligns it to 16 elements, 4 per rank: rank 3 holds only padding, which is where stock
-DeepSpeed's universal loader dies (the same failure as AuroraGPT-7B's ranks 766 and 767 at DP=768).
-A rank holding only padding needs a group smaller than 2 x DP^2 elements, so with at most 4 CPU
-ranks the group must be tiny; at DP=3 no group of more than 8 elements has one, which is why the
-demo grows from DP=3 to DP=4 rather than shrinking.
+ZeRO aligns it to 16 elements, 4 per rank: 7 elements of padding, more than a partition, so the
+last rank holds only padding. Stock ``ds_to_universal`` dies on the recorded padding, and stock
+``load_universal`` dies on the all-padding rank -- the same two failures as AuroraGPT-7B at DP=768
+(padding 1024 > partition 348; ranks 766 and 767). A rank holding only padding needs a group smaller
+than about 2 x DP^2 elements, which is why the demo's group is tiny.
 
 Outputs in ``demo_output/``: ``losses.png`` (both curves), ``losses.csv``, ``summary.txt`` and every
 rank's log under ``logs/``. The pure parts (log parsing, the table) are separate functions so that
@@ -260,8 +263,8 @@ def _wrap(text: str, width: int) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_ucp.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dp-train", type=int, default=3, help="DP size of the uninterrupted run (default 3)")
-    p.add_argument("--dp-resume", type=int, default=4, help="DP size of the elastic resume (default 4)")
+    p.add_argument("--dp-train", type=int, default=4, help="DP size of the uninterrupted run (default 4)")
+    p.add_argument("--dp-resume", type=int, default=3, help="DP size of the elastic resume (default 3)")
     p.add_argument("--iters", type=int, default=20, help="iterations K; the checkpoint is taken at K/2 (default 20)")
     p.add_argument("--optimizer", choices=("BF16_Optimizer", "DeepSpeedZeroOptimizer"), default="BF16_Optimizer",
                    help="DeepSpeed's ZeRO-1 bf16 optimizer (default BF16_Optimizer: data_types.grad_accum_dtype=fp32)")
@@ -300,7 +303,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ref = run_cpu_demo(Phase("uninterrupted", f"uninterrupted DP={args.dp_train}"), args.dp_train, True,
                        [*common, "--standin-grad-acc-steps", str(GLOBAL_BATCH // args.dp_train),
                         "--save", str(ref_dir), "--load", str(ref_dir), "--save-interval", str(half),
-                        "--ucp-async-convert"], out)
+                        "--ucp-async-convert", "--ucp-no-record-true-lengths"], out)
     log.info("      %s in %.0fs", "done" if ref.ok else f"FAILED ({ref.error})", ref.seconds)
     if not ref.ok:
         log.error("the uninterrupted run failed; see %s", ref.logs[0])
@@ -334,15 +337,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stock.append(conv)
         log.info("      (b) ds_to_universal: %s", _outcome(conv))
         source = stock_dir if conv.ok else ref_dir if twin.is_dir() else None
+        why = []
         if source is not None:
             what = "ds_to_universal's output" if conv.ok else "megatron-ucp's universal folder"
-            p = run_cpu_demo(Phase("stock_universal", "--universal-checkpoint"),
-                             args.dp_resume, False,
-                             [*common, "--universal-checkpoint", "--load", str(source), "--load-tag",
-                              f"{tag}_universal"], out)
-            stock.append(p)
-            log.info("      (c) --universal-checkpoint on %s: %s", what, _outcome(p))
-        why = geometry_note(ref_dir / tag, args.dp_resume)
+            for label, dp in (("(c)", args.dp_resume), ("(d)", args.dp_train)):
+                p = run_cpu_demo(Phase(f"stock_universal_dp{dp}", f"--universal-checkpoint at DP={dp}"), dp, False,
+                                 [*common, "--universal-checkpoint", "--load", str(source), "--load-tag",
+                                  f"{tag}_universal"], out)
+                stock.append(p)
+                log.info("      %s --universal-checkpoint at DP=%d on %s: %s", label, dp, what, _outcome(p))
+                if not p.ok:
+                    why += geometry_note(ref_dir / tag, dp)
         for line in why:
             log.info("      why: %s", line)
     else:

@@ -21,6 +21,7 @@ import torch
 from . import dsformat as F
 from .errors import CheckpointFormatError, UnsupportedError
 from .geometry import PaddingStyle
+from .lightpickle import PICKLE_MODULE
 from .plan import Fragment, OutputRules, ParamSpec, RankGroupLayout, RankLayout
 from .versions import BF16_LAST_RANK_PADDING_UNTIL, ZERO_PER_RANK_PADDING_SINCE, check_file_version
 
@@ -124,12 +125,15 @@ def load_torch_file(path: Path, mmap: bool = True) -> Any:
         raise CheckpointFormatError(f"{path}: cannot read: {exc.strerror}", subject=path) from exc
     if size == 0:
         raise CheckpointFormatError(f"{path}: empty file (truncated write?)", subject=path)
+    # DeepSpeed objects inside (fragment_address, ZeroStageEnum, LossScaler) load as stand-ins while
+    # deepspeed is not imported: importing it costs ~2 s; see megatron_ucp.lightpickle.
+    pm = PICKLE_MODULE
     try:
         try:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=pm)
         except RuntimeError as exc:
             if mmap and "mmap" in str(exc):  # legacy (non-zip) serialization cannot be mapped
-                return torch.load(path, map_location="cpu", weights_only=False)
+                return torch.load(path, map_location="cpu", weights_only=False, pickle_module=pm)
             raise
     except CheckpointFormatError:
         raise

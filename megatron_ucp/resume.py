@@ -6,8 +6,9 @@ universal twin ``<tag>_universal``) and asks :func:`decide_resume` what to do. K
 decision here, free of I/O and of ``torch.distributed``, means every rank reaches the same answer
 from the same files, and every branch is tested in milliseconds.
 
-Call order in the hook: :func:`decide_resume` -> (convert, on the ranks :func:`conversion_share`
-picks) -> load -> :func:`check_global_batch` and :func:`restored_global_samples`.
+Call order in the hook: :func:`decide_resume` -> (convert, one converter per node as
+:func:`megatron_ucp.background.node_assignment` picks) -> load -> :func:`check_global_batch` and
+:func:`restored_global_samples`.
 """
 from __future__ import annotations
 
@@ -113,21 +114,6 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
     note = " (replacing a stale or unfinished staging folder)" if staging_present else ""
     return ResumeDecision(Route.CONVERT_THEN_UNIVERSAL, target, checkpoint_dp, current_dp,
                           f"{changed}: no {target} yet, converting {requested_tag} now{note}, then loading {target}")
-
-
-def conversion_share(rank: int, world_size: int, ranks_per_node: Optional[int]) -> Optional[tuple[int, int]]:
-    """``(share_index, share_count)`` if ``rank`` converts, else None.
-
-    One converter per node (the node's first rank) when the node size is known and divides the
-    world; otherwise rank 0 alone. Every rank computes the same assignment without talking.
-    """
-    if not 0 <= rank < world_size:
-        raise UcpError(f"rank {rank} outside world of size {world_size}", subject=rank)
-    if ranks_per_node is None or ranks_per_node < 1 or world_size % ranks_per_node:
-        return (0, 1) if rank == 0 else None
-    if rank % ranks_per_node:
-        return None
-    return rank // ranks_per_node, world_size // ranks_per_node
 
 
 def checkpoint_global_batch(ds_config: Optional[Mapping[str, Any]], checkpoint_dp: Optional[int]) -> Optional[int]:

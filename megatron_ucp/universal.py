@@ -9,6 +9,7 @@ interrupted is only ever a staging folder, recognisably stale once its heartbeat
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -94,13 +95,18 @@ def write_latest_universal(root: Path, tag: str) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    """A local process exists and is not a zombie (a killed converter stays one until its parent reaps it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[:1] not in (["Z"], ["X"])
 
 
 @dataclass(frozen=True)
@@ -175,11 +181,16 @@ class Staging:
         self._heartbeat = self.path / "heartbeats" / f"{share_index}-{socket.gethostname()}-{os.getpid()}"
 
     def open(self) -> "Staging":
-        info = inspect_staging(self.output)
-        if info is not None:
-            joinable = (info.attempt_id == self.attempt_id and info.fingerprint == self.fingerprint
-                        and info.share_count == self.share_count)
-            if not joinable:
+        # Shares started at the same moment (one per node, or ranks of a distributed conversion) race
+        # here: the folder is created complete (attempt.json inside) under a temporary name and
+        # renamed into place, so nobody ever sees it half-made and takes it for a stale one.
+        for _ in range(5):
+            info = inspect_staging(self.output)
+            if info is not None:
+                joinable = (info.attempt_id == self.attempt_id and info.fingerprint == self.fingerprint
+                            and info.share_count == self.share_count)
+                if joinable:
+                    break
                 if info.is_live(self.stale_after):
                     raise ConversionInProgress(
                         f"{info.path}: another conversion of {self.output.name} is running (heartbeat "
@@ -188,6 +199,8 @@ class Staging:
                 log.warning("removing stale staging folder %s (attempt %s, shares done %s)", info.path,
                             info.attempt_id or "?", list(info.shares_done))
                 shutil.rmtree(info.path, ignore_errors=True)
+            if self._create():
+                break
         for sub in ("", "zero", "shares", "heartbeats"):
             (self.path / sub).mkdir(parents=True, exist_ok=True)
         attempt_file = self.path / "attempt.json"
@@ -199,6 +212,26 @@ class Staging:
         self._thread = threading.Thread(target=self._run_heartbeat, name="ucp-heartbeat", daemon=True)
         self._thread.start()
         return self
+
+    def _create(self) -> bool:
+        """Make the staging folder atomically; False when another converter made one first."""
+        tmp = self.path.parent / f"{self.path.name}.new-{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+        try:
+            for sub in ("zero", "shares", "heartbeats"):
+                (tmp / sub).mkdir(parents=True, exist_ok=True)
+            write_text_atomic(tmp / "attempt.json", json.dumps({
+                "attempt_id": self.attempt_id, "fingerprint": self.fingerprint, "share_count": self.share_count,
+                "created": time.time()}))
+            (tmp / "heartbeats" / self._heartbeat.name).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+            try:
+                os.rename(tmp, self.path)
+                return True
+            except OSError as exc:
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    return False
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _beat(self) -> None:
         self._heartbeat.write_text(f"{socket.gethostname()} {os.getpid()}\n")

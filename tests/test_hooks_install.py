@@ -50,6 +50,18 @@ def test_unknown_deepspeed_version_is_refused(monkeypatch, caplog):
     assert "UNTESTED DEEPSPEED" in caplog.text
 
 
+def test_install_reads_megatron_ucp_environment(monkeypatch):
+    monkeypatch.setenv("MEGATRON_UCP_STRICT", "0")
+    monkeypatch.setenv("MEGATRON_UCP_KEEP_LAST", "3")
+    cfg = megatron_ucp.install()
+    assert cfg.strict is False and cfg.keep_last == 3
+    assert megatron_ucp.install(strict=True).strict is True  # keyword arguments win
+    monkeypatch.setenv("MEGATRON_UCP_KEEP_LAST", "many")
+    megatron_ucp.uninstall()
+    with pytest.raises(UcpError, match="MEGATRON_UCP_KEEP_LAST"):
+        megatron_ucp.install()
+
+
 def test_config_validation():
     with pytest.raises(UcpError):
         UcpConfig(keep_last=0)

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 HOOK_MODULES = (
     "megatron_ucp.hooks.save_recording",
     "megatron_ucp.hooks.elastic_load",
+    "megatron_ucp.hooks.async_trigger",
 )
 
 _MARK = "__megatron_ucp_original__"
@@ -61,10 +62,14 @@ def active_config() -> Optional[UcpConfig]:
 
 
 def install(config: Optional[UcpConfig] = None, **overrides: Any) -> UcpConfig:
-    """Patch DeepSpeed in-process. Idempotent for an equal config; a new config reinstalls."""
+    """Patch DeepSpeed in-process. Idempotent for an equal config; a new config reinstalls.
+
+    Settings: ``config`` if given, else the ``MEGATRON_UCP_*`` environment (defaults where unset);
+    keyword ``overrides`` win over both.
+    """
     if config is None:
-        config = UcpConfig(**overrides)
-    elif overrides:
+        config = UcpConfig.from_env()
+    if overrides:
         config = UcpConfig(**{**config.__dict__, **overrides})
     with _lock:
         if _state["patches"] is not None:

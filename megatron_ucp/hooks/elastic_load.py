@@ -35,7 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -44,8 +44,8 @@ from ..accounting import (AccountingReport, Column, Ledger, Problem, ProblemKind
                           check_optimizer_states, checksum, group_tensor_states, ledger_totals)
 from ..config import UcpConfig
 from ..errors import AccountingError, CheckpointFormatError, UcpError, UnsupportedError
-from ..resume import (ResumeDecision, Route, TwinState, check_global_batch, checkpoint_global_batch,
-                      conversion_share, decide_resume, restored_global_samples)
+from ..resume import (ResumeDecision, Route, TwinState, check_global_batch, checkpoint_global_batch, decide_resume,
+                      restored_global_samples)
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,38 @@ def install(patches: Any, config: UcpConfig) -> None:
                                    "the shared ZeROOptimizer implementation", subject=cls.__name__)
     patches.replace(DeepSpeedEngine, "load_checkpoint", lambda original: _engine_load(original, config))
     patches.replace(ZeROOptimizer, _OPTIMIZER_LOADER, lambda original: _optimizer_load(original, config))
+    _make_logs_visible()
+
+
+_handler: Optional[logging.Handler] = None
+
+
+def _make_logs_visible() -> None:
+    """The decision and summary lines must reach the training log even when nobody configured logging.
+
+    Only when neither megatron-ucp's logger nor the root logger has a handler (the runner and
+    applications that configure logging keep full control); undone by :func:`on_uninstall`.
+    """
+    global _handler
+    pkg = logging.getLogger("megatron_ucp")
+    if _handler is not None or pkg.handlers or logging.getLogger().handlers:
+        return
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[megatron-ucp] %(levelname)s %(message)s"))
+    pkg.addHandler(_handler)
+    pkg.propagate = False
+    if pkg.level == logging.NOTSET:  # INFO on the first rank only, so that 768 ranks do not repeat it
+        pkg.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
 
 
 def on_uninstall() -> None:
-    """Nothing global to reset: the patches carry their config."""
+    """Remove the log handler :func:`_make_logs_visible` added, if any."""
+    global _handler
+    if _handler is not None:
+        pkg = logging.getLogger("megatron_ucp")
+        pkg.removeHandler(_handler)
+        pkg.propagate = True
+        _handler = None
 
 
 # ================================================================================================
@@ -277,11 +305,12 @@ def _convert_synchronously(load_dir: Path, native_tag: Optional[str], decision: 
     dist = _comm()
     if native_tag is None or decision.tag is None:
         raise UcpError("internal: a conversion needs a native tag", subject=decision)
+    from ..background import node_assignment
+    from .async_trigger import _LOCAL_RANK_ENV, _LOCAL_SIZE_ENV, _env_int
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    ranks_per_node = config.ranks_per_node
-    if ranks_per_node is None and os.environ.get("LOCAL_WORLD_SIZE", "").isdigit():
-        ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
-    share = conversion_share(rank, world, ranks_per_node)
+    where = node_assignment(rank, world, _env_int(_LOCAL_RANK_ENV), _env_int(_LOCAL_SIZE_ENV), config.ranks_per_node)
+    share = (where.node, where.nodes) if where.launcher else None
     attempt = _broadcast_from_first(f"elastic-load-{uuid.uuid4().hex}" if rank == 0 else None)
     twin = load_dir / decision.tag
     error: Optional[BaseException] = None
@@ -372,7 +401,8 @@ def _finish_universal_load(engine: Any, result: Any, decision: ResumeDecision, k
         p, e = _check_training_state(engine, states, ckpt_batch, current_batch, kwargs["load_lr_scheduler_states"])
         problems += p
         extras += e
-    p, e = _restore_module_tensors(engine, folder, states)
+    optimized = {engine.optimizer.param_names[lp] for group in _lp_groups(engine.optimizer) for lp in group}
+    p, e = restore_module_tensors(engine.module, optimized, folder, states)
     problems += p
     extras += e
     report = report.with_more(problems, extras, dp_from=dp_from)
@@ -415,19 +445,18 @@ def _check_training_state(engine: Any, states: dict, ckpt_batch: Optional[int], 
     return problems, extras
 
 
-def _restore_module_tensors(engine: Any, folder: Path, states: dict) -> tuple[list[Problem], list[str]]:
+def restore_module_tensors(module: torch.nn.Module, optimized: set[str], folder: Path,
+                           states: dict) -> tuple[list[Problem], list[str]]:
     """Buffers and frozen parameters: universal mode skips the module state dict, so restore them here.
 
-    Frozen parameters come from ``zero/<name>/fp32.pt`` when the converter wrote one, else from the
-    model states' module dict; persistent buffers from the model states' module dict.
+    ``optimized``: names of the parameters the optimizer restored. Frozen parameters (the others)
+    come from ``zero/<name>/fp32.pt`` when the converter wrote one, else from the model states'
+    module dict; persistent buffers from the model states' module dict. Returns (problems, extras).
     """
     from ..reader import load_torch_file
 
-    module = engine.module
     saved = states.get("module") if isinstance(states.get("module"), dict) else None
     live = module.state_dict()
-    optimized = {name for group in _lp_groups(engine.optimizer) for name in
-                 (engine.optimizer.param_names[lp] for lp in group)}
     named_params = dict(module.named_parameters())
     frozen = [n for n in named_params if n not in optimized]
     buffers = [n for n, _ in module.named_buffers() if n in live]
@@ -474,7 +503,7 @@ def _optimizer_load(original: Callable[..., Any], config: UcpConfig) -> Callable
     def load_hp_checkpoint_state_from_checkpoint_dir(self: Any, lp_groups_name: str, checkpoint_dir: str) -> None:
         if type(self).__name__ not in _LP_GROUPS or _LP_GROUPS[type(self).__name__] != lp_groups_name:
             return original(self, lp_groups_name, checkpoint_dir)
-        report = load_universal_partitions(self, Path(checkpoint_dir))
+        report = load_universal_partitions(self, Path(checkpoint_dir), strict=config.strict)
         if _DEFER_ENFORCEMENT.get():
             setattr(self, _REPORT_ATTR, report)
         else:
@@ -564,11 +593,13 @@ def expected_state_keys(optimizer: torch.optim.Optimizer, group_index: int) -> O
     return frozenset(keys | present)
 
 
-def load_universal_partitions(optimizer: Any, checkpoint_dir: Path) -> AccountingReport:
+def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool = True) -> AccountingReport:
     """Load this rank's ZeRO-1/2 partitions from ``<checkpoint_dir>/zero`` and account for them.
 
     Collective over the optimizer's DP group: every rank must call it. Returns the report (the
     same on every rank); raising is left to the caller, except when a rank failed to load at all.
+    With ``strict=False`` optimizer tensor states missing from the checkpoint start at zero (as a
+    fresh optimizer's would) instead of being absent, so that the first step does not fail.
     """
     from ..reader import load_torch_file
 
@@ -636,9 +667,21 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path) -> Accountin
     problems += check_folders(names, {k: v for k, v in listing.items() if k not in frozen})
     problems += check_ledger(ledger, totals)
     for i, keys in enumerate(restored_keys):
-        problems += check_optimizer_states(i, names[i], expected_state_keys(base, i), keys, type(base).__name__)
+        expected = expected_state_keys(base, i)
+        problems += check_optimizer_states(i, names[i], expected, keys, type(base).__name__)
+        if not strict and expected is not None:
+            _start_missing_states_fresh(base, i, expected - keys)
     n_params, n_files, elements, state_names = ledger_totals(ledger, totals)
     return AccountingReport(n_params, n_files, state_names, elements, dp_from, dp_to, tuple(problems))
+
+
+def _start_missing_states_fresh(base: torch.optim.Optimizer, index: int, missing: Iterable[str]) -> None:
+    """Non-strict partial load: a state the checkpoint lacks starts at zero, as a fresh one would."""
+    flat = base.param_groups[index]["params"][0]
+    state = base.state[flat]
+    for key in sorted(missing):
+        if key != F.STEP_STATE and key not in state:
+            state[key] = torch.zeros_like(flat)
 
 
 def _source_dp(optim_sd: dict) -> Optional[int]:
