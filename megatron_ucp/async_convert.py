@@ -46,8 +46,8 @@ from typing import Any, Optional, Sequence
 from . import background as B
 from . import dsformat as F
 from .errors import OutputExistsError, UcpError
-from .universal import (COMPLETE, ConversionInProgress, _pid_alive, inspect_staging, universal_state,
-                        write_latest_universal)
+from .universal import (COMPLETE, ConversionInProgress, _pid_alive, inspect_staging, latest_universal_target,
+                        universal_state, write_latest_universal)
 
 log = logging.getLogger("megatron_ucp.async_convert")  # not __name__: "__main__" in the converter process
 
@@ -646,7 +646,7 @@ class Converter:
                     f"read-back verification failed ({len(problems)} problem(s); first: {problems[0]}); "
                     f"moved to {rejected.name}, latest_universal unchanged", attempt=job.attempt, log=str(log_path))
             return
-        current = _latest_universal(self.root)
+        current = latest_universal_target(self.root)
         manifest_time = (output / F.MANIFEST_FILE).stat().st_mtime
         if B.should_update_latest((output.name, manifest_time), current):
             write_latest_universal(self.root, output.name)
@@ -662,7 +662,7 @@ class Converter:
         keep = self.settings.keep_last
         if keep is None:
             return
-        current = _latest_universal(self.root)
+        current = latest_universal_target(self.root)
         state = read_queue(self.root)
         protected = {current[0]} if current else set()
         protected |= {F.universal_tag(j.tag) for j in (state.active, state.pending) if j is not None}
@@ -691,18 +691,6 @@ class Converter:
             if B.judge(state, job, facts, time.time()) is not B.Outcome.RUNNING:
                 return
             time.sleep(POLL_S)
-
-
-def _latest_universal(root: Path) -> Optional[tuple[str, float]]:
-    """(name, manifest mtime) of the complete folder ``latest_universal`` names, or None."""
-    try:
-        name = (Path(root) / F.LATEST_UNIVERSAL).read_text().strip()
-    except OSError:
-        return None
-    folder = Path(root) / name
-    if not name or universal_state(folder) != COMPLETE:
-        return None
-    return name, (folder / F.MANIFEST_FILE).stat().st_mtime
 
 
 _LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"

@@ -34,8 +34,9 @@ from .lightpickle import PICKLE_MODULE, needs_light_pickler
 from .plan import ConversionPlan, GroupPlan, ParamPlan, build_plan, share_of, split_by_bytes
 from .reader import (CheckpointMeta, RankFile, ResolvedCheckpoint, human_bytes, load_torch_file, read_checkpoint,
                      resolve_checkpoint)
-from .torchfile import TensorSpec, TooLargeForFastWriter, fast_writer_available, tensor_bytes, write_tensor_file
-from .universal import COMPLETE, Staging, read_manifest, universal_state, write_latest_universal
+from .torchfile import TensorSpec, FastWriterUnsupported, fast_writer_available, tensor_bytes, write_tensor_file
+from .universal import (COMPLETE, Staging, latest_universal_target, read_manifest, universal_state,
+                        write_latest_universal)
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +268,7 @@ class _Writer:
                     finally:
                         os.close(fd)
                     return size
-                except TooLargeForFastWriter:
+                except FastWriterUnsupported:
                     pass
                 except OSError as exc:
                     raise UcpError(f"{path}: write failed: {exc.strerror or exc}", subject=path) from exc
@@ -460,7 +461,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
                 if ck.root is None or output.parent.resolve() != ck.root.resolve():
                     log.warning("not updating latest_universal: output %s is not in the checkpoint root", output)
                 else:
-                    write_latest_universal(ck.root, output.name)
+                    _move_latest_universal(ck.root, output)
     except OSError as exc:
         _abandon(staging, options, exc)
         raise UcpError(f"{exc.filename or staging.path}: {exc.strerror or exc}", subject=exc.filename) from exc
@@ -480,6 +481,17 @@ def convert(options: ConvertOptions) -> ConvertResult:
     return ConvertResult(output=output, tag=ck.tag, committed=committed, params=len(mine), states=n_states,
                          bytes_written=written, seconds=seconds, source_dp=meta.dp, optimizer=meta.kind,
                          share_index=options.share_index, share_count=options.share_count, summary=summary)
+
+
+def _move_latest_universal(root: Path, output: Path) -> None:
+    """Point ``latest_universal`` at ``output`` unless it already names a newer complete folder."""
+    from .background import should_update_latest
+
+    current = latest_universal_target(root)
+    if should_update_latest((output.name, (output / F.MANIFEST_FILE).stat().st_mtime), current):
+        write_latest_universal(root, output.name)
+    else:
+        log.info("latest_universal left at the newer %s (converted the older %s)", current[0], output.name)
 
 
 def _abandon(staging: Staging, options: ConvertOptions, exc: BaseException) -> None:

@@ -236,7 +236,7 @@ def plot(rows: Sequence[Row], resume_at: int, dp_train: int, dp_resume: int, pat
                 label=f"megatron-ucp: resumed from iteration {resume_at} at DP={dp_resume}")
     ax.axvline(resume_at, color="gray", linestyle=":", linewidth=1)
     if stock_lines:
-        note = "\n".join([f"stock DeepSpeed, same checkpoint, DP={dp_resume}:", *(_wrap(l, 70) for l in stock_lines)])
+        note = "\n".join(["stock DeepSpeed (no megatron-ucp), same checkpoint:", *(_wrap(l, 70) for l in stock_lines)])
         ax.text(0.98, 0.97, note, transform=ax.transAxes, ha="right", va="top", fontsize=6.5, multialignment="left",
                 color="tab:red", bbox={"facecolor": "white", "edgecolor": "tab:red", "alpha": 0.9})
     ax.xaxis.get_major_locator().set_params(integer=True)

@@ -12,9 +12,8 @@ The output is byte-for-byte what ``torch.save({...}, path)`` writes for the same
 40-digit ``.data/serialization_id`` record (torch derives it internally; readers only log it).
 :func:`fast_writer_available` proves this once per process against the installed torch on small
 samples (bf16/fp32, the universal-entry keys); when it does not hold (another torch version's
-layout), callers fall back to ``torch.save``. Files of 4 GB or more would need zip64 record
-fields: :func:`write_tensor_file` refuses them (:class:`TooLargeForFastWriter`) and the caller
-falls back as well.
+layout), callers fall back to ``torch.save``. Files of 4 GB or more (zip64 record fields) and
+empty tensors are refused (:class:`FastWriterUnsupported`) and the caller falls back as well.
 """
 from __future__ import annotations
 
@@ -50,8 +49,8 @@ _EOCD = struct.Struct("<IHHHHIIH")
 _FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names (what torch's miniz writer sets)
 
 
-class TooLargeForFastWriter(ValueError):
-    """The file would need zip64 record fields; use torch.save."""
+class FastWriterUnsupported(ValueError):
+    """A file this writer does not produce (zip64 sizes, an empty tensor's record): use torch.save."""
 
 
 class TensorSpec:
@@ -202,7 +201,9 @@ def write_tensor_file(path: os.PathLike | str, entry: dict, pieces: Iterable[Any
     if size != spec.nbytes:
         raise ValueError(f"{path}: pieces hold {size} bytes, the tensor {spec.shape} {spec.dtype} needs {spec.nbytes}")
     if size + 8192 > _ZIP32_LIMIT:
-        raise TooLargeForFastWriter(f"{path}: {size} bytes needs zip64 fields")
+        raise FastWriterUnsupported(f"{path}: {size} bytes needs zip64 fields")
+    if size == 0:  # torch writes an empty record without a data descriptor
+        raise FastWriterUnsupported(f"{path}: empty tensor")
     pkl = entry_pickle(entry)
     arc = _Archive(archive_name(path), crc)
     head = b"".join((arc.small("data.pkl", pkl), arc.small(".format_version", b"1"),

@@ -94,6 +94,18 @@ def write_latest_universal(root: Path, tag: str) -> None:
     log.info("%s -> %s", Path(root) / F.LATEST_UNIVERSAL, tag)
 
 
+def latest_universal_target(root: Path) -> Optional[tuple[str, float]]:
+    """(name, manifest mtime) of the complete folder ``latest_universal`` names, or None."""
+    try:
+        name = (Path(root) / F.LATEST_UNIVERSAL).read_text().strip()
+    except OSError:
+        return None
+    folder = Path(root) / name
+    if not name or universal_state(folder) != COMPLETE:
+        return None
+    return name, (folder / F.MANIFEST_FILE).stat().st_mtime
+
+
 def _pid_alive(pid: int) -> bool:
     """A local process exists and is not a zombie (a killed converter stays one until its parent reaps it)."""
     try:

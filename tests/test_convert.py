@@ -184,3 +184,12 @@ def test_legacy_deepspeed_0_16_2_checkpoints(optimizer, tmp_path, legacy_fixture
         assert vocab
     assert_matches_dump(result.output, reference, vocab_rows=vocab)
     assert verify_universal(result.output, source=root).ok
+
+
+def test_converting_an_older_tag_keeps_latest_universal_on_the_newer(tmp_path, ds_checkpoint):
+    root = ds_checkpoint(optimizer="bf16", dp=4).copy_to(tmp_path / "ck")
+    convert(ConvertOptions(source=root, progress=False))  # latest: global_step4
+    older = convert(ConvertOptions(source=root, tag="global_step2", progress=False))
+    assert older.committed and older.output == root / "global_step2_universal"
+    assert (root / F.LATEST_UNIVERSAL).read_text() == "global_step4_universal"
+    assert verify_universal(older.output, source=root / "global_step2").ok

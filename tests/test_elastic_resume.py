@@ -200,10 +200,11 @@ def _damaged(ds_checkpoint, runs: ElasticRuns) -> Path:
 
 
 def _strict_run(ds_checkpoint, runs: ElasticRuns, strict: bool) -> TrainResult:
+    """DP=1 loads of the damaged twin; the non-strict one also halves the global batch (12 -> 6)."""
     damaged = _damaged(ds_checkpoint, runs)
     return runs.get(f"damaged-strict{int(strict)}", lambda f: run_training(TrainSpec(
         dp=1, optimizer="bf16", steps=3, load_dir=damaged, load_tag="global_step2", plugin=True,
-        plugin_kwargs={"strict": strict}, expect_failure=strict, timeout=600)))
+        plugin_kwargs={"strict": strict}, expect_failure=strict, global_batch=12 if strict else 6, timeout=600)))
 
 
 @pytest.mark.parametrize("what", ["missing state file", "extra folder", "lazily created state"])
@@ -225,6 +226,15 @@ def test_non_strict_load_warns_and_continues(ds_checkpoint, runs) -> None:
     warnings = [line for line in ucp_lines(res.log) if "strict=False, continuing" in line]
     assert len(warnings) == 3, ucp_lines(res.log)
     assert "3 PROBLEM(S)" in summary_lines(res.log)[0]
+
+
+def test_changed_global_batch_is_warned_about_loudly(ds_checkpoint, runs) -> None:
+    res = _strict_run(ds_checkpoint, runs, strict=False)
+    batch = [line for line in ucp_lines(res.log) if "GLOBAL BATCH CHANGED" in line]
+    assert len(batch) == 1, ucp_lines(res.log)
+    assert "global batch of 12 (DP=4)" in batch[0] and "this run uses 6 (DP=1)" in batch[0]
+    # consumed samples keep counting in the checkpoint's batch
+    assert "global_steps=2 global_samples=24" in summary_lines(res.log)[0]
 
 
 # ------------------------------------------------------------------------------------------------

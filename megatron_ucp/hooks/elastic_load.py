@@ -395,7 +395,7 @@ def _finish_universal_load(engine: Any, result: Any, decision: ResumeDecision, k
     if dp_from is not None and int(dp_from) != dp_to:
         warning = check_global_batch(ckpt_batch, current_batch, dp_from, dp_to)
         if warning and _is_first():
-            log.warning("!" * 100 + "\nmegatron-ucp: %s\n" + "!" * 100, warning)
+            log.warning("megatron-ucp: !!! %s", warning)
 
     if not kwargs["load_module_only"]:
         p, e = _check_training_state(engine, states, ckpt_batch, current_batch, kwargs["load_lr_scheduler_states"])
