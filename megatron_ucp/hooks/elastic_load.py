@@ -43,7 +43,7 @@ from .. import dsformat as F
 from ..accounting import (AccountingReport, Column, Ledger, Problem, ProblemKind, check_folders, check_ledger,
                           check_optimizer_states, checksum, group_tensor_states, ledger_totals)
 from ..config import UcpConfig
-from ..errors import AccountingError, CheckpointFormatError, UcpError, UnsupportedError
+from ..errors import CheckpointFormatError, UcpError, UnsupportedError
 from ..resume import (ResumeDecision, Route, TwinState, check_global_batch, checkpoint_global_batch, decide_resume,
                       restored_global_samples)
 
@@ -270,6 +270,11 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
             log.info("megatron-ucp: %s", decision.message)
             if decision.warning:
                 log.warning("megatron-ucp: %s", decision.warning)
+        if decision.convert and _node_local_storage(self):
+            raise UnsupportedError(f"{decision.message}, but checkpoint.use_node_local_storage keeps each node's "
+                                   "files on its own disk; converting needs them on one shared filesystem. Convert "
+                                   "with `megatron-ucp convert` where all rank files are, then load again.",
+                                   subject=load_dir)
         if decision.convert:
             _convert_synchronously(Path(load_dir), native_tag, decision, from_latest, config)
 
@@ -283,6 +288,13 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
         return result
 
     return load_checkpoint
+
+
+def _node_local_storage(engine: Any) -> bool:
+    try:
+        return bool(engine.use_node_local_storage())
+    except Exception:
+        return False
 
 
 @contextlib.contextmanager
