@@ -323,7 +323,20 @@ def main(argv: list[str]) -> int:
         print("usage: python -m tests.dsharness.worker <spec-json>", file=sys.stderr)
         return 2
     Rank(TrainSpec.from_json(argv[1])).run()
+    _tear_down()
     return 0
+
+
+def _tear_down() -> None:
+    """Leave the process group explicitly: gloo threads still alive at interpreter shutdown can
+    abort a finished rank with "terminate called without an active exception" (exit -6)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":
