@@ -92,3 +92,21 @@ def test_partition_record_for_the_design_example():
                                              "partition_sizes": [26, 4]}
     with pytest.raises(UnsupportedError, match="flat buffer"):
         partition_record([100], [100], [200], [4], [0])
+
+
+def test_no_module_imports_ipex():
+    """IPEX belongs to the optional `xpu` extra: importing any module of the package never loads it."""
+    import importlib
+    import pkgutil
+    import subprocess
+    import sys
+
+    names = [m.name for m in pkgutil.walk_packages(megatron_ucp.__path__, "megatron_ucp.")]
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}:\n    importlib.import_module(name)\n"
+            "megatron_ucp = sys.modules['megatron_ucp']\nmegatron_ucp.install()\n"
+            "bad = [m for m in sys.modules if m.startswith(('intel_extension_for_pytorch', 'oneccl'))]\n"
+            "assert not bad, bad\nprint(len(sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(names) > 20
