@@ -47,10 +47,22 @@ import make_checkpoint as mk  # noqa: E402
 
 RESULTS_DIR = BENCH_DIR / "results"
 README = BENCH_DIR / "README.md"
-BEGIN, END = "<!-- bench-convert:begin -->", "<!-- bench-convert:end -->"
 TOOLS = ("stock", "ours", "cp", "cp+sync")
-#: The default suite: the headline checkpoint, the DP series (fixed model) and the model-size series (DP=8).
-SUITE = ("m100-dp8", "m25-dp8", "m25-dp16", "m25-dp32", "m50-dp8")
+#: The default suite: the headline checkpoint, the DP series (fixed model; DP=768 re-partitioned from the
+#: real DP=8 run, see make_checkpoint.synthesize) and the model-size series (DP=8).
+SUITE = ("m100-dp8", "m25-dp8", "m25-dp16", "m25-dp32", "m25-dp8-as-dp768", "m50-dp8")
+SYNTHETIC = {"m25-dp8-as-dp768": ("m25-dp8", 768)}
+
+
+def ensure(name: str) -> Path:
+    if name in SYNTHETIC:
+        mk.synthesize(*SYNTHETIC[name])
+        return mk.checkpoint_root(name)
+    return mk.build(mk.SPECS[name])
+
+
+def spec_of(name: str) -> "mk.CkptSpec":
+    return mk.SPECS[SYNTHETIC[name][0]] if name in SYNTHETIC else mk.SPECS[name]
 
 
 def python() -> str:
@@ -152,6 +164,31 @@ def baseline_rss() -> int:
                               check=True).stdout.split()[-1])
 
 
+def startup_probe(reps: int = 5) -> float:
+    """Median seconds for a process to start and import the converter (the CLI's fixed cost)."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        subprocess.run([python(), "-c", "import megatron_ucp.cli, megatron_ucp.convert, megatron_ucp.commands.convert"],
+                       check=True, env=env, cwd=REPO_ROOT)
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def metadata_probe(name: str) -> dict:
+    """RSS and time to read every rank file's metadata and build the plan (memory-mapped: no tensor bytes)."""
+    tag = ensure(name) / mk.TAG
+    code = ("import os, time, psutil, sys; from pathlib import Path; import megatron_ucp.convert as C, "
+            "megatron_ucp.reader as R; p = psutil.Process(); b = p.memory_info().rss; t = time.perf_counter(); "
+            f"m = R.read_checkpoint(Path({str(tag)!r})); plan = C.plan_checkpoint(m); "
+            "print(m.dp, time.perf_counter() - t, p.memory_info().rss - b, b)")
+    out = subprocess.run([python(), "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, check=True,
+                         env=dict(os.environ, DS_ACCELERATOR="cpu")).stdout.split()
+    dp, seconds, delta, base = int(out[0]), float(out[1]), int(out[2]), int(out[3])
+    return {"name": name, "dp": dp, "seconds": round(seconds, 3), "rss_delta": delta, "rss_base": base}
+
+
 def machine() -> dict:
     import torch
 
@@ -181,7 +218,7 @@ def median(values: list[float]) -> float:
 
 def bench_one(name: str, reps: int, workers: int, cache: str, tools: tuple[str, ...], scratch: Path,
               verify: bool) -> dict:
-    root = mk.build(mk.SPECS[name])
+    root = ensure(name)
     tag = root / mk.TAG
     info = mk.info(name)
     nbytes = mk.folder_bytes(tag)
@@ -219,14 +256,22 @@ def bench_one(name: str, reps: int, workers: int, cache: str, tools: tuple[str, 
             shutil.rmtree(out, ignore_errors=True)
     med = {t: {"seconds": median([r["seconds"] for r in runs[t]]),
                "peak_rss": median([r["peak_rss"] for r in runs[t]])} for t in tools}
+    # Ratios per repetition (the runs of one repetition are adjacent in time, so they share the
+    # machine's load of the moment), then the median: steadier than a ratio of medians.
+    ratios = {}
+    for a, b in (("stock", "ours"), ("ours", "cp"), ("ours", "cp+sync")):
+        if a in runs and b in runs:
+            ratios[f"{a}/{b}"] = median([x["seconds"] / y["seconds"] for x, y in zip(runs[a], runs[b])])
     return {"name": name, "params": info["params"], "dp": info["dp"], "bytes": nbytes,
-            "largest_param_state_bytes": mk.SPECS[name].largest_param * 4, "optimizer": info["optimizer_class"],
+            "largest_param_state_bytes": spec_of(name).largest_param * 4, "optimizer": info["optimizer_class"],
+            "synthetic": name in SYNTHETIC,
             "cache": cache, "cached_fraction_before": cached_before, "reps": reps, "workers": workers,
-            "runs": runs, "median": med}
+            "runs": runs, "median": med, "ratios": ratios}
 
 
-def fmt_ratio(a: Optional[float], b: Optional[float]) -> str:
-    return f"{a / b:.2f}x" if a and b else "-"
+def ratio(result: dict, key: str) -> str:
+    value = result.get("ratios", {}).get(key)
+    return f"{value:.2f}x" if value else "-"
 
 
 def markdown(results: list[dict], meta: dict) -> str:
@@ -237,9 +282,19 @@ def markdown(results: list[dict], meta: dict) -> str:
                  f"{', '.join(f'{x:.1f}' for x in m['load_average_start'])} (a shared machine: medians, ratios "
                  f"from runs interleaved in one session). Run {meta['date']}, `{meta['command']}`.")
     lines.append("")
-    lines.append(f"Fixed overhead: a process that has only imported the converter holds "
-                 f"{meta['baseline_rss'] / 1e6:.0f} MB (Python + torch). Peak RSS is the sum over the process tree.")
+    lines.append(f"Times: medians over the repetitions; ratios: the median of the per-repetition ratios. Fixed "
+                 f"overhead: a process that has only imported the converter holds {meta['baseline_rss'] / 1e6:.0f} MB "
+                 f"(Python + torch). Peak RSS: the sum over the process tree, sampled every 10 ms.")
     lines.append("")
+    if meta.get("startup_seconds"):
+        lines.append(f"Start-up: a process that starts and imports the converter (Python + torch) takes "
+                     f"{meta['startup_seconds']:.2f} s (median of 5): included in every `ours` time.")
+        lines.append("")
+    probe = meta.get("metadata_probe")
+    if probe:
+        lines.append(f"Metadata at DP={probe['dp']}: reading all {probe['dp']} rank files (memory-mapped) and "
+                     f"building the plan took {probe['seconds']:.2f} s and {probe['rss_delta'] / 1e6:.1f} MB of RSS.")
+        lines.append("")
     lines.append("| checkpoint | params | DP | GB | cache | stock s | ours s | cp s | cp+sync s | stock/ours | "
                  "ours/cp | ours/(cp+sync) | ours MB/s | stock peak MB | ours peak MB | ours peak - fixed MB | "
                  "largest state MB |")
@@ -254,23 +309,25 @@ def markdown(results: list[dict], meta: dict) -> str:
             return f"{md[tool]['peak_rss'] / 1e6:.0f}" if tool in md else "-"
 
         ours_rss = md["ours"]["peak_rss"] if "ours" in md else None
+        label = r["name"] + (" (synthetic)" if r.get("synthetic") else "")
         lines.append(
-            f"| {r['name']} | {r['params'] / 1e6:.1f}M | {r['dp']} | {r['bytes'] / 1e9:.2f} | {r['cache']} | "
+            f"| {label} | {r['params'] / 1e6:.1f}M | {r['dp']} | {r['bytes'] / 1e9:.2f} | {r['cache']} | "
             + " | ".join(f"{s(t):.2f}" if s(t) else "-" for t in TOOLS)
-            + f" | {fmt_ratio(s('stock'), s('ours'))} | {fmt_ratio(s('ours'), s('cp'))} | "
-              f"{fmt_ratio(s('ours'), s('cp+sync'))} | "
+            + f" | {ratio(r, 'stock/ours')} | {ratio(r, 'ours/cp')} | {ratio(r, 'ours/cp+sync')} | "
               f"{(r['bytes'] / s('ours') / 1e6) if s('ours') else 0:.0f} | {rss('stock')} | {rss('ours')} | "
               f"{(ours_rss - meta['baseline_rss']) / 1e6 if ours_rss else 0:.0f} | "
               f"{r['largest_param_state_bytes'] / 1e6:.0f} |")
     return "\n".join(lines) + "\n"
 
 
-def update_readme(table: str) -> None:
+def update_readme(cache: str, table: str) -> None:
+    """Replace the README block of this cache mode (``<!-- bench-convert:<cache>:begin/end -->``)."""
+    begin, end = f"<!-- bench-convert:{cache}:begin -->", f"<!-- bench-convert:{cache}:end -->"
     text = README.read_text() if README.exists() else ""
-    block = f"{BEGIN}\n{table}{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
+    block = f"{begin}\n{table}{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
         text = head + block + tail
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
@@ -279,8 +336,9 @@ def update_readme(table: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="+", choices=sorted(mk.SPECS), help="checkpoints to run (default: the suite)")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", nargs="+", choices=sorted(set(mk.SPECS) | set(SYNTHETIC)),
+                    help="checkpoints to run (default: the suite)")
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--workers", type=int, default=2, help="workers for both converters (default 2)")
     ap.add_argument("--cache", choices=("warm", "cold", "both"), default="warm")
     ap.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
@@ -288,7 +346,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-verify", action="store_true", help="skip the bit-exact check of our outputs")
     ap.add_argument("--name", default="latest", help="results file name (benchmarks/results/<name>.{json,md})")
     ap.add_argument("--no-readme", action="store_true", help="do not update the README table")
+    ap.add_argument("--render", nargs="+", metavar="NAME",
+                    help="only rebuild the README tables from saved results/<NAME>.json (no runs)")
     args = ap.parse_args(argv)
+    if args.render:
+        for name in args.render:
+            data = json.loads((RESULTS_DIR / f"{name}.json").read_text())
+            for cache in ("warm", "cold"):
+                rows = [r for r in data["results"] if r["cache"] == cache]
+                if rows:
+                    update_readme(cache, markdown(rows, data["meta"]))
+        return 0
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     names = args.only or list(SUITE)
     caches = ("warm", "cold") if args.cache == "both" else (args.cache,)
@@ -296,7 +364,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     scratch = Path(args.scratch) if args.scratch else Path(tempfile.mkdtemp(prefix="scratch-", dir=mk.CACHE_DIR))
     scratch.mkdir(parents=True, exist_ok=True)
     meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "baseline_rss": baseline_rss(),
+            "startup_seconds": startup_probe(),
             "command": "python benchmarks/bench_convert.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    if "m25-dp8-as-dp768" in names:
+        meta["metadata_probe"] = metadata_probe("m25-dp8-as-dp768")
     results = []
     try:
         for name in names:
@@ -307,12 +378,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not args.scratch:
             shutil.rmtree(scratch, ignore_errors=True)
     meta["machine"]["load_average_end"] = os.getloadavg()
-    table = markdown(results, meta)
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / f"{args.name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    tables = []
+    for cache in caches:
+        table = markdown([r for r in results if r["cache"] == cache], meta)
+        tables.append(table)
+        if not args.no_readme:
+            update_readme(cache, table)
+    table = "\n".join(tables)
     (RESULTS_DIR / f"{args.name}.md").write_text(table)
-    if not args.no_readme:
-        update_readme(table)
     print(table)
     return 0
 

@@ -2,12 +2,14 @@
 
 Call order: :func:`convert` resolves the source, reads metadata of every rank file (memory-mapped,
 no tensor bytes), builds and checks the :class:`~megatron_ucp.plan.ConversionPlan`, opens the
-staging sibling, then writes this share's parameters: each parameter is assembled once, state by
-state, from the contiguous run of rank files that hold its fragments, and written once. There are
-no per-fragment temporary files; memory is bounded by the largest parameter's largest state plus
-the rank files' mapped pages. Work is split deterministically by bytes between shares (e.g. one
-converter per node) and, inside a share, between writer threads. The last share to finish
-writes the common files, verifies completeness, and commits (see :mod:`megatron_ucp.universal`).
+staging sibling, then writes this share's parameters: each state file is written once, straight
+from the fragments in the memory-mapped rank files (:mod:`megatron_ucp.torchfile`: the bytes
+``torch.save`` would write, without assembling the tensor first), and the pages read are released
+as soon as the file is written. There are no per-fragment temporary files; resident memory is
+bounded by the state being written in each writer thread. Work is split deterministically by
+bytes between shares (e.g. one converter per node) and, inside a share, between writer threads.
+The last share to finish writes the common files, verifies completeness, and commits (see
+:mod:`megatron_ucp.universal`).
 """
 from __future__ import annotations
 
@@ -285,6 +287,8 @@ class _Writer:
         """
         with self._lock:
             pending, self._pending = self._pending, []
+        # then the folders holding them (their entries), so the commit's directory pass finds them clean
+        pending += sorted({p.parent for p in pending}, key=str)
 
         def sync(path: Path) -> None:
             try:
@@ -292,13 +296,16 @@ class _Writer:
             except OSError as exc:
                 raise UcpError(f"{path}: fsync failed: {exc.strerror or exc}", subject=path) from exc
 
-        if len(pending) <= 1:
-            for path in pending:
-                sync(path)
-            return
-        with ThreadPoolExecutor(max_workers=min(FSYNC_THREADS, len(pending)), thread_name_prefix="ucp-fsync") as pool:
-            for _ in pool.map(sync, pending):
-                pass
+        files = [p for p in pending if not p.is_dir()]
+        folders = [p for p in pending if p.is_dir()]
+        for batch in (files, folders):
+            if len(batch) <= 1:
+                for path in batch:
+                    sync(path)
+                continue
+            with ThreadPoolExecutor(max_workers=min(FSYNC_THREADS, len(batch)), thread_name_prefix="ucp-fsync") as pool:
+                for _ in pool.map(sync, batch):
+                    pass
 
 
 def _write_chunk(chunk: _Chunk, writer: "_Writer", on_param: Optional[Callable[[int], None]] = None) -> int:
@@ -520,6 +527,9 @@ def _write_params(mine: Sequence[ParamPlan], plan: ConversionPlan, steps: tuple,
     chunks = [_Chunk(params=tuple(ps), groups=plan.groups, steps=steps, zero_dir=zero_dir)
               for ps in split_by_bytes(mine, parts, per_group) if ps]
     writer = _Writer(RankFileCache(list(meta.files.rank_files)), fast_writer_available())
+    prefetch = [meta.files.model_states] if options.share_count == 1 else []  # the committer copies it
+    prefetch += [meta.files.rank_files[r] for r in sorted({i.rank for p in mine for i in p.items})]
+    threading.Thread(target=osio.read_ahead, args=(prefetch,), name="ucp-readahead", daemon=True).start()
     if not writer.fast:
         log.info("writing with torch.save (the direct writer does not match this torch's format)")
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {meta.files.tag_dir.name}",

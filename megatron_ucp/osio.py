@@ -5,6 +5,8 @@
   count in its RSS); ``MADV_DONTNEED`` on a private, unmodified file mapping drops them again
   (the page cache keeps them), so resident memory stays at the parameter being written, not the
   checkpoint. ``MADV_WILLNEED`` starts readahead for the next one (cold caches).
+* :func:`read_ahead`: ``posix_fadvise(WILLNEED)`` on the files a share reads, at its start, so the
+  disk streams them while the first parameters are being written (cold caches).
 * :func:`start_writeback`: ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` starts writing a finished
   file to disk without waiting, so the final ``fsync`` of each file finds little left to do and
   the disk works while the next file is produced.
@@ -63,6 +65,24 @@ def done_with(address: int, nbytes: int, bounds: tuple[int, int]) -> None:
     start = max(lo, address - address % FAULT_AROUND)
     end = min(hi, address + nbytes + (-(address + nbytes)) % FAULT_AROUND)
     _madvise(start, end, MADV_DONTNEED)
+
+
+def read_ahead(paths: "list[os.PathLike | str]") -> None:
+    """Ask the kernel to start reading these files into the page cache (no wait; cached files: cheap)."""
+    advice = getattr(os, "POSIX_FADV_WILLNEED", None)
+    if advice is None:
+        return
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, advice)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def start_writeback(fd: int) -> None:
