@@ -160,8 +160,10 @@ def _open_store(launch: LaunchEnv, output: Path, attempt_id: Optional[str], time
             host, port, size = path.read_text().split()
             if int(size) != launch.world_size:
                 raise UcpError(f"{path}: published for world size {size}, this process has {launch.world_size}")
-            return dist.TCPStore(host, int(port), launch.world_size, is_master=False,
-                                 timeout=datetime.timedelta(seconds=min(30.0, timeout)))
+            store = dist.TCPStore(host, int(port), launch.world_size, is_master=False,
+                                  timeout=datetime.timedelta(seconds=min(30.0, timeout)))  # a stale file fails fast
+            store.set_timeout(td)
+            return store
         except (OSError, ValueError, RuntimeError) as exc:  # not there yet, half-written, stale, refused
             last_error = exc
             time.sleep(0.2)

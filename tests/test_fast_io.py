@@ -6,7 +6,6 @@ import pickle
 import sys
 import textwrap
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
