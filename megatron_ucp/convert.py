@@ -34,8 +34,8 @@ from . import osio
 from .errors import CheckpointFormatError, OutputExistsError, UcpError
 from .lightpickle import PICKLE_MODULE, needs_light_pickler
 from .plan import ConversionPlan, GroupPlan, ParamPlan, build_plan, share_of, split_by_bytes
-from .reader import (CheckpointMeta, RankFile, ResolvedCheckpoint, human_bytes, load_torch_file, read_checkpoint,
-                     resolve_checkpoint)
+from .reader import (CheckpointMeta, RankFile, ResolvedCheckpoint, find_checkpoint_files, human_bytes, load_torch_file,
+                     read_checkpoint, resolve_checkpoint)
 from .torchfile import TensorSpec, FastWriterUnsupported, fast_writer_available, tensor_bytes, write_tensor_file
 from .universal import (COMPLETE, Staging, latest_universal_target, read_manifest, universal_state,
                         write_latest_universal)
@@ -321,9 +321,9 @@ def _write_chunk(chunk: _Chunk, writer: "_Writer", on_param: Optional[Callable[[
     return written
 
 
-def _group_steps(meta: CheckpointMeta, plan: ConversionPlan) -> tuple[Any, ...]:
+def _group_steps(meta: CheckpointMeta, plan: ConversionPlan, cache: RankFileCache) -> tuple[Any, ...]:
     """The optimizer step of each group (rank 0's object); every rank must agree (they step together)."""
-    first = RankFile(meta.files.rank_files[0], 0)
+    first = cache.get(0)
     steps = []
     for g in plan.groups:
         value = first.step(g.index)
@@ -353,9 +353,9 @@ def _frozen_params(meta: CheckpointMeta, plan: ConversionPlan) -> dict[str, torc
     return out
 
 
-def _write_common(staging: Staging, meta: CheckpointMeta, plan: ConversionPlan) -> list[str]:
+def _write_common(staging: Staging, meta: CheckpointMeta, plan: ConversionPlan, cache: RankFileCache) -> list[str]:
     """optimizer_state.pt, the model-states file(s), and fp32 of frozen parameters."""
-    common = RankFile(meta.files.rank_files[0], 0).common_state()
+    common = cache.get(0).common_state()
     _save(common, staging.path / F.UNIVERSAL_ZERO_DIR / F.UNIVERSAL_OPTIMIZER_STATE_FILE)
     for src in sorted(meta.files.tag_dir.iterdir()):
         if F.MODEL_FILE_RE.match(src.name):
@@ -436,9 +436,13 @@ def convert(options: ConvertOptions) -> ConvertResult:
     if not os.access(output.parent, os.W_OK):
         raise UcpError(f"{output.parent}: not writable", subject=output.parent)
 
-    meta = read_checkpoint(ck.tag_dir)
+    # Each rank file is opened (mapped, metadata unpickled) once: the metadata pass, the step check,
+    # the writers and the common state all use the same cached objects.
+    files = find_checkpoint_files(ck.tag_dir)
+    cache = RankFileCache(list(files.rank_files))
+    meta = read_checkpoint(ck.tag_dir, rank_files=[cache.get(r) for r in range(len(files.rank_files))])
     plan = plan_checkpoint(meta)
-    steps = _group_steps(meta, plan)
+    steps = _group_steps(meta, plan, cache)
     mine = share_of(plan, options.share_index, options.share_count)
     try:
         staging = Staging(output, plan.fingerprint(), options.share_index, options.share_count, options.attempt_id,
@@ -449,12 +453,12 @@ def convert(options: ConvertOptions) -> ConvertResult:
     log.info("converting %s (DP=%d, %s, DeepSpeed %s): %d params, share %d/%d -> %s", ck.tag_dir, meta.dp, meta.kind,
              meta.ds_version, len(mine), options.share_index + 1, options.share_count, output)
     try:
-        written = _write_params(mine, plan, steps, meta, staging, options)
+        written = _write_params(mine, plan, steps, meta, staging, options, cache)
         staging.mark_share_done({"share": options.share_index, "params": len(mine), "bytes": written,
                                  "host": socket.gethostname(), "pid": os.getpid()})
         committed = False
         if staging.claim_commit():
-            frozen = _write_common(staging, meta, plan)
+            frozen = _write_common(staging, meta, plan, cache)
             if options.verify_complete:
                 check_complete(staging.path, plan, frozen)
             shares = staging.shares_done()
@@ -511,7 +515,7 @@ def _abandon(staging: Staging, options: ConvertOptions, exc: BaseException) -> N
 
 
 def _write_params(mine: Sequence[ParamPlan], plan: ConversionPlan, steps: tuple, meta: CheckpointMeta,
-                  staging: Staging, options: ConvertOptions) -> int:
+                  staging: Staging, options: ConvertOptions, cache: RankFileCache) -> int:
     """Write this share's parameters with ``options.workers`` threads over contiguous, byte-balanced chunks.
 
     Threads, not processes: the work is system calls (write, madvise, fsync) and zlib's CRC, all of
@@ -526,7 +530,7 @@ def _write_params(mine: Sequence[ParamPlan], plan: ConversionPlan, steps: tuple,
     zero_dir = str(staging.path / F.UNIVERSAL_ZERO_DIR)
     chunks = [_Chunk(params=tuple(ps), groups=plan.groups, steps=steps, zero_dir=zero_dir)
               for ps in split_by_bytes(mine, parts, per_group) if ps]
-    writer = _Writer(RankFileCache(list(meta.files.rank_files)), fast_writer_available())
+    writer = _Writer(cache, fast_writer_available())
     prefetch = [meta.files.model_states] if options.share_count == 1 else []  # the committer copies it
     prefetch += [meta.files.rank_files[r] for r in sorted({i.rank for p in mine for i in p.items})]
     threading.Thread(target=osio.read_ahead, args=(prefetch,), name="ucp-readahead", daemon=True).start()
