@@ -63,7 +63,6 @@ class ConvertOptions:
     threads: int = 1
     progress: bool = True
     stale_after: float = 60.0
-    start_method: str = "forkserver"
     verify_complete: bool = True
     on_progress: Optional[Callable[[int, int], None]] = field(default=None, compare=False)
     """Called in the converting process as parameters finish: (bytes done, bytes expected) of this share."""
