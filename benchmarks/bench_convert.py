@@ -155,13 +155,15 @@ def tool_argv(tool: str, tag: Path, out: Path, workers: int) -> list[list[str]]:
     raise ValueError(tool)
 
 
-def baseline_rss() -> int:
-    """Resident memory of a process that has imported the converter and nothing more (the fixed overhead)."""
-    code = ("import megatron_ucp.convert, megatron_ucp.cli, psutil, os; "
-            "print(psutil.Process(os.getpid()).memory_info().rss)")
+def baseline_rss() -> tuple[int, bool]:
+    """Resident memory of a process that has imported the converter and nothing more (the fixed
+    overhead), and whether that import brought torch in."""
+    code = ("import sys, megatron_ucp.convert, megatron_ucp.cli, megatron_ucp.commands.convert, psutil, os; "
+            "print(psutil.Process(os.getpid()).memory_info().rss, int('torch' in sys.modules))")
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    return int(subprocess.run([python(), "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT,
-                              check=True).stdout.split()[-1])
+    rss, torch_imported = subprocess.run([python(), "-c", code], capture_output=True, text=True, env=env,
+                                         cwd=REPO_ROOT, check=True).stdout.split()[-2:]
+    return int(rss), bool(int(torch_imported))
 
 
 def startup_probe(reps: int = 5) -> float:
@@ -282,12 +284,13 @@ def markdown(results: list[dict], meta: dict) -> str:
                  f"{', '.join(f'{x:.1f}' for x in m['load_average_start'])} (a shared machine: medians, ratios "
                  f"from runs interleaved in one session). Run {meta['date']}, `{meta['command']}`.")
     lines.append("")
+    runtime = "Python + torch" if meta.get("converter_imports_torch", True) else "Python; the converter does not import torch"
     lines.append(f"Times: medians over the repetitions; ratios: the median of the per-repetition ratios. Fixed "
                  f"overhead: a process that has only imported the converter holds {meta['baseline_rss'] / 1e6:.0f} MB "
-                 f"(Python + torch). Peak RSS: the sum over the process tree, sampled every 10 ms.")
+                 f"({runtime}). Peak RSS: the sum over the process tree, sampled every 10 ms.")
     lines.append("")
     if meta.get("startup_seconds"):
-        lines.append(f"Start-up: a process that starts and imports the converter (Python + torch) takes "
+        lines.append(f"Start-up: a process that starts and imports the converter ({runtime}) takes "
                      f"{meta['startup_seconds']:.2f} s (median of 5): included in every `ours` time.")
         lines.append("")
     probe = meta.get("metadata_probe")
@@ -363,8 +366,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     mk.CACHE_DIR.mkdir(parents=True, exist_ok=True)
     scratch = Path(args.scratch) if args.scratch else Path(tempfile.mkdtemp(prefix="scratch-", dir=mk.CACHE_DIR))
     scratch.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "baseline_rss": baseline_rss(),
-            "startup_seconds": startup_probe(),
+    rss, torch_imported = baseline_rss()
+    meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "baseline_rss": rss,
+            "converter_imports_torch": torch_imported, "startup_seconds": startup_probe(),
             "command": "python benchmarks/bench_convert.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     if "m25-dp8-as-dp768" in names:
         meta["metadata_probe"] = metadata_probe("m25-dp8-as-dp768")

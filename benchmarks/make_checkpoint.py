@@ -150,7 +150,8 @@ def synthesize(src_name: str, dp: int) -> str:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     sys.path.insert(0, str(REPO_ROOT))
-    from megatron_ucp.convert import RankFileCache, assemble_state
+    from megatron_ucp.convert import RankFileCache
+    from megatron_ucp.verify import assemble_state
     from megatron_ucp.geometry import GroupGeometry
     from megatron_ucp.plan import build_plan
     from megatron_ucp.reader import read_checkpoint

@@ -604,11 +604,11 @@ class Converter:
                              self.node)
         t0 = time.perf_counter()
         try:
-            log.info("converting %s, share %d of %d (attempt %s, %d worker(s), %d thread(s))", job.tag, share + 1,
-                     job.share_count, job.attempt, self.settings.workers, self.settings.threads)
+            log.info("converting %s, share %d of %d (attempt %s, %d worker(s))", job.tag, share + 1,
+                     job.share_count, job.attempt, self.settings.workers)
             result = convert(ConvertOptions(
                 source=self.root / job.tag, output=output, workers=self.settings.workers,
-                threads=self.settings.threads, force=False, update_latest=False, share_index=share,
+                force=False, update_latest=False, share_index=share,
                 share_count=job.share_count, attempt_id=job.attempt, progress=False,
                 stale_after=self.settings.stale_after, on_progress=progress))
             log.info("%s", result.summary)
@@ -698,11 +698,10 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
 
 def run_converter(root: Path, node: int, nodes: int, settings: ConverterSettings) -> int:
     priority = lower_priority(settings.nice)
-    import torch
-
-    torch.set_num_threads(settings.threads)
-    log.info("converter of node %d/%d for %s: priority %s, %d worker(s) x %d thread(s)", node, nodes, root, priority,
-             settings.workers, settings.threads)
+    # No torch here: the converter reads and writes torch files without it (OMP_NUM_THREADS, set by
+    # converter_env, bounds torch's threads where a rare fallback imports it).
+    log.info("converter of node %d/%d for %s: priority %s, %d worker(s)", node, nodes, root, priority,
+             settings.workers)
     return Converter(root, node, nodes, settings).run()
 
 

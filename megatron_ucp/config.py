@@ -32,7 +32,8 @@ class UcpConfig:
     converter_workers: int = 1
     """Worker processes per converter (each node runs one converter)."""
     converter_threads: int = 1
-    """torch intra-op threads per converter worker."""
+    """OpenMP / torch threads of each converter process (``OMP_NUM_THREADS``); the converter only
+    imports torch for rare fallbacks (states of 4 GB and more, frozen non-fp32 parameters)."""
     ranks_per_node: Optional[int] = None
     """Processes per node, to pick one converter per node; None reads LOCAL_WORLD_SIZE / launcher env."""
     converter_exit_wait: int = 900

@@ -5,7 +5,8 @@ no tensor bytes), builds and checks the :class:`~megatron_ucp.plan.ConversionPla
 staging sibling, then writes this share's parameters: each state file is written once, straight
 from the fragments in the memory-mapped rank files (:mod:`megatron_ucp.torchfile`: the bytes
 ``torch.save`` would write, without assembling the tensor first), and the pages read are released
-as soon as the file is written. There are no per-fragment temporary files; resident memory is
+as soon as the file is written. Nothing on this path imports torch (files are read by
+:mod:`megatron_ucp.torchload`); ``torch.save`` is the fallback for what the direct writer refuses. There are no per-fragment temporary files; resident memory is
 bounded by the state being written in each writer thread. Work is split deterministically by
 bytes between shares (e.g. one converter per node) and, inside a share, between writer threads.
 The last share to finish writes the common files, verifies completeness, and commits (see
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-import torch
 from tqdm import tqdm
 
 from . import __version__
@@ -34,9 +34,10 @@ from . import osio
 from .errors import CheckpointFormatError, OutputExistsError, UcpError
 from .lightpickle import PICKLE_MODULE, needs_light_pickler
 from .plan import ConversionPlan, GroupPlan, ParamPlan, build_plan, share_of, split_by_bytes
-from .reader import (CheckpointMeta, RankFile, ResolvedCheckpoint, find_checkpoint_files, human_bytes, load_torch_file,
-                     read_checkpoint, resolve_checkpoint)
-from .torchfile import TensorSpec, FastWriterUnsupported, fast_writer_available, tensor_bytes, write_tensor_file
+from .rawtensor import RawTensor, torch_tensors_from_raw
+from .reader import (CheckpointMeta, RankFile, ResolvedCheckpoint, find_checkpoint_files, human_bytes, read_checkpoint,
+                     resolve_checkpoint)
+from .torchfile import FastWriterUnsupported, TensorSpec, save_object, write_tensor_file
 from .universal import (COMPLETE, Staging, latest_universal_target, read_manifest, universal_state,
                         write_latest_universal)
 
@@ -60,7 +61,6 @@ class ConvertOptions:
     share_count: int = 1
     attempt_id: Optional[str] = None
     """Shares of one conversion pass the same id so they join one staging folder."""
-    threads: int = 1
     progress: bool = True
     stale_after: float = 60.0
     verify_complete: bool = True
@@ -68,8 +68,8 @@ class ConvertOptions:
     """Called in the converting process as parameters finish: (bytes done, bytes expected) of this share."""
 
     def __post_init__(self) -> None:
-        if self.workers < 1 or self.threads < 1:
-            raise UcpError(f"workers and threads must be >= 1 (got {self.workers}, {self.threads})")
+        if self.workers < 1:
+            raise UcpError(f"workers must be >= 1 (got {self.workers})")
         if not 0 <= self.share_index < self.share_count:
             raise UcpError(f"share index {self.share_index} out of range for {self.share_count} shares")
 
@@ -105,16 +105,19 @@ def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
 class RankFileCache:
     """Memory-mapped rank files shared by the writer threads, opened on first use.
 
-    Opening a rank file maps it and unpickles its metadata (no tensor bytes): a few MB of address
-    space and ~2 ms each, so by default every file stays open (a parameter at DP=768 spans up to
-    hundreds of ranks, and a small cache would reopen them for every state). ``capacity`` bounds
-    the number open; the least recently used is closed first. :meth:`mapped` tells whether a
-    tensor's bytes are file-backed, which is what makes dropping its pages after use safe.
+    Opening a rank file maps it and unpickles its metadata (no tensor bytes): address space and
+    under a millisecond each, so by default every file stays open (a parameter at DP=768 spans up
+    to hundreds of ranks, and a small cache would reopen them for every state). Each mapping holds
+    a file descriptor: the soft limit on open files is raised towards the hard one when needed,
+    and ``capacity`` (default: what the limit allows, at most 4096) bounds the number open; the
+    least recently used is dropped first. :meth:`mapped_bounds` tells whether a rank's tensors are
+    file-backed, which is what makes dropping their pages after use safe.
     """
 
     def __init__(self, paths: Sequence[Path], capacity: Optional[int] = None):
         self.paths = list(paths)
-        self.capacity = capacity if capacity is not None else max(16, min(len(self.paths), 4096))
+        self.capacity = capacity if capacity is not None else max(16, min(len(self.paths), 4096,
+                                                                           _descriptors_for(len(self.paths))))
         self._open: OrderedDict[int, RankFile] = OrderedDict()
         self._bounds: dict[int, Optional[tuple[int, int]]] = {}
         self._lock = threading.Lock()
@@ -125,7 +128,7 @@ class RankFileCache:
             if rf is None:
                 rf = RankFile(self.paths[rank], rank)
                 self._open[rank] = rf
-                self._bounds[rank] = _mapped_bounds(rf) if _is_zip(self.paths[rank]) else None
+                self._bounds[rank] = _mapped_bounds(rf)
                 while len(self._open) > self.capacity:
                     old, _ = self._open.popitem(last=False)
                     self._bounds.pop(old, None)
@@ -135,8 +138,8 @@ class RankFileCache:
 
     def mapped_bounds(self, rank: int) -> Optional[tuple[int, int]]:
         """An address range inside ``rank``'s file mapping that covers its state tensors, or None when
-        its tensors are not file-backed (zip-format files are loaded with mmap by
-        :func:`~megatron_ucp.reader.load_torch_file`; legacy ones are read into memory)."""
+        its tensors are not file-backed (zip-format files are mapped by
+        :func:`~megatron_ucp.reader.load_raw`; legacy ones are read into memory)."""
         with self._lock:
             return self._bounds.get(rank)
 
@@ -146,51 +149,68 @@ def _mapped_bounds(rf: RankFile) -> Optional[tuple[int, int]]:
     for g in range(rf.num_groups):
         for state in rf.state_names(g):
             t = rf.state_tensor(g, state)
+            if not t.storage.mapped or not t.data_ptr():
+                return None
             if t.numel():
-                spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+                spans.append((t.data_ptr(), t.data_ptr() + t.nbytes))
     return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None
 
 
-def _is_zip(path: Path) -> bool:
+def _descriptors_for(wanted: int) -> int:
+    """Raise the soft limit on open files so ``wanted`` more fit (up to the hard limit); how many fit."""
     try:
-        with open(path, "rb") as fh:
-            return fh.read(4) == b"PK\x03\x04"
-    except OSError:
-        return False
+        import resource
+    except ImportError:  # not POSIX
+        return wanted
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + 256  # stdio, writers, fsync threads, the staging folder
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return wanted if soft == resource.RLIM_INFINITY else max(16, soft - 256)
+
+
+def torch_save_forced() -> bool:
+    """``MEGATRON_UCP_TORCH_SAVE=1`` writes every file with torch.save (an escape hatch; slower)."""
+    return os.environ.get("MEGATRON_UCP_TORCH_SAVE") == "1"
 
 
 def _save(obj: Any, path: Path, durable: bool = True) -> int:
-    """torch.save (+ fsync when ``durable``); a failed write (disk full, quota, I/O error) names the file.
+    """Write ``obj`` as ``torch.save`` would (+ fsync when ``durable``); a failed write names the file.
 
-    Objects read while DeepSpeed was not imported may hold stand-ins for DeepSpeed classes
-    (:mod:`megatron_ucp.lightpickle`); they are written back as the original classes.
+    Tensors are :class:`RawTensor`; the direct writer handles them without torch, and torch.save
+    (imported here) the rest. Objects read while DeepSpeed was not imported may hold stand-ins for
+    DeepSpeed classes (:mod:`megatron_ucp.lightpickle`); both write them back as the originals.
     """
-    extra = {"pickle_module": PICKLE_MODULE} if needs_light_pickler() else {}
     try:
         with open(path, "wb") as fh:
-            torch.save(obj, fh, **extra)
-            fh.flush()
+            try:
+                if torch_save_forced():
+                    raise FastWriterUnsupported("MEGATRON_UCP_TORCH_SAVE=1")
+                save_object(obj, path, fd=fh.fileno())
+            except FastWriterUnsupported:
+                import torch
+
+                fh.seek(0)
+                fh.truncate()
+                extra = {"pickle_module": PICKLE_MODULE} if needs_light_pickler() else {}
+                torch.save(torch_tensors_from_raw(obj), fh, **extra)
+                fh.flush()
             if durable:
                 os.fsync(fh.fileno())
             else:
                 osio.start_writeback(fh.fileno())
-            return fh.tell()
+            return os.fstat(fh.fileno()).st_size
     except (OSError, RuntimeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise UcpError(f"{path}: write failed: {reason}", subject=path) from exc
 
 
-def assemble_state(p: ParamPlan, state: str, cache: RankFileCache) -> torch.Tensor:
-    """One state of one parameter, in its output shape, from its fragments (the single copy)."""
-    dtype = cache.get(p.items[0].rank).state_tensor(p.group, state).dtype if p.items else torch.float32
-    out = torch.empty(p.out_numel, dtype=dtype)
-    for item in p.items:
-        src = cache.get(item.rank).state_tensor(p.group, state)
-        out.narrow(0, item.dst_offset, item.length).copy_(src.narrow(0, item.src_offset, item.length))
-    return out.view(p.out_shape)
-
-
-def universal_entry(p: ParamPlan, tensor: torch.Tensor) -> dict:
+def universal_entry(p: ParamPlan, tensor: Any) -> dict:
     """The dict DeepSpeed's universal loader reads from ``zero/<param>/<state>.pt``."""
     entry: dict[str, Any] = {F.PARAM: tensor, F.CAT_DIM: p.cat_dim}
     if p.vocab_tensor:
@@ -220,14 +240,14 @@ class _Writer:
     writeback is started as each file is finished and :meth:`make_durable` fsyncs them at the end.
     """
 
-    def __init__(self, cache: RankFileCache, fast: bool):
+    def __init__(self, cache: RankFileCache, fast: bool = True):
         self.cache = cache
         self.fast = fast
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._pending: list[Path] = []
 
-    def _sources(self, p: ParamPlan, state: str) -> list[tuple[int, torch.Tensor]]:
+    def _sources(self, p: ParamPlan, state: str) -> list[tuple[int, RawTensor]]:
         return [(item.rank, self.cache.get(item.rank).state_tensor(p.group, state)
                  .narrow(0, item.src_offset, item.length)) for item in p.items]
 
@@ -237,7 +257,7 @@ class _Writer:
         sources = {state: self._sources(p, state) for state in group.states}
         for parts in sources.values():  # readahead for this parameter (cold caches)
             for rank, t in parts:
-                osio.will_need(t.data_ptr(), t.numel() * t.element_size())
+                osio.will_need(t.data_ptr(), t.nbytes)
         nbytes = 0
         written: list[Path] = []
         for state in group.states:
@@ -247,7 +267,7 @@ class _Writer:
             for rank, t in sources[state]:  # this process is done with these pages
                 bounds = self.cache.mapped_bounds(rank)
                 if bounds is not None:
-                    osio.done_with(t.data_ptr(), t.numel() * t.element_size(), bounds)
+                    osio.done_with(t.data_ptr(), t.nbytes, bounds)
         if group.has_step:
             path = folder / f"{F.STEP_STATE}.pt"
             nbytes += _save(step, path, durable=False)
@@ -256,15 +276,15 @@ class _Writer:
             self._pending.extend(written)
         return nbytes
 
-    def _write_state(self, p: ParamPlan, parts: list[tuple[int, torch.Tensor]], path: Path) -> int:
-        if self.fast and parts and all(t.is_contiguous() for _, t in parts):
+    def _write_state(self, p: ParamPlan, parts: list[tuple[int, RawTensor]], path: Path) -> int:
+        if self.fast and parts:
             dtype = parts[0][1].dtype
             if all(t.dtype == dtype for _, t in parts):
                 entry = universal_entry(p, TensorSpec(dtype, p.out_shape))
                 try:
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
                     try:
-                        size = write_tensor_file(path, entry, [tensor_bytes(t) for _, t in parts], fd=fd)
+                        size = write_tensor_file(path, entry, [t.bytes_view() for _, t in parts], fd=fd)
                         osio.start_writeback(fd)
                     finally:
                         os.close(fd)
@@ -273,9 +293,17 @@ class _Writer:
                     pass
                 except OSError as exc:
                     raise UcpError(f"{path}: write failed: {exc.strerror or exc}", subject=path) from exc
-        out = torch.empty(p.out_numel, dtype=parts[0][1].dtype if parts else torch.float32)
+        return self._torch_save_state(p, parts, path)
+
+    @staticmethod
+    def _torch_save_state(p: ParamPlan, parts: list[tuple[int, RawTensor]], path: Path) -> int:
+        """Assemble the state in memory and torch.save it (files the direct writer refuses)."""
+        import torch
+
+        dtype = getattr(torch, parts[0][1].dtype.name) if parts else torch.float32
+        out = torch.empty(p.out_numel, dtype=dtype)
         for item, (_, t) in zip(p.items, parts):
-            out.narrow(0, item.dst_offset, item.length).copy_(t)
+            out.narrow(0, item.dst_offset, item.length).copy_(t.to_torch())
         return _save(universal_entry(p, out.view(p.out_shape)), path, durable=False)
 
     def make_durable(self) -> None:
@@ -331,11 +359,11 @@ def _group_steps(meta: CheckpointMeta, plan: ConversionPlan, cache: RankFileCach
                 raise CheckpointFormatError(f"{meta.files.rank_files[r]}: optimizer step {meta.steps[r][g.index]} of "
                                             f"param group {g.index} differs from rank 0's {meta.steps[0][g.index]}",
                                             subject=meta.files.rank_files[r])
-        steps.append(value.clone() if torch.is_tensor(value) else value)
+        steps.append(value)
     return tuple(steps)
 
 
-def _frozen_params(meta: CheckpointMeta, plan: ConversionPlan) -> dict[str, torch.Tensor]:
+def _frozen_params(meta: CheckpointMeta, plan: ConversionPlan) -> dict[str, RawTensor]:
     """Module parameters the optimizer does not hold (frozen): stock writes their fp32 too."""
     module = meta.model.raw.get("module") or {}
     buffers = set(meta.model.raw.get("buffer_names") or ())
@@ -344,7 +372,7 @@ def _frozen_params(meta: CheckpointMeta, plan: ConversionPlan) -> dict[str, torc
     frozen_shapes = meta.model.raw.get("frozen_param_shapes") or {}
     out = {}
     for name, tensor in module.items():
-        if name in planned or name in buffers or name in shared or not torch.is_tensor(tensor):
+        if name in planned or name in buffers or name in shared or not isinstance(tensor, RawTensor):
             continue
         if frozen_shapes and name not in frozen_shapes:
             continue
@@ -365,8 +393,15 @@ def _write_common(staging: Staging, meta: CheckpointMeta, plan: ConversionPlan, 
     for name, tensor in frozen.items():
         folder = staging.path / F.UNIVERSAL_ZERO_DIR / name
         folder.mkdir(parents=True, exist_ok=True)
-        _save({F.PARAM: tensor.float().clone()}, folder / f"{F.FP32_STATE}.pt")
+        _save({F.PARAM: _as_fp32(tensor)}, folder / f"{F.FP32_STATE}.pt")
     return sorted(frozen)
+
+
+def _as_fp32(tensor: RawTensor) -> Any:
+    """fp32 of a frozen parameter (a torch tensor when it must be converted: torch does the rounding)."""
+    if tensor.dtype.name == "float32" and tensor.is_contiguous():
+        return tensor
+    return tensor.to_torch().float().clone()
 
 
 def check_complete(folder: Path, plan: ConversionPlan, frozen: Iterable[str] = ()) -> None:
@@ -529,12 +564,12 @@ def _write_params(mine: Sequence[ParamPlan], plan: ConversionPlan, steps: tuple,
     zero_dir = str(staging.path / F.UNIVERSAL_ZERO_DIR)
     chunks = [_Chunk(params=tuple(ps), groups=plan.groups, steps=steps, zero_dir=zero_dir)
               for ps in split_by_bytes(mine, parts, per_group) if ps]
-    writer = _Writer(cache, fast_writer_available())
+    writer = _Writer(cache, fast=not torch_save_forced())
     prefetch = [meta.files.model_states] if options.share_count == 1 else []  # the committer copies it
     prefetch += [meta.files.rank_files[r] for r in sorted({i.rank for p in mine for i in p.items})]
     threading.Thread(target=osio.read_ahead, args=(prefetch,), name="ucp-readahead", daemon=True).start()
     if not writer.fast:
-        log.info("writing with torch.save (the direct writer does not match this torch's format)")
+        log.info("writing with torch.save (MEGATRON_UCP_TORCH_SAVE=1)")
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {meta.files.tag_dir.name}",
                disable=not options.progress, leave=False)
     written = 0

@@ -3,9 +3,10 @@
 Call order: :func:`resolve_checkpoint` (a root holding ``latest`` or a tag folder) ->
 :func:`find_checkpoint_files` (validates the set of files) -> :func:`read_checkpoint` (metadata
 of every rank file into pure :class:`~megatron_ucp.plan.RankLayout` values, plus the model
-states). Rank files are loaded memory-mapped, so reading metadata touches no tensor bytes and a
-converter reads each fragment's bytes exactly once when it copies them. Every problem raises
-:class:`CheckpointFormatError` naming the file.
+states). Files are loaded memory-mapped and without torch (:func:`load_raw`: tensors are
+:class:`~megatron_ucp.rawtensor.RawTensor`), so reading metadata touches no tensor bytes, a
+converter reads each fragment's bytes exactly once when it copies them, and a conversion does not
+pay torch's import. Every problem raises :class:`CheckpointFormatError` naming the file.
 """
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import torch
-
 from . import dsformat as F
 from .errors import CheckpointFormatError, UnsupportedError
 from .geometry import PaddingStyle
 from .lightpickle import PICKLE_MODULE
 from .plan import Fragment, OutputRules, ParamSpec, RankGroupLayout, RankLayout
+from .rawtensor import RawTensor, raw_tensors_from_torch
+from .torchload import TorchNeeded
+from .torchload import load as load_without_torch
 from .versions import BF16_LAST_RANK_PADDING_UNTIL, ZERO_PER_RANK_PADDING_SINCE, check_file_version
 
 log = logging.getLogger(__name__)
@@ -117,14 +119,20 @@ def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
                            rank_files=tuple(tag_dir / by_rank[r] for r in range(dp)))
 
 
-def load_torch_file(path: Path, mmap: bool = True) -> Any:
-    """``torch.load`` on CPU, memory-mapped when the file format allows; corrupt files get a clear error."""
+def _check_size(path: Path) -> None:
     try:
         size = path.stat().st_size
     except OSError as exc:
         raise CheckpointFormatError(f"{path}: cannot read: {exc.strerror}", subject=path) from exc
     if size == 0:
         raise CheckpointFormatError(f"{path}: empty file (truncated write?)", subject=path)
+
+
+def load_torch_file(path: Path, mmap: bool = True) -> Any:
+    """``torch.load`` on CPU, memory-mapped when the file format allows; corrupt files get a clear error."""
+    import torch
+
+    _check_size(path)
     # DeepSpeed objects inside (fragment_address, ZeroStageEnum, LossScaler) load as stand-ins while
     # deepspeed is not imported: importing it costs ~2 s; see megatron_ucp.lightpickle.
     pm = PICKLE_MODULE
@@ -142,17 +150,36 @@ def load_torch_file(path: Path, mmap: bool = True) -> Any:
                                     f"{type(exc).__name__}: {exc}", subject=path) from exc
 
 
+def load_raw(path: Path) -> Any:
+    """A torch file's object with tensors as :class:`RawTensor`: read without torch when possible.
+
+    Zip-format files (torch >= 1.6, every DeepSpeed checkpoint this tool reads) are mapped and
+    unpickled by :mod:`megatron_ucp.torchload`; files it does not rebuild faithfully (legacy
+    format, unusual torch objects) and damaged ones go through ``torch.load``, whose tensors are
+    then wrapped: the result is the same, and so are the errors.
+    """
+    path = Path(path)
+    _check_size(path)
+    try:
+        return load_without_torch(path)
+    except TorchNeeded as why:
+        log.debug("%s: reading with torch.load (%s)", path, why)
+    except Exception as exc:  # damaged: let torch.load produce the diagnosis
+        log.debug("%s: not readable without torch (%s: %s)", path, type(exc).__name__, exc)
+    return raw_tensors_from_torch(load_torch_file(path, mmap=True))
+
+
 def _is_state_tensor(value: Any) -> bool:
-    return torch.is_tensor(value) and value.dim() > 0
+    return isinstance(value, RawTensor) and value.dim() > 0
 
 
 class RankFile:
     """One rank's ``*_optim_states.pt``: metadata as pure values, tensors as flat views (mmap)."""
 
-    def __init__(self, path: Path, dp_rank: int, mmap: bool = True):
+    def __init__(self, path: Path, dp_rank: int):
         self.path = Path(path)
         self.dp_rank = dp_rank
-        raw = load_torch_file(self.path, mmap=mmap)
+        raw = load_raw(self.path)
         if not isinstance(raw, dict) or not isinstance(raw.get(F.OPTIMIZER_STATE_DICT), dict):
             raise CheckpointFormatError(f"{self.path}: no '{F.OPTIMIZER_STATE_DICT}' dict: not a ZeRO optimizer-state "
                                         "file", subject=self.path)
@@ -208,11 +235,15 @@ class RankFile:
             names.append(str(key))
         return names
 
-    def state_tensor(self, g: int, state: str) -> torch.Tensor:
+    def state_tensor(self, g: int, state: str) -> RawTensor:
+        """The flat partition of one state of group ``g`` (a view of the mapped file)."""
         if state == "fp32":
             t = self.sd[F.SINGLE_PARTITION_OF_FP32_GROUPS][g]
         else:
             t = self._group_states[g][state]
+        if not isinstance(t, RawTensor) or not t.is_contiguous():
+            raise CheckpointFormatError(f"{self.path}: state {state!r} of param group {g} is not a contiguous tensor "
+                                        f"({t!r:.80})", subject=self.path)
         return t.reshape(-1)
 
     def step(self, g: int) -> Any:
@@ -284,8 +315,8 @@ class ModelStates:
             two_sub_param_patterns=tuple(info.get(F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0, ()) or ()))
 
 
-def read_model_states(path: Path, mmap: bool = True) -> ModelStates:
-    raw = load_torch_file(path, mmap=mmap)
+def read_model_states(path: Path) -> ModelStates:
+    raw = load_raw(path)
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"{path}: not a DeepSpeed model-states dict", subject=path)
     shapes = raw.get(F.PARAM_SHAPES)
@@ -380,10 +411,6 @@ def read_checkpoint(tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = No
     return CheckpointMeta(files=files, model=model, layouts=layouts, kind=kinds.pop(), ds_version=versions.pop(),
                           saved_with_ucp=all(ucp), zero_stage=int(stage) if stage is not None else None,
                           steps=steps)
-
-
-def tensor_nbytes(numel: int, dtype: torch.dtype) -> int:
-    return numel * torch.empty((), dtype=dtype).element_size()
 
 
 def human_bytes(n: float) -> str:

@@ -103,7 +103,7 @@ _HELP = {
     "async_convert": "convert every saved tag to the universal layout in the background",
     "keep_last": "keep at most N universal folders per checkpoint root ('all': keep every one)",
     "converter_workers": "worker processes per converter (one converter per node)",
-    "converter_threads": "torch intra-op threads per converter worker",
+    "converter_threads": "OpenMP/torch threads of each converter process (torch is only used for rare fallbacks)",
     "converter_exit_wait": "seconds a node waits at exit for its background converter to finish (0: do not wait)",
     "ranks_per_node": "processes per node, to run one converter per node (default: LOCAL_WORLD_SIZE)",
     "allow_untested_deepspeed": "install the hooks on a DeepSpeed version they were not written for",

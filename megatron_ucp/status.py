@@ -150,13 +150,13 @@ def _is_native_tag(path: Path) -> bool:
 
 
 def _native_dp(tag_dir: Path) -> Optional[int]:
-    from .reader import load_torch_file
+    from .reader import load_raw
 
     path = tag_dir / F.MODEL_STATES_FILE
     if not path.is_file():
         return None
     try:
-        states = load_torch_file(path, mmap=True)
+        states = load_raw(path)
     except CheckpointFormatError:
         return None
     dp = states.get(F.DP_WORLD_SIZE) if isinstance(states, dict) else None

@@ -1,19 +1,23 @@
-"""Write one-tensor ``torch.save`` files straight from memory-mapped fragments (the converter's hot path).
+"""Write ``torch.save`` files without torch: straight from memory-mapped fragments (the hot path).
 
 ``torch.save`` needs the tensor in one contiguous buffer, so a parameter whose elements live in
 several rank files must first be assembled (one extra copy of every byte) and then goes through
-torch's writer. :func:`write_tensor_file` writes the same file directly: the small records
-(pickle, format markers) are built in memory, the tensor record's bytes are written with
-``os.write`` from the fragments themselves (memory-mapped rank files: the only copy is the
-kernel's, into the page cache), and its CRC-32 is computed on the way (zlib, the GIL released).
-Nothing is assembled, so memory does not grow with the parameter.
+torch's writer; and importing torch costs more than converting a 1.4 GB checkpoint. This module
+writes torch's zip format itself:
 
-The output is byte-for-byte what ``torch.save({...}, path)`` writes for the same dict, except the
-40-digit ``.data/serialization_id`` record (torch derives it internally; readers only log it).
-:func:`fast_writer_available` proves this once per process against the installed torch on small
-samples (bf16/fp32, the universal-entry keys); when it does not hold (another torch version's
-layout), callers fall back to ``torch.save``. Files of 4 GB or more (zip64 record fields) and
-empty tensors are refused (:class:`FastWriterUnsupported`) and the caller falls back as well.
+* :func:`write_tensor_file`: a universal entry (``{"param": tensor, "cat_dim": ...}``) whose tensor
+  is given as ``pieces``, buffers (memoryviews of mapped rank-file bytes) written in order with
+  ``os.write``: the only copy is the kernel's, into the page cache; the CRC-32 is computed on the
+  way (zlib, the GIL released). Nothing is assembled, so memory does not grow with the parameter.
+* :func:`save_object`: any picklable object whose tensors are :class:`~megatron_ucp.rawtensor.RawTensor`
+  (the step, the common optimizer state); each tensor is written as a storage of its own, as
+  ``torch.save`` writes a ``clone()``.
+
+The output is byte-for-byte what ``torch.save`` writes for the same object with torch 2.13 (the
+tests prove it against the installed torch: :func:`matches_torch_save`), except the 40-digit
+``.data/serialization_id`` record (torch derives it internally; readers only log it). torch >= 1.6
+reads the format. Files of 4 GB or more (zip64 record fields) and empty tensors are refused
+(:class:`FastWriterUnsupported`): callers fall back to ``torch.save``.
 """
 from __future__ import annotations
 
@@ -21,16 +25,18 @@ import collections
 import functools
 import hashlib
 import logging
-import math
 import os
 import pickle
 import struct
+import sys
 import tempfile
 import zlib
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-import torch
+from .lightpickle import Pickler as _LightPickler
+from .lightpickle import stand_in_class
+from .rawtensor import DTYPES, DType, RawTensor, contiguous_stride
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,8 @@ ALIGNMENT = 64
 _CHUNK = 1 << 20
 """CRC and write in pieces this large, so the bytes the CRC just read are still in cache."""
 _ZIP32_LIMIT = 0xFFFFFFFF - (1 << 16)
+_PROTOCOL = 2
+"""torch.save's pickle protocol."""
 
 _LFH = struct.Struct("<IHHHHHIIIHH")       # local file header
 _DD = struct.Struct("<IIII")               # data descriptor (crc, sizes)
@@ -53,56 +61,92 @@ class FastWriterUnsupported(ValueError):
     """A file this writer does not produce (zip64 sizes, an empty tensor's record): use torch.save."""
 
 
+def as_dtype(dtype: Any) -> DType:
+    """A :class:`DType` from itself, a ``torch.dtype`` or its name."""
+    if isinstance(dtype, DType):
+        return dtype
+    name = str(dtype).replace("torch.", "")
+    if name not in DTYPES:
+        raise FastWriterUnsupported(f"dtype {dtype} is not supported")
+    return DTYPES[name]
+
+
 class TensorSpec:
     """Stands for the tensor of an entry: dtype and shape only (the bytes come as ``pieces``)."""
 
-    def __init__(self, dtype: torch.dtype, shape: Sequence[int]):
-        self.dtype = dtype
+    def __init__(self, dtype: Any, shape: Sequence[int]):
+        self.dtype = as_dtype(dtype)
         self.shape = tuple(int(d) for d in shape)
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
-
-    def __reduce_ex__(self, protocol: int) -> tuple:
-        stride, acc = [], 1
-        for d in reversed(self.shape):
-            stride.append(acc)
-            acc *= max(d, 1)
-        return (torch._utils._rebuild_tensor_v2,
-                (_StorageSpec(self.dtype, self.numel), 0, self.shape, tuple(reversed(stride)), False,
-                 collections.OrderedDict()))
+        return self.numel * self.dtype.itemsize
 
 
-class _StorageSpec:
-    def __init__(self, dtype: torch.dtype, numel: int):
-        self.dtype = dtype
-        self.numel = numel
+class _StorageRecord:
+    """A storage to write: its key, dtype, element count, and its bytes (None: given as pieces)."""
+
+    def __init__(self, key: str, dtype: DType, numel: int, data: Optional[memoryview]):
+        self.key, self.dtype, self.numel, self.data = key, dtype, numel, data
 
 
-@functools.lru_cache(maxsize=None)
-def _storage_class(dtype: torch.dtype) -> Any:
-    from torch.storage import _dtype_to_storage_type_map
-
-    return getattr(torch, _dtype_to_storage_type_map()[dtype])
+_REBUILD_TENSOR = ("torch._utils", "_rebuild_tensor_v2")
 
 
-class _EntryPickler(pickle.Pickler):
+class _TorchPickler(_LightPickler):
+    """Pickles like ``torch.save``: tensors as ``_rebuild_tensor_v2`` over numbered storage records."""
+
+    def __init__(self, file: Any):
+        super().__init__(file, protocol=_PROTOCOL)
+        self.storages: list[_StorageRecord] = []
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, TensorSpec):
+            record = self._add(obj.dtype, obj.numel, None)
+        elif isinstance(obj, RawTensor):
+            if not obj.is_contiguous():
+                raise FastWriterUnsupported("a non-contiguous tensor")
+            record = self._add(obj.dtype, obj.numel(), obj.bytes_view())
+        elif _is_torch_tensor(obj):
+            raise FastWriterUnsupported("a torch.Tensor (torch.save writes those)")
+        else:
+            return NotImplemented
+        return (stand_in_class(*_REBUILD_TENSOR),
+                (record, 0, obj.shape, contiguous_stride(obj.shape), False, collections.OrderedDict()))
+
+    def _add(self, dtype: DType, numel: int, data: Optional[memoryview]) -> _StorageRecord:
+        record = _StorageRecord(str(len(self.storages)), dtype, numel, data)
+        self.storages.append(record)
+        return record
+
     def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, _StorageSpec):
-            return ("storage", _storage_class(obj.dtype), "0", "cpu", obj.numel)
+        if isinstance(obj, _StorageRecord):
+            return ("storage", stand_in_class("torch", obj.dtype.storage), obj.key, "cpu", obj.numel)
         return None
+
+
+def _is_torch_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.is_tensor(obj)
+
+
+def _pickle(obj: Any) -> tuple[bytes, list[_StorageRecord]]:
+    buf = _BytesSink()
+    pickler = _TorchPickler(buf)
+    pickler.dump(obj)
+    return buf.value(), pickler.storages
 
 
 def entry_pickle(entry: dict) -> bytes:
     """``data.pkl`` of ``torch.save(entry)`` where the one :class:`TensorSpec` value is the tensor."""
-    buf = _BytesSink()
-    _EntryPickler(buf, protocol=2).dump(entry)
-    return buf.value()
+    return _pickle(entry)[0]
 
 
 class _BytesSink:
@@ -178,9 +222,54 @@ def _write_all(fd: int, data: Any) -> None:
         view = view[n:]
 
 
-def _serialization_id(pkl: bytes, crc: int, size: int) -> bytes:
-    digest = hashlib.blake2b(pkl + struct.pack("<IQ", crc, size), digest_size=16).digest()
+def _serialization_id(pkl: bytes, crcs: Sequence[int], size: int) -> bytes:
+    digest = hashlib.blake2b(pkl + b"".join(struct.pack("<I", c) for c in crcs) + struct.pack("<Q", size),
+                             digest_size=16).digest()
     return f"{int.from_bytes(digest, 'little') % 10 ** 40:040d}".encode()
+
+
+def _check_sizes(path: Path, records: Sequence[_StorageRecord], pkl: bytes) -> None:
+    total = sum(r.numel * r.dtype.itemsize for r in records) + len(pkl)
+    if total + 8192 + 128 * len(records) > _ZIP32_LIMIT:
+        raise FastWriterUnsupported(f"{path}: {total} bytes needs zip64 fields")
+    if any(r.numel == 0 for r in records):  # torch writes an empty record without a data descriptor
+        raise FastWriterUnsupported(f"{path}: empty tensor")
+
+
+def _write_file(path: Path, pkl: bytes, storages: Sequence[Sequence[memoryview]], fd: Optional[int], crc: bool,
+                serialization_id: Optional[bytes]) -> int:
+    """The records of a torch file, in torch.save's order; storage ``i``'s bytes are ``storages[i]``."""
+    arc = _Archive(archive_name(path), crc)
+    head = b"".join((arc.small("data.pkl", pkl), arc.small(".format_version", b"1"),
+                     arc.small(".storage_alignment", str(ALIGNMENT).encode()), arc.small("byteorder", b"little")))
+    own = fd is None
+    if own:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        crcs, total = [], 0
+        for key, pieces in enumerate(storages):
+            head += arc.open_large(f"data/{key}")
+            _write_all(fd, head)
+            value = size = 0
+            for piece in pieces:
+                for start in range(0, len(piece), _CHUNK):
+                    part = piece[start:start + _CHUNK]
+                    if crc:
+                        value = zlib.crc32(part, value)
+                    _write_all(fd, part)
+                size += len(piece)
+            head = arc.close_large(value, size)
+            crcs.append(value)
+            total += size
+        tail = head + arc.small("version", b"3\n")
+        sid = serialization_id if serialization_id is not None else _serialization_id(pkl, crcs, total)
+        tail += arc.small(".data/serialization_id", sid)
+        directory = arc.directory()
+        _write_all(fd, tail + directory)
+    finally:
+        if own:
+            os.close(fd)
+    return arc.cursor + len(directory)
 
 
 def write_tensor_file(path: os.PathLike | str, entry: dict, pieces: Iterable[Any], *, fd: Optional[int] = None,
@@ -200,60 +289,37 @@ def write_tensor_file(path: os.PathLike | str, entry: dict, pieces: Iterable[Any
     size = sum(len(p) for p in pieces)
     if size != spec.nbytes:
         raise ValueError(f"{path}: pieces hold {size} bytes, the tensor {spec.shape} {spec.dtype} needs {spec.nbytes}")
-    if size + 8192 > _ZIP32_LIMIT:
-        raise FastWriterUnsupported(f"{path}: {size} bytes needs zip64 fields")
-    if size == 0:  # torch writes an empty record without a data descriptor
-        raise FastWriterUnsupported(f"{path}: empty tensor")
-    pkl = entry_pickle(entry)
-    arc = _Archive(archive_name(path), crc)
-    head = b"".join((arc.small("data.pkl", pkl), arc.small(".format_version", b"1"),
-                     arc.small(".storage_alignment", str(ALIGNMENT).encode()), arc.small("byteorder", b"little"),
-                     arc.open_large("data/0")))
-    own = fd is None
-    if own:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        _write_all(fd, head)
-        value = 0
-        for piece in pieces:
-            for start in range(0, len(piece), _CHUNK):
-                part = piece[start:start + _CHUNK]
-                if crc:
-                    value = zlib.crc32(part, value)
-                _write_all(fd, part)
-        tail = arc.close_large(value, size) + arc.small("version", b"3\n")
-        sid = serialization_id if serialization_id is not None else _serialization_id(pkl, value, size)
-        tail += arc.small(".data/serialization_id", sid)
-        directory = arc.directory()
-        _write_all(fd, tail + directory)
-    finally:
-        if own:
-            os.close(fd)
-    return arc.cursor + len(directory)
+    pkl, records = _pickle(entry)
+    _check_sizes(path, records, pkl)
+    return _write_file(path, pkl, [pieces], fd, crc, serialization_id)
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (alive as long as ``t``'s storage is)."""
+def save_object(obj: Any, path: os.PathLike | str, *, fd: Optional[int] = None) -> int:
+    """``torch.save(obj, path)`` for objects whose tensors are :class:`RawTensor` (each its own storage).
+
+    DeepSpeed stand-ins (:mod:`megatron_ucp.lightpickle`) pickle back as the original classes.
+    Returns the file size; not durable by itself.
+    """
+    path = Path(path)
+    pkl, records = _pickle(obj)
+    _check_sizes(path, records, pkl)
+    return _write_file(path, pkl, [[r.data] for r in records], fd, True, None)
+
+
+def tensor_bytes(t: Any) -> memoryview:
+    """The bytes of a contiguous :class:`RawTensor` or CPU ``torch.Tensor``, without a copy."""
+    if isinstance(t, RawTensor):
+        return t.bytes_view()
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError("tensor_bytes needs a contiguous CPU tensor")
     if t.numel() == 0:
         return memoryview(b"")
+    import torch
+
     return memoryview(t.view(torch.uint8).numpy()) if t.dtype != torch.uint8 else memoryview(t.numpy())
 
 
-# --- self-check against torch.save ------------------------------------------------------------------
-def _samples() -> list[tuple[str, dict, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(5, 7, generator=g)
-    b = torch.randn(129, generator=g)
-    c = torch.randn(3, 64, generator=g).to(torch.bfloat16)
-    return [
-        ("fp32.pt", {"param": a, "cat_dim": 0}, a),
-        ("exp_avg_sq.pt", {"param": b, "cat_dim": 0, "vocab_tensor": True}, b),
-        ("exp_avg.pt", {"param": c, "cat_dim": 1, "param_n_sub_params": 2}, c),
-    ]
-
-
+# --- proof against torch.save (tests; diagnostics) -----------------------------------------------
 def _serialization_id_of(path: Path) -> bytes:
     import zipfile
 
@@ -263,40 +329,33 @@ def _serialization_id_of(path: Path) -> bytes:
 
 
 @functools.lru_cache(maxsize=None)
-def fast_writer_available() -> bool:
-    """Whether :func:`write_tensor_file` reproduces the installed torch's ``torch.save`` bytes."""
-    if os.environ.get("MEGATRON_UCP_TORCH_SAVE") == "1":
-        log.info("MEGATRON_UCP_TORCH_SAVE=1: writing with torch.save")
-        return False
-    try:
-        get, set_ = torch.serialization.get_crc32_options, torch.serialization.set_crc32_options
-    except AttributeError:
-        get = set_ = None
-    try:
-        with tempfile.TemporaryDirectory(prefix="megatron-ucp-selfcheck-") as tmp:
-            for i, (name, entry, tensor) in enumerate(_samples()):
-                ref, ours = Path(tmp) / f"ref{i}" / name, Path(tmp) / f"ours{i}" / name
-                ref.parent.mkdir()
-                ours.parent.mkdir()
-                previous = get() if get is not None else None
-                if set_ is not None:
-                    set_(True)
-                try:
-                    torch.save(entry, ref)
-                finally:
-                    if set_ is not None and previous is not None:
-                        set_(previous)
-                spec_entry = {k: (TensorSpec(v.dtype, v.shape) if v is tensor else v) for k, v in entry.items()}
-                write_tensor_file(ours, spec_entry, [tensor_bytes(tensor.contiguous())],
-                                  serialization_id=_serialization_id_of(ref))
-                if ref.read_bytes() != ours.read_bytes():
-                    log.info("fast writer disabled: its %s differs from torch %s's torch.save", name,
-                             torch.__version__)
-                    return False
-                back = torch.load(ours, weights_only=False)
-                if not torch.equal(back["param"], tensor):
-                    return False
-    except Exception as exc:  # any surprise: use torch.save, which is always right
-        log.info("fast writer disabled (%s: %s)", type(exc).__name__, exc)
-        return False
+def matches_torch_save() -> bool:
+    """Whether this module writes the installed torch's ``torch.save`` bytes (imports torch)."""
+    import torch
+
+    from .rawtensor import from_torch
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(5, 7, generator=g)
+    b = torch.randn(129, generator=g)
+    c = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    samples = [("fp32.pt", {"param": a, "cat_dim": 0}), ("exp_avg_sq.pt", {"param": b, "cat_dim": 0, "vocab_tensor": True}),
+               ("exp_avg.pt", {"param": c, "cat_dim": 1, "param_n_sub_params": 2}), ("step.pt", torch.tensor(7.0))]
+    with tempfile.TemporaryDirectory(prefix="megatron-ucp-selfcheck-") as tmp:
+        for i, (name, obj) in enumerate(samples):
+            ref, ours = Path(tmp) / f"ref{i}" / name, Path(tmp) / f"ours{i}" / name
+            ref.parent.mkdir()
+            ours.parent.mkdir()
+            torch.save(obj, ref)
+            sid = _serialization_id_of(ref)
+            if isinstance(obj, dict):
+                t = obj["param"]
+                entry = {k: (TensorSpec(v.dtype, v.shape) if v is t else v) for k, v in obj.items()}
+                write_tensor_file(ours, entry, [tensor_bytes(t)], serialization_id=sid)
+            else:
+                pkl, records = _pickle(from_torch(obj))
+                _write_file(ours, pkl, [[r.data] for r in records], None, True, sid)
+            if ref.read_bytes() != ours.read_bytes():
+                log.info("the direct writer's %s differs from torch %s's torch.save", name, torch.__version__)
+                return False
     return True

@@ -33,7 +33,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", type=Path, help="output folder (default: ROOT/<tag>_universal)")
     p.add_argument("--workers", type=int, default=1,
                    help="parallel writers (threads) in this process (default 1; the number of cores is a good choice)")
-    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)  # no effect since writers are threads
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--no-latest", action="store_true", help="do not update ROOT/latest_universal")
     p.add_argument("--share", type=_share, default=(0, 1), metavar="I/N",
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if count > 1 and not args.attempt_id:
         raise UcpError("--share I/N needs --attempt-id (the same for all N converters)")
     result = convert(ConvertOptions(source=args.root, tag=args.tag, output=args.output, workers=args.workers,
-                                    threads=args.threads, force=args.force,
+                                    force=args.force,
                                     update_latest=False if args.no_latest else None, share_index=index,
                                     share_count=count, attempt_id=args.attempt_id, progress=not args.no_progress))
     print(result.summary)
@@ -76,7 +75,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
         raise UcpError("--distributed: no launcher environment (RANK/WORLD_SIZE from torchrun, PMI_RANK/PMI_SIZE or "
                        "PALS_RANKID from mpiexec, OMPI_COMM_WORLD_RANK/SIZE, SLURM_PROCID/SLURM_NTASKS)")
     options = ConvertOptions(source=args.root, tag=args.tag, output=args.output, workers=args.workers,
-                             threads=args.threads, force=args.force,
+                             force=args.force,
                              update_latest=False if args.no_latest else None, attempt_id=args.attempt_id,
                              progress=not args.no_progress and launch.rank == 0)
     try:

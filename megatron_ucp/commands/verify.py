@@ -5,8 +5,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..verify import verify_universal
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check a universal checkpoint (completeness; bit-exact with --source)",
@@ -19,6 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..verify import verify_universal  # imports torch: only for this command
+
     report = verify_universal(args.universal_dir, args.source, progress=not args.no_progress)
     for problem in report.problems[:50]:
         print(f"  {problem}", file=sys.stderr)

@@ -354,7 +354,7 @@ def _convert_or_wait(source: Path, twin: Path, share: tuple[int, int], attempt: 
     from ..universal import COMPLETE, ConversionInProgress, inspect_staging, universal_state
 
     options = ConvertOptions(source=source, output=twin, workers=config.converter_workers,
-                             threads=config.converter_threads, update_latest=from_latest,
+                             update_latest=from_latest,
                              share_index=share[0], share_count=share[1], attempt_id=attempt, progress=False)
     for _ in range(2):
         try:

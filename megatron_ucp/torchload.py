@@ -1,0 +1,182 @@
+"""Load ``torch.save`` files (the zip format, torch >= 1.6) without importing torch.
+
+A torch file is an uncompressed zip: ``<name>/data.pkl`` (a pickle whose tensors refer to storage
+records by key) and one ``<name>/data/<key>`` record per storage. :func:`load` maps the file
+privately (copy-on-write, like ``torch.load(mmap=True)``), unpickles ``data.pkl`` and returns its
+object with every tensor as a :class:`~megatron_ucp.rawtensor.RawTensor` over the mapped bytes:
+nothing but the pickle is read until a tensor's bytes are used.
+
+Only what DeepSpeed and Megatron checkpoints hold is rebuilt: plain tensors and parameters,
+storages of the dtypes in :data:`~megatron_ucp.rawtensor.DTYPES`, ``torch.Size``, dtypes and
+devices (as stand-ins that pickle back to the same global). Classes of ``deepspeed`` and
+``megatron`` load as stand-ins while those packages are not imported (see
+:mod:`megatron_ucp.lightpickle`). Anything else from torch (tensor subclasses, sparse or quantized
+tensors, backward hooks), the legacy non-zip format, big-endian files and compressed records
+raise :class:`TorchNeeded`: the caller then uses ``torch.load``, which is always right.
+"""
+from __future__ import annotations
+
+import ctypes
+import io
+import mmap
+import os
+import struct
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from .lightpickle import Unpickler as _LightUnpickler
+from .lightpickle import stand_in_class
+from .rawtensor import DTYPE_BY_STORAGE, DTYPES, UNTYPED_STORAGE, RawTensor, Storage
+
+__all__ = ["TorchNeeded", "load", "is_zip_file"]
+
+_LFH = struct.Struct("<IHHHHHIIIHH")
+_STAND_IN_ROOTS = ("megatron",)
+"""Besides ``deepspeed`` (lightpickle's): packages that import torch, so never imported to unpickle."""
+
+
+class TorchNeeded(Exception):
+    """The file needs torch to be read faithfully (the reason is the message)."""
+
+
+def is_zip_file(path: os.PathLike | str) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
+
+
+class TorchSize(tuple):
+    """``torch.Size`` without torch: a tuple that pickles back as ``torch.Size``."""
+
+    def __reduce__(self) -> tuple:
+        return (stand_in_class("torch", "Size"), (tuple(self),))
+
+
+class _StorageType:
+    def __init__(self, name: str):
+        self.name = name
+        self.dtype = DTYPES["uint8"] if name == UNTYPED_STORAGE else DTYPE_BY_STORAGE[name]
+
+
+def _rebuild_tensor_v2(storage: Storage, storage_offset: int, size: Any, stride: Any, requires_grad: bool = False,
+                       backward_hooks: Any = None, metadata: Any = None) -> RawTensor:
+    if backward_hooks:
+        raise TorchNeeded("a tensor with backward hooks")
+    if metadata:
+        raise TorchNeeded("a tensor with Python attributes")
+    return RawTensor(storage, storage_offset, tuple(size), tuple(stride), requires_grad)
+
+
+def _rebuild_parameter(data: RawTensor, requires_grad: bool, backward_hooks: Any = None) -> RawTensor:
+    if backward_hooks:
+        raise TorchNeeded("a parameter with backward hooks")
+    if not isinstance(data, RawTensor):
+        raise TorchNeeded("a parameter that is not a plain tensor")
+    return RawTensor(data.storage, data.offset, data.shape, data.stride_, requires_grad)
+
+
+_TORCH_GLOBALS = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch", "Size"): TorchSize,
+}
+
+
+class _Unpickler(_LightUnpickler):
+    def __init__(self, file: Any, archive: "_Archive"):
+        super().__init__(file)
+        self.archive = archive
+        self.storages: dict[str, Storage] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        root = module.split(".", 1)[0]
+        if root == "torch":
+            found = _TORCH_GLOBALS.get((module, name))
+            if found is not None:
+                return found
+            if module == "torch" and (name in DTYPE_BY_STORAGE or name == UNTYPED_STORAGE):
+                return _StorageType(name)
+            if module == "torch" and (name in DTYPES or name == "device"):
+                return stand_in_class(module, name)
+            raise TorchNeeded(f"{module}.{name}")
+        if root in _STAND_IN_ROOTS and root not in sys.modules:
+            return stand_in_class(module, name)
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Storage:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
+            raise TorchNeeded(f"persistent id {pid!r:.80}")
+        _, kind, key, _location, numel = pid
+        key = str(key)
+        storage = self.storages.get(key)
+        if storage is None:
+            storage = self.archive.storage(key, kind.dtype, int(numel))
+            self.storages[key] = storage
+        return storage
+
+
+class _Archive:
+    """The records of one mapped torch zip file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as fh:
+            if fh.read(4) != b"PK\x03\x04":
+                raise TorchNeeded("not a zip-format torch file (legacy serialization)")
+            fh.seek(0)
+            with zipfile.ZipFile(fh) as z:
+                infos = z.infolist()
+            self.map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)  # private, like torch's mmap load
+        anchor = ctypes.c_char.from_buffer(self.map)
+        self.address = ctypes.addressof(anchor)
+        del anchor  # the address stays valid while the mapping is open (every view keeps it open)
+        pickles = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+        if len(pickles) != 1:
+            raise TorchNeeded(f"{len(pickles)} data.pkl records")
+        self.prefix = pickles[0].filename[:-len("data.pkl")]
+        self.records = {i.filename[len(self.prefix):]: i for i in infos if i.filename.startswith(self.prefix)}
+
+    def record(self, name: str) -> tuple[int, int]:
+        """(offset of the data, size) of a record."""
+        info = self.records.get(name)
+        if info is None:
+            raise zipfile.BadZipFile(f"no record {self.prefix}{name}")
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise TorchNeeded(f"compressed record {name}")
+        head = _LFH.unpack_from(self.map, info.header_offset)
+        if head[0] != 0x04034B50:
+            raise zipfile.BadZipFile(f"bad local header for {self.prefix}{name}")
+        start = info.header_offset + _LFH.size + head[9] + head[10]
+        if start + info.file_size > len(self.map):
+            raise zipfile.BadZipFile(f"record {self.prefix}{name} runs past the end of the file")
+        return start, info.file_size
+
+    def bytes(self, name: str) -> bytes:
+        start, size = self.record(name)
+        return self.map[start:start + size]
+
+    def storage(self, key: str, dtype: Any, numel: int) -> Storage:
+        start, size = self.record(f"data/{key}")
+        if size < numel * dtype.itemsize:
+            raise zipfile.BadZipFile(f"storage {key} holds {size} bytes, needs {numel * dtype.itemsize}")
+        data = memoryview(self.map)[start:start + numel * dtype.itemsize]
+        return Storage(key=key, dtype=dtype, numel=numel, data=data, address=self.address + start, mapped=True)
+
+
+def load(path: os.PathLike | str) -> Any:
+    """The object ``torch.load(path, mmap=True)`` would return, with tensors as :class:`RawTensor`.
+
+    Raises :class:`TorchNeeded` when only torch can rebuild it, ``zipfile.BadZipFile`` /
+    ``pickle.UnpicklingError`` / ``EOFError`` when the file is damaged.
+    """
+    archive = _Archive(Path(path))
+    order = archive.records.get("byteorder")
+    if order is not None and archive.bytes("byteorder") != b"little":
+        raise TorchNeeded("a big-endian file")
+    unpickler = _Unpickler(io.BytesIO(archive.bytes("data.pkl")), archive)
+    return unpickler.load()
+
