@@ -145,15 +145,16 @@ class RankFileCache:
 
 
 def _mapped_bounds(rf: RankFile) -> Optional[tuple[int, int]]:
-    spans = []
-    for g in range(rf.num_groups):
-        for state in rf.state_names(g):
-            t = rf.state_tensor(g, state)
-            if not t.storage.mapped or not t.data_ptr():
-                return None
-            if t.numel():
-                spans.append((t.data_ptr(), t.data_ptr() + t.nbytes))
-    return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None
+    """The rank file's whole mapping, in which its mapped state tensors lie (None: none is mapped).
+
+    Storages smaller than a page are read, not mapped (:mod:`megatron_ucp.torchload`): they
+    hold no pages to release.
+    """
+    storages = [rf.state_tensor(g, state).storage for g in range(rf.num_groups) for state in rf.state_names(g)]
+    regions = {s.region for s in storages if s.mapped}
+    if len(regions) != 1 or None in regions:
+        return None
+    return regions.pop()
 
 
 def _descriptors_for(wanted: int) -> int:
@@ -257,7 +258,8 @@ class _Writer:
         sources = {state: self._sources(p, state) for state in group.states}
         for parts in sources.values():  # readahead for this parameter (cold caches)
             for rank, t in parts:
-                osio.will_need(t.data_ptr(), t.nbytes)
+                if t.storage.mapped:
+                    osio.will_need(t.data_ptr(), t.nbytes)
         nbytes = 0
         written: list[Path] = []
         for state in group.states:
@@ -266,7 +268,7 @@ class _Writer:
             written.append(path)
             for rank, t in sources[state]:  # this process is done with these pages
                 bounds = self.cache.mapped_bounds(rank)
-                if bounds is not None:
+                if bounds is not None and t.storage.mapped:
                     osio.done_with(t.data_ptr(), t.nbytes, bounds)
         if group.has_step:
             path = folder / f"{F.STEP_STATE}.pt"

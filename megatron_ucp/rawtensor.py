@@ -64,6 +64,8 @@ class Storage:
     """Address of ``data[0]`` in this process (for ``madvise``); 0 when unknown."""
     mapped: bool
     """True when ``data`` is a private mapping of an unmodified file (pages can be dropped safely)."""
+    region: Optional[tuple[int, int]] = None
+    """When mapped: the address range of the whole file mapping (pages anywhere in it can be dropped)."""
     owner: Any = None
     """Keeps the memory behind ``data`` alive (a torch tensor), when it is not the mapping itself."""
 

@@ -232,3 +232,32 @@ def test_stand_ins_survive_the_round_trip_with_deepspeed_importable(tmp_path, ds
     assert type(back["loss_scaler"]) is type(want["loss_scaler"])
     assert vars(back["loss_scaler"]) == vars(want["loss_scaler"])
     assert back["zero_stage"] == want["zero_stage"] and type(back["zero_stage"]) is type(want["zero_stage"])
+
+
+def mapped_rss_kb(path: Path) -> int:
+    """Resident kB of this process's mappings of ``path`` (Linux smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's first line
+            inside = len(head) >= 6 and head[5] == str(path)
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux only")
+def test_reading_metadata_and_steps_maps_no_tensor_bytes(tmp_path):
+    """Headers, pickle and small storages (steps) are read with pread: the mapping stays cold until
+    tensor bytes are copied (fault-around would otherwise map the neighbours of anything touched)."""
+    path = (tmp_path / "rank.pt").resolve()
+    big = torch.randn(300_000, generator=torch.Generator().manual_seed(0))
+    torch.save({"state": {0: {"step": torch.tensor(5.0), "exp_avg": big}}, "fp32": [big.clone()], "n": 3}, path)
+    path.read_bytes()  # in the page cache
+    obj = torchload.load(path)
+    step, exp_avg = obj["state"][0]["step"], obj["state"][0]["exp_avg"]
+    assert float(step) == 5.0 and not step.storage.mapped and exp_avg.storage.mapped
+    assert exp_avg.storage.region[0] <= exp_avg.data_ptr() < exp_avg.storage.region[1]
+    assert mapped_rss_kb(path) == 0
+    assert bytes(exp_avg.narrow(0, 1000, 10).bytes_view()) == big[1000:1010].numpy().tobytes()
+    assert mapped_rss_kb(path) > 0
