@@ -66,8 +66,8 @@ POLL_S = 1.0
 PROGRESS_EVERY_S = 2.0
 NICE_INCREMENT = 10
 FAULT_PAUSE_ENV = "MEGATRON_UCP_TEST_PAUSE"
-"""Fault injection for tests: ``<tag>:<seconds>:<node>`` makes that node's converter of that tag sleep
-after its first parameter (so a test can kill it mid-way, deterministically)."""
+"""Fault injection for tests: ``<tag>:<seconds>:<node>[,...]`` makes that node's converter of that tag
+sleep after its first parameter (so a test can kill it mid-way, or order events, deterministically)."""
 _LAUNCH_ENV_DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PMI_RANK", "PMI_SIZE", "PMIX_RANK",
                     "PALS_RANKID", "PALS_LOCAL_RANKID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
@@ -517,9 +517,10 @@ class _Progress:
         self.attempt = attempt
         self.last = 0.0
         self.pause = 0.0
-        spec = os.environ.get(FAULT_PAUSE_ENV, "").split(":")
-        if len(spec) == 3 and spec[0] == tag and spec[2] == str(node):
-            self.pause = float(spec[1])
+        for entry in os.environ.get(FAULT_PAUSE_ENV, "").split(","):
+            spec = entry.split(":")
+            if len(spec) == 3 and spec[0] == tag and spec[2] == str(node):
+                self.pause = float(spec[1])
 
     def __call__(self, done: int, total: int) -> None:
         now = time.time()

@@ -10,10 +10,13 @@
 * :func:`start_writeback`: ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` starts writing a finished
   file to disk without waiting, so the final ``fsync`` of each file finds little left to do and
   the disk works while the next file is produced.
+* :func:`exchange`: ``renameat2(RENAME_EXCHANGE)`` swaps two paths atomically, so replacing a
+  committed folder (``convert --force``) never leaves a moment with no folder at that path.
 """
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import sys
@@ -33,6 +36,12 @@ if sys.platform.startswith("linux"):
         _libc.sync_file_range.restype = ctypes.c_int
     except (OSError, AttributeError):
         _libc = None
+_renameat2 = getattr(_libc, "renameat2", None) if _libc is not None else None  # glibc >= 2.28
+if _renameat2 is not None:
+    _renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    _renameat2.restype = ctypes.c_int
+AT_FDCWD = -100
+RENAME_EXCHANGE = 2
 
 
 FAULT_AROUND = 1 << 18
@@ -88,6 +97,18 @@ def read_ahead(paths: "list[os.PathLike | str]") -> None:
 def start_writeback(fd: int) -> None:
     if _libc is not None:
         _libc.sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
+
+
+def exchange(a: os.PathLike | str, b: os.PathLike | str) -> bool:
+    """Atomically swap two existing paths; False where the system or file system cannot (caller renames)."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
 
 
 def fsync_file(path: os.PathLike | str) -> None:

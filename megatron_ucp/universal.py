@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import dsformat as F
+from . import osio
 from .errors import CheckpointFormatError, OutputExistsError, UcpError
 
 log = logging.getLogger(__name__)
@@ -314,9 +315,13 @@ class Staging:
             if not force:
                 raise OutputExistsError(f"{self.output}: appeared while converting; pass --force to replace it",
                                         subject=self.output)
-            trash = self.output.parent / f".{self.output.name}.ucp-trash-{os.getpid()}"
-            os.rename(self.output, trash)
-        os.rename(self.path, self.output)
+            if osio.exchange(self.path, self.output):  # the old folder is now at self.path
+                trash = self.path
+            else:  # two renames: a moment with no folder at self.output
+                trash = self.output.parent / f".{self.output.name}.ucp-trash-{os.getpid()}"
+                os.rename(self.output, trash)
+        if trash != self.path:
+            os.rename(self.path, self.output)
         fsync_path(self.output.parent)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)

@@ -4,7 +4,8 @@ One training run (module fixture) exercises every scenario, because a DeepSpeed 
 a minute on the test machines:
 
 * saves at steps 1, 2, 3 in quick succession: ``global_step1`` converts at once (two converters,
-  one per pretend node, one commit); ``global_step2`` is replaced by ``global_step3`` before its
+  one per pretend node, one commit; node 1's pauses a few seconds, so a save that waited for the
+  conversion would return after the commit); ``global_step2`` is replaced by ``global_step3`` before its
   conversion starts (skipped, reported in the training log); ``global_step3`` converts next;
 * node 0's converter of ``global_step3`` pauses after its first parameter (fault injection) and the
   test SIGKILLs it: nothing looks finished, ``latest_universal`` does not move, the training's
@@ -41,6 +42,9 @@ from tests.dsharness import TrainResult, TrainSpec, run_training
 pytestmark = pytest.mark.slow
 
 KILL_TAG = "global_step3"
+STEP1_PAUSE_S = 3
+"""Node 1's converter of global_step1 pauses this long: the commit cannot come before save returned,
+however fast the converter (it starts in ~0.2 s), unless save waited for it."""
 
 
 @dataclass
@@ -68,7 +72,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> AsyncRun:
     spec = TrainSpec(dp=4, optimizer="bf16", steps=3, save_dir=root, save_at=(1, 2, 3), dump_dir=dumps, plugin=True,
                      plugin_kwargs={"async_convert": True, "ranks_per_node": 2, "keep_last": 1,
                                     "converter_exit_wait": 150},
-                     env={FAULT_PAUSE_ENV: f"{KILL_TAG}:300:0"}, timeout=400)
+                     env={FAULT_PAUSE_ENV: f"global_step1:{STEP1_PAUSE_S}:1,{KILL_TAG}:300:0"}, timeout=400)
     box: dict = {}
     thread = threading.Thread(target=lambda: box.setdefault("result", run_training(spec)), daemon=True)
     thread.start()

@@ -102,7 +102,38 @@ def test_output_exists_needs_force(root, capsys):
     assert main(["convert", str(root), "--no-progress", "--force"]) == 0
     assert snapshot(root / f"{TAG}_universal").keys() == first.keys()
     assert (root / F.LATEST_UNIVERSAL).read_text() == f"{TAG}_universal"
-    assert not list(root.glob(".*ucp-trash*"))
+    assert not list(root.glob(".*ucp-trash*")) and not list(root.glob(".*ucp-staging"))
+
+
+def test_force_replaces_the_folder_in_one_atomic_swap(tmp_path, monkeypatch):
+    """``--force`` swaps the new folder in with renameat2(RENAME_EXCHANGE): the path never goes missing."""
+    from megatron_ucp import osio
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("A")
+    (b / "x").write_text("B")
+    if not osio.exchange(a, b):
+        pytest.skip("renameat2(RENAME_EXCHANGE) unsupported here (the two-rename fallback is used)")
+    assert (a / "x").read_text() == "B" and (b / "x").read_text() == "A"
+    with pytest.raises(FileNotFoundError):
+        osio.exchange(a, tmp_path / "missing")
+    calls = []
+    real = os.rename
+    monkeypatch.setattr(os, "rename", lambda src, dst: (calls.append((str(src), str(dst))), real(src, dst))[1])
+    from megatron_ucp.universal import Staging
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old").write_text("old")
+    staging = Staging(out, "fp", 0, 1, None, 60.0).open()
+    (staging.path / "new").write_text("new")
+    staging.close()
+    staging.commit({"format": "test"}, force=True)
+    assert (out / "new").read_text() == "new" and not (out / "old").exists()
+    assert not any(dst == str(out) or src == str(out) for src, dst in calls)  # no rename of the folder itself
+    assert not list(tmp_path.glob(".out.ucp-*"))
 
 
 def test_unwritable_output(root, capsys, tmp_path):
