@@ -6,8 +6,9 @@ staging sibling, then writes this share's parameters: each state file is written
 from the fragments in the memory-mapped rank files (:mod:`megatron_ucp.torchfile`: the bytes
 ``torch.save`` would write, without assembling the tensor first), and the pages read are released
 as soon as the file is written. Nothing on this path imports torch (files are read by
-:mod:`megatron_ucp.torchload`); ``torch.save`` is the fallback for what the direct writer refuses. There are no per-fragment temporary files; resident memory is
-bounded by the state being written in each writer thread. Work is split deterministically by
+:mod:`megatron_ucp.torchload`); ``torch.save`` is the fallback for what the direct writer
+refuses. There are no per-fragment temporary files; resident memory is bounded by the state
+being written in each writer thread. Work is split deterministically by
 bytes between shares (e.g. one converter per node) and, inside a share, between writer threads.
 The last share to finish writes the common files, verifies completeness, and commits (see
 :mod:`megatron_ucp.universal`).
@@ -110,8 +111,7 @@ class RankFileCache:
     to hundreds of ranks, and a small cache would reopen them for every state). Each mapping holds
     a file descriptor: the soft limit on open files is raised towards the hard one when needed,
     and ``capacity`` (default: what the limit allows, at most 4096) bounds the number open; the
-    least recently used is dropped first. :meth:`mapped_bounds` tells whether a rank's tensors are
-    file-backed, which is what makes dropping their pages after use safe.
+    least recently used is dropped first.
     """
 
     def __init__(self, paths: Sequence[Path], capacity: Optional[int] = None):
@@ -119,7 +119,6 @@ class RankFileCache:
         self.capacity = capacity if capacity is not None else max(16, min(len(self.paths), 4096,
                                                                            _descriptors_for(len(self.paths))))
         self._open: OrderedDict[int, RankFile] = OrderedDict()
-        self._bounds: dict[int, Optional[tuple[int, int]]] = {}
         self._lock = threading.Lock()
 
     def get(self, rank: int) -> RankFile:
@@ -128,33 +127,11 @@ class RankFileCache:
             if rf is None:
                 rf = RankFile(self.paths[rank], rank)
                 self._open[rank] = rf
-                self._bounds[rank] = _mapped_bounds(rf)
                 while len(self._open) > self.capacity:
-                    old, _ = self._open.popitem(last=False)
-                    self._bounds.pop(old, None)
+                    self._open.popitem(last=False)
             else:
                 self._open.move_to_end(rank)
             return rf
-
-    def mapped_bounds(self, rank: int) -> Optional[tuple[int, int]]:
-        """An address range inside ``rank``'s file mapping that covers its state tensors, or None when
-        its tensors are not file-backed (zip-format files are mapped by
-        :func:`~megatron_ucp.reader.load_raw`; legacy ones are read into memory)."""
-        with self._lock:
-            return self._bounds.get(rank)
-
-
-def _mapped_bounds(rf: RankFile) -> Optional[tuple[int, int]]:
-    """The rank file's whole mapping, in which its mapped state tensors lie (None: none is mapped).
-
-    Storages smaller than a page are read, not mapped (:mod:`megatron_ucp.torchload`): they
-    hold no pages to release.
-    """
-    storages = [rf.state_tensor(g, state).storage for g in range(rf.num_groups) for state in rf.state_names(g)]
-    regions = {s.region for s in storages if s.mapped}
-    if len(regions) != 1 or None in regions:
-        return None
-    return regions.pop()
 
 
 def _descriptors_for(wanted: int) -> int:
@@ -221,6 +198,22 @@ def universal_entry(p: ParamPlan, tensor: Any) -> dict:
     return entry
 
 
+def state_fragments(p: ParamPlan, state: str, cache: RankFileCache) -> list[RawTensor]:
+    """The source fragments of one state of one parameter, in ``p.items`` order (views, no copy)."""
+    return [cache.get(item.rank).state_tensor(p.group, state).narrow(0, item.src_offset, item.length)
+            for item in p.items]
+
+
+def assemble_torch(p: ParamPlan, parts: Sequence[RawTensor]) -> Any:
+    """One state as a ``torch.Tensor`` in its output shape, copied from its fragments (imports torch)."""
+    import torch
+
+    out = torch.empty(p.out_numel, dtype=getattr(torch, parts[0].dtype.name) if parts else torch.float32)
+    for item, t in zip(p.items, parts):
+        out.narrow(0, item.dst_offset, item.length).copy_(t.to_torch())
+    return out.view(p.out_shape)
+
+
 @dataclass(frozen=True)
 class _Chunk:
     params: tuple[ParamPlan, ...]
@@ -248,16 +241,12 @@ class _Writer:
         self._lock = threading.Lock()
         self._pending: list[Path] = []
 
-    def _sources(self, p: ParamPlan, state: str) -> list[tuple[int, RawTensor]]:
-        return [(item.rank, self.cache.get(item.rank).state_tensor(p.group, state)
-                 .narrow(0, item.src_offset, item.length)) for item in p.items]
-
     def write_param(self, p: ParamPlan, group: GroupPlan, step: Any, zero_dir: str) -> int:
         folder = Path(zero_dir) / p.name
         folder.mkdir(parents=True, exist_ok=True)
-        sources = {state: self._sources(p, state) for state in group.states}
+        sources = {state: state_fragments(p, state, self.cache) for state in group.states}
         for parts in sources.values():  # readahead for this parameter (cold caches)
-            for rank, t in parts:
+            for t in parts:
                 if t.storage.mapped:
                     osio.will_need(t.data_ptr(), t.nbytes)
         nbytes = 0
@@ -266,10 +255,9 @@ class _Writer:
             path = folder / f"{state}.pt"
             nbytes += self._write_state(p, sources[state], path)
             written.append(path)
-            for rank, t in sources[state]:  # this process is done with these pages
-                bounds = self.cache.mapped_bounds(rank)
-                if bounds is not None and t.storage.mapped:
-                    osio.done_with(t.data_ptr(), t.nbytes, bounds)
+            for t in sources[state]:  # this process is done with these pages
+                if t.storage.mapped:
+                    osio.done_with(t.data_ptr(), t.nbytes, t.storage.region)
         if group.has_step:
             path = folder / f"{F.STEP_STATE}.pt"
             nbytes += _save(step, path, durable=False)
@@ -278,35 +266,23 @@ class _Writer:
             self._pending.extend(written)
         return nbytes
 
-    def _write_state(self, p: ParamPlan, parts: list[tuple[int, RawTensor]], path: Path) -> int:
-        if self.fast and parts:
-            dtype = parts[0][1].dtype
-            if all(t.dtype == dtype for _, t in parts):
-                entry = universal_entry(p, TensorSpec(dtype, p.out_shape))
+    def _write_state(self, p: ParamPlan, parts: list[RawTensor], path: Path) -> int:
+        if self.fast and parts and all(t.dtype == parts[0].dtype for t in parts):
+            entry = universal_entry(p, TensorSpec(parts[0].dtype, p.out_shape))
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
                 try:
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-                    try:
-                        size = write_tensor_file(path, entry, [t.bytes_view() for _, t in parts], fd=fd)
-                        osio.start_writeback(fd)
-                    finally:
-                        os.close(fd)
-                    return size
-                except FastWriterUnsupported:
-                    pass
-                except OSError as exc:
-                    raise UcpError(f"{path}: write failed: {exc.strerror or exc}", subject=path) from exc
-        return self._torch_save_state(p, parts, path)
-
-    @staticmethod
-    def _torch_save_state(p: ParamPlan, parts: list[tuple[int, RawTensor]], path: Path) -> int:
-        """Assemble the state in memory and torch.save it (files the direct writer refuses)."""
-        import torch
-
-        dtype = getattr(torch, parts[0][1].dtype.name) if parts else torch.float32
-        out = torch.empty(p.out_numel, dtype=dtype)
-        for item, (_, t) in zip(p.items, parts):
-            out.narrow(0, item.dst_offset, item.length).copy_(t.to_torch())
-        return _save(universal_entry(p, out.view(p.out_shape)), path, durable=False)
+                    size = write_tensor_file(path, entry, [t.bytes_view() for t in parts], fd=fd)
+                    osio.start_writeback(fd)
+                finally:
+                    os.close(fd)
+                return size
+            except FastWriterUnsupported:
+                pass
+            except OSError as exc:
+                raise UcpError(f"{path}: write failed: {exc.strerror or exc}", subject=path) from exc
+        # what the direct writer refuses: assembled in memory, torch.save
+        return _save(universal_entry(p, assemble_torch(p, parts)), path, durable=False)
 
     def add_pending(self, paths: Iterable[Path]) -> None:
         """Files written elsewhere that :meth:`make_durable` must fsync too."""

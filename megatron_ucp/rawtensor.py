@@ -62,12 +62,15 @@ class Storage:
     """The storage's bytes (a view of the file mapping, or of a torch tensor's memory)."""
     address: int
     """Address of ``data[0]`` in this process (for ``madvise``); 0 when unknown."""
-    mapped: bool
-    """True when ``data`` is a private mapping of an unmodified file (pages can be dropped safely)."""
     region: Optional[tuple[int, int]] = None
-    """When mapped: the address range of the whole file mapping (pages anywhere in it can be dropped)."""
+    """When ``data`` lies in a private mapping of an unmodified file: that whole mapping's address
+    range (pages anywhere in it can be dropped safely). None: ordinary memory."""
     owner: Any = None
     """Keeps the memory behind ``data`` alive (a torch tensor), when it is not the mapping itself."""
+
+    @property
+    def mapped(self) -> bool:
+        return self.region is not None
 
 
 class RawTensor:
@@ -202,7 +205,7 @@ def from_torch(t: Any, key: str = "0") -> RawTensor:
     base = torch.empty(0, dtype=t.dtype).set_(storage, 0, (numel,), (1,))
     data = memoryview(base.view(torch.uint8).numpy()) if numel else memoryview(b"")
     raw = Storage(key=key, dtype=dtype, numel=numel, data=data, address=storage.data_ptr() if numel else 0,
-                  mapped=False, owner=base)
+                  owner=base)
     return RawTensor(raw, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.requires_grad)
 
 

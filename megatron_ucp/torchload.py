@@ -183,10 +183,9 @@ class _Archive:
         nbytes = numel * dtype.itemsize
         small = self.small.get(f"data/{key}")
         if small is not None:  # a writable copy, as torch.load's tensors are writable
-            return Storage(key=key, dtype=dtype, numel=numel, data=memoryview(bytearray(small[:nbytes])), address=0,
-                           mapped=False)
+            return Storage(key=key, dtype=dtype, numel=numel, data=memoryview(bytearray(small[:nbytes])), address=0)
         data = memoryview(self.map)[start:start + nbytes]
-        return Storage(key=key, dtype=dtype, numel=numel, data=data, address=self.address + start, mapped=True,
+        return Storage(key=key, dtype=dtype, numel=numel, data=data, address=self.address + start,
                        region=(self.address, self.address + len(self.map)))
 
 

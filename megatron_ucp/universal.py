@@ -311,16 +311,16 @@ class Staging:
         for dirpath, _, _ in os.walk(self.path):
             fsync_path(Path(dirpath))
         trash = None
-        if self.output.exists():
-            if not force:
-                raise OutputExistsError(f"{self.output}: appeared while converting; pass --force to replace it",
-                                        subject=self.output)
-            if osio.exchange(self.path, self.output):  # the old folder is now at self.path
-                trash = self.path
-            else:  # two renames: a moment with no folder at self.output
-                trash = self.output.parent / f".{self.output.name}.ucp-trash-{os.getpid()}"
-                os.rename(self.output, trash)
-        if trash != self.path:
+        if not self.output.exists():
+            os.rename(self.path, self.output)
+        elif not force:
+            raise OutputExistsError(f"{self.output}: appeared while converting; pass --force to replace it",
+                                    subject=self.output)
+        elif osio.exchange(self.path, self.output):  # one atomic swap: the old folder is now at self.path
+            trash = self.path
+        else:  # two renames: a moment with no folder at self.output
+            trash = self.output.parent / f".{self.output.name}.ucp-trash-{os.getpid()}"
+            os.rename(self.output, trash)
             os.rename(self.path, self.output)
         fsync_path(self.output.parent)
         if trash is not None:

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from . import dsformat as F
-from .convert import RankFileCache, plan_checkpoint
+from .convert import RankFileCache, assemble_torch, plan_checkpoint, state_fragments
 from .errors import CheckpointFormatError
 from .reader import load_torch_file, read_checkpoint, read_model_states, resolve_checkpoint
 from .plan import ParamPlan
@@ -29,12 +29,7 @@ log = logging.getLogger(__name__)
 
 def assemble_state(p: ParamPlan, state: str, cache: RankFileCache) -> torch.Tensor:
     """One state of one parameter, in its output shape, from its source fragments (a torch copy)."""
-    first = cache.get(p.items[0].rank).state_tensor(p.group, state) if p.items else None
-    out = torch.empty(p.out_numel, dtype=getattr(torch, first.dtype.name) if first is not None else torch.float32)
-    for item in p.items:
-        src = cache.get(item.rank).state_tensor(p.group, state).narrow(0, item.src_offset, item.length)
-        out.narrow(0, item.dst_offset, item.length).copy_(src.to_torch())
-    return out.view(p.out_shape)
+    return assemble_torch(p, state_fragments(p, state, cache))
 
 
 @dataclass
