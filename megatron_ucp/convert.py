@@ -16,6 +16,7 @@ The last share to finish writes the common files, verifies completeness, and com
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import socket
@@ -34,11 +35,11 @@ from . import dsformat as F
 from . import osio
 from .errors import CheckpointFormatError, OutputExistsError, UcpError
 from .lightpickle import PICKLE_MODULE, needs_light_pickler
-from .plan import ConversionPlan, GroupPlan, ParamPlan, build_plan, share_of, split_by_bytes
+from .plan import ConversionPlan, CopyItem, GroupPlan, ParamPlan, build_plan, share_of, split_by_bytes
 from .rawtensor import RawTensor, torch_tensors_from_raw
 from .reader import (CheckpointMeta, RankFile, ResolvedCheckpoint, find_checkpoint_files, human_bytes, read_checkpoint,
                      resolve_checkpoint)
-from .torchfile import FastWriterUnsupported, TensorSpec, save_object, write_tensor_file
+from .torchfile import FastWriterUnsupported, TensorSpec, save_object, write_tensors_file
 from .universal import (COMPLETE, Staging, latest_universal_target, read_manifest, universal_state,
                         write_latest_universal)
 
@@ -188,30 +189,47 @@ def _save(obj: Any, path: Path, durable: bool = True) -> int:
         raise UcpError(f"{path}: write failed: {reason}", subject=path) from exc
 
 
-def universal_entry(p: ParamPlan, tensor: Any) -> dict:
-    """The dict DeepSpeed's universal loader reads from ``zero/<param>/<state>.pt``."""
+def universal_entry(p: ParamPlan, tensor: Any, padded_rows: Any = None) -> dict:
+    """The dict DeepSpeed's universal loader reads from ``zero/<param>/<state>.pt``; the trimmed
+    vocabulary rows, when there are any, under :data:`~megatron_ucp.dsformat.VOCAB_PADDED_ROWS`."""
     entry: dict[str, Any] = {F.PARAM: tensor, F.CAT_DIM: p.cat_dim}
     if p.vocab_tensor:
         entry[F.VOCAB_TENSOR] = True
     if p.n_sub_params > 1:
         entry[F.PARAM_N_SUB_PARAMS] = p.n_sub_params
+    if padded_rows is not None:
+        entry[F.VOCAB_PADDED_ROWS] = padded_rows
     return entry
 
 
-def state_fragments(p: ParamPlan, state: str, cache: RankFileCache) -> list[RawTensor]:
-    """The source fragments of one state of one parameter, in ``p.items`` order (views, no copy)."""
+def state_fragments(p: ParamPlan, state: str, cache: RankFileCache,
+                    items: Optional[Sequence[CopyItem]] = None) -> list[RawTensor]:
+    """The source fragments of one state of one parameter, in ``items`` order (default: all of
+    ``p.items``; views, no copy)."""
     return [cache.get(item.rank).state_tensor(p.group, state).narrow(0, item.src_offset, item.length)
-            for item in p.items]
+            for item in (p.items if items is None else items)]
 
 
-def assemble_torch(p: ParamPlan, parts: Sequence[RawTensor]) -> Any:
-    """One state as a ``torch.Tensor`` in its output shape, copied from its fragments (imports torch)."""
+def assemble_items_torch(items: Sequence[CopyItem], shape: Sequence[int], parts: Sequence[RawTensor]) -> Any:
+    """A ``torch.Tensor`` of ``shape`` copied from its fragments (imports torch)."""
     import torch
 
-    out = torch.empty(p.out_numel, dtype=getattr(torch, parts[0].dtype.name) if parts else torch.float32)
-    for item, t in zip(p.items, parts):
+    numel = math.prod(shape)
+    out = torch.empty(numel, dtype=getattr(torch, parts[0].dtype.name) if parts else torch.float32)
+    for item, t in zip(items, parts):
         out.narrow(0, item.dst_offset, item.length).copy_(t.to_torch())
-    return out.view(p.out_shape)
+    return out.view(tuple(shape))
+
+
+def assemble_torch(p: ParamPlan, state: str, cache: RankFileCache) -> tuple[Any, Any]:
+    """One state as torch tensors: the ``param`` tensor (``out_shape``) and the trimmed vocabulary
+    rows (None when there are none)."""
+    kept = assemble_items_torch(p.kept_items, p.out_shape, state_fragments(p, state, cache, p.kept_items))
+    if p.padded_rows_shape is None:
+        return kept, None
+    rows = assemble_items_torch(p.padded_rows_items, p.padded_rows_shape,
+                                state_fragments(p, state, cache, p.padded_rows_items))
+    return kept, rows
 
 
 @dataclass(frozen=True)
@@ -244,18 +262,21 @@ class _Writer:
     def write_param(self, p: ParamPlan, group: GroupPlan, step: Any, zero_dir: str) -> int:
         folder = Path(zero_dir) / p.name
         folder.mkdir(parents=True, exist_ok=True)
-        sources = {state: state_fragments(p, state, self.cache) for state in group.states}
-        for parts in sources.values():  # readahead for this parameter (cold caches)
-            for t in parts:
+        kept_items, rows_items = p.kept_items, p.padded_rows_items
+        sources = {state: (state_fragments(p, state, self.cache, kept_items),
+                           state_fragments(p, state, self.cache, rows_items)) for state in group.states}
+        for kept, rows in sources.values():  # readahead for this parameter (cold caches)
+            for t in (*kept, *rows):
                 if t.storage.mapped:
                     osio.will_need(t.data_ptr(), t.nbytes)
         nbytes = 0
         written: list[Path] = []
         for state in group.states:
             path = folder / f"{state}.pt"
-            nbytes += self._write_state(p, sources[state], path)
+            kept, rows = sources[state]
+            nbytes += self._write_state(p, kept, rows, path)
             written.append(path)
-            for t in sources[state]:  # this process is done with these pages
+            for t in (*kept, *rows):  # this process is done with these pages
                 if t.storage.mapped:
                     osio.done_with(t.data_ptr(), t.nbytes, t.storage.region)
         if group.has_step:
@@ -266,13 +287,18 @@ class _Writer:
             self._pending.extend(written)
         return nbytes
 
-    def _write_state(self, p: ParamPlan, parts: list[RawTensor], path: Path) -> int:
+    def _write_state(self, p: ParamPlan, kept: list[RawTensor], rows: list[RawTensor], path: Path) -> int:
+        """``param`` from the ``kept`` fragments, and the trimmed vocabulary rows from ``rows`` (if any)."""
+        parts = [*kept, *rows]
         if self.fast and parts and all(t.dtype == parts[0].dtype for t in parts):
-            entry = universal_entry(p, TensorSpec(parts[0].dtype, p.out_shape))
+            dtype = parts[0].dtype
+            rows_spec = TensorSpec(dtype, p.padded_rows_shape) if p.padded_rows_shape is not None else None
+            entry = universal_entry(p, TensorSpec(dtype, p.out_shape), rows_spec)
+            pieces = [[t.bytes_view() for t in kept]] + ([[t.bytes_view() for t in rows]] if rows_spec else [])
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
                 try:
-                    size = write_tensor_file(path, entry, [t.bytes_view() for t in parts], fd=fd)
+                    size = write_tensors_file(path, entry, pieces, fd=fd)
                     osio.start_writeback(fd)
                 finally:
                     os.close(fd)
@@ -282,7 +308,10 @@ class _Writer:
             except OSError as exc:
                 raise UcpError(f"{path}: write failed: {exc.strerror or exc}", subject=path) from exc
         # what the direct writer refuses: assembled in memory, torch.save
-        return _save(universal_entry(p, assemble_torch(p, parts)), path, durable=False)
+        tensor = assemble_items_torch(p.kept_items, p.out_shape, kept)
+        padded = (assemble_items_torch(p.padded_rows_items, p.padded_rows_shape, rows)
+                  if p.padded_rows_shape is not None else None)
+        return _save(universal_entry(p, tensor, padded), path, durable=False)
 
     def add_pending(self, paths: Iterable[Path]) -> None:
         """Files written elsewhere that :meth:`make_durable` must fsync too."""

@@ -58,6 +58,12 @@ ZERO_PARTITION_INFO = "zero_partition_info"
 """Dict: version, dp_size, dp_rank, alignment, group_numels, padded_group_numels, partition_sizes."""
 ZERO_PARTITION_INFO_VERSION = 1
 
+VOCAB_PADDED_ROWS = "ucp_padded_vocab_rows"
+"""In a vocabulary parameter's state file, beside the ``param`` DeepSpeed trims to
+``original_vocab_size``: the trimmed (padded) rows, so that a universal round trip loses nothing.
+The padded rows' logits enter the softmax of every step, so their weights and optimizer states
+matter. Stock DeepSpeed's loader ignores the key (and zero-fills those rows, as before)."""
+
 # ---- megatron-ucp universal-folder bookkeeping -----------------------------------------------
 MANIFEST_FILE = "ucp_manifest.json"
 """Written last inside a finished universal folder; its presence after the rename is the commit."""

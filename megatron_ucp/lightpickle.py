@@ -6,8 +6,8 @@ unpickler imports the ``deepspeed`` package: ~2 s of CPU on a small machine, mos
 conversion's fixed cost, and more on a shared file system. :data:`PICKLE_MODULE` is a
 ``pickle_module`` for ``torch.load``/``torch.save``:
 
-* loading: classes of ``deepspeed.*`` resolve to stand-in classes (:class:`StandIn`) while the
-  ``deepspeed`` package is not imported; once it is (e.g. inside a training process), the real
+* loading: classes of ``deepspeed.*`` and ``megatron.*`` resolve to stand-in classes
+  (:class:`StandIn`) while that package is not imported; once it is (e.g. inside a training process), the real
   classes are used and nothing changes. A stand-in keeps exactly how the object was built (the
   constructor arguments and the pickled state), exposes dict state as attributes (``.start``,
   ``.numel``), and behaves as an int where it wraps one (``int(ZeroStageEnum(1)) == 1``).
@@ -29,7 +29,10 @@ __all__ = ["PICKLE_MODULE", "StandIn", "needs_light_pickler", "is_stand_in"]
 
 _LOCK = threading.Lock()
 _CLASSES: dict[tuple[str, str], type] = {}
-_LIGHT_PREFIXES = ("deepspeed",)
+_LIGHT_PREFIXES = ("deepspeed", "megatron")
+"""Packages whose classes load as stand-ins until the process imports them. ``megatron`` too:
+importing it before a Megatron-DeepSpeed script runs would bind whichever ``megatron`` comes first
+on ``sys.path`` (the registry's megatron-core namespace shadows the checkout's own package)."""
 
 
 def _light(module: str) -> bool:

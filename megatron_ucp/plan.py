@@ -104,6 +104,7 @@ class ParamPlan:
     flat_offset: int
     """Offset of the parameter's first element in the group's flat buffer."""
     items: tuple[CopyItem, ...]
+    """Cover the whole parameter (``numel`` elements), padded vocabulary rows included."""
     cat_dim: int = 0
     vocab_tensor: bool = False
     n_sub_params: int = 1
@@ -117,8 +118,43 @@ class ParamPlan:
         return math.prod(self.out_shape)
 
     @property
+    def kept_items(self) -> tuple[CopyItem, ...]:
+        """The items of the ``param`` tensor DeepSpeed's loader reads (``out_shape``)."""
+        return split_items(self.items, self.out_numel)[0]
+
+    @property
+    def padded_rows_items(self) -> tuple[CopyItem, ...]:
+        """The items of the vocabulary rows trimmed from ``param`` (offsets from the first such row)."""
+        return split_items(self.items, self.out_numel)[1]
+
+    @property
+    def padded_rows_shape(self) -> Optional[tuple[int, ...]]:
+        """Shape of the trimmed vocabulary rows, kept beside ``param`` so that nothing is lost; None if none."""
+        if self.out_numel == self.numel:
+            return None
+        return (self.shape[0] - self.out_shape[0], *self.shape[1:])
+
+    @property
     def ranks(self) -> tuple[int, ...]:
         return tuple(sorted({item.rank for item in self.items}))
+
+
+def split_items(items: Sequence[CopyItem], at: int) -> tuple[tuple[CopyItem, ...], tuple[CopyItem, ...]]:
+    """Items (in output order) cut at output element ``at``: those before, and those after it
+    with their output offsets counted from ``at``."""
+    head: list[CopyItem] = []
+    tail: list[CopyItem] = []
+    for item in sorted(items, key=lambda i: i.dst_offset):
+        end = item.dst_offset + item.length
+        if end <= at:
+            head.append(item)
+        elif item.dst_offset >= at:
+            tail.append(CopyItem(item.rank, item.src_offset, item.dst_offset - at, item.length))
+        else:
+            cut = at - item.dst_offset
+            head.append(CopyItem(item.rank, item.src_offset, item.dst_offset, cut))
+            tail.append(CopyItem(item.rank, item.src_offset + cut, 0, item.length - cut))
+    return tuple(head), tuple(tail)
 
 
 @dataclass(frozen=True)
@@ -154,7 +190,7 @@ class ConversionPlan:
 
     def output_elements(self) -> int:
         """Elements written over all parameters and sharded states."""
-        return sum(p.out_numel * len(self.groups[p.group].states) for p in self.params)
+        return sum(p.numel * len(self.groups[p.group].states) for p in self.params)
 
 
 def _fail(source: str, message: str) -> CheckpointFormatError:
@@ -296,15 +332,6 @@ def _shape_output(spec: ParamSpec, flat_offset: int, items: tuple[CopyItem, ...]
                             f"vocabulary parameter {spec.name!r} {out_shape}")
         out_shape = (rules.original_vocab_size, *out_shape[1:])
         vocab = True
-    out_numel = math.prod(out_shape)
-    if out_numel < spec.numel:  # drop the padded vocabulary rows: clip items to the kept prefix
-        clipped = []
-        for item in items:
-            if item.dst_offset >= out_numel:
-                continue
-            clipped.append(CopyItem(item.rank, item.src_offset, item.dst_offset,
-                                    min(item.length, out_numel - item.dst_offset)))
-        items = tuple(clipped)
     cat_dim = 1 if rules.matches(rules.row_parallel_patterns, spec.name) else 0
     n_sub = 2 if rules.matches(rules.two_sub_param_patterns, spec.name) else 1
     return ParamPlan(name=spec.name, group=spec.group, shape=tuple(spec.shape), out_shape=out_shape,
@@ -339,8 +366,10 @@ def check_plan(plan: ConversionPlan) -> None:
                 raise PlanError(f"{p.name!r}: copy item {item} outside rank partitions of size {s} at DP={plan.dp}")
             cursor += item.length
             reads.setdefault((p.group, item.rank), []).append((item.src_offset, item.src_offset + item.length, p.name))
-        if cursor != p.out_numel:
-            raise PlanError(f"{p.name!r}: items cover {cursor} of {p.out_numel} output elements")
+        if cursor != p.numel:
+            raise PlanError(f"{p.name!r}: items cover {cursor} of its {p.numel} elements")
+        if p.out_numel > p.numel:
+            raise PlanError(f"{p.name!r}: output shape {p.out_shape} larger than the parameter {p.shape}")
     for (g, rank), spans in reads.items():
         spans.sort()
         for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
@@ -360,7 +389,7 @@ def split_by_bytes(params: Sequence[ParamPlan], parts: int, states_per_group: Ma
     """
     if parts < 1:
         raise PlanError(f"cannot split into {parts} parts")
-    weights = [max(1, p.out_numel * states_per_group.get(p.group, 1)) for p in params]
+    weights = [max(1, p.numel * states_per_group.get(p.group, 1)) for p in params]
     total = sum(weights)
     out: list[list[ParamPlan]] = [[] for _ in range(parts)]
     acc = 0

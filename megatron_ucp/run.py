@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import runpy
 import sys
 import typing
@@ -267,7 +266,8 @@ def build_settings(options: Sequence[tuple[str, str]], env: Mapping[str, str]
     for name, raw in options:
         spec = specs[name]
         values[name] = _parse_value(spec, raw, spec.option)
-        origin[name] = spec.option
+        # a bool switched off came from --ucp-no-<name> (or --ucp-<name>=0, which means the same)
+        origin[name] = spec.negative if spec.kind == "bool" and values[name] is False else spec.option
     config = UcpConfig(**{k: v for k, v in values.items() if not specs[k].runner})
     settings = RunnerSettings(**{k: v for k, v in values.items() if specs[k].runner})
     defaults = {**dataclasses.asdict(UcpConfig()), **dataclasses.asdict(RunnerSettings())}
@@ -574,39 +574,15 @@ def facts_from_model_states(load_dir: str, tag: str, states: Mapping[str, Any]) 
 # I/O: read the checkpoint, log, install, run
 # ================================================================================================
 
-class _Placeholder:
-    """Stands for a class that cannot be imported here (e.g. Megatron's, inside the pickled args)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-
-
-class _TolerantUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            return type(name, (_Placeholder,), {"__module__": module})
-
-
-class _TolerantPickle:
-    """A ``pickle_module`` for torch.load that never fails on a class it cannot import."""
-
-    Unpickler = _TolerantUnpickler
-    __name__ = "megatron_ucp_tolerant_pickle"
-    load = staticmethod(pickle.load)
-    loads = staticmethod(pickle.loads)
-
-
 def read_checkpoint_facts(margs: MegatronArgs) -> Optional[CheckpointFacts]:
-    """Read the tag the script will load and its model states (memory-mapped: no weight bytes read)."""
-    import torch
+    """Read the tag the script will load and its model states (mapped: no weight bytes read).
 
+    Runs before the script, so it must not import the script's packages: Megatron classes in the
+    pickled ``args`` load as stand-ins (:mod:`megatron_ucp.lightpickle`), never by importing a
+    ``megatron`` that might not be the checkout's own.
+    """
     from . import dsformat as F
+    from .reader import load_raw
 
     if margs.load is None:
         return None
@@ -625,10 +601,7 @@ def read_checkpoint_facts(margs: MegatronArgs) -> Optional[CheckpointFacts]:
         if not candidates:
             return None
         path = candidates[0]
-    try:
-        states = torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=_TolerantPickle)
-    except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
-        states = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_TolerantPickle)
+    states = load_raw(path)
     if not isinstance(states, Mapping):
         raise UcpError(f"{path}: not a DeepSpeed model-states dict", subject=path)
     return facts_from_model_states(str(root), tag, states)
@@ -701,6 +674,21 @@ def reseed_after_load(base_seed: int) -> Iterator[None]:
             DeepSpeedEngine.load_checkpoint = inner
 
 
+def put_script_folder_first(target: Target) -> None:
+    """``sys.path[0]`` = the script's folder, as ``python SCRIPT`` has it.
+
+    Megatron-DeepSpeed imports its own ``megatron`` package from the checkout; launched through a
+    shim or ``python -m megatron_ucp.run``, ``sys.path[0]`` would be the shim's folder or the
+    current directory, and a ``megatron`` installed in the environment (megatron-core's
+    namespace) would win. Done before anything is read, idempotent.
+    """
+    if target.kind != "path":
+        return
+    folder = str(Path(target.value).resolve().parent)
+    if sys.path[:1] != [folder]:
+        sys.path.insert(0, folder)
+
+
 def _run_target(target: Target, args: Sequence[str]) -> int:
     """Run the script as ``__main__`` with ``sys.argv = [script, *args]``, like ``python SCRIPT args``."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
@@ -711,7 +699,7 @@ def _run_target(target: Target, args: Sequence[str]) -> int:
         else:
             script = str(Path(target.value).resolve())
             sys.argv = [target.value, *args]
-            sys.path.insert(0, str(Path(script).parent))
+            put_script_folder_first(target)
             runpy.run_path(script, run_name="__main__")
         return 0
     except SystemExit as exc:
@@ -822,6 +810,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if split.target.kind == "path" and not Path(split.target.value).is_file():
             raise UcpError(f"{split.target.value}: no such script", subject=split.target.value)
         margs = megatron_args(split.script_args)
+        put_script_folder_first(split.target)
         try:
             facts = read_checkpoint_facts(margs)
         except Exception as exc:  # the script's own load reports a broken checkpoint in its own words

@@ -274,24 +274,34 @@ def _write_file(path: Path, pkl: bytes, storages: Sequence[Sequence[memoryview]]
 
 def write_tensor_file(path: os.PathLike | str, entry: dict, pieces: Iterable[Any], *, fd: Optional[int] = None,
                       crc: bool = True, serialization_id: Optional[bytes] = None) -> int:
-    """Write ``torch.save(entry, path)`` where the entry's :class:`TensorSpec` holds ``pieces`` in order.
+    """Write ``torch.save(entry, path)`` where the entry's one :class:`TensorSpec` holds ``pieces`` in order.
 
     ``pieces`` are buffers (memoryviews of mapped rank-file bytes); their total length must be the
     tensor's byte size. Writes to ``fd`` when given (positioned at 0, left open), else creates the
     file. Returns the file size. Not durable by itself: the caller fsyncs.
     """
+    return write_tensors_file(path, entry, [pieces], fd=fd, crc=crc, serialization_id=serialization_id)
+
+
+def write_tensors_file(path: os.PathLike | str, entry: dict, pieces: Sequence[Iterable[Any]], *,
+                       fd: Optional[int] = None, crc: bool = True, serialization_id: Optional[bytes] = None) -> int:
+    """:func:`write_tensor_file` for an entry with several :class:`TensorSpec` values: ``pieces[i]``
+    holds the bytes of the i-th one in the entry's order (the order ``torch.save`` writes them)."""
     path = Path(path)
     specs = [v for v in entry.values() if isinstance(v, TensorSpec)]
-    if len(specs) != 1:
-        raise ValueError("entry must hold exactly one TensorSpec")
-    spec = specs[0]
-    pieces = [memoryview(p).cast("B") for p in pieces]
-    size = sum(len(p) for p in pieces)
-    if size != spec.nbytes:
-        raise ValueError(f"{path}: pieces hold {size} bytes, the tensor {spec.shape} {spec.dtype} needs {spec.nbytes}")
+    if not specs or len(specs) != len(pieces):
+        raise ValueError(f"entry holds {len(specs)} TensorSpec values, {len(pieces)} piece lists given")
+    views = []
+    for spec, parts in zip(specs, pieces):
+        parts = [memoryview(p).cast("B") for p in parts]
+        size = sum(len(p) for p in parts)
+        if size != spec.nbytes:
+            raise ValueError(f"{path}: pieces hold {size} bytes, the tensor {spec.shape} {spec.dtype} needs "
+                             f"{spec.nbytes}")
+        views.append(parts)
     pkl, records = _pickle(entry)
     _check_sizes(path, records, pkl)
-    return _write_file(path, pkl, [pieces], fd, crc, serialization_id)
+    return _write_file(path, pkl, views, fd, crc, serialization_id)
 
 
 def save_object(obj: Any, path: os.PathLike | str, *, fd: Optional[int] = None) -> int:

@@ -12,13 +12,13 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from tqdm import tqdm
 
 from . import dsformat as F
-from .convert import RankFileCache, assemble_torch, plan_checkpoint, state_fragments
+from .convert import RankFileCache, assemble_torch, plan_checkpoint
 from .errors import CheckpointFormatError
 from .reader import load_torch_file, read_checkpoint, read_model_states, resolve_checkpoint
 from .plan import ParamPlan
@@ -29,7 +29,21 @@ log = logging.getLogger(__name__)
 
 def assemble_state(p: ParamPlan, state: str, cache: RankFileCache) -> torch.Tensor:
     """One state of one parameter, in its output shape, from its source fragments (a torch copy)."""
-    return assemble_torch(p, state_fragments(p, state, cache))
+    return assemble_torch(p, state, cache)[0]
+
+
+def _compare(path: Path, what: str, want: torch.Tensor, got: Any) -> Optional[str]:
+    """A problem line when ``got`` is not ``want`` bit for bit (dtype and shape included)."""
+    if not torch.is_tensor(got):
+        return f"{path}: {what} missing"
+    if tuple(got.shape) != tuple(want.shape):
+        return f"{path}: {what} has shape {tuple(got.shape)}, the source {tuple(want.shape)}"
+    if want.dtype != got.dtype:
+        return f"{path}: {what} dtype {got.dtype}, source {want.dtype}"
+    if not torch.equal(want, got):
+        diff = (want != got).sum().item()
+        return f"{path}: {diff} of {got.numel()} elements of {what} differ from the source"
+    return None
 
 
 @dataclass
@@ -144,12 +158,20 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
                     if state not in plan.groups[p.group].states:
                         report.problems.append(f"{path}: state {state!r} is not in the source")
                         continue
-                    want_tensor = assemble_state(p, state, cache)
-                    if want_tensor.dtype != tensor.dtype:
-                        report.problems.append(f"{path}: dtype {tensor.dtype}, source {want_tensor.dtype}")
-                    elif not torch.equal(want_tensor, tensor):
-                        diff = (want_tensor != tensor).sum().item()
-                        report.problems.append(f"{path}: {diff} of {tensor.numel()} elements differ from the source")
+                    want_tensor, want_rows = assemble_torch(p, state, cache)
+                    for problem in (_compare(path, f"'{F.PARAM}'", want_tensor, tensor),
+                                    None if want_rows is None else _compare(
+                                        path, f"'{F.VOCAB_PADDED_ROWS}' (the padded vocabulary rows)", want_rows,
+                                        entry.get(F.VOCAB_PADDED_ROWS))):
+                        if problem:
+                            report.problems.append(problem)
+                elif F.VOCAB_PADDED_ROWS in entry:
+                    rows = entry[F.VOCAB_PADDED_ROWS]
+                    want_shape = (spec.shape[0] - tensor.shape[0], *spec.shape[1:]) if spec.shape else ()
+                    if not torch.is_tensor(rows) or tuple(rows.shape) != tuple(want_shape):
+                        report.problems.append(f"{path}: '{F.VOCAB_PADDED_ROWS}' of shape "
+                                               f"{tuple(rows.shape) if torch.is_tensor(rows) else type(rows).__name__},"
+                                               f" expected {tuple(want_shape)}")
     if plan is not None:
         for g in plan.groups:
             for p_name in g.param_names:

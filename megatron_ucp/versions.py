@@ -7,6 +7,7 @@ any other one loudly rather than misbehave. Checkpoint *files* are read by their
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from packaging.version import Version
 
@@ -14,8 +15,39 @@ from .errors import UnsupportedError
 
 log = logging.getLogger(__name__)
 
-# Versions whose optimizer/engine internals the hooks were written and tested against.
-HOOKS_TESTED_DEEPSPEED = ("0.19.8",)
+@dataclass(frozen=True)
+class Internals:
+    """How one DeepSpeed release differs in what the hooks touch. The one place that says so.
+
+    Everything else the hooks patch or read is the same in every release below (checked against
+    each one's source and exercised by the version matrix in the Makefile):
+    ``DeepSpeedEngine.load_checkpoint`` / ``save_checkpoint`` signatures, ``ZeROOptimizer.
+    load_hp_checkpoint_state_from_checkpoint_dir`` shared by ``BF16_Optimizer`` and
+    ``DeepSpeedZeroOptimizer``, ``_hp_mapping`` (``lp_fragment_address``, ``optim_fragment``),
+    ``real_dp_process_group``, ``nccl_start_alignment_factor`` and the ZeRO-1/2 file layout
+    (whose one difference, DeepSpeedZeroOptimizer's per-rank ``group_paddings`` from 0.16.4 on, is a
+    file fact: ``ZERO_PER_RANK_PADDING_SINCE`` below).
+    """
+
+    decoupled_commit: bool
+    """``DeepSpeedEngine._commit_decoupled_checkpoint`` exists (decoupled checkpoint engines): the
+    async trigger must wait for that commit, not for ``save_checkpoint``'s return."""
+    ships_compression: bool
+    """``deepspeed.compression.compress`` exists; Megatron-DeepSpeed's ``megatron/training.py``
+    imports it, so without it the ALCF fork does not start unedited."""
+
+
+# Releases whose optimizer/engine internals the hooks were written and tested against, one per
+# release line users run (the DP=768 report ran 0.16.x; Aurora environments carry 0.16 to 0.19).
+INTERNALS = {
+    "0.16.2": Internals(decoupled_commit=False, ships_compression=True),
+    "0.16.9": Internals(decoupled_commit=False, ships_compression=True),
+    "0.17.6": Internals(decoupled_commit=True, ships_compression=True),
+    "0.18.9": Internals(decoupled_commit=True, ships_compression=True),
+    "0.19.5": Internals(decoupled_commit=True, ships_compression=True),
+    "0.19.8": Internals(decoupled_commit=True, ships_compression=False),
+}
+HOOKS_TESTED_DEEPSPEED = tuple(INTERNALS)
 
 # Range of ds_version values recorded in checkpoint files that the reader understands.
 FILES_MIN_DEEPSPEED = Version("0.10.0")
@@ -33,13 +65,22 @@ def installed_deepspeed_version() -> str:
     return str(deepspeed.__version__)
 
 
+def internals(version: str | None = None) -> Internals:
+    """What the installed (or given) DeepSpeed's internals look like; untested versions (only
+    reachable with ``allow_untested``) get the nearest tested release at or below them."""
+    found = Version(Version(version or installed_deepspeed_version()).base_version)
+    known = sorted((Version(v), v) for v in INTERNALS)
+    below = [name for parsed, name in known if parsed <= found]
+    return INTERNALS[below[-1] if below else known[0][1]]
+
+
 def check_hooks_supported(allow_untested: bool = False) -> str:
     """Return the installed DeepSpeed version, or raise if the hooks were not written for it."""
     found = installed_deepspeed_version()
     base = Version(found).base_version
     if base in HOOKS_TESTED_DEEPSPEED:
         return found
-    message = (f"megatron-ucp hooks were written for DeepSpeed {', '.join(HOOKS_TESTED_DEEPSPEED)}, "
+    message = (f"megatron-ucp hooks were written and tested for DeepSpeed {', '.join(HOOKS_TESTED_DEEPSPEED)}, "
                f"but DeepSpeed {found} is installed. Its internals may differ; refusing to patch them. "
                "Install a supported DeepSpeed, apply the diffs in patches/ instead, or pass "
                "allow_untested_deepspeed=True (MEGATRON_UCP_ALLOW_UNTESTED_DEEPSPEED=1) at your own risk.")

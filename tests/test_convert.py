@@ -39,6 +39,11 @@ def assert_matches_dump(universal: Path, dump: dict, vocab_rows: dict | None = N
             if vocab_rows and name in vocab_rows:
                 want = value[: vocab_rows[name]]
                 assert got.get(F.VOCAB_TENSOR) is True
+                # nothing lost: the padded rows sit beside the trimmed tensor, bit for bit
+                rows = got[F.VOCAB_PADDED_ROWS]
+                assert rows.dtype == value.dtype and torch.equal(rows, value[vocab_rows[name]:]), (name, state)
+            else:
+                assert F.VOCAB_PADDED_ROWS not in got
             assert tensor.dtype == want.dtype and tensor.shape == want.shape, (name, state)
             assert torch.equal(tensor, want), (name, state)
             checked += 1
@@ -61,7 +66,7 @@ def test_convert_is_bit_exact_against_deepspeed_gathered_state(optimizer, tmp_pa
     assert not list(root.glob(".*ucp-staging"))
 
 
-def test_vocabulary_rows_are_trimmed_when_megatron_info_present(tmp_path, ds_checkpoint):
+def test_vocabulary_rows_are_trimmed_and_padded_rows_kept_when_megatron_info_present(tmp_path, ds_checkpoint):
     ck = ds_checkpoint(optimizer="bf16", dp=4, uc_info=True)
     root = ck.copy_to(tmp_path / "ck")
     result = convert(ConvertOptions(source=root, progress=False))

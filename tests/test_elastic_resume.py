@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_ucp import dsformat as F
+from megatron_ucp.errors import CheckpointFormatError
 from tests.dsharness import TrainResult, TrainSpec, run_training
 from tests.dsharness.stock import stock_ds_to_universal
 from tests.elastic_support import (ElasticRuns, assert_losses_continue, assert_same_state, private_copy, resume,
@@ -270,27 +272,41 @@ def test_install_patches_both_load_paths_and_uninstall_restores_them(monkeypatch
 EMBEDDING = "language_model.embedding.word_embeddings.weight"
 
 
-def test_trimmed_vocabulary_rows_are_padded_back(ds_checkpoint, runs) -> None:
-    """With Megatron's universal_checkpoint_info the converter trims the padded vocabulary rows; the
-    load pads them back with zeros (what DeepSpeed's own loader does) and accounts only real rows."""
+def test_padded_vocabulary_rows_survive_the_round_trip(ds_checkpoint, runs) -> None:
+    """With Megatron's universal_checkpoint_info the converter trims the vocabulary tensor to
+    original_vocab_size (as DeepSpeed does, so stock's loader reads it) and keeps the padded rows
+    beside it; the load puts them back: every element of every state, padded rows included, equals
+    the saved one, and the accounting counts them."""
     ck = ds_checkpoint("bf16", 4, uc_info=True)
     root = runs.get("vocab-root", lambda f: private_copy(ck.root, f / "ckpt"))
     res = runs.get("vocab-dp2", lambda f: resume(2, "bf16", root, f, load_tag="global_step2"))
     saved = torch.load(ck.dump("state_step2"), weights_only=False)
-    loaded = torch.load(res.dumps["state_step2_loaded"], weights_only=False)
-    assert_same_state(ck.dump("state_step2"), res.dumps["state_step2_loaded"], skip_params=(EMBEDDING,))
-    vocab = (root / "global_step2_universal" / "zero" / EMBEDDING / "fp32.pt")
-    rows = torch.load(vocab, weights_only=False)["param"].shape[0]
-    assert rows < saved[EMBEDDING]["fp32"].shape[0]
-    for key in ("fp32", "exp_avg", "exp_avg_sq"):
-        assert torch.equal(loaded[EMBEDDING][key][:rows], saved[EMBEDDING][key][:rows]), key
-        assert not loaded[EMBEDDING][key][rows:].any(), key
+    assert_same_state(ck.dump("state_step2"), res.dumps["state_step2_loaded"])
+    entry = torch.load(root / "global_step2_universal" / "zero" / EMBEDDING / "fp32.pt", weights_only=False)
+    assert entry["param"].shape[0] < saved[EMBEDDING]["fp32"].shape[0]
+    assert entry["param"].shape[0] + entry[F.VOCAB_PADDED_ROWS].shape[0] == saved[EMBEDDING]["fp32"].shape[0]
     assert_losses_continue(res, ck.loss_at)
     summary = summary_lines(res.log)[0]
-    hidden = saved[EMBEDDING]["fp32"].shape[1]
-    padded_rows = saved[EMBEDDING]["fp32"].shape[0] - rows
-    assert "every element placed exactly once" in summary
-    assert f"{1503 - 3 * padded_rows * hidden} elements" in summary
+    assert "every element placed exactly once" in summary and "1503 elements" in summary
+
+
+def test_fit_to_param_restores_kept_rows_and_zero_fills_without_them() -> None:
+    """Unit view of the vocabulary rule: rows kept by megatron-ucp come back exactly; a folder
+    without them (stock's, or another padded size) zero-fills them and does not count them."""
+    from megatron_ucp.hooks.elastic_load import _fit_to_param
+
+    lp = torch.zeros(5, 2)
+    trimmed, rows = torch.arange(6.0).view(3, 2), torch.arange(6.0, 10.0).view(2, 2)
+    flat, held = _fit_to_param(trimmed, {F.VOCAB_TENSOR: True, F.VOCAB_PADDED_ROWS: rows}, lp, "w", "fp32", Path("f"))
+    assert held == 10 and flat.tolist() == list(range(10))
+    flat, held = _fit_to_param(trimmed, {F.VOCAB_TENSOR: True}, lp, "w", "fp32", Path("f"))
+    assert held == 6 and flat.tolist() == [0, 1, 2, 3, 4, 5, 0, 0, 0, 0]
+    wrong_rows = torch.ones(3, 2)  # saved at another padded size: not used
+    flat, held = _fit_to_param(trimmed, {F.VOCAB_TENSOR: True, F.VOCAB_PADDED_ROWS: wrong_rows}, lp, "w", "fp32",
+                               Path("f"))
+    assert held == 6 and not flat[6:].any()
+    with pytest.raises(CheckpointFormatError, match="shape"):
+        _fit_to_param(torch.zeros(2, 5), {}, lp, "w", "fp32", Path("f"))  # same numel, transposed
 
 
 def test_buffers_and_frozen_parameters_are_restored(tmp_path: Path) -> None:
@@ -314,6 +330,36 @@ def test_buffers_and_frozen_parameters_are_restored(tmp_path: Path) -> None:
     assert net.frozen.tolist() == [1.0, 2.0, 3.0] and net.other_frozen.tolist() == [5.0, 6.0]
     assert net.running.tolist() == [0.0, 1.0, 2.0, 3.0]
 
-    problems, _ = restore_module_tensors(Net(), {"trained.weight", "trained.bias"}, tmp_path, {"module": {}})
-    named = {(p.param, p.state) for p in problems}
-    assert named == {("running", "buffer"), ("other_frozen", "fp32")}
+    # A buffer the checkpoint never held (Megatron leaves RoPE's inv_freq out of its save) is listed,
+    # not an error; a frozen parameter the checkpoint lacks is.
+    problems, extras = restore_module_tensors(Net(), {"trained.weight", "trained.bias"}, tmp_path, {"module": {}})
+    assert {(p.param, p.state) for p in problems} == {("other_frozen", "fp32")}
+    assert any("never held" in e and "running" in e for e in extras)
+
+    # Held, but of another shape: an error naming it.
+    states = {"module": {"running": torch.zeros(5), "other_frozen": torch.tensor([5.0, 6.0])}}
+    problems, _ = restore_module_tensors(Net(), {"trained.weight", "trained.bias"}, tmp_path, states)
+    assert [(p.param, p.state) for p in problems] == [("running", "buffer")] and "(5,)" in problems[0].detail
+
+
+def test_megatron_nested_module_states_are_flattened(tmp_path: Path) -> None:
+    """Megatron-DeepSpeed saves ``state_dict_for_save_checkpoint``: dicts of dicts."""
+    from megatron_ucp.hooks.elastic_load import flatten_module_states, restore_module_tensors
+
+    class Inner(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("table", torch.zeros(3))
+            self.register_buffer("inv_freq", torch.ones(2))
+
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.language_model = Inner()
+
+    nested = {"language_model": {"table": torch.arange(3.0)}}
+    assert set(flatten_module_states(nested)) == {"language_model.table"}
+    net = Outer()
+    problems, extras = restore_module_tensors(net, set(), tmp_path, {"module": nested})
+    assert problems == [] and net.language_model.table.tolist() == [0.0, 1.0, 2.0]
+    assert any("language_model.inv_freq" in e for e in extras)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from megatron_ucp.errors import CheckpointFormatError, PlanError
 from megatron_ucp.plan import (ConversionPlan, CopyItem, Fragment, OutputRules, ParamSpec, build_plan, check_plan,
-                               share_of, split_by_bytes, synthesize_layouts)
+                               share_of, split_by_bytes, split_items, synthesize_layouts)
 from tests.aurora_shapes import aurora_7b_param_groups
 
 
@@ -30,13 +30,14 @@ def checkpoints(draw):
 
 
 def covered_exactly_once(plan: ConversionPlan) -> None:
-    """Independent oracle: every output element of every parameter written exactly once."""
+    """Independent oracle: every element of every parameter written exactly once (padded vocabulary
+    rows included: they go to the state file beside the trimmed tensor)."""
     for p in plan.params:
-        hits = [0] * p.out_numel
+        hits = [0] * p.numel
         for it in p.items:
             for k in range(it.dst_offset, it.dst_offset + it.length):
                 hits[k] += 1
-        assert hits == [1] * p.out_numel, p.name
+        assert hits == [1] * p.numel, p.name
 
 
 @settings(max_examples=300, deadline=None)
@@ -100,10 +101,32 @@ def test_vocab_trimming_and_cat_dim():
                         row_parallel_patterns=(r".*dense\.weight$",))
     plan = build_plan(groups, synthesize_layouts(groups, 4), rules)
     emb = plan.param("language_model.embedding.word_embeddings.weight")
-    assert emb.out_shape == (5, 3) and emb.vocab_tensor and sum(i.length for i in emb.items) == 15
+    assert emb.out_shape == (5, 3) and emb.vocab_tensor and sum(i.length for i in emb.items) == 24
+    # the trimmed tensor and the padded rows split the items at element 15, nothing dropped
+    assert sum(i.length for i in emb.kept_items) == 15 and emb.padded_rows_shape == (3, 3)
+    rows = emb.padded_rows_items
+    assert sum(i.length for i in rows) == 9 and rows[0].dst_offset == 0
+    def elements(items):
+        return sorted((i.rank, i.src_offset + j) for i in items for j in range(i.length))
+    assert sorted(elements(emb.kept_items) + elements(rows)) == elements(emb.items)
     assert plan.param("language_model.encoder.layers.0.self_attention.dense.weight").cat_dim == 1
     with pytest.raises(PlanError):
         build_plan(groups, synthesize_layouts(groups, 4), dataclasses.replace(rules, original_vocab_size=9))
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=6), st.data())
+def test_split_items_partitions_every_element(lengths, data):
+    items, offset = [], 0
+    for k, n in enumerate(lengths):
+        items.append(CopyItem(rank=k, src_offset=3, dst_offset=offset, length=n))
+        offset += n
+    at = data.draw(st.integers(0, offset))
+    head, tail = split_items(items, at)
+    assert sum(i.length for i in head) == at and sum(i.length for i in tail) == offset - at
+    covered = sorted([(i.rank, i.src_offset + j) for i in head for j in range(i.length)]
+                     + [(i.rank, i.src_offset + j) for i in tail for j in range(i.length)])
+    assert covered == sorted((i.rank, i.src_offset + j) for i in items for j in range(i.length))
+    assert [i.dst_offset for i in tail][:1] in ([], [0])
 
 
 def _corrupt(layouts, rank, group, fragments=None, **changes):

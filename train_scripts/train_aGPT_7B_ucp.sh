@@ -38,7 +38,8 @@
 #   UCP_CONVERTER_WORKERS worker processes per converter (default 1)
 #   UCP_STRICT            0: warn instead of failing when a universal load misses a tensor
 #   UCP_ELASTIC           0: no elastic resume (DeepSpeed refuses DP changes, as stock)
-#   UCP_RANKS_PER_NODE    ranks per node, one converter per node (default: NGPU_PER_HOST)
+#   UCP_RANKS_PER_NODE    ranks per node, one converter per node (default: NGPU_PER_HOST, else
+#                         ezpz's accelerators per node, else the launcher's local size)
 #   UCP_TRAIN_SCRIPT      the script to wrap (default: <workdir>/train_aGPT_7B.sh)
 #   UCP_ENTRY             the entry script (default: $EXEC or <workdir>/pretrain_gpt_alcf.py)
 #   UCP_SHIM_DIR          where the shim goes; must be visible on every node
@@ -105,20 +106,26 @@ if ! "${python}" -c 'import megatron_ucp' 2>/dev/null; then
 fi
 
 # ---- 2. --ucp-* options --------------------------------------------------------------------------
-if [[ -z "${NGPU_PER_HOST:-}" ]]; then
-	NGPU_PER_HOST="$("${python}" -c 'import ezpz; print(ezpz.get_gpus_per_node())' 2>/dev/null || echo 12)"
+# Accelerators per node as helpers.sh sees them (ezpz); 0 on a CPU-only node. Not exported:
+# helpers.sh works it out itself.
+gpus_per_node="${NGPU_PER_HOST:-}"
+if [[ -z "${gpus_per_node}" ]]; then
+	gpus_per_node="$("${python}" -c 'import ezpz; print(ezpz.get_gpus_per_node())' 2>/dev/null || echo 12)"
 fi
-export NGPU_PER_HOST
+[[ "${gpus_per_node}" =~ ^[0-9]+$ ]] || gpus_per_node=0
 ucp_args=()
 if [[ "${UCP_ASYNC_CONVERT:-1}" == 1 ]]; then ucp_args+=(--ucp-async-convert); else ucp_args+=(--ucp-no-async-convert); fi
 if [[ -n "${UCP_KEEP_LAST:-}" ]]; then ucp_args+=(--ucp-keep-last "${UCP_KEEP_LAST}"); fi
 if [[ -n "${UCP_CONVERTER_WORKERS:-}" ]]; then ucp_args+=(--ucp-converter-workers "${UCP_CONVERTER_WORKERS}"); fi
 if [[ "${UCP_STRICT:-1}" == 0 ]]; then ucp_args+=(--ucp-no-strict); fi
 if [[ "${UCP_ELASTIC:-1}" == 0 ]]; then ucp_args+=(--ucp-no-elastic-resume); fi
-ucp_args+=(--ucp-ranks-per-node "${UCP_RANKS_PER_NODE:-${NGPU_PER_HOST}}")
+# One converter per node needs the ranks per node: given, else the accelerators per node, else
+# (CPU-only: ezpz reports 0) left to the runner, which reads the launcher's local size.
+ranks_per_node="${UCP_RANKS_PER_NODE:-${gpus_per_node}}"
+if [[ "${ranks_per_node}" =~ ^[1-9][0-9]*$ ]]; then ucp_args+=(--ucp-ranks-per-node "${ranks_per_node}"); fi
 
 # ---- 3. keep the checkpoint's global batch at this node count ------------------------------------
-env_lines=("EXEC=${shim}" "NGPU_PER_HOST=${NGPU_PER_HOST}")
+env_lines=("EXEC=${shim}")
 ckpt="${LOAD:-${CKPT_DIR:-}}"
 if [[ -z "${ckpt}" ]]; then
 	say "CKPT_DIR (or LOAD) is not set: helpers.sh names the checkpoint folder after WORLD_SIZE and GLOBAL_BATCH,"
@@ -126,8 +133,8 @@ if [[ -z "${ckpt}" ]]; then
 elif [[ -z "${GLOBAL_BATCH:-}" && "${UCP_ELASTIC:-1}" == 1 ]]; then
 	if [[ -n "${WORLD_SIZE:-}" ]]; then
 		world="${WORLD_SIZE}"
-	elif [[ -f "${HOSTFILE:-${PBS_NODEFILE:-/nonexistent}}" ]]; then
-		world=$(($(wc -l <"${HOSTFILE:-${PBS_NODEFILE}}") * NGPU_PER_HOST))
+	elif [[ -f "${HOSTFILE:-${PBS_NODEFILE:-/nonexistent}}" && "${ranks_per_node}" =~ ^[1-9][0-9]*$ ]]; then
+		world=$(($(wc -l <"${HOSTFILE:-${PBS_NODEFILE}}") * ranks_per_node))
 	else
 		world=""
 		say "cannot tell the node count (no HOSTFILE/PBS_NODEFILE/WORLD_SIZE): global batch left to helpers.sh"

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 from .. import background as B
 from ..config import UcpConfig
 from ..errors import UnsupportedError
+from ..versions import internals
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +56,18 @@ def wanted(config: UcpConfig) -> bool:
 def install(patches: Any, config: UcpConfig) -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    for name in ("save_checkpoint", "_commit_decoupled_checkpoint", "zero_optimization_stage",
-                 "use_node_local_storage"):
+    decoupled = internals().decoupled_commit
+    needed = ("save_checkpoint", "zero_optimization_stage", "use_node_local_storage") + (
+        ("_commit_decoupled_checkpoint",) if decoupled else ())
+    for name in needed:
         if not hasattr(DeepSpeedEngine, name):
             raise UnsupportedError(f"DeepSpeedEngine has no {name!r}: the async-conversion hook cannot patch this "
                                    "DeepSpeed; convert with `megatron-ucp convert` instead",
                                    subject=f"DeepSpeedEngine.{name}")
     patches.replace(DeepSpeedEngine, "save_checkpoint", lambda original: _wrap_save(original, config))
-    patches.replace(DeepSpeedEngine, "_commit_decoupled_checkpoint", lambda original: _wrap_decoupled(original, config))
+    if decoupled:  # before 0.17 every checkpoint engine commits inside save_checkpoint
+        patches.replace(DeepSpeedEngine, "_commit_decoupled_checkpoint",
+                        lambda original: _wrap_decoupled(original, config))
     _state.update(config=config, launched={}, warned=set(), crashed=False)
     atexit.register(_at_exit)
     if _state["excepthook"] is None:
@@ -136,7 +141,7 @@ def _warn_once(key: str, message: str, *args: Any) -> None:
 
 def _after_commit(engine: Any, save_dir: str, tag: str, config: UcpConfig) -> None:
     """Queue the conversion on each node's launcher; never raises (training goes on regardless)."""
-    from deepspeed import comm as dist
+    import torch.distributed as dist
 
     from ..async_convert import ConverterSettings, trigger
 

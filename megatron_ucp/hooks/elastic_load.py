@@ -132,7 +132,11 @@ def on_uninstall() -> None:
 # ================================================================================================
 
 def _comm() -> Any:
-    from deepspeed import comm as dist
+    """``torch.distributed`` itself, not ``deepspeed.comm``: DeepSpeed's wrappers differ between
+    versions (0.19.5's ``log_wrapper`` raises ``KeyError: 'log_name'`` on ``broadcast_object_list``
+    when the comms logger is on, as Megatron-DeepSpeed configures it), while the process groups
+    DeepSpeed hands out are torch's own."""
+    import torch.distributed as dist
 
     return dist
 
@@ -457,22 +461,44 @@ def _check_training_state(engine: Any, states: dict, ckpt_batch: Optional[int], 
     return problems, extras
 
 
+def flatten_module_states(saved: Any, prefix: str = "") -> dict[str, Any]:
+    """A model-states ``module`` dict as flat ``a.b.c`` names.
+
+    Megatron-DeepSpeed saves the module through ``state_dict_for_save_checkpoint``, a dict of
+    dicts (``{'language_model': {'encoder': {...}}}``); DeepSpeed's own save is already flat.
+    """
+    flat: dict[str, Any] = {}
+    if not isinstance(saved, dict):
+        return flat
+    for key, value in saved.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten_module_states(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
 def restore_module_tensors(module: torch.nn.Module, optimized: set[str], folder: Path,
                            states: dict) -> tuple[list[Problem], list[str]]:
     """Buffers and frozen parameters: universal mode skips the module state dict, so restore them here.
 
     ``optimized``: names of the parameters the optimizer restored. Frozen parameters (the others)
     come from ``zero/<name>/fp32.pt`` when the converter wrote one, else from the model states'
-    module dict; persistent buffers from the model states' module dict. Returns (problems, extras).
+    module dict; persistent buffers from the model states' module dict. Strict about what the
+    checkpoint holds (a held buffer of another shape is a problem), not about what it never held:
+    Megatron leaves deterministic buffers such as RoPE's ``inv_freq`` out of its save, so those
+    stay as the model built them and are listed in one line. Returns (problems, extras).
     """
     from ..reader import load_torch_file
 
-    saved = states.get("module") if isinstance(states.get("module"), dict) else None
+    saved = flatten_module_states(states.get("module"))
     live = module.state_dict()
     named_params = dict(module.named_parameters())
     frozen = [n for n in named_params if n not in optimized]
     buffers = [n for n, _ in module.named_buffers() if n in live]
     problems: list[Problem] = []
+    never_held: list[str] = []
     restored_frozen = restored_buffers = 0
     with torch.no_grad():
         for name in frozen:
@@ -482,23 +508,32 @@ def restore_module_tensors(module: torch.nn.Module, optimized: set[str], folder:
                 source = load_torch_file(file, mmap=True)
                 source = source.get(F.PARAM) if isinstance(source, dict) else source
             else:
-                source = saved.get(name) if saved is not None else None
-            if not torch.is_tensor(source) or source.numel() != param.numel():
+                source = saved.get(name)
+            if not torch.is_tensor(source) or tuple(source.shape) != tuple(param.shape):
                 problems.append(Problem(ProblemKind.MODULE_TENSOR, name, F.FP32_STATE,
-                                        "frozen parameter not found (or wrong size) in zero/ and in the model states"))
+                                        "frozen parameter not found (or of another shape) in zero/ and in the "
+                                        "model states"))
                 continue
-            param.copy_(source.reshape(param.shape))
+            param.copy_(source)
             restored_frozen += 1
         for name in buffers:
-            source = saved.get(name) if saved is not None else None
             target = live[name]
-            if not torch.is_tensor(source) or source.shape != target.shape:
+            if name not in saved:
+                never_held.append(name)
+                continue
+            source = saved[name]
+            if not torch.is_tensor(source) or tuple(source.shape) != tuple(target.shape):
+                shape = tuple(source.shape) if torch.is_tensor(source) else type(source).__name__
                 problems.append(Problem(ProblemKind.MODULE_TENSOR, name, "buffer",
-                                        f"persistent buffer not in {folder.name}'s model states (or wrong shape)"))
+                                        f"{folder.name}'s model states hold it as {shape}, the model's buffer is "
+                                        f"{tuple(target.shape)}"))
                 continue
             target.copy_(source)
             restored_buffers += 1
     extras = [f"{restored_buffers} buffers, {restored_frozen} frozen params restored"] if (buffers or frozen) else []
+    if never_held:
+        extras.append(f"{len(never_held)} live buffer(s) the checkpoint never held, left as the model built them: "
+                      + ", ".join(never_held))
     return problems, extras
 
 
@@ -544,21 +579,29 @@ def _tensor_of(entry: Any, path: Path) -> torch.Tensor:
     return tensor
 
 
-def _fit_to_param(full: torch.Tensor, entry: Any, lp: Any, name: str, state: str, path: Path) -> torch.Tensor:
-    """The file's tensor as the parameter's flat layout (vocabulary rows trimmed at conversion are zero-padded)."""
+def _fit_to_param(full: torch.Tensor, entry: Any, lp: Any, name: str, state: str, path: Path
+                  ) -> tuple[torch.Tensor, int]:
+    """The file's tensor as the parameter's flat layout, and how many of its elements the file holds.
+
+    Vocabulary tensors trimmed to ``original_vocab_size`` get their padded rows back from
+    :data:`~megatron_ucp.dsformat.VOCAB_PADDED_ROWS` when the folder kept them (megatron-ucp's
+    conversions do) and the padded size is the one they were saved at; otherwise (stock folders,
+    another padded size) those rows start at zero, as with stock DeepSpeed, and are not counted.
+    """
     shape = tuple(lp.shape)
     if tuple(full.shape) == shape:
-        return full.reshape(-1)
+        return full.reshape(-1), full.numel()
     is_vocab = isinstance(entry, dict) and entry.get(F.VOCAB_TENSOR, False)
     if (is_vocab and full.dim() == len(shape) and full.dim() >= 1 and full.shape[0] <= shape[0]
             and tuple(full.shape[1:]) == shape[1:]):
+        rows = entry.get(F.VOCAB_PADDED_ROWS)
+        if torch.is_tensor(rows) and tuple(rows.shape) == (shape[0] - full.shape[0], *shape[1:]):
+            return torch.cat([full.reshape(-1), rows.to(full.dtype).reshape(-1)]), full.numel() + rows.numel()
         padded = full.new_zeros(shape)
         padded[:full.shape[0]] = full
-        return padded.reshape(-1)
-    if full.numel() == lp.numel():
-        return full.reshape(-1)
+        return padded.reshape(-1), full.numel()
     raise CheckpointFormatError(f"{path}: parameter {name!r} state {state!r} has shape {tuple(full.shape)}, the model's "
-                                f"parameter is {shape} (different model, or TP>1 which megatron-ucp does not "
+                                f"parameter is {shape} (a different model, or TP>1 which megatron-ucp does not "
                                 "support yet)", subject=name)
 
 
@@ -741,17 +784,17 @@ def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names:
                     continue  # not one of this group's states: check_folders reports the odd file
                 entry = load_torch_file(path, mmap=True)
                 full = _tensor_of(entry, path)
-                source = _fit_to_param(full, entry, lp, name, state, path)
+                source, held = _fit_to_param(full, entry, lp, name, state, path)
                 target = (mapping.get_hp_fragment() if state == F.FP32_STATE
                           else buffers[state].narrow(0, hp_address.start, hp_address.numel))
                 target.copy_(source.narrow(0, lp_address.start, lp_address.numel))
-                real = max(0, min(lp_address.numel, full.numel() - lp_address.start))
+                real = max(0, min(lp_address.numel, held - lp_address.start))
                 table[row, Column.CONSUMERS] += 1
                 table[row, Column.LOADED_COUNT] += real
                 table[row, Column.LOADED_SUM] += checksum(target[:real], lp_address.start) if real else 0
                 if lp_address.start == 0:
-                    table[row, Column.SOURCE_COUNT] += full.numel()
-                    table[row, Column.SOURCE_SUM] += checksum(full.to(target.dtype))
+                    table[row, Column.SOURCE_COUNT] += held
+                    table[row, Column.SOURCE_SUM] += checksum(source[:held].to(target.dtype))
 
     state_dict = optimizer.optimizer.state[flat]
     for state, buffer in buffers.items():

@@ -57,7 +57,7 @@ def partition_record(group_numels: Sequence[int], padded_group_numels: Sequence[
 
 
 def _dp_of(optimizer: Any) -> tuple[list[int], list[int]]:
-    from deepspeed import comm as dist
+    import torch.distributed as dist
 
     groups = optimizer.real_dp_process_group
     return [dist.get_world_size(group=pg) for pg in groups], [dist.get_rank(group=pg) for pg in groups]

@@ -1,0 +1,58 @@
+"""Fixtures for the tests against the real Megatron-DeepSpeed (``tests/integration/mds.py``).
+
+The checkout comes from ``MEGATRON_DEEPSPEED_DIR`` (CI: ``../shared/third_party/megatron-deepspeed``).
+Unset, these tests skip with that reason; with ``MEGATRON_UCP_REQUIRE_INTEGRATION=1`` (set by the
+Makefile's matrix whenever the snapshot is there) a skip is a failure instead, so CI cannot pass
+without having run them.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.integration.mds import (SNAPSHOT_ENV, Checkout, deepspeed_version, prepare_checkout,
+                                   script_imports_unedited, snapshot_dir)
+
+REQUIRE_ENV = "MEGATRON_UCP_REQUIRE_INTEGRATION"
+
+
+def _cannot_run(reason: str) -> None:
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_ENV}=1: these tests must run here)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def mds_checkout(tmp_path_factory: pytest.TempPathFactory) -> Checkout:
+    snapshot = snapshot_dir()
+    if snapshot is None:
+        _cannot_run(f"{SNAPSHOT_ENV} is not set: no Megatron-DeepSpeed checkout to test against")
+    if not (snapshot / "pretrain_gpt_alcf.py").is_file():
+        _cannot_run(f"{SNAPSHOT_ENV}={snapshot} holds no pretrain_gpt_alcf.py")
+    version = deepspeed_version()
+    if not script_imports_unedited(version):
+        _cannot_run(f"DeepSpeed {version} no longer ships deepspeed.compression.compress, which "
+                    "Megatron-DeepSpeed's megatron/training.py imports: the script cannot start unedited")
+    return prepare_checkout(tmp_path_factory.mktemp("mds"), snapshot)
+
+
+@pytest.fixture(scope="module")
+def mds_runs(tmp_path_factory: pytest.TempPathFactory) -> "RunCache":
+    return RunCache(tmp_path_factory.mktemp("mds-runs"))
+
+
+class RunCache:
+    """Runs shared by the tests of one module (training once, resuming from it several ways)."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self._done: dict[str, object] = {}
+
+    def get(self, name: str, make):
+        if name not in self._done:
+            folder = self.base / name
+            folder.mkdir(parents=True, exist_ok=True)
+            self._done[name] = make(folder)
+        return self._done[name]

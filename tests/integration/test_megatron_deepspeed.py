@@ -1,0 +1,149 @@
+"""megatron-ucp on the real Megatron-DeepSpeed (argonne-lcf fork), unedited, on the CPU.
+
+Each optimizer class trains a llama-style model (RoPE, RMSNorm, SwiGLU, GQA, untied embeddings,
+a NullTokenizer vocabulary of 257 padded to 384) at DP=4 through the runner with background
+conversion, saving at iterations 3 and 6. Then, from the iteration-3 checkpoint, in strict mode:
+
+* DP=3 with no flag (the hook loads the universal twin the background converter made);
+* DP=2 with ``--universal-checkpoint`` (BF16_Optimizer through the runner, DeepSpeedZeroOptimizer
+  through the two-line patch of ``pretrain_gpt_alcf.py`` in ``patches/megatron-deepspeed``).
+
+The losses of iterations 4-6 must match the uninterrupted DP=4 run's within 2e-4 (bf16 reduction
+noise; a dropped padded-vocabulary row moves them by ~1e-2). A second model is so small that at
+DP=4 one rank's share of the norm weights is all padding: saved there, and loaded back at DP=4
+from the universal folder, where stock DeepSpeed dies with IndexError.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ucp import dsformat as F
+from megatron_ucp.universal import read_manifest, universal_state
+from megatron_ucp.verify import verify_universal
+from tests.integration.mds import MdsModel, MdsResult, MdsRun, point_latest_at, run_mds
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+LOSS_TOLERANCE = 2e-4
+PATCH = Path(__file__).resolve().parents[2] / "patches" / "megatron-deepspeed" / "0001-install-megatron-ucp.patch"
+PADDING_MODEL = MdsModel(layers=1, hidden=6, heads=3, kv_heads=3, ffn=16)
+"""Three RMSNorm weights of 6: N=18 no-weight-decay elements, padded to 24 at DP=4 (S=6): rank 3
+holds only padding."""
+
+
+def _train(co, folder: Path, optimizer: str, model: MdsModel = MdsModel()) -> tuple[Path, MdsResult]:
+    root = folder / "ckpt"
+    res = run_mds(co, MdsRun(nproc=4, ckpt=root, optimizer=optimizer, model=model, train_iters=6,
+                             save_interval=3, extra_args=["--ucp-async-convert"]))
+    return root, res
+
+
+def _restart_copy(root: Path, dest: Path) -> Path:
+    """A copy of the run's checkpoints restarting from iteration 3 (``latest`` names global_step3)."""
+    shutil.copytree(root, dest, ignore=shutil.ignore_patterns(".ucp"))
+    point_latest_at(dest, "global_step3")
+    return dest
+
+
+def assert_continues(resumed: MdsResult, reference: MdsResult, steps=(4, 5, 6)) -> None:
+    for step in steps:
+        assert step in resumed.losses, (step, sorted(resumed.losses), resumed.log[-3000:])
+        diff = abs(resumed.losses[step] - reference.losses[step])
+        assert diff <= LOSS_TOLERANCE, (step, resumed.losses[step], reference.losses[step])
+
+
+def assert_accounted(res: MdsResult) -> str:
+    """Strict accounting passed and said so in one summary line; returns it."""
+    lines = [line for line in res.ucp_lines() if "every element placed exactly once" in line]
+    assert lines, "\n".join(res.ucp_lines()[-20:])
+    assert not any("ERROR" in line or "AccountingError" in line for line in res.ucp_lines())
+    return lines[0]
+
+
+@pytest.fixture(scope="module", params=["bf16", "zero"])
+def trained(request, mds_checkout, mds_runs):
+    optimizer = request.param
+    root, res = mds_runs.get(f"train-{optimizer}", lambda f: _train(mds_checkout, f, optimizer))
+    return optimizer, root, res
+
+
+def test_training_saves_and_converts_in_the_background(trained):
+    optimizer, root, res = trained
+    assert sorted(res.losses) == [1, 2, 3, 4, 5, 6]
+    prefix = "bf16_" if optimizer == "bf16" else ""
+    assert (root / "global_step3" / f"{prefix}zero_pp_rank_3_mp_rank_00_optim_states.pt").is_file()
+    for tag in ("global_step3", "global_step6"):
+        twin = root / F.universal_tag(tag)
+        assert universal_state(twin) == "complete", tag
+        manifest = read_manifest(twin)
+        assert manifest["source"]["dp"] == 4
+        report = verify_universal(twin, source=root / tag)
+        assert report.ok, report.problems[:5]
+    assert (root / F.LATEST_UNIVERSAL).read_text() == "global_step6_universal"
+    # Megatron's vocabulary: 257 real rows of 384; the padded rows are kept beside the trimmed tensor
+    entry = torch.load(root / "global_step3_universal" / "zero" / "language_model.output_layer.weight" / "exp_avg.pt",
+                       weights_only=False)
+    assert entry[F.PARAM].shape[0] == 257 and entry[F.VOCAB_PADDED_ROWS].shape[0] == 384 - 257
+
+
+def test_resume_at_dp3_with_no_flag(trained, mds_checkout, mds_runs):
+    optimizer, root, reference = trained
+
+    def resume(folder: Path) -> MdsResult:
+        ckpt = _restart_copy(root, folder / "ckpt")
+        return run_mds(mds_checkout, MdsRun(nproc=3, ckpt=ckpt, optimizer=optimizer, train_iters=6,
+                                            save_interval=100))
+
+    res = mds_runs.get(f"dp3-{optimizer}", resume)
+    decided = [line for line in res.ucp_lines() if "DP changed 4 -> 3" in line]
+    assert decided and "global_step3_universal" in decided[0], res.ucp_lines()
+    summary = assert_accounted(res)
+    assert "never held" in summary and "rotary_pos_emb.inv_freq" in summary
+    assert_continues(res, reference)
+
+
+def test_resume_at_dp2_with_universal_checkpoint_flag(trained, mds_checkout, mds_runs):
+    """BF16_Optimizer through the runner; DeepSpeedZeroOptimizer through patches/megatron-deepspeed."""
+    optimizer, root, reference = trained
+
+    def resume(folder: Path) -> MdsResult:
+        ckpt = _restart_copy(root, folder / "ckpt")
+        if optimizer == "bf16":
+            run = MdsRun(nproc=2, ckpt=ckpt, optimizer=optimizer, save_interval=100,
+                         extra_args=["--universal-checkpoint"])
+        else:
+            patched = mds_checkout.root / "pretrain_gpt_alcf_ucp_patched.py"
+            if not patched.exists():
+                subprocess.run(["patch", "-p1", "-o", str(patched), "pretrain_gpt_alcf.py", str(PATCH)],
+                               cwd=mds_checkout.root, check=True, capture_output=True)
+            run = MdsRun(nproc=2, ckpt=ckpt, optimizer=optimizer, save_interval=100, route="script",
+                         entry=patched, extra_args=["--universal-checkpoint", "--no-load-rng"])
+        return run_mds(mds_checkout, run)
+
+    res = mds_runs.get(f"dp2-{optimizer}", resume)
+    assert_accounted(res)
+    assert_continues(res, reference)
+
+
+def test_padding_only_rank_saved_and_loaded(mds_checkout, mds_runs):
+    """Rank 3 of 4 holds only padding of the norm group: stock ds_to_universal dies converting it
+    (BF16_Optimizer) and stock load_universal dies loading it back at DP=4; megatron-ucp does both."""
+    root, reference = mds_runs.get("train-pad", lambda f: _train(mds_checkout, f, "bf16", PADDING_MODEL))
+    inspected = subprocess.run([sys.executable, "-m", "megatron_ucp.cli", "inspect", str(root), "--tag", "global_step3",
+                                "--json"], capture_output=True, text=True, check=True)
+    assert '"padding_only_ranks"' in inspected.stdout or "padding" in inspected.stdout
+
+    def resume(folder: Path) -> MdsResult:
+        ckpt = _restart_copy(root, folder / "ckpt")
+        return run_mds(mds_checkout, MdsRun(nproc=4, ckpt=ckpt, optimizer="bf16", model=PADDING_MODEL,
+                                            save_interval=100, extra_args=["--universal-checkpoint"]))
+
+    res = mds_runs.get("pad-dp4-universal", resume)
+    assert_accounted(res)
+    assert_continues(res, reference)
