@@ -47,6 +47,7 @@ _KNN_GUARDED = ("try:  # megatron-ucp test copy: torchvision does not load here 
                 "except ImportError:\n"
                 "    compute_feature_bank = None\n")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_EXCEPTION_LINE = re.compile(r"(^|\]: |\s)[A-Za-z_.]*(Error|Exception|Interrupt)\b: ")
 _LOSS = re.compile(r"iteration=\s*(\d+)/\s*\d+ \|.*?\| lm loss=([0-9.eE+-]+) \|")
 CORPUS_TOKENS = 256
 """``--vocab-size`` of the NullTokenizer: 256 ids + end-of-document = 257, padded to 384 (128-divisible)."""
@@ -117,7 +118,20 @@ def prepare_checkout(dest: Path, snapshot: Optional[Path] = None) -> Checkout:
                     "--output-prefix", str(data / "corpus"), "--tokenizer-type", "NullTokenizer",
                     "--vocab-size", str(CORPUS_TOKENS), "--append-eod", "--workers", "1"],
                    cwd=root, env=env, check=True, capture_output=True)
-    return Checkout(root=root, data_prefix=data / "corpus_text_document")
+    co = Checkout(root=root, data_prefix=data / "corpus_text_document")
+    warm_index_cache(co, dest / "warm-up")
+    return co
+
+
+def warm_index_cache(co: Checkout, folder: Path) -> None:
+    """Build the dataset's index mappings once, with a single rank.
+
+    On a cold cache every rank of pretrain_gpt_alcf.py builds the same ``*_idx.npy`` files at once
+    (``gpt_dataset._build_index_mappings`` has no barrier) and one rank's ``np.save`` can truncate
+    a file another is loading (``EOFError: No data left in file``). Every run here has the same
+    samples, so they all find this cache in ``<data>/index-cache``.
+    """
+    run_mds(co, MdsRun(nproc=1, ckpt=folder / "ckpt", route="plain", save_interval=1000))
 
 
 def rank_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -232,7 +246,6 @@ def megatron_args(co: Checkout, run: MdsRun, config_path: Path) -> list[str]:
         "--no-pipeline-parallel", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(CORPUS_TOKENS),
         "--data-path", str(co.data_prefix), "--split", "990,10,0",
-        "--data-cache-path", str(run.ckpt.parent / f"{run.ckpt.name}-data-cache"),
         "--distributed-backend", "gloo", "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0",
         "--save", str(run.ckpt), "--load", str(run.ckpt), "--save-interval", str(run.save_interval),
         *run.extra_args,
@@ -265,19 +278,23 @@ def run_mds(co: Checkout, run: MdsRun) -> MdsResult:
     proc = subprocess.run(cmd, cwd=co.root, env=rank_env(run.env), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=run.timeout)
     log = _ANSI.sub("", proc.stdout.decode(errors="replace"))
+    log_path = run.ckpt.parent / f"{run.ckpt.name}-run-{time.strftime('%H%M%S')}.log"
+    log_path.write_text(log)
     result = MdsResult(returncode=proc.returncode, log=log, losses=parse_losses(log),
                        wall_s=time.perf_counter() - start)
     if proc.returncode != 0 and not run.expect_failure:
         raise RuntimeError(f"Megatron-DeepSpeed run failed (exit {proc.returncode}, nproc={run.nproc}, "
-                           f"optimizer={run.optimizer}, route={run.route}):\n{failure_excerpt(log)}")
+                           f"optimizer={run.optimizer}, route={run.route}; full log {log_path}):\n"
+                           f"{failure_excerpt(log)}")
     return result
 
 
-def failure_excerpt(log: str, chars: int = 7000) -> str:
-    """The first traceback and the last lines: where it broke, and how it ended."""
-    first = log.find("Traceback")
-    head = log[first:first + chars // 2] if first >= 0 else ""
-    return head + "\n...\n" + log[-chars // 2:]
+def failure_excerpt(log: str, chars: int = 8000) -> str:
+    """Every exception line (the root cause is often on another rank than the first traceback's),
+    then the end of the log."""
+    errors = [line for line in log.splitlines() if _EXCEPTION_LINE.search(line)]
+    unique = list(dict.fromkeys(errors))[:40]
+    return "exception lines:\n" + "\n".join(unique) + "\n...\nlog tail:\n" + log[-chars:]
 
 
 def point_latest_at(root: Path, tag: str) -> None:

@@ -76,13 +76,13 @@ def trained(request, mds_checkout, mds_runs):
 def test_training_saves_and_converts_in_the_background(trained):
     optimizer, root, res = trained
     assert sorted(res.losses) == [1, 2, 3, 4, 5, 6]
-    prefix = "bf16_" if optimizer == "bf16" else ""
-    assert (root / "global_step3" / f"{prefix}zero_pp_rank_3_mp_rank_00_optim_states.pt").is_file()
+    assert (root / "global_step3" / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt").is_file()
+    wanted_class = {"bf16": "BF16_Optimizer", "zero": "DeepSpeedZeroOptimizer"}[optimizer]
     for tag in ("global_step3", "global_step6"):
         twin = root / F.universal_tag(tag)
         assert universal_state(twin) == "complete", tag
         manifest = read_manifest(twin)
-        assert manifest["source"]["dp"] == 4
+        assert manifest["source"]["dp"] == 4 and manifest["source"]["optimizer"] == wanted_class
         report = verify_universal(twin, source=root / tag)
         assert report.ok, report.problems[:5]
     assert (root / F.LATEST_UNIVERSAL).read_text() == "global_step6_universal"
