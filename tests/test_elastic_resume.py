@@ -65,12 +65,24 @@ def _dp3(ds_checkpoint, runs: ElasticRuns, opt: str) -> TrainResult:
     return runs.get(f"{opt}-dp3", lambda f: resume(3, opt, root, f, load_tag="global_step2"))
 
 
+def _stock_converts(opt: str) -> bool:
+    """Stock ds_to_universal converts DeepSpeedZeroOptimizer checkpoints written with per-rank paddings
+    (DeepSpeed 0.16.4 on); BF16_Optimizer ones (last-rank-only paddings, every version) never here."""
+    from packaging.version import Version
+
+    import deepspeed
+    from megatron_ucp.versions import ZERO_PER_RANK_PADDING_SINCE
+
+    return opt == "zero" and Version(Version(deepspeed.__version__).base_version) >= ZERO_PER_RANK_PADDING_SINCE
+
+
 def _dp4(ds_checkpoint, runs: ElasticRuns, opt: str) -> TrainResult:
-    """Explicit route at DP=4. zero: the stock ds_to_universal output; bf16 (stock cannot convert it): ours."""
+    """Explicit route at DP=4 from the stock ds_to_universal output where stock converts the checkpoint
+    (zero, DeepSpeed >= 0.16.4), else from ours (stock dies with narrow(): length must be non-negative)."""
     ck, root = _source(ds_checkpoint, runs, opt)
 
     def make(folder: Path) -> TrainResult:
-        if opt == "zero":
+        if _stock_converts(opt):
             own = private_copy(ck.root, folder / "ckpt")
             stock = stock_ds_to_universal(own / "global_step2", own / "global_step2_universal")
             assert stock.ok, stock.log[-3000:]
