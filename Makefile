@@ -90,7 +90,8 @@ test-matrix: matrix
 			if [ "$$v" = "$(DS_INTEGRATION_FULL)" ]; then select="integration"; \
 			else select="(training or dp3) and $$(case $$v in 0.16.2|0.17.6) echo zero;; *) echo bf16;; esac)"; fi; \
 			echo "=== DeepSpeed $$v: the real Megatron-DeepSpeed (-k '$$select')"; \
-			PYTHONPATH=$$overlay MEGATRON_DEEPSPEED_DIR=$(MEGATRON_DEEPSPEED_DIR) MEGATRON_UCP_REQUIRE_INTEGRATION=1 \
+			PYTHONPATH=$$overlay MEGATRON_DEEPSPEED_DIR=$(MEGATRON_DEEPSPEED_DIR) EZPZ_DIR=$(EZPZ_DIR) \
+				MEGATRON_UCP_REQUIRE_INTEGRATION=1 \
 				$(BIN)/python -m pytest -q tests/integration -k "$$select" \
 				--junitxml=$(RESULTS)/megatron-deepspeed-$$v.xml || status=1; \
 		fi; \

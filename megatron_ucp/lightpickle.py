@@ -19,13 +19,15 @@ conversion's fixed cost, and more on a shared file system. :data:`PICKLE_MODULE`
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copyreg
 import pickle
 import sys
 import threading
-from typing import Any
+from typing import Any, Iterator
 
-__all__ = ["PICKLE_MODULE", "StandIn", "needs_light_pickler", "is_stand_in"]
+__all__ = ["PICKLE_MODULE", "StandIn", "needs_light_pickler", "is_stand_in", "stand_ins_for_unimportable"]
 
 _LOCK = threading.Lock()
 _CLASSES: dict[tuple[str, str], type] = {}
@@ -141,11 +143,34 @@ def needs_light_pickler() -> bool:
     return bool(_CLASSES)
 
 
+_TOLERANT: contextvars.ContextVar[bool] = contextvars.ContextVar("megatron_ucp_tolerant_unpickling", default=False)
+
+
+@contextlib.contextmanager
+def stand_ins_for_unimportable() -> Iterator[None]:
+    """Within: a class that cannot be imported loads as a stand-in instead of failing.
+
+    For readers that only want plain values out of a file whose pickled objects belong to code
+    that is not importable here (the runner reading Megatron's ``args`` before the script runs).
+    The converter does not use it: there an unknown class is an error.
+    """
+    token = _TOLERANT.set(True)
+    try:
+        yield
+    finally:
+        _TOLERANT.reset(token)
+
+
 class Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if _light(module):
             return stand_in_class(module, name)
-        return super().find_class(module, name)
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            if _TOLERANT.get():
+                return stand_in_class(module, name)
+            raise
 
 
 class Pickler(pickle._Pickler):  # the Python pickler: its save_global can be taught about stand-ins

@@ -582,6 +582,7 @@ def read_checkpoint_facts(margs: MegatronArgs) -> Optional[CheckpointFacts]:
     ``megatron`` that might not be the checkout's own.
     """
     from . import dsformat as F
+    from .lightpickle import stand_ins_for_unimportable
     from .reader import load_raw
 
     if margs.load is None:
@@ -601,7 +602,8 @@ def read_checkpoint_facts(margs: MegatronArgs) -> Optional[CheckpointFacts]:
         if not candidates:
             return None
         path = candidates[0]
-    states = load_raw(path)
+    with stand_ins_for_unimportable():
+        states = load_raw(path)
     if not isinstance(states, Mapping):
         raise UcpError(f"{path}: not a DeepSpeed model-states dict", subject=path)
     return facts_from_model_states(str(root), tag, states)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -280,6 +281,43 @@ def test_read_checkpoint_facts_prefers_megatron_args(tmp_path):
     assert R.read_checkpoint_facts(R.MegatronArgs(load=str(tmp_path / "empty"))) is None
     no_latest_universal = R.MegatronArgs(load=str(root), universal_checkpoint=True)
     assert R.read_checkpoint_facts(no_latest_universal) is None
+
+
+def test_reading_the_checkpoint_imports_no_megatron_and_the_script_folder_comes_first(tmp_path):
+    """The trap of issue 'megatron-core out of the runtime': megatron-core's `megatron` namespace is
+    installed here (the stand-in tests use it); unpickling Megatron's args before the script runs
+    must not import it, or it shadows the checkout's own `megatron` package."""
+    import torch
+    from megatron.core.enums import ModelType  # megatron-core, installed in the test environment
+
+    root = tmp_path / "ckpt"
+    (root / "global_step2").mkdir(parents=True)
+    (root / "latest").write_text("global_step2")
+    args = argparse.Namespace(global_batch_size=8, micro_batch_size=1, model_type=ModelType.encoder_or_decoder)
+    torch.save({"dp_world_size": 2, "iteration": 2, "args": args},
+               root / "global_step2" / "mp_rank_00_model_states.pt")
+    checkout = tmp_path / "Megatron-DeepSpeed"
+    (checkout / "megatron").mkdir(parents=True)
+    (checkout / "megatron" / "__init__.py").write_text("def get_args():\n    return 'the checkout'\n")
+    script = checkout / "pretrain.py"
+    script.write_text("from megatron import get_args\nprint('script sees', get_args())\n")
+    probe = (
+        "import sys\n"
+        "from megatron_ucp import run as R\n"
+        f"facts = R.read_checkpoint_facts(R.MegatronArgs(load={str(root)!r}))\n"
+        "print('facts', facts.dp_world_size, facts.global_batch_size)\n"
+        "print('megatron imported', 'megatron' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert "facts 2 8" in out and "megatron imported False" in out
+    # the whole runner: reads the checkpoint, then runs the script, which imports its own package
+    shim_dir = tmp_path / "shim"
+    shim_dir.mkdir()
+    env = {**os.environ, "MEGATRON_UCP_ELASTIC_RESUME": "0", "MEGATRON_UCP_RECORD_TRUE_LENGTHS": "0"}
+    done = subprocess.run([sys.executable, "-m", "megatron_ucp.run", str(script), "--load", str(root)], cwd=shim_dir,
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "script sees the checkout" in done.stdout
 
 
 def test_read_checkpoint_facts_falls_back_to_ds_config(tmp_path):
