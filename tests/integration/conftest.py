@@ -8,6 +8,7 @@ without having run them.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from tests.integration.mds import (SNAPSHOT_ENV, Checkout, deepspeed_version, pr
                                    script_imports_unedited, snapshot_dir)
 
 REQUIRE_ENV = "MEGATRON_UCP_REQUIRE_INTEGRATION"
+CACHE_ENV = "MEGATRON_UCP_MDS_CACHE"
+"""A folder for the prepared checkout, reused by later sessions (each DeepSpeed of the matrix)."""
 
 
 def _cannot_run(reason: str) -> None:
@@ -35,7 +38,19 @@ def mds_checkout(tmp_path_factory: pytest.TempPathFactory) -> Checkout:
     if not script_imports_unedited(version):
         _cannot_run(f"DeepSpeed {version} no longer ships deepspeed.compression.compress, which "
                     "Megatron-DeepSpeed's megatron/training.py imports: the script cannot start unedited")
-    return prepare_checkout(tmp_path_factory.mktemp("mds"), snapshot)
+    cache = os.environ.get(CACHE_ENV, "").strip()
+    if not cache:
+        return prepare_checkout(tmp_path_factory.mktemp("mds"), snapshot)
+    # The prepared copy does not depend on DeepSpeed: the Makefile's matrix builds it once.
+    folder = Path(cache)
+    ready = folder / "ready"
+    if ready.is_file() and ready.read_text() == str(snapshot):
+        return Checkout(root=folder / "Megatron-DeepSpeed", data_prefix=folder / "data" / "corpus_text_document")
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    checkout = prepare_checkout(folder, snapshot)
+    ready.write_text(str(snapshot))
+    return checkout
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,57 @@
+"""What must hold on every DeepSpeed release megatron-ucp supports (run by the Makefile's matrix).
+
+* ``versions.INTERNALS`` tells the truth about the installed release (the one place that says
+  how releases differ is checked against each of them, not just written down);
+* the save hook records per-rank true lengths, partition info and corrected paddings with this
+  release's optimizers (both classes, ZeRO stages 1 and 2), and the converter turns the result
+  into a universal folder equal, bit for bit, to DeepSpeed's own gathered states.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ucp import dsformat as F
+from megatron_ucp.convert import ConvertOptions, convert
+from megatron_ucp.reader import RankFile, find_checkpoint_files
+from megatron_ucp.verify import verify_universal
+from megatron_ucp.versions import HOOKS_TESTED_DEEPSPEED, installed_deepspeed_version, internals
+
+
+def test_installed_release_is_a_tested_one_and_its_internals_are_as_recorded():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    version = installed_deepspeed_version()
+    assert version in HOOKS_TESTED_DEEPSPEED, f"the matrix runs an untested DeepSpeed {version}"
+    facts = internals(version)
+    assert hasattr(DeepSpeedEngine, "_commit_decoupled_checkpoint") == facts.decoupled_commit
+    assert (importlib.util.find_spec("deepspeed.compression.compress") is not None) == facts.ships_compression
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer,stage", [("bf16", 1), ("zero", 1), ("zero", 2)])
+def test_save_hook_records_and_conversion_is_bit_exact(ds_checkpoint, tmp_path: Path, optimizer: str, stage: int):
+    ck = ds_checkpoint(optimizer=optimizer, dp=4, plugin=True, zero_stage=stage)
+    root = ck.copy_to(tmp_path / "ck")
+    files = find_checkpoint_files(root / "global_step4")
+    norms = []
+    for rank, path in enumerate(files.rank_files):
+        sd = RankFile(path, rank).sd
+        info = sd[F.ZERO_PARTITION_INFO]
+        assert (info["dp_size"], info["dp_rank"], info["alignment"]) == (4, rank, 8)
+        norms.append((sd[F.GROUP_TRUE_LENGTHS][1], sd[F.GROUP_PADDINGS][1]))
+    # N=9 norm elements, padded to 16, S=4: rank 2 holds 1 real element, rank 3 only padding
+    assert norms == [(4, 0), (4, 0), (1, 3), (0, 4)]
+    result = convert(ConvertOptions(source=root, progress=False))
+    dump = torch.load(ck.dump("state_step4"), weights_only=False)
+    for name, states in dump.items():
+        for state, value in states.items():
+            got = torch.load(result.output / F.UNIVERSAL_ZERO_DIR / name / f"{state}.pt", weights_only=False)
+            if state == F.STEP_STATE:
+                assert float(got) == float(value), (name, state)
+            else:
+                assert got[F.PARAM].dtype == value.dtype and torch.equal(got[F.PARAM], value), (name, state)
+    assert verify_universal(result.output, source=root).ok
