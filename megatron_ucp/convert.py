@@ -35,6 +35,7 @@ from . import dsformat as F
 from . import osio
 from .errors import CheckpointFormatError, OutputExistsError, UcpError
 from .lightpickle import PICKLE_MODULE, needs_light_pickler
+from .paths import check_output_placement
 from .plan import ConversionPlan, CopyItem, GroupPlan, ParamPlan, build_plan, share_of, split_by_bytes
 from .rawtensor import RawTensor, torch_tensors_from_raw
 from .reader import (CheckpointMeta, RankFile, ResolvedCheckpoint, find_checkpoint_files, human_bytes, read_checkpoint,
@@ -484,6 +485,9 @@ def convert(options: ConvertOptions) -> ConvertResult:
     t0 = time.perf_counter()
     ck = resolve_checkpoint(options.source, options.tag)
     output = Path(options.output) if options.output is not None else default_output(ck)
+    check_output_placement(output, [ck.tag_dir])  # --force replaces the output: never a source
+    if output.exists() and not output.is_dir():
+        raise UcpError(f"{output}: exists and is not a folder; choose another --output", subject=output)
     state = universal_state(output)
     if state != "absent" and not options.force:
         if state == COMPLETE and options.share_count > 1:

@@ -21,6 +21,7 @@ from . import dsformat as F
 from .errors import CheckpointFormatError, UnsupportedError
 from .geometry import PaddingStyle
 from .lightpickle import PICKLE_MODULE
+from .paths import normalize_tag, read_tag_file, special_kind
 from .plan import Fragment, OutputRules, ParamSpec, RankGroupLayout, RankLayout
 from .rawtensor import RawTensor, raw_tensors_from_torch
 from .torchload import TorchNeeded
@@ -42,27 +43,33 @@ class ResolvedCheckpoint:
 
 
 def resolve_checkpoint(path: os.PathLike | str, tag: Optional[str] = None) -> ResolvedCheckpoint:
-    """Accept a checkpoint root (tag from ``tag`` or its ``latest`` file) or a tag folder."""
+    """Accept a checkpoint root (tag from ``tag`` or its ``latest`` file) or a tag folder.
+
+    Tag names, given or read from ``latest``, are single folder names under the root
+    (:mod:`megatron_ucp.paths`): a ``latest`` naming ``../other/T`` is refused, not followed.
+    """
     p = Path(path)
+    kind = special_kind(p)
+    if kind is not None and kind != "a directory":
+        raise CheckpointFormatError(f"{p}: is {kind}, not a checkpoint folder", subject=p)
     if not p.exists():
         raise CheckpointFormatError(f"{p}: no such file or directory", subject=p)
     if not p.is_dir():
         raise CheckpointFormatError(f"{p}: not a directory (expected a checkpoint root or a tag folder)", subject=p)
     if tag is not None:
+        tag = normalize_tag(tag, f"--tag {tag!r}")
         tag_dir = p / tag
         if not tag_dir.is_dir():
             if p.name == tag:
                 return ResolvedCheckpoint(root=p.parent, tag=tag, tag_dir=p)
-            raise CheckpointFormatError(f"{tag_dir}: tag {tag!r} not found under {p}", subject=tag_dir)
+            _explain_missing_tag(tag_dir, f"tag {tag!r} not found under {p}")
         return ResolvedCheckpoint(root=p, tag=tag, tag_dir=tag_dir)
     latest = p / F.LATEST
-    if latest.is_file():
-        name = latest.read_text().strip()
-        if not name:
-            raise CheckpointFormatError(f"{latest}: empty; pass --tag", subject=latest)
+    name = read_tag_file(latest) if latest.exists() or latest.is_symlink() else None
+    if name is not None:
         tag_dir = p / name
         if not tag_dir.is_dir():
-            raise CheckpointFormatError(f"{latest} names tag {name!r}, but {tag_dir} does not exist", subject=latest)
+            _explain_missing_tag(tag_dir, f"{latest} names tag {name!r}, but {tag_dir} does not exist")
         return ResolvedCheckpoint(root=p, tag=name, tag_dir=tag_dir)
     if (p / F.MODEL_STATES_FILE).exists() or any(F.OPTIM_FILE_RE.match(n) for n in os.listdir(p)):
         root = p.parent if (p.parent / F.LATEST).is_file() else None
@@ -70,6 +77,18 @@ def resolve_checkpoint(path: os.PathLike | str, tag: Optional[str] = None) -> Re
     raise CheckpointFormatError(
         f"{p}: not a DeepSpeed checkpoint: no '{F.LATEST}' file (checkpoint root) and no "
         f"{F.MODEL_STATES_FILE} / *_optim_states.pt files (tag folder)", subject=p)
+
+
+def _explain_missing_tag(tag_dir: Path, message: str) -> None:
+    """Raise for a tag folder that is not a usable directory, saying what it is instead."""
+    kind = special_kind(tag_dir)
+    if tag_dir.is_symlink() and kind is None and not tag_dir.exists():
+        message = f"{tag_dir}: a dangling symlink ({message})"
+    elif kind not in (None, "a directory"):
+        message = f"{tag_dir}: is {kind}, not a tag folder"
+    elif tag_dir.is_file():
+        message = f"{tag_dir}: is a file, not a tag folder"
+    raise CheckpointFormatError(message, subject=tag_dir)
 
 
 @dataclass(frozen=True)
@@ -109,7 +128,15 @@ def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
                                     "(bf16_ and plain files from different runs?)", subject=tag_dir)
     by_rank: dict[int, str] = {}
     for n, m in optim:
-        by_rank[int(m.group("dp"))] = n
+        dp_rank = int(m.group("dp"))
+        if dp_rank in by_rank:  # DeepSpeed writes exactly one name per rank: ambiguity is an error
+            raise CheckpointFormatError(f"{tag_dir}: two files claim DP rank {dp_rank}: {by_rank[dp_rank]} and {n}; "
+                                        "remove the one DeepSpeed did not write", subject=tag_dir / n)
+        by_rank[dp_rank] = n
+    for n, m in optim:
+        kind = special_kind(tag_dir / n)
+        if kind is not None:
+            raise CheckpointFormatError(f"{tag_dir / n}: is {kind}, not a rank file", subject=tag_dir / n)
     dp = len(by_rank)
     missing = sorted(set(range(max(by_rank) + 1)) - set(by_rank))
     if missing:
@@ -120,6 +147,9 @@ def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
 
 
 def _check_size(path: Path) -> None:
+    kind = special_kind(path)
+    if kind is not None:  # never open a FIFO or a device: it would block, or never end
+        raise CheckpointFormatError(f"{path}: is {kind}, not a torch file", subject=path)
     try:
         size = path.stat().st_size
     except OSError as exc:

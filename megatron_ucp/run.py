@@ -583,6 +583,7 @@ def read_checkpoint_facts(margs: MegatronArgs) -> Optional[CheckpointFacts]:
     """
     from . import dsformat as F
     from .lightpickle import stand_ins_for_unimportable
+    from .paths import read_tag_file
     from .reader import load_raw
 
     if margs.load is None:
@@ -590,11 +591,8 @@ def read_checkpoint_facts(margs: MegatronArgs) -> Optional[CheckpointFacts]:
     root = Path(margs.load)
     tag = margs.load_tag
     if tag is None:
-        tag_file = root / checkpoint_tag_file(margs)
-        if not tag_file.is_file():
-            return None
-        tag = tag_file.read_text().strip()
-        if not tag:
+        tag = read_tag_file(root / checkpoint_tag_file(margs))
+        if tag is None:
             return None
     path = root / tag / F.MODEL_STATES_FILE
     if not path.is_file():

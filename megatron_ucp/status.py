@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -19,8 +20,11 @@ from typing import Optional
 from . import background as B
 from . import dsformat as F
 from .errors import CheckpointFormatError
+from .paths import read_tag_file
 
 __all__ = ["UniversalStatus", "TagFacts", "TagStatus", "RootStatus", "classify", "root_status", "format_status"]
+
+log = logging.getLogger(__name__)
 
 
 class UniversalStatus(str, enum.Enum):
@@ -124,9 +128,12 @@ class RootStatus:
 
 
 def _read_text(path: Path) -> Optional[str]:
+    """The tag a ``latest``-style file names; a damaged one is reported and shown as absent
+    (status describes the root, it does not fail on one bad file, and never opens a FIFO)."""
     try:
-        return path.read_text().strip() or None
-    except OSError:
+        return read_tag_file(path)
+    except CheckpointFormatError as exc:
+        log.warning("%s", exc)
         return None
 
 

@@ -24,6 +24,7 @@ from typing import Any, Optional
 from . import dsformat as F
 from . import osio
 from .errors import CheckpointFormatError, OutputExistsError, UcpError
+from .paths import read_tag_file
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,10 @@ def write_latest_universal(root: Path, tag: str) -> None:
 def latest_universal_target(root: Path) -> Optional[tuple[str, float]]:
     """(name, manifest mtime) of the complete folder ``latest_universal`` names, or None."""
     try:
-        name = (Path(root) / F.LATEST_UNIVERSAL).read_text().strip()
-    except OSError:
+        name = read_tag_file(Path(root) / F.LATEST_UNIVERSAL)
+    except (OSError, UcpError):
+        return None
+    if name is None:
         return None
     folder = Path(root) / name
     if not name or universal_state(folder) != COMPLETE:

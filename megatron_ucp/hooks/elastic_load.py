@@ -44,6 +44,7 @@ from ..accounting import (AccountingReport, Column, Ledger, Problem, ProblemKind
                           check_optimizer_states, checksum, group_tensor_states, ledger_totals)
 from ..config import UcpConfig
 from ..errors import CheckpointFormatError, UcpError, UnsupportedError
+from ..paths import read_tag_file
 from ..resume import (ResumeDecision, Route, TwinState, check_global_batch, checkpoint_global_batch, decide_resume,
                       restored_global_samples)
 
@@ -218,9 +219,8 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
                              load_universal=True), tag, False
     resolved, from_latest = tag, False
     if resolved is None:
-        latest = Path(load_dir) / F.LATEST
-        if latest.is_file():
-            resolved, from_latest = latest.read_text().strip() or None, True
+        resolved = read_tag_file(Path(load_dir) / F.LATEST)
+        from_latest = resolved is not None
     checkpoint_dp = None
     tag_is_universal = False
     twin = TwinState.ABSENT

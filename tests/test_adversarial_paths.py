@@ -1,0 +1,164 @@
+"""Hostile paths and tag files: nothing may delete, overwrite or write into a source, and nothing hangs.
+
+Each test is a class of defect an adversarial run found (issue "Nothing lost, nothing stale, nothing
+hangs"), exercised through the real CLI on a copy of the committed DeepSpeed 0.16.2 checkpoint:
+outputs that are, contain or lie inside the source however spelled; tags with a trailing slash or
+pointing out of the root; two files claiming one DP rank; tag files that are not UTF-8, that are
+FIFOs or directories; rank files that are FIFOs.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ucp import dsformat as F
+
+TAG = "global_step2"
+RANK1 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+def cli(*args: str, cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_ucp.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def digest(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (relative name -> sha256): the source must stay byte-identical."""
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            out[str(path.relative_to(folder))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def root(tmp_path: Path, legacy_fixture) -> Path:
+    ck = legacy_fixture("bf16_optimizer").copy_to(tmp_path / "ckpt")
+    return ck
+
+
+def refused(proc: subprocess.CompletedProcess, *words: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    message = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for word in words:
+        assert word in proc.stderr, (word, proc.stderr[-2000:])
+    return message
+
+
+# ---- 1. an output that is, contains or lies inside the source -----------------------------------
+
+@pytest.mark.parametrize("spelling", ["tag", "root", "parent", "tag-via-dotdot", "tag-via-symlink", "inside-tag",
+                                      "root-via-dot"])
+def test_force_never_replaces_or_writes_into_a_source(root: Path, spelling: str, tmp_path: Path):
+    before = digest(root)
+    link = tmp_path / "link-to-tag"
+    link.symlink_to(root / TAG)
+    output = {"tag": root / TAG, "root": root, "parent": root.parent,
+              "tag-via-dotdot": root / TAG / ".." / TAG, "tag-via-symlink": link,
+              "inside-tag": root / TAG / "uni", "root-via-dot": root / "."}[spelling]
+    proc = cli("convert", str(root), "--tag", TAG, "--output", str(output), "--force")
+    refused(proc, "source")
+    assert digest(root) == before
+    assert not (root / TAG / "uni").exists() and not (root / F.LATEST_UNIVERSAL).exists()
+
+
+def test_output_dot_from_inside_the_tag_is_refused_before_any_work(root: Path):
+    before = digest(root)
+    proc = cli("convert", str(root), "--tag", TAG, "--output", ".", "--force", cwd=root / TAG)
+    refused(proc, "source")
+    assert digest(root) == before
+
+
+def test_output_that_is_an_existing_file_is_refused_up_front(root: Path, tmp_path: Path):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    proc = cli("convert", str(root), "--output", str(target), "--force")
+    refused(proc, "not a folder")
+    assert target.read_text() == "keep me"
+    assert not list(tmp_path.glob(".*staging*"))
+
+
+# ---- 2. tags: trailing slash normalised, paths out of the root refused ------------------------
+
+def test_trailing_slash_tag_converts_to_the_usual_place(root: Path):
+    proc = cli("convert", str(root), "--tag", TAG + "/")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (root / f"{TAG}_universal" / F.MANIFEST_FILE).is_file()
+    assert not (root / TAG / "_universal").exists()
+
+
+def test_latest_with_trailing_slash_is_the_same_tag(root: Path):
+    (root / F.LATEST).write_text(TAG + "/\n")
+    proc = cli("convert", str(root))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (root / F.LATEST_UNIVERSAL).read_text().strip() == f"{TAG}_universal"
+
+
+@pytest.mark.parametrize("content", ["../other/global_step2", "global_step2/../global_step2", "..", "/abs/path"])
+def test_latest_pointing_out_of_the_root_is_refused(root: Path, tmp_path: Path, content: str):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / TAG).symlink_to(root / TAG)
+    (root / F.LATEST).write_text(content)
+    for command in (["convert", str(root)], ["inspect", str(root)]):
+        refused(cli(*command), str(root / F.LATEST), "not a tag name")
+
+
+# ---- 3. two files claiming one DP rank --------------------------------------------------------
+
+@pytest.mark.parametrize("impostor", ["bf16_zero_pp_rank_1_mp_rank_0_optim_states.pt",
+                                      "bf16_zero_pp_rank_01_mp_rank_00_optim_states.pt"])
+def test_two_files_for_one_rank_are_an_error_naming_both(root: Path, impostor: str):
+    assert cli("convert", str(root)).returncode == 0  # a good twin, made before the impostor arrived
+    uni = root / f"{TAG}_universal"
+    before = digest(uni)
+    (root / TAG / impostor).write_bytes((root / TAG / RANK1).read_bytes())
+    for command in (["convert", str(root), "--force"], ["inspect", str(root)],
+                    ["verify", str(uni), "--source", str(root)]):
+        proc = cli(*command)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert "two files claim DP rank 1" in proc.stderr and impostor in proc.stderr and RANK1 in proc.stderr
+    assert digest(uni) == before
+
+
+# ---- 4/5. tag files that are not text, or not files -------------------------------------------
+
+def test_latest_that_is_not_utf8_is_named(root: Path):
+    (root / F.LATEST).write_bytes(b"global_step\xff\xfe2")
+    for command in (["convert", str(root)], ["inspect", str(root)]):
+        refused(cli(*command), str(root / F.LATEST), "not UTF-8")
+    proc = cli("status", str(root))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr and "not UTF-8" in proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_latest_that_is_a_special_file_never_hangs(root: Path, kind: str):
+    latest = root / F.LATEST
+    latest.unlink()
+    if kind == "fifo":
+        os.mkfifo(latest)
+    else:
+        latest.mkdir()
+    words = "FIFO" if kind == "fifo" else "directory"
+    for command in (["convert", str(root)], ["inspect", str(root)]):
+        refused(cli(*command, timeout=30), str(latest), words)
+    proc = cli("status", str(root), timeout=30)
+    assert proc.returncode == 0 and words in proc.stderr, proc.stderr[-2000:]
+
+
+def test_rank_file_that_is_a_fifo_is_named_not_read(root: Path):
+    path = root / TAG / RANK1
+    path.unlink()
+    os.mkfifo(path)
+    refused(cli("convert", str(root), timeout=30), str(path), "FIFO")
+
+
+def test_tag_folder_that_is_a_file_says_so(root: Path):
+    (root / "global_step9").write_text("not a folder")
+    refused(cli("convert", str(root), "--tag", "global_step9"), "is a file")
