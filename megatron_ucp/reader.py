@@ -345,6 +345,37 @@ class ModelStates:
             two_sub_param_patterns=tuple(info.get(F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0, ()) or ()))
 
 
+def flatten_module_states(saved: Any, prefix: str = "") -> dict[str, Any]:
+    """A model-states ``module`` dict as flat ``a.b.c`` names.
+
+    Megatron-DeepSpeed saves the module through ``state_dict_for_save_checkpoint``, a dict of
+    dicts (``{'language_model': {'encoder': {...}}}``); DeepSpeed's own save is already flat.
+    """
+    flat: dict[str, Any] = {}
+    if not isinstance(saved, dict):
+        return flat
+    for key, value in saved.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten_module_states(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _check_shapes_against_module(path: Path, groups: Sequence[Sequence[ParamSpec]], module: Any) -> None:
+    """``param_shapes`` must agree with the module's own tensors where the file holds them: the
+    output's shape comes from ``param_shapes``, and a transposed entry has the same element count."""
+    saved = flatten_module_states(module)
+    for group in groups:
+        for spec in group:
+            shape = getattr(saved.get(spec.name), "shape", None)
+            if shape is not None and tuple(int(d) for d in shape) != spec.shape:
+                raise CheckpointFormatError(f"{path}: param_shapes gives {spec.name!r} the shape {spec.shape}, but the "
+                                            f"saved module holds it as {tuple(int(d) for d in shape)}",
+                                            subject=path)
+
+
 def read_model_states(path: Path) -> ModelStates:
     raw = load_raw(path)
     if not isinstance(raw, dict):
@@ -358,6 +389,7 @@ def read_model_states(path: Path) -> ModelStates:
     for g, group in enumerate(shapes):
         groups.append([ParamSpec(name=str(name), group=g, shape=tuple(int(d) for d in shape))
                        for name, shape in group.items()])
+    _check_shapes_against_module(path, groups, raw.get("module"))
     mp = raw.get(F.MP_WORLD_SIZE)
     if mp not in (None, 1):
         raise UnsupportedError(f"{path}: mp_world_size={mp}; megatron-ucp supports TP=1, PP=1 only (not supported yet)",
@@ -403,6 +435,19 @@ class CheckpointMeta:
         return padding_style(self.kind, self.ds_version, self.saved_with_ucp)
 
 
+def _check_state_dtypes(rf: "RankFile", seen: dict[tuple[int, str], tuple[str, Path]]) -> None:
+    """Every rank holds each (group, state) in one dtype: a file that disagrees is named, not mixed
+    into the output."""
+    for g in range(rf.num_groups):
+        for state in rf.state_names(g):
+            dtype = rf.state_tensor(g, state).dtype.name
+            first = seen.setdefault((g, state), (dtype, rf.path))
+            if first[0] != dtype:
+                raise CheckpointFormatError(f"{rf.path}: state {state!r} of param group {g} is {dtype}, but "
+                                            f"{first[1].name} holds it as {first[0]}: files from different runs?",
+                                            subject=rf.path)
+
+
 def read_checkpoint(tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = None) -> CheckpointMeta:
     """Read and cross-check the metadata of every file of a tag folder."""
     files = find_checkpoint_files(Path(tag_dir))
@@ -412,6 +457,7 @@ def read_checkpoint(tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = No
         raise CheckpointFormatError(f"{files.model_states} records dp_world_size={model.dp_world_size} but the folder has "
                                     f"{dp} optimizer-state files: missing or extra rank files?", subject=files.tag_dir)
     layouts, kinds, versions, stages, ucp, steps = [], set(), set(), set(), set(), []
+    dtypes: dict[tuple[int, str], tuple[str, Path]] = {}
     for r, path in enumerate(files.rank_files):
         rf = rank_files[r] if rank_files is not None else RankFile(path, r)
         if rf.partition_counts is not None and any(c != dp for c in rf.partition_counts):
@@ -430,6 +476,7 @@ def read_checkpoint(tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = No
         stages.add(rf.sd.get(F.ZERO_STAGE))
         ucp.add(F.GROUP_TRUE_LENGTHS in rf.sd)
         steps.append([None if rf.step(g) is None else float(rf.step(g)) for g in range(rf.num_groups)])
+        _check_state_dtypes(rf, dtypes)
         del rf
     if len(kinds) > 1 or len(versions) > 1 or len(stages) > 1:
         raise CheckpointFormatError(f"{files.tag_dir}: rank files disagree (optimizers {sorted(kinds)}, DeepSpeed "

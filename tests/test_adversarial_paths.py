@@ -162,3 +162,59 @@ def test_rank_file_that_is_a_fifo_is_named_not_read(root: Path):
 def test_tag_folder_that_is_a_file_says_so(root: Path):
     (root / "global_step9").write_text("not a folder")
     refused(cli("convert", str(root), "--tag", "global_step9"), "is a file")
+
+
+# ---- 6/7. shape and dtype are part of "accounted for" -----------------------------------------
+
+def _rewrite(path: Path, change) -> None:
+    import torch
+
+    obj = torch.load(path, weights_only=False)
+    change(obj)
+    torch.save(obj, path)
+
+
+def test_param_shapes_transposed_against_the_module_is_refused(root: Path):
+    model = root / TAG / F.MODEL_STATES_FILE
+
+    def transpose_one(states) -> None:
+        for group in states[F.PARAM_SHAPES]:
+            for name, shape in group.items():
+                if len(shape) == 2 and shape[0] != shape[1] and name in states["module"]:
+                    group[name] = type(shape)((shape[1], shape[0]))
+                    states["transposed"] = name
+                    return
+        raise AssertionError("fixture has no non-square matrix")
+
+    _rewrite(model, transpose_one)
+    proc = cli("convert", str(root))
+    refused(proc, str(model), "param_shapes gives")
+    assert not (root / f"{TAG}_universal").exists()
+
+
+def test_a_rank_with_a_state_in_another_dtype_is_named(root: Path):
+    import torch
+
+    path = root / TAG / RANK1
+
+    def to_bf16(sd) -> None:
+        state = sd["optimizer_state_dict"]["base_optimizer_state"]["state"]
+        first = next(iter(state))
+        state[first]["exp_avg"] = state[first]["exp_avg"].to(torch.bfloat16)
+
+    _rewrite(path, to_bf16)
+    refused(cli("convert", str(root)), str(path), "bfloat16")
+
+
+def test_verify_reports_a_transposed_state_instead_of_crashing(root: Path):
+    import torch
+
+    assert cli("convert", str(root)).returncode == 0
+    uni = root / f"{TAG}_universal"
+    victim = next(p for p in (uni / "zero").rglob("fp32.pt")
+                  if torch.load(p, weights_only=False)["param"].dim() == 2
+                  and len(set(torch.load(p, weights_only=False)["param"].shape)) == 2)
+    _rewrite(victim, lambda e: e.__setitem__("param", e["param"].t().contiguous()))
+    proc = cli("verify", str(uni), "--source", str(root))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout, proc.stdout + proc.stderr
+    assert "shape" in proc.stdout + proc.stderr

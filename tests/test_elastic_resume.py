@@ -356,7 +356,8 @@ def test_buffers_and_frozen_parameters_are_restored(tmp_path: Path) -> None:
 
 def test_megatron_nested_module_states_are_flattened(tmp_path: Path) -> None:
     """Megatron-DeepSpeed saves ``state_dict_for_save_checkpoint``: dicts of dicts."""
-    from megatron_ucp.hooks.elastic_load import flatten_module_states, restore_module_tensors
+    from megatron_ucp.hooks.elastic_load import restore_module_tensors
+    from megatron_ucp.reader import flatten_module_states
 
     class Inner(torch.nn.Module):
         def __init__(self) -> None:

@@ -461,24 +461,6 @@ def _check_training_state(engine: Any, states: dict, ckpt_batch: Optional[int], 
     return problems, extras
 
 
-def flatten_module_states(saved: Any, prefix: str = "") -> dict[str, Any]:
-    """A model-states ``module`` dict as flat ``a.b.c`` names.
-
-    Megatron-DeepSpeed saves the module through ``state_dict_for_save_checkpoint``, a dict of
-    dicts (``{'language_model': {'encoder': {...}}}``); DeepSpeed's own save is already flat.
-    """
-    flat: dict[str, Any] = {}
-    if not isinstance(saved, dict):
-        return flat
-    for key, value in saved.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(flatten_module_states(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
-
-
 def restore_module_tensors(module: torch.nn.Module, optimized: set[str], folder: Path,
                            states: dict) -> tuple[list[Problem], list[str]]:
     """Buffers and frozen parameters: universal mode skips the module state dict, so restore them here.
@@ -490,7 +472,7 @@ def restore_module_tensors(module: torch.nn.Module, optimized: set[str], folder:
     Megatron leaves deterministic buffers such as RoPE's ``inv_freq`` out of its save, so those
     stay as the model built them and are listed in one line. Returns (problems, extras).
     """
-    from ..reader import load_torch_file
+    from ..reader import flatten_module_states, load_torch_file
 
     saved = flatten_module_states(states.get("module"))
     live = module.state_dict()
@@ -784,6 +766,9 @@ def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names:
                     continue  # not one of this group's states: check_folders reports the odd file
                 entry = load_torch_file(path, mmap=True)
                 full = _tensor_of(entry, path)
+                if full.dtype != torch.float32:  # fp32 masters and Adam states: a bf16 file would load silently
+                    raise CheckpointFormatError(f"{path}: {full.dtype} tensor; universal optimizer states are "
+                                                "float32", subject=path)
                 source, held = _fit_to_param(full, entry, lp, name, state, path)
                 target = (mapping.get_hp_fragment() if state == F.FP32_STATE
                           else buffers[state].narrow(0, hp_address.start, hp_address.numel))
