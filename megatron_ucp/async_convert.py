@@ -270,7 +270,7 @@ def job_facts(root: Path, job: B.Job, regs: dict[int, Registration], stale_after
     runners = any(r.alive(stale_after)
                   and (r.phase == "starting" or (r.phase == "converting" and r.attempt == job.attempt))
                   for r in regs.values())
-    return B.JobFacts(universal_complete=universal_state(output) == COMPLETE,
+    return B.JobFacts(universal_complete=universal_state(output, root / job.tag) == COMPLETE,
                       staging_live=info is not None and info.is_live(stale_after), runners_live=runners,
                       shares_failed=info.failed if info is not None and info.attempt_id == job.attempt else ())
 
@@ -369,7 +369,7 @@ def trigger(root: Path, tag: str, node: int, nodes: int, settings: ConverterSett
     spawned = None
     with QueueLock(root, timeout=lock_timeout):
         state = before = read_queue(root)
-        complete = universal_state(twin_path(root, tag)) == COMPLETE
+        complete = universal_state(twin_path(root, tag), root / tag) == COMPLETE  # not stale either
         state, events = B.request(state, tag, nodes, now, already_complete=complete)
         state, job, more = _advance_locked(root, state, settings, now, redo_dead=True)
         events += more
@@ -446,7 +446,7 @@ def unfinished(root: Path, tags: Sequence[str]) -> list[str]:
     state = read_queue(root)
     out = []
     for tag in tags:
-        if universal_state(twin_path(root, tag)) == COMPLETE:
+        if universal_state(twin_path(root, tag), root / tag) == COMPLETE:
             continue
         last = state.last_event(tag)
         if last is not None and last.kind in (B.EventKind.SKIPPED, B.EventKind.REMOVED):
@@ -609,7 +609,7 @@ class Converter:
                      job.share_count, job.attempt, self.settings.workers)
             result = convert(ConvertOptions(
                 source=self.root / job.tag, output=output, workers=self.settings.workers,
-                force=False, update_latest=False, share_index=share,
+                force=False, replace_stale=True, update_latest=False, share_index=share,
                 share_count=job.share_count, attempt_id=job.attempt, progress=False,
                 stale_after=self.settings.stale_after, on_progress=progress))
             log.info("%s", result.summary)

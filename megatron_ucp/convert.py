@@ -41,7 +41,8 @@ from .rawtensor import RawTensor, torch_tensors_from_raw
 from .reader import (CheckpointMeta, RankFile, ResolvedCheckpoint, find_checkpoint_files, human_bytes, read_checkpoint,
                      resolve_checkpoint)
 from .torchfile import FastWriterUnsupported, TensorSpec, save_object, write_tensors_file
-from .universal import (COMPLETE, Staging, latest_universal_target, read_manifest, universal_state,
+from .universal import (COMPLETE, STALE, Staging, latest_universal_target, read_manifest, source_identity, stale_reason,
+                        universal_state,
                         write_latest_universal)
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ class ConvertOptions:
     tag: Optional[str] = None
     workers: int = 1
     force: bool = False
+    replace_stale: bool = False
+    """Replace an existing output made from an earlier save of the tag (the async converter and the
+    elastic loader do; the CLI asks for --force)."""
     update_latest: Optional[bool] = None
     """Write ``<root>/latest_universal``; default: when the output lives in the checkpoint root."""
     share_index: int = 0
@@ -457,8 +461,13 @@ def check_complete(folder: Path, plan: ConversionPlan, frozen: Iterable[str] = (
                                         subject=zero / name)
 
 
+def _source_files(ck: ResolvedCheckpoint) -> list[Path]:
+    files = find_checkpoint_files(ck.tag_dir)
+    return [files.model_states, *files.rank_files]
+
+
 def _manifest(meta: CheckpointMeta, ck: ResolvedCheckpoint, plan: ConversionPlan, frozen: Sequence[str],
-              shares: Sequence[dict], seconds: float) -> dict:
+              shares: Sequence[dict], seconds: float, identity: dict) -> dict:
     return {
         "format": F.MANIFEST_FORMAT,
         "version": F.MANIFEST_VERSION,
@@ -468,6 +477,7 @@ def _manifest(meta: CheckpointMeta, ck: ResolvedCheckpoint, plan: ConversionPlan
         "source": {"tag": ck.tag, "path": str(meta.files.tag_dir.resolve()), "dp": meta.dp, "optimizer": meta.kind,
                    "ds_version": meta.ds_version, "zero_stage": meta.zero_stage,
                    "saved_with_megatron_ucp": meta.saved_with_ucp},
+        "source_files": identity,
         "plan_fingerprint": plan.fingerprint(),
         "groups": [{"index": g.index, "numel": g.geometry.numel, "partition_size": g.geometry.partition_size,
                     "states": list(g.states), "step": g.has_step} for g in plan.groups],
@@ -488,8 +498,13 @@ def convert(options: ConvertOptions) -> ConvertResult:
     check_output_placement(output, [ck.tag_dir])  # --force replaces the output: never a source
     if output.exists() and not output.is_dir():
         raise UcpError(f"{output}: exists and is not a folder; choose another --output", subject=output)
-    state = universal_state(output)
-    if state != "absent" and not options.force:
+    identity = source_identity(_source_files(ck))  # before reading: what this conversion is of
+    state = universal_state(output, ck.tag_dir)
+    force = options.force or (state == STALE and options.replace_stale)
+    if state == STALE and not force:
+        raise OutputExistsError(f"{output}: exists but is stale: {stale_reason(output, ck.tag_dir)}; pass --force to "
+                                "reconvert it", subject=output)
+    if state != "absent" and not force:
         if state == COMPLETE and options.share_count > 1:
             return ConvertResult(output=output, tag=ck.tag, committed=False, params=0, states=0, bytes_written=0,
                                  seconds=0.0, source_dp=0, optimizer="", share_index=options.share_index,
@@ -528,7 +543,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
                 check_complete(staging.path, plan, frozen)
             shares = staging.shares_done()
             staging.close()
-            staging.commit(_manifest(meta, ck, plan, frozen, shares, time.perf_counter() - t0), options.force)
+            staging.commit(_manifest(meta, ck, plan, frozen, shares, time.perf_counter() - t0, identity), force)
             committed = True
             update = options.update_latest
             if update is None:

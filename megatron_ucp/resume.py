@@ -39,6 +39,8 @@ class TwinState(enum.Enum):
     COMPLETE = "complete"
     FOREIGN = "foreign"
     ABSENT = "absent"
+    STALE = "stale"
+    """Complete, but converted from an earlier save of the tag: reconverted before loading."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,10 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
             warning=(f"{target} has no megatron-ucp manifest (stock ds_to_universal output, or an unfinished "
                      "conversion). Loading it anyway; the accounting after the load fails on any missing tensor. "
                      f"Delete it to have megatron-ucp convert {requested_tag} itself."))
+    if twin is TwinState.STALE:
+        return ResumeDecision(Route.CONVERT_THEN_UNIVERSAL, target, checkpoint_dp, current_dp,
+                              f"{changed}: {target} was converted from an earlier save of {requested_tag}; "
+                              f"reconverting {requested_tag} now, then loading {target}")
     note = " (replacing a stale or unfinished staging folder)" if staging_present else ""
     return ResumeDecision(Route.CONVERT_THEN_UNIVERSAL, target, checkpoint_dp, current_dp,
                           f"{changed}: no {target} yet, converting {requested_tag} now{note}, then loading {target}")

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 class UniversalStatus(str, enum.Enum):
     COMPLETE = "complete"
+    STALE = "stale"
     FOREIGN = "foreign"
     IN_PROGRESS = "in progress"
     PENDING = "pending"
@@ -63,6 +64,9 @@ def classify(f: TagFacts) -> tuple[UniversalStatus, str]:
     convert_hint = f"`megatron-ucp convert {f.root} --tag {f.tag}` converts it"
     if f.folder == "complete":
         return UniversalStatus.COMPLETE, ""
+    if f.folder == "stale":
+        return UniversalStatus.STALE, (f"converted from an earlier save of {f.tag}; the next save or resume "
+                                       f"reconverts it, or `megatron-ucp convert {f.root} --tag {f.tag} --force`")
     if f.folder == "foreign":
         return UniversalStatus.FOREIGN, "exists without a megatron-ucp manifest (stock converter, or copied)"
     ev = f.last_event
@@ -220,7 +224,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
     for tag, _ in B.chronological(tags.items()):
         native_dir = root / tag
         twin = root / F.universal_tag(tag)
-        folder = universal_state(twin)
+        folder = universal_state(twin, native_dir)
         info = inspect_staging(twin)
         is_active = queue.active is not None and queue.active.tag == tag
         facts = TagFacts(

@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from . import dsformat as F
 from . import osio
@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 COMPLETE = "complete"
 FOREIGN = "foreign"
 ABSENT = "absent"
+STALE = "stale"
+"""Complete, but made from files the source tag no longer holds (:func:`stale_reason`)."""
 HEARTBEAT_SECONDS = 5.0
 
 
@@ -60,12 +62,52 @@ def read_manifest(folder: Path) -> Optional[dict]:
     return data
 
 
-def universal_state(folder: Path) -> str:
-    """``complete`` (our manifest), ``foreign`` (exists without it, e.g. stock output) or ``absent``."""
+def source_identity(files: Iterable[Path]) -> dict[str, list[int]]:
+    """What binds a universal folder to the native files it came from: each file's name, size and
+    modification time (ns). A re-save of the same tag (a restart from an earlier step) rewrites
+    them; ``cp -a``/``rsync -a`` copies keep them."""
+    identity = {}
+    for path in files:
+        st = os.stat(path)
+        identity[Path(path).name] = [int(st.st_size), int(st.st_mtime_ns)]
+    return identity
+
+
+def stale_reason(folder: Path, source_tag_dir: Path) -> Optional[str]:
+    """Why the complete folder ``folder`` is not the conversion of ``source_tag_dir`` as it is now,
+    or None when it is (or when its manifest predates source binding: nothing to compare)."""
+    from .reader import find_checkpoint_files
+
+    manifest = read_manifest(folder)
+    recorded = (manifest or {}).get("source_files")
+    if not isinstance(recorded, dict):
+        return None
+    try:
+        files = find_checkpoint_files(Path(source_tag_dir))
+        current = source_identity([files.model_states, *files.rank_files])
+    except (OSError, UcpError) as exc:
+        return f"its source {source_tag_dir} cannot be read ({exc})"
+    for name in sorted(set(recorded) | set(current)):
+        if name not in current:
+            return f"{name} is gone from {source_tag_dir}"
+        if name not in recorded:
+            return f"{source_tag_dir / name} is new since the conversion"
+        if list(recorded[name]) != current[name]:
+            return f"{source_tag_dir / name} changed since the conversion (re-saved?)"
+    return None
+
+
+def universal_state(folder: Path, source: Optional[Path] = None) -> str:
+    """``complete`` (our manifest), ``foreign`` (exists without it, e.g. stock output) or ``absent``;
+    given the native ``source`` tag folder, ``stale`` for a complete folder made from other files."""
     folder = Path(folder)
     if not folder.is_dir():
         return ABSENT
-    return COMPLETE if (folder / F.MANIFEST_FILE).is_file() else FOREIGN
+    if not (folder / F.MANIFEST_FILE).is_file():
+        return FOREIGN
+    if source is not None and Path(source).is_dir() and stale_reason(folder, Path(source)) is not None:
+        return STALE
+    return COMPLETE
 
 
 def fsync_path(path: Path) -> None:

@@ -218,3 +218,36 @@ def test_verify_reports_a_transposed_state_instead_of_crashing(root: Path):
     proc = cli("verify", str(uni), "--source", str(root))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout, proc.stdout + proc.stderr
     assert "shape" in proc.stdout + proc.stderr
+
+
+# ---- 9. a universal twin is bound to the exact files it came from ----------------------------
+
+def test_a_twin_made_from_an_earlier_save_is_stale_everywhere(root: Path):
+    from megatron_ucp.convert import ConvertOptions, convert
+    from megatron_ucp.resume import Route, TwinState, decide_resume
+    from megatron_ucp.universal import read_manifest, universal_state
+
+    assert cli("convert", str(root)).returncode == 0
+    uni = root / f"{TAG}_universal"
+    assert universal_state(uni, root / TAG) == "complete"
+    assert set(read_manifest(uni)["source_files"]) == {p.name for p in (root / TAG).iterdir()}
+
+    # the run restarts from an earlier step and saves this tag again: new bytes, new times
+    rank1 = root / TAG / RANK1
+    st = rank1.stat()
+    os.utime(rank1, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert universal_state(uni, root / TAG) == "stale"
+    assert universal_state(uni) == "complete"  # without a source, nothing to compare
+
+    proc = cli("convert", str(root))
+    assert proc.returncode == 2 and "stale" in proc.stderr and RANK1 in proc.stderr, proc.stderr
+    status = cli("status", str(root))
+    assert status.returncode == 0 and "stale" in status.stdout, status.stdout
+
+    decision = decide_resume(requested_tag=TAG, checkpoint_dp=4, current_dp=3, load_universal=False,
+                             twin_state=TwinState.STALE)
+    assert decision.route is Route.CONVERT_THEN_UNIVERSAL and "earlier save" in decision.message
+
+    result = convert(ConvertOptions(source=root, replace_stale=True, progress=False))  # what async and resume do
+    assert result.committed and universal_state(uni, root / TAG) == "complete"
+    assert read_manifest(uni)["source_files"][RANK1][1] == rank1.stat().st_mtime_ns

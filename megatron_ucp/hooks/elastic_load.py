@@ -231,7 +231,7 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
         if tag_dir.is_dir():
             checkpoint_dp = _read_checkpoint_dp(tag_dir)
         twin_dir = Path(load_dir) / F.universal_tag(resolved)
-        twin = TwinState(universal_state(twin_dir))
+        twin = TwinState(universal_state(twin_dir, tag_dir))
         staging = staging_path(twin_dir).exists()
     decision = decide_resume(requested_tag=resolved, checkpoint_dp=checkpoint_dp, current_dp=current_dp,
                              load_universal=False, twin_state=twin, tag_is_universal=tag_is_universal,
@@ -357,7 +357,7 @@ def _convert_or_wait(source: Path, twin: Path, share: tuple[int, int], attempt: 
     from ..errors import OutputExistsError
     from ..universal import COMPLETE, ConversionInProgress, inspect_staging, universal_state
 
-    options = ConvertOptions(source=source, output=twin, workers=config.converter_workers,
+    options = ConvertOptions(source=source, output=twin, workers=config.converter_workers, replace_stale=True,
                              update_latest=from_latest,
                              share_index=share[0], share_count=share[1], attempt_id=attempt, progress=False)
     for _ in range(2):
@@ -365,7 +365,7 @@ def _convert_or_wait(source: Path, twin: Path, share: tuple[int, int], attempt: 
             convert(options)
             return
         except OutputExistsError:
-            if universal_state(twin) == COMPLETE:
+            if universal_state(twin, source) == COMPLETE:
                 return
             raise
         except ConversionInProgress as exc:
