@@ -42,8 +42,7 @@ from .reader import (CheckpointMeta, RankFile, ResolvedCheckpoint, find_checkpoi
                      resolve_checkpoint)
 from .torchfile import FastWriterUnsupported, TensorSpec, save_object, write_tensors_file
 from .universal import (COMPLETE, STALE, Staging, latest_universal_target, read_manifest, source_identity, stale_reason,
-                        universal_state,
-                        write_latest_universal)
+                        universal_state, write_latest_universal)
 
 log = logging.getLogger(__name__)
 
