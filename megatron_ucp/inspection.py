@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from . import dsformat as F
 from .geometry import GroupGeometry, PaddingStyle, StripCrash, stock_converter_crashes, stock_loader_crash_ranks
+from .plan import build_plan
 from .reader import read_checkpoint, resolve_checkpoint
 from .universal import universal_state
 
@@ -104,6 +105,10 @@ def inspect_geometry(groups: Sequence[GroupGeometry], style: PaddingStyle, targe
 def inspect_checkpoint(path: Path, tag: Optional[str], target_dps: Sequence[int]) -> InspectReport:
     ck = resolve_checkpoint(path, tag)
     meta = read_checkpoint(ck.tag_dir)
+    # the checks convert runs before any byte moves (fragments inside partitions and tensors,
+    # every element covered once, shapes against the mappings): a checkpoint convert would refuse
+    # is refused here too, with the same message
+    build_plan(meta.model.param_groups, meta.layouts, meta.model.output_rules())
     groups = []
     for g, specs in enumerate(meta.model.param_groups):
         numel = sum(s.numel for s in specs)

@@ -251,3 +251,18 @@ def test_a_twin_made_from_an_earlier_save_is_stale_everywhere(root: Path):
     result = convert(ConvertOptions(source=root, replace_stale=True, progress=False))  # what async and resume do
     assert result.committed and universal_state(uni, root / TAG) == "complete"
     assert read_manifest(uni)["source_files"][RANK1][1] == rank1.stat().st_mtime_ns
+
+
+# ---- inspect runs the plan checks convert runs ---------------------------------------------------
+
+def test_inspect_refuses_what_convert_refuses(root: Path):
+    def shift_a_fragment(sd) -> None:
+        mappings = sd["optimizer_state_dict"]["param_slice_mappings"][0]
+        name = next(iter(mappings))
+        address = mappings[name]
+        mappings[name] = type(address)(numel=address.numel, start=address.start + 1)
+
+    _rewrite(root / TAG / RANK1, shift_a_fragment)
+    convert_err = refused(cli("convert", str(root)))
+    inspect_err = refused(cli("inspect", str(root)))
+    assert convert_err.split("error: ", 1)[-1] == inspect_err.split("error: ", 1)[-1], (convert_err, inspect_err)
