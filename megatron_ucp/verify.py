@@ -109,7 +109,7 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
         plan = plan_checkpoint(meta)
         cache = RankFileCache(list(meta.files.rank_files))
         report.compared_with = ck.tag_dir
-        steps = meta.steps[0]
+        steps = meta.steps  # steps[rank][group]: every rank's, not only rank 0's
 
     for group in model.param_groups:
         group_files: Optional[set] = None
@@ -141,8 +141,15 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
                         group_step = value
                     elif value != group_step:
                         report.problems.append(f"{path}: step {value} differs from {group_step} in the same group")
-                    if plan is not None and steps[spec.group] is not None and value != steps[spec.group]:
-                        report.problems.append(f"{path}: step {value}, source has {steps[spec.group]}")
+                    if plan is not None:
+                        differing = [r for r, rank_steps in enumerate(steps)
+                                     if rank_steps[spec.group] is not None and rank_steps[spec.group] != value]
+                        if differing:
+                            r = differing[0]
+                            report.problems.append(f"{path}: step {value}, source rank {r} "
+                                                   f"({meta.files.rank_files[r].name}) has {steps[r][spec.group]}"
+                                                   + (f" (and {len(differing) - 1} more rank(s))"
+                                                      if len(differing) > 1 else ""))
                     continue
                 tensor = entry.get(F.PARAM) if isinstance(entry, dict) else None
                 if not torch.is_tensor(tensor):

@@ -266,3 +266,19 @@ def test_inspect_refuses_what_convert_refuses(root: Path):
     convert_err = refused(cli("convert", str(root)))
     inspect_err = refused(cli("inspect", str(root)))
     assert convert_err.split("error: ", 1)[-1] == inspect_err.split("error: ", 1)[-1], (convert_err, inspect_err)
+
+
+def test_verify_source_compares_every_ranks_step(root: Path):
+    import torch
+
+    assert cli("convert", str(root)).returncode == 0
+    rank2 = root / TAG / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"
+
+    def bump(sd) -> None:
+        state = sd["optimizer_state_dict"]["base_optimizer_state"]["state"]
+        group = next(iter(state))
+        state[group]["step"] = state[group]["step"] + 1 if torch.is_tensor(state[group]["step"]) else 99
+
+    _rewrite(rank2, bump)
+    proc = cli("verify", str(root / f"{TAG}_universal"), "--source", str(root))
+    assert proc.returncode == 1 and rank2.name in proc.stdout + proc.stderr, proc.stdout + proc.stderr
