@@ -38,9 +38,10 @@ from .lightpickle import PICKLE_MODULE, needs_light_pickler
 from .paths import check_output_placement
 from .plan import ConversionPlan, CopyItem, GroupPlan, ParamPlan, build_plan, share_of, split_by_bytes
 from .rawtensor import RawTensor, torch_tensors_from_raw
-from .reader import (CheckpointMeta, RankFile, ResolvedCheckpoint, find_checkpoint_files, human_bytes, read_checkpoint,
-                     resolve_checkpoint)
+from .reader import (CheckpointFiles, CheckpointMeta, RankFile, ResolvedCheckpoint, find_checkpoint_files, human_bytes,
+                     read_checkpoint, resolve_checkpoint)
 from .torchfile import FastWriterUnsupported, TensorSpec, save_object, write_tensors_file
+from .torchload import structure_problems
 from .universal import (COMPLETE, STALE, Staging, latest_universal_target, read_manifest, source_identity, stale_reason,
                         universal_state, write_latest_universal)
 
@@ -460,6 +461,25 @@ def check_complete(folder: Path, plan: ConversionPlan, frozen: Iterable[str] = (
                                         subject=zero / name)
 
 
+def check_torch_loadable(files: CheckpointFiles) -> None:
+    """The model-states file is copied into the output as it is, and DeepSpeed's loader reads it with
+    ``torch.load``: damage torch rejects is an error here, not a "complete" folder that cannot load.
+    Rank files are only read by this converter (tolerantly, correctly): their damage is a warning
+    that a native DeepSpeed load of this tag would fail."""
+    problems = structure_problems(files.model_states)
+    if problems:
+        raise CheckpointFormatError(f"{files.model_states}: damaged ({problems[0]}"
+                                    + (f"; {len(problems) - 1} more" if len(problems) > 1 else "")
+                                    + "): torch.load, which DeepSpeed's loader uses, rejects it; the universal folder "
+                                    "would carry it", subject=files.model_states)
+    for path in files.rank_files:
+        problems = structure_problems(path)
+        if problems:
+            log.warning("%s: damaged zip structure (%s): torch.load would reject it, so a native DeepSpeed load of "
+                        "this tag fails; the conversion reads its records directly and is not affected", path,
+                        problems[0])
+
+
 def _source_files(ck: ResolvedCheckpoint) -> list[Path]:
     files = find_checkpoint_files(ck.tag_dir)
     return [files.model_states, *files.rank_files]
@@ -518,6 +538,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
     # Each rank file is opened (mapped, metadata unpickled) once: the metadata pass, the step check,
     # the writers and the common state all use the same cached objects.
     files = find_checkpoint_files(ck.tag_dir)
+    check_torch_loadable(files)
     cache = RankFileCache(list(files.rank_files))
     meta = read_checkpoint(ck.tag_dir, rank_files=[cache.get(r) for r in range(len(files.rank_files))])
     plan = plan_checkpoint(meta)

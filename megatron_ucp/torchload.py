@@ -203,3 +203,47 @@ def load(path: os.PathLike | str) -> Any:
     unpickler = _Unpickler(io.BytesIO(archive.small["data.pkl"]), archive)
     return unpickler.load()
 
+
+
+def structure_problems(path: os.PathLike | str) -> list[str]:
+    """Damage that ``torch.load`` rejects but a tolerant reader would not notice, one line each.
+
+    What PyTorch's zip reader (miniz) validates and a tolerant reader may skip: every central
+    directory entry against its record's local header (signature, name, method, and CRC and sizes
+    where the local header carries them), stored records' two sizes, records within the file.
+    CRC-32s are not recomputed: torch does not check them either (and files saved with
+    ``torch.serialization.set_crc32_options(False)`` hold none). Reads headers only (``pread``).
+    An empty list when the file is sound; a file that is not a zip at all is one problem.
+    """
+    path = Path(path)
+    problems: list[str] = []
+    try:
+        with open(path, "rb") as fh, zipfile.ZipFile(fh) as z:
+            fd = fh.fileno()
+            size = os.fstat(fd).st_size
+            for info in z.infolist():
+                head = os.pread(fd, _LFH.size, info.header_offset)
+                if len(head) != _LFH.size or _LFH.unpack(head)[0] != 0x04034B50:
+                    problems.append(f"{info.filename}: no local header at offset {info.header_offset}")
+                    continue
+                (_, _, flags, method, _, _, crc, csize, usize, name_len, extra_len) = _LFH.unpack(head)
+                name = os.pread(fd, name_len, info.header_offset + _LFH.size)
+                if name.decode("utf-8", "replace") != info.filename:
+                    problems.append(f"{info.filename}: the local header names it {name!r}")
+                    continue
+                if method != info.compress_type:
+                    problems.append(f"{info.filename}: compression method {method} locally, "
+                                    f"{info.compress_type} in the directory")
+                if not flags & 0x08 and 0xFFFFFFFF not in (csize, usize) and (
+                        crc, csize, usize) != (info.CRC, info.compress_size, info.file_size):
+                    problems.append(f"{info.filename}: local header and central directory disagree on CRC or size")
+                start = info.header_offset + _LFH.size + name_len + extra_len
+                if start + info.compress_size > size:
+                    problems.append(f"{info.filename}: runs past the end of the file")
+                    continue
+                if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+                    problems.append(f"{info.filename}: stored record with {info.compress_size} bytes on disk but "
+                                    f"{info.file_size} in the directory")
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        problems.append(f"not a readable zip archive ({exc})")
+    return problems

@@ -282,3 +282,43 @@ def test_verify_source_compares_every_ranks_step(root: Path):
     _rewrite(rank2, bump)
     proc = cli("verify", str(root / f"{TAG}_universal"), "--source", str(root))
     assert proc.returncode == 1 and rank2.name in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+# ---- 8. what the converter copies must load where it will be loaded ----------------------------
+
+def _damage_directory_entry(path: Path, record_suffix: bytes, field: int, delta: int) -> None:
+    """Add ``delta`` to a 4-byte field of the central-directory entry whose name ends with the suffix."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    i = 0
+    while True:
+        i = data.find(b"PK\x01\x02", i)
+        assert i >= 0, record_suffix
+        n = struct.unpack_from("<H", data, i + 28)[0]
+        if bytes(data[i + 46:i + 46 + n]).endswith(record_suffix):
+            struct.pack_into("<I", data, i + field, struct.unpack_from("<I", data, i + field)[0] + delta)
+            break
+        i += 4
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("field,delta", [(20, 1), (24, 1), (42, 1)], ids=["compressed-size", "size", "offset"])
+def test_damaged_model_states_are_never_committed(root: Path, field: int, delta: int):
+    import torch
+
+    model = root / TAG / F.MODEL_STATES_FILE
+    _damage_directory_entry(model, b"data.pkl", field, delta)
+    with pytest.raises(Exception):
+        torch.load(model, weights_only=False)  # the loader that will read the copy rejects it
+    refused(cli("convert", str(root)), str(model), "damaged")
+    assert not (root / f"{TAG}_universal").exists() and not list(root.glob(".*staging*"))
+
+
+def test_a_rank_file_torch_would_reject_converts_with_a_warning(root: Path):
+    rank1 = root / TAG / RANK1
+    _damage_directory_entry(rank1, b"data.pkl", 24, 1)
+    proc = cli("convert", str(root))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert str(rank1) in proc.stderr and "torch.load would reject it" in proc.stderr
+    assert cli("verify", str(root / f"{TAG}_universal")).returncode == 0
