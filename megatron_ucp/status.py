@@ -235,7 +235,11 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
             progress=_progress(root, tag, queue.active.attempt if is_active else None) if info or is_active else None,
             shares=(len(info.shares_done), info.share_count) if info is not None else None, root=str(root))
         state, detail = classify(facts)
-        manifest = read_manifest(twin) if folder == "complete" else None
+        try:
+            manifest = read_manifest(twin) if folder in ("complete", "stale") else None
+        except CheckpointFormatError as exc:  # one damaged folder does not hide the others
+            manifest = None
+            state, detail = UniversalStatus.FAILED, f"{exc}; `megatron-ucp verify {twin}` checks it"
         dp_size = None
         if manifest is not None:
             dp_size = (manifest.get("source") or {}).get("dp")

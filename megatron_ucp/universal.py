@@ -78,7 +78,10 @@ def stale_reason(folder: Path, source_tag_dir: Path) -> Optional[str]:
     or None when it is (or when its manifest predates source binding: nothing to compare)."""
     from .reader import find_checkpoint_files
 
-    manifest = read_manifest(folder)
+    try:
+        manifest = read_manifest(folder)
+    except CheckpointFormatError as exc:  # damaged: nothing binds it to anything, do not trust it
+        return str(exc)
     recorded = (manifest or {}).get("source_files")
     if not isinstance(recorded, dict):
         return None

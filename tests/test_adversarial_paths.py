@@ -322,3 +322,12 @@ def test_a_rank_file_torch_would_reject_converts_with_a_warning(root: Path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert str(rank1) in proc.stderr and "torch.load would reject it" in proc.stderr
     assert cli("verify", str(root / f"{TAG}_universal")).returncode == 0
+
+
+def test_one_truncated_manifest_does_not_hide_the_root(root: Path):
+    assert cli("convert", str(root)).returncode == 0
+    manifest = root / f"{TAG}_universal" / F.MANIFEST_FILE
+    manifest.write_text(manifest.read_text()[:40])
+    proc = cli("status", str(root))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "unreadable manifest" in proc.stdout and TAG in proc.stdout
