@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -30,3 +31,29 @@ def legacy_fixture():
         return _legacy_fixture(name)
 
     return get
+
+
+# Shared-memory files that DeepSpeed's CPU all-reduce kernel (deepspeed_allreduce_buffer_*) and
+# MPICH (mpich_shm_*, from mpi4py's singleton init in Megatron-DeepSpeed's ranks and from mpiexec)
+# leave in /dev/shm even after clean exits; piled up, they exhausted memory on a shared machine.
+_SHM = Path("/dev/shm")
+_SHM_PREFIXES = ("deepspeed_allreduce_buffer", "mpich_shm_")
+
+
+def _shm_files() -> set[str]:
+    try:
+        return {n for n in os.listdir(_SHM) if n.startswith(_SHM_PREFIXES)}
+    except OSError:
+        return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind():
+    """Remove the shared-memory files this test session's processes created (only those)."""
+    before = _shm_files()
+    yield
+    for name in _shm_files() - before:
+        try:
+            (_SHM / name).unlink()
+        except OSError:
+            pass
