@@ -42,8 +42,8 @@ from .reader import (CheckpointFiles, CheckpointMeta, RankFile, ResolvedCheckpoi
                      read_checkpoint, resolve_checkpoint)
 from .torchfile import FastWriterUnsupported, TensorSpec, save_object, write_tensors_file
 from .torchload import structure_problems
-from .universal import (COMPLETE, STALE, Staging, latest_universal_target, read_manifest, source_identity, stale_reason,
-                        universal_state, write_latest_universal)
+from .universal import (COMPLETE, STALE, Staging, inspect_staging, latest_universal_target, read_manifest,
+                        source_identity, stale_reason, universal_state, write_latest_universal)
 
 log = logging.getLogger(__name__)
 
@@ -461,6 +461,33 @@ def check_complete(folder: Path, plan: ConversionPlan, frozen: Iterable[str] = (
                                         subject=zero / name)
 
 
+def _latest_applies(ck: ResolvedCheckpoint, output: Path, options: ConvertOptions) -> bool:
+    if options.update_latest is False:
+        return False
+    return ck.root is not None and output.parent.resolve() == ck.root.resolve()
+
+
+def _repair_interrupted(ck: ResolvedCheckpoint, output: Path, options: ConvertOptions) -> list[str]:
+    """What an interrupted earlier run left next to a complete output, undone; one line each.
+
+    A ``--force`` run killed mid-way leaves its dead staging folder (the size of a conversion); a
+    run killed between the commit rename and ``latest_universal`` leaves no pointer. Both are
+    repaired by the next ``convert`` of the tag, without reconverting.
+    """
+    done = []
+    info = inspect_staging(output)
+    if info is not None and not info.is_live(options.stale_after):
+        shutil.rmtree(info.path, ignore_errors=True)
+        if not info.path.exists():
+            done.append(f"removed {info.path.name}, left by an interrupted earlier run")
+    if _latest_applies(ck, output, options) and not (ck.root / F.LATEST_UNIVERSAL).exists():
+        write_latest_universal(ck.root, output.name)
+        done.append(f"{F.LATEST_UNIVERSAL} was missing and now names it")
+    for line in done:
+        log.info("%s: %s", output, line)
+    return done
+
+
 def check_torch_loadable(files: CheckpointFiles) -> None:
     """The model-states file is copied into the output as it is, and DeepSpeed's loader reads it with
     ``torch.load``: damage torch rejects is an error here, not a "complete" folder that cannot load.
@@ -529,7 +556,9 @@ def convert(options: ConvertOptions) -> ConvertResult:
                                  seconds=0.0, source_dp=0, optimizer="", share_index=options.share_index,
                                  share_count=options.share_count, skipped=True,
                                  summary=f"{output} is already complete")
-        raise OutputExistsError(f"{output}: already exists ({state}); pass --force to replace it", subject=output)
+        repaired = _repair_interrupted(ck, output, options) if state == COMPLETE else []
+        raise OutputExistsError(f"{output}: already exists ({state}{'; ' + '; '.join(repaired) if repaired else ''}); "
+                                "pass --force to replace it", subject=output)
     if not output.parent.is_dir():
         raise UcpError(f"{output.parent}: output's parent folder does not exist", subject=output.parent)
     if not os.access(output.parent, os.W_OK):

@@ -331,3 +331,23 @@ def test_one_truncated_manifest_does_not_hide_the_root(root: Path):
     proc = cli("status", str(root))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "unreadable manifest" in proc.stdout and TAG in proc.stdout
+
+
+# ---- interrupted runs are repaired by the next convert, without --force ------------------------
+
+def test_next_convert_cleans_a_killed_force_run_and_restores_latest_universal(root: Path):
+    assert cli("convert", str(root)).returncode == 0
+    uni = root / f"{TAG}_universal"
+    # what a --force run SIGKILLed mid-way leaves: a staging sibling whose converter is gone
+    staging = root / f".{uni.name}{F.STAGING_SUFFIX}"
+    (staging / "heartbeats").mkdir(parents=True)
+    (staging / "attempt.json").write_text('{"attempt_id": "killed", "fingerprint": "x"}')
+    (staging / "heartbeats" / "0").write_text(f"{os.uname().nodename} 999999999")
+    (staging / "zero").mkdir()
+    # and a run killed between the commit rename and latest_universal
+    (root / F.LATEST_UNIVERSAL).unlink()
+    before = digest(uni)
+    proc = cli("convert", str(root))
+    assert proc.returncode == 2 and "interrupted earlier run" in proc.stderr and "now names it" in proc.stderr
+    assert not staging.exists() and (root / F.LATEST_UNIVERSAL).read_text().strip() == uni.name
+    assert digest(uni) == before
