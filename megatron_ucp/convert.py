@@ -406,7 +406,13 @@ def _copy_model_files(meta: CheckpointMeta, staging: Staging) -> list[Path]:
     copies = []
     for src in _model_files(meta):
         dest = staging.path / src.name
-        shutil.copyfile(src, dest)
+        try:
+            shutil.copyfile(src, dest)
+        except OSError as exc:  # the kernel copy reports the source's name even for a write failure
+            if not os.access(src, os.R_OK):
+                raise UcpError(f"{src}: cannot read: {exc.strerror or exc}", subject=src) from exc
+            raise UcpError(f"{dest}: write failed while copying {src.name}: {exc.strerror or exc}",
+                           subject=dest) from exc
         with open(dest, "rb") as fh:
             osio.start_writeback(fh.fileno())
         copies.append(dest)
