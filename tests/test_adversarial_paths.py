@@ -351,3 +351,21 @@ def test_next_convert_cleans_a_killed_force_run_and_restores_latest_universal(ro
     assert proc.returncode == 2 and "interrupted earlier run" in proc.stderr and "now names it" in proc.stderr
     assert not staging.exists() and (root / F.LATEST_UNIVERSAL).read_text().strip() == uni.name
     assert digest(uni) == before
+
+
+def test_an_output_write_failure_names_the_output_not_the_source(root: Path):
+    """File size limit (EFBIG) on the writer: the message names an output file; the source is intact."""
+    import resource
+    import signal
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
+
+    before = digest(root)
+    proc = subprocess.run([sys.executable, "-m", "megatron_ucp.cli", "convert", str(root), "--no-progress"],
+                          capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"{TAG}_universal" in last and f"/{TAG}/" not in last, last
+    assert digest(root) == before and not (root / f"{TAG}_universal").exists()
