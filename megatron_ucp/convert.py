@@ -35,7 +35,7 @@ from . import dsformat as F
 from . import osio
 from .errors import CheckpointFormatError, OutputExistsError, UcpError
 from .lightpickle import PICKLE_MODULE, needs_light_pickler
-from .paths import check_output_placement
+from .paths import check_output_placement, special_kind
 from .plan import ConversionPlan, CopyItem, GroupPlan, ParamPlan, build_plan, share_of, split_by_bytes
 from .rawtensor import RawTensor, torch_tensors_from_raw
 from .reader import (CheckpointFiles, CheckpointMeta, RankFile, ResolvedCheckpoint, find_checkpoint_files, human_bytes,
@@ -550,6 +550,10 @@ def convert(options: ConvertOptions) -> ConvertResult:
     check_output_placement(output, [ck.tag_dir])  # --force replaces the output: never a source
     if output.exists() and not output.is_dir():
         raise UcpError(f"{output}: exists and is not a folder; choose another --output", subject=output)
+    pointer = ck.root / F.LATEST_UNIVERSAL if ck.root is not None else None
+    if pointer is not None and _latest_applies(ck, output, options) and special_kind(pointer) is not None:
+        raise UcpError(f"{pointer}: is {special_kind(pointer)}, not a tag file; remove it (or pass --no-latest) "
+                       "before converting", subject=pointer)
     identity = source_identity(_source_files(ck))  # before reading: what this conversion is of
     state = universal_state(output, ck.tag_dir)
     force = options.force or (state == STALE and options.replace_stale)

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional
 from . import dsformat as F
 from . import osio
 from .errors import CheckpointFormatError, OutputExistsError, UcpError
-from .paths import read_tag_file
+from .paths import read_tag_file, special_kind
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +127,19 @@ def fsync_path(path: Path) -> None:
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` by write-temp, fsync, rename, fsync(parent)."""
     path = Path(path)
+    kind = special_kind(path)
+    if kind is not None:
+        raise UcpError(f"{path}: is {kind}; it should be a small text file (remove it and run again)", subject=path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_path(path.parent)
 
 

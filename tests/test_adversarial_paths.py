@@ -369,3 +369,11 @@ def test_an_output_write_failure_names_the_output_not_the_source(root: Path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"{TAG}_universal" in last and f"/{TAG}/" not in last, last
     assert digest(root) == before and not (root / f"{TAG}_universal").exists()
+
+
+def test_latest_universal_that_is_a_directory_is_refused_up_front(root: Path):
+    (root / F.LATEST_UNIVERSAL).mkdir()
+    refused(cli("convert", str(root)), str(root / F.LATEST_UNIVERSAL), "directory")
+    assert not (root / f"{TAG}_universal").exists()
+    assert not [p for p in root.iterdir() if ".tmp-" in p.name or "staging" in p.name]
+    assert cli("convert", str(root), "--no-latest").returncode == 0
