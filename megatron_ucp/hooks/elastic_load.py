@@ -282,6 +282,7 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
         if decision.convert:
             _convert_synchronously(Path(load_dir), native_tag, decision, from_latest, config)
 
+        _check_model_states_loadable(Path(load_dir), decision.tag)
         token = _DEFER_ENFORCEMENT.set(True)
         try:
             with _universal_mode(self):
@@ -292,6 +293,25 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
         return result
 
     return load_checkpoint
+
+
+def _check_model_states_loadable(load_dir: Path, tag: Optional[str]) -> None:
+    """DeepSpeed's load starts with ``torch.load`` of the folder's model states, whose errors name no
+    file (``PytorchStreamReader failed reading zip archive``): check its structure first and say
+    which file is damaged. Headers only (a few ``pread`` calls)."""
+    from ..torchload import structure_problems
+
+    if tag is None:
+        return
+    folder = load_dir / tag
+    path = folder / F.MODEL_STATES_FILE
+    if not folder.is_dir() or not path.is_file():
+        return  # DeepSpeed reports a missing tag or file in its own words
+    problems = structure_problems(path)
+    if problems:
+        raise CheckpointFormatError(f"{path}: damaged ({problems[0]}); torch.load cannot read it. Reconvert: "
+                                    f"megatron-ucp convert {load_dir} --tag {tag.removesuffix(F.UNIVERSAL_SUFFIX)} "
+                                    "--force", subject=path)
 
 
 def _node_local_storage(engine: Any) -> bool:
