@@ -376,3 +376,30 @@ def test_megatron_nested_module_states_are_flattened(tmp_path: Path) -> None:
     problems, extras = restore_module_tensors(net, set(), tmp_path, {"module": nested})
     assert problems == [] and net.language_model.table.tolist() == [0.0, 1.0, 2.0]
     assert any("language_model.inv_freq" in e for e in extras)
+
+
+@pytest.mark.parametrize("damage", ["transposed fp32", "truncated model states"])
+def test_a_damaged_universal_folder_is_refused_naming_the_file(ds_checkpoint, runs, damage: str) -> None:
+    """A universal fp32.pt replaced by its transpose (same element count) must not load as if it were
+    the parameter; a truncated model-states file is named, not reported as a raw zip error."""
+    _dp2(ds_checkpoint, runs, "bf16")
+    _, root = _source(ds_checkpoint, runs, "bf16")
+
+    def make(folder: Path) -> TrainResult:
+        copy = private_copy(root, folder / "ckpt")
+        uni = copy / "global_step2_universal"
+        if damage == "transposed fp32":
+            victim = uni / "zero" / QKV / "fp32.pt"
+            entry = torch.load(victim, weights_only=False)
+            entry["param"] = entry["param"].t().contiguous()
+            torch.save(entry, victim)
+        else:
+            victim = uni / F.MODEL_STATES_FILE
+            victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+        res = run_training(TrainSpec(dp=2, optimizer="bf16", steps=3, load_dir=copy, load_tag="global_step2",
+                                     plugin=True, expect_failure=True, timeout=600))
+        return res, victim
+
+    res, victim = runs.get(f"damaged-{damage}", make)
+    assert res.returncode != 0 and res.losses == [], res.log[-3000:]
+    assert str(victim) in res.log and ("shape" in res.log or "damaged" in res.log), res.log[-3000:]
