@@ -35,6 +35,11 @@ class Internals:
     ships_compression: bool
     """``deepspeed.compression.compress`` exists; Megatron-DeepSpeed's ``megatron/training.py``
     imports it, so without it the ALCF fork does not start unedited."""
+    bf16_optimizer_selected: bool = True
+    """bf16 + ZeRO-1 + ``data_types.grad_accum_dtype: fp32`` gets ``BF16_Optimizer``. In 0.17.x
+    ``constants.DDP_BFLOAT16 == BFLOAT16 == "bf16"``, so the engine's dispatch takes that config
+    for plain DDP bf16 and builds ``FP16_UnfusedOptimizer``: no ZeRO partitioning at all (a
+    DeepSpeed bug, fixed in 0.18). The hooks leave such engines to DeepSpeed."""
 
 
 # Releases whose optimizer/engine internals the hooks were written and tested against, one per
@@ -42,7 +47,7 @@ class Internals:
 INTERNALS = {
     "0.16.2": Internals(decoupled_commit=False, ships_compression=True),
     "0.16.9": Internals(decoupled_commit=False, ships_compression=True),
-    "0.17.6": Internals(decoupled_commit=True, ships_compression=True),
+    "0.17.6": Internals(decoupled_commit=True, ships_compression=True, bf16_optimizer_selected=False),
     "0.18.9": Internals(decoupled_commit=True, ships_compression=True),
     "0.19.5": Internals(decoupled_commit=True, ships_compression=True),
     "0.19.8": Internals(decoupled_commit=True, ships_compression=False),

@@ -209,8 +209,10 @@ class Rank:
         for name, param in self.engine.module.named_parameters():
             g = group_of[name]
             entry: dict[str, Any] = {"fp32": self._gather(param, flats[g])}
-            ds_fp32 = safe_get_full_fp32_param(param)
-            if not torch.equal(ds_fp32.float().cpu(), entry["fp32"]):
+            ds_fp32 = safe_get_full_fp32_param(param)  # None where DeepSpeed linked no _hp_mapping
+            if ds_fp32 is None:
+                safe_get[f"{name}/fp32"] = "unavailable"
+            elif not torch.equal(ds_fp32.float().cpu(), entry["fp32"]):
                 safe_get[f"{name}/fp32"] = "DIFFERS"
             for key in keys:
                 entry[key] = self._gather(param, base.state[flats[g]][key])
