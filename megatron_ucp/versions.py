@@ -40,6 +40,19 @@ class Internals:
     ``constants.DDP_BFLOAT16 == BFLOAT16 == "bf16"``, so the engine's dispatch takes that config
     for plain DDP bf16 and builds ``FP16_UnfusedOptimizer``: no ZeRO partitioning at all (a
     DeepSpeed bug, fixed in 0.18). The hooks leave such engines to DeepSpeed."""
+    zero_trains_padding_only_rank: bool = True
+    """Stock DeepSpeedZeroOptimizer trains when a rank's partition of a group is all padding. 0.17.x
+    dies in its first backward (``get_flat_partition`` reads ``tensor_list[0]`` of an empty list):
+    AuroraGPT-7B at DP=768 (ranks 766, 767) cannot train with it at all."""
+    bf16_dp_invariant: bool = True
+    """BF16_Optimizer training gives the same losses at any DP size (to bf16 reduction noise). Not in
+    0.18.9: two uninterrupted runs of the same Megatron-DeepSpeed job, without megatron-ucp, at DP=3
+    and DP=4 report different gradient norms from the first step (0.886 vs 0.985) and losses 4e-4
+    apart by the third, so a resume at another DP size can only match the old curve that closely."""
+    zero_trains_with_torch_2_13: bool = True
+    """Stock DeepSpeedZeroOptimizer's step works with torch 2.13 (the torch this project tests
+    with). 0.18.9's ``all_gather_into_tensor_dp_groups`` writes into ``torch.split`` views, which
+    torch 2.13 refuses ("Output 0 of Split is a view and is being modified inplace")."""
 
 
 # Releases whose optimizer/engine internals the hooks were written and tested against, one per
@@ -47,8 +60,10 @@ class Internals:
 INTERNALS = {
     "0.16.2": Internals(decoupled_commit=False, ships_compression=True),
     "0.16.9": Internals(decoupled_commit=False, ships_compression=True),
-    "0.17.6": Internals(decoupled_commit=True, ships_compression=True, bf16_optimizer_selected=False),
-    "0.18.9": Internals(decoupled_commit=True, ships_compression=True),
+    "0.17.6": Internals(decoupled_commit=True, ships_compression=True, bf16_optimizer_selected=False,
+                        zero_trains_padding_only_rank=False),
+    "0.18.9": Internals(decoupled_commit=True, ships_compression=True, bf16_dp_invariant=False,
+                        zero_trains_with_torch_2_13=False),
     "0.19.5": Internals(decoupled_commit=True, ships_compression=True),
     "0.19.8": Internals(decoupled_commit=True, ships_compression=False),
 }

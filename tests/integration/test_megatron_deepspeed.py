@@ -51,11 +51,21 @@ def _restart_copy(root: Path, dest: Path) -> Path:
     return dest
 
 
-def assert_continues(resumed: MdsResult, reference: MdsResult, steps=(4, 5, 6)) -> None:
-    for step in steps:
+DP_VARIANT_TOLERANCE = 1e-3
+"""After the first resumed update, on releases whose stock training is not DP-invariant
+(``versions.Internals.bf16_dp_invariant``: 0.18.9 diverges 4e-4 between DP=3 and DP=4 without
+megatron-ucp). The first resumed iteration's loss, computed from the restored weights before any
+update, is held to LOSS_TOLERANCE everywhere."""
+
+
+def assert_continues(resumed: MdsResult, reference: MdsResult, steps=(4, 5, 6), optimizer: str = "bf16") -> None:
+    from megatron_ucp.versions import internals
+
+    later = LOSS_TOLERANCE if optimizer != "bf16" or internals().bf16_dp_invariant else DP_VARIANT_TOLERANCE
+    for i, step in enumerate(steps):
         assert step in resumed.losses, (step, sorted(resumed.losses), resumed.log[-3000:])
         diff = abs(resumed.losses[step] - reference.losses[step])
-        assert diff <= LOSS_TOLERANCE, (step, resumed.losses[step], reference.losses[step])
+        assert diff <= (LOSS_TOLERANCE if i == 0 else later), (step, resumed.losses[step], reference.losses[step])
 
 
 def assert_accounted(res: MdsResult) -> str:
@@ -105,7 +115,7 @@ def test_resume_at_dp3_with_no_flag(trained, mds_checkout, mds_runs):
     assert decided and "global_step3_universal" in decided[0], res.ucp_lines()
     summary = assert_accounted(res)
     assert "never held" in summary and "rotary_pos_emb.inv_freq" in summary
-    assert_continues(res, reference)
+    assert_continues(res, reference, optimizer=optimizer)
 
 
 def test_resume_at_dp2_with_universal_checkpoint_flag(trained, mds_checkout, mds_runs):
@@ -128,7 +138,7 @@ def test_resume_at_dp2_with_universal_checkpoint_flag(trained, mds_checkout, mds
 
     res = mds_runs.get(f"dp2-{optimizer}", resume)
     assert_accounted(res)
-    assert_continues(res, reference)
+    assert_continues(res, reference, optimizer=optimizer)
 
 
 def test_padding_only_rank_saved_and_loaded(mds_checkout, mds_runs):
