@@ -65,10 +65,10 @@ def deepspeed_version() -> str:
 
 
 def script_imports_unedited(ds_version: str) -> bool:
-    """``megatron/training.py`` imports ``deepspeed.compression.compress``: gone in 0.19.6+ (0.19.8 here)."""
-    from packaging.version import Version
+    """``megatron/training.py`` imports ``deepspeed.compression.compress`` (versions.Internals)."""
+    from megatron_ucp.versions import internals
 
-    return Version(Version(ds_version).base_version) <= Version("0.19.5")
+    return internals(ds_version).ships_compression
 
 
 @dataclass(frozen=True)
