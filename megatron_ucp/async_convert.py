@@ -615,6 +615,12 @@ class Converter:
             log.info("%s", result.summary)
             if result.committed:
                 self._finish(job, output, log_path, time.perf_counter() - t0)
+        except Terminated as exc:  # say so before the process ends (the queue would only see it die)
+            _record(self.root, job.tag, B.EventKind.INTERRUPTED,
+                    f"converter pid {os.getpid()} on {socket.gethostname()} stopped by {exc}; the next save, "
+                    f"resume or `megatron-ucp convert {self.root} --tag {job.tag}` completes it",
+                    attempt=job.attempt, log=str(log_path))
+            raise
         except ConversionInProgress as exc:
             log.warning("%s; waiting for that converter instead", exc)
         except OutputExistsError as exc:
@@ -706,6 +712,20 @@ def run_converter(root: Path, node: int, nodes: int, settings: ConverterSettings
     return Converter(root, node, nodes, settings).run()
 
 
+class Terminated(SystemExit):
+    """SIGTERM (the job's end, a scheduler's kill): unwinds like ``sys.exit(143)``, recorded on the way."""
+
+    def __init__(self) -> None:
+        super().__init__(143)
+
+    def __str__(self) -> str:
+        return "SIGTERM"
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_ucp.async_convert",
                                 description="Background converter of one node (started by the async trigger).")
@@ -720,7 +740,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--job-id", default="local")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT, stream=sys.stdout)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run finally blocks: unregister, stop heartbeats
+    signal.signal(signal.SIGTERM, _terminate)  # run finally blocks: record, unregister, stop heartbeats
     settings = ConverterSettings(workers=args.workers, threads=args.threads, keep_last=args.keep_last,
                                  stale_after=args.stale_after, nice=args.nice, job_id=args.job_id)
     try:

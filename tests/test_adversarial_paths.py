@@ -377,3 +377,28 @@ def test_latest_universal_that_is_a_directory_is_refused_up_front(root: Path):
     assert not (root / f"{TAG}_universal").exists()
     assert not [p for p in root.iterdir() if ".tmp-" in p.name or "staging" in p.name]
     assert cli("convert", str(root), "--no-latest").returncode == 0
+
+
+# ---- a background converter stopped by SIGTERM says so ------------------------------------------
+
+def test_sigtermed_background_converter_records_an_event(root: Path, monkeypatch):
+    import signal
+    import time
+
+    from megatron_ucp.async_convert import EVENTS_LOG, FAULT_PAUSE_ENV, ConverterSettings, trigger, ucp_dir
+
+    monkeypatch.setenv(FAULT_PAUSE_ENV, f"{TAG}:30:0")  # the converter sleeps after its first parameter
+    result = trigger(root, TAG, 0, 1, ConverterSettings(workers=1))
+    assert result.spawned, result
+    progress = ucp_dir(root) / "progress"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(progress.glob("*.json")):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    os.kill(result.spawned, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    events = ucp_dir(root) / EVENTS_LOG
+    while time.monotonic() < deadline and "SIGTERM" not in (events.read_text() if events.exists() else ""):
+        time.sleep(0.2)
+    assert "interrupted" in events.read_text() and "SIGTERM" in events.read_text(), events.read_text()
+    assert not (root / f"{TAG}_universal").exists()
