@@ -89,6 +89,7 @@ class ProblemKind(enum.Enum):
     CHECKSUM_MISMATCH = "checksum mismatch"
     NOT_RESTORED = "live optimizer state not restored"
     UNUSED_STATE = "checkpoint state the live optimizer does not use"
+    STRAY_STATE_FILE = "state file the rest of its param group lacks"
     STEP_MISMATCH = "step differs within a param group"
     PARAM_GROUPS = "param groups not restored"
     TRAINING_STATE = "training state not restored"
@@ -168,16 +169,26 @@ class AccountingReport:
 # folder-level checks
 # ------------------------------------------------------------------------------------------------
 
-def group_tensor_states(groups: Sequence[Sequence[str]], listing: Mapping[str, Sequence[str]]) -> list[tuple[str, ...]]:
-    """Optimizer tensor states per live param group: the union over its parameters' folders.
+def _state_counts(names: Sequence[str], listing: Mapping[str, Sequence[str]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for name in names:
+        for state in listing.get(name, ()):
+            counts[state] = counts.get(state, 0) + 1
+    return counts
 
-    ``fp32`` (the master weights) and ``step`` (a scalar) are not optimizer tensors.
+
+def group_tensor_states(groups: Sequence[Sequence[str]], listing: Mapping[str, Sequence[str]]) -> list[tuple[str, ...]]:
+    """Optimizer tensor states per live param group: those at least half its parameters' folders hold.
+
+    A state file in fewer folders than that is a stray (reported by :func:`check_folders`), not a
+    state every other parameter lacks. ``fp32`` (the master weights) and ``step`` (a scalar) are not
+    optimizer tensors.
     """
     out = []
     for names in groups:
-        states: set[str] = set()
-        for name in names:
-            states.update(listing.get(name, ()))
+        present = sum(1 for n in names if n in listing)
+        counts = _state_counts(names, listing)
+        states = {s for s, c in counts.items() if 2 * c >= present}
         states.discard(F.FP32_STATE)
         states.discard(F.STEP_STATE)
         out.append(tuple(sorted(states)))
@@ -185,7 +196,7 @@ def group_tensor_states(groups: Sequence[Sequence[str]], listing: Mapping[str, S
 
 
 def check_folders(groups: Sequence[Sequence[str]], listing: Mapping[str, Sequence[str]]) -> list[Problem]:
-    """Every live parameter has a folder with fp32 and all its group's states; no stray folders."""
+    """Every live parameter has a folder with fp32 and all its group's states; no stray folders or files."""
     problems: list[Problem] = []
     live = {name for names in groups for name in names}
     for name in sorted(set(listing) - live):
@@ -195,6 +206,7 @@ def check_folders(groups: Sequence[Sequence[str]], listing: Mapping[str, Sequenc
     group_states = group_tensor_states(groups, listing)
     for names, states in zip(groups, group_states):
         group_has_step = any(F.STEP_STATE in listing.get(n, ()) for n in names)
+        known = {F.FP32_STATE, F.STEP_STATE, *states}
         for name in names:
             if name not in listing:
                 problems.append(Problem(ProblemKind.MISSING_FOLDER, name, None,
@@ -208,6 +220,10 @@ def check_folders(groups: Sequence[Sequence[str]], listing: Mapping[str, Sequenc
                     problems.append(Problem(ProblemKind.MISSING_STATE_FILE, name, state,
                                             f"zero/{name}/{state}.pt is missing (other parameters of its "
                                             "param group have it)"))
+            for state in sorted(have - known):
+                problems.append(Problem(ProblemKind.STRAY_STATE_FILE, name, state,
+                                        f"zero/{name}/{state}.pt: most parameters of its param group have no "
+                                        f"{state!r} state"))
     return problems
 
 

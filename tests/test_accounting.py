@@ -102,6 +102,16 @@ def test_folder_problems_name_parameter_and_state():
     assert "b.weight" in str(next(p for p in problems if p.kind is ProblemKind.MISSING_STATE_FILE))
 
 
+def test_one_extra_state_file_is_a_stray_not_missing_everywhere_else():
+    groups = [["a.weight", "b.weight", "c.weight"]]
+    listing = {n: ("exp_avg", "exp_avg_sq", "fp32", "step") for n in groups[0]}
+    listing["b.weight"] = listing["b.weight"] + ("momentum_buffer",)
+    problems = check_folders(groups, listing)
+    assert [(p.kind, p.param, p.state) for p in problems] == [
+        (ProblemKind.STRAY_STATE_FILE, "b.weight", "momentum_buffer")]
+    assert group_tensor_states(groups, listing) == [("exp_avg", "exp_avg_sq")]
+
+
 def test_missing_fp32_is_reported_even_when_no_one_has_it():
     listing = {k: tuple(s for s in v if s != "fp32") for k, v in LISTING.items()}
     problems = check_folders(GROUPS, listing)
