@@ -513,11 +513,6 @@ def check_torch_loadable(files: CheckpointFiles) -> None:
                         problems[0])
 
 
-def _source_files(ck: ResolvedCheckpoint) -> list[Path]:
-    files = find_checkpoint_files(ck.tag_dir)
-    return [files.model_states, *files.rank_files]
-
-
 def _manifest(meta: CheckpointMeta, ck: ResolvedCheckpoint, plan: ConversionPlan, frozen: Sequence[str],
               shares: Sequence[dict], seconds: float, identity: dict) -> dict:
     return {
@@ -554,7 +549,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
     if pointer is not None and _latest_applies(ck, output, options) and special_kind(pointer) is not None:
         raise UcpError(f"{pointer}: is {special_kind(pointer)}, not a tag file; remove it (or pass --no-latest) "
                        "before converting", subject=pointer)
-    identity = source_identity(_source_files(ck))  # before reading: what this conversion is of
+    files = find_checkpoint_files(ck.tag_dir)
+    identity = source_identity([files.model_states, *files.rank_files])  # before reading: what this converts
     state = universal_state(output, ck.tag_dir)
     force = options.force or (state == STALE and options.replace_stale)
     if state == STALE and not force:
@@ -576,7 +572,6 @@ def convert(options: ConvertOptions) -> ConvertResult:
 
     # Each rank file is opened (mapped, metadata unpickled) once: the metadata pass, the step check,
     # the writers and the common state all use the same cached objects.
-    files = find_checkpoint_files(ck.tag_dir)
     check_torch_loadable(files)
     cache = RankFileCache(list(files.rank_files))
     meta = read_checkpoint(ck.tag_dir, rank_files=[cache.get(r) for r in range(len(files.rank_files))])
