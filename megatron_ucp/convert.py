@@ -497,20 +497,14 @@ def _repair_interrupted(ck: ResolvedCheckpoint, output: Path, options: ConvertOp
 def check_torch_loadable(files: CheckpointFiles) -> None:
     """The model-states file is copied into the output as it is, and DeepSpeed's loader reads it with
     ``torch.load``: damage torch rejects is an error here, not a "complete" folder that cannot load.
-    Rank files are only read by this converter (tolerantly, correctly): their damage is a warning
-    that a native DeepSpeed load of this tag would fail."""
+    Rank files are only read by this converter (tolerantly, correctly): the reader warns about their
+    damage (a native DeepSpeed load of this tag would fail) as it reads their headers anyway."""
     problems = structure_problems(files.model_states)
     if problems:
         raise CheckpointFormatError(f"{files.model_states}: damaged ({problems[0]}"
                                     + (f"; {len(problems) - 1} more" if len(problems) > 1 else "")
                                     + "): torch.load, which DeepSpeed's loader uses, rejects it; the universal folder "
                                     "would carry it", subject=files.model_states)
-    for path in files.rank_files:
-        problems = structure_problems(path)
-        if problems:
-            log.warning("%s: damaged zip structure (%s): torch.load would reject it, so a native DeepSpeed load of "
-                        "this tag fails; the conversion reads its records directly and is not affected", path,
-                        problems[0])
 
 
 def _manifest(meta: CheckpointMeta, ck: ResolvedCheckpoint, plan: ConversionPlan, frozen: Sequence[str],

@@ -180,7 +180,7 @@ def load_torch_file(path: Path, mmap: bool = True) -> Any:
                                     f"{type(exc).__name__}: {exc}", subject=path) from exc
 
 
-def load_raw(path: Path) -> Any:
+def load_raw(path: Path, damage: Optional[list[str]] = None) -> Any:
     """A torch file's object with tensors as :class:`RawTensor`: read without torch when possible.
 
     Zip-format files (torch >= 1.6, every DeepSpeed checkpoint this tool reads) are mapped and
@@ -191,7 +191,7 @@ def load_raw(path: Path) -> Any:
     path = Path(path)
     _check_size(path)
     try:
-        return load_without_torch(path)
+        return load_without_torch(path, damage)
     except TorchNeeded as why:
         log.debug("%s: reading with torch.load (%s)", path, why)
     except Exception as exc:  # damaged: let torch.load produce the diagnosis
@@ -209,7 +209,12 @@ class RankFile:
     def __init__(self, path: Path, dp_rank: int):
         self.path = Path(path)
         self.dp_rank = dp_rank
-        raw = load_raw(self.path)
+        damage: list[str] = []
+        raw = load_raw(self.path, damage)
+        if damage:
+            log.warning("%s: damaged zip structure (%s): torch.load would reject it, so a native DeepSpeed load of "
+                        "this tag fails; megatron-ucp reads its records directly and is not affected", self.path,
+                        damage[0])
         if not isinstance(raw, dict) or not isinstance(raw.get(F.OPTIMIZER_STATE_DICT), dict):
             raise CheckpointFormatError(f"{self.path}: no '{F.OPTIMIZER_STATE_DICT}' dict: not a ZeRO optimizer-state "
                                         "file", subject=self.path)

@@ -119,6 +119,33 @@ class _Unpickler(_LightUnpickler):
         return storage
 
 
+def _record_problems(info: zipfile.ZipInfo, head: bytes, name: bytes) -> list[str]:
+    """What PyTorch's zip reader would reject about one record: its local header (``head``, then the
+    ``name`` bytes that follow it) against its central-directory entry."""
+    if len(head) != _LFH.size or _LFH.unpack(head)[0] != 0x04034B50:
+        return [f"{info.filename}: no local header at offset {info.header_offset}"]
+    (_, _, flags, method, _, _, crc, csize, usize, _, _) = _LFH.unpack(head)
+    problems = []
+    if name.decode("utf-8", "replace") != info.filename:
+        problems.append(f"{info.filename}: the local header names it {name!r}")
+    if method != info.compress_type:
+        problems.append(f"{info.filename}: compression method {method} locally, {info.compress_type} in the directory")
+    if not flags & 0x08 and 0xFFFFFFFF not in (csize, usize) and (crc, csize, usize) != (
+            info.CRC, info.compress_size, info.file_size):
+        problems.append(f"{info.filename}: local header and central directory disagree on CRC or size")
+    if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+        problems.append(f"{info.filename}: stored record with {info.compress_size} bytes on disk but "
+                        f"{info.file_size} in the directory")
+    return problems
+
+
+def _read_local_header(fd: int, info: zipfile.ZipInfo) -> tuple[bytes, bytes]:
+    """(fixed local header, the name bytes after it), in one ``pread``."""
+    name_len = len(info.orig_filename.encode("utf-8"))
+    data = os.pread(fd, _LFH.size + name_len, info.header_offset)
+    return data[:_LFH.size], data[_LFH.size:]
+
+
 class _Archive:
     """The records of one mapped torch zip file.
 
@@ -131,6 +158,7 @@ class _Archive:
 
     def __init__(self, path: Path):
         self.path = path
+        self.damage: list[str] = []
         with open(path, "rb") as fh:
             if fh.read(4) != b"PK\x03\x04":
                 raise TorchNeeded("not a zip-format torch file (legacy serialization)")
@@ -154,12 +182,14 @@ class _Archive:
         del anchor  # the address stays valid while the mapping is open (every view keeps it open)
 
     def _span(self, fd: int, info: zipfile.ZipInfo, file_size: int) -> tuple[int, int]:
-        """(offset of the data, size) of a record, from its local header."""
+        """(offset of the data, size) of a record, from its local header; what torch would reject
+        about the record but this reader can read around is collected in ``self.damage``."""
         if info.compress_type != zipfile.ZIP_STORED:
             raise TorchNeeded(f"compressed record {info.filename}")
-        head = os.pread(fd, _LFH.size, info.header_offset)
+        head, name = _read_local_header(fd, info)
         if len(head) != _LFH.size or _LFH.unpack(head)[0] != 0x04034B50:
             raise zipfile.BadZipFile(f"bad local header for {info.filename}")
+        self.damage.extend(_record_problems(info, head, name))
         fields = _LFH.unpack(head)
         start = info.header_offset + _LFH.size + fields[9] + fields[10]
         if start + info.file_size > file_size:
@@ -189,13 +219,16 @@ class _Archive:
                        region=(self.address, self.address + len(self.map)))
 
 
-def load(path: os.PathLike | str) -> Any:
+def load(path: os.PathLike | str, damage: list[str] | None = None) -> Any:
     """The object ``torch.load(path, mmap=True)`` would return, with tensors as :class:`RawTensor`.
 
     Raises :class:`TorchNeeded` when only torch can rebuild it, ``zipfile.BadZipFile`` /
-    ``pickle.UnpicklingError`` / ``EOFError`` when the file is damaged.
+    ``pickle.UnpicklingError`` / ``EOFError`` when the file is damaged. Damage this reader reads
+    around but ``torch.load`` rejects (:func:`structure_problems`) is appended to ``damage``.
     """
     archive = _Archive(Path(path))
+    if damage is not None:
+        damage.extend(archive.damage)
     if archive.small.get("byteorder", b"little") != b"little":
         raise TorchNeeded("a big-endian file")
     if "data.pkl" not in archive.small:
@@ -222,28 +255,14 @@ def structure_problems(path: os.PathLike | str) -> list[str]:
             fd = fh.fileno()
             size = os.fstat(fd).st_size
             for info in z.infolist():
-                head = os.pread(fd, _LFH.size, info.header_offset)
-                if len(head) != _LFH.size or _LFH.unpack(head)[0] != 0x04034B50:
-                    problems.append(f"{info.filename}: no local header at offset {info.header_offset}")
+                head, name = _read_local_header(fd, info)
+                found = _record_problems(info, head, name)
+                problems += found
+                if found and found[0].endswith(f"offset {info.header_offset}"):
                     continue
-                (_, _, flags, method, _, _, crc, csize, usize, name_len, extra_len) = _LFH.unpack(head)
-                name = os.pread(fd, name_len, info.header_offset + _LFH.size)
-                if name.decode("utf-8", "replace") != info.filename:
-                    problems.append(f"{info.filename}: the local header names it {name!r}")
-                    continue
-                if method != info.compress_type:
-                    problems.append(f"{info.filename}: compression method {method} locally, "
-                                    f"{info.compress_type} in the directory")
-                if not flags & 0x08 and 0xFFFFFFFF not in (csize, usize) and (
-                        crc, csize, usize) != (info.CRC, info.compress_size, info.file_size):
-                    problems.append(f"{info.filename}: local header and central directory disagree on CRC or size")
-                start = info.header_offset + _LFH.size + name_len + extra_len
+                start = info.header_offset + _LFH.size + _LFH.unpack(head)[9] + _LFH.unpack(head)[10]
                 if start + info.compress_size > size:
                     problems.append(f"{info.filename}: runs past the end of the file")
-                    continue
-                if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
-                    problems.append(f"{info.filename}: stored record with {info.compress_size} bytes on disk but "
-                                    f"{info.file_size} in the directory")
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
         problems.append(f"not a readable zip archive ({exc})")
     return problems
