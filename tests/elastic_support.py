@@ -52,10 +52,19 @@ def assert_same_state(saved: Path, loaded: Path, skip_params: tuple[str, ...] = 
     return compared
 
 
+#: After the first resumed step (whose loss comes from the restored weights, before any update), on
+#: releases whose stock BF16_Optimizer training is not DP-invariant (versions.Internals: 0.18.9).
+DP_VARIANT_TOLERANCE = 5e-3
+
+
 def assert_losses_continue(resumed: TrainResult, reference: Callable[[int], float]) -> None:
+    from megatron_ucp.versions import internals
+
     assert resumed.steps, resumed.log[-3000:]
-    for step, loss in zip(resumed.steps, resumed.losses):
-        assert abs(loss - reference(step)) <= LOSS_TOLERANCE, (step, loss, reference(step))
+    variant = resumed.optimizer_class == "BF16_Optimizer" and not internals().bf16_dp_invariant
+    for i, (step, loss) in enumerate(zip(resumed.steps, resumed.losses)):
+        tolerance = DP_VARIANT_TOLERANCE if variant and i > 0 else LOSS_TOLERANCE
+        assert abs(loss - reference(step)) <= tolerance, (step, loss, reference(step))
 
 
 class ElasticRuns:
