@@ -540,8 +540,9 @@ def convert(options: ConvertOptions) -> ConvertResult:
     if output.exists() and not output.is_dir():
         raise UcpError(f"{output}: exists and is not a folder; choose another --output", subject=output)
     pointer = ck.root / F.LATEST_UNIVERSAL if ck.root is not None else None
-    if pointer is not None and _latest_applies(ck, output, options) and special_kind(pointer) is not None:
-        raise UcpError(f"{pointer}: is {special_kind(pointer)}, not a tag file; remove it (or pass --no-latest) "
+    pointer_kind = special_kind(pointer) if pointer is not None and _latest_applies(ck, output, options) else None
+    if pointer_kind is not None:
+        raise UcpError(f"{pointer}: is {pointer_kind}, not a tag file; remove it (or pass --no-latest) "
                        "before converting", subject=pointer)
     files = find_checkpoint_files(ck.tag_dir)
     identity = source_identity([files.model_states, *files.rank_files])  # before reading: what this converts
