@@ -217,6 +217,8 @@ class Registration:
     attempt: Optional[str]
     age: float
     """Seconds since the last heartbeat."""
+    since: float = 0.0
+    """When it entered ``phase``."""
 
     def alive(self, stale_after: float = STALE_AFTER_S) -> bool:
         if self.host == socket.gethostname() and not _pid_alive(self.pid):
@@ -238,7 +240,7 @@ def read_registrations(root: Path) -> dict[int, Registration]:
             age = now - path.stat().st_mtime
             node = int(data["node"])
             out[node] = Registration(node, str(data["host"]), int(data["pid"]), str(data.get("phase", "")),
-                                     data.get("attempt"), age)
+                                     data.get("attempt"), age, float(data.get("since", 0.0)))
         except (OSError, ValueError, KeyError):
             continue
     return out
@@ -270,9 +272,12 @@ def job_facts(root: Path, job: B.Job, regs: dict[int, Registration], stale_after
     runners = any(r.alive(stale_after)
                   and (r.phase == "starting" or (r.phase == "converting" and r.attempt == job.attempt))
                   for r in regs.values())
+    joined = [r for r in regs.values()
+              if r.attempt == job.attempt or (r.phase == "starting" and r.since >= (job.activated or 0.0))]
     return B.JobFacts(universal_complete=universal_state(output, root / job.tag) == COMPLETE,
                       staging_live=info is not None and info.is_live(stale_after), runners_live=runners,
-                      shares_failed=info.failed if info is not None and info.attempt_id == job.attempt else ())
+                      shares_failed=info.failed if info is not None and info.attempt_id == job.attempt else (),
+                      runners_gone=bool(joined) and not any(r.alive(stale_after) for r in joined))
 
 
 def staging_dead(output: Path, stale_after: float, now: Optional[float] = None) -> bool:

@@ -184,6 +184,9 @@ class JobFacts:
     runners_live: bool
     """A node's background converter that is starting, or working on this attempt, is alive."""
     shares_failed: tuple[str, ...] = ()
+    runners_gone: bool = False
+    """Every converter that joined this job since its activation is known dead (its process is gone):
+    the startup grace is for converters not yet seen, not for ones already seen to die."""
 
 
 def judge(state: QueueState, job: Job, facts: JobFacts, now: float, grace: float = STARTUP_GRACE_S) -> Outcome:
@@ -202,7 +205,7 @@ def judge(state: QueueState, job: Job, facts: JobFacts, now: float, grace: float
         return Outcome.COMPLETE
     if facts.shares_failed:
         return Outcome.FAILED
-    if job.activated is not None and now - job.activated < grace:
+    if job.activated is not None and now - job.activated < grace and not facts.runners_gone:
         return Outcome.RUNNING
     return Outcome.DEAD
 

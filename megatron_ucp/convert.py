@@ -546,11 +546,13 @@ def convert(options: ConvertOptions) -> ConvertResult:
                        "before converting", subject=pointer)
     files = find_checkpoint_files(ck.tag_dir)
     identity = source_identity([files.model_states, *files.rank_files])  # before reading: what this converts
-    state = universal_state(output, ck.tag_dir)
+    state = universal_state(output)
+    stale = stale_reason(output, ck.tag_dir, current=identity) if state == COMPLETE else None
+    if stale is not None:
+        state = STALE
     force = options.force or (state == STALE and options.replace_stale)
     if state == STALE and not force:
-        raise OutputExistsError(f"{output}: exists but is stale: {stale_reason(output, ck.tag_dir)}; pass --force to "
-                                "reconvert it", subject=output)
+        raise OutputExistsError(f"{output}: exists but is stale: {stale}; pass --force to reconvert it", subject=output)
     if state != "absent" and not force:
         if state == COMPLETE and options.share_count > 1:
             return ConvertResult(output=output, tag=ck.tag, committed=False, params=0, states=0, bytes_written=0,

@@ -81,7 +81,8 @@ def classify(f: TagFacts) -> tuple[UniversalStatus, str]:
         return UniversalStatus.PENDING, "queued behind the active conversion"
     if ev is not None and ev.kind in (B.EventKind.FAILED, B.EventKind.REJECTED):
         return UniversalStatus.FAILED, ev.message + (f"; log: {ev.log}" if ev.log else "")
-    if f.staging or f.active is not None or (ev is not None and ev.kind is B.EventKind.INTERRUPTED):
+    if f.staging or f.active is not None or (ev is not None and ev.kind in (B.EventKind.INTERRUPTED,
+                                                                             B.EventKind.CLEANED)):
         why = "its converter stopped before committing (killed, or the job ended)"
         return UniversalStatus.INTERRUPTED, f"{why}; {convert_hint}"
     if ev is not None and ev.kind is B.EventKind.SKIPPED:

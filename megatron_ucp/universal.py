@@ -73,9 +73,10 @@ def source_identity(files: Iterable[Path]) -> dict[str, list[int]]:
     return identity
 
 
-def stale_reason(folder: Path, source_tag_dir: Path) -> Optional[str]:
+def stale_reason(folder: Path, source_tag_dir: Path, current: Optional[dict[str, list[int]]] = None) -> Optional[str]:
     """Why the complete folder ``folder`` is not the conversion of ``source_tag_dir`` as it is now,
-    or None when it is (or when its manifest predates source binding: nothing to compare)."""
+    or None when it is (or when its manifest predates source binding: nothing to compare).
+    ``current`` is the source's :func:`source_identity` when the caller already took it."""
     from .reader import find_checkpoint_files
 
     try:
@@ -85,11 +86,12 @@ def stale_reason(folder: Path, source_tag_dir: Path) -> Optional[str]:
     recorded = (manifest or {}).get("source_files")
     if not isinstance(recorded, dict):
         return None
-    try:
-        files = find_checkpoint_files(Path(source_tag_dir))
-        current = source_identity([files.model_states, *files.rank_files])
-    except (OSError, UcpError) as exc:
-        return f"its source {source_tag_dir} cannot be read ({exc})"
+    if current is None:
+        try:
+            files = find_checkpoint_files(Path(source_tag_dir))
+            current = source_identity([files.model_states, *files.rank_files])
+        except (OSError, UcpError) as exc:
+            return f"its source {source_tag_dir} cannot be read ({exc})"
     for name in sorted(set(recorded) | set(current)):
         if name not in current:
             return f"{name} is gone from {source_tag_dir}"

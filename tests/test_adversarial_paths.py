@@ -159,9 +159,15 @@ def test_rank_file_that_is_a_fifo_is_named_not_read(root: Path):
     refused(cli("convert", str(root), timeout=30), str(path), "FIFO")
 
 
-def test_tag_folder_that_is_a_file_says_so(root: Path):
-    (root / "global_step9").write_text("not a folder")
-    refused(cli("convert", str(root), "--tag", "global_step9"), "is a file")
+@pytest.mark.parametrize("kind,words", [("file", "is a file"), ("symlink-loop", "symlink loop")])
+def test_tag_folder_that_is_not_a_folder_says_what_it_is(root: Path, kind: str, words: str):
+    tag = root / "global_step9"
+    if kind == "file":
+        tag.write_text("not a folder")
+    else:
+        os.symlink(tag.name, tag)  # points at itself
+    for command in (["convert", str(root), "--tag", tag.name], ["inspect", str(root), "--tag", tag.name]):
+        refused(cli(*command, timeout=30), str(tag), words)
 
 
 # ---- 6/7. shape and dtype are part of "accounted for" -----------------------------------------
@@ -402,3 +408,34 @@ def test_sigtermed_background_converter_records_an_event(root: Path, monkeypatch
         time.sleep(0.2)
     assert "interrupted" in events.read_text() and "SIGTERM" in events.read_text(), events.read_text()
     assert not (root / f"{TAG}_universal").exists()
+
+
+def test_a_converter_killed_right_after_it_started_is_not_shown_in_progress(root: Path, monkeypatch):
+    """The startup grace covers converters not yet seen; one seen and then SIGKILLed is interrupted at once."""
+    import signal
+    import time
+
+    from megatron_ucp import background as B
+    from megatron_ucp.async_convert import (FAULT_PAUSE_ENV, ConverterSettings, job_facts, read_queue,
+                                            read_registrations, trigger)
+    from megatron_ucp.status import UniversalStatus, root_status
+
+    monkeypatch.setenv(FAULT_PAUSE_ENV, f"{TAG}:30:0")
+    result = trigger(root, TAG, 0, 1, ConverterSettings(workers=1))
+    assert result.spawned, result
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (read_registrations(root).get(0) is None
+                                           or read_registrations(root)[0].phase != "converting"):
+        time.sleep(0.1)
+    os.kill(result.spawned, signal.SIGKILL)
+    try:
+        os.waitpid(result.spawned, 0)
+    except ChildProcessError:  # already reaped
+        pass
+    job = read_queue(root).active
+    facts = job_facts(root, job, read_registrations(root), 60.0)
+    assert facts.runners_gone and not facts.runners_live and not facts.staging_live, facts
+    assert B.judge(read_queue(root), job, facts, job.activated + 1.0) is B.Outcome.DEAD  # inside the grace
+    (row,) = [t for t in root_status(root, sizes=False).tags if t.tag == TAG]
+    assert row.universal is UniversalStatus.INTERRUPTED, row
+    assert "killed" in row.detail and f"--tag {TAG}" in row.detail

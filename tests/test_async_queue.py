@@ -119,6 +119,15 @@ def test_judge_precedence():
     assert B.judge(state, job, ALIVE, 500.0) is B.Outcome.FAILED  # a recorded event settles it
 
 
+def test_startup_grace_is_not_given_to_a_converter_seen_dead():
+    state, job, _ = _save(B.QueueState(), "t1", 100.0)
+    gone = B.JobFacts(universal_complete=False, staging_live=False, runners_live=False, runners_gone=True)
+    assert B.judge(state, job, gone, 101.0) is B.Outcome.DEAD  # killed right after activation: no "in progress"
+    assert B.judge(state, job, gone, 500.0) is B.Outcome.DEAD
+    # a dead joiner does not outvote a live heartbeat (another node still converting its share)
+    assert B.judge(state, job, B.JobFacts(False, True, False, runners_gone=True), 101.0) is B.Outcome.RUNNING
+
+
 def test_complete_without_event_is_recorded_once():
     state, job, _ = _save(B.QueueState(), "t1", 100.0)
     state, nxt, events = B.advance(state, B.Outcome.COMPLETE, 200.0, _attempt)
@@ -293,6 +302,8 @@ def _ev(kind: B.EventKind, log: str = None) -> B.Event:
     (TagFacts("t", "absent", staging=True), UniversalStatus.INTERRUPTED),
     (TagFacts("t", "absent", active="dead"), UniversalStatus.INTERRUPTED),
     (TagFacts("t", "absent", last_event=_ev(B.EventKind.INTERRUPTED)), UniversalStatus.INTERRUPTED),
+    # its dead staging folder was cleaned up since: still a conversion that never finished, not "absent"
+    (TagFacts("t", "absent", last_event=_ev(B.EventKind.CLEANED)), UniversalStatus.INTERRUPTED),
     (TagFacts("t", "absent", last_event=_ev(B.EventKind.SKIPPED)), UniversalStatus.SKIPPED),
     (TagFacts("t", "absent", last_event=_ev(B.EventKind.REMOVED)), UniversalStatus.REMOVED),
     (TagFacts("t", "absent"), UniversalStatus.ABSENT),
