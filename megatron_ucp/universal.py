@@ -75,23 +75,25 @@ def source_identity(files: Iterable[Path]) -> dict[str, list[int]]:
 
 def stale_reason(folder: Path, source_tag_dir: Path, current: Optional[dict[str, list[int]]] = None) -> Optional[str]:
     """Why the complete folder ``folder`` is not the conversion of ``source_tag_dir`` as it is now,
-    or None when it is (or when its manifest predates source binding: nothing to compare).
-    ``current`` is the source's :func:`source_identity` when the caller already took it."""
+    or None when it is. A manifest from before source binding (no ``source_files``) is judged by
+    modification times alone (:func:`_newer_than_manifest`). ``current`` is the source's :func:`source_identity` when the caller already took it."""
     from .reader import find_checkpoint_files
 
     try:
         manifest = read_manifest(folder)
     except CheckpointFormatError as exc:  # damaged: nothing binds it to anything, do not trust it
         return str(exc)
-    recorded = (manifest or {}).get("source_files")
-    if not isinstance(recorded, dict):
+    if manifest is None:
         return None
+    recorded = manifest.get("source_files")
     if current is None:
         try:
             files = find_checkpoint_files(Path(source_tag_dir))
             current = source_identity([files.model_states, *files.rank_files])
         except (OSError, UcpError) as exc:
             return f"its source {source_tag_dir} cannot be read ({exc})"
+    if not isinstance(recorded, dict):
+        return _newer_than_manifest(folder, source_tag_dir, current)
     for name in sorted(set(recorded) | set(current)):
         if name not in current:
             return f"{name} is gone from {source_tag_dir}"
@@ -99,6 +101,18 @@ def stale_reason(folder: Path, source_tag_dir: Path, current: Optional[dict[str,
             return f"{source_tag_dir / name} is new since the conversion"
         if list(recorded[name]) != current[name]:
             return f"{source_tag_dir / name} changed since the conversion (re-saved?)"
+    return None
+
+
+def _newer_than_manifest(folder: Path, source_tag_dir: Path, current: dict[str, list[int]]) -> Optional[str]:
+    """A folder converted before source binding: a source file modified after its manifest was
+    written (it is written last) cannot be what was converted. A copy that reset every time may
+    look stale (a reconversion), never the other way round."""
+    written = (Path(folder) / F.MANIFEST_FILE).stat().st_mtime_ns
+    newer = sorted(name for name, (_, mtime) in current.items() if mtime > written)
+    if newer:
+        return (f"{Path(source_tag_dir) / newer[0]} was modified after the conversion (re-saved?)"
+                + (f", and {len(newer) - 1} more" if len(newer) > 1 else ""))
     return None
 
 

@@ -259,6 +259,29 @@ def test_a_twin_made_from_an_earlier_save_is_stale_everywhere(root: Path):
     assert read_manifest(uni)["source_files"][RANK1][1] == rank1.stat().st_mtime_ns
 
 
+def test_a_twin_from_before_source_binding_is_judged_by_modification_times(root: Path):
+    import json
+
+    from megatron_ucp.universal import stale_reason, universal_state
+
+    assert cli("convert", str(root)).returncode == 0
+    uni = root / f"{TAG}_universal"
+    manifest_path = uni / F.MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["source_files"]  # as written by megatron-ucp before source binding
+    written = manifest_path.stat().st_mtime_ns
+    manifest_path.write_text(json.dumps(manifest))
+    os.utime(manifest_path, ns=(written, written))
+    assert universal_state(uni, root / TAG) == "complete"  # every source file is older than the conversion
+
+    rank1 = root / TAG / RANK1
+    os.utime(rank1, ns=(written + 1_000_000_000, written + 1_000_000_000))  # re-saved after it
+    assert universal_state(uni, root / TAG) == "stale"
+    assert str(rank1) in stale_reason(uni, root / TAG)
+    proc = cli("convert", str(root))
+    assert proc.returncode == 2 and "stale" in proc.stderr and RANK1 in proc.stderr, proc.stderr
+
+
 # ---- inspect runs the plan checks convert runs ---------------------------------------------------
 
 def test_inspect_refuses_what_convert_refuses(root: Path):
