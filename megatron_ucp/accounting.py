@@ -7,13 +7,14 @@ in a small integer table, the table is summed across the DP group (one ``all_red
 
 * how many ranks read it (zero: a state nobody consumed);
 * the elements the ranks wrote vs the elements in the file (each element exactly once);
-* an additive, position-weighted checksum of the written fragments vs the same checksum of the
-  full tensor from the file (a fragment in the wrong place or a wrong byte changes it).
+* an additive, position-weighted checksum (:mod:`megatron_ucp.integrity`) of the written
+  fragments vs the same checksum of the full tensor: recorded by the converter in the manifest,
+  or (folders without it) computed from the file by the rank owning the first element. A fragment
+  in the wrong place or a wrong byte changes it.
 
-The checksum is exact integer arithmetic modulo the prime ``2**31 - 1``: element ``i`` (flat
-index within its parameter) with raw bits ``b`` contributes ``((b mod p) + 1) * ((i mod p) + 1)``.
-It is additive over fragments at any offsets, so ranks can each hash their own pieces, and the
-sum is independent of reduction order and device. Everything here is pure: no I/O, no
+It is additive over fragments at any offsets, so ranks each hash their own pieces, and exact
+(modulo 2**64, summed as two 32-bit halves so an int64 all-reduce cannot overflow), so the sum is
+independent of reduction order and device. Everything here is pure: no I/O, no
 ``torch.distributed``; the hook does the reading and the collective.
 """
 from __future__ import annotations
@@ -26,54 +27,36 @@ from typing import Iterable, Mapping, Optional, Sequence
 import torch
 
 from . import dsformat as F
+from . import integrity
 from .errors import AccountingError
 
-MODULUS = 2 ** 31 - 1
-"""A Mersenne prime: residues and weights stay below 2**31, their products below 2**62 (int64)."""
-_CHUNK = 1 << 22
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _residues(flat: torch.Tensor) -> torch.Tensor:
-    """Each element's raw bits as an int64 residue in ``[1, p]`` (dtype-generic, exact)."""
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    int_dtype = _INT_OF_SIZE.get(flat.element_size())
-    if int_dtype is None:
-        raise AccountingError(f"cannot checksum tensors of dtype {flat.dtype}", subject=flat.dtype)
-    bits = flat.view(int_dtype).to(torch.int64)
-    return torch.remainder(bits, MODULUS) + 1
-
-
 def checksum(tensor: torch.Tensor, offset: int = 0) -> int:
-    """Checksum of ``tensor`` (flattened) placed at flat element ``offset`` of its parameter.
+    """:func:`megatron_ucp.integrity.fragment_sum` of ``tensor`` (flattened) placed at flat element ``offset``.
 
     ``checksum(full) == combine(checksum(full[a:b], a) for each piece [a, b) of a partition of full)``.
-    Runs on the tensor's own device; returns a Python int in ``[0, p)``.
+    Hashes raw bits (dtype-generic); a tensor on an accelerator is copied to the CPU first.
     """
     if offset < 0:
         raise AccountingError(f"negative fragment offset {offset}", subject=offset)
     flat = tensor.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
         offset *= 2
-    total = 0
-    n = flat.numel()
-    for start in range(0, n, _CHUNK):
-        piece = flat[start:start + _CHUNK].contiguous()
-        values = _residues(piece)
-        positions = torch.arange(offset + start, offset + start + piece.numel(), dtype=torch.int64,
-                                 device=piece.device)
-        weights = torch.remainder(positions, MODULUS) + 1
-        total += int(torch.remainder(values * weights, MODULUS).sum().item())
-    return total % MODULUS
+    int_dtype = _INT_OF_SIZE.get(flat.element_size())
+    if int_dtype is None:
+        raise AccountingError(f"cannot checksum tensors of dtype {flat.dtype}", subject=flat.dtype)
+    values = flat.contiguous().view(int_dtype).cpu().numpy()
+    return integrity.fragment_sum(integrity.as_uints(values, flat.element_size()), offset)
 
 
 def combine(sums: Iterable[int]) -> int:
     """Sum of fragment checksums (the value to compare with the full tensor's checksum)."""
-    return sum(int(s) for s in sums) % MODULUS
+    return integrity.combine(sums)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -258,11 +241,28 @@ class Column(enum.IntEnum):
     CONSUMERS = 0
     """Ranks that read the file and wrote at least one of its elements (step: that read it)."""
     LOADED_COUNT = 1
-    LOADED_SUM = 2
-    SOURCE_COUNT = 3
+    LOADED_SUM_HI = 2
+    LOADED_SUM_LO = 3
+    SOURCE_COUNT = 4
     """Contributed once, by the rank owning the parameter's first element."""
-    SOURCE_SUM = 4
-    STEP_MISMATCH = 5
+    SOURCE_SUM_HI = 5
+    SOURCE_SUM_LO = 6
+    STEP_MISMATCH = 7
+
+
+def add_sum(table: torch.Tensor, row: int, loaded: bool, value: int) -> None:
+    """Add a checksum to a row as two 32-bit halves (see :func:`megatron_ucp.integrity.split`)."""
+    high, low = integrity.split(value)
+    hi_col, lo_col = ((Column.LOADED_SUM_HI, Column.LOADED_SUM_LO) if loaded
+                      else (Column.SOURCE_SUM_HI, Column.SOURCE_SUM_LO))
+    table[row, hi_col] += high
+    table[row, lo_col] += low
+
+
+def row_sums(values: Sequence[int]) -> tuple[int, int]:
+    """(loaded, source) checksums of one all-reduced row."""
+    return (integrity.join(values[Column.LOADED_SUM_HI], values[Column.LOADED_SUM_LO]),
+            integrity.join(values[Column.SOURCE_SUM_HI], values[Column.SOURCE_SUM_LO]))
 
 
 @dataclass(frozen=True)
@@ -304,7 +304,7 @@ def check_ledger(ledger: Ledger, totals: torch.Tensor) -> list[Problem]:
             problems.append(Problem(ProblemKind.COUNT_MISMATCH, param, state,
                                     f"the file holds {row[Column.SOURCE_COUNT]} elements, the ranks wrote "
                                     f"{row[Column.LOADED_COUNT]}"))
-        elif row[Column.LOADED_SUM] % MODULUS != row[Column.SOURCE_SUM] % MODULUS:
+        elif row_sums(row)[0] != row_sums(row)[1]:
             problems.append(Problem(ProblemKind.CHECKSUM_MISMATCH, param, state,
                                     "the fragments written into the ranks do not reassemble the file "
                                     "(an element landed in the wrong place or changed)"))

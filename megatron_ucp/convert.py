@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from . import __version__
 from . import dsformat as F
-from . import osio
+from . import integrity, osio
 from .errors import CheckpointFormatError, OutputExistsError, UcpError
 from .lightpickle import PICKLE_MODULE, needs_light_pickler
 from .paths import check_output_placement, special_kind
@@ -263,6 +263,9 @@ class _Writer:
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._pending: list[Path] = []
+        self.sums: dict[str, dict[str, int]] = {}
+        """``"<param>/<state>"`` -> the file's elements and :mod:`~megatron_ucp.integrity` checksum,
+        computed from the bytes on their way to disk (for the manifest; the loaders verify against it)."""
 
     def write_param(self, p: ParamPlan, group: GroupPlan, step: Any, zero_dir: str) -> int:
         folder = Path(zero_dir) / p.name
@@ -279,7 +282,7 @@ class _Writer:
         for state in group.states:
             path = folder / f"{state}.pt"
             kept, rows = sources[state]
-            nbytes += self._write_state(p, kept, rows, path)
+            nbytes += self._write_state(p, kept, rows, path, f"{p.name}/{state}")
             written.append(path)
             for t in (*kept, *rows):  # this process is done with these pages
                 if t.storage.mapped:
@@ -292,7 +295,23 @@ class _Writer:
             self._pending.extend(written)
         return nbytes
 
-    def _write_state(self, p: ParamPlan, kept: list[RawTensor], rows: list[RawTensor], path: Path) -> int:
+    def _record_sums(self, key: str, records: Sequence[Sequence[Any]], itemsize: int) -> None:
+        """Checksum the file's records (the tensor, then its kept vocabulary rows) at their positions
+        in the parameter's flat layout, from the same bytes that are written."""
+        entry: dict[str, int] = {}
+        offset = 0
+        for name, views in zip(("", "rows_"), records):
+            sums, start = [], offset
+            for view in views:
+                values = integrity.as_uints(view, itemsize)
+                sums.append(integrity.fragment_sum(values, offset))
+                offset += values.size
+            entry[f"{name}numel"] = offset - start
+            entry[f"{name}sum"] = integrity.combine(sums)
+        with self._lock:
+            self.sums[key] = entry
+
+    def _write_state(self, p: ParamPlan, kept: list[RawTensor], rows: list[RawTensor], path: Path, key: str) -> int:
         """``param`` from the ``kept`` fragments, and the trimmed vocabulary rows from ``rows`` (if any)."""
         parts = [*kept, *rows]
         if self.fast and parts and all(t.dtype == parts[0].dtype for t in parts):
@@ -300,6 +319,7 @@ class _Writer:
             rows_spec = TensorSpec(dtype, p.padded_rows_shape) if p.padded_rows_shape is not None else None
             entry = universal_entry(p, TensorSpec(dtype, p.out_shape), rows_spec)
             pieces = [[t.bytes_view() for t in kept]] + ([[t.bytes_view() for t in rows]] if rows_spec else [])
+            self._record_sums(key, pieces, dtype.itemsize)
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
                 try:
@@ -316,6 +336,8 @@ class _Writer:
         tensor = assemble_items_torch(p.kept_items, p.out_shape, kept)
         padded = (assemble_items_torch(p.padded_rows_items, p.padded_rows_shape, rows)
                   if p.padded_rows_shape is not None else None)
+        records = [t.reshape(-1).view(torch_uint_of(t)).numpy() for t in (tensor, padded) if t is not None]
+        self._record_sums(key, [[r] for r in records], tensor.element_size())
         return _save(universal_entry(p, tensor, padded), path, durable=False)
 
     def add_pending(self, paths: Iterable[Path]) -> None:
@@ -507,8 +529,28 @@ def check_torch_loadable(files: CheckpointFiles) -> None:
                                     "would carry it", subject=files.model_states)
 
 
+def torch_uint_of(tensor: Any) -> Any:
+    """The torch integer dtype of ``tensor``'s element size (to hand its raw bits to numpy)."""
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+
+
+def _merged_sums(plan: ConversionPlan, shares: Sequence[dict]) -> Optional[dict]:
+    """Every share's checksums as the manifest records them; None unless every planned state file
+    has one (a share from an older converter of the same attempt cannot happen, but never half)."""
+    files: dict[str, dict] = {}
+    for share in shares:
+        files.update(share.get("checksums") or {})
+    wanted = {f"{p.name}/{state}" for p in plan.params for state in plan.groups[p.group].states}
+    if not wanted <= set(files):
+        return None
+    return {"algorithm": integrity.ALGORITHM, "files": {k: files[k] for k in sorted(wanted)}}
+
+
 def _manifest(meta: CheckpointMeta, ck: ResolvedCheckpoint, plan: ConversionPlan, frozen: Sequence[str],
               shares: Sequence[dict], seconds: float, identity: dict) -> dict:
+    sums = _merged_sums(plan, shares)
     return {
         "format": F.MANIFEST_FORMAT,
         "version": F.MANIFEST_VERSION,
@@ -525,6 +567,7 @@ def _manifest(meta: CheckpointMeta, ck: ResolvedCheckpoint, plan: ConversionPlan
         "params": {p.name: {"group": p.group, "shape": list(p.out_shape), "source_shape": list(p.shape)}
                    for p in plan.params},
         "frozen_params": list(frozen),
+        **({"checksums": sums} if sums is not None else {}),
         "bytes": sum(int(s.get("bytes", 0)) for s in shares),
         "shares": len(shares),
         "seconds": round(seconds, 3),
@@ -584,9 +627,9 @@ def convert(options: ConvertOptions) -> ConvertResult:
     log.info("converting %s (DP=%d, %s, DeepSpeed %s): %d params, share %d/%d -> %s", ck.tag_dir, meta.dp, meta.kind,
              meta.ds_version, len(mine), options.share_index + 1, options.share_count, output)
     try:
-        written = _write_params(mine, plan, steps, meta, staging, options, cache)
+        written, sums = _write_params(mine, plan, steps, meta, staging, options, cache)
         staging.mark_share_done({"share": options.share_index, "params": len(mine), "bytes": written,
-                                 "host": socket.gethostname(), "pid": os.getpid()})
+                                 "host": socket.gethostname(), "pid": os.getpid(), "checksums": sums})
         committed = False
         if staging.claim_commit():
             frozen = _write_common(staging, meta, plan, cache, model_files_copied=options.share_count == 1)
@@ -646,8 +689,9 @@ def _abandon(staging: Staging, options: ConvertOptions, exc: BaseException) -> N
 
 
 def _write_params(mine: Sequence[ParamPlan], plan: ConversionPlan, steps: tuple, meta: CheckpointMeta,
-                  staging: Staging, options: ConvertOptions, cache: RankFileCache) -> int:
-    """Write this share's parameters with ``options.workers`` threads over contiguous, byte-balanced chunks.
+                  staging: Staging, options: ConvertOptions, cache: RankFileCache) -> tuple[int, dict]:
+    """Write this share's parameters with ``options.workers`` threads over contiguous, byte-balanced chunks;
+    return the bytes written and the state files' checksums (:attr:`_Writer.sums`).
 
     Threads, not processes: the work is system calls (write, madvise, fsync) and zlib's CRC, all of
     which release the GIL, so threads overlap as well as processes would, without starting
@@ -706,4 +750,4 @@ def _write_params(mine: Sequence[ParamPlan], plan: ConversionPlan, steps: tuple,
     finally:
         copier.shutdown(wait=True)  # never leave it writing into a staging folder being discarded
         bar.close()
-    return written
+    return written, dict(writer.sums)

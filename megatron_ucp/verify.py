@@ -1,7 +1,9 @@
 """Verify a universal checkpoint folder: complete and well-shaped, and (given the source) bit-exact.
 
 Completeness needs only the folder: the copied model-states file says which parameters and
-shapes to expect, every parameter of a group must hold the same state files, steps must agree.
+shapes to expect, every parameter of a group must hold the same state files, steps must agree,
+and every state file must still have the checksum the converter recorded in the manifest (bit
+rot, a modified or replaced file; :mod:`megatron_ucp.integrity`).
 With the source tag folder the conversion plan is rebuilt from the source's metadata and every
 state tensor is compared with the concatenation of its fragments, element for element and dtype.
 Problems are collected and reported together, each naming the parameter and file.
@@ -18,6 +20,8 @@ import torch
 from tqdm import tqdm
 
 from . import dsformat as F
+from . import integrity
+from .accounting import checksum
 from .convert import RankFileCache, assemble_torch, plan_checkpoint
 from .errors import CheckpointFormatError
 from .reader import load_torch_file, read_checkpoint, read_model_states, resolve_checkpoint
@@ -55,6 +59,8 @@ class VerifyReport:
     compared_with: Optional[Path] = None
     problems: list[str] = field(default_factory=list)
     manifest: Optional[dict] = None
+    checksummed: int = 0
+    """State files whose checksum matched the manifest's."""
 
     @property
     def ok(self) -> bool:
@@ -62,6 +68,8 @@ class VerifyReport:
 
     def summary(self) -> str:
         what = f"bit-exact against {self.compared_with}" if self.compared_with else "complete (shapes and files)"
+        if self.checksummed:
+            what += f", {self.checksummed} state files match the manifest's checksums"
         if self.ok:
             return (f"OK: {self.folder} is {what}: {self.params} params, {self.state_files} state files, "
                     f"{self.elements} elements")
@@ -72,6 +80,32 @@ def _expected_shape(name: str, shape: tuple, uc_info: Optional[dict], entry: dic
     if entry.get(F.VOCAB_TENSOR) and uc_info and uc_info.get(F.ORIGINAL_VOCAB_SIZE) is not None:
         return (int(uc_info[F.ORIGINAL_VOCAB_SIZE]), *shape[1:])
     return shape
+
+
+def _recorded_sums(manifest: Optional[dict]) -> Optional[dict]:
+    sums = (manifest or {}).get("checksums")
+    if not isinstance(sums, dict):
+        return None
+    if sums.get("algorithm") != integrity.ALGORITHM:
+        log.warning("manifest checksums use %r, which this megatron-ucp does not know: not checked",
+                    sums.get("algorithm"))
+        return None
+    files = sums.get("files")
+    return files if isinstance(files, dict) else None
+
+
+def _check_sum(path: Path, record: Any, tensor: torch.Tensor, rows: Any) -> Optional[str]:
+    """A problem line when the file's tensors are not what the converter wrote."""
+    if not isinstance(record, dict):
+        return f"{path}: no checksum in the manifest (a file added after the conversion?)"
+    if int(record.get("numel", -1)) != tensor.numel():
+        return f"{path}: {tensor.numel()} elements, the manifest recorded {record.get('numel')} (truncated or replaced)"
+    if checksum(tensor) != int(record.get("sum", -1)):
+        return f"{path}: checksum differs from the manifest's: the data changed after the conversion (bit rot?)"
+    if "rows_sum" in record and (not torch.is_tensor(rows) or rows.numel() != int(record.get("rows_numel", -1))
+                                 or checksum(rows, tensor.numel()) != int(record["rows_sum"])):
+        return f"{path}: '{F.VOCAB_PADDED_ROWS}' differs from the manifest's checksum"
+    return None
 
 
 def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | str] = None,
@@ -86,6 +120,7 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
     if not (zero / F.UNIVERSAL_OPTIMIZER_STATE_FILE).is_file():
         report.problems.append(f"{zero / F.UNIVERSAL_OPTIMIZER_STATE_FILE}: missing")
     report.manifest = read_manifest(folder)
+    sums = _recorded_sums(report.manifest)
     model = read_model_states(model_file)
     uc_info = model.universal_checkpoint_info
     expected_states = None
@@ -160,6 +195,12 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
                     report.problems.append(f"{path}: shape {tuple(tensor.shape)}, expected {tuple(shape)}")
                     continue
                 report.elements += tensor.numel()
+                if sums is not None and spec.name not in frozen:
+                    problem = _check_sum(path, sums.get(f"{spec.name}/{state}"), tensor, entry.get(F.VOCAB_PADDED_ROWS))
+                    if problem:
+                        report.problems.append(problem)
+                    else:
+                        report.checksummed += 1
                 if plan is not None and spec.name not in frozen:
                     p = plan.param(spec.name)
                     if state not in plan.groups[p.group].states:
@@ -179,6 +220,9 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
                         report.problems.append(f"{path}: '{F.VOCAB_PADDED_ROWS}' of shape "
                                                f"{tuple(rows.shape) if torch.is_tensor(rows) else type(rows).__name__},"
                                                f" expected {tuple(want_shape)}")
+    for key in sorted(sums or ()):
+        if not (zero / f"{key}.pt").is_file():
+            report.problems.append(f"{zero / (key + '.pt')}: missing (the manifest recorded its checksum)")
     if plan is not None:
         for g in plan.groups:
             for p_name in g.param_names:

@@ -8,9 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ucp.accounting import (MODULUS, AccountingReport, Column, Ledger, Problem, ProblemKind, check_folders,
+from megatron_ucp.accounting import (AccountingReport, Column, Ledger, Problem, ProblemKind, add_sum, check_folders,
                                      check_ledger, check_optimizer_states, checksum, combine, group_tensor_states,
                                      ledger_totals)
+from megatron_ucp.integrity import MASK
 from megatron_ucp.errors import AccountingError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8]
@@ -30,7 +31,7 @@ def test_fragments_at_any_offsets_sum_to_the_full_checksum(n, seed, dtype, data)
     cuts = sorted(set(data.draw(st.lists(st.integers(0, n), max_size=8))) | {0, n})
     pieces = [checksum(full[a:b], a) for a, b in zip(cuts, cuts[1:])]
     assert combine(pieces) == checksum(full)
-    assert 0 <= checksum(full) < MODULUS
+    assert 0 <= checksum(full) <= MASK
 
 
 @settings(max_examples=200, deadline=None)
@@ -67,6 +68,25 @@ def test_large_tensor_chunks_and_multidim_views():
     half = flat.numel() // 2 + 7
     assert combine([checksum(flat[:half]), checksum(flat[half:], half)]) == checksum(big)
     assert checksum(big.t().contiguous()) != checksum(big)
+
+
+def test_every_single_bit_flip_is_seen():
+    full = torch.randn(64)
+    bits = full.view(torch.int32)
+    reference = checksum(full)
+    for i in (0, 17, 63):
+        for bit in range(32):
+            flipped = bits.clone()
+            flipped[i] ^= torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32)
+            assert checksum(flipped.view(torch.float32)) != reference, (i, bit)
+
+
+def test_halves_sum_like_the_values_they_split():
+    from megatron_ucp.integrity import join, split
+
+    values = [MASK, MASK - 5, 1 << 63, 12345, 0]
+    his, los = zip(*(split(v) for v in values))
+    assert join(sum(his), sum(los)) == sum(values) & MASK
 
 
 def test_negative_offset_refused():
@@ -141,9 +161,9 @@ def _table(ledger: Ledger, full: dict[str, torch.Tensor], pieces: dict[str, list
         for start, length in pieces[param]:
             table[row, Column.CONSUMERS] += 1
             table[row, Column.LOADED_COUNT] += length
-            table[row, Column.LOADED_SUM] += checksum(tensor[start:start + length], start)
+            add_sum(table, row, True, checksum(tensor[start:start + length], start))
         table[row, Column.SOURCE_COUNT] = tensor.numel()
-        table[row, Column.SOURCE_SUM] = checksum(tensor)
+        add_sum(table, row, False, checksum(tensor))
     return table
 
 
@@ -163,7 +183,9 @@ def test_ledger_accepts_an_exact_cover_and_reports_gaps_overlaps_and_strays():
 
     shifted = good.clone()
     row = ledger.index("n", "fp32")
-    shifted[row, Column.LOADED_SUM] = checksum(full["n"][0:8], 0) + checksum(full["n"][0:1], 8)
+    shifted[row, Column.LOADED_SUM_HI] = shifted[row, Column.LOADED_SUM_LO] = 0
+    add_sum(shifted, row, True, checksum(full["n"][0:8], 0))
+    add_sum(shifted, row, True, checksum(full["n"][0:1], 8))
     assert [(p.kind, p.param, p.state) for p in check_ledger(ledger, shifted)] == [
         (ProblemKind.CHECKSUM_MISMATCH, "n", "fp32")]
 

@@ -462,3 +462,58 @@ def test_a_converter_killed_right_after_it_started_is_not_shown_in_progress(root
     (row,) = [t for t in root_status(root, sizes=False).tags if t.tag == TAG]
     assert row.universal is UniversalStatus.INTERRUPTED, row
     assert "killed" in row.detail and f"--tag {TAG}" in row.detail
+
+
+# ---- integrity: checksums recorded once by the converter, checked by verify and the loader -------
+
+@pytest.mark.parametrize("writer", ["direct", "torch.save"])
+def test_the_manifest_records_every_state_files_checksum(root: Path, writer: str, monkeypatch):
+    import torch
+
+    from megatron_ucp.accounting import checksum
+    from megatron_ucp.convert import ConvertOptions, convert
+    from megatron_ucp.integrity import ALGORITHM
+    from megatron_ucp.universal import read_manifest
+
+    if writer == "torch.save":
+        monkeypatch.setenv("MEGATRON_UCP_TORCH_SAVE", "1")
+    uni = convert(ConvertOptions(source=root, progress=False, workers=2)).output
+    sums = read_manifest(uni)["checksums"]
+    assert sums["algorithm"] == ALGORITHM
+    files = sorted(p for p in (uni / F.UNIVERSAL_ZERO_DIR).rglob("*.pt")
+                   if p.name not in (f"{F.STEP_STATE}.pt", F.UNIVERSAL_OPTIMIZER_STATE_FILE))
+    assert sorted(sums["files"]) == [str(p.relative_to(uni / F.UNIVERSAL_ZERO_DIR))[:-3] for p in files]
+    rows_seen = 0
+    for path in files:
+        entry = torch.load(path, weights_only=False)
+        record = sums["files"][str(path.relative_to(uni / F.UNIVERSAL_ZERO_DIR))[:-3]]
+        assert record["numel"] == entry[F.PARAM].numel() and record["sum"] == checksum(entry[F.PARAM]), path
+        if F.VOCAB_PADDED_ROWS in entry:  # at their place in the parameter, after the kept rows
+            rows_seen += 1
+            assert record["rows_sum"] == checksum(entry[F.VOCAB_PADDED_ROWS], entry[F.PARAM].numel())
+    assert rows_seen == 3  # fp32, exp_avg, exp_avg_sq of the padded vocabulary
+
+
+@pytest.mark.parametrize("damage", ["bit flip", "another file's tensor", "file removed"])
+def test_verify_without_source_finds_what_changed_since_the_conversion(root: Path, damage: str):
+    import shutil
+
+    from tests.elastic_support import flip_a_data_bit
+
+    assert cli("convert", str(root)).returncode == 0
+    zero = root / f"{TAG}_universal" / F.UNIVERSAL_ZERO_DIR
+    proc = cli("verify", str(zero.parent))
+    assert proc.returncode == 0 and "match the manifest's checksums" in proc.stdout + proc.stderr, proc.stdout
+    victim = zero / "language_model.encoder.final_layernorm.weight" / "exp_avg.pt"
+    if damage == "bit flip":
+        flip_a_data_bit(victim)
+        expected = "checksum differs"
+    elif damage == "another file's tensor":  # same shape, valid file: only the checksum tells
+        shutil.copyfile(victim.with_name("exp_avg_sq.pt"), victim)
+        expected = "checksum differs"
+    else:
+        victim.unlink()
+        expected = "missing"
+    proc = cli("verify", str(zero.parent))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and str(victim) in out and expected in out, out

@@ -27,8 +27,8 @@ from megatron_ucp import dsformat as F
 from megatron_ucp.errors import CheckpointFormatError
 from tests.dsharness import TrainResult, TrainSpec, run_training
 from tests.dsharness.stock import stock_ds_to_universal
-from tests.elastic_support import (ElasticRuns, assert_losses_continue, assert_same_state, private_copy, resume,
-                                   summary_lines, ucp_lines)
+from tests.elastic_support import (ElasticRuns, assert_losses_continue, assert_same_state, flip_a_data_bit,
+                                   private_copy, resume, summary_lines, ucp_lines)
 
 pytestmark = pytest.mark.slow
 
@@ -123,6 +123,8 @@ def test_resume_restores_state_bit_for_bit_and_continues(ds_checkpoint, runs, op
     assert len(summary) == 1, ucp_lines(res.log)
     assert f"DP 4 -> {dp}" in summary[0] and "every element placed exactly once" in summary[0]
     assert "9 params, 27 state tensors (fp32, exp_avg, exp_avg_sq, step)" in summary[0]
+    # our folders carry checksums, so no rank reads a whole parameter; stock's take the logged slower path
+    assert ("has no checksums in" in res.log) == (dp == 4 and _stock_converts(opt)), ucp_lines(res.log)
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS)
@@ -302,23 +304,31 @@ def test_padded_vocabulary_rows_survive_the_round_trip(ds_checkpoint, runs) -> N
     assert "every element placed exactly once" in summary and "1503 elements" in summary
 
 
-def test_fit_to_param_restores_kept_rows_and_zero_fills_without_them() -> None:
+def test_layout_restores_kept_rows_and_zero_fills_without_them() -> None:
     """Unit view of the vocabulary rule: rows kept by megatron-ucp come back exactly; a folder
-    without them (stock's, or another padded size) zero-fills them and does not count them."""
-    from megatron_ucp.hooks.elastic_load import _fit_to_param
+    without them (stock's, or another padded size) zero-fills them and does not count them. Any
+    fragment, also one straddling the kept rows, is cut out without building the whole tensor."""
+    from megatron_ucp.accounting import checksum
+    from megatron_ucp.hooks.elastic_load import _layout
+
+    def whole(layout):
+        return layout.narrow(0, layout.numel)
 
     lp = torch.zeros(5, 2)
     trimmed, rows = torch.arange(6.0).view(3, 2), torch.arange(6.0, 10.0).view(2, 2)
-    flat, held = _fit_to_param(trimmed, {F.VOCAB_TENSOR: True, F.VOCAB_PADDED_ROWS: rows}, lp, "w", "fp32", Path("f"))
-    assert held == 10 and flat.tolist() == list(range(10))
-    flat, held = _fit_to_param(trimmed, {F.VOCAB_TENSOR: True}, lp, "w", "fp32", Path("f"))
-    assert held == 6 and flat.tolist() == [0, 1, 2, 3, 4, 5, 0, 0, 0, 0]
+    layout = _layout(trimmed, {F.VOCAB_TENSOR: True, F.VOCAB_PADDED_ROWS: rows}, lp, "w", "fp32", Path("f"))
+    assert layout.held == 10 and layout.rows_restored and whole(layout).tolist() == list(range(10))
+    assert layout.narrow(4, 4).tolist() == [4, 5, 6, 7]  # straddles the two pieces
+    assert layout.narrow(0, 3).data_ptr() == trimmed.data_ptr()  # inside one piece: a view, no copy
+    assert layout.source_sum() == checksum(torch.arange(10.0))
+    layout = _layout(trimmed, {F.VOCAB_TENSOR: True}, lp, "w", "fp32", Path("f"))
+    assert layout.held == 6 and whole(layout).tolist() == [0, 1, 2, 3, 4, 5, 0, 0, 0, 0]
+    assert layout.narrow(5, 3).tolist() == [5, 0, 0] and layout.source_sum() == checksum(torch.arange(6.0))
     wrong_rows = torch.ones(3, 2)  # saved at another padded size: not used
-    flat, held = _fit_to_param(trimmed, {F.VOCAB_TENSOR: True, F.VOCAB_PADDED_ROWS: wrong_rows}, lp, "w", "fp32",
-                               Path("f"))
-    assert held == 6 and not flat[6:].any()
+    layout = _layout(trimmed, {F.VOCAB_TENSOR: True, F.VOCAB_PADDED_ROWS: wrong_rows}, lp, "w", "fp32", Path("f"))
+    assert layout.held == 6 and not whole(layout)[6:].any()
     with pytest.raises(CheckpointFormatError, match="shape"):
-        _fit_to_param(torch.zeros(2, 5), {}, lp, "w", "fp32", Path("f"))  # same numel, transposed
+        _layout(torch.zeros(2, 5), {}, lp, "w", "fp32", Path("f"))  # same numel, transposed
 
 
 def test_buffers_and_frozen_parameters_are_restored(tmp_path: Path) -> None:
@@ -378,10 +388,11 @@ def test_megatron_nested_module_states_are_flattened(tmp_path: Path) -> None:
     assert any("language_model.inv_freq" in e for e in extras)
 
 
-@pytest.mark.parametrize("damage", ["transposed fp32", "truncated model states"])
+@pytest.mark.parametrize("damage", ["transposed fp32", "truncated model states", "bit rot in exp_avg"])
 def test_a_damaged_universal_folder_is_refused_naming_the_file(ds_checkpoint, runs, damage: str) -> None:
     """A universal fp32.pt replaced by its transpose (same element count) must not load as if it were
-    the parameter; a truncated model-states file is named, not reported as a raw zip error."""
+    the parameter; a truncated model-states file is named, not reported as a raw zip error; one flipped
+    bit in a state file that torch.load reads without complaint fails the manifest's checksum."""
     _dp2(ds_checkpoint, runs, "bf16")
     _, root = _source(ds_checkpoint, runs, "bf16")
 
@@ -393,6 +404,9 @@ def test_a_damaged_universal_folder_is_refused_naming_the_file(ds_checkpoint, ru
             entry = torch.load(victim, weights_only=False)
             entry["param"] = entry["param"].t().contiguous()
             torch.save(entry, victim)
+        elif damage == "bit rot in exp_avg":
+            victim = uni / "zero" / QKV / "exp_avg.pt"
+            flip_a_data_bit(victim)
         else:
             victim = uni / F.MODEL_STATES_FILE
             victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
@@ -402,4 +416,7 @@ def test_a_damaged_universal_folder_is_refused_naming_the_file(ds_checkpoint, ru
 
     res, victim = runs.get(f"damaged-{damage}", make)
     assert res.returncode != 0 and res.losses == [], res.log[-3000:]
+    if damage == "bit rot in exp_avg":
+        assert f"checksum mismatch: parameter '{QKV}', state 'exp_avg'" in res.log, res.log[-3000:]
+        return
     assert str(victim) in res.log and ("shape" in res.log or "damaged" in res.log), res.log[-3000:]

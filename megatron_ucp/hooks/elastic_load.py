@@ -40,7 +40,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from .. import dsformat as F
-from ..accounting import (AccountingReport, Column, Ledger, Problem, ProblemKind, check_folders, check_ledger,
+from .. import integrity
+from ..accounting import (AccountingReport, Column, Ledger, Problem, ProblemKind, add_sum, check_folders, check_ledger,
                           check_optimizer_states, checksum, group_tensor_states, ledger_totals)
 from ..config import UcpConfig
 from ..errors import CheckpointFormatError, UcpError, UnsupportedError
@@ -574,6 +575,62 @@ def _list_zero_folder(zero_dir: Path) -> dict[str, tuple[str, ...]]:
     return listing
 
 
+def _manifest_sums(checkpoint_dir: Path) -> Optional[dict[str, dict]]:
+    """Per state file ``{"numel", "sum"[, "rows_numel", "rows_sum"]}`` recorded by the converter, or
+    None (stock's folder, one converted before megatron-ucp recorded them, an unknown algorithm)."""
+    from ..universal import read_manifest
+
+    manifest = read_manifest(checkpoint_dir)
+    sums = (manifest or {}).get("checksums")
+    if not isinstance(sums, dict) or sums.get("algorithm") != integrity.ALGORITHM:
+        return None
+    files = sums.get("files")
+    return files if isinstance(files, dict) else None
+
+
+@dataclass(frozen=True)
+class _FolderFacts:
+    """What the group's first rank reads once and broadcasts (no metadata storm on the file system)."""
+
+    listing: dict[str, tuple[str, ...]]
+    sums: Optional[dict[str, dict]]
+
+
+@dataclass(frozen=True)
+class _ParamLayout:
+    """A state file's tensor in the parameter's flat layout, never materialized: a rank copies only
+    the bytes of its fragment out of the memory-mapped file.
+
+    ``pieces`` are flat views in order (the tensor, then its kept vocabulary rows); positions from
+    ``held`` to ``numel`` (vocabulary padding the folder did not keep) read as zeros.
+    """
+
+    pieces: tuple[torch.Tensor, ...]
+    held: int
+    numel: int
+    rows_restored: bool
+
+    def narrow(self, start: int, length: int) -> torch.Tensor:
+        parts, pos = [], 0
+        for piece in self.pieces:
+            lo, hi = max(start, pos), min(start + length, pos + piece.numel())
+            if lo < hi:
+                parts.append(piece.narrow(0, lo - pos, hi - lo))
+            pos += piece.numel()
+        got = sum(t.numel() for t in parts)
+        if got < length:
+            parts.append(self.pieces[0].new_zeros(length - got))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def source_sum(self) -> int:
+        """Checksum of everything the file holds (reads all of it: the path without manifest sums)."""
+        sums, pos = [], 0
+        for piece in self.pieces:
+            sums.append(checksum(piece, pos))
+            pos += piece.numel()
+        return integrity.combine(sums)
+
+
 def _tensor_of(entry: Any, path: Path) -> torch.Tensor:
     tensor = entry.get(F.PARAM) if isinstance(entry, dict) else entry
     if not torch.is_tensor(tensor):
@@ -581,9 +638,8 @@ def _tensor_of(entry: Any, path: Path) -> torch.Tensor:
     return tensor
 
 
-def _fit_to_param(full: torch.Tensor, entry: Any, lp: Any, name: str, state: str, path: Path
-                  ) -> tuple[torch.Tensor, int]:
-    """The file's tensor as the parameter's flat layout, and how many of its elements the file holds.
+def _layout(full: torch.Tensor, entry: Any, lp: Any, name: str, state: str, path: Path) -> _ParamLayout:
+    """The file's tensor as the parameter's flat layout (:class:`_ParamLayout`).
 
     Vocabulary tensors trimmed to ``original_vocab_size`` get their padded rows back from
     :data:`~megatron_ucp.dsformat.VOCAB_PADDED_ROWS` when the folder kept them (megatron-ucp's
@@ -591,20 +647,36 @@ def _fit_to_param(full: torch.Tensor, entry: Any, lp: Any, name: str, state: str
     another padded size) those rows start at zero, as with stock DeepSpeed, and are not counted.
     """
     shape = tuple(lp.shape)
+    numel = 1
+    for d in shape:
+        numel *= int(d)
     if tuple(full.shape) == shape:
-        return full.reshape(-1), full.numel()
+        return _ParamLayout((full.reshape(-1),), full.numel(), numel, False)
     is_vocab = isinstance(entry, dict) and entry.get(F.VOCAB_TENSOR, False)
     if (is_vocab and full.dim() == len(shape) and full.dim() >= 1 and full.shape[0] <= shape[0]
             and tuple(full.shape[1:]) == shape[1:]):
         rows = entry.get(F.VOCAB_PADDED_ROWS)
         if torch.is_tensor(rows) and tuple(rows.shape) == (shape[0] - full.shape[0], *shape[1:]):
-            return torch.cat([full.reshape(-1), rows.to(full.dtype).reshape(-1)]), full.numel() + rows.numel()
-        padded = full.new_zeros(shape)
-        padded[:full.shape[0]] = full
-        return padded.reshape(-1), full.numel()
+            rows = rows if rows.dtype == full.dtype else rows.to(full.dtype)
+            return _ParamLayout((full.reshape(-1), rows.reshape(-1)), numel, numel, True)
+        return _ParamLayout((full.reshape(-1),), full.numel(), numel, False)
     raise CheckpointFormatError(f"{path}: parameter {name!r} state {state!r} has shape {tuple(full.shape)}, the model's "
                                 f"parameter is {shape} (a different model, or TP>1 which megatron-ucp does not "
                                 "support yet)", subject=name)
+
+
+def _recorded_source(sums: dict[str, dict], name: str, state: str, layout: _ParamLayout, path: Path
+                     ) -> tuple[int, int]:
+    """(elements, checksum) the manifest says the file holds, for what this layout restores."""
+    record = sums.get(f"{name}/{state}")
+    if not isinstance(record, dict) or "numel" not in record or "sum" not in record:
+        raise CheckpointFormatError(f"{path}: not in the manifest's checksums although the folder has them "
+                                    "(a file added after the conversion?)", subject=path)
+    count, value = int(record["numel"]), int(record["sum"])
+    if layout.rows_restored:
+        count += int(record.get("rows_numel", 0))
+        value = integrity.combine([value, int(record.get("rows_sum", 0))])
+    return count, value
 
 
 def _same_step(a: Any, b: Any) -> bool:
@@ -670,15 +742,20 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     optimized = {n for group_names in names for n in group_names}
     frozen = set(optimizer.param_names.values()) - optimized
 
-    listing: Any = None
+    facts: Any = None
     if _is_first(group):
         try:
-            listing = _list_zero_folder(zero_dir)
+            facts = _FolderFacts(_list_zero_folder(zero_dir), _manifest_sums(checkpoint_dir))
         except Exception as exc:
-            listing = _Failure(f"{type(exc).__name__}: {exc}")
-    listing = _broadcast_from_first(listing, group)
-    if isinstance(listing, _Failure):
-        raise CheckpointFormatError(f"cannot read {zero_dir}: {listing.message}", subject=zero_dir)
+            facts = _Failure(f"{type(exc).__name__}: {exc}")
+    facts = _broadcast_from_first(facts, group)
+    if isinstance(facts, _Failure):
+        raise CheckpointFormatError(f"cannot read {zero_dir}: {facts.message}", subject=zero_dir)
+    listing, sums = facts.listing, facts.sums
+    if sums is None and _is_first(group):
+        log.info("megatron-ucp: %s has no checksums in %s (stock's folder, or converted by an older megatron-ucp): "
+                 "accounting checks against the files themselves, which reads each parameter in full on one rank "
+                 "(slower; `megatron-ucp convert --force` records them)", checkpoint_dir, F.MANIFEST_FILE)
     # Frozen parameters' folders are the engine hook's to restore (they are not in the optimizer).
     accountable = {k: v for k, v in listing.items() if k in optimized}
     ledger = Ledger.from_listing(accountable)
@@ -700,7 +777,7 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
             loaded_groups = [None] * len(base.param_groups)
         for i, (param_group, lps) in enumerate(zip(base.param_groups, lp_groups)):
             restored_keys.append(_load_group(optimizer, i, param_group, lps, names[i], group_states[i], accountable,
-                                             zero_dir, ledger, table))
+                                             zero_dir, ledger, table, sums))
             if loaded_groups[i] is not None:
                 for key, value in loaded_groups[i].items():
                     if key != "params":
@@ -752,11 +829,14 @@ def _source_dp(optim_sd: dict) -> Optional[int]:
 
 
 def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names: list[str], states: tuple[str, ...],
-                listing: dict[str, tuple[str, ...]], zero_dir: Path, ledger: Ledger, table: torch.Tensor) -> set[str]:
+                listing: dict[str, tuple[str, ...]], zero_dir: Path, ledger: Ledger, table: torch.Tensor,
+                sums: Optional[dict[str, dict]]) -> set[str]:
     """Fill one param group's flat fp32 partition and optimizer states on this rank; return the keys set.
 
     A rank whose partition of the group is all padding reads no fragment but still gets every state
     key (zeros) and the group's step, so the optimizer and the next save look like everyone else's.
+    A rank reads only its fragments' bytes; the owner of a parameter's first element adds what the
+    file holds to the ledger: from the manifest's ``sums`` when there are some, else from the file.
     """
     from ..reader import load_torch_file
 
@@ -789,17 +869,22 @@ def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names:
                 if full.dtype != torch.float32:  # fp32 masters and Adam states: a bf16 file would load silently
                     raise CheckpointFormatError(f"{path}: {full.dtype} tensor; universal optimizer states are "
                                                 "float32", subject=path)
-                source, held = _fit_to_param(full, entry, lp, name, state, path)
+                layout = _layout(full, entry, lp, name, state, path)
                 target = (mapping.get_hp_fragment() if state == F.FP32_STATE
                           else buffers[state].narrow(0, hp_address.start, hp_address.numel))
-                target.copy_(source.narrow(0, lp_address.start, lp_address.numel))
-                real = max(0, min(lp_address.numel, held - lp_address.start))
+                fragment = layout.narrow(lp_address.start, lp_address.numel)
+                target.copy_(fragment)
+                real = max(0, min(lp_address.numel, layout.held - lp_address.start))
                 table[row, Column.CONSUMERS] += 1
                 table[row, Column.LOADED_COUNT] += real
-                table[row, Column.LOADED_SUM] += checksum(target[:real], lp_address.start) if real else 0
+                if real:  # what landed (on an accelerator: what was copied there, hashed on the CPU)
+                    placed = target[:real] if target.device.type == "cpu" else fragment[:real]
+                    add_sum(table, row, True, checksum(placed, lp_address.start))
                 if lp_address.start == 0:
-                    table[row, Column.SOURCE_COUNT] += held
-                    table[row, Column.SOURCE_SUM] += checksum(source[:held].to(target.dtype))
+                    count, value = ((layout.held, layout.source_sum()) if sums is None
+                                    else _recorded_source(sums, name, state, layout, path))
+                    table[row, Column.SOURCE_COUNT] += count
+                    add_sum(table, row, False, value)
 
     state_dict = optimizer.optimizer.state[flat]
     for state, buffer in buffers.items():
