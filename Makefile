@@ -112,6 +112,7 @@ test-matrix: matrix
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_convert.py
+	$(BIN)/python benchmarks/bench_resume.py
 
 clean-venv:
 	rm -rf $(VENV) $(MATRIX_DIR)

@@ -113,12 +113,16 @@ class AccountingReport:
     problems: tuple[Problem, ...] = ()
     extras: tuple[str, ...] = field(default=())
     """Further facts for the summary line (training state, buffers), added by the engine hook."""
+    seconds: tuple[tuple[str, float], ...] = field(default=(), compare=False)
+    """This rank's time per phase of the optimizer load (``load``: reading and copying fragments;
+    ``accounting``: checksums and checks; ``collective``: the one all-reduce, which also waits for
+    the slowest rank), for benchmarks and debugging."""
 
     def with_more(self, problems: Sequence[Problem] = (), extras: Sequence[str] = (),
                   dp_from: Optional[int] = None) -> "AccountingReport":
         return AccountingReport(self.params, self.state_files, self.state_names, self.elements,
                                 self.dp_from if dp_from is None else dp_from, self.dp_to,
-                                self.problems + tuple(problems), self.extras + tuple(extras))
+                                self.problems + tuple(problems), self.extras + tuple(extras), self.seconds)
 
     def summary_line(self) -> str:
         dp_from = "?" if self.dp_from is None else str(self.dp_from)

@@ -40,7 +40,7 @@ from .plan import ConversionPlan, CopyItem, GroupPlan, ParamPlan, build_plan, sh
 from .rawtensor import RawTensor, torch_tensors_from_raw
 from .reader import (CheckpointFiles, CheckpointMeta, RankFile, ResolvedCheckpoint, find_checkpoint_files, human_bytes,
                      read_checkpoint, resolve_checkpoint)
-from .torchfile import FastWriterUnsupported, TensorSpec, save_object, write_tensors_file
+from .torchfile import FastWriterUnsupported, TensorSpec, save_object, tensor_bytes, write_tensors_file
 from .torchload import structure_problems
 from .universal import (COMPLETE, STALE, Staging, inspect_staging, latest_universal_target, read_manifest,
                         source_identity, stale_reason, universal_state, write_latest_universal)
@@ -295,19 +295,13 @@ class _Writer:
             self._pending.extend(written)
         return nbytes
 
-    def _record_sums(self, key: str, records: Sequence[Sequence[Any]], itemsize: int) -> None:
-        """Checksum the file's records (the tensor, then its kept vocabulary rows) at their positions
-        in the parameter's flat layout, from the same bytes that are written."""
+    def _record(self, key: str, sums: Sequence[integrity.StreamingSum]) -> None:
+        """The file's elements and checksums: the tensor, then its kept vocabulary rows (which sit after
+        the kept rows in the parameter's flat layout)."""
         entry: dict[str, int] = {}
-        offset = 0
-        for name, views in zip(("", "rows_"), records):
-            sums, start = [], offset
-            for view in views:
-                values = integrity.as_uints(view, itemsize)
-                sums.append(integrity.fragment_sum(values, offset))
-                offset += values.size
-            entry[f"{name}numel"] = offset - start
-            entry[f"{name}sum"] = integrity.combine(sums)
+        for prefix, stream in zip(("", "rows_"), sums):
+            entry[f"{prefix}numel"] = stream.offset - (sums[0].offset if prefix else 0)
+            entry[f"{prefix}sum"] = stream.result()
         with self._lock:
             self.sums[key] = entry
 
@@ -319,14 +313,17 @@ class _Writer:
             rows_spec = TensorSpec(dtype, p.padded_rows_shape) if p.padded_rows_shape is not None else None
             entry = universal_entry(p, TensorSpec(dtype, p.out_shape), rows_spec)
             pieces = [[t.bytes_view() for t in kept]] + ([[t.bytes_view() for t in rows]] if rows_spec else [])
-            self._record_sums(key, pieces, dtype.itemsize)
+            kept_numel = sum(t.numel() for t in kept)
+            sums = [integrity.StreamingSum(dtype.itemsize)] + (
+                [integrity.StreamingSum(dtype.itemsize, kept_numel)] if rows_spec else [])
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
                 try:
-                    size = write_tensors_file(path, entry, pieces, fd=fd)
+                    size = write_tensors_file(path, entry, pieces, fd=fd, observers=[s.update for s in sums])
                     osio.start_writeback(fd)
                 finally:
                     os.close(fd)
+                self._record(key, sums)
                 return size
             except FastWriterUnsupported:
                 pass
@@ -336,8 +333,12 @@ class _Writer:
         tensor = assemble_items_torch(p.kept_items, p.out_shape, kept)
         padded = (assemble_items_torch(p.padded_rows_items, p.padded_rows_shape, rows)
                   if p.padded_rows_shape is not None else None)
-        records = [t.reshape(-1).view(torch_uint_of(t)).numpy() for t in (tensor, padded) if t is not None]
-        self._record_sums(key, [[r] for r in records], tensor.element_size())
+        sums = [integrity.StreamingSum(tensor.element_size())]
+        sums[0].update(tensor_bytes(tensor))
+        if padded is not None:
+            sums.append(integrity.StreamingSum(padded.element_size(), tensor.numel()))
+            sums[1].update(tensor_bytes(padded))
+        self._record(key, sums)
         return _save(universal_entry(p, tensor, padded), path, durable=False)
 
     def add_pending(self, paths: Iterable[Path]) -> None:
@@ -527,13 +528,6 @@ def check_torch_loadable(files: CheckpointFiles) -> None:
                                     + (f"; {len(problems) - 1} more" if len(problems) > 1 else "")
                                     + "): torch.load, which DeepSpeed's loader uses, rejects it; the universal folder "
                                     "would carry it", subject=files.model_states)
-
-
-def torch_uint_of(tensor: Any) -> Any:
-    """The torch integer dtype of ``tensor``'s element size (to hand its raw bits to numpy)."""
-    import torch
-
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
 
 
 def _merged_sums(plan: ConversionPlan, shares: Sequence[dict]) -> Optional[dict]:

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .lightpickle import Pickler as _LightPickler
 from .lightpickle import stand_in_class
@@ -237,8 +237,10 @@ def _check_sizes(path: Path, records: Sequence[_StorageRecord], pkl: bytes) -> N
 
 
 def _write_file(path: Path, pkl: bytes, storages: Sequence[Sequence[memoryview]], fd: Optional[int], crc: bool,
-                serialization_id: Optional[bytes]) -> int:
-    """The records of a torch file, in torch.save's order; storage ``i``'s bytes are ``storages[i]``."""
+                serialization_id: Optional[bytes], observers: Optional[Sequence[Callable[[memoryview], None]]] = None
+                ) -> int:
+    """The records of a torch file, in torch.save's order; storage ``i``'s bytes are ``storages[i]``.
+    ``observers[i]`` sees storage ``i``'s bytes chunk by chunk, in order, while they are in the CPU cache."""
     arc = _Archive(archive_name(path), crc)
     head = b"".join((arc.small("data.pkl", pkl), arc.small(".format_version", b"1"),
                      arc.small(".storage_alignment", str(ALIGNMENT).encode()), arc.small("byteorder", b"little")))
@@ -251,11 +253,14 @@ def _write_file(path: Path, pkl: bytes, storages: Sequence[Sequence[memoryview]]
             head += arc.open_large(f"data/{key}")
             _write_all(fd, head)
             value = size = 0
+            observe = observers[key] if observers is not None else None
             for piece in pieces:
                 for start in range(0, len(piece), _CHUNK):
                     part = piece[start:start + _CHUNK]
                     if crc:
                         value = zlib.crc32(part, value)
+                    if observe is not None:
+                        observe(part)
                     _write_all(fd, part)
                 size += len(piece)
             head = arc.close_large(value, size)
@@ -284,9 +289,11 @@ def write_tensor_file(path: os.PathLike | str, entry: dict, pieces: Iterable[Any
 
 
 def write_tensors_file(path: os.PathLike | str, entry: dict, pieces: Sequence[Iterable[Any]], *,
-                       fd: Optional[int] = None, crc: bool = True, serialization_id: Optional[bytes] = None) -> int:
+                       fd: Optional[int] = None, crc: bool = True, serialization_id: Optional[bytes] = None,
+                       observers: Optional[Sequence[Callable[[memoryview], None]]] = None) -> int:
     """:func:`write_tensor_file` for an entry with several :class:`TensorSpec` values: ``pieces[i]``
-    holds the bytes of the i-th one in the entry's order (the order ``torch.save`` writes them)."""
+    holds the bytes of the i-th one in the entry's order (the order ``torch.save`` writes them);
+    ``observers[i]``, when given, is called with those bytes chunk by chunk as they are written."""
     path = Path(path)
     specs = [v for v in entry.values() if isinstance(v, TensorSpec)]
     if not specs or len(specs) != len(pieces):
@@ -299,9 +306,11 @@ def write_tensors_file(path: os.PathLike | str, entry: dict, pieces: Sequence[It
             raise ValueError(f"{path}: pieces hold {size} bytes, the tensor {spec.shape} {spec.dtype} needs "
                              f"{spec.nbytes}")
         views.append(parts)
+    if observers is not None and len(observers) != len(views):
+        raise ValueError(f"{len(observers)} observers for {len(views)} tensors")
     pkl, records = _pickle(entry)
     _check_sizes(path, records, pkl)
-    return _write_file(path, pkl, views, fd, crc, serialization_id)
+    return _write_file(path, pkl, views, fd, crc, serialization_id, observers)
 
 
 def save_object(obj: Any, path: os.PathLike | str, *, fd: Optional[int] = None) -> int:

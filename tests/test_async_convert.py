@@ -117,6 +117,7 @@ def test_two_nodes_one_commit_bit_exact(run: AsyncRun):
     assert manifest["shares"] == 2 and manifest["source"]["dp"] == 4
     report = verify_universal(folder, source=run.snapshot / "global_step1")
     assert report.ok, report.problems
+    assert report.checksummed == len(manifest["checksums"]["files"]) == 27  # both nodes' shares recorded theirs
     logs = [ucp_dir(run.snapshot) / B.log_name("global_step1", i, 2) for i in (0, 1)]
     texts = [p.read_text() for p in logs]
     assert "share 1 of 2" in texts[0] and "share 2 of 2" in texts[1]

@@ -95,7 +95,10 @@ def test_mpiexec_style_three_processes_commit_once_byte_identical(checkpoint, si
     manifest = read_manifest(out)
     assert manifest["shares"] == 3
     assert _pt_files(out) == _pt_files(single)
-    assert verify_universal(out, source=checkpoint.root).ok
+    # every share's checksums reach the one manifest, equal to one converter's, and verify checks them
+    assert manifest["checksums"] == read_manifest(single)["checksums"]
+    report = verify_universal(out, source=checkpoint.root)
+    assert report.ok and report.checksummed == len(manifest["checksums"]["files"]) > 0
     assert not staging_path(out).exists() and not list(tmp_path.glob(".*ucp-rendezvous*"))
 
 

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 
 _OPTIMIZER_LOADER = "load_hp_checkpoint_state_from_checkpoint_dir"
 _REPORT_ATTR = "_megatron_ucp_load_report"
+ENGINE_REPORT_ATTR = "megatron_ucp_load_report"
+"""The engine attribute holding the last universal load's :class:`AccountingReport` (for tools)."""
 _LP_GROUPS = {"BF16_Optimizer": "bf16_groups", "DeepSpeedZeroOptimizer": "bit16_groups"}
 # Inside our engine wrapper the optimizer loader leaves enforcement to the wrapper, so that tensor
 # and training-state problems end up in one report and one summary line.
@@ -443,6 +445,7 @@ def _finish_universal_load(engine: Any, result: Any, decision: ResumeDecision, k
     problems += p
     extras += e
     report = report.with_more(problems, extras, dp_from=dp_from)
+    setattr(engine, ENGINE_REPORT_ATTR, report)
     report.enforce(config.strict, log, verbose=_is_first())
 
 
@@ -586,6 +589,21 @@ def _manifest_sums(checkpoint_dir: Path) -> Optional[dict[str, dict]]:
         return None
     files = sums.get("files")
     return files if isinstance(files, dict) else None
+
+
+class _Clock:
+    """Adds up the time spent inside ``with clock:`` blocks."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    def __enter__(self) -> "_Clock":
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds += time.perf_counter() - self._t0
 
 
 @dataclass(frozen=True)
@@ -732,6 +750,8 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     """
     from ..reader import load_torch_file
 
+    t_start = time.perf_counter()
+    clock = _Clock()
     dist = _comm()
     group = optimizer.dp_process_group
     dp_to = dist.get_world_size(group=group)
@@ -777,7 +797,7 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
             loaded_groups = [None] * len(base.param_groups)
         for i, (param_group, lps) in enumerate(zip(base.param_groups, lp_groups)):
             restored_keys.append(_load_group(optimizer, i, param_group, lps, names[i], group_states[i], accountable,
-                                             zero_dir, ledger, table, sums))
+                                             zero_dir, ledger, table, sums, clock))
             if loaded_groups[i] is not None:
                 for key, value in loaded_groups[i].items():
                     if key != "params":
@@ -786,11 +806,13 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
         failure = exc
         log.error("megatron-ucp: rank %d failed to load %s: %s", dist.get_rank(), zero_dir, exc)
 
+    t_wait = time.perf_counter()  # the all-reduce also waits for the slowest rank: timed on its own
     flags = torch.zeros((1, len(Column)), dtype=torch.int64)
     flags[0, 0] = 1 if failure is not None else 0
     totals = torch.cat([table, flags]).to(_device())
     dist.all_reduce(totals, group=group)
     totals = totals.cpu()
+    collective = time.perf_counter() - t_wait
     failed_ranks = int(totals[-1, 0])
     if failure is not None:
         raise failure
@@ -798,15 +820,19 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
         raise UcpError(f"loading {zero_dir} failed on {failed_ranks} other rank(s); see their log", subject=zero_dir)
     totals = totals[:-1]
 
-    problems += check_folders(names, {k: v for k, v in listing.items() if k not in frozen})
-    problems += check_ledger(ledger, totals)
-    for i, keys in enumerate(restored_keys):
-        expected = expected_state_keys(base, i)
-        problems += check_optimizer_states(i, names[i], expected, keys, type(base).__name__)
-        if not strict and expected is not None:
-            _start_missing_states_fresh(base, i, expected - keys)
-    n_params, n_files, elements, state_names = ledger_totals(ledger, totals)
-    return AccountingReport(n_params, n_files, state_names, elements, dp_from, dp_to, tuple(problems))
+    with clock:
+        problems += check_folders(names, {k: v for k, v in listing.items() if k not in frozen})
+        problems += check_ledger(ledger, totals)
+        for i, keys in enumerate(restored_keys):
+            expected = expected_state_keys(base, i)
+            problems += check_optimizer_states(i, names[i], expected, keys, type(base).__name__)
+            if not strict and expected is not None:
+                _start_missing_states_fresh(base, i, expected - keys)
+        n_params, n_files, elements, state_names = ledger_totals(ledger, totals)
+    load = time.perf_counter() - t_start - clock.seconds - collective
+    seconds = (("load", round(load, 4)), ("accounting", round(clock.seconds, 4)), ("collective", round(collective, 4)))
+    return AccountingReport(n_params, n_files, state_names, elements, dp_from, dp_to, tuple(problems),
+                            seconds=seconds)
 
 
 def _start_missing_states_fresh(base: torch.optim.Optimizer, index: int, missing: Iterable[str]) -> None:
@@ -830,7 +856,7 @@ def _source_dp(optim_sd: dict) -> Optional[int]:
 
 def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names: list[str], states: tuple[str, ...],
                 listing: dict[str, tuple[str, ...]], zero_dir: Path, ledger: Ledger, table: torch.Tensor,
-                sums: Optional[dict[str, dict]]) -> set[str]:
+                sums: Optional[dict[str, dict]], clock: "_Clock") -> set[str]:
     """Fill one param group's flat fp32 partition and optimizer states on this rank; return the keys set.
 
     A rank whose partition of the group is all padding reads no fragment but still gets every state
@@ -877,14 +903,15 @@ def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names:
                 real = max(0, min(lp_address.numel, layout.held - lp_address.start))
                 table[row, Column.CONSUMERS] += 1
                 table[row, Column.LOADED_COUNT] += real
-                if real:  # what landed (on an accelerator: what was copied there, hashed on the CPU)
-                    placed = target[:real] if target.device.type == "cpu" else fragment[:real]
-                    add_sum(table, row, True, checksum(placed, lp_address.start))
-                if lp_address.start == 0:
-                    count, value = ((layout.held, layout.source_sum()) if sums is None
-                                    else _recorded_source(sums, name, state, layout, path))
-                    table[row, Column.SOURCE_COUNT] += count
-                    add_sum(table, row, False, value)
+                with clock:
+                    if real:  # what landed (on an accelerator: what was copied there, hashed on the CPU)
+                        placed = target[:real] if target.device.type == "cpu" else fragment[:real]
+                        add_sum(table, row, True, checksum(placed, lp_address.start))
+                    if lp_address.start == 0:
+                        count, value = ((layout.held, layout.source_sum()) if sums is None
+                                        else _recorded_source(sums, name, state, layout, path))
+                        table[row, Column.SOURCE_COUNT] += count
+                        add_sum(table, row, False, value)
 
     state_dict = optimizer.optimizer.state[flat]
     for state, buffer in buffers.items():

@@ -260,13 +260,27 @@ class Rank:
     # --- run --------------------------------------------------------------------------------------
     def load(self) -> None:
         spec = self.spec
+        before = _process_io()
+        self.dist.barrier()
+        t0 = time.perf_counter()
         path, client_state = self.engine.load_checkpoint(str(spec.load_dir), tag=spec.load_tag)
+        own = time.perf_counter() - t0
+        self.dist.barrier()
+        wall = time.perf_counter() - t0
         if path is None:
             raise RuntimeError(f"load_checkpoint({spec.load_dir}, tag={spec.load_tag}) found no checkpoint")
         self.mark("load")
+        after = _process_io()
+        report = getattr(self.engine, "megatron_ucp_load_report", None)
+        stats = {"rank": self.rank, "seconds": round(own, 4), "wall": round(wall, 4),
+                 **{k: after[k] - before[k] for k in ("read_bytes", "rchar")},
+                 "rss_before": before["rss"], "maxrss": after["maxrss"],
+                 "phases": dict(report.seconds) if report is not None else None}
+        gathered: list = [None] * self.world
+        self.dist.all_gather_object(gathered, stats)
         if self.rank == 0:
             _report("info", loaded_step=self.engine.global_steps, loaded_path=str(path),
-                    loaded_client_state_keys=sorted((client_state or {}).keys()))
+                    loaded_client_state_keys=sorted((client_state or {}).keys()), load_stats=gathered)
         self.dump("_loaded")
 
     def train(self) -> None:
@@ -304,6 +318,23 @@ class Rank:
         self.dist.barrier()
         if self.rank == 0:
             _report("done", times=self.times)
+
+
+def _process_io() -> dict[str, int]:
+    """This process's I/O counters (bytes from storage, bytes through read calls) and memory (bytes)."""
+    import resource
+
+    out = {"read_bytes": 0, "rchar": 0, "rss": 0}
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in out:
+                out[key] = int(value)
+        out["rss"] = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        pass
+    out["maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
 
 
 def _skip_shm_comm_kernel(deepspeed: Any) -> None:

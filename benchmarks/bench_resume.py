@@ -1,0 +1,224 @@
+"""Resume benchmark: loading a universal checkpoint at a new DP size, stock DeepSpeed vs megatron-ucp.
+
+The checkpoint is ``m100-dp8`` (``benchmarks/make_checkpoint.py``: a real DeepSpeed 0.19.8 ZeRO-1
+bf16 run at DP=8, DeepSpeedZeroOptimizer, 100.7M parameters), converted once by each tool into
+its own copy of the root (the native files hard-linked, the universal folders cached in
+``benchmarks/.cache/resume-<name>/``). Every repetition then starts ``--dp`` real DeepSpeed
+processes (CPU, gloo; the test harness ``tests/dsharness``) that build the same model and call
+``engine.load_checkpoint`` once, in a rotating order of the routes:
+
+* ``stock``: stock DeepSpeed's own loader (``"load_universal": true``) on stock's folder;
+* ``ours``: the megatron-ucp hooks on megatron-ucp's folder (strict accounting, checksums from
+  the manifest);
+* ``ours-on-stock``: the hooks on stock's folder (no manifest: accounting on the slower path that
+  checksums each parameter's file on one rank);
+* ``auto``: the hooks given the native DP=8 tag: the route decision, then ``ours``.
+
+Per rank, the harness measures the time of ``load_checkpoint`` between two barriers (the slowest
+rank's is the load time), bytes through ``read`` calls and bytes read from storage
+(``/proc/self/io`` ``rchar`` and ``read_bytes``; with ``--cache cold`` the folders are evicted from
+the page cache before every run, so the job's storage reads, memory-mapped pages included, are
+real), peak RSS, and for our loader the time of the accounting (``AccountingReport.seconds``). Results: medians over the
+repetitions, ratios per repetition then their median; ``benchmarks/results/resume-<cache>.{json,md}``
+and the table between the markers in ``benchmarks/README.md``.
+
+    python benchmarks/bench_resume.py                   # m100-dp8 -> DP 4, cold cache, 3 repetitions
+    python benchmarks/bench_resume.py --reps 5 --cache warm
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(REPO_ROOT))
+
+import bench_convert as bc  # noqa: E402
+import make_checkpoint as mk  # noqa: E402
+
+ROUTES = ("stock", "ours", "ours-on-stock", "auto")
+UNIVERSAL = f"{mk.TAG}_universal"
+
+
+def _linked_copy(src: Path, dest: Path) -> None:
+    """The native checkpoint root without copying its bytes (hard links; the loaders only read it)."""
+    shutil.copytree(src, dest, copy_function=os.link, ignore=shutil.ignore_patterns(mk.MARKER))
+
+
+def prepare(name: str) -> dict[str, Path]:
+    """The two converted roots (cached): ``ours`` and ``stock``, each with ``<tag>_universal``."""
+    src = mk.build(mk.SPECS[name])
+    base = mk.CACHE_DIR / f"resume-{name}"
+    roots = {"ours": base / "ours", "stock": base / "stock"}
+    marker = base / "prepared.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("source") == (src / mk.MARKER).read_text():
+        return roots
+    shutil.rmtree(base, ignore_errors=True)
+    for tool, root in roots.items():
+        _linked_copy(src, root)
+        out = root / UNIVERSAL
+        print(f"[bench_resume] converting {name} with {tool} ...", flush=True)
+        for argv in bc.tool_argv(tool, root / mk.TAG, out, workers=2):
+            bc.run_measured(argv, env={**os.environ, "DS_ACCELERATOR": "cpu"}, log=base / f"convert-{tool}.log")
+        subprocess.run(["sync"], check=False)
+    (roots["ours"] / "latest_universal").unlink(missing_ok=True)  # the auto route finds the twin by itself
+    marker.write_text(json.dumps({"source": (src / mk.MARKER).read_text()}))
+    return roots
+
+
+def universal_state_bytes(folder: Path) -> int:
+    """Bytes of the optimizer state files (fp32 and every optimizer state) of a universal folder."""
+    return sum(p.stat().st_size for p in (folder / "zero").rglob("*.pt")
+               if p.name not in ("step.pt", "optimizer_state.pt"))
+
+
+def run_route(route: str, roots: dict[str, Path], spec: "mk.CkptSpec", dp: int, cache: str, scratch: Path) -> dict:
+    from tests.dsharness import TrainSpec, run_training
+
+    root = roots["stock" if route in ("stock", "ours-on-stock") else "ours"]
+    folder = root / UNIVERSAL
+    if cache == "cold":
+        bc.evict(folder)
+        bc.evict(root / mk.TAG)
+    else:
+        bc.warm(folder)
+    tag = mk.TAG if route == "auto" else UNIVERSAL
+    run = TrainSpec(dp=dp, optimizer="zero", steps=1, load_dir=root, load_tag=tag,
+                    load_universal=route != "auto", plugin=route != "stock", global_batch=spec.dp,
+                    hidden=spec.hidden, num_layers=spec.num_layers, vocab=spec.vocab, seq=8, uc_info=True,
+                    timeout=1200)
+    res = run_training(run)
+    if not res.ok or res.loaded_step != 1:
+        raise RuntimeError(f"{route}: the load failed (exit {res.returncode}):\n{res.log[-4000:]}")
+    stats = res.info["load_stats"]
+    if route != "stock":
+        summary = [line for line in res.log.splitlines() if "megatron-ucp universal load:" in line]
+        if not summary or "every element placed exactly once" not in summary[-1]:
+            raise RuntimeError(f"{route}: no clean accounting summary:\n{res.log[-4000:]}")
+    return {"route": route, "ranks": stats, "load_s": max(s["wall"] for s in stats)}
+
+
+def summarize(runs: list[dict], needed: int) -> dict:
+    """Per route: medians over repetitions of the slowest rank's time, worst-rank figures, job totals."""
+    out: dict[str, dict] = {}
+    for route in ROUTES:
+        mine = [r for r in runs if r["route"] == route]
+        if not mine:
+            continue
+        ours = mine[0]["ranks"][0]["phases"] is not None
+        acct = [max(s["phases"]["accounting"] for s in r["ranks"]) for r in mine] if ours else []
+        out[route] = {
+            "load_s": statistics.median(r["load_s"] for r in mine),
+            "accounting_s": statistics.median(acct) if acct else None,
+            "rchar_mb_max": statistics.median(max(s["rchar"] for s in r["ranks"]) for r in mine) / 1e6,
+            "storage_over_needed": statistics.median(sum(s["read_bytes"] for s in r["ranks"]) / needed for r in mine),
+            "maxrss_mb": statistics.median(max(s["maxrss"] for s in r["ranks"]) for r in mine) / 1e6,
+            "reps": len(mine),
+        }
+    by_rep: dict[int, dict[str, float]] = {}
+    for r in runs:
+        by_rep.setdefault(r["rep"], {})[r["route"]] = r["load_s"]
+    for route in out:
+        ratios = [rep[route] / rep["stock"] for rep in by_rep.values() if route in rep and "stock" in rep]
+        out[route]["vs_stock"] = statistics.median(ratios) if ratios else None
+    return out
+
+
+def markdown(result: dict, meta: dict) -> str:
+    m = meta["machine"]
+    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GiB RAM; Python {m['python']}, torch "
+             f"{m['torch']}, DeepSpeed {m['deepspeed']}. Load average at start {m['load_average_start'][0]:.1f}. "
+             f"Run {meta['date']}, `{meta['command']}`.", "",
+             f"Checkpoint {result['name']} ({result['params'] / 1e6:.1f}M params, saved at DP={result['dp_from']}) "
+             f"loaded at DP={result['dp_to']} by {result['dp_to']} processes on this machine; cache "
+             f"{result['cache']}; {result['reps']} repetitions, routes in rotating order. Load: "
+             "`engine.load_checkpoint` between two barriers, slowest rank, median; ratios: median of the "
+             "per-repetition ratios. Accounting: checksums and checks, the rank that spent the most on them (the "
+             "all-reduce is not counted: it waits for the slowest rank's reading). `read()` MB: bytes through read calls on "
+             "the worst rank (stock `torch.load`s each whole state file it needs a fragment of; ours maps the "
+             "files and touches only its fragments). Storage read: bytes all ranks read from storage, over "
+             f"what the load needs once ({result['needed_bytes'] / 1e6:.0f} MB: optimizer state and model states; "
+             "the ranks share one page cache here).", "",
+             "| route | folder | load s | vs stock | accounting s | accounting % | `read()` MB (worst rank) "
+             "| storage read / needed | peak RSS MB (worst rank) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    folders = {"stock": "stock's", "ours": "ours", "ours-on-stock": "stock's (no checksums)",
+               "auto": "native DP=8 tag -> ours"}
+    for route, row in result["routes"].items():
+        acct = row["accounting_s"]
+        vs = "-" if row["vs_stock"] is None else f"{row['vs_stock']:.2f}x"
+        acct_s = "-" if acct is None else f"{acct:.2f}"
+        acct_pct = "-" if acct is None else f"{100 * acct / row['load_s']:.0f}%"
+        lines.append(f"| {route} | {folders[route]} | {row['load_s']:.2f} | {vs} | {acct_s} | {acct_pct} | "
+                     f"{row['rchar_mb_max']:.0f} | {row['storage_over_needed']:.2f}x | {row['maxrss_mb']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(table: str, key: str) -> None:
+    begin, end = f"<!-- bench-resume:{key}:begin -->", f"<!-- bench-resume:{key}:end -->"
+    text = bc.README.read_text()
+    block = f"{begin}\n{table}{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = head + block + tail
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    bc.README.write_text(text)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--name", default="m100-dp8", choices=sorted(mk.SPECS))
+    ap.add_argument("--dp", type=int, default=4, help="DP size to resume at (default 4)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cache", choices=("cold", "warm"), default="cold")
+    ap.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES))
+    ap.add_argument("--no-readme", action="store_true")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    spec = mk.SPECS[args.name]
+    roots = prepare(args.name)
+    meta = {"machine": bc.machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "command": "python benchmarks/bench_resume.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    runs = []
+    routes = list(args.routes)
+    if "stock" not in routes:
+        routes.insert(0, "stock")  # the ratios need it
+    for rep in range(args.reps):
+        order = routes[rep % len(routes):] + routes[:rep % len(routes)]
+        for route in order:
+            t0 = time.perf_counter()
+            run = run_route(route, roots, spec, args.dp, args.cache, mk.CACHE_DIR)
+            run["rep"] = rep
+            runs.append(run)
+            print(f"[bench_resume] rep {rep + 1}/{args.reps} {route}: load {run['load_s']:.2f} s "
+                  f"(run {time.perf_counter() - t0:.0f} s)", flush=True)
+    folder = roots["ours"] / UNIVERSAL
+    needed = universal_state_bytes(folder) + (folder / "mp_rank_00_model_states.pt").stat().st_size
+    meta["machine"]["load_average_end"] = os.getloadavg()
+    result = {"name": args.name, "params": spec.params, "dp_from": spec.dp, "dp_to": args.dp, "cache": args.cache,
+              "reps": args.reps, "needed_bytes": needed, "routes": summarize(runs, needed)}
+    bc.RESULTS_DIR.mkdir(exist_ok=True)
+    stem = f"resume-{args.cache}"
+    (bc.RESULTS_DIR / f"{stem}.json").write_text(json.dumps({"meta": meta, "result": result, "runs": runs}, indent=1))
+    table = markdown(result, meta)
+    (bc.RESULTS_DIR / f"{stem}.md").write_text(table)
+    if not args.no_readme:
+        update_readme(table, args.cache)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
