@@ -39,11 +39,11 @@ MDS_RUNTIME := regex pybind11 six sentencepiece rich wandb nltk 'transformers<5'
 # at DP 2, and at DP 4 with an all-padding rank) with a class stock DeepSpeed trains there. The
 # runner, the save hook, the async trigger and the elastic load also run under the real
 # Megatron-DeepSpeed on each release (mds_class).
-ELASTIC := tests/test_elastic_resume.py
+ELASTIC := tests/system/test_elastic_resume.py
 ELASTIC_TESTS = $(ELASTIC)::test_resume_restores_state_bit_for_bit_and_continues[2-$(1)] \
 	$(ELASTIC)::test_resume_restores_state_bit_for_bit_and_continues[4-$(1)] \
 	$(ELASTIC)::test_explicit_flag_loads_at_source_dp_with_an_all_padding_rank[$(1)]
-MATRIX_TESTS = tests/test_deepspeed_versions.py tests/test_hooks_install.py \
+MATRIX_TESTS = tests/system/test_deepspeed_versions.py tests/system/test_hooks_install.py \
 	$(ELASTIC)::test_install_patches_both_load_paths_and_uninstall_restores_them \
 	$(if $(1),$(call ELASTIC_TESTS,$(1)))
 # Optimizer classes per release (megatron_ucp/versions.py INTERNALS says why): 0.17.x never builds
@@ -83,15 +83,17 @@ $(MDS_STAMP): $(STAMP)
 matrix: $(foreach v,$(DS_MATRIX),$(MATRIX_DIR)/$(v)/.installed) $(if $(HAVE_MDS),$(MDS_STAMP))
 
 demo: $(STAMP)
-	$(BIN)/python -m megatron_ucp.demo
+	$(BIN)/python -m demo
 
 test: $(STAMP) matrix
 	@rm -rf $(RESULTS) && mkdir -p $(RESULTS)
 	$(MAKE) --no-print-directory test-main test-matrix; status=$$?; \
-		$(BIN)/python tests/matrix_summary.py $(RESULTS); exit $$status
+		$(BIN)/python tests/support/matrix_summary.py $(RESULTS); exit $$status
 
-# The whole suite on DeepSpeed $(DEEPSPEED_VERSION) (the real Megatron-DeepSpeed does not import it unedited).
+# The layering contracts (pyproject.toml [tool.importlinter]), then the whole suite on DeepSpeed
+# $(DEEPSPEED_VERSION) (the real Megatron-DeepSpeed does not import it unedited).
 test-main: $(STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q tests --ignore=tests/integration --junitxml=$(RESULTS)/deepspeed-$(DEEPSPEED_VERSION).xml
 
 # Every release runs even when one fails; the status is the worst.

@@ -158,7 +158,7 @@ def tool_argv(tool: str, tag: Path, out: Path, workers: int) -> list[list[str]]:
 def baseline_rss() -> tuple[int, bool]:
     """Resident memory of a process that has imported the converter and nothing more (the fixed
     overhead), and whether that import brought torch in."""
-    code = ("import sys, megatron_ucp.convert, megatron_ucp.cli, megatron_ucp.commands.convert, psutil, os; "
+    code = ("import sys, megatron_ucp.convert.execute, megatron_ucp.cli, megatron_ucp.cli.convert, psutil, os; "
             "print(psutil.Process(os.getpid()).memory_info().rss, int('torch' in sys.modules))")
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     rss, torch_imported = subprocess.run([python(), "-c", code], capture_output=True, text=True, env=env,
@@ -172,7 +172,7 @@ def startup_probe(reps: int = 5) -> float:
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        subprocess.run([python(), "-c", "import megatron_ucp.cli, megatron_ucp.convert, megatron_ucp.commands.convert"],
+        subprocess.run([python(), "-c", "import megatron_ucp.cli, megatron_ucp.convert.execute, megatron_ucp.cli.convert"],
                        check=True, env=env, cwd=REPO_ROOT)
         times.append(time.perf_counter() - t0)
     return median(times)
@@ -181,8 +181,8 @@ def startup_probe(reps: int = 5) -> float:
 def metadata_probe(name: str) -> dict:
     """RSS and time to read every rank file's metadata and build the plan (memory-mapped: no tensor bytes)."""
     tag = ensure(name) / mk.TAG
-    code = ("import os, time, psutil, sys; from pathlib import Path; import megatron_ucp.convert as C, "
-            "megatron_ucp.reader as R; p = psutil.Process(); b = p.memory_info().rss; t = time.perf_counter(); "
+    code = ("import os, time, psutil, sys; from pathlib import Path; import megatron_ucp.convert.execute as C, "
+            "megatron_ucp.deepspeed.reader as R; p = psutil.Process(); b = p.memory_info().rss; t = time.perf_counter(); "
             f"m = R.read_checkpoint(Path({str(tag)!r})); plan = C.plan_checkpoint(m); "
             "print(m.dp, time.perf_counter() - t, p.memory_info().rss - b, b)")
     out = subprocess.run([python(), "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, check=True,

@@ -4,7 +4,7 @@ The checkpoint is ``m100-dp8`` (``benchmarks/make_checkpoint.py``: a real DeepSp
 bf16 run at DP=8, DeepSpeedZeroOptimizer, 100.7M parameters), converted once by each tool into
 its own copy of the root (the native files hard-linked, the universal folders cached in
 ``benchmarks/.cache/resume-<name>/``). Every repetition then starts ``--dp`` real DeepSpeed
-processes (CPU, gloo; the test harness ``tests/dsharness``) that build the same model and call
+processes (CPU, gloo; the test harness ``tests/support/dsharness``) that build the same model and call
 ``engine.load_checkpoint`` once, in a rotating order of the routes:
 
 * ``stock``: stock DeepSpeed's own loader (``"load_universal": true``) on stock's folder;
@@ -83,7 +83,7 @@ def universal_state_bytes(folder: Path) -> int:
 
 
 def run_route(route: str, roots: dict[str, Path], spec: "mk.CkptSpec", dp: int, cache: str, scratch: Path) -> dict:
-    from tests.dsharness import TrainSpec, run_training
+    from tests.support.dsharness import TrainSpec, run_training
 
     root = roots["stock" if route in ("stock", "ours-on-stock") else "ours"]
     folder = root / UNIVERSAL

@@ -68,11 +68,11 @@ class WorkerConfig:
 def _worker(cfg: WorkerConfig) -> None:
     sys.path.insert(0, str(REPO_ROOT))
     import megatron_ucp
-    from megatron_ucp.async_convert import read_registrations
-    from megatron_ucp.hooks.async_trigger import trigger_timings
-    from tests.dsharness import TrainSpec
-    from tests.dsharness.model import rank_batch
-    from tests.dsharness.worker import Rank
+    from megatron_ucp.background.store import read_registrations
+    from megatron_ucp.integration.async_trigger import trigger_timings
+    from tests.support.dsharness import TrainSpec
+    from tests.support.dsharness.model import rank_batch
+    from tests.support.dsharness.worker import Rank
 
     shape = MODELS[cfg.model]
     plugin = {"keep_last": 1, "converter_exit_wait": 1800}
@@ -146,8 +146,8 @@ def _worker(cfg: WorkerConfig) -> None:
 # ================================================================================================
 
 def _launch(cfg: WorkerConfig, log_dir: Path) -> dict:
-    from megatron_ucp.demo_launch import launch
-    from tests.dsharness.launch import extensions_dir
+    from demo.launch import launch
+    from tests.support.dsharness.launch import extensions_dir
 
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]]
                                                               if os.environ.get("PYTHONPATH") else [])),

@@ -108,7 +108,7 @@ def build(spec: CkptSpec, timeout: float = 3600) -> Path:
     if is_built(spec.name):
         return root
     sys.path.insert(0, str(REPO_ROOT))
-    from tests.dsharness import TrainSpec, run_training
+    from tests.support.dsharness import TrainSpec, run_training
 
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     tmp = CACHE_DIR / f".{spec.name}.building"
@@ -150,11 +150,11 @@ def synthesize(src_name: str, dp: int) -> str:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     sys.path.insert(0, str(REPO_ROOT))
-    from megatron_ucp.convert import RankFileCache
-    from megatron_ucp.verify import assemble_state
-    from megatron_ucp.geometry import GroupGeometry
-    from megatron_ucp.plan import build_plan
-    from megatron_ucp.reader import read_checkpoint
+    from megatron_ucp.convert.writer import RankFileCache
+    from megatron_ucp.convert.verify import assemble_state
+    from megatron_ucp.plan.geometry import GroupGeometry
+    from megatron_ucp.plan.conversion import build_plan
+    from megatron_ucp.deepspeed.reader import read_checkpoint
 
     name = f"{src_name}-as-dp{dp}"
     root = checkpoint_root(name)

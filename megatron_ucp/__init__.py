@@ -6,10 +6,9 @@ The converter, verifier and inspector are plain library functions behind the ``m
 """
 from __future__ import annotations
 
-from .config import UcpConfig
-from .errors import UcpError
-from .hooks import active_config, install, uninstall
-
-__version__ = "0.1.0"
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.errors import UcpError
+from megatron_ucp.integration.install import active_config, install, uninstall
+from megatron_ucp.version import __version__
 
 __all__ = ["UcpConfig", "UcpError", "install", "uninstall", "active_config", "__version__"]

@@ -1,15 +1,19 @@
-"""One typed configuration for everything :func:`megatron_ucp.install` turns on.
+"""One typed configuration for everything :func:`megatron_ucp.install` turns on, and its one parser.
 
 Built once (from keyword arguments, ``--ucp-*`` options or ``MEGATRON_UCP_*`` variables) and
-validated in ``__post_init__``; every hook reads the same frozen object.
+validated in ``__post_init__``; every hook reads the same frozen object. The option table is
+derived from the dataclass fields (:func:`option_specs`), so a new field gets its ``--ucp-*``
+option and its variable; :func:`build_settings` merges options over variables over defaults.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import typing
 from dataclasses import dataclass, fields
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
-from .errors import UcpError
+from megatron_ucp.errors import UcpError
 
 
 @dataclass(frozen=True)
@@ -59,13 +63,176 @@ class UcpConfig:
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "UcpConfig":
         """The config ``MEGATRON_UCP_<FIELD>`` variables describe (unset fields keep their defaults).
 
-        Same parsing as the runner's ``--ucp-*`` options (see :mod:`megatron_ucp.run`); bad values
+        Same parsing as the runner's ``--ucp-*`` options (see :mod:`megatron_ucp.integration.run`); bad values
         raise :class:`UcpError` naming the variable.
         """
-        from .run import build_settings  # the one parser of options and variables
-
         return build_settings([], os.environ if env is None else env)[0]
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+OPTION_PREFIX = "--ucp-"
+ENV_PREFIX = "MEGATRON_UCP_"
+ENV_SWITCH = "MEGATRON_UCP"
+"""``MEGATRON_UCP=0`` runs the script untouched: no hooks, no argv changes (same switch as patches/)."""
+
+_TRUE = {"1", "true", "yes", "on"}
+FALSE_WORDS = {"0", "false", "no", "off"}
+_NONE = {"none", "all", "auto", "unlimited", ""}
+NONE_WORD = {"keep_last": "all", "ranks_per_node": "auto"}
+"""How each optional-int field spells None on the command line and in help."""
+
+
+# ================================================================================================
+# option table: every UcpConfig field, plus the runner's own settings
+# ================================================================================================
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """What the runner itself does (not hooks): the DP-change adjustments of the script's argv."""
+
+    keep_global_batch: bool = True
+    """On a DP change, add the checkpoint's global batch when the command line does not pin one."""
+    reseed: bool = True
+    """On a DP change, add --no-load-rng and re-seed every rank deterministically after the load."""
+    dry_run: bool = False
+    """Print the decisions and the final command line, run nothing."""
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One ``--ucp-<name>`` option / ``MEGATRON_UCP_<NAME>`` variable and the field it sets."""
+
+    name: str
+    kind: str
+    """``bool``, ``int``, ``optint`` (an int or none/all) or ``str``."""
+    help: str
+    runner: bool = False
+    """True for RunnerSettings fields, False for UcpConfig fields."""
+
+    @property
+    def option(self) -> str:
+        return OPTION_PREFIX + self.name.replace("_", "-")
+
+    @property
+    def negative(self) -> Optional[str]:
+        return OPTION_PREFIX + "no-" + self.name.replace("_", "-") if self.kind == "bool" else None
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+_HELP = {
+    "record_true_lengths": "record each rank's true partition lengths at save (needed for exact conversion)",
+    "elastic_resume": "on a DP change, load the universal twin <tag>_universal (converting it first if missing)",
+    "strict": "fail a universal load that leaves any checkpoint tensor or optimizer state unaccounted for",
+    "async_convert": "convert every saved tag to the universal layout in the background",
+    "keep_last": "keep at most N universal folders per checkpoint root ('all': keep every one)",
+    "converter_workers": "worker processes per converter (one converter per node)",
+    "converter_threads": "OpenMP/torch threads of each converter process (torch is only used for rare fallbacks)",
+    "converter_exit_wait": "seconds a node waits at exit for its background converter to finish (0: do not wait)",
+    "ranks_per_node": "processes per node, to run one converter per node (default: LOCAL_WORLD_SIZE)",
+    "allow_untested_deepspeed": "install the hooks on a DeepSpeed version they were not written for",
+    "keep_global_batch": "on a DP change, keep the checkpoint's global batch unless --global-batch-size is given",
+    "reseed": "on a DP change, add --no-load-rng and re-seed each rank from (--seed, iteration, rank) after the load",
+    "dry_run": "print the decisions and the final command line; run nothing",
+}
+
+
+def _kind_of(annotation: Any) -> Optional[str]:
+    if annotation is bool:
+        return "bool"
+    if annotation is int:
+        return "int"
+    if annotation is str:
+        return "str"
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Union and args == [int]:
+        return "optint"
+    if typing.get_origin(annotation) is typing.Union and args == [str]:
+        return "str"
+    return None
+
+
+def option_specs() -> tuple[OptionSpec, ...]:
+    """Options derived from the dataclass fields, so a new UcpConfig field gets an option and a variable."""
+    specs = []
+    for cls, runner in ((UcpConfig, False), (RunnerSettings, True)):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = _kind_of(hints[f.name])
+            if kind is not None:
+                specs.append(OptionSpec(f.name, kind, _HELP.get(f.name, f"{cls.__name__}.{f.name}"), runner))
+    return tuple(specs)
+
+
+def spec_by_option() -> dict[str, tuple[OptionSpec, Optional[bool]]]:
+    """``--ucp-x`` -> (spec, None); for bools also ``--ucp-no-x`` -> (spec, False) and ``--ucp-x`` -> True."""
+    table: dict[str, tuple[OptionSpec, Optional[bool]]] = {}
+    for spec in option_specs():
+        table[spec.option] = (spec, True if spec.kind == "bool" else None)
+        if spec.negative:
+            table[spec.negative] = (spec, False)
+    return table
+
+
+# ================================================================================================
+# settings: options > MEGATRON_UCP_* environment > defaults (pure)
+# ================================================================================================
+
+def parse_value(spec: OptionSpec, raw: str, where: str) -> Any:
+    text = raw.strip().lower()
+    if spec.kind == "bool":
+        if text in _TRUE:
+            return True
+        if text in FALSE_WORDS:
+            return False
+        raise UcpError(f"{where}: expected one of 1/0, true/false, yes/no, on/off, got {raw!r}", subject=where)
+    if spec.kind == "optint" and text in _NONE:
+        return None
+    if spec.kind in ("int", "optint"):
+        try:
+            return int(text)
+        except ValueError:
+            extra = f" or {NONE_WORD.get(spec.name, 'none')!r}" if spec.kind == "optint" else ""
+            raise UcpError(f"{where}: expected an integer{extra}, got {raw!r}", subject=where) from None
+    return raw
+
+
+def build_settings(options: Sequence[tuple[str, str]], env: Mapping[str, str]
+                   ) -> tuple[UcpConfig, RunnerSettings, tuple[str, ...]]:
+    """The config, the runner settings, and one line per value that differs from its default
+    (saying where it came from), for the log."""
+    specs = {s.name: s for s in option_specs()}
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for spec in specs.values():
+        if spec.env in env:
+            values[spec.name] = parse_value(spec, env[spec.env], spec.env)
+            origin[spec.name] = spec.env
+    for name, raw in options:
+        spec = specs[name]
+        values[name] = parse_value(spec, raw, spec.option)
+        # a bool switched off came from --ucp-no-<name> (or --ucp-<name>=0, which means the same)
+        origin[name] = spec.negative if spec.kind == "bool" and values[name] is False else spec.option
+    config = UcpConfig(**{k: v for k, v in values.items() if not specs[k].runner})
+    settings = RunnerSettings(**{k: v for k, v in values.items() if specs[k].runner})
+    defaults = {**dataclasses.asdict(UcpConfig()), **dataclasses.asdict(RunnerSettings())}
+    lines = tuple(f"{k}={values[k]!r} (from {origin[k]})" for k in sorted(values) if values[k] != defaults[k])
+    return config, settings, lines
+
+
+def config_env(config: UcpConfig) -> dict[str, str]:
+    """MEGATRON_UCP_* variables equal to ``config``: exported so that a script that also calls
+    ``megatron_ucp.install()`` (patches/megatron-deepspeed) or a child process sees the same settings."""
+    out = {}
+    for spec in option_specs():
+        if spec.runner:
+            continue
+        value = getattr(config, spec.name)
+        out[spec.env] = ("1" if value else "0") if spec.kind == "bool" else (
+            NONE_WORD.get(spec.name, "none") if value is None else str(value))
+    return out

@@ -16,8 +16,8 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from tests.dsharness.checkpoints import CheckpointCache, LegacyFixture, session_cache  # noqa: E402
-from tests.dsharness.checkpoints import legacy_fixture as _legacy_fixture  # noqa: E402
+from tests.support.dsharness.checkpoints import CheckpointCache, LegacyFixture, session_cache  # noqa: E402
+from tests.support.dsharness.checkpoints import legacy_fixture as _legacy_fixture  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@
 # argonne-lcf/Megatron-DeepSpeed's pretrain_gpt_alcf.py: megatron-core GPT model,
 # DeepSpeed ZeRO-1 bf16) as NPROC local ranks over gloo, the way torchrun would
 # set them up, either through megatron-ucp's runner (UCP=1, the default) or with
-# stock DeepSpeed only (UCP=0). `make demo` (python -m megatron_ucp.demo) calls it
+# stock DeepSpeed only (UCP=0). `make demo` (python -m demo) calls it
 # for every run it makes.
 #
 # Usage (from anywhere):

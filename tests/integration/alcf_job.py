@@ -2,7 +2,7 @@
 
 The chain is the real one: our wrapper -> the checkout's ``train_aGPT_7B.sh`` -> ``ALCF/helpers.sh``
 (which sources ezpz's ``utils.sh``, builds the DeepSpeed config and the training arguments) ->
-``ezpz launch`` -> ``mpiexec`` -> the launcher shim -> ``megatron_ucp.run`` -> ``pretrain_gpt_alcf.py``.
+``ezpz launch`` -> ``mpiexec`` -> the launcher shim -> ``megatron_ucp.integration.run`` -> ``pretrain_gpt_alcf.py``.
 Nothing of it is edited. What the test provides instead of a real Aurora job, all in a folder of
 stand-ins first on ``PATH`` (plus one file PBS itself would have written):
 

@@ -66,7 +66,7 @@ def deepspeed_version() -> str:
 
 def script_imports_unedited(ds_version: str) -> bool:
     """``megatron/training.py`` imports ``deepspeed.compression.compress`` (versions.Internals)."""
-    from megatron_ucp.versions import internals
+    from megatron_ucp.deepspeed.versions import internals
 
     return internals(ds_version).ships_compression
 
@@ -265,7 +265,7 @@ def run_mds(co: Checkout, run: MdsRun) -> MdsResult:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(run.nproc),
                 "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
     if run.route == "runner":
-        target = ["-m", "megatron_ucp.run", str(co.entry)]
+        target = ["-m", "megatron_ucp.integration.run", str(co.entry)]
     elif run.route == "plain":
         target = [str(co.entry)]
     elif run.route == "script":

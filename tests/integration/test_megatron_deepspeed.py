@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ucp import dsformat as F
-from megatron_ucp.universal import read_manifest, universal_state
-from megatron_ucp.verify import verify_universal
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.convert.universal import read_manifest, universal_state
+from megatron_ucp.convert.verify import verify_universal
 from tests.integration.mds import MdsModel, MdsResult, MdsRun, point_latest_at, run_mds
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -59,7 +59,7 @@ update, is held to LOSS_TOLERANCE everywhere."""
 
 
 def assert_continues(resumed: MdsResult, reference: MdsResult, steps=(4, 5, 6), optimizer: str = "bf16") -> None:
-    from megatron_ucp.versions import internals
+    from megatron_ucp.deepspeed.versions import internals
 
     later = LOSS_TOLERANCE if optimizer != "bf16" or internals().bf16_dp_invariant else DP_VARIANT_TOLERANCE
     for i, step in enumerate(steps):

@@ -1,0 +1,285 @@
+"""What a checkpoint root holds, tag by tag: native checkpoint, universal twin, conversion state.
+
+Read-only. Facts come from the folders (manifest = complete, staging sibling = unfinished), the
+background queue under ``<root>/.ucp/`` (active / pending jobs, recent events, converter
+heartbeats, progress files) and the model states (DP size). :func:`classify` turns the facts of
+one tag into its universal state without I/O, so the precedence is tested on its own:
+complete > foreign > in progress > pending > failed > interrupted > skipped > removed > absent.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from megatron_ucp.background import queue as B
+from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format.paths import read_tag_file
+from megatron_ucp.plan.tags import chronological
+
+__all__ = ["UniversalStatus", "TagFacts", "TagStatus", "RootStatus", "classify", "root_status", "format_status"]
+
+log = logging.getLogger(__name__)
+
+
+class UniversalStatus(str, enum.Enum):
+    COMPLETE = "complete"
+    STALE = "stale"
+    FOREIGN = "foreign"
+    IN_PROGRESS = "in progress"
+    PENDING = "pending"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+    SKIPPED = "skipped"
+    REMOVED = "removed"
+    ABSENT = "absent"
+
+
+@dataclass(frozen=True)
+class TagFacts:
+    """Everything :func:`classify` needs about one tag (gathered by :func:`root_status`)."""
+
+    tag: str
+    folder: str
+    """``complete`` / ``foreign`` / ``absent`` (:func:`megatron_ucp.convert.universal.universal_state`)."""
+    staging: bool = False
+    staging_live: bool = False
+    active: Optional[str] = None
+    """The queue's verdict when this tag is the active job: ``running`` / ``dead`` / ... (Outcome)."""
+    pending: bool = False
+    last_event: Optional[B.Event] = None
+    progress: Optional[float] = None
+    shares: Optional[tuple[int, int]] = None
+    """(shares done, share count) of the staging folder."""
+    root: str = "ROOT"
+
+
+def classify(f: TagFacts) -> tuple[UniversalStatus, str]:
+    """The tag's universal state and a one-line detail (progress, log path, what to do)."""
+    convert_hint = f"`megatron-ucp convert {f.root} --tag {f.tag}` converts it"
+    if f.folder == "complete":
+        return UniversalStatus.COMPLETE, ""
+    if f.folder == "stale":
+        return UniversalStatus.STALE, (f"converted from an earlier save of {f.tag}; the next save or resume "
+                                       f"reconverts it, or `megatron-ucp convert {f.root} --tag {f.tag} --force`")
+    if f.folder == "foreign":
+        return UniversalStatus.FOREIGN, "exists without a megatron-ucp manifest (stock converter, or copied)"
+    ev = f.last_event
+    if f.staging_live or f.active == B.Outcome.RUNNING.value:
+        parts = []
+        if f.progress is not None:  # bytes written run a little ahead of the estimate: 100% only when committed
+            parts.append(f"{min(f.progress, 0.99):.0%}")
+        if f.shares is not None and f.shares[1] > 1:
+            parts.append(f"{f.shares[0]}/{f.shares[1]} shares done")
+        return UniversalStatus.IN_PROGRESS, ", ".join(parts) or "starting"
+    if f.pending:
+        return UniversalStatus.PENDING, "queued behind the active conversion"
+    if ev is not None and ev.kind in (B.EventKind.FAILED, B.EventKind.REJECTED):
+        return UniversalStatus.FAILED, ev.message + (f"; log: {ev.log}" if ev.log else "")
+    if f.staging or f.active is not None or (ev is not None and ev.kind in (B.EventKind.INTERRUPTED,
+                                                                             B.EventKind.CLEANED)):
+        why = "its converter stopped before committing (killed, or the job ended)"
+        return UniversalStatus.INTERRUPTED, f"{why}; {convert_hint}"
+    if ev is not None and ev.kind is B.EventKind.SKIPPED:
+        return UniversalStatus.SKIPPED, f"a newer save was queued first; {convert_hint}"
+    if ev is not None and ev.kind is B.EventKind.REMOVED:
+        return UniversalStatus.REMOVED, ev.message
+    return UniversalStatus.ABSENT, ""
+
+
+@dataclass(frozen=True)
+class TagStatus:
+    tag: str
+    native: bool
+    universal: UniversalStatus
+    detail: str
+    dp: Optional[int]
+    native_bytes: Optional[int]
+    universal_bytes: Optional[int]
+    seconds: Optional[float]
+    """Conversion time recorded in the manifest."""
+    latest: bool
+    latest_universal: bool
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["universal"] = self.universal.value
+        return d
+
+
+@dataclass(frozen=True)
+class RootStatus:
+    root: Path
+    latest: Optional[str]
+    latest_universal: Optional[str]
+    tags: tuple[TagStatus, ...]
+    converters: tuple[str, ...]
+    """One line per node's background converter that is alive."""
+
+    @property
+    def latest_converted(self) -> bool:
+        """The tag in ``latest`` has a complete universal twin (what a resume at another DP size needs)."""
+        return any(t.tag == self.latest and t.universal is UniversalStatus.COMPLETE for t in self.tags)
+
+    def to_json(self) -> dict:
+        return {"root": str(self.root), "latest": self.latest, "latest_universal": self.latest_universal,
+                "latest_converted": self.latest_converted, "converters": list(self.converters),
+                "tags": [t.to_json() for t in self.tags]}
+
+
+def _read_text(path: Path) -> Optional[str]:
+    """The tag a ``latest``-style file names; a damaged one is reported and shown as absent
+    (status describes the root, it does not fail on one bad file, and never opens a FIFO)."""
+    try:
+        return read_tag_file(path)
+    except CheckpointFormatError as exc:
+        log.warning("%s", exc)
+        return None
+
+
+def _folder_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _is_native_tag(path: Path) -> bool:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(F.MODEL_FILE_RE.match(n) or F.OPTIM_FILE_RE.match(n) for n in names)
+
+
+def _native_dp(tag_dir: Path) -> Optional[int]:
+    """The DP size a native tag was saved at; None when unreadable (status describes, it does not fail)."""
+    from megatron_ucp.deepspeed.reader import recorded_dp
+
+    try:
+        return recorded_dp(tag_dir)
+    except CheckpointFormatError:
+        return None
+
+
+def _progress(root: Path, tag: str, attempt: Optional[str]) -> Optional[float]:
+    from megatron_ucp.background.store import PROGRESS_DIR, ucp_dir
+
+    done, total = [], []
+    for path in (ucp_dir(root) / PROGRESS_DIR).glob(f"{tag}.node*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if attempt is None or data.get("attempt") == attempt:
+            done.append(int(data.get("done", 0)))
+            total.append(int(data.get("total", 0)))
+    return B.progress_fraction(done, total)
+
+
+def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) -> RootStatus:
+    """Gather the facts of every tag under ``root`` and classify them."""
+    from megatron_ucp.background.store import job_facts, read_queue, read_registrations
+    from megatron_ucp.convert.universal import inspect_staging, read_manifest, universal_state
+
+    root = Path(root).resolve()
+    if not root.is_dir():
+        raise CheckpointFormatError(f"{root}: not a directory", subject=root)
+    latest = _read_text(root / F.LATEST)
+    latest_universal = _read_text(root / F.LATEST_UNIVERSAL)
+    queue = read_queue(root)
+    regs = read_registrations(root)
+    now = time.time()
+
+    tags: dict[str, float] = {}
+    for entry in os.scandir(root):
+        if not entry.is_dir() or entry.name.startswith("."):
+            continue
+        path = Path(entry.path)
+        if entry.name.endswith(F.UNIVERSAL_SUFFIX):
+            tags.setdefault(entry.name[:-len(F.UNIVERSAL_SUFFIX)], entry.stat().st_mtime)
+        elif _is_native_tag(path):
+            tags[entry.name] = entry.stat().st_mtime
+    for job in (queue.active, queue.pending):
+        if job is not None:
+            tags.setdefault(job.tag, job.requested)
+
+    active_verdict = None
+    if queue.active is not None:
+        active_verdict = B.judge(queue, queue.active, job_facts(root, queue.active, regs, 60.0), now).value
+
+    rows = []
+    for tag, _ in chronological(tags.items()):
+        native_dir = root / tag
+        twin = root / F.universal_tag(tag)
+        folder = universal_state(twin, native_dir)
+        info = inspect_staging(twin)
+        is_active = queue.active is not None and queue.active.tag == tag
+        facts = TagFacts(
+            tag=tag, folder=folder, staging=info is not None, staging_live=bool(info and info.is_live(60.0)),
+            active=active_verdict if is_active and active_verdict in (B.Outcome.RUNNING.value, B.Outcome.DEAD.value)
+            else None,
+            pending=queue.pending is not None and queue.pending.tag == tag, last_event=queue.last_event(tag),
+            progress=_progress(root, tag, queue.active.attempt if is_active else None) if info or is_active else None,
+            shares=(len(info.shares_done), info.share_count) if info is not None else None, root=str(root))
+        state, detail = classify(facts)
+        try:
+            manifest = read_manifest(twin) if folder in ("complete", "stale") else None
+        except CheckpointFormatError as exc:  # one damaged folder does not hide the others
+            manifest = None
+            state, detail = UniversalStatus.FAILED, f"{exc}; `megatron-ucp verify {twin}` checks it"
+        dp_size = None
+        if manifest is not None:
+            dp_size = (manifest.get("source") or {}).get("dp")
+        if dp_size is None and dp and native_dir.is_dir():
+            dp_size = _native_dp(native_dir)
+        rows.append(TagStatus(
+            tag=tag, native=native_dir.is_dir() and _is_native_tag(native_dir), universal=state, detail=detail,
+            dp=dp_size, native_bytes=_folder_bytes(native_dir) if sizes and native_dir.is_dir() else None,
+            universal_bytes=_folder_bytes(twin) if sizes and twin.is_dir() else None,
+            seconds=manifest.get("seconds") if manifest else None, latest=tag == latest,
+            latest_universal=latest_universal == twin.name))
+    converters = tuple(f"node {r.node}: pid {r.pid} on {r.host}, {r.phase}"
+                       + (f" ({r.attempt})" if r.attempt else "") + f", heartbeat {r.age:.0f}s ago"
+                       for r in sorted(regs.values(), key=lambda r: r.node) if r.alive())
+    return RootStatus(root=root, latest=latest, latest_universal=latest_universal, tags=tuple(rows),
+                      converters=converters)
+
+
+def _size(n: Optional[int]) -> str:
+    from megatron_ucp.deepspeed.reader import human_bytes
+
+    return "-" if n is None else human_bytes(n)
+
+
+def format_status(rs: RootStatus) -> str:
+    """A table, one row per tag, then the details that do not fit in it."""
+    header = ("tag", "native", "universal", "DP", "native size", "universal size", "conversion")
+    table = [header]
+    for t in rs.tags:
+        marks = (" [latest]" if t.latest else "") + (" [latest_universal]" if t.latest_universal else "")
+        uni = t.universal.value + (f" {t.detail}" if t.universal is UniversalStatus.IN_PROGRESS and t.detail else "")
+        table.append((t.tag + marks, "yes" if t.native else "no", uni, str(t.dp) if t.dp is not None else "-",
+                      _size(t.native_bytes), _size(t.universal_bytes), B.fmt_seconds(t.seconds)))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = [f"{rs.root}: latest = {rs.latest or '-'}, latest_universal = {rs.latest_universal or '-'}"]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    notes = [f"  {t.tag}: {t.universal.value}: {t.detail}" for t in rs.tags
+             if t.detail and t.universal is not UniversalStatus.IN_PROGRESS]
+    if notes:
+        lines += ["", "details:"] + notes
+    lines += [""] + ([f"background converters: {c}" for c in rs.converters] or ["background converters: none running"])
+    if rs.latest is not None and not rs.latest_converted:
+        lines.append(f"NOTE: the latest tag {rs.latest} has no complete universal checkpoint yet; "
+                     f"`megatron-ucp convert {rs.root} --tag {rs.latest}` makes it")
+    return "\n".join(lines)

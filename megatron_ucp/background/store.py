@@ -1,0 +1,316 @@
+"""The files the trigger and the converters share under ``<root>/.ucp/``.
+
+``queue.json`` (the queue's state, replaced atomically under ``queue.lock``), ``events.log`` (one
+line per event), ``runners/node<N>.json`` (each node's converter: pid, phase, heartbeat by
+mtime), ``progress/`` and the per-attempt logs. Every reader tolerates a damaged or missing file
+(a fresh queue, no registration) and says so; what the facts mean is decided in
+:mod:`megatron_ucp.background.queue`.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from megatron_ucp.background import queue as B
+from megatron_ucp.convert.universal import COMPLETE, inspect_staging, universal_state
+from megatron_ucp.errors import UcpError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format import osio
+
+log = logging.getLogger(__name__)
+
+
+UCP_DIR = ".ucp"
+
+
+QUEUE_FILE = "queue.json"
+
+
+LOCK_FILE = "queue.lock"
+
+
+EVENTS_LOG = "events.log"
+
+
+RUNNERS_DIR = "runners"
+
+
+PROGRESS_DIR = "progress"
+
+
+LOCK_STALE_S = 30.0
+"""A lock file older than this (or held by a dead local process) is broken: holds last milliseconds."""
+
+
+STALE_AFTER_S = 60.0
+"""A converter heartbeat older than this is dead."""
+
+
+def ucp_dir(root: Path) -> Path:
+    return Path(root) / UCP_DIR
+
+
+class LockBusy(UcpError):
+    """The queue lock could not be taken in time."""
+
+
+class QueueLock:
+    """Exclusive lock on a root's queue: ``O_CREAT|O_EXCL`` on the shared filesystem (works across
+    nodes on NFS and Lustre, where ``flock`` may not). A holder that died is detected (same host:
+    its pid is gone; any host: the file is older than :data:`LOCK_STALE_S`) and the lock broken."""
+
+    def __init__(self, root: Path, timeout: float = 10.0):
+        self.path = ucp_dir(root) / LOCK_FILE
+        self.timeout = timeout
+        self._held = False
+
+    def __enter__(self) -> "QueueLock":
+        deadline = time.monotonic() + self.timeout
+        delay = 0.002
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = f"{socket.gethostname()} {os.getpid()} {time.time():.3f}\n".encode()
+        while True:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._maybe_break()
+            else:
+                os.write(fd, me)
+                os.close(fd)
+                self._held = True
+                return self
+            if time.monotonic() > deadline:
+                raise LockBusy(f"{self.path}: held by another process for more than {self.timeout:.0f}s",
+                               subject=self.path)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _maybe_break(self) -> None:
+        try:
+            st = self.path.stat()
+            holder = self.path.read_text().split()
+        except (OSError, ValueError):
+            return
+        age = time.time() - st.st_mtime
+        dead = len(holder) >= 2 and holder[0] == socket.gethostname() and holder[1].isdigit() \
+            and not osio.pid_alive(int(holder[1]))
+        if dead or age > LOCK_STALE_S:
+            broken = self.path.with_name(f"{LOCK_FILE}.broken-{os.getpid()}-{time.time_ns()}")
+            try:
+                os.rename(self.path, broken)
+                broken.unlink()
+                log.warning("%s: broke a stale lock (holder %s, %.0fs old)", self.path, " ".join(holder[:2]), age)
+            except OSError:
+                pass
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._held:
+            self._held = False
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def read_queue(root: Path) -> B.QueueState:
+    """The queue as last written (rename makes reads consistent without the lock)."""
+    try:
+        return B.QueueState.from_json(json.loads((ucp_dir(root) / QUEUE_FILE).read_text()))
+    except FileNotFoundError:
+        return B.QueueState()
+    except (OSError, ValueError) as exc:
+        log.warning("%s: unreadable (%s); starting an empty queue", ucp_dir(root) / QUEUE_FILE, exc)
+        return B.QueueState()
+
+
+def write_queue(root: Path, state: B.QueueState, events: Sequence[B.Event]) -> None:
+    """Replace the queue file by rename. Not fsynced (that costs a save tens of milliseconds on a
+    busy disk): the queue is advisory, the manifests are the truth, and an unreadable queue after
+    a crash reads as an empty one."""
+    quick_json(ucp_dir(root) / QUEUE_FILE, state.to_json())
+    if events:
+        with open(ucp_dir(root) / EVENTS_LOG, "a") as fh:
+            for e in events:
+                fh.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(e.time))} {e.line()}\n")
+
+
+def quick_json(path: Path, data: dict) -> None:
+    """Replace a small state file by rename, without fsync (queue, progress, registrations)."""
+    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Registration:
+    node: int
+    host: str
+    pid: int
+    phase: str
+    """``starting`` (spawned), ``converting`` / ``waiting`` (on ``attempt``), ``idle``."""
+    attempt: Optional[str]
+    age: float
+    """Seconds since the last heartbeat."""
+    since: float = 0.0
+    """When it entered ``phase``."""
+
+    def alive(self, stale_after: float = STALE_AFTER_S) -> bool:
+        if self.host == socket.gethostname() and not osio.pid_alive(self.pid):
+            return False
+        return self.age < stale_after
+
+
+def registration_path(root: Path, node: int) -> Path:
+    return ucp_dir(root) / RUNNERS_DIR / f"node{node}.json"
+
+
+def read_registrations(root: Path) -> dict[int, Registration]:
+    out = {}
+    folder = ucp_dir(root) / RUNNERS_DIR
+    now = time.time()
+    for path in folder.glob("node*.json") if folder.is_dir() else ():
+        try:
+            data = json.loads(path.read_text())
+            age = now - path.stat().st_mtime
+            node = int(data["node"])
+            out[node] = Registration(node, str(data["host"]), int(data["pid"]), str(data.get("phase", "")),
+                                     data.get("attempt"), age, float(data.get("since", 0.0)))
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def register(root: Path, node: int, pid: int, phase: str, attempt: Optional[str] = None) -> None:
+    path = registration_path(root, node)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    quick_json(path, {"node": node, "host": socket.gethostname(), "pid": pid, "phase": phase, "attempt": attempt,
+                       "since": time.time()})
+
+
+def unregister(root: Path, node: int, pid: int) -> None:
+    reg = read_registrations(root).get(node)
+    if reg is not None and reg.pid == pid and reg.host == socket.gethostname():
+        with contextlib.suppress(FileNotFoundError):
+            registration_path(root, node).unlink()
+
+
+def twin_path(root: Path, tag: str) -> Path:
+    return Path(root) / F.universal_tag(tag)
+
+
+def job_facts(root: Path, job: B.Job, regs: dict[int, Registration], stale_after: float) -> B.JobFacts:
+    """Converters count as alive for the job while ``starting`` (about to join whatever is active)
+    or ``converting`` it; a converter ``waiting`` for the others does not keep a job alive."""
+    output = twin_path(root, job.tag)
+    info = inspect_staging(output)
+    runners = any(r.alive(stale_after)
+                  and (r.phase == "starting" or (r.phase == "converting" and r.attempt == job.attempt))
+                  for r in regs.values())
+    joined = [r for r in regs.values()
+              if r.attempt == job.attempt or (r.phase == "starting" and r.since >= (job.activated or 0.0))]
+    return B.JobFacts(universal_complete=universal_state(output, root / job.tag) == COMPLETE,
+                      staging_live=info is not None and info.is_live(stale_after), runners_live=runners,
+                      shares_failed=info.failed if info is not None and info.attempt_id == job.attempt else (),
+                      runners_gone=bool(joined) and not any(r.alive(stale_after) for r in joined))
+
+
+def staging_dead(output: Path, stale_after: float, now: Optional[float] = None) -> bool:
+    """A staging folder nobody works on: no live heartbeat, and (when no heartbeat file is left at
+    all, e.g. between shares) nothing in it touched for ``stale_after`` seconds."""
+    info = inspect_staging(output)
+    if info is None or info.is_live(stale_after):
+        return False
+    hb = info.path / "heartbeats"
+    if hb.is_dir() and any(hb.iterdir()):
+        return True  # heartbeats exist and none is alive: their processes are gone or silent
+    now = time.time() if now is None else now
+    newest = 0.0
+    for p in (info.path, info.path / "shares", info.path / "attempt.json", hb):
+        with contextlib.suppress(OSError):
+            newest = max(newest, p.stat().st_mtime)
+    return now - newest > stale_after
+
+
+def clean_dead_staging(root: Path, state: B.QueueState, stale_after: float, now: float
+                        ) -> tuple[B.QueueState, list[B.Event]]:
+    """Remove staging folders whose converters are gone: they never look finished, but they use disk."""
+    events = []
+    for path in sorted(Path(root).glob(f".*{F.UNIVERSAL_SUFFIX}{F.STAGING_SUFFIX}")):
+        output = path.parent / path.name[1:-len(F.STAGING_SUFFIX)]
+        if not staging_dead(output, stale_after, now):
+            continue
+        trash = path.with_name(f"{path.name}.trash-{os.getpid()}-{time.time_ns()}")
+        try:
+            os.rename(path, trash)
+        except OSError:
+            continue
+        shutil.rmtree(trash, ignore_errors=True)
+        tag = output.name[:-len(F.UNIVERSAL_SUFFIX)]
+        state, event = state.add(tag, B.EventKind.CLEANED, f"removed the dead staging folder {path.name}", now)
+        events.append(event)
+    return state, events
+
+
+def record_event(root: Path, tag: str, kind: B.EventKind, message: str, **extra: Any) -> B.Event:
+    with QueueLock(root, timeout=60.0):
+        state, event = read_queue(root).add(tag, kind, message, time.time(), **extra)
+        write_queue(root, state, [event])
+    (log.info if kind in (B.EventKind.COMPLETE, B.EventKind.REMOVED, B.EventKind.CLEANED) else log.error)(
+        "%s", event.line())
+    return event
+
+
+NICE_INCREMENT = 10
+POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class ConverterSettings:
+    workers: int = 1
+    threads: int = 1
+    keep_last: Optional[int] = None
+    stale_after: float = STALE_AFTER_S
+    nice: int = NICE_INCREMENT
+    job_id: str = "local"
+    python: str = field(default_factory=lambda: sys.executable)
+
+    def argv(self) -> list[str]:
+        out = ["--workers", str(self.workers), "--threads", str(self.threads), "--stale-after",
+               str(self.stale_after), "--nice", str(self.nice), "--job-id", self.job_id]
+        if self.keep_last is not None:
+            out += ["--keep-last", str(self.keep_last)]
+        return out
+
+    @staticmethod
+    def job_id_from_env(env: Optional[dict] = None) -> str:
+        env = os.environ if env is None else env
+        for key in ("PBS_JOBID", "SLURM_JOB_ID", "LSB_JOBID", "FLUX_JOB_ID", "TORCHELASTIC_RUN_ID"):
+            if env.get(key):
+                return str(env[key])
+        return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def advance_locked(root: Path, state: B.QueueState, settings: ConverterSettings, now: float,
+                    redo_dead: bool) -> tuple[B.QueueState, Optional[B.Job], list[B.Event]]:
+    """Judge the active job, settle it, activate the next; on activation clear dead staging first."""
+    outcome = None
+    if state.active is not None:
+        outcome = B.judge(state, state.active, job_facts(root, state.active, read_registrations(root),
+                                                         settings.stale_after), now)
+    before = state.active.attempt if state.active is not None else None
+    state, job, events = B.advance(state, outcome, now, lambda j: B.attempt_id(j.tag, settings.job_id, j.tries, now),
+                                   redo_dead=redo_dead)
+    if job is not None and job.attempt != before:
+        state, cleaned = clean_dead_staging(root, state, settings.stale_after, now)
+        events += cleaned
+        log.info("activated conversion of %s (attempt %s, %d share(s))", job.tag, job.attempt, job.share_count)
+    return state, job, events

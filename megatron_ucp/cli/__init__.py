@@ -1,0 +1,55 @@
+"""The ``megatron-ucp`` command: parses arguments, calls the library, maps errors to exit codes.
+
+Each subcommand lives in ``megatron_ucp/commands/<name>.py`` and exposes
+``register(subparsers)``, which adds its parser and sets ``func(args) -> int``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Optional, Sequence
+
+from megatron_ucp.errors import UcpError
+
+COMMANDS = ("convert", "inspect", "verify", "status")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-ucp",
+        description="Universal checkpoints for Megatron-DeepSpeed ZeRO-1/2: convert, inspect, verify, resume.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"megatron_ucp.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":
+        # The runner hands the rest of argv to a training script untouched; see megatron_ucp.integration.run.
+        from megatron_ucp.integration.run import main as run_main
+        return run_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except UcpError as exc:
+        print(f"megatron-ucp {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"megatron-ucp {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"megatron-ucp {args.command}: interrupted; outputs not committed", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,458 @@
+"""Convert a ZeRO-1/2 checkpoint into DeepSpeed's universal layout, streaming and bit-exact.
+
+Call order: :func:`convert` resolves the source, reads metadata of every rank file (memory-mapped,
+no tensor bytes), builds and checks the :class:`~megatron_ucp.plan.conversion.ConversionPlan`, opens the
+staging sibling, then writes this share's parameters: each state file is written once, straight
+from the fragments in the memory-mapped rank files (:mod:`megatron_ucp.format.torchfile`: the bytes
+``torch.save`` would write, without assembling the tensor first), and the pages read are released
+as soon as the file is written. Nothing on this path imports torch (files are read by
+:mod:`megatron_ucp.format.torchload`); ``torch.save`` is the fallback for what the direct writer
+refuses. There are no per-fragment temporary files; resident memory is bounded by the state
+being written in each writer thread. Work is split deterministically by
+bytes between shares (e.g. one converter per node) and, inside a share, between writer threads.
+The last share to finish writes the common files, verifies completeness, and commits (see
+:mod:`megatron_ucp.convert.universal`).
+
+Size: :func:`convert` is one sequence (resolve, check the output's placement, plan, stage, write,
+commit, repair what an interrupted run left), and the functions here are its steps; writing the
+state files is :mod:`megatron_ucp.convert.writer`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from tqdm import tqdm
+
+from megatron_ucp.convert.universal import (COMPLETE, STALE, Staging, inspect_staging, move_latest_universal,
+                                            source_identity, stale_reason, universal_state, write_latest_universal)
+from megatron_ucp.convert.writer import Chunk, RankFileCache, Writer, save_file, torch_save_forced, write_chunk
+from megatron_ucp.deepspeed.reader import (CheckpointFiles, CheckpointMeta, ResolvedCheckpoint, find_checkpoint_files,
+                                           human_bytes, read_checkpoint, resolve_checkpoint)
+from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format import integrity, osio
+from megatron_ucp.format.paths import check_output_placement, special_kind
+from megatron_ucp.format.rawtensor import RawTensor
+from megatron_ucp.format.torchload import structure_problems
+from megatron_ucp.plan.conversion import ConversionPlan, ParamPlan, build_plan, share_of, split_by_bytes
+from megatron_ucp.version import __version__
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ConvertOptions", "ConvertResult", "convert", "resolve_checkpoint", "default_output", "plan_checkpoint"]
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    source: Path
+    """A checkpoint root (tag from ``tag`` or ``latest``) or a tag folder."""
+    output: Optional[Path] = None
+    """Default: ``<root>/<tag>_universal`` (next to the tag folder)."""
+    tag: Optional[str] = None
+    workers: int = 1
+    force: bool = False
+    replace_stale: bool = False
+    """Replace an existing output made from an earlier save of the tag (the async converter and the
+    elastic loader do; the CLI asks for --force)."""
+    update_latest: Optional[bool] = None
+    """Write ``<root>/latest_universal``; default: when the output lives in the checkpoint root."""
+    share_index: int = 0
+    share_count: int = 1
+    attempt_id: Optional[str] = None
+    """Shares of one conversion pass the same id so they join one staging folder."""
+    progress: bool = True
+    stale_after: float = 60.0
+    verify_complete: bool = True
+    on_progress: Optional[Callable[[int, int], None]] = field(default=None, compare=False)
+    """Called in the converting process as parameters finish: (bytes done, bytes expected) of this share."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise UcpError(f"workers must be >= 1 (got {self.workers})")
+        if not 0 <= self.share_index < self.share_count:
+            raise UcpError(f"share index {self.share_index} out of range for {self.share_count} shares")
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    output: Path
+    tag: str
+    committed: bool
+    """True when this call renamed the output into place (the last share to finish)."""
+    params: int
+    """Parameters this call wrote."""
+    states: int
+    bytes_written: int
+    seconds: float
+    source_dp: int
+    optimizer: str
+    share_index: int = 0
+    share_count: int = 1
+    skipped: bool = False
+    """True when the output was already complete and nothing was done."""
+    summary: str = field(default="", compare=False)
+
+
+def default_output(ck: ResolvedCheckpoint) -> Path:
+    return ck.tag_dir.parent / F.universal_tag(ck.tag)
+
+
+def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
+    return build_plan(meta.model.param_groups, meta.layouts, meta.model.output_rules())
+
+
+def _group_steps(meta: CheckpointMeta, plan: ConversionPlan, cache: RankFileCache) -> tuple[Any, ...]:
+    """The optimizer step of each group (rank 0's object); every rank must agree (they step together)."""
+    first = cache.get(0)
+    steps = []
+    for g in plan.groups:
+        value = first.step(g.index)
+        for r in range(1, meta.dp):
+            if meta.steps[r][g.index] != meta.steps[0][g.index]:
+                raise CheckpointFormatError(f"{meta.files.rank_files[r]}: optimizer step {meta.steps[r][g.index]} of "
+                                            f"param group {g.index} differs from rank 0's {meta.steps[0][g.index]}",
+                                            subject=meta.files.rank_files[r])
+        steps.append(value)
+    return tuple(steps)
+
+
+def _frozen_params(meta: CheckpointMeta, plan: ConversionPlan) -> dict[str, RawTensor]:
+    """Module parameters the optimizer does not hold (frozen): stock writes their fp32 too."""
+    module = meta.model.raw.get("module") or {}
+    buffers = set(meta.model.raw.get("buffer_names") or ())
+    planned = {p.name for p in plan.params}
+    shared = set((meta.model.raw.get("shared_params") or {}).keys())
+    frozen_shapes = meta.model.raw.get("frozen_param_shapes") or {}
+    out = {}
+    for name, tensor in module.items():
+        if name in planned or name in buffers or name in shared or not isinstance(tensor, RawTensor):
+            continue
+        if frozen_shapes and name not in frozen_shapes:
+            continue
+        out[name] = tensor
+    return out
+
+
+def _model_files(meta: CheckpointMeta) -> list[Path]:
+    return [src for src in sorted(meta.files.tag_dir.iterdir()) if F.MODEL_FILE_RE.match(src.name)]
+
+
+def _copy_model_files(meta: CheckpointMeta, staging: Staging) -> list[Path]:
+    """Copy the model-states file(s) into the output (kernel-side copy), writeback started, not fsynced."""
+    copies = []
+    for src in _model_files(meta):
+        dest = staging.path / src.name
+        try:
+            shutil.copyfile(src, dest)
+        except OSError as exc:  # the kernel copy reports the source's name even for a write failure
+            if not os.access(src, os.R_OK):
+                raise UcpError(f"{src}: cannot read: {exc.strerror or exc}", subject=src) from exc
+            raise UcpError(f"{dest}: write failed while copying {src.name}: {exc.strerror or exc}",
+                           subject=dest) from exc
+        with open(dest, "rb") as fh:
+            osio.start_writeback(fh.fileno())
+        copies.append(dest)
+    return copies
+
+
+def _write_common(staging: Staging, meta: CheckpointMeta, plan: ConversionPlan, cache: RankFileCache,
+                  model_files_copied: bool) -> list[str]:
+    """optimizer_state.pt, the model-states file(s) unless already copied, and fp32 of frozen parameters."""
+    common = cache.get(0).common_state()
+    save_file(common, staging.path / F.UNIVERSAL_ZERO_DIR / F.UNIVERSAL_OPTIMIZER_STATE_FILE)
+    if not model_files_copied:
+        for dest in _copy_model_files(meta, staging):
+            osio.fsync_file(dest)
+    frozen = _frozen_params(meta, plan)
+    for name, tensor in frozen.items():
+        folder = staging.path / F.UNIVERSAL_ZERO_DIR / name
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({F.PARAM: _as_fp32(tensor)}, folder / f"{F.FP32_STATE}.pt")
+    return sorted(frozen)
+
+
+def _as_fp32(tensor: RawTensor) -> Any:
+    """fp32 of a frozen parameter (a torch tensor when it must be converted: torch does the rounding)."""
+    if tensor.dtype.name == "float32" and tensor.is_contiguous():
+        return tensor
+    return tensor.to_torch().float().clone()
+
+
+def check_complete(folder: Path, plan: ConversionPlan, frozen: Iterable[str] = ()) -> None:
+    """Every planned parameter has exactly its state files (and step), and nothing else is there."""
+    zero = Path(folder) / F.UNIVERSAL_ZERO_DIR
+    expected = {p.name: {f"{s}.pt" for s in plan.groups[p.group].states}
+                | ({f"{F.STEP_STATE}.pt"} if plan.groups[p.group].has_step else set()) for p in plan.params}
+    for name in frozen:
+        expected[name] = {f"{F.FP32_STATE}.pt"}
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(zero):
+        rel = os.path.relpath(dirpath, zero)
+        if rel != "." and any(f.endswith(".pt") for f in filenames):
+            found[rel.replace(os.sep, "/")] = set(filenames)
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise CheckpointFormatError(f"{zero}: no folder for parameters {missing[:5]}{'...' if len(missing) > 5 else ''}",
+                                    subject=zero)
+    extra = sorted(set(found) - set(expected))
+    if extra:
+        raise CheckpointFormatError(f"{zero}: unexpected parameter folders {extra[:5]}", subject=zero)
+    for name, files in expected.items():
+        if found[name] != files:
+            raise CheckpointFormatError(f"{zero / name}: has {sorted(found[name])}, expected {sorted(files)}",
+                                        subject=zero / name)
+
+
+def _latest_applies(ck: ResolvedCheckpoint, output: Path, options: ConvertOptions) -> bool:
+    if options.update_latest is False:
+        return False
+    return ck.root is not None and output.parent.resolve() == ck.root.resolve()
+
+
+def _repair_interrupted(ck: ResolvedCheckpoint, output: Path, options: ConvertOptions) -> list[str]:
+    """What an interrupted earlier run left next to a complete output, undone; one line each.
+
+    A ``--force`` run killed mid-way leaves its dead staging folder (the size of a conversion); a
+    run killed between the commit rename and ``latest_universal`` leaves no pointer. Both are
+    repaired by the next ``convert`` of the tag, without reconverting.
+    """
+    done = []
+    info = inspect_staging(output)
+    if info is not None and not info.is_live(options.stale_after):
+        shutil.rmtree(info.path, ignore_errors=True)
+        if not info.path.exists():
+            done.append(f"removed {info.path.name}, left by an interrupted earlier run")
+    if _latest_applies(ck, output, options) and not (ck.root / F.LATEST_UNIVERSAL).exists():
+        write_latest_universal(ck.root, output.name)
+        done.append(f"{F.LATEST_UNIVERSAL} was missing and now names it")
+    for line in done:
+        log.info("%s: %s", output, line)
+    return done
+
+
+def check_torch_loadable(files: CheckpointFiles) -> None:
+    """The model-states file is copied into the output as it is, and DeepSpeed's loader reads it with
+    ``torch.load``: damage torch rejects is an error here, not a "complete" folder that cannot load.
+    Rank files are only read by this converter (tolerantly, correctly): the reader warns about their
+    damage (a native DeepSpeed load of this tag would fail) as it reads their headers anyway."""
+    problems = structure_problems(files.model_states)
+    if problems:
+        raise CheckpointFormatError(f"{files.model_states}: damaged ({problems[0]}"
+                                    + (f"; {len(problems) - 1} more" if len(problems) > 1 else "")
+                                    + "): torch.load, which DeepSpeed's loader uses, rejects it; the universal folder "
+                                    "would carry it", subject=files.model_states)
+
+
+def _merged_sums(plan: ConversionPlan, shares: Sequence[dict]) -> Optional[dict]:
+    """Every share's checksums as the manifest records them; None unless every planned state file
+    has one (a share from an older converter of the same attempt cannot happen, but never half)."""
+    files: dict[str, dict] = {}
+    for share in shares:
+        files.update(share.get("checksums") or {})
+    wanted = {f"{p.name}/{state}" for p in plan.params for state in plan.groups[p.group].states}
+    if not wanted <= set(files):
+        return None
+    return {"algorithm": integrity.ALGORITHM, "files": {k: files[k] for k in sorted(wanted)}}
+
+
+def _manifest(meta: CheckpointMeta, ck: ResolvedCheckpoint, plan: ConversionPlan, frozen: Sequence[str],
+              shares: Sequence[dict], seconds: float, identity: dict) -> dict:
+    sums = _merged_sums(plan, shares)
+    return {
+        "format": F.MANIFEST_FORMAT,
+        "version": F.MANIFEST_VERSION,
+        "tool": f"megatron-ucp {__version__}",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": socket.gethostname(),
+        "source": {"tag": ck.tag, "path": str(meta.files.tag_dir.resolve()), "dp": meta.dp, "optimizer": meta.kind,
+                   "ds_version": meta.ds_version, "zero_stage": meta.zero_stage,
+                   "saved_with_megatron_ucp": meta.saved_with_ucp},
+        "source_files": identity,
+        "plan_fingerprint": plan.fingerprint(),
+        "groups": [{"index": g.index, "numel": g.geometry.numel, "partition_size": g.geometry.partition_size,
+                    "states": list(g.states), "step": g.has_step} for g in plan.groups],
+        "params": {p.name: {"group": p.group, "shape": list(p.out_shape), "source_shape": list(p.shape)}
+                   for p in plan.params},
+        "frozen_params": list(frozen),
+        **({"checksums": sums} if sums is not None else {}),
+        "bytes": sum(int(s.get("bytes", 0)) for s in shares),
+        "shares": len(shares),
+        "seconds": round(seconds, 3),
+    }
+
+
+def convert(options: ConvertOptions) -> ConvertResult:
+    """Convert one tag (or this share of it); see the module docstring for the sequence."""
+    t0 = time.perf_counter()
+    ck = resolve_checkpoint(options.source, options.tag)
+    output = Path(options.output) if options.output is not None else default_output(ck)
+    check_output_placement(output, [ck.tag_dir])  # --force replaces the output: never a source
+    if output.exists() and not output.is_dir():
+        raise UcpError(f"{output}: exists and is not a folder; choose another --output", subject=output)
+    pointer = ck.root / F.LATEST_UNIVERSAL if ck.root is not None else None
+    pointer_kind = special_kind(pointer) if pointer is not None and _latest_applies(ck, output, options) else None
+    if pointer_kind is not None:
+        raise UcpError(f"{pointer}: is {pointer_kind}, not a tag file; remove it (or pass --no-latest) "
+                       "before converting", subject=pointer)
+    files = find_checkpoint_files(ck.tag_dir)
+    identity = source_identity([files.model_states, *files.rank_files])  # before reading: what this converts
+    state = universal_state(output)
+    stale = stale_reason(output, ck.tag_dir, current=identity) if state == COMPLETE else None
+    if stale is not None:
+        state = STALE
+    force = options.force or (state == STALE and options.replace_stale)
+    if state == STALE and not force:
+        raise OutputExistsError(f"{output}: exists but is stale: {stale}; pass --force to reconvert it", subject=output)
+    if state != "absent" and not force:
+        if state == COMPLETE and options.share_count > 1:
+            return ConvertResult(output=output, tag=ck.tag, committed=False, params=0, states=0, bytes_written=0,
+                                 seconds=0.0, source_dp=0, optimizer="", share_index=options.share_index,
+                                 share_count=options.share_count, skipped=True,
+                                 summary=f"{output} is already complete")
+        repaired = _repair_interrupted(ck, output, options) if state == COMPLETE else []
+        raise OutputExistsError(f"{output}: already exists ({state}{'; ' + '; '.join(repaired) if repaired else ''}); "
+                                "pass --force to replace it", subject=output)
+    if not output.parent.is_dir():
+        raise UcpError(f"{output.parent}: output's parent folder does not exist", subject=output.parent)
+    if not os.access(output.parent, os.W_OK):
+        raise UcpError(f"{output.parent}: not writable", subject=output.parent)
+
+    # Each rank file is opened (mapped, metadata unpickled) once: the metadata pass, the step check,
+    # the writers and the common state all use the same cached objects.
+    check_torch_loadable(files)
+    cache = RankFileCache(list(files.rank_files))
+    meta = read_checkpoint(ck.tag_dir, rank_files=[cache.get(r) for r in range(len(files.rank_files))])
+    plan = plan_checkpoint(meta)
+    steps = _group_steps(meta, plan, cache)
+    mine = share_of(plan, options.share_index, options.share_count)
+    try:
+        staging = Staging(output, plan.fingerprint(), options.share_index, options.share_count, options.attempt_id,
+                          options.stale_after).open()
+    except OSError as exc:
+        raise UcpError(f"{exc.filename or output.parent}: cannot create the staging folder: {exc.strerror}",
+                       subject=output) from exc
+    log.info("converting %s (DP=%d, %s, DeepSpeed %s): %d params, share %d/%d -> %s", ck.tag_dir, meta.dp, meta.kind,
+             meta.ds_version, len(mine), options.share_index + 1, options.share_count, output)
+    try:
+        written, sums = _write_params(mine, plan, steps, meta, staging, options, cache)
+        staging.mark_share_done({"share": options.share_index, "params": len(mine), "bytes": written,
+                                 "host": socket.gethostname(), "pid": os.getpid(), "checksums": sums})
+        committed = False
+        if staging.claim_commit():
+            frozen = _write_common(staging, meta, plan, cache, model_files_copied=options.share_count == 1)
+            if options.verify_complete:
+                check_complete(staging.path, plan, frozen)
+            shares = staging.shares_done()
+            staging.close()
+            staging.commit(_manifest(meta, ck, plan, frozen, shares, time.perf_counter() - t0, identity), force)
+            committed = True
+            update = options.update_latest
+            if update is None:
+                update = ck.root is not None and output.parent.resolve() == ck.root.resolve()
+            if update:
+                if ck.root is None or output.parent.resolve() != ck.root.resolve():
+                    log.warning("not updating latest_universal: output %s is not in the checkpoint root", output)
+                else:
+                    log.info("%s", move_latest_universal(ck.root, output))
+    except OSError as exc:
+        _abandon(staging, options, exc)
+        raise UcpError(f"{exc.filename or staging.path}: {exc.strerror or exc}", subject=exc.filename) from exc
+    except BaseException as exc:
+        _abandon(staging, options, exc)
+        raise
+    finally:
+        staging.close()
+
+    seconds = time.perf_counter() - t0
+    n_states = sum(len(plan.groups[p.group].states) for p in mine)
+    summary = (f"{'converted' if committed else 'wrote share of'} {ck.tag} (DP={meta.dp}, {meta.kind}, DeepSpeed "
+               f"{meta.ds_version}): {len(mine)} params, {n_states} state tensors, {human_bytes(written)} in "
+               f"{seconds:.2f}s ({human_bytes(written / max(seconds, 1e-9))}/s) -> {output}"
+               + ("" if committed else f" [share {options.share_index + 1}/{options.share_count}; commit by the last]"))
+    log.debug(summary)
+    return ConvertResult(output=output, tag=ck.tag, committed=committed, params=len(mine), states=n_states,
+                         bytes_written=written, seconds=seconds, source_dp=meta.dp, optimizer=meta.kind,
+                         share_index=options.share_index, share_count=options.share_count, summary=summary)
+
+
+def _abandon(staging: Staging, options: ConvertOptions, exc: BaseException) -> None:
+    """A single converter removes its staging folder; a share leaves a failure note for the others."""
+    if options.share_count == 1:
+        staging.discard()
+    else:
+        staging.mark_share_failed(f"{type(exc).__name__}: {exc}")
+        staging.close()
+
+
+def _write_params(mine: Sequence[ParamPlan], plan: ConversionPlan, steps: tuple, meta: CheckpointMeta,
+                  staging: Staging, options: ConvertOptions, cache: RankFileCache) -> tuple[int, dict]:
+    """Write this share's parameters with ``options.workers`` threads over contiguous, byte-balanced chunks;
+    return the bytes written and the state files' checksums (:attr:`Writer.sums`).
+
+    Threads, not processes: the work is system calls (write, madvise, fsync) and zlib's CRC, all of
+    which release the GIL, so threads overlap as well as processes would, without starting
+    interpreters (seconds on a small machine). Memory: each thread holds the pages of the
+    parameter it is writing, nothing more (see :class:`Writer`). A single converter (one share)
+    also copies the model-states file(s) beside the writers, so that copy (~15% of the bytes of a
+    checkpoint, fsynced with the rest) does not wait for the commit.
+    """
+    per_group = {g.index: len(g.states) for g in plan.groups}
+    total = sum(p.out_numel * per_group[p.group] * 4 for p in mine)
+    workers = max(1, min(options.workers, len(mine)))
+    parts = 1 if workers == 1 else workers * 4
+    zero_dir = str(staging.path / F.UNIVERSAL_ZERO_DIR)
+    chunks = [Chunk(params=tuple(ps), groups=plan.groups, steps=steps, zero_dir=zero_dir)
+              for ps in split_by_bytes(mine, parts, per_group) if ps]
+    writer = Writer(cache, fast=not torch_save_forced())
+    prefetch = [meta.files.model_states] if options.share_count == 1 else []  # the committer copies it
+    prefetch += [meta.files.rank_files[r] for r in sorted({i.rank for p in mine for i in p.items})]
+    threading.Thread(target=osio.read_ahead, args=(prefetch,), name="ucp-readahead", daemon=True).start()
+    if not writer.fast:
+        log.info("writing with torch.save (MEGATRON_UCP_TORCH_SAVE=1)")
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {meta.files.tag_dir.name}",
+               disable=not options.progress, leave=False)
+    written = 0
+    done = 0
+    lock = threading.Lock()
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        with lock:
+            bar.update(nbytes)
+            done += nbytes
+            if options.on_progress is not None:
+                options.on_progress(done, total)
+
+    copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ucp-model-copy")
+    model_copy = copier.submit(_copy_model_files, meta, staging) if options.share_count == 1 else None
+    try:
+        if workers == 1:
+            for chunk in chunks:
+                written += write_chunk(chunk, writer, on_param=advance)
+        else:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ucp-writer") as pool:
+                futures = [pool.submit(write_chunk, chunk, writer, advance) for chunk in chunks]
+                try:
+                    for fut in as_completed(futures):
+                        written += fut.result()
+                except BaseException:
+                    writer.stop.set()
+                    for fut in futures:
+                        fut.cancel()
+                    raise
+        if model_copy is not None:
+            writer.add_pending(model_copy.result())
+        writer.make_durable()
+    finally:
+        copier.shutdown(wait=True)  # never leave it writing into a staging folder being discarded
+        bar.close()
+    return written, dict(writer.sums)

@@ -1,0 +1,157 @@
+"""``megatron-ucp inspect``: what a checkpoint is, and what stock DeepSpeed would do with it.
+
+Works from metadata alone: the model-states file's ``param_shapes`` and each rank file's
+``param_slice_mappings`` / ``group_paddings`` (rank files are memory-mapped, no tensor bytes are
+read), or just a list of group sizes and a DP size (``--group-numels``), which is how the
+AuroraGPT-7B DP=768 case is answered without a checkpoint at hand.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from megatron_ucp.convert.universal import universal_state
+from megatron_ucp.deepspeed.reader import read_checkpoint, resolve_checkpoint
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.plan.conversion import build_plan
+from megatron_ucp.plan.geometry import (GroupGeometry, PaddingStyle, StripCrash, stock_converter_crashes,
+                                        stock_loader_crash_ranks)
+
+
+@dataclass
+class GroupReport:
+    index: int
+    params: Optional[int]
+    numel: int
+    padded_numel: int
+    partition_size: int
+    total_padding: int
+    padding_only_ranks: list[int]
+    recorded_paddings: Optional[list[int]] = None
+
+
+@dataclass
+class InspectReport:
+    source: str
+    dp: int
+    ds_version: str
+    optimizer: str
+    zero_stage: Optional[int]
+    padding_style: str
+    saved_with_megatron_ucp: bool
+    has_universal_checkpoint_info: Optional[bool]
+    groups: list[GroupReport]
+    stock_converter_crashes: list[dict]
+    target_dps: list[int]
+    stock_loader_crash_dps: list[int]
+    universal_twin: Optional[str] = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def stock_converter_fails(self) -> bool:
+        return bool(self.stock_converter_crashes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """[1,2,3,7,9,10] -> '1-3, 7, 9-10' (short enough for 768 ranks)."""
+    out, start, prev = [], None, None
+    for v in list(values) + [None]:
+        if start is None:
+            start = prev = v
+            continue
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        start = prev = v
+    return ", ".join(out) if out else "none"
+
+
+def inspect_geometry(groups: Sequence[GroupGeometry], style: PaddingStyle, target_dps: Sequence[int], *,
+                     source: str = "<metadata>", ds_version: str = "?", optimizer: str = "?",
+                     zero_stage: Optional[int] = None, saved_with_ucp: bool = False,
+                     has_uc_info: Optional[bool] = None, param_counts: Optional[Sequence[int]] = None,
+                     recorded: Optional[Sequence[Sequence[Optional[int]]]] = None) -> InspectReport:
+    """Pure: the report for given group sizes at a DP size, with recorded paddings when known."""
+    dp = groups[0].dp if groups else 0
+    if recorded is not None:  # what the files really say beats what the version would have written
+        crashes = [StripCrash(group=g, rank=r, padding=pad, state_numel=geo.partition_size)
+                   for g, geo in enumerate(groups) for r, pad in enumerate(recorded[g])
+                   if pad is not None and pad > geo.partition_size]
+    else:
+        crashes = stock_converter_crashes(groups, style)
+    reports = [GroupReport(index=g, params=param_counts[g] if param_counts else None, numel=geo.numel,
+                           padded_numel=geo.padded_numel, partition_size=geo.partition_size,
+                           total_padding=geo.total_padding, padding_only_ranks=geo.padding_only_ranks(),
+                           recorded_paddings=list(recorded[g]) if recorded is not None else None)
+               for g, geo in enumerate(groups)]
+    loader = [d for d in target_dps if stock_loader_crash_ranks(groups, d)]
+    notes = []
+    if has_uc_info is False:
+        notes.append("no universal_checkpoint_info in the client state: stock ds_to_universal refuses it unless "
+                     "--inject_missing_state is given (megatron-ucp does not need it)")
+    return InspectReport(source=source, dp=dp, ds_version=ds_version, optimizer=optimizer, zero_stage=zero_stage,
+                         padding_style=style.value, saved_with_megatron_ucp=saved_with_ucp,
+                         has_universal_checkpoint_info=has_uc_info, groups=reports,
+                         stock_converter_crashes=[{"group": c.group, "rank": c.rank, "padding": c.padding,
+                                                   "partition_size": c.state_numel, "raw_length": c.raw_length}
+                                                  for c in crashes],
+                         target_dps=list(target_dps), stock_loader_crash_dps=loader, notes=notes)
+
+
+def inspect_checkpoint(path: Path, tag: Optional[str], target_dps: Sequence[int]) -> InspectReport:
+    ck = resolve_checkpoint(path, tag)
+    meta = read_checkpoint(ck.tag_dir)
+    # the checks convert runs before any byte moves (fragments inside partitions and tensors,
+    # every element covered once, shapes against the mappings): a checkpoint convert would refuse
+    # is refused here too, with the same message
+    build_plan(meta.model.param_groups, meta.layouts, meta.model.output_rules())
+    groups = []
+    for g, specs in enumerate(meta.model.param_groups):
+        numel = sum(s.numel for s in specs)
+        pad = meta.layouts[0].groups[g].param_alignment_padding
+        groups.append(GroupGeometry(numel=numel, dp=meta.dp, padded_numel=numel + pad))
+    recorded = [[lay.groups[g].recorded_padding for lay in meta.layouts] for g in range(len(groups))]
+    report = inspect_geometry(groups, meta.padding_style, target_dps, source=str(ck.tag_dir),
+                              ds_version=meta.ds_version, optimizer=meta.kind, zero_stage=meta.zero_stage,
+                              saved_with_ucp=meta.saved_with_ucp,
+                              has_uc_info=meta.model.universal_checkpoint_info is not None,
+                              param_counts=[len(s) for s in meta.model.param_groups], recorded=recorded)
+    twin = ck.tag_dir.parent / F.universal_tag(ck.tag)
+    report.universal_twin = f"{twin.name}: {universal_state(twin)}"
+    return report
+
+
+def format_report(r: InspectReport) -> str:
+    lines = [f"checkpoint:       {r.source}",
+             f"DP size:          {r.dp}",
+             f"DeepSpeed:        {r.ds_version}",
+             f"optimizer:        {r.optimizer}" + (f" (ZeRO stage {r.zero_stage})" if r.zero_stage else ""),
+             f"group_paddings:   {r.padding_style}" + (" (saved with megatron-ucp: true lengths recorded)"
+                                                       if r.saved_with_megatron_ucp else "")]
+    if r.universal_twin:
+        lines.append(f"universal twin:   {r.universal_twin}")
+    for g in r.groups:
+        extra = f", {g.params} params" if g.params is not None else ""
+        lines.append(f"group {g.index}: N={g.numel:,}{extra}; partition {g.partition_size:,}; alignment padding "
+                     f"{g.total_padding:,}" + (f" (> partition: spans {len(g.padding_only_ranks)} rank(s))"
+                                                if g.total_padding > g.partition_size else ""))
+        lines.append(f"  ranks holding only padding: {_ranges(g.padding_only_ranks)}")
+    if r.stock_converter_crashes:
+        c = r.stock_converter_crashes[0]
+        lines.append(f"stock ds_to_universal: CRASHES (narrow(): length must be non-negative) - group {c['group']} "
+                     f"rank {c['rank']}: recorded padding {c['padding']} > partition {c['partition_size']} "
+                     f"(raw length {c['raw_length']}); megatron-ucp convert handles it")
+    else:
+        lines.append("stock ds_to_universal: ok (paddings within partitions)")
+    lo, hi = (min(r.target_dps), max(r.target_dps)) if r.target_dps else (0, 0)
+    crash = r.stock_loader_crash_dps
+    lines.append(f"stock universal loader (load_universal) over DP {lo}..{hi}: crashes (IndexError, all-padding "
+                 f"ranks) at {len(crash)} of {len(r.target_dps)} sizes: {_ranges(crash)}"
+                 + (f"; including this DP ({r.dp})" if r.dp in crash else ""))
+    lines.extend(f"note: {n}" for n in r.notes)
+    return "\n".join(lines)

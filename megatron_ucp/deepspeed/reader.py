@@ -1,0 +1,530 @@
+"""Read DeepSpeed ZeRO-1/2 checkpoint folders: file discovery, metadata, and tensor access.
+
+Size: the one reader of both file kinds (rank files and model states) and of how their records
+differ between DeepSpeed releases; every other module asks it, none parses a checkpoint itself.
+
+Call order: :func:`resolve_checkpoint` (a root holding ``latest`` or a tag folder) ->
+:func:`find_checkpoint_files` (validates the set of files) -> :func:`read_checkpoint` (metadata
+of every rank file into pure :class:`~megatron_ucp.plan.conversion.RankLayout` values, plus the model
+states). Files are loaded memory-mapped and without torch (:func:`load_raw`: tensors are
+:class:`~megatron_ucp.format.rawtensor.RawTensor`), so reading metadata touches no tensor bytes, a
+converter reads each fragment's bytes exactly once when it copies them, and a conversion does not
+pay torch's import. Every problem raises :class:`CheckpointFormatError` naming the file.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from megatron_ucp.deepspeed.versions import (BF16_LAST_RANK_PADDING_UNTIL, ZERO_PER_RANK_PADDING_SINCE,
+                                             check_file_version)
+from megatron_ucp.errors import CheckpointFormatError, UnsupportedError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format.lightpickle import PICKLE_MODULE
+from megatron_ucp.format.paths import normalize_tag, read_tag_file, special_kind
+from megatron_ucp.format.rawtensor import RawTensor, raw_tensors_from_torch
+from megatron_ucp.format.torchload import TorchNeeded
+from megatron_ucp.format.torchload import load as load_without_torch
+from megatron_ucp.plan.conversion import Fragment, OutputRules, ParamSpec, RankGroupLayout, RankLayout
+from megatron_ucp.plan.geometry import PaddingStyle
+
+log = logging.getLogger(__name__)
+
+BF16_OPTIMIZER = "BF16_Optimizer"
+ZERO_OPTIMIZER = "DeepSpeedZeroOptimizer"
+
+
+@dataclass(frozen=True)
+class ResolvedCheckpoint:
+    root: Optional[Path]
+    """The checkpoint root (holding ``latest``), or None when given a bare tag folder."""
+    tag: str
+    tag_dir: Path
+
+
+def resolve_checkpoint(path: os.PathLike | str, tag: Optional[str] = None) -> ResolvedCheckpoint:
+    """Accept a checkpoint root (tag from ``tag`` or its ``latest`` file) or a tag folder.
+
+    Tag names, given or read from ``latest``, are single folder names under the root
+    (:mod:`megatron_ucp.format.paths`): a ``latest`` naming ``../other/T`` is refused, not followed.
+    """
+    p = Path(path)
+    kind = special_kind(p)
+    if kind is not None and kind != "a directory":
+        raise CheckpointFormatError(f"{p}: is {kind}, not a checkpoint folder", subject=p)
+    if not p.exists():
+        raise CheckpointFormatError(f"{p}: no such file or directory", subject=p)
+    if not p.is_dir():
+        raise CheckpointFormatError(f"{p}: not a directory (expected a checkpoint root or a tag folder)", subject=p)
+    if tag is not None:
+        tag = normalize_tag(tag, f"--tag {tag!r}")
+        tag_dir = p / tag
+        if not tag_dir.is_dir():
+            if p.name == tag:
+                return ResolvedCheckpoint(root=p.parent, tag=tag, tag_dir=p)
+            _explain_missing_tag(tag_dir, f"tag {tag!r} not found under {p}")
+        return ResolvedCheckpoint(root=p, tag=tag, tag_dir=tag_dir)
+    latest = p / F.LATEST
+    name = read_tag_file(latest) if latest.exists() or latest.is_symlink() else None
+    if name is not None:
+        tag_dir = p / name
+        if not tag_dir.is_dir():
+            _explain_missing_tag(tag_dir, f"{latest} names tag {name!r}, but {tag_dir} does not exist")
+        return ResolvedCheckpoint(root=p, tag=name, tag_dir=tag_dir)
+    if (p / F.MODEL_STATES_FILE).exists() or any(F.OPTIM_FILE_RE.match(n) for n in os.listdir(p)):
+        root = p.parent if (p.parent / F.LATEST).is_file() else None
+        return ResolvedCheckpoint(root=root, tag=p.name, tag_dir=p)
+    raise CheckpointFormatError(
+        f"{p}: not a DeepSpeed checkpoint: no '{F.LATEST}' file (checkpoint root) and no "
+        f"{F.MODEL_STATES_FILE} / *_optim_states.pt files (tag folder)", subject=p)
+
+
+def _explain_missing_tag(tag_dir: Path, message: str) -> None:
+    """Raise for a tag folder that is not a usable directory, saying what it is instead."""
+    kind = special_kind(tag_dir)
+    if tag_dir.is_symlink() and kind is None and not tag_dir.exists():
+        message = f"{tag_dir}: a dangling symlink ({message})"
+    elif kind not in (None, "a directory"):
+        message = f"{tag_dir}: is {kind}, not a tag folder"
+    elif tag_dir.is_file():
+        message = f"{tag_dir}: is a file, not a tag folder"
+    raise CheckpointFormatError(message, subject=tag_dir)
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    tag_dir: Path
+    model_states: Path
+    rank_files: tuple[Path, ...]
+    """Optimizer-state files, index = DP rank."""
+
+
+def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
+    """List and validate the files of a ZeRO-1/2 tag folder (TP=1, PP=1)."""
+    tag_dir = Path(tag_dir)
+    names = sorted(os.listdir(tag_dir))
+    model_files = [n for n in names if F.MODEL_FILE_RE.match(n)]
+    if any(F.LAYER_FILE_RE.match(n) for n in names) or any(F.MODEL_FILE_RE.match(n).group("pp") for n in model_files):
+        raise UnsupportedError(f"{tag_dir}: pipeline-parallel checkpoint (layer_* / per-stage model files); "
+                               "megatron-ucp supports PP=1 only (not supported yet)", subject=tag_dir)
+    optim = [(n, F.OPTIM_FILE_RE.match(n)) for n in names]
+    optim = [(n, m) for n, m in optim if m]
+    mp_ranks = {int(m.group("mp")) for _, m in optim} | {int(F.MODEL_FILE_RE.match(n).group("mp")) for n in model_files}
+    if len(mp_ranks) > 1 or (mp_ranks and mp_ranks != {0}):
+        raise UnsupportedError(f"{tag_dir}: tensor-parallel checkpoint (model-parallel ranks {sorted(mp_ranks)}); "
+                               "megatron-ucp supports TP=1 only (not supported yet)", subject=tag_dir)
+    if F.MODEL_STATES_FILE not in names:
+        if optim:
+            raise CheckpointFormatError(f"{tag_dir}: {F.MODEL_STATES_FILE} is missing (optimizer files present)",
+                                        subject=tag_dir / F.MODEL_STATES_FILE)
+        raise CheckpointFormatError(f"{tag_dir}: not a DeepSpeed checkpoint tag folder (no {F.MODEL_STATES_FILE}, "
+                                    "no *_optim_states.pt)", subject=tag_dir)
+    if not optim:
+        raise CheckpointFormatError(f"{tag_dir}: no ZeRO optimizer-state files (*zero_pp_rank_*_optim_states.pt); "
+                                    "only ZeRO stage 1/2 checkpoints can be converted", subject=tag_dir)
+    prefixes = {m.group("prefix") or "" for _, m in optim}
+    if len(prefixes) > 1:
+        raise CheckpointFormatError(f"{tag_dir}: mixed optimizer-file prefixes {sorted(prefixes)} "
+                                    "(bf16_ and plain files from different runs?)", subject=tag_dir)
+    by_rank: dict[int, str] = {}
+    for n, m in optim:
+        dp_rank = int(m.group("dp"))
+        if dp_rank in by_rank:  # DeepSpeed writes exactly one name per rank: ambiguity is an error
+            raise CheckpointFormatError(f"{tag_dir}: two files claim DP rank {dp_rank}: {by_rank[dp_rank]} and {n}; "
+                                        "remove the one DeepSpeed did not write", subject=tag_dir / n)
+        by_rank[dp_rank] = n
+    for n, m in optim:
+        kind = special_kind(tag_dir / n)
+        if kind is not None:
+            raise CheckpointFormatError(f"{tag_dir / n}: is {kind}, not a rank file", subject=tag_dir / n)
+    dp = len(by_rank)
+    missing = sorted(set(range(max(by_rank) + 1)) - set(by_rank))
+    if missing:
+        raise CheckpointFormatError(f"{tag_dir}: optimizer-state files for DP ranks {missing} are missing "
+                                    f"(found ranks 0..{max(by_rank)})", subject=tag_dir)
+    return CheckpointFiles(tag_dir=tag_dir, model_states=tag_dir / F.MODEL_STATES_FILE,
+                           rank_files=tuple(tag_dir / by_rank[r] for r in range(dp)))
+
+
+def _check_size(path: Path) -> None:
+    kind = special_kind(path)
+    if kind is not None:  # never open a FIFO or a device: it would block, or never end
+        raise CheckpointFormatError(f"{path}: is {kind}, not a torch file", subject=path)
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise CheckpointFormatError(f"{path}: cannot read: {exc.strerror}", subject=path) from exc
+    if size == 0:
+        raise CheckpointFormatError(f"{path}: empty file (truncated write?)", subject=path)
+
+
+def load_torch_file(path: Path, mmap: bool = True) -> Any:
+    """``torch.load`` on CPU, memory-mapped when the file format allows; corrupt files get a clear error."""
+    import torch
+
+    _check_size(path)
+    # DeepSpeed objects inside (fragment_address, ZeroStageEnum, LossScaler) load as stand-ins while
+    # deepspeed is not imported: importing it costs ~2 s; see megatron_ucp.format.lightpickle.
+    pm = PICKLE_MODULE
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=pm)
+        except RuntimeError as exc:
+            if mmap and "mmap" in str(exc):  # legacy (non-zip) serialization cannot be mapped
+                return torch.load(path, map_location="cpu", weights_only=False, pickle_module=pm)
+            raise
+    except CheckpointFormatError:
+        raise
+    except Exception as exc:  # torch raises RuntimeError/EOFError/UnpicklingError/... for damaged files
+        raise CheckpointFormatError(f"{path}: unreadable torch file (truncated or corrupt?): "
+                                    f"{type(exc).__name__}: {exc}", subject=path) from exc
+
+
+def load_raw(path: Path, damage: Optional[list[str]] = None) -> Any:
+    """A torch file's object with tensors as :class:`RawTensor`: read without torch when possible.
+
+    Zip-format files (torch >= 1.6, every DeepSpeed checkpoint this tool reads) are mapped and
+    unpickled by :mod:`megatron_ucp.format.torchload`; files it does not rebuild faithfully (legacy
+    format, unusual torch objects) and damaged ones go through ``torch.load``, whose tensors are
+    then wrapped: the result is the same, and so are the errors.
+    """
+    path = Path(path)
+    _check_size(path)
+    try:
+        return load_without_torch(path, damage)
+    except TorchNeeded as why:
+        log.debug("%s: reading with torch.load (%s)", path, why)
+    except Exception as exc:  # damaged: let torch.load produce the diagnosis
+        log.debug("%s: not readable without torch (%s: %s)", path, type(exc).__name__, exc)
+    return raw_tensors_from_torch(load_torch_file(path, mmap=True))
+
+
+def _is_state_tensor(value: Any) -> bool:
+    return isinstance(value, RawTensor) and value.dim() > 0
+
+
+class RankFile:
+    """One rank's ``*_optim_states.pt``: metadata as pure values, tensors as flat views (mmap)."""
+
+    def __init__(self, path: Path, dp_rank: int):
+        self.path = Path(path)
+        self.dp_rank = dp_rank
+        damage: list[str] = []
+        raw = load_raw(self.path, damage)
+        if damage:
+            log.warning("%s: damaged zip structure (%s): torch.load would reject it, so a native DeepSpeed load of "
+                        "this tag fails; megatron-ucp reads its records directly and is not affected", self.path,
+                        damage[0])
+        if not isinstance(raw, dict) or not isinstance(raw.get(F.OPTIMIZER_STATE_DICT), dict):
+            raise CheckpointFormatError(f"{self.path}: no '{F.OPTIMIZER_STATE_DICT}' dict: not a ZeRO optimizer-state "
+                                        "file", subject=self.path)
+        self.raw = raw
+        self.sd: dict = raw[F.OPTIMIZER_STATE_DICT]
+        for key in (F.PARAM_SLICE_MAPPINGS, F.SINGLE_PARTITION_OF_FP32_GROUPS, F.BASE_OPTIMIZER_STATE):
+            if key not in self.sd:
+                if "fp32_flat_groups" in self.sd:
+                    raise UnsupportedError(f"{self.path}: ZeRO stage 3 checkpoint; only stages 1 and 2 are supported",
+                                           subject=self.path)
+                raise CheckpointFormatError(f"{self.path}: optimizer state lacks '{key}' (DeepSpeed too old to "
+                                            "record it, or not a ZeRO-1/2 file)", subject=self.path)
+        self.ds_version = str(self.sd.get(F.DS_VERSION) or raw.get(F.DS_VERSION) or "")
+        if not self.ds_version:
+            raise CheckpointFormatError(f"{self.path}: no ds_version recorded", subject=self.path)
+        check_file_version(self.ds_version, str(self.path))
+        self.kind = ZERO_OPTIMIZER if F.ZERO_STAGE in self.sd else BF16_OPTIMIZER
+        counts = self.sd.get(F.PARTITION_COUNT)
+        self.partition_counts = list(counts) if isinstance(counts, (list, tuple)) else None
+        self._group_states = self._split_base_state()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.sd[F.PARAM_SLICE_MAPPINGS])
+
+    def _split_base_state(self) -> list[dict]:
+        """Per-group optimizer state dicts, from torch's state_dict or ZeRO's elastic list form."""
+        base = self.sd[F.BASE_OPTIMIZER_STATE]
+        n = self.num_groups
+        if isinstance(base, dict) and "state" in base:
+            states = base["state"]
+            return [dict(states.get(g, {})) for g in range(n)]
+        if isinstance(base, (list, tuple)) and len(base) == n:
+            step = self.sd.get("base_optimizer_state_step")
+            out = [dict(s) for s in base]
+            if step is not None:
+                for s in out:
+                    s.setdefault(F.STEP_STATE, step)
+            return out
+        raise CheckpointFormatError(f"{self.path}: unrecognised base_optimizer_state layout ({type(base).__name__})",
+                                    subject=self.path)
+
+    def state_names(self, g: int) -> list[str]:
+        """Sharded states of group ``g``, discovered from the data (``fp32`` plus the optimizer's)."""
+        names = ["fp32"]
+        for key, value in self._group_states[g].items():
+            if key == F.STEP_STATE:
+                continue
+            if not _is_state_tensor(value):
+                raise UnsupportedError(f"{self.path}: optimizer state {key!r} of param group {g} is not a per-element "
+                                       f"tensor ({type(value).__name__}); the universal format has no place for it",
+                                       subject=self.path)
+            names.append(str(key))
+        return names
+
+    def state_tensor(self, g: int, state: str) -> RawTensor:
+        """The flat partition of one state of group ``g`` (a view of the mapped file)."""
+        if state == "fp32":
+            t = self.sd[F.SINGLE_PARTITION_OF_FP32_GROUPS][g]
+        else:
+            t = self._group_states[g][state]
+        if not isinstance(t, RawTensor) or not t.is_contiguous():
+            raise CheckpointFormatError(f"{self.path}: state {state!r} of param group {g} is not a contiguous tensor "
+                                        f"({t!r:.80})", subject=self.path)
+        return t.reshape(-1)
+
+    def step(self, g: int) -> Any:
+        return self._group_states[g].get(F.STEP_STATE)
+
+    def param_groups(self) -> list[dict]:
+        base = self.sd[F.BASE_OPTIMIZER_STATE]
+        if isinstance(base, dict) and F.PARAM_GROUPS in base:
+            return base[F.PARAM_GROUPS]
+        raise CheckpointFormatError(f"{self.path}: base optimizer state has no param_groups", subject=self.path)
+
+    def group_paddings(self) -> Optional[list[int]]:
+        value = self.sd.get(F.GROUP_PADDINGS)
+        return [int(v) for v in value] if value is not None else None
+
+    def layout(self) -> RankLayout:
+        mappings = self.sd[F.PARAM_SLICE_MAPPINGS]
+        paddings = self.group_paddings()
+        true_lengths = self.sd.get(F.GROUP_TRUE_LENGTHS)
+        align = self.sd.get(F.PARAM_ALIGNMENT_PADDINGS)
+        groups = []
+        for g in range(self.num_groups):
+            frags = []
+            for name, addr in mappings[g].items():
+                try:
+                    frags.append(Fragment(name=str(name), start=int(addr.start), numel=int(addr.numel)))
+                except AttributeError as exc:
+                    raise CheckpointFormatError(f"{self.path}: param_slice_mappings entry for {name!r} has no "
+                                                "start/numel", subject=self.path) from exc
+            lengths = tuple((s, int(self.state_tensor(g, s).numel())) for s in self.state_names(g))
+            groups.append(RankGroupLayout(
+                fragments=tuple(frags), state_lengths=lengths,
+                recorded_padding=paddings[g] if paddings is not None and g < len(paddings) else None,
+                recorded_true_length=int(true_lengths[g]) if true_lengths is not None else None,
+                param_alignment_padding=int(sum(align[g])) if align is not None and g < len(align) else 0,
+                has_step=self.step(g) is not None))
+        return RankLayout(rank=self.dp_rank, groups=tuple(groups), source=str(self.path))
+
+    def common_state(self) -> dict:
+        """What goes into the universal ``zero/optimizer_state.pt``: everything not sharded, plus param_groups."""
+        per_rank = (*F.SHARDED_OPTIMIZER_KEYS, F.GROUP_TRUE_LENGTHS, F.ZERO_PARTITION_INFO)
+        out = {k: v for k, v in self.sd.items() if k not in per_rank}
+        out[F.PARAM_GROUPS] = self.param_groups()
+        if F.GROUP_PADDINGS in out:  # a universal checkpoint holds no padding (as stock writes it)
+            out[F.GROUP_PADDINGS] = [0] * len(out[F.GROUP_PADDINGS])
+        return out
+
+
+@dataclass
+class ModelStates:
+    path: Path
+    raw: dict
+    param_groups: list[list[ParamSpec]]
+    dp_world_size: Optional[int]
+    ds_version: str
+    universal_checkpoint_info: Optional[dict]
+
+    @property
+    def ds_config(self) -> dict:
+        cfg = self.raw.get(F.DS_CONFIG)
+        return cfg if isinstance(cfg, dict) else {}
+
+    def output_rules(self) -> OutputRules:
+        info = self.universal_checkpoint_info or {}
+        return OutputRules(
+            vocabulary_patterns=tuple(info.get(F.VOCABULARY_PARAMETER_PATTERNS, ()) or ()),
+            original_vocab_size=info.get(F.ORIGINAL_VOCAB_SIZE),
+            row_parallel_patterns=tuple(info.get(F.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, ()) or ()),
+            two_sub_param_patterns=tuple(info.get(F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0, ()) or ()))
+
+
+def flatten_module_states(saved: Any, prefix: str = "") -> dict[str, Any]:
+    """A model-states ``module`` dict as flat ``a.b.c`` names.
+
+    Megatron-DeepSpeed saves the module through ``state_dict_for_save_checkpoint``, a dict of
+    dicts (``{'language_model': {'encoder': {...}}}``); DeepSpeed's own save is already flat.
+    """
+    flat: dict[str, Any] = {}
+    if not isinstance(saved, dict):
+        return flat
+    for key, value in saved.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten_module_states(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _check_shapes_against_module(path: Path, groups: Sequence[Sequence[ParamSpec]], module: Any) -> None:
+    """``param_shapes`` must agree with the module's own tensors where the file holds them: the
+    output's shape comes from ``param_shapes``, and a transposed entry has the same element count."""
+    saved = flatten_module_states(module)
+    for group in groups:
+        for spec in group:
+            shape = getattr(saved.get(spec.name), "shape", None)
+            if shape is not None and tuple(int(d) for d in shape) != spec.shape:
+                raise CheckpointFormatError(f"{path}: param_shapes gives {spec.name!r} the shape {spec.shape}, but the "
+                                            f"saved module holds it as {tuple(int(d) for d in shape)}",
+                                            subject=path)
+
+
+def model_states_path(tag_dir: Path) -> Optional[Path]:
+    """The tag's ``mp_rank_00_model_states.pt`` (or the first model-states file of another name), or None."""
+    if (tag_dir / F.MODEL_STATES_FILE).is_file():
+        return tag_dir / F.MODEL_STATES_FILE
+    found = sorted(p for p in Path(tag_dir).glob("*_model_states.pt") if F.MODEL_FILE_RE.match(p.name))
+    return found[0] if found else None
+
+
+def recorded_dp(tag_dir: Path) -> Optional[int]:
+    """``dp_world_size`` recorded in a tag's model states (mapped: no weight bytes read); None when
+    the tag has no model states or they record none. A damaged file raises :class:`CheckpointFormatError`."""
+    path = model_states_path(Path(tag_dir))
+    if path is None:
+        return None
+    states = load_raw(path)
+    dp = states.get(F.DP_WORLD_SIZE) if isinstance(states, dict) else None
+    return int(dp) if dp is not None else None
+
+
+def read_model_states(path: Path) -> ModelStates:
+    raw = load_raw(path)
+    if not isinstance(raw, dict):
+        raise CheckpointFormatError(f"{path}: not a DeepSpeed model-states dict", subject=path)
+    shapes = raw.get(F.PARAM_SHAPES)
+    if not shapes:
+        raise CheckpointFormatError(f"{path}: no '{F.PARAM_SHAPES}' (not saved by a ZeRO engine?)", subject=path)
+    if isinstance(shapes, dict):
+        shapes = [shapes]
+    groups = []
+    for g, group in enumerate(shapes):
+        groups.append([ParamSpec(name=str(name), group=g, shape=tuple(int(d) for d in shape))
+                       for name, shape in group.items()])
+    _check_shapes_against_module(path, groups, raw.get("module"))
+    mp = raw.get(F.MP_WORLD_SIZE)
+    if mp not in (None, 1):
+        raise UnsupportedError(f"{path}: mp_world_size={mp}; megatron-ucp supports TP=1, PP=1 only (not supported yet)",
+                               subject=path)
+    dp = raw.get(F.DP_WORLD_SIZE)
+    return ModelStates(path=path, raw=raw, param_groups=groups, dp_world_size=int(dp) if dp is not None else None,
+                       ds_version=str(raw.get(F.DS_VERSION, "")),
+                       universal_checkpoint_info=raw.get(F.UNIVERSAL_CHECKPOINT_INFO))
+
+
+def padding_style(kind: str, ds_version: str, saved_with_ucp: bool) -> PaddingStyle:
+    """How the files' ``group_paddings`` were recorded (only used to predict stock behaviour)."""
+    from packaging.version import Version
+
+    if saved_with_ucp:
+        return PaddingStyle.PER_RANK
+    v = Version(Version(ds_version).base_version)
+    if kind == BF16_OPTIMIZER:
+        return PaddingStyle.LAST_RANK_ONLY if v <= BF16_LAST_RANK_PADDING_UNTIL else PaddingStyle.PER_RANK
+    return PaddingStyle.PER_RANK if v >= ZERO_PER_RANK_PADDING_SINCE else PaddingStyle.LAST_RANK_ONLY
+
+
+@dataclass
+class CheckpointMeta:
+    """Everything known about a tag folder without reading tensor bytes."""
+
+    files: CheckpointFiles
+    model: ModelStates
+    layouts: list[RankLayout]
+    kind: str
+    ds_version: str
+    saved_with_ucp: bool
+    zero_stage: Optional[int]
+    steps: list[list[Optional[float]]]
+    """steps[rank][group]: the optimizer step each rank file records (None when absent)."""
+
+    @property
+    def dp(self) -> int:
+        return len(self.layouts)
+
+    @property
+    def padding_style(self) -> PaddingStyle:
+        return padding_style(self.kind, self.ds_version, self.saved_with_ucp)
+
+
+def _check_state_dtypes(rf: "RankFile", seen: dict[tuple[int, str], tuple[str, Path]]) -> None:
+    """Every rank holds each (group, state) in one dtype: a file that disagrees is named, not mixed
+    into the output."""
+    for g in range(rf.num_groups):
+        for state in rf.state_names(g):
+            dtype = rf.state_tensor(g, state).dtype.name
+            first = seen.setdefault((g, state), (dtype, rf.path))
+            if first[0] != dtype:
+                raise CheckpointFormatError(f"{rf.path}: state {state!r} of param group {g} is {dtype}, but "
+                                            f"{first[1].name} holds it as {first[0]}: files from different runs?",
+                                            subject=rf.path)
+
+
+def read_checkpoint(tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = None) -> CheckpointMeta:
+    """Read and cross-check the metadata of every file of a tag folder."""
+    files = find_checkpoint_files(Path(tag_dir))
+    model = read_model_states(files.model_states)
+    dp = len(files.rank_files)
+    if model.dp_world_size is not None and model.dp_world_size != dp:
+        raise CheckpointFormatError(f"{files.model_states} records dp_world_size={model.dp_world_size} but the folder has "
+                                    f"{dp} optimizer-state files: missing or extra rank files?", subject=files.tag_dir)
+    layouts, kinds, versions, stages, ucp, steps = [], set(), set(), set(), set(), []
+    dtypes: dict[tuple[int, str], tuple[str, Path]] = {}
+    for r, path in enumerate(files.rank_files):
+        rf = rank_files[r] if rank_files is not None else RankFile(path, r)
+        if rf.partition_counts is not None and any(c != dp for c in rf.partition_counts):
+            raise CheckpointFormatError(f"{path}: written at DP={rf.partition_counts[0]} but the folder holds {dp} rank "
+                                        "files: files of different DP sizes mixed?", subject=path)
+        info = rf.sd.get(F.ZERO_PARTITION_INFO)
+        if isinstance(info, dict) and info.get("dp_size") not in (None, dp):
+            raise CheckpointFormatError(f"{path}: records dp_size={info.get('dp_size')}, folder holds {dp} rank files",
+                                        subject=path)
+        if isinstance(info, dict) and info.get("dp_rank") not in (None, r):
+            raise CheckpointFormatError(f"{path}: records dp_rank={info.get('dp_rank')} but is named as rank {r}",
+                                        subject=path)
+        layouts.append(rf.layout())
+        kinds.add(rf.kind)
+        versions.add(rf.ds_version)
+        stages.add(rf.sd.get(F.ZERO_STAGE))
+        ucp.add(F.GROUP_TRUE_LENGTHS in rf.sd)
+        steps.append([None if rf.step(g) is None else float(rf.step(g)) for g in range(rf.num_groups)])
+        _check_state_dtypes(rf, dtypes)
+        del rf
+    if len(kinds) > 1 or len(versions) > 1 or len(stages) > 1:
+        raise CheckpointFormatError(f"{files.tag_dir}: rank files disagree (optimizers {sorted(kinds)}, DeepSpeed "
+                                    f"{sorted(versions)}): files from different runs mixed?", subject=files.tag_dir)
+    stage = stages.pop()
+    if stage is not None and int(stage) > 2:
+        raise UnsupportedError(f"{files.tag_dir}: ZeRO stage {int(stage)}; only stages 1 and 2 are supported",
+                               subject=files.tag_dir)
+    return CheckpointMeta(files=files, model=model, layouts=layouts, kind=kinds.pop(), ds_version=versions.pop(),
+                          saved_with_ucp=all(ucp), zero_stage=int(stage) if stage is not None else None,
+                          steps=steps)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    return f"{n:.1f} TB"
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)

@@ -1,0 +1,125 @@
+"""Which DeepSpeed versions this package knows, for hooks (runtime internals) and for files.
+
+Hooks patch named functions of DeepSpeed; they are written against specific versions and refuse
+any other one loudly rather than misbehave. Checkpoint *files* are read by their recorded
+``ds_version``; the on-disk ZeRO-1/2 layout has been stable across the range below.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from packaging.version import Version
+
+from megatron_ucp.errors import UnsupportedError
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class Internals:
+    """How one DeepSpeed release differs in what the hooks touch. The one place that says so.
+
+    Everything else the hooks patch or read is the same in every release below (checked against
+    each one's source and exercised by the version matrix in the Makefile):
+    ``DeepSpeedEngine.load_checkpoint`` / ``save_checkpoint`` signatures, ``ZeROOptimizer.
+    load_hp_checkpoint_state_from_checkpoint_dir`` shared by ``BF16_Optimizer`` and
+    ``DeepSpeedZeroOptimizer``, ``_hp_mapping`` (``lp_fragment_address``, ``optim_fragment``),
+    ``real_dp_process_group``, ``nccl_start_alignment_factor`` and the ZeRO-1/2 file layout
+    (whose one difference, DeepSpeedZeroOptimizer's per-rank ``group_paddings`` from 0.16.4 on, is a
+    file fact: ``ZERO_PER_RANK_PADDING_SINCE`` below).
+    """
+
+    decoupled_commit: bool
+    """``DeepSpeedEngine._commit_decoupled_checkpoint`` exists (decoupled checkpoint engines): the
+    async trigger must wait for that commit, not for ``save_checkpoint``'s return."""
+    ships_compression: bool
+    """``deepspeed.compression.compress`` exists; Megatron-DeepSpeed's ``megatron/training.py``
+    imports it, so without it the ALCF fork does not start unedited."""
+    bf16_optimizer_selected: bool = True
+    """bf16 + ZeRO-1 + ``data_types.grad_accum_dtype: fp32`` gets ``BF16_Optimizer``. In 0.17.x
+    ``constants.DDP_BFLOAT16 == BFLOAT16 == "bf16"``, so the engine's dispatch takes that config
+    for plain DDP bf16 and builds ``FP16_UnfusedOptimizer``: no ZeRO partitioning at all (a
+    DeepSpeed bug, fixed in 0.18). The hooks leave such engines to DeepSpeed."""
+    zero_trains_padding_only_rank: bool = True
+    """Stock DeepSpeedZeroOptimizer trains when a rank's partition of a group is all padding. 0.17.x
+    dies in its first backward (``get_flat_partition`` reads ``tensor_list[0]`` of an empty list):
+    AuroraGPT-7B at DP=768 (ranks 766, 767) cannot train with it at all."""
+    bf16_dp_invariant: bool = True
+    """BF16_Optimizer training gives the same losses at any DP size (to bf16 reduction noise). Not in
+    0.18.9: two uninterrupted runs of the same Megatron-DeepSpeed job, without megatron-ucp, at DP=3
+    and DP=4 report different gradient norms from the first step (0.886 vs 0.985) and losses 4e-4
+    apart by the third, so a resume at another DP size can only match the old curve that closely."""
+    zero_trains_with_torch_2_13: bool = True
+    """Stock DeepSpeedZeroOptimizer's step works with torch 2.13 (the torch this project tests
+    with). 0.18.9's ``all_gather_into_tensor_dp_groups`` writes into ``torch.split`` views, which
+    torch 2.13 refuses ("Output 0 of Split is a view and is being modified inplace")."""
+
+
+# Releases whose optimizer/engine internals the hooks were written and tested against, one per
+# release line users run (the DP=768 report ran 0.16.x; Aurora environments carry 0.16 to 0.19).
+INTERNALS = {
+    "0.16.2": Internals(decoupled_commit=False, ships_compression=True),
+    "0.16.9": Internals(decoupled_commit=False, ships_compression=True),
+    "0.17.6": Internals(decoupled_commit=True, ships_compression=True, bf16_optimizer_selected=False,
+                        zero_trains_padding_only_rank=False),
+    "0.18.9": Internals(decoupled_commit=True, ships_compression=True, bf16_dp_invariant=False,
+                        zero_trains_with_torch_2_13=False),
+    "0.19.5": Internals(decoupled_commit=True, ships_compression=True),
+    "0.19.8": Internals(decoupled_commit=True, ships_compression=False),
+}
+HOOKS_TESTED_DEEPSPEED = tuple(INTERNALS)
+
+# Range of ds_version values recorded in checkpoint files that the reader understands.
+FILES_MIN_DEEPSPEED = Version("0.10.0")
+FILES_MAX_DEEPSPEED = Version("0.19.8")
+
+# BF16_Optimizer records group_paddings on the last rank only, in every version up to this one.
+BF16_LAST_RANK_PADDING_UNTIL = Version("0.19.8")
+# DeepSpeedZeroOptimizer records per-rank (clamped) group_paddings from this version on.
+ZERO_PER_RANK_PADDING_SINCE = Version("0.16.4")
+
+
+def installed_deepspeed_version() -> str:
+    import deepspeed
+
+    return str(deepspeed.__version__)
+
+
+def internals(version: str | None = None) -> Internals:
+    """What the installed (or given) DeepSpeed's internals look like; untested versions (only
+    reachable with ``allow_untested``) get the nearest tested release at or below them."""
+    found = Version(Version(version or installed_deepspeed_version()).base_version)
+    known = sorted((Version(v), v) for v in INTERNALS)
+    below = [name for parsed, name in known if parsed <= found]
+    return INTERNALS[below[-1] if below else known[0][1]]
+
+
+def check_hooks_supported(allow_untested: bool = False) -> str:
+    """Return the installed DeepSpeed version, or raise if the hooks were not written for it."""
+    found = installed_deepspeed_version()
+    base = Version(found).base_version
+    if base in HOOKS_TESTED_DEEPSPEED:
+        return found
+    message = (f"megatron-ucp hooks were written and tested for DeepSpeed {', '.join(HOOKS_TESTED_DEEPSPEED)}, "
+               f"but DeepSpeed {found} is installed. Its internals may differ; refusing to patch them. "
+               "Install a supported DeepSpeed, apply the diffs in patches/ instead, or pass "
+               "allow_untested_deepspeed=True (MEGATRON_UCP_ALLOW_UNTESTED_DEEPSPEED=1) at your own risk.")
+    if not allow_untested:
+        raise UnsupportedError(message, subject=found)
+    log.warning("UNTESTED DEEPSPEED: %s", message)
+    return found
+
+
+def check_file_version(ds_version: str, path: str) -> Version:
+    """Parse a checkpoint file's recorded ds_version and refuse ones outside the known range."""
+    try:
+        parsed = Version(str(ds_version))
+    except Exception as exc:  # packaging raises InvalidVersion
+        raise UnsupportedError(f"{path}: unreadable ds_version {ds_version!r}", subject=path) from exc
+    base = Version(parsed.base_version)
+    if not (FILES_MIN_DEEPSPEED <= base <= FILES_MAX_DEEPSPEED):
+        raise UnsupportedError(
+            f"{path}: written by DeepSpeed {ds_version}, outside the versions this converter knows "
+            f"({FILES_MIN_DEEPSPEED} .. {FILES_MAX_DEEPSPEED}); refusing rather than guessing its layout.",
+            subject=path)
+    return parsed

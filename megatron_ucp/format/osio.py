@@ -1,0 +1,135 @@
+"""Small Linux I/O helpers for the converter's hot path; each is a no-op where unsupported.
+
+* :func:`will_need` / :func:`done_with`: ``madvise`` on memory-mapped rank-file ranges. Reading a
+  parameter's fragments through the mapping makes their pages resident in *this* process (they
+  count in its RSS); ``MADV_DONTNEED`` on a private, unmodified file mapping drops them again
+  (the page cache keeps them), so resident memory stays at the parameter being written, not the
+  checkpoint. ``MADV_WILLNEED`` starts readahead for the next one (cold caches).
+* :func:`read_ahead`: ``posix_fadvise(WILLNEED)`` on the files a share reads, at its start, so the
+  disk streams them while the first parameters are being written (cold caches).
+* :func:`start_writeback`: ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` starts writing a finished
+  file to disk without waiting, so the final ``fsync`` of each file finds little left to do and
+  the disk works while the next file is produced.
+* :func:`exchange`: ``renameat2(RENAME_EXCHANGE)`` swaps two paths atomically, so replacing a
+  committed folder (``convert --force``) never leaves a moment with no folder at that path.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import sys
+from pathlib import Path
+
+MADV_WILLNEED = 3
+MADV_DONTNEED = 4
+SYNC_FILE_RANGE_WRITE = 2
+PAGE = mmap.PAGESIZE
+
+_libc = None
+if sys.platform.startswith("linux"):
+    try:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        _libc.madvise.restype = ctypes.c_int
+        _libc.sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        _libc.sync_file_range.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        _libc = None
+_renameat2 = getattr(_libc, "renameat2", None) if _libc is not None else None  # glibc >= 2.28
+if _renameat2 is not None:
+    _renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    _renameat2.restype = ctypes.c_int
+AT_FDCWD = -100
+RENAME_EXCHANGE = 2
+
+
+FAULT_AROUND = 1 << 18
+"""A read fault on a file mapping also maps cached neighbours (the kernel's ``fault_around_bytes``,
+64 KiB by default; more was seen mapped in practice): :func:`done_with` drops this much around."""
+
+
+def _madvise(start: int, end: int, advice: int) -> None:
+    if _libc is not None and end > start:
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
+
+
+def will_need(address: int, nbytes: int) -> None:
+    if nbytes > 0:
+        _madvise(address - address % PAGE, address + nbytes + (-(address + nbytes)) % PAGE, MADV_WILLNEED)
+
+
+def done_with(address: int, nbytes: int, bounds: tuple[int, int]) -> None:
+    """Drop the pages of a *read-only use* of a private file mapping from this process (not the cache).
+
+    The range is widened to the fault-around granularity (the kernel mapped those neighbours
+    too) and clipped to ``bounds``, an address range known to lie inside the same file mapping:
+    never beyond it, where ``MADV_DONTNEED`` could hit anonymous memory and zero it.
+    """
+    if nbytes <= 0:
+        return
+    lo, hi = bounds
+    lo -= lo % PAGE
+    hi += (-hi) % PAGE
+    start = max(lo, address - address % FAULT_AROUND)
+    end = min(hi, address + nbytes + (-(address + nbytes)) % FAULT_AROUND)
+    _madvise(start, end, MADV_DONTNEED)
+
+
+def read_ahead(paths: "list[os.PathLike | str]") -> None:
+    """Ask the kernel to start reading these files into the page cache (no wait; cached files: cheap)."""
+    advice = getattr(os, "POSIX_FADV_WILLNEED", None)
+    if advice is None:
+        return
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, advice)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def start_writeback(fd: int) -> None:
+    if _libc is not None:
+        _libc.sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
+
+
+def exchange(a: os.PathLike | str, b: os.PathLike | str) -> bool:
+    """Atomically swap two existing paths; False where the system or file system cannot (caller renames)."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
+
+
+def fsync_file(path: os.PathLike | str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """A local process exists and is not a zombie (a killed converter stays one until its parent reaps it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[:1] not in (["Z"], ["X"])

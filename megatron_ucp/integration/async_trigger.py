@@ -1,0 +1,206 @@
+"""Asynchronous conversion hook: every committed save gets its universal twin in the background.
+
+``DeepSpeedEngine.save_checkpoint`` is wrapped: after DeepSpeed returned on every rank (files
+written, checkpoint engine committed, ``latest`` written, the final barrier passed), the first
+process of each node calls :func:`megatron_ucp.background.converter.trigger`, which queues the tag under
+the root's lock and starts the node's detached converter process if none runs; then
+``save_checkpoint`` returns. No collective is added: every node sees the same saves in the same
+order, and the queue on the shared filesystem makes their requests agree.
+
+With a decoupled checkpoint engine (``checkpoint_engine.is_decoupled()``) the files are only
+committed later, in ``_commit_decoupled_checkpoint`` (called from ``step``); that method is
+wrapped too and triggers the conversion after its commit and barrier, never before.
+
+Failures never reach training: anything raised here is logged (with the command that converts
+the tag by hand) and ``save_checkpoint`` returns normally. Rank 0 reports, at each save, every
+queue event not reported yet: conversions completed, failed (with the log path), skipped because
+saves came faster than conversions, interrupted, or removed by ``keep_last``.
+
+End of run: an ``atexit`` handler in each node's launcher process waits up to
+``converter_exit_wait`` seconds for its node's converter, so the last save's conversion finishes
+inside the job allocation; if it does not, it says so, and ``megatron-ucp status`` /
+``megatron-ucp convert`` show and complete it. When training dies of an uncaught exception the
+handler does not wait (a crashing job should end now); the detached converter goes on while the
+node lives.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from megatron_ucp import launchenv
+from megatron_ucp.background import queue as B
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.deepspeed.versions import internals
+from megatron_ucp.errors import UnsupportedError
+
+log = logging.getLogger(__name__)
+
+
+_state: dict[str, Any] = {"config": None, "launched": {}, "timings": [], "warned": set(), "crashed": False,
+                          "excepthook": None}
+
+
+def wanted(config: UcpConfig) -> bool:
+    return config.async_convert
+
+
+def install(patches: Any, config: UcpConfig) -> None:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    decoupled = internals().decoupled_commit
+    needed = ("save_checkpoint", "zero_optimization_stage", "use_node_local_storage") + (
+        ("_commit_decoupled_checkpoint",) if decoupled else ())
+    for name in needed:
+        if not hasattr(DeepSpeedEngine, name):
+            raise UnsupportedError(f"DeepSpeedEngine has no {name!r}: the async-conversion hook cannot patch this "
+                                   "DeepSpeed; convert with `megatron-ucp convert` instead",
+                                   subject=f"DeepSpeedEngine.{name}")
+    patches.replace(DeepSpeedEngine, "save_checkpoint", lambda original: _wrap_save(original, config))
+    if decoupled:  # before 0.17 every checkpoint engine commits inside save_checkpoint
+        patches.replace(DeepSpeedEngine, "_commit_decoupled_checkpoint",
+                        lambda original: _wrap_decoupled(original, config))
+    _state.update(config=config, launched={}, warned=set(), crashed=False)
+    atexit.register(_at_exit)
+    if _state["excepthook"] is None:
+        _state["excepthook"] = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+def on_uninstall() -> None:
+    """Stop waiting at exit; converters already started finish on their own."""
+    atexit.unregister(_at_exit)
+    if _state["excepthook"] is not None and sys.excepthook is _excepthook:
+        sys.excepthook = _state["excepthook"]
+    _state.update(config=None, launched={}, excepthook=None)
+
+
+def _excepthook(kind: type, value: BaseException, tb: Any) -> None:
+    """Remember that training died of an exception: then exit does not wait for the converter."""
+    _state["crashed"] = True
+    (_state["excepthook"] or sys.__excepthook__)(kind, value, tb)
+
+
+def trigger_timings() -> list[float]:
+    """Seconds each post-save trigger took in this process (what async conversion adds to a save)."""
+    return list(_state["timings"])
+
+
+def _decoupled(engine: Any) -> bool:
+    ce = getattr(engine, "checkpoint_engine", None)
+    try:
+        return bool(ce is not None and ce.is_decoupled())
+    except Exception:
+        return False
+
+
+def _wrap_save(original: Callable[..., Any], config: UcpConfig) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def save_checkpoint(self: Any, save_dir: str, tag: Optional[str] = None, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, save_dir, tag, *args, **kwargs)
+        if not _decoupled(self):  # decoupled: the files are committed later, see _wrap_decoupled
+            _after_commit(self, save_dir, str(tag) if tag is not None else f"global_step{self.global_steps}", config)
+        return result
+
+    return save_checkpoint
+
+
+def _wrap_decoupled(original: Callable[..., Any], config: UcpConfig) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _commit_decoupled_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        info = self.checkpoint_engine.get_commit_info()
+        result = original(self, *args, **kwargs)
+        if info is not None:
+            _after_commit(self, info.save_dir, str(info.tag), config)
+        return result
+
+    return _commit_decoupled_checkpoint
+
+
+def _warn_once(key: str, message: str, *args: Any) -> None:
+    if key not in _state["warned"]:
+        _state["warned"].add(key)
+        log.warning(message, *args)
+
+
+def _after_commit(engine: Any, save_dir: str, tag: str, config: UcpConfig) -> None:
+    """Queue the conversion on each node's launcher; never raises (training goes on regardless)."""
+    import torch.distributed as dist
+
+    from megatron_ucp.background.store import ConverterSettings
+    from megatron_ucp.background.trigger import trigger
+
+    t0 = time.perf_counter()
+    try:
+        stage = int(engine.zero_optimization_stage())
+        if stage not in (1, 2):
+            _warn_once("stage", "megatron-ucp: async conversion skipped: ZeRO stage %d (only stages 1 and 2 convert)",
+                       stage)
+            return
+        if engine.use_node_local_storage():
+            _warn_once("local", "megatron-ucp: async conversion skipped: checkpoint.use_node_local_storage puts "
+                                "each node's files on its own disk; conversion needs them on one shared filesystem")
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        where = B.node_assignment(rank, world, launchenv.local_rank(os.environ), launchenv.local_size(os.environ),
+                                  config.ranks_per_node)
+        if where.note and rank == 0:
+            _warn_once("nodes", "megatron-ucp: %s", where.note)
+        if not where.launcher:
+            return
+        root = Path(save_dir).resolve()
+        settings = ConverterSettings(workers=config.converter_workers, threads=config.converter_threads,
+                                     keep_last=config.keep_last, job_id=ConverterSettings.job_id_from_env())
+        result = trigger(root, tag, where.node, where.nodes, settings, report=rank == 0)
+        tags = _state["launched"].setdefault((str(root), where.node), [])
+        if tag not in tags:
+            tags.append(tag)
+        if rank == 0:
+            for event in result.events:
+                level = logging.INFO if event.kind in (B.EventKind.COMPLETE, B.EventKind.REMOVED,
+                                                       B.EventKind.CLEANED) else logging.WARNING
+                log.log(level, "megatron-ucp: background conversion: %s", event.line())
+            log.info("megatron-ucp: %s queued for background conversion on %d node(s) (active: %s, pending: %s%s)",
+                     tag, where.nodes, result.active or "-", result.pending or "-",
+                     f", converter pid {result.spawned} started" if result.spawned else "")
+    except Exception as exc:  # loud, harmless
+        log.error("megatron-ucp: could not queue the background conversion of %s in %s: %s: %s. Training continues; "
+                  "convert it later with: megatron-ucp convert %s --tag %s", tag, save_dir, type(exc).__name__, exc,
+                  save_dir, tag)
+    finally:
+        _state["timings"].append(time.perf_counter() - t0)
+
+
+def _at_exit() -> None:
+    """Wait (bounded) for this node's converter so the last save's conversion finishes in the job."""
+    from megatron_ucp.background.trigger import unfinished, wait_for_converter
+
+    config: Optional[UcpConfig] = _state["config"]
+    launched: dict = _state["launched"]
+    if config is None or not launched:
+        return
+    wait = 0 if _state["crashed"] else config.converter_exit_wait
+    deadline = time.monotonic() + wait
+    for (root, node), tags in sorted(launched.items()):
+        try:
+            owed = unfinished(Path(root), tags)
+            if owed and wait > 0:
+                log.warning("megatron-ucp: waiting up to %ds for the background conversion of %s (node %d)",
+                            max(0, int(deadline - time.monotonic())), ", ".join(owed), node)
+            done = wait_for_converter(Path(root), node, max(0.0, deadline - time.monotonic()))
+            owed = unfinished(Path(root), tags)
+            if owed:
+                log.warning("megatron-ucp: background conversion of %s in %s did not finish before exit (%s). "
+                            "`megatron-ucp status %s` shows it; `megatron-ucp convert %s --tag %s` completes it.",
+                            ", ".join(owed), root, "converter still running, detached" if not done else
+                            "converter stopped", root, root, owed[-1])
+            elif node == 0:
+                log.info("megatron-ucp: background conversions in %s finished (last saved: %s)", root, tags[-1])
+        except Exception as exc:
+            log.error("megatron-ucp: waiting for the background conversion in %s failed: %s", root, exc)

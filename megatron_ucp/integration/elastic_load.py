@@ -1,0 +1,392 @@
+"""Elastic resume: ``engine.load_checkpoint`` at any DP size, with every tensor accounted for.
+
+Two DeepSpeed attributes are replaced (through the :class:`~megatron_ucp.integration.install.PatchSet`, so
+``uninstall()`` restores them):
+
+``DeepSpeedEngine.load_checkpoint``
+    Before loading, rank 0 reads the DP size recorded in the requested tag's model states and
+    :func:`megatron_ucp.plan.resume.decide_resume` picks the route; the decision is broadcast so all
+    ranks act alike. Same DP: DeepSpeed's native load, untouched. DP changed: the universal twin
+    ``<tag>_universal`` is loaded in universal mode (the engine's ``load_universal`` flag is set
+    for the call and restored afterwards), converting it first when it is missing (one converter
+    per node, all ranks waiting). Universal loads (this route or the explicit
+    ``{"checkpoint": {"load_universal": true}}``) then restore what DeepSpeed skips (module buffers,
+    frozen parameters, ``global_samples`` after a batch change), check the training state and the
+    global batch, and log one summary line.
+
+``ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir``
+    Our own loader for BF16_Optimizer and DeepSpeedZeroOptimizer (ZeRO-1/2). It copies each
+    parameter's fragments of fp32 and of every optimizer state file into this rank's flat
+    partition, creates the flat optimizer states with the checkpoint's keys on every rank (zeros
+    where a rank holds only padding: stock DeepSpeed dies there with ``IndexError``), restores the
+    group's ``step`` and hyperparameters, and proves with one ``all_reduce`` of element counts and
+    checksums (:mod:`megatron_ucp.plan.accounting`) that every element of every file landed exactly
+    once, and that no state the live optimizer keeps was left unrestored.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from megatron_ucp import launchenv
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.deepspeed.reader import recorded_dp
+from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format.paths import read_tag_file
+from megatron_ucp.integration.collectives import (Failure, broadcast_from_first, comm, count_across, decide_on_first,
+                                                  is_first)
+from megatron_ucp.integration.partition_load import LP_GROUPS, load_universal_partitions, lp_groups_of
+from megatron_ucp.integration.training_state import check_training_state, restore_module_tensors
+from megatron_ucp.plan.accounting import AccountingReport, Problem, ProblemKind
+from megatron_ucp.plan.resume import (ResumeDecision, Route, TwinState, check_global_batch, checkpoint_global_batch,
+                                      decide_resume)
+
+log = logging.getLogger(__name__)
+
+_OPTIMIZER_LOADER = "load_hp_checkpoint_state_from_checkpoint_dir"
+_REPORT_ATTR = "_megatron_ucp_load_report"
+ENGINE_REPORT_ATTR = "megatron_ucp_load_report"
+"""The engine attribute holding the last universal load's :class:`AccountingReport` (for tools)."""
+# Inside our engine wrapper the optimizer loader leaves enforcement to the wrapper, so that tensor
+# and training-state problems end up in one report and one summary line.
+_DEFER_ENFORCEMENT: contextvars.ContextVar[bool] = contextvars.ContextVar("megatron_ucp_defer", default=False)
+
+
+def wanted(config: UcpConfig) -> bool:
+    return config.elastic_resume
+
+
+def install(patches: Any, config: UcpConfig) -> None:
+    """Patch the engine's load entry point and the ZeRO-1/2 universal loader; refuse if they moved."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    for owner, names in ((DeepSpeedEngine, ("load_checkpoint", "_load_checkpoint", "_load_zero_checkpoint",
+                                            "load_universal_checkpoint", "zero_optimization_stage",
+                                            "train_batch_size")),
+                         (ZeROOptimizer, (_OPTIMIZER_LOADER,)),
+                         (BF16_Optimizer, ("_load_universal_checkpoint", "_load_global_state", "update_lp_params")),
+                         (DeepSpeedZeroOptimizer, ("_load_universal_checkpoint", "_load_global_state",
+                                                   "update_lp_params"))):
+        for name in names:
+            if not hasattr(owner, name):
+                raise UnsupportedError(f"DeepSpeed's {owner.__name__} has no attribute {name!r}: the elastic-load "
+                                       "hook cannot patch this DeepSpeed; use the diffs in patches/",
+                                       subject=f"{owner.__name__}.{name}")
+    for cls in (BF16_Optimizer, DeepSpeedZeroOptimizer):
+        if _OPTIMIZER_LOADER in cls.__dict__:
+            raise UnsupportedError(f"{cls.__name__} overrides {_OPTIMIZER_LOADER}; the elastic-load hook expects "
+                                   "the shared ZeROOptimizer implementation", subject=cls.__name__)
+    patches.replace(DeepSpeedEngine, "load_checkpoint", lambda original: _engine_load(original, config))
+    patches.replace(ZeROOptimizer, _OPTIMIZER_LOADER, lambda original: _optimizer_load(original, config))
+    _make_logs_visible()
+
+
+_handler: Optional[logging.Handler] = None
+
+
+def _make_logs_visible() -> None:
+    """The decision and summary lines must reach the training log even when nobody configured logging.
+
+    Only when neither megatron-ucp's logger nor the root logger has a handler (the runner and
+    applications that configure logging keep full control); undone by :func:`on_uninstall`.
+    """
+    global _handler
+    pkg = logging.getLogger("megatron_ucp")
+    if _handler is not None or pkg.handlers or logging.getLogger().handlers:
+        return
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[megatron-ucp] %(levelname)s %(message)s"))
+    pkg.addHandler(_handler)
+    pkg.propagate = False
+    if pkg.level == logging.NOTSET:  # INFO on the first rank only, so that 768 ranks do not repeat it
+        pkg.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
+
+
+def on_uninstall() -> None:
+    """Remove the log handler :func:`_make_logs_visible` added, if any."""
+    global _handler
+    if _handler is not None:
+        pkg = logging.getLogger("megatron_ucp")
+        pkg.removeHandler(_handler)
+        pkg.propagate = True
+        _handler = None
+
+
+# ================================================================================================
+# small distributed helpers (deepspeed.comm + the accelerator's device: gloo/CPU, ccl/XPU, nccl/CUDA)
+# ================================================================================================
+
+
+# ================================================================================================
+# engine: decide, convert, load, finish
+# ================================================================================================
+
+def _elastic_engine(engine: Any) -> bool:
+    """ZeRO stage 1/2 with BF16_Optimizer or DeepSpeedZeroOptimizer: the engines this hook handles."""
+    try:
+        stage = int(engine.zero_optimization_stage())
+    except Exception:
+        return False
+    return stage in (1, 2) and type(engine.optimizer).__name__ in LP_GROUPS
+
+
+def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_optimizer_states: bool
+                       ) -> tuple[ResumeDecision, Optional[str], bool]:
+    """Rank-0 side: read the facts from disk and decide. Returns (decision, native tag, tag from latest)."""
+    from megatron_ucp.convert.universal import staging_path, universal_state
+
+    current_dp = int(engine.seq_dp_world_size)
+    if engine.load_universal_checkpoint():
+        return decide_resume(requested_tag=tag, checkpoint_dp=None, current_dp=current_dp,
+                             load_universal=True), tag, False
+    resolved, from_latest = tag, False
+    if resolved is None:
+        resolved = read_tag_file(Path(load_dir) / F.LATEST)
+        from_latest = resolved is not None
+    checkpoint_dp = None
+    tag_is_universal = False
+    twin = TwinState.ABSENT
+    staging = False
+    if resolved is not None:
+        tag_dir = Path(load_dir) / resolved
+        tag_is_universal = (tag_dir / F.UNIVERSAL_ZERO_DIR / F.UNIVERSAL_OPTIMIZER_STATE_FILE).is_file()
+        if tag_dir.is_dir():
+            checkpoint_dp = recorded_dp(tag_dir)
+        twin_dir = Path(load_dir) / F.universal_tag(resolved)
+        twin = TwinState(universal_state(twin_dir, tag_dir))
+        staging = staging_path(twin_dir).exists()
+    decision = decide_resume(requested_tag=resolved, checkpoint_dp=checkpoint_dp, current_dp=current_dp,
+                             load_universal=False, twin_state=twin, tag_is_universal=tag_is_universal,
+                             loads_optimizer_states=loads_optimizer_states, staging_present=staging)
+    return decision, resolved, from_latest
+
+
+def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_checkpoint(self: Any, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Optional[Callable] = None) -> Any:
+        kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+                      load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                      custom_load_fn=custom_load_fn)
+        if not _elastic_engine(self):
+            return original(self, load_dir, tag, **kwargs)
+
+        outcome = decide_on_first(lambda: _gather_and_decide(self, load_dir, tag,
+                                                             load_optimizer_states and not load_module_only))
+        if isinstance(outcome, Failure):
+            if is_first():
+                log.error("megatron-ucp: deciding how to load %s failed: %s", load_dir, outcome.message)
+            raise UcpError(f"megatron-ucp could not decide how to load {load_dir}: {outcome.message}",
+                           subject=load_dir)
+        decision, native_tag, from_latest = outcome
+        if decision.route is Route.NATIVE:
+            if decision.checkpoint_dp is not None and is_first():
+                log.info("megatron-ucp: %s", decision.message)
+            return original(self, load_dir, tag, **kwargs)
+
+        if is_first():
+            log.info("megatron-ucp: %s", decision.message)
+            if decision.warning:
+                log.warning("megatron-ucp: %s", decision.warning)
+        if decision.convert and _node_local_storage(self):
+            raise UnsupportedError(f"{decision.message}, but checkpoint.use_node_local_storage keeps each node's "
+                                   "files on its own disk; converting needs them on one shared filesystem. Convert "
+                                   "with `megatron-ucp convert` where all rank files are, then load again.",
+                                   subject=load_dir)
+        if decision.convert:
+            _convert_synchronously(Path(load_dir), native_tag, decision, from_latest, config)
+
+        _check_model_states_loadable(Path(load_dir), decision.tag)
+        token = _DEFER_ENFORCEMENT.set(True)
+        try:
+            with _universal_mode(self):
+                result = original(self, load_dir, decision.tag, **kwargs)
+            _finish_universal_load(self, result, decision, kwargs, config)
+        finally:
+            _DEFER_ENFORCEMENT.reset(token)
+        return result
+
+    return load_checkpoint
+
+
+def _check_model_states_loadable(load_dir: Path, tag: Optional[str]) -> None:
+    """DeepSpeed's load starts with ``torch.load`` of the folder's model states, whose errors name no
+    file (``PytorchStreamReader failed reading zip archive``): check its structure first and say
+    which file is damaged. Headers only (a few ``pread`` calls)."""
+    from megatron_ucp.format.torchload import structure_problems
+
+    if tag is None:
+        return
+    folder = load_dir / tag
+    path = folder / F.MODEL_STATES_FILE
+    if not folder.is_dir() or not path.is_file():
+        return  # DeepSpeed reports a missing tag or file in its own words
+    problems = structure_problems(path)
+    if problems:
+        raise CheckpointFormatError(f"{path}: damaged ({problems[0]}); torch.load cannot read it. Reconvert: "
+                                    f"megatron-ucp convert {load_dir} --tag {tag.removesuffix(F.UNIVERSAL_SUFFIX)} "
+                                    "--force", subject=path)
+
+
+def _node_local_storage(engine: Any) -> bool:
+    try:
+        return bool(engine.use_node_local_storage())
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def _universal_mode(engine: Any) -> Iterator[None]:
+    """Set the engine's ``load_universal`` flag for one load; restore it whatever happens."""
+    cfg = engine._config
+    before = cfg.load_universal_checkpoint
+    cfg.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        cfg.load_universal_checkpoint = before
+
+
+def _convert_synchronously(load_dir: Path, native_tag: Optional[str], decision: ResumeDecision, from_latest: bool,
+                           config: UcpConfig) -> None:
+    """Convert the native tag to its universal twin while every rank waits (one converter per node)."""
+    from megatron_ucp.convert.universal import COMPLETE, universal_state
+
+    dist = comm()
+    if native_tag is None or decision.tag is None:
+        raise UcpError("internal: a conversion needs a native tag", subject=decision)
+    from megatron_ucp.background.queue import node_assignment
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    where = node_assignment(rank, world, launchenv.local_rank(os.environ), launchenv.local_size(os.environ), config.ranks_per_node)
+    share = (where.node, where.nodes) if where.launcher else None
+    attempt = broadcast_from_first(f"elastic-load-{uuid.uuid4().hex}" if rank == 0 else None)
+    twin = load_dir / decision.tag
+    error: Optional[BaseException] = None
+    t0 = time.perf_counter()
+    if share is not None:
+        try:
+            _convert_or_wait(load_dir / native_tag, twin, share, attempt, from_latest, config)
+        except Exception as exc:
+            error = exc
+            log.error("megatron-ucp: converting %s on rank %d failed: %s", native_tag, rank, exc)
+    failures = count_across(1 if error is not None else 0)  # also the barrier: every converter finished
+    if error is not None:
+        raise error
+    if failures:
+        raise UcpError(f"converting {native_tag} to {decision.tag} failed on {failures} rank(s); see their log",
+                       subject=twin)
+    if universal_state(twin) != COMPLETE:
+        raise UcpError(f"{twin}: conversion reported success but the folder is not complete on rank {rank} "
+                       "(is the checkpoint directory shared by every node?)", subject=twin)
+    if rank == 0:
+        log.info("megatron-ucp: converted %s -> %s in %.1fs", native_tag, decision.tag, time.perf_counter() - t0)
+
+
+def _convert_or_wait(source: Path, twin: Path, share: tuple[int, int], attempt: str, from_latest: bool,
+                     config: UcpConfig) -> None:
+    """Run this rank's share; if another live converter (e.g. the async one) owns it, wait for it."""
+    from megatron_ucp.convert.execute import ConvertOptions, convert
+    from megatron_ucp.convert.universal import COMPLETE, ConversionInProgress, inspect_staging, universal_state
+    from megatron_ucp.errors import OutputExistsError
+
+    options = ConvertOptions(source=source, output=twin, workers=config.converter_workers, replace_stale=True,
+                             update_latest=from_latest,
+                             share_index=share[0], share_count=share[1], attempt_id=attempt, progress=False)
+    for _ in range(2):
+        try:
+            convert(options)
+            return
+        except OutputExistsError:
+            if universal_state(twin, source) == COMPLETE:
+                return
+            raise
+        except ConversionInProgress as exc:
+            log.info("megatron-ucp: %s; waiting for it", exc)
+            while universal_state(twin) != COMPLETE:
+                info = inspect_staging(twin)
+                if info is None or not info.is_live(options.stale_after):
+                    break
+                time.sleep(2.0)
+            if universal_state(twin) == COMPLETE:
+                return
+    raise UcpError(f"{twin}: could not convert (another converter kept failing or died)", subject=twin)
+
+
+def _finish_universal_load(engine: Any, result: Any, decision: ResumeDecision, kwargs: dict,
+                           config: UcpConfig) -> None:
+    """After DeepSpeed's universal load: what it skips, the training state, the batch, one summary."""
+    from megatron_ucp.deepspeed.reader import load_torch_file
+
+    load_path = result[0] if isinstance(result, tuple) else None
+    optimizer = engine.optimizer
+    report: Optional[AccountingReport] = getattr(optimizer, _REPORT_ATTR, None)
+    if report is not None:
+        delattr(optimizer, _REPORT_ATTR)
+    if load_path is None:
+        return
+    folder = Path(load_path).parent
+    dp_to = int(engine.seq_dp_world_size)
+    dp_from = engine.loaded_checkpoint_dp_world_size
+    problems: list[Problem] = []
+    extras: list[str] = []
+    if report is None:
+        report = AccountingReport(0, 0, (), 0, dp_from, dp_to)
+        problems.append(Problem(ProblemKind.TRAINING_STATE, None, None,
+                                f"the optimizer did not load {folder / F.UNIVERSAL_ZERO_DIR}: no tensors were "
+                                "restored"))
+    states = load_torch_file(Path(load_path), mmap=True)
+    if not isinstance(states, dict):
+        raise CheckpointFormatError(f"{load_path}: not a DeepSpeed model-states dict", subject=load_path)
+
+    current_batch = int(engine.train_batch_size())
+    ckpt_batch = checkpoint_global_batch(states.get(F.DS_CONFIG), dp_from)
+    if dp_from is not None and int(dp_from) != dp_to:
+        warning = check_global_batch(ckpt_batch, current_batch, dp_from, dp_to)
+        if warning and is_first():
+            log.warning("megatron-ucp: !!! %s", warning)
+
+    if not kwargs["load_module_only"]:
+        p, e = check_training_state(engine, states, ckpt_batch, current_batch, kwargs["load_lr_scheduler_states"])
+        problems += p
+        extras += e
+    optimized = {engine.optimizer.param_names[lp] for group in lp_groups_of(engine.optimizer) for lp in group}
+    p, e = restore_module_tensors(engine.module, optimized, folder, states)
+    problems += p
+    extras += e
+    report = report.with_more(problems, extras, dp_from=dp_from)
+    setattr(engine, ENGINE_REPORT_ATTR, report)
+    report.enforce(config.strict, log, verbose=is_first())
+
+
+# ================================================================================================
+# optimizer: our universal loader for one rank's flat partitions
+# ================================================================================================
+
+
+def _optimizer_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_hp_checkpoint_state_from_checkpoint_dir(self: Any, lp_groups_name: str, checkpoint_dir: str) -> None:
+        if type(self).__name__ not in LP_GROUPS or LP_GROUPS[type(self).__name__] != lp_groups_name:
+            return original(self, lp_groups_name, checkpoint_dir)
+        report = load_universal_partitions(self, Path(checkpoint_dir), strict=config.strict)
+        if _DEFER_ENFORCEMENT.get():
+            setattr(self, _REPORT_ATTR, report)
+        else:
+            report.enforce(config.strict, log, verbose=is_first(self.dp_process_group))
+
+    return load_hp_checkpoint_state_from_checkpoint_dir
+
+

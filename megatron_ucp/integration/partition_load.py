@@ -1,0 +1,403 @@
+"""Our loader of ZeRO-1/2 partitions from a universal folder, with the accounting that proves it.
+
+Replaces ``load_hp_checkpoint_state_from_checkpoint_dir`` for BF16_Optimizer and
+DeepSpeedZeroOptimizer (installed by :mod:`megatron_ucp.integration.elastic_load`). Call order in
+:func:`load_universal_partitions`: the group's first rank lists ``zero/`` and reads the manifest's
+checksums once, everyone learns them; each rank restores the global optimizer state, then per
+param group (:func:`_load_group`) copies only its fragments of fp32 and of every optimizer state
+out of the memory-mapped files (:class:`_ParamLayout`), hashes what landed, and adds the file's
+recorded count and checksum when it owns the parameter's first element; one all-reduce of the
+ledger (:mod:`megatron_ucp.plan.accounting`) closes the account, and the live optimizer's state
+names are checked against what was restored.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+from megatron_ucp.errors import CheckpointFormatError, UcpError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format import integrity
+from megatron_ucp.integration.collectives import Failure, comm, decide_on_first, device, is_first
+from megatron_ucp.plan.accounting import (AccountingReport, Column, Ledger, Problem, ProblemKind, add_sum,
+                                          check_folders, check_ledger, check_optimizer_states, checksum,
+                                          group_tensor_states, ledger_totals)
+
+log = logging.getLogger(__name__)
+
+LP_GROUPS = {"BF16_Optimizer": "bf16_groups", "DeepSpeedZeroOptimizer": "bit16_groups"}
+
+
+# Optimizers outside torch.optim whose lazily created states are known (they cannot be probed on CPU).
+_KNOWN_STATES = {
+    "FusedAdam": ("step", "exp_avg", "exp_avg_sq"),
+    "DeepSpeedCPUAdam": ("step", "exp_avg", "exp_avg_sq"),
+    "FusedLamb": ("step", "exp_avg", "exp_avg_sq"),
+    "DeepSpeedCPULamb": ("step", "exp_avg", "exp_avg_sq"),
+}
+
+
+def lp_groups_of(optimizer: Any) -> list[list[Any]]:
+    return getattr(optimizer, LP_GROUPS[type(optimizer).__name__])
+
+
+def _list_zero_folder(zero_dir: Path) -> dict[str, tuple[str, ...]]:
+    """Parameter folder (relative name) -> its state files (names without ``.pt``)."""
+    if not zero_dir.is_dir():
+        raise CheckpointFormatError(f"{zero_dir}: no zero/ folder: not a universal checkpoint", subject=zero_dir)
+    listing: dict[str, tuple[str, ...]] = {}
+    for dirpath, _, filenames in os.walk(zero_dir):
+        rel = os.path.relpath(dirpath, zero_dir)
+        states = sorted(f[:-3] for f in filenames if f.endswith(".pt"))
+        if rel != "." and states:
+            listing[rel.replace(os.sep, "/")] = tuple(states)
+    return listing
+
+
+def _manifest_sums(checkpoint_dir: Path) -> Optional[dict[str, dict]]:
+    """Per state file ``{"numel", "sum"[, "rows_numel", "rows_sum"]}`` recorded by the converter, or
+    None (stock's folder, one converted before megatron-ucp recorded them, an unknown algorithm)."""
+    from megatron_ucp.convert.universal import read_manifest
+
+    manifest = read_manifest(checkpoint_dir)
+    sums = (manifest or {}).get("checksums")
+    if not isinstance(sums, dict) or sums.get("algorithm") != integrity.ALGORITHM:
+        return None
+    files = sums.get("files")
+    return files if isinstance(files, dict) else None
+
+
+class _Clock:
+    """Adds up the time spent inside ``with clock:`` blocks."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    def __enter__(self) -> "_Clock":
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds += time.perf_counter() - self._t0
+
+
+@dataclass(frozen=True)
+class _FolderFacts:
+    """What the group's first rank reads once and broadcasts (no metadata storm on the file system)."""
+
+    listing: dict[str, tuple[str, ...]]
+    sums: Optional[dict[str, dict]]
+
+
+@dataclass(frozen=True)
+class _ParamLayout:
+    """A state file's tensor in the parameter's flat layout, never materialized: a rank copies only
+    the bytes of its fragment out of the memory-mapped file.
+
+    ``pieces`` are flat views in order (the tensor, then its kept vocabulary rows); positions from
+    ``held`` to ``numel`` (vocabulary padding the folder did not keep) read as zeros.
+    """
+
+    pieces: tuple[torch.Tensor, ...]
+    held: int
+    numel: int
+    rows_restored: bool
+
+    def narrow(self, start: int, length: int) -> torch.Tensor:
+        parts, pos = [], 0
+        for piece in self.pieces:
+            lo, hi = max(start, pos), min(start + length, pos + piece.numel())
+            if lo < hi:
+                parts.append(piece.narrow(0, lo - pos, hi - lo))
+            pos += piece.numel()
+        got = sum(t.numel() for t in parts)
+        if got < length:
+            parts.append(self.pieces[0].new_zeros(length - got))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def source_sum(self) -> int:
+        """Checksum of everything the file holds (reads all of it: the path without manifest sums)."""
+        sums, pos = [], 0
+        for piece in self.pieces:
+            sums.append(checksum(piece, pos))
+            pos += piece.numel()
+        return integrity.combine(sums)
+
+
+def _tensor_of(entry: Any, path: Path) -> torch.Tensor:
+    tensor = entry.get(F.PARAM) if isinstance(entry, dict) else entry
+    if not torch.is_tensor(tensor):
+        raise CheckpointFormatError(f"{path}: no tensor under {F.PARAM!r}", subject=path)
+    return tensor
+
+
+def _layout(full: torch.Tensor, entry: Any, lp: Any, name: str, state: str, path: Path) -> _ParamLayout:
+    """The file's tensor as the parameter's flat layout (:class:`_ParamLayout`).
+
+    Vocabulary tensors trimmed to ``original_vocab_size`` get their padded rows back from
+    :data:`~megatron_ucp.format.dsformat.VOCAB_PADDED_ROWS` when the folder kept them (megatron-ucp's
+    conversions do) and the padded size is the one they were saved at; otherwise (stock folders,
+    another padded size) those rows start at zero, as with stock DeepSpeed, and are not counted.
+    """
+    shape = tuple(lp.shape)
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    if tuple(full.shape) == shape:
+        return _ParamLayout((full.reshape(-1),), full.numel(), numel, False)
+    is_vocab = isinstance(entry, dict) and entry.get(F.VOCAB_TENSOR, False)
+    if (is_vocab and full.dim() == len(shape) and full.dim() >= 1 and full.shape[0] <= shape[0]
+            and tuple(full.shape[1:]) == shape[1:]):
+        rows = entry.get(F.VOCAB_PADDED_ROWS)
+        if torch.is_tensor(rows) and tuple(rows.shape) == (shape[0] - full.shape[0], *shape[1:]):
+            rows = rows if rows.dtype == full.dtype else rows.to(full.dtype)
+            return _ParamLayout((full.reshape(-1), rows.reshape(-1)), numel, numel, True)
+        return _ParamLayout((full.reshape(-1),), full.numel(), numel, False)
+    raise CheckpointFormatError(f"{path}: parameter {name!r} state {state!r} has shape {tuple(full.shape)}, the model's "
+                                f"parameter is {shape} (a different model, or TP>1 which megatron-ucp does not "
+                                "support yet)", subject=name)
+
+
+def _recorded_source(sums: dict[str, dict], name: str, state: str, layout: _ParamLayout, path: Path
+                     ) -> tuple[int, int]:
+    """(elements, checksum) the manifest says the file holds, for what this layout restores."""
+    record = sums.get(f"{name}/{state}")
+    if not isinstance(record, dict) or "numel" not in record or "sum" not in record:
+        raise CheckpointFormatError(f"{path}: not in the manifest's checksums although the folder has them "
+                                    "(a file added after the conversion?)", subject=path)
+    count, value = int(record["numel"]), int(record["sum"])
+    if layout.rows_restored:
+        count += int(record.get("rows_numel", 0))
+        value = integrity.combine([value, int(record.get("rows_sum", 0))])
+    return count, value
+
+
+def _same_step(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+    return a == b
+
+
+def expected_state_keys(optimizer: torch.optim.Optimizer, group_index: int) -> Optional[frozenset[str]]:
+    """The per-parameter states ``optimizer`` keeps for one group, discovered without touching it.
+
+    For torch.optim classes: build a throwaway instance with the group's hyperparameters on a
+    2-element CPU tensor and take one step; for a few DeepSpeed optimizers: a table. None when
+    unknown (then only the checkpoint's own consistency is checked). States already present in the
+    live optimizer count too.
+    """
+    cls = type(optimizer)
+    group = optimizer.param_groups[group_index]
+    present: set[str] = set()
+    for p in group["params"]:
+        present.update(optimizer.state.get(p, {}).keys())
+    keys: Optional[set[str]] = None
+    if cls.__module__.startswith("torch.optim"):
+        try:
+            accepted = inspect.signature(cls.__init__).parameters
+            kwargs = {k: v for k, v in group.items() if k in accepted and k not in ("params", "self")}
+            for flag in ("fused", "capturable", "differentiable", "foreach"):
+                if flag in kwargs:
+                    kwargs[flag] = False if flag != "foreach" else None
+            probe_param = torch.zeros(2, requires_grad=True)
+            probe_param.grad = torch.ones(2)
+            probe = cls([probe_param], **kwargs)
+            probe.step()
+            keys = set(probe.state[probe_param].keys())
+        except Exception as exc:
+            log.debug("could not probe %s for its state names: %s", cls.__name__, exc)
+    if keys is None and cls.__name__ in _KNOWN_STATES:
+        keys = set(_KNOWN_STATES[cls.__name__])
+        if group.get("amsgrad"):
+            keys.add("max_exp_avg_sq")
+    if keys is None:
+        return frozenset(present) if present else None
+    return frozenset(keys | present)
+
+
+def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool = True) -> AccountingReport:
+    """Load this rank's ZeRO-1/2 partitions from ``<checkpoint_dir>/zero`` and account for them.
+
+    Collective over the optimizer's DP group: every rank must call it. Returns the report (the
+    same on every rank); raising is left to the caller, except when a rank failed to load at all.
+    With ``strict=False`` optimizer tensor states missing from the checkpoint start at zero (as a
+    fresh optimizer's would) instead of being absent, so that the first step does not fail.
+    """
+    from megatron_ucp.deepspeed.reader import load_torch_file
+
+    t_start = time.perf_counter()
+    clock = _Clock()
+    dist = comm()
+    group = optimizer.dp_process_group
+    dp_to = dist.get_world_size(group=group)
+    zero_dir = checkpoint_dir / F.UNIVERSAL_ZERO_DIR
+    lp_groups = lp_groups_of(optimizer)
+    base = optimizer.optimizer
+    names = [[optimizer.param_names[lp] for lp in lps] for lps in lp_groups]
+    optimized = {n for group_names in names for n in group_names}
+    frozen = set(optimizer.param_names.values()) - optimized
+
+    facts = decide_on_first(lambda: _FolderFacts(_list_zero_folder(zero_dir), _manifest_sums(checkpoint_dir)), group)
+    if isinstance(facts, Failure):
+        raise CheckpointFormatError(f"cannot read {zero_dir}: {facts.message}", subject=zero_dir)
+    listing, sums = facts.listing, facts.sums
+    if sums is None and is_first(group):
+        log.info("megatron-ucp: %s has no checksums in %s (stock's folder, or converted by an older megatron-ucp): "
+                 "accounting checks against the files themselves, which reads each parameter in full on one rank "
+                 "(slower; `megatron-ucp convert --force` records them)", checkpoint_dir, F.MANIFEST_FILE)
+    # Frozen parameters' folders are the engine hook's to restore (they are not in the optimizer).
+    accountable = {k: v for k, v in listing.items() if k in optimized}
+    ledger = Ledger.from_listing(accountable)
+    table = ledger.new_table(device="cpu")
+    failure: Optional[BaseException] = None
+    dp_from: Optional[int] = None
+    restored_keys: list[set[str]] = []
+    group_states = group_tensor_states(names, accountable)
+    problems: list[Problem] = []
+    try:
+        optim_sd = load_torch_file(zero_dir / F.UNIVERSAL_OPTIMIZER_STATE_FILE, mmap=False)
+        optimizer._load_global_state(optim_sd)
+        dp_from = _source_dp(optim_sd)
+        loaded_groups = optim_sd.get(F.PARAM_GROUPS) or []
+        if len(loaded_groups) != len(base.param_groups):
+            problems.append(Problem(ProblemKind.PARAM_GROUPS, None, None,
+                                    f"the checkpoint has {len(loaded_groups)} param groups, the optimizer "
+                                    f"{len(base.param_groups)}: hyperparameters not restored"))
+            loaded_groups = [None] * len(base.param_groups)
+        for i, (param_group, lps) in enumerate(zip(base.param_groups, lp_groups)):
+            restored_keys.append(_load_group(optimizer, i, param_group, lps, names[i], group_states[i], accountable,
+                                             zero_dir, ledger, table, sums, clock))
+            if loaded_groups[i] is not None:
+                for key, value in loaded_groups[i].items():
+                    if key != "params":
+                        param_group[key] = value
+    except Exception as exc:
+        failure = exc
+        log.error("megatron-ucp: rank %d failed to load %s: %s", dist.get_rank(), zero_dir, exc)
+
+    t_wait = time.perf_counter()  # the all-reduce also waits for the slowest rank: timed on its own
+    flags = torch.zeros((1, len(Column)), dtype=torch.int64)
+    flags[0, 0] = 1 if failure is not None else 0
+    totals = torch.cat([table, flags]).to(device())
+    dist.all_reduce(totals, group=group)
+    totals = totals.cpu()
+    collective = time.perf_counter() - t_wait
+    failed_ranks = int(totals[-1, 0])
+    if failure is not None:
+        raise failure
+    if failed_ranks:
+        raise UcpError(f"loading {zero_dir} failed on {failed_ranks} other rank(s); see their log", subject=zero_dir)
+    totals = totals[:-1]
+
+    with clock:
+        problems += check_folders(names, {k: v for k, v in listing.items() if k not in frozen})
+        problems += check_ledger(ledger, totals)
+        for i, keys in enumerate(restored_keys):
+            expected = expected_state_keys(base, i)
+            problems += check_optimizer_states(i, names[i], expected, keys, type(base).__name__)
+            if not strict and expected is not None:
+                _start_missing_states_fresh(base, i, expected - keys)
+        n_params, n_files, elements, state_names = ledger_totals(ledger, totals)
+    load = time.perf_counter() - t_start - clock.seconds - collective
+    seconds = (("load", round(load, 4)), ("accounting", round(clock.seconds, 4)), ("collective", round(collective, 4)))
+    return AccountingReport(n_params, n_files, state_names, elements, dp_from, dp_to, tuple(problems),
+                            seconds=seconds)
+
+
+def _start_missing_states_fresh(base: torch.optim.Optimizer, index: int, missing: Iterable[str]) -> None:
+    """Non-strict partial load: a state the checkpoint lacks starts at zero, as a fresh one would."""
+    flat = base.param_groups[index]["params"][0]
+    state = base.state[flat]
+    for key in sorted(missing):
+        if key != F.STEP_STATE and key not in state:
+            state[key] = torch.zeros_like(flat)
+
+
+def _source_dp(optim_sd: dict) -> Optional[int]:
+    info = optim_sd.get(F.ZERO_PARTITION_INFO)
+    if isinstance(info, dict) and info.get("dp_size"):
+        return int(info["dp_size"])
+    count = optim_sd.get(F.PARTITION_COUNT)
+    if isinstance(count, (list, tuple)) and count:
+        count = count[0]
+    return int(count) if isinstance(count, int) else None
+
+
+def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names: list[str], states: tuple[str, ...],
+                listing: dict[str, tuple[str, ...]], zero_dir: Path, ledger: Ledger, table: torch.Tensor,
+                sums: Optional[dict[str, dict]], clock: "_Clock") -> set[str]:
+    """Fill one param group's flat fp32 partition and optimizer states on this rank; return the keys set.
+
+    A rank whose partition of the group is all padding reads no fragment but still gets every state
+    key (zeros) and the group's step, so the optimizer and the next save look like everyone else's.
+    A rank reads only its fragments' bytes; the owner of a parameter's first element adds what the
+    file holds to the ledger: from the manifest's ``sums`` when there are some, else from the file.
+    """
+    from megatron_ucp.deepspeed.reader import load_torch_file
+
+    flat = param_group["params"][0]
+    buffers = {state: torch.zeros_like(flat) for state in states}
+    group_step: Any = None
+    step_source = next((n for n in names if F.STEP_STATE in listing.get(n, ())), None)
+    if step_source is not None:
+        group_step = load_torch_file(zero_dir / step_source / f"{F.STEP_STATE}.pt", mmap=False)
+
+    with torch.no_grad():
+        for lp, name in zip(lps, names):
+            mapping = getattr(lp, "_hp_mapping", None)
+            if mapping is None or name not in listing:
+                continue
+            lp_address = mapping.lp_fragment_address
+            hp_address = mapping.get_hp_fragment_address()
+            for state in listing[name]:
+                row = ledger.index(name, state)
+                path = zero_dir / name / f"{state}.pt"
+                if state == F.STEP_STATE:
+                    step = load_torch_file(path, mmap=False)
+                    table[row, Column.CONSUMERS] += 1
+                    table[row, Column.STEP_MISMATCH] += 0 if _same_step(step, group_step) else 1
+                    continue
+                if state != F.FP32_STATE and state not in buffers:
+                    continue  # not one of this group's states: check_folders reports the odd file
+                entry = load_torch_file(path, mmap=True)
+                full = _tensor_of(entry, path)
+                if full.dtype != torch.float32:  # fp32 masters and Adam states: a bf16 file would load silently
+                    raise CheckpointFormatError(f"{path}: {full.dtype} tensor; universal optimizer states are "
+                                                "float32", subject=path)
+                layout = _layout(full, entry, lp, name, state, path)
+                target = (mapping.get_hp_fragment() if state == F.FP32_STATE
+                          else buffers[state].narrow(0, hp_address.start, hp_address.numel))
+                fragment = layout.narrow(lp_address.start, lp_address.numel)
+                target.copy_(fragment)
+                real = max(0, min(lp_address.numel, layout.held - lp_address.start))
+                table[row, Column.CONSUMERS] += 1
+                table[row, Column.LOADED_COUNT] += real
+                with clock:
+                    if real:  # what landed (on an accelerator: what was copied there, hashed on the CPU)
+                        placed = target[:real] if target.device.type == "cpu" else fragment[:real]
+                        add_sum(table, row, True, checksum(placed, lp_address.start))
+                    if lp_address.start == 0:
+                        count, value = ((layout.held, layout.source_sum()) if sums is None
+                                        else _recorded_source(sums, name, state, layout, path))
+                        table[row, Column.SOURCE_COUNT] += count
+                        add_sum(table, row, False, value)
+
+    state_dict = optimizer.optimizer.state[flat]
+    for state, buffer in buffers.items():
+        state_dict[state] = buffer
+    if group_step is not None:
+        state_dict[F.STEP_STATE] = group_step.clone() if torch.is_tensor(group_step) else group_step
+    for lp in lps:
+        mapping = getattr(lp, "_hp_mapping", None)
+        if mapping is not None:
+            address = mapping.get_hp_fragment_address()
+            mapping.optim_fragment = {s: b.narrow(0, address.start, address.numel) for s, b in buffers.items()}
+    return set(buffers) | ({F.STEP_STATE} if group_step is not None else set())

@@ -1,0 +1,109 @@
+"""Save-time hook: every rank's optimizer file records its true unpadded lengths.
+
+Wraps ``state_dict`` of ``BF16_Optimizer`` and ``DeepSpeedZeroOptimizer`` so that the dict each
+rank saves carries, next to ``group_paddings``, ``group_true_lengths`` and ``zero_partition_info``
+(DP size, rank, alignment, group numels, partition sizes): what a converter needs to check the
+file on its own. BF16_Optimizer's ``group_paddings`` (last-rank-only in stock DeepSpeed, wrong once
+the padding exceeds a partition) is replaced by the per-rank value, so that stock
+``ds_to_universal`` converts plugin-saved checkpoints too. The optimizer's own attributes are not
+touched; only the returned dict differs. ``patches/`` carries the same change as an upstream diff.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Sequence
+
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.errors import UnsupportedError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.plan.geometry import NCCL_START_ALIGNMENT_FACTOR, GroupGeometry
+
+log = logging.getLogger(__name__)
+
+
+def wanted(config: UcpConfig) -> bool:
+    return config.record_true_lengths
+
+
+def partition_record(group_numels: Sequence[int], padded_group_numels: Sequence[int],
+                     flat_numels: Sequence[int], dp_sizes: Sequence[int], dp_ranks: Sequence[int],
+                     alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR) -> dict[str, Any]:
+    """The keys added to a rank's optimizer state dict. Pure; checks DeepSpeed's flat sizes."""
+    if len(set(dp_sizes)) != 1 or len(set(dp_ranks)) != 1:
+        raise UnsupportedError(f"param groups with different data-parallel groups (sizes {list(dp_sizes)}) "
+                               "are not supported (MoE expert groups?)")
+    dp, rank = dp_sizes[0], dp_ranks[0]
+    geos = [GroupGeometry(numel=n, dp=dp, padded_numel=pn, alignment_factor=alignment_factor)
+            for n, pn in zip(group_numels, padded_group_numels)]
+    for g, (geo, flat) in enumerate(zip(geos, flat_numels)):
+        if geo.padded_total != flat:
+            raise UnsupportedError(f"param group {g}: DeepSpeed's flat buffer has {flat} elements, the known geometry "
+                                   f"gives {geo.padded_total} (N={geo.numel}, DP={dp}); this DeepSpeed partitions "
+                                   "differently from what megatron-ucp understands")
+    return {
+        F.GROUP_PADDINGS: [geo.padding(rank) for geo in geos],
+        F.GROUP_TRUE_LENGTHS: [geo.true_length(rank) for geo in geos],
+        F.ZERO_PARTITION_INFO: {
+            "version": F.ZERO_PARTITION_INFO_VERSION,
+            "dp_size": dp,
+            "dp_rank": rank,
+            "alignment": alignment_factor * dp,
+            "group_numels": [geo.numel for geo in geos],
+            "padded_group_numels": [geo.padded_numel for geo in geos],
+            "partition_sizes": [geo.partition_size for geo in geos],
+        },
+    }
+
+
+def _dp_of(optimizer: Any) -> tuple[list[int], list[int]]:
+    import torch.distributed as dist
+
+    groups = optimizer.real_dp_process_group
+    return [dist.get_world_size(group=pg) for pg in groups], [dist.get_rank(group=pg) for pg in groups]
+
+
+def _bf16_record(optimizer: Any) -> dict[str, Any]:
+    numels = [sum(p.numel() for p in group) for group in optimizer.bf16_groups]
+    sizes, ranks = _dp_of(optimizer)
+    return partition_record(numels, numels, [f.numel() for f in optimizer.bf16_groups_flat], sizes, ranks,
+                            optimizer.nccl_start_alignment_factor)
+
+
+def _zero_record(optimizer: Any) -> dict[str, Any]:
+    numels = [sum(p.numel() for p in group) for group in optimizer.bit16_groups]
+    paddings = getattr(optimizer, "round_robin_bit16_padding", None) or [[0]] * len(numels)
+    padded = [n + sum(pad) for n, pad in zip(numels, paddings)]
+    sizes, ranks = _dp_of(optimizer)
+    record = partition_record(numels, padded, [f.numel() for f in optimizer.bit16_groups_flat], sizes, ranks,
+                              optimizer.nccl_start_alignment_factor)
+    recorded = list(getattr(optimizer, "groups_padding", []))
+    if recorded and recorded != record[F.GROUP_PADDINGS]:
+        log.warning("DeepSpeedZeroOptimizer group_paddings %s differ from the geometry's %s; saving the latter",
+                    recorded, record[F.GROUP_PADDINGS])
+    return record
+
+
+def _wrap(record: Any) -> Any:
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def state_dict(self: Any, *args: Any, **kwargs: Any) -> dict:
+            sd = original(self, *args, **kwargs)
+            try:
+                sd.update(record(self))
+            except AttributeError as exc:
+                raise UnsupportedError(f"megatron-ucp save hook: {type(self).__name__} lacks an attribute it relies "
+                                       f"on ({exc}); DeepSpeed internals changed") from exc
+            return sd
+        return state_dict
+    return make
+
+
+def install(patches: Any, config: UcpConfig) -> None:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    for cls, record in ((BF16_Optimizer, _bf16_record), (DeepSpeedZeroOptimizer, _zero_record)):
+        if not callable(getattr(cls, "state_dict", None)):
+            raise UnsupportedError(f"{cls.__name__}.state_dict not found: DeepSpeed internals changed")
+        patches.replace(cls, "state_dict", _wrap(record))

@@ -1,0 +1,112 @@
+"""After a universal load: what DeepSpeed's universal mode skips, restored and checked.
+
+Universal mode loads no module state dict and no client state beyond the model-states file:
+:func:`restore_module_tensors` brings back buffers and frozen parameters (strict about what the
+checkpoint holds, listing what it never held), and :func:`check_training_state` compares the
+iteration, sample counters and learning-rate schedule with the checkpoint's, so that one summary
+line says what was and was not restored.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.plan.accounting import Problem, ProblemKind
+from megatron_ucp.plan.resume import restored_global_samples
+
+
+def check_training_state(engine: Any, states: dict, ckpt_batch: Optional[int], current_batch: int,
+                          load_lr_scheduler_states: bool) -> tuple[list[Problem], list[str]]:
+    """DeepSpeed restores these in universal mode; check it did, and fix global_samples' fallback."""
+    problems: list[Problem] = []
+    extras: list[str] = []
+    for key in ("global_steps", "skipped_steps"):
+        if key not in states:
+            problems.append(Problem(ProblemKind.TRAINING_STATE, None, key, "missing from the checkpoint's model states"))
+        elif getattr(engine, key) != states[key]:
+            problems.append(Problem(ProblemKind.TRAINING_STATE, None, key,
+                                    f"engine has {getattr(engine, key)}, checkpoint {states[key]}"))
+    samples = restored_global_samples(states, ckpt_batch, current_batch)
+    if samples is not None and states.get("global_samples") is None:
+        engine.global_samples = samples  # DeepSpeed used steps x the *current* batch
+    if samples is not None and engine.global_samples != samples:
+        problems.append(Problem(ProblemKind.TRAINING_STATE, None, "global_samples",
+                                f"engine has {engine.global_samples}, checkpoint {samples}"))
+    extras.append(f"global_steps={engine.global_steps} global_samples={engine.global_samples} "
+                  f"skipped_steps={engine.skipped_steps}")
+    saved = states.get("lr_scheduler")
+    scheduler = engine.lr_scheduler
+    if scheduler is not None and load_lr_scheduler_states:
+        if saved is None:
+            problems.append(Problem(ProblemKind.TRAINING_STATE, None, "lr_scheduler",
+                                    "the engine has an LR scheduler but the checkpoint saved none: it would "
+                                    "restart its schedule"))
+        elif scheduler.state_dict() != saved:
+            problems.append(Problem(ProblemKind.TRAINING_STATE, None, "lr_scheduler",
+                                    f"scheduler state {scheduler.state_dict()} differs from the checkpoint's {saved}"))
+        else:
+            extras.append("lr scheduler restored")
+    elif saved is not None and scheduler is None:
+        extras.append("lr scheduler state left to the client (no DeepSpeed scheduler)")
+    return problems, extras
+
+
+def restore_module_tensors(module: torch.nn.Module, optimized: set[str], folder: Path,
+                           states: dict) -> tuple[list[Problem], list[str]]:
+    """Buffers and frozen parameters: universal mode skips the module state dict, so restore them here.
+
+    ``optimized``: names of the parameters the optimizer restored. Frozen parameters (the others)
+    come from ``zero/<name>/fp32.pt`` when the converter wrote one, else from the model states'
+    module dict; persistent buffers from the model states' module dict. Strict about what the
+    checkpoint holds (a held buffer of another shape is a problem), not about what it never held:
+    Megatron leaves deterministic buffers such as RoPE's ``inv_freq`` out of its save, so those
+    stay as the model built them and are listed in one line. Returns (problems, extras).
+    """
+    from megatron_ucp.deepspeed.reader import flatten_module_states, load_torch_file
+
+    saved = flatten_module_states(states.get("module"))
+    live = module.state_dict()
+    named_params = dict(module.named_parameters())
+    frozen = [n for n in named_params if n not in optimized]
+    buffers = [n for n, _ in module.named_buffers() if n in live]
+    problems: list[Problem] = []
+    never_held: list[str] = []
+    restored_frozen = restored_buffers = 0
+    with torch.no_grad():
+        for name in frozen:
+            param = named_params[name]
+            file = folder / F.UNIVERSAL_ZERO_DIR / name / f"{F.FP32_STATE}.pt"
+            if file.is_file():
+                source = load_torch_file(file, mmap=True)
+                source = source.get(F.PARAM) if isinstance(source, dict) else source
+            else:
+                source = saved.get(name)
+            if not torch.is_tensor(source) or tuple(source.shape) != tuple(param.shape):
+                problems.append(Problem(ProblemKind.MODULE_TENSOR, name, F.FP32_STATE,
+                                        "frozen parameter not found (or of another shape) in zero/ and in the "
+                                        "model states"))
+                continue
+            param.copy_(source)
+            restored_frozen += 1
+        for name in buffers:
+            target = live[name]
+            if name not in saved:
+                never_held.append(name)
+                continue
+            source = saved[name]
+            if not torch.is_tensor(source) or tuple(source.shape) != tuple(target.shape):
+                shape = tuple(source.shape) if torch.is_tensor(source) else type(source).__name__
+                problems.append(Problem(ProblemKind.MODULE_TENSOR, name, "buffer",
+                                        f"{folder.name}'s model states hold it as {shape}, the model's buffer is "
+                                        f"{tuple(target.shape)}"))
+                continue
+            target.copy_(source)
+            restored_buffers += 1
+    extras = [f"{restored_buffers} buffers, {restored_frozen} frozen params restored"] if (buffers or frozen) else []
+    if never_held:
+        extras.append(f"{len(never_held)} live buffer(s) the checkpoint never held, left as the model built them: "
+                      + ", ".join(never_held))
+    return problems, extras

@@ -1,0 +1,169 @@
+"""What a ``load_checkpoint`` call should do when the DP size may have changed: pure decisions.
+
+The elastic-load hook (:mod:`megatron_ucp.integration.elastic_load`) gathers the facts (the DP size the
+requested tag was saved at, the current DP size, the ``load_universal`` flag, the state of the
+universal twin ``<tag>_universal``) and asks :func:`decide_resume` what to do. Keeping the
+decision here, free of I/O and of ``torch.distributed``, means every rank reaches the same answer
+from the same files, and every branch is tested in milliseconds.
+
+Call order in the hook: :func:`decide_resume` -> (convert, one converter per node as
+:func:`megatron_ucp.background.queue.node_assignment` picks) -> load -> :func:`check_global_batch` and
+:func:`restored_global_samples`.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from megatron_ucp.errors import UcpError
+from megatron_ucp.format import dsformat as F
+
+
+class Route(enum.Enum):
+    """How the checkpoint gets loaded."""
+
+    NATIVE = "native"
+    """DeepSpeed's own load of the native tag, untouched (same DP size, or nothing to reshard)."""
+    UNIVERSAL_EXISTING = "universal-existing"
+    """DP changed and the universal twin is there: load it in universal mode."""
+    CONVERT_THEN_UNIVERSAL = "convert-then-universal"
+    """DP changed and there is no twin yet: convert synchronously, then load it in universal mode."""
+    EXPLICIT_UNIVERSAL = "explicit-universal"
+    """The user asked for a universal load (``load_universal`` flag, or a universal tag)."""
+
+
+class TwinState(enum.Enum):
+    """State of ``<tag>_universal`` (the values of :func:`megatron_ucp.convert.universal.universal_state`)."""
+
+    COMPLETE = "complete"
+    FOREIGN = "foreign"
+    ABSENT = "absent"
+    STALE = "stale"
+    """Complete, but converted from an earlier save of the tag: reconverted before loading."""
+
+
+@dataclass(frozen=True)
+class ResumeDecision:
+    """One decision, with the sentence the hook logs for it."""
+
+    route: Route
+    tag: Optional[str]
+    """The tag to hand to DeepSpeed (None: let DeepSpeed read ``latest`` / ``latest_universal``)."""
+    checkpoint_dp: Optional[int]
+    current_dp: int
+    message: str
+    warning: Optional[str] = None
+    """Something the user should hear loudly (e.g. a universal folder we did not write)."""
+
+    @property
+    def universal(self) -> bool:
+        return self.route is not Route.NATIVE
+
+    @property
+    def convert(self) -> bool:
+        return self.route is Route.CONVERT_THEN_UNIVERSAL
+
+    @property
+    def dp_changed(self) -> bool:
+        return self.checkpoint_dp is not None and self.checkpoint_dp != self.current_dp
+
+
+def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int], current_dp: int,
+                  load_universal: bool, twin_state: TwinState | str = TwinState.ABSENT,
+                  tag_is_universal: bool = False, loads_optimizer_states: bool = True,
+                  staging_present: bool = False) -> ResumeDecision:
+    """Decide how to load ``requested_tag`` (already resolved from ``latest`` when it was None).
+
+    ``checkpoint_dp`` is the ``dp_world_size`` recorded in the tag's model states (None when the
+    tag or its model states are missing: DeepSpeed then fails or warns in its own words).
+    ``tag_is_universal`` says the tag folder itself is a universal checkpoint. Without optimizer
+    states to load, a DP change needs no resharding (DeepSpeed rebuilds fp32 from the weights).
+    """
+    if current_dp < 1:
+        raise UcpError(f"current DP size must be >= 1, got {current_dp}", subject=current_dp)
+    twin = TwinState(twin_state.value if isinstance(twin_state, TwinState) else twin_state)
+    if load_universal:
+        shown = requested_tag if requested_tag is not None else f"the tag in {F.LATEST_UNIVERSAL}"
+        return ResumeDecision(Route.EXPLICIT_UNIVERSAL, requested_tag, checkpoint_dp, current_dp,
+                              f"load_universal is set: loading {shown} in universal mode at DP={current_dp}")
+    if requested_tag is None or checkpoint_dp is None:
+        return ResumeDecision(Route.NATIVE, requested_tag, checkpoint_dp, current_dp,
+                              "no readable checkpoint DP size: native DeepSpeed load")
+    if tag_is_universal:
+        return ResumeDecision(Route.EXPLICIT_UNIVERSAL, requested_tag, checkpoint_dp, current_dp,
+                              f"{requested_tag} is a universal checkpoint (saved at DP={checkpoint_dp}): "
+                              f"loading it in universal mode at DP={current_dp}")
+    if checkpoint_dp == current_dp:
+        return ResumeDecision(Route.NATIVE, requested_tag, checkpoint_dp, current_dp,
+                              f"DP unchanged ({current_dp}): native load of {requested_tag}")
+    if not loads_optimizer_states:
+        return ResumeDecision(Route.NATIVE, requested_tag, checkpoint_dp, current_dp,
+                              f"DP changed {checkpoint_dp} -> {current_dp} but no optimizer states are loaded: "
+                              f"native load of {requested_tag} (fp32 master weights rebuilt from bf16 weights)")
+    target = F.universal_tag(requested_tag)
+    changed = f"DP changed {checkpoint_dp} -> {current_dp}"
+    if twin is TwinState.COMPLETE:
+        return ResumeDecision(Route.UNIVERSAL_EXISTING, target, checkpoint_dp, current_dp,
+                              f"{changed}: loading {target}")
+    if twin is TwinState.FOREIGN:
+        return ResumeDecision(
+            Route.UNIVERSAL_EXISTING, target, checkpoint_dp, current_dp,
+            f"{changed}: loading {target} (not written by megatron-ucp; strict accounting checks it is complete)",
+            warning=(f"{target} has no megatron-ucp manifest (stock ds_to_universal output, or an unfinished "
+                     "conversion). Loading it anyway; the accounting after the load fails on any missing tensor. "
+                     f"Delete it to have megatron-ucp convert {requested_tag} itself."))
+    if twin is TwinState.STALE:
+        return ResumeDecision(Route.CONVERT_THEN_UNIVERSAL, target, checkpoint_dp, current_dp,
+                              f"{changed}: {target} was converted from an earlier save of {requested_tag}; "
+                              f"reconverting {requested_tag} now, then loading {target}")
+    note = " (replacing a stale or unfinished staging folder)" if staging_present else ""
+    return ResumeDecision(Route.CONVERT_THEN_UNIVERSAL, target, checkpoint_dp, current_dp,
+                          f"{changed}: no {target} yet, converting {requested_tag} now{note}, then loading {target}")
+
+
+def checkpoint_global_batch(ds_config: Optional[Mapping[str, Any]], checkpoint_dp: Optional[int]) -> Optional[int]:
+    """The global batch a checkpoint was trained with, from the ds_config saved in its model states.
+
+    ``train_batch_size`` when recorded; otherwise micro batch x gradient accumulation x DP (what
+    DeepSpeed derives); None when the config does not say.
+    """
+    if not isinstance(ds_config, Mapping):
+        return None
+    batch = ds_config.get("train_batch_size")
+    if isinstance(batch, int) and batch > 0:
+        return batch
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    accum = ds_config.get("gradient_accumulation_steps", 1)
+    if isinstance(micro, int) and isinstance(accum, int) and checkpoint_dp:
+        return micro * accum * checkpoint_dp
+    return None
+
+
+def check_global_batch(checkpoint_batch: Optional[int], current_batch: int, checkpoint_dp: Optional[int],
+                       current_dp: int) -> Optional[str]:
+    """A loud warning when the global batch differs from the checkpoint's, else None.
+
+    The LR schedule and consumed-sample counters assume the global batch; DeepSpeed derives
+    gradient accumulation from ``train_batch_size``, so keeping that constant keeps the run equal.
+    """
+    if checkpoint_batch is None or checkpoint_batch == current_batch:
+        return None
+    return (f"GLOBAL BATCH CHANGED on resume: the checkpoint was trained with a global batch of {checkpoint_batch} "
+            f"(DP={checkpoint_dp}), this run uses {current_batch} (DP={current_dp}). The LR schedule and "
+            "consumed-sample counts assume the old batch; set train_batch_size to "
+            f"{checkpoint_batch} to continue the same run.")
+
+
+def restored_global_samples(checkpoint: Mapping[str, Any], checkpoint_batch: Optional[int],
+                            current_batch: int) -> Optional[int]:
+    """``global_samples`` to restore: the recorded one, else steps x the checkpoint's own batch.
+
+    DeepSpeed falls back to steps x the *current* batch, wrong after a batch change.
+    """
+    if checkpoint.get("global_samples") is not None:
+        return int(checkpoint["global_samples"])
+    steps = checkpoint.get("global_steps")
+    if steps is None:
+        return None
+    return int(steps) * int(checkpoint_batch if checkpoint_batch is not None else current_batch)

@@ -1,0 +1,1 @@
+"""What the tests share: the DeepSpeed harness, cached checkpoints, model shapes, result summaries."""

@@ -1,0 +1,117 @@
+"""``TrainSpec`` (what to run) and ``TrainResult`` (what came back); no DeepSpeed import here."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+OPTIMIZERS = ("bf16", "zero")
+#: Prefix of the lines rank 0 prints for the launcher (``UCP_HARNESS {"kind": ..., ...}``).
+MARKER = "UCP_HARNESS "
+_PATH_FIELDS = ("save_dir", "load_dir", "dump_dir")
+
+
+@dataclass
+class TrainSpec:
+    """One multi-process DeepSpeed run (TP=PP=1, DP = ``dp`` processes, CPU + gloo).
+
+    ``optimizer="bf16"``: BF16_Optimizer (bf16 + ZeRO-1 + ``data_types.grad_accum_dtype: fp32``).
+    ``optimizer="zero"``: DeepSpeedZeroOptimizer (bf16 + ZeRO stage ``zero_stage``, no fp32 grad accum).
+    Training runs until ``engine.global_steps == steps``; after every step in ``save_at`` it calls
+    ``engine.save_checkpoint(save_dir)`` (tag ``global_step{N}``). See ``tests/support/dsharness/__init__.py``.
+    """
+
+    dp: int = 4
+    optimizer: str = "bf16"
+    zero_stage: int = 1
+    steps: int = 4
+    save_dir: Optional[Path] = None
+    save_at: tuple[int, ...] = ()
+    load_dir: Optional[Path] = None
+    load_tag: Optional[str] = None
+    load_universal: bool = False
+    global_batch: int = 12
+    seed: int = 1234
+    hidden: int = 3
+    num_layers: int = 1
+    vocab: int = 64
+    seq: int = 4
+    uc_info: bool = False
+    plugin: bool = False
+    plugin_kwargs: dict[str, Any] = field(default_factory=dict)
+    dump_dir: Optional[Path] = None
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    timeout: float = 300
+    expect_failure: bool = False
+    # --- additions beyond the agreed interface (all optional) -----------------------------------
+    python: Optional[str] = None
+    """Interpreter for the ranks; None = the running one (``sys.executable``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for every rank (e.g. ``MEGATRON_UCP_*``)."""
+
+    def __post_init__(self) -> None:
+        for name in _PATH_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                setattr(self, name, Path(value))
+        self.save_at = tuple(int(s) for s in self.save_at)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.zero_stage not in (1, 2):
+            raise ValueError(f"zero_stage must be 1 or 2, got {self.zero_stage}")
+        if self.optimizer == "bf16" and self.zero_stage != 1:
+            raise ValueError("optimizer='bf16' (BF16_Optimizer) is ZeRO stage 1 only")
+        if self.dp < 1:
+            raise ValueError(f"dp must be >= 1, got {self.dp}")
+        if self.global_batch % self.dp:
+            raise ValueError(f"global_batch {self.global_batch} is not divisible by dp {self.dp}")
+        if self.save_at and self.save_dir is None:
+            raise ValueError("save_at needs save_dir")
+        if self.load_universal and self.load_dir is None:
+            raise ValueError("load_universal needs load_dir")
+
+    @property
+    def micro_batch(self) -> int:
+        return self.global_batch // self.dp
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        for name in _PATH_FIELDS:
+            if data[name] is not None:
+                data[name] = str(data[name])
+        data["save_at"] = list(self.save_at)
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainSpec":
+        data = json.loads(text)
+        data["save_at"] = tuple(data.get("save_at", ()))
+        return cls(**data)
+
+
+@dataclass
+class TrainResult:
+    """What a run produced. ``losses[i]`` is the global mean loss of global step ``steps[i]``."""
+
+    losses: list[float]
+    steps: list[int]
+    returncode: int
+    log: str
+    dumps: dict[str, Path]
+    optimizer_class: Optional[str] = None
+    """``type(engine.optimizer).__name__`` as seen by rank 0."""
+    ds_version: Optional[str] = None
+    loaded_step: Optional[int] = None
+    """``engine.global_steps`` right after the load (None when nothing was loaded)."""
+    wall_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+    """Everything rank 0 reported (timings, versions, client state keys after a load, ...)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def loss_at(self, step: int) -> float:
+        return self.losses[self.steps.index(step)]

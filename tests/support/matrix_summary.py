@@ -1,0 +1,42 @@
+"""One summary of `make test`'s pytest runs (the full suite and each DeepSpeed release of the matrix).
+
+``python tests/support/matrix_summary.py RESULTS_DIR`` reads every JUnit XML file pytest wrote there and
+prints one line per run and a closing ``N passed, N failed, N skipped`` line over all of them.
+Exit status: 0, or 1 when a run failed or no test ran at all.
+"""
+from __future__ import annotations
+
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def counts(path: Path) -> tuple[int, int, int]:
+    """(passed, failed, skipped) of one JUnit XML file; errors count as failures."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    total = failed = skipped = 0
+    for suite in suites:
+        total += int(suite.get("tests", 0))
+        failed += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        skipped += int(suite.get("skipped", 0))
+    return total - failed - skipped, failed, skipped
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python tests/support/matrix_summary.py RESULTS_DIR", file=sys.stderr)
+        return 2
+    files = sorted(Path(argv[1]).glob("*.xml"))
+    passed = failed = skipped = 0
+    print("\n=== make test: every run")
+    for path in files:
+        p, f, s = counts(path)
+        passed, failed, skipped = passed + p, failed + f, skipped + s
+        print(f"  {path.stem:<32} {p:4d} passed {f:3d} failed {s:3d} skipped")
+    print(f"{passed} passed, {failed} failed, {skipped} skipped")
+    return 1 if failed or not passed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

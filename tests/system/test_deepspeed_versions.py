@@ -1,0 +1,89 @@
+"""What must hold on every DeepSpeed release megatron-ucp supports (run by the Makefile's matrix).
+
+* ``versions.INTERNALS`` tells the truth about the installed release (the one place that says
+  how releases differ is checked against each of them, not just written down);
+* the save hook records per-rank true lengths, partition info and corrected paddings with this
+  release's optimizers (both classes, ZeRO stages 1 and 2), and the converter turns the result
+  into a universal folder equal, bit for bit, to DeepSpeed's own gathered states.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.convert.execute import ConvertOptions, convert
+from megatron_ucp.deepspeed.reader import RankFile, find_checkpoint_files
+from megatron_ucp.convert.verify import verify_universal
+from megatron_ucp.deepspeed.versions import HOOKS_TESTED_DEEPSPEED, installed_deepspeed_version, internals
+
+
+def test_installed_release_is_a_tested_one_and_its_internals_are_as_recorded():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    version = installed_deepspeed_version()
+    assert version in HOOKS_TESTED_DEEPSPEED, f"the matrix runs an untested DeepSpeed {version}"
+    facts = internals(version)
+    assert hasattr(DeepSpeedEngine, "_commit_decoupled_checkpoint") == facts.decoupled_commit
+    assert (importlib.util.find_spec("deepspeed.compression.compress") is not None) == facts.ships_compression
+    from deepspeed.runtime import constants
+
+    # DDP_BFLOAT16 appeared in 0.17; there it equals BFLOAT16, which sends bf16 + ZeRO-1 to FP16_UnfusedOptimizer
+    assert (getattr(constants, "DDP_BFLOAT16", None) != constants.BFLOAT16) == facts.bf16_optimizer_selected
+
+
+# Norm group of the harness model: N=9 elements. At DP=4 (S=4) rank 3 holds only padding; at DP=2
+# (S=6) none does. (true length, per-rank padding) of each rank:
+NORMS = {4: [(4, 0), (4, 0), (1, 3), (0, 4)], 2: [(6, 0), (3, 3)]}
+
+
+def _stock_failure(optimizer: str, dp: int) -> tuple[str, str] | None:
+    """(what DeepSpeed builds or raises, why) when this release cannot train the case at all."""
+    facts = internals()
+    if optimizer == "bf16" and not facts.bf16_optimizer_selected:
+        return "FP16_UnfusedOptimizer", "bf16 + ZeRO-1 + fp32 accumulation never builds BF16_Optimizer"
+    if optimizer == "zero" and not facts.zero_trains_with_torch_2_13:
+        return "Output 0 of Split is a view", "DeepSpeedZeroOptimizer's step breaks on torch 2.13"
+    if optimizer == "zero" and dp == 4 and not facts.zero_trains_padding_only_rank:
+        return "IndexError", "DeepSpeedZeroOptimizer dies on a rank whose partition is all padding"
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer,stage,dp", [("bf16", 1, 4), ("zero", 1, 4), ("zero", 2, 4), ("zero", 1, 2)])
+def test_save_hook_records_and_conversion_is_bit_exact(ds_checkpoint, tmp_path: Path, optimizer: str, stage: int,
+                                                      dp: int):
+    stock = _stock_failure(optimizer, dp)
+    if stock is not None:
+        # This release cannot train the case with stock DeepSpeed (versions.Internals): show that it is
+        # so, with stock DeepSpeed alone, rather than pretend the hooks were exercised.
+        from tests.support.dsharness import TrainSpec, run_training
+
+        res = run_training(TrainSpec(dp=dp, optimizer=optimizer, zero_stage=stage, steps=1, global_batch=12,
+                                     expect_failure=True))
+        seen = res.optimizer_class if stock[0] == "FP16_UnfusedOptimizer" else res.log
+        assert stock[0] in (seen or ""), (stock[1], res.returncode, res.log[-2000:])
+        return
+    ck = ds_checkpoint(optimizer=optimizer, dp=dp, plugin=True, zero_stage=stage)
+    root = ck.copy_to(tmp_path / "ck")
+    files = find_checkpoint_files(root / "global_step4")
+    norms = []
+    for rank, path in enumerate(files.rank_files):
+        sd = RankFile(path, rank).sd
+        info = sd[F.ZERO_PARTITION_INFO]
+        assert (info["dp_size"], info["dp_rank"], info["alignment"]) == (dp, rank, 2 * dp)
+        norms.append((sd[F.GROUP_TRUE_LENGTHS][1], sd[F.GROUP_PADDINGS][1]))
+    assert norms == NORMS[dp]
+    result = convert(ConvertOptions(source=root, progress=False))
+    dump = torch.load(ck.dump("state_step4"), weights_only=False)
+    for name, states in dump.items():
+        for state, value in states.items():
+            got = torch.load(result.output / F.UNIVERSAL_ZERO_DIR / name / f"{state}.pt", weights_only=False)
+            if state == F.STEP_STATE:
+                assert float(got) == float(value), (name, state)
+            else:
+                assert got[F.PARAM].dtype == value.dtype and torch.equal(got[F.PARAM], value), (name, state)
+    assert verify_universal(result.output, source=root).ok

@@ -1,0 +1,112 @@
+"""install()/uninstall(): idempotent, fully reversible, and refusing unknown DeepSpeed versions."""
+from __future__ import annotations
+
+import logging
+
+import deepspeed
+import pytest
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+import megatron_ucp
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.errors import UcpError, UnsupportedError
+from megatron_ucp.integration.install import PatchSet
+from megatron_ucp.integration.save_recording import partition_record
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    megatron_ucp.uninstall()
+    yield
+    megatron_ucp.uninstall()
+
+
+def test_install_is_idempotent_and_uninstall_restores_originals():
+    originals = (BF16_Optimizer.state_dict, DeepSpeedZeroOptimizer.state_dict)
+    cfg = megatron_ucp.install()
+    assert megatron_ucp.active_config() == cfg
+    patched = (BF16_Optimizer.state_dict, DeepSpeedZeroOptimizer.state_dict)
+    assert patched != originals
+    assert megatron_ucp.install() == cfg  # same config: nothing changes
+    assert (BF16_Optimizer.state_dict, DeepSpeedZeroOptimizer.state_dict) == patched
+    megatron_ucp.install(strict=False)  # new config: reinstalled, not stacked
+    assert megatron_ucp.active_config().strict is False
+    assert BF16_Optimizer.state_dict.__megatron_ucp_original__ is originals[0]
+    megatron_ucp.uninstall()
+    assert (BF16_Optimizer.state_dict, DeepSpeedZeroOptimizer.state_dict) == originals
+    assert megatron_ucp.active_config() is None
+    megatron_ucp.uninstall()  # harmless when nothing is installed
+
+
+def test_unknown_deepspeed_version_is_refused(monkeypatch, caplog):
+    monkeypatch.setattr(deepspeed, "__version__", "0.15.0")
+    with pytest.raises(UnsupportedError, match="0.15.0"):
+        megatron_ucp.install()
+    assert megatron_ucp.active_config() is None
+    with caplog.at_level(logging.WARNING):
+        megatron_ucp.install(allow_untested_deepspeed=True)
+    assert "UNTESTED DEEPSPEED" in caplog.text
+
+
+def test_install_reads_megatron_ucp_environment(monkeypatch):
+    monkeypatch.setenv("MEGATRON_UCP_STRICT", "0")
+    monkeypatch.setenv("MEGATRON_UCP_KEEP_LAST", "3")
+    cfg = megatron_ucp.install()
+    assert cfg.strict is False and cfg.keep_last == 3
+    assert megatron_ucp.install(strict=True).strict is True  # keyword arguments win
+    monkeypatch.setenv("MEGATRON_UCP_KEEP_LAST", "many")
+    megatron_ucp.uninstall()
+    with pytest.raises(UcpError, match="MEGATRON_UCP_KEEP_LAST"):
+        megatron_ucp.install()
+
+
+def test_config_validation():
+    with pytest.raises(UcpError):
+        UcpConfig(keep_last=0)
+    with pytest.raises(UcpError):
+        UcpConfig(converter_workers=0)
+
+
+def test_patchset_refuses_double_patching():
+    class Target:
+        def f(self):
+            return 1
+
+    patches = PatchSet()
+    patches.replace(Target, "f", lambda orig: (lambda self: orig(self) + 1))
+    assert Target().f() == 2
+    with pytest.raises(RuntimeError):
+        patches.replace(Target, "f", lambda orig: orig)
+    patches.undo()
+    assert Target().f() == 1
+
+
+def test_partition_record_for_the_design_example():
+    rec = [partition_record([100, 9], [100, 9], [104, 16], [4, 4], [r, r]) for r in range(4)]
+    assert [r[F.GROUP_TRUE_LENGTHS][1] for r in rec] == [4, 4, 1, 0]
+    assert [r[F.GROUP_PADDINGS][1] for r in rec] == [0, 0, 3, 4]
+    assert rec[3][F.ZERO_PARTITION_INFO] == {"version": 1, "dp_size": 4, "dp_rank": 3, "alignment": 8,
+                                             "group_numels": [100, 9], "padded_group_numels": [100, 9],
+                                             "partition_sizes": [26, 4]}
+    with pytest.raises(UnsupportedError, match="flat buffer"):
+        partition_record([100], [100], [200], [4], [0])
+
+
+def test_no_module_imports_ipex():
+    """IPEX belongs to the optional `xpu` extra: importing any module of the package never loads it."""
+    import importlib
+    import pkgutil
+    import subprocess
+    import sys
+
+    names = [m.name for m in pkgutil.walk_packages(megatron_ucp.__path__, "megatron_ucp.")]
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}:\n    importlib.import_module(name)\n"
+            "megatron_ucp = sys.modules['megatron_ucp']\nmegatron_ucp.install()\n"
+            "bad = [m for m in sys.modules if m.startswith(('intel_extension_for_pytorch', 'oneccl'))]\n"
+            "assert not bad, bad\nprint(len(sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(names) > 20

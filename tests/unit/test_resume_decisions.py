@@ -1,0 +1,100 @@
+"""What load_checkpoint does when the DP size may have changed: pure decisions, no DeepSpeed."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_ucp.errors import UcpError
+from megatron_ucp.plan.resume import (ResumeDecision, Route, TwinState, check_global_batch, checkpoint_global_batch,
+                                 decide_resume, restored_global_samples)
+
+
+def decide(**overrides) -> ResumeDecision:
+    args = dict(requested_tag="global_step95600", checkpoint_dp=768, current_dp=512, load_universal=False,
+                twin_state=TwinState.ABSENT)
+    args.update(overrides)
+    return decide_resume(**args)
+
+
+def test_same_dp_is_the_untouched_native_load():
+    d = decide(current_dp=768)
+    assert d.route is Route.NATIVE and d.tag == "global_step95600" and not d.universal and not d.dp_changed
+
+
+def test_dp_change_with_complete_twin_loads_it():
+    d = decide(twin_state="complete")
+    assert d.route is Route.UNIVERSAL_EXISTING and d.tag == "global_step95600_universal"
+    assert d.message == "DP changed 768 -> 512: loading global_step95600_universal"
+    assert d.universal and not d.convert and d.dp_changed and d.warning is None
+
+
+def test_dp_change_without_twin_converts_first():
+    d = decide()
+    assert d.route is Route.CONVERT_THEN_UNIVERSAL and d.convert and d.tag == "global_step95600_universal"
+    assert "DP changed 768 -> 512" in d.message and "converting global_step95600" in d.message
+    assert "staging" in decide(staging_present=True).message
+
+
+def test_foreign_twin_is_loaded_with_a_warning():
+    d = decide(twin_state=TwinState.FOREIGN)
+    assert d.route is Route.UNIVERSAL_EXISTING and d.warning and "manifest" in d.warning
+
+
+def test_explicit_flag_wins_at_any_dp():
+    for dp in (512, 768):
+        d = decide(load_universal=True, requested_tag=None, checkpoint_dp=None, current_dp=dp)
+        assert d.route is Route.EXPLICIT_UNIVERSAL and d.tag is None and "latest_universal" in d.message
+
+
+def test_universal_tag_given_directly_loads_in_universal_mode_even_at_same_dp():
+    d = decide(requested_tag="global_step5_universal", current_dp=768, tag_is_universal=True)
+    assert d.route is Route.EXPLICIT_UNIVERSAL and d.tag == "global_step5_universal"
+
+
+def test_nothing_to_read_leaves_deepspeed_to_complain():
+    assert decide(requested_tag=None, checkpoint_dp=None).route is Route.NATIVE
+    assert decide(checkpoint_dp=None).route is Route.NATIVE
+
+
+def test_no_optimizer_states_needs_no_resharding():
+    d = decide(loads_optimizer_states=False)
+    assert d.route is Route.NATIVE and "no optimizer states" in d.message
+
+
+def test_scale_up_is_symmetric():
+    d = decide(checkpoint_dp=2, current_dp=4, twin_state="complete", requested_tag="global_step4")
+    assert d.message == "DP changed 2 -> 4: loading global_step4_universal"
+
+
+def test_bad_inputs():
+    with pytest.raises(UcpError):
+        decide(current_dp=0)
+    with pytest.raises(ValueError):
+        decide(twin_state="half-done")
+
+
+def test_decision_is_frozen():
+    d = decide()
+    with pytest.raises(Exception):
+        d.route = Route.NATIVE  # type: ignore[misc]
+
+
+def test_checkpoint_global_batch():
+    assert checkpoint_global_batch({"train_batch_size": 3072}, 768) == 3072
+    assert checkpoint_global_batch({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 8) == 64
+    assert checkpoint_global_batch({"train_micro_batch_size_per_gpu": 4}, 8) == 32
+    assert checkpoint_global_batch({}, 8) is None
+    assert checkpoint_global_batch(None, 8) is None
+
+
+def test_global_batch_warning_names_both_numbers():
+    assert check_global_batch(3072, 3072, 768, 512) is None
+    assert check_global_batch(None, 2048, 768, 512) is None
+    text = check_global_batch(3072, 2048, 768, 512)
+    assert "3072" in text and "2048" in text and "DP=768" in text and "DP=512" in text
+
+
+def test_global_samples_fallback_uses_the_checkpoint_batch():
+    assert restored_global_samples({"global_steps": 10, "global_samples": 123}, 12, 8) == 123
+    assert restored_global_samples({"global_steps": 10}, 12, 8) == 120
+    assert restored_global_samples({"global_steps": 10}, None, 8) == 80
+    assert restored_global_samples({}, 12, 8) is None
