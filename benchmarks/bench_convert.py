@@ -323,9 +323,9 @@ def markdown(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_readme(cache: str, table: str) -> None:
-    """Replace the README block of this cache mode (``<!-- bench-convert:<cache>:begin/end -->``)."""
-    begin, end = f"<!-- bench-convert:{cache}:begin -->", f"<!-- bench-convert:{cache}:end -->"
+def update_readme(cache: str, table: str, bench: str = "convert") -> None:
+    """Replace the README block of this benchmark and cache mode (``<!-- bench-<bench>:<cache>:begin/end -->``)."""
+    begin, end = f"<!-- bench-{bench}:{cache}:begin -->", f"<!-- bench-{bench}:{cache}:end -->"
     text = README.read_text() if README.exists() else ""
     block = f"{begin}\n{table}{end}"
     if begin in text and end in text:

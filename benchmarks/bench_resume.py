@@ -164,19 +164,6 @@ def markdown(result: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_readme(table: str, key: str) -> None:
-    begin, end = f"<!-- bench-resume:{key}:begin -->", f"<!-- bench-resume:{key}:end -->"
-    text = bc.README.read_text()
-    block = f"{begin}\n{table}{end}"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        _, tail = rest.split(end, 1)
-        text = head + block + tail
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    bc.README.write_text(text)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", default="m100-dp8", choices=sorted(mk.SPECS))
@@ -215,7 +202,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     table = markdown(result, meta)
     (bc.RESULTS_DIR / f"{stem}.md").write_text(table)
     if not args.no_readme:
-        update_readme(table, args.cache)
+        bc.update_readme(args.cache, table, bench="resume")
     print(table)
     return 0
 
