@@ -31,7 +31,6 @@ import ctypes
 import logging
 import os
 import platform
-import shutil
 import signal
 import socket
 import sys
@@ -40,21 +39,23 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from megatron_ucp import faults
 from megatron_ucp.background import queue as B
 from megatron_ucp.background.store import (NICE_INCREMENT, POLL_S, PROGRESS_DIR, STALE_AFTER_S, ConverterSettings,
                                            QueueLock, advance_locked, job_facts, quick_json, read_queue,
                                            read_registrations, record_event, register, registration_path, twin_path,
                                            ucp_dir, unregister, write_queue)
+from megatron_ucp.convert.execute import ConvertOptions, convert
 from megatron_ucp.convert.universal import (COMPLETE, ConversionInProgress, inspect_staging, latest_universal_target,
                                             move_latest_universal, universal_state)
 from megatron_ucp.errors import OutputExistsError
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.format import osio
 
 log = logging.getLogger("megatron_ucp.background.converter")  # not __name__: "__main__" in the converter process
 
 HEARTBEAT_S = 5.0
 PROGRESS_EVERY_S = 2.0
-FAULT_PAUSE_ENV = "MEGATRON_UCP_TEST_PAUSE"
 """Fault injection for tests: ``<tag>:<seconds>:<node>[,...]`` makes that node's converter of that tag
 sleep after its first parameter (so a test can kill it mid-way, or order events, deterministically)."""
 
@@ -137,17 +138,15 @@ class _Heartbeat:
 
 
 class _Progress:
-    """``on_progress`` for :func:`convert`: a throttled progress file, and the tests' fault pause."""
+    """``on_progress`` for :func:`convert`: a throttled progress file, and the fault-injection point
+    "after the first parameter" (:mod:`megatron_ucp.faults`)."""
 
     def __init__(self, path: Path, attempt: Optional[str], tag: str, node: int):
         self.path = path
         self.attempt = attempt
+        self.tag = tag
+        self.node = node
         self.last = 0.0
-        self.pause = 0.0
-        for entry in os.environ.get(FAULT_PAUSE_ENV, "").split(","):
-            spec = entry.split(":")
-            if len(spec) == 3 and spec[0] == tag and spec[2] == str(node):
-                self.pause = float(spec[1])
 
     def __call__(self, done: int, total: int) -> None:
         now = time.time()
@@ -156,10 +155,7 @@ class _Progress:
             with contextlib.suppress(OSError):
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 quick_json(self.path, {"done": done, "total": total, "updated": now, "attempt": self.attempt})
-        if self.pause:
-            seconds, self.pause = self.pause, 0.0
-            log.warning("fault injection (%s): pausing %.0fs after the first parameter", FAULT_PAUSE_ENV, seconds)
-            time.sleep(seconds)
+        faults.pause_point("after the first parameter", self.tag, self.node)
 
     def remove(self) -> None:
         with contextlib.suppress(OSError):
@@ -209,7 +205,6 @@ class Converter:
                 unregister(self.root, self.node, self.pid)
 
     def _convert_share(self, job: B.Job, share: int) -> None:
-        from megatron_ucp.convert.execute import ConvertOptions, convert
 
         output = twin_path(self.root, job.tag)
         info = inspect_staging(output)
@@ -290,13 +285,11 @@ class Converter:
                    and universal_state(p) == COMPLETE]
         for name in B.select_for_removal(folders, keep, protected):
             path = self.root / name
-            trash = path.with_name(f".{name}.ucp-trash-{os.getpid()}")
             try:
-                os.rename(path, trash)  # first out of sight: a half-deleted folder must not look complete
+                osio.remove_out_of_sight(path)  # a half-deleted folder must not look complete
             except OSError as exc:
                 log.warning("retention: could not remove %s: %s", path, exc)
                 continue
-            shutil.rmtree(trash, ignore_errors=True)
             record_event(self.root, name[:-len(F.UNIVERSAL_SUFFIX)], B.EventKind.REMOVED,
                     f"retention (keep_last={keep}) removed {name}")
 

@@ -18,9 +18,13 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_ucp.background import queue as B
+from megatron_ucp.background.store import PROGRESS_DIR, job_facts, read_queue, read_registrations, ucp_dir
+from megatron_ucp.convert.universal import inspect_staging, read_manifest, universal_state
+from megatron_ucp.deepspeed.reader import human_bytes, recorded_dp
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
+from megatron_ucp.plan.resume import TwinState
 from megatron_ucp.plan.tags import chronological
 
 __all__ = ["UniversalStatus", "TagFacts", "TagStatus", "RootStatus", "classify", "root_status", "format_status"]
@@ -29,16 +33,19 @@ log = logging.getLogger(__name__)
 
 
 class UniversalStatus(str, enum.Enum):
-    COMPLETE = "complete"
-    STALE = "stale"
-    FOREIGN = "foreign"
+    """What ``status`` reports: the folder's own state (:class:`~megatron_ucp.plan.resume.TwinState`,
+    same values) or, when there is no finished folder, what the background queue says about it."""
+
+    COMPLETE = TwinState.COMPLETE.value
+    STALE = TwinState.STALE.value
+    FOREIGN = TwinState.FOREIGN.value
     IN_PROGRESS = "in progress"
     PENDING = "pending"
     FAILED = "failed"
     INTERRUPTED = "interrupted"
     SKIPPED = "skipped"
     REMOVED = "removed"
-    ABSENT = "absent"
+    ABSENT = TwinState.ABSENT.value
 
 
 @dataclass(frozen=True)
@@ -63,12 +70,12 @@ class TagFacts:
 def classify(f: TagFacts) -> tuple[UniversalStatus, str]:
     """The tag's universal state and a one-line detail (progress, log path, what to do)."""
     convert_hint = f"`megatron-ucp convert {f.root} --tag {f.tag}` converts it"
-    if f.folder == "complete":
+    if f.folder == TwinState.COMPLETE:
         return UniversalStatus.COMPLETE, ""
-    if f.folder == "stale":
+    if f.folder == TwinState.STALE:
         return UniversalStatus.STALE, (f"converted from an earlier save of {f.tag}; the next save or resume "
                                        f"reconverts it, or `megatron-ucp convert {f.root} --tag {f.tag} --force`")
-    if f.folder == "foreign":
+    if f.folder == TwinState.FOREIGN:
         return UniversalStatus.FOREIGN, "exists without a megatron-ucp manifest (stock converter, or copied)"
     ev = f.last_event
     if f.staging_live or f.active == B.Outcome.RUNNING.value:
@@ -164,7 +171,6 @@ def _is_native_tag(path: Path) -> bool:
 
 def _native_dp(tag_dir: Path) -> Optional[int]:
     """The DP size a native tag was saved at; None when unreadable (status describes, it does not fail)."""
-    from megatron_ucp.deepspeed.reader import recorded_dp
 
     try:
         return recorded_dp(tag_dir)
@@ -173,7 +179,6 @@ def _native_dp(tag_dir: Path) -> Optional[int]:
 
 
 def _progress(root: Path, tag: str, attempt: Optional[str]) -> Optional[float]:
-    from megatron_ucp.background.store import PROGRESS_DIR, ucp_dir
 
     done, total = [], []
     for path in (ucp_dir(root) / PROGRESS_DIR).glob(f"{tag}.node*.json"):
@@ -189,8 +194,6 @@ def _progress(root: Path, tag: str, attempt: Optional[str]) -> Optional[float]:
 
 def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) -> RootStatus:
     """Gather the facts of every tag under ``root`` and classify them."""
-    from megatron_ucp.background.store import job_facts, read_queue, read_registrations
-    from megatron_ucp.convert.universal import inspect_staging, read_manifest, universal_state
 
     root = Path(root).resolve()
     if not root.is_dir():
@@ -257,7 +260,6 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
 
 
 def _size(n: Optional[int]) -> str:
-    from megatron_ucp.deepspeed.reader import human_bytes
 
     return "-" if n is None else human_bytes(n)
 

@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import socket
 import sys
 import time
@@ -248,12 +247,10 @@ def clean_dead_staging(root: Path, state: B.QueueState, stale_after: float, now:
         output = path.parent / path.name[1:-len(F.STAGING_SUFFIX)]
         if not staging_dead(output, stale_after, now):
             continue
-        trash = path.with_name(f"{path.name}.trash-{os.getpid()}-{time.time_ns()}")
         try:
-            os.rename(path, trash)
+            osio.remove_out_of_sight(path)
         except OSError:
             continue
-        shutil.rmtree(trash, ignore_errors=True)
         tag = output.name[:-len(F.UNIVERSAL_SUFFIX)]
         state, event = state.add(tag, B.EventKind.CLEANED, f"removed the dead staging folder {path.name}", now)
         events.append(event)

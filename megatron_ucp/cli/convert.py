@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_ucp.convert.distributed import launch_summary
+from megatron_ucp.convert.distributed import DistributedConvertError, convert_distributed, detect_launch, launch_summary
 from megatron_ucp.convert.execute import ConvertOptions, convert
 from megatron_ucp.errors import UcpError
 
@@ -68,7 +68,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_distributed(args: argparse.Namespace) -> int:
-    from megatron_ucp.convert.distributed import DistributedConvertError, convert_distributed, detect_launch
 
     launch = detect_launch()
     if launch is None:

@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from megatron_ucp import launchenv
+from megatron_ucp.convert.execute import convert, default_output, resolve_checkpoint
+from megatron_ucp.convert.universal import staging_path
 from megatron_ucp.errors import UcpError
 
 log = logging.getLogger(__name__)
@@ -197,8 +199,6 @@ def convert_distributed(options: Any, launch: Optional[LaunchEnv] = None,
     """
     import torch.distributed as dist
 
-    from megatron_ucp.convert.execute import convert, default_output, resolve_checkpoint
-    from megatron_ucp.convert.universal import staging_path
 
     launch = launch or detect_launch()
     if launch is None:

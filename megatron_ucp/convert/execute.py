@@ -32,8 +32,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from tqdm import tqdm
 
-from megatron_ucp.convert.universal import (COMPLETE, STALE, Staging, inspect_staging, move_latest_universal,
-                                            source_identity, stale_reason, universal_state, write_latest_universal)
+from megatron_ucp.convert.universal import (COMPLETE, STALE, Staging, inspect_staging, list_zero_folder,
+                                            move_latest_universal, source_identity, stale_reason, universal_state,
+                                            write_latest_universal)
 from megatron_ucp.convert.writer import Chunk, RankFileCache, Writer, save_file, torch_save_forced, write_chunk
 from megatron_ucp.deepspeed.reader import (CheckpointFiles, CheckpointMeta, ResolvedCheckpoint, find_checkpoint_files,
                                            human_bytes, read_checkpoint, resolve_checkpoint)
@@ -171,7 +172,7 @@ def _write_common(staging: Staging, meta: CheckpointMeta, plan: ConversionPlan, 
     save_file(common, staging.path / F.UNIVERSAL_ZERO_DIR / F.UNIVERSAL_OPTIMIZER_STATE_FILE)
     if not model_files_copied:
         for dest in _copy_model_files(meta, staging):
-            osio.fsync_file(dest)
+            osio.fsync_path(dest)
     frozen = _frozen_params(meta, plan)
     for name, tensor in frozen.items():
         folder = staging.path / F.UNIVERSAL_ZERO_DIR / name
@@ -194,11 +195,7 @@ def check_complete(folder: Path, plan: ConversionPlan, frozen: Iterable[str] = (
                 | ({f"{F.STEP_STATE}.pt"} if plan.groups[p.group].has_step else set()) for p in plan.params}
     for name in frozen:
         expected[name] = {f"{F.FP32_STATE}.pt"}
-    found = {}
-    for dirpath, dirnames, filenames in os.walk(zero):
-        rel = os.path.relpath(dirpath, zero)
-        if rel != "." and any(f.endswith(".pt") for f in filenames):
-            found[rel.replace(os.sep, "/")] = set(filenames)
+    found = {name: set(files) for name, files in list_zero_folder(zero).items()}
     missing = sorted(set(expected) - set(found))
     if missing:
         raise CheckpointFormatError(f"{zero}: no folder for parameters {missing[:5]}{'...' if len(missing) > 5 else ''}",

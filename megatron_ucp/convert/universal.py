@@ -21,18 +21,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from megatron_ucp.deepspeed.reader import find_checkpoint_files
 from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
 from megatron_ucp.format.paths import read_tag_file, special_kind
+from megatron_ucp.plan.resume import TwinState
 from megatron_ucp.plan.tags import should_update_latest
 
 log = logging.getLogger(__name__)
 
-COMPLETE = "complete"
-FOREIGN = "foreign"
-ABSENT = "absent"
-STALE = "stale"
+COMPLETE = TwinState.COMPLETE
+FOREIGN = TwinState.FOREIGN
+ABSENT = TwinState.ABSENT
+STALE = TwinState.STALE
 """Complete, but made from files the source tag no longer holds (:func:`stale_reason`)."""
 HEARTBEAT_SECONDS = 5.0
 
@@ -78,7 +80,6 @@ def stale_reason(folder: Path, source_tag_dir: Path, current: Optional[dict[str,
     """Why the complete folder ``folder`` is not the conversion of ``source_tag_dir`` as it is now,
     or None when it is. A manifest from before source binding (no ``source_files``) is judged by
     modification times alone (:func:`_newer_than_manifest`). ``current`` is the source's :func:`source_identity` when the caller already took it."""
-    from megatron_ucp.deepspeed.reader import find_checkpoint_files
 
     try:
         manifest = read_manifest(folder)
@@ -117,7 +118,7 @@ def _newer_than_manifest(folder: Path, source_tag_dir: Path, current: dict[str, 
     return None
 
 
-def universal_state(folder: Path, source: Optional[Path] = None) -> str:
+def universal_state(folder: Path, source: Optional[Path] = None) -> TwinState:
     """``complete`` (our manifest), ``foreign`` (exists without it, e.g. stock output) or ``absent``;
     given the native ``source`` tag folder, ``stale`` for a complete folder made from other files."""
     folder = Path(folder)
@@ -130,15 +131,19 @@ def universal_state(folder: Path, source: Optional[Path] = None) -> str:
     return COMPLETE
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (directory entries make renames durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories; the data fsyncs still stand
-        pass
-    finally:
-        os.close(fd)
+def list_zero_folder(zero_dir: Path) -> dict[str, tuple[str, ...]]:
+    """A universal folder's ``zero/``: parameter folder (relative name) -> its file names, for every
+    folder holding at least one ``.pt`` file (the one walk of that tree: the loader, ``verify`` and
+    the converter's completeness check read it the same way)."""
+    zero_dir = Path(zero_dir)
+    if not zero_dir.is_dir():
+        raise CheckpointFormatError(f"{zero_dir}: no zero/ folder: not a universal checkpoint", subject=zero_dir)
+    listing: dict[str, tuple[str, ...]] = {}
+    for dirpath, _, filenames in os.walk(zero_dir):
+        rel = os.path.relpath(dirpath, zero_dir)
+        if rel != "." and any(f.endswith(".pt") for f in filenames):
+            listing[rel.replace(os.sep, "/")] = tuple(sorted(filenames))
+    return listing
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -157,7 +162,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_path(path.parent)
+    osio.fsync_path(path.parent)
 
 
 def move_latest_universal(root: Path, output: Path) -> str:
@@ -376,22 +381,22 @@ class Staging:
                 pass
         write_text_atomic(self.path / F.MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
         for dirpath, _, _ in os.walk(self.path):
-            fsync_path(Path(dirpath))
-        trash = None
+            osio.fsync_path(Path(dirpath))
+        old = None
         if not self.output.exists():
             os.rename(self.path, self.output)
         elif not force:
             raise OutputExistsError(f"{self.output}: appeared while converting; pass --force to replace it",
                                     subject=self.output)
         elif osio.exchange(self.path, self.output):  # one atomic swap: the old folder is now at self.path
-            trash = self.path
+            old = self.path
         else:  # two renames: a moment with no folder at self.output
-            trash = self.output.parent / f".{self.output.name}.ucp-trash-{os.getpid()}"
-            os.rename(self.output, trash)
+            old = self.output.parent / f".{self.output.name}.ucp-replaced-{os.getpid()}"
+            os.rename(self.output, old)
             os.rename(self.path, self.output)
-        fsync_path(self.output.parent)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+        osio.fsync_path(self.output.parent)
+        if old is not None:
+            osio.remove_out_of_sight(old)
 
     def discard(self) -> None:
         self.close()

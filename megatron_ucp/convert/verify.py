@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_ucp.convert.execute import plan_checkpoint
-from megatron_ucp.convert.universal import read_manifest
+from megatron_ucp.convert.universal import list_zero_folder, read_manifest
 from megatron_ucp.convert.writer import RankFileCache, assemble_torch
 from megatron_ucp.deepspeed.reader import load_torch_file, read_checkpoint, read_model_states, resolve_checkpoint
 from megatron_ucp.errors import CheckpointFormatError
@@ -130,11 +130,7 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
                            for g in report.manifest.get("groups", [])}
     listed = {p.name for group in model.param_groups for p in group}
     frozen = set((report.manifest or {}).get("frozen_params", []))
-    present = set()
-    for dirpath, _, files in os.walk(zero):
-        rel = os.path.relpath(dirpath, zero)
-        if rel != "." and any(f.endswith(".pt") for f in files):
-            present.add(rel.replace(os.sep, "/"))
+    present = set(list_zero_folder(zero))
     for name in sorted(present - listed - frozen):
         report.problems.append(f"{zero / name}: folder for a parameter the model states do not list")
 

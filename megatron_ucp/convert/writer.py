@@ -279,7 +279,7 @@ class Writer:
 
         def sync(path: Path) -> None:
             try:
-                osio.fsync_file(path)
+                osio.fsync_path(path)
             except OSError as exc:
                 raise UcpError(f"{path}: fsync failed: {exc.strerror or exc}", subject=path) from exc
 

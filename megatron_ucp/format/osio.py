@@ -19,7 +19,9 @@ import ctypes
 import errno
 import mmap
 import os
+import shutil
 import sys
+import time
 from pathlib import Path
 
 MADV_WILLNEED = 3
@@ -112,12 +114,30 @@ def exchange(a: os.PathLike | str, b: os.PathLike | str) -> bool:
     raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
 
 
-def fsync_file(path: os.PathLike | str) -> None:
+def fsync_path(path: os.PathLike | str) -> None:
+    """fsync a file (its data) or a directory (its entries: what makes renames durable).
+
+    A file's fsync error is raised: its bytes may not be on disk. Some file systems refuse fsync on
+    directories (EINVAL); that refusal is ignored, the data fsyncs still stand.
+    """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         os.fsync(fd)
+    except OSError:
+        if not os.path.isdir(path):
+            raise
     finally:
         os.close(fd)
+
+
+def remove_out_of_sight(path: os.PathLike | str) -> None:
+    """Delete a folder by first renaming it to a hidden sibling nobody takes for a finished one, so
+    that a deletion interrupted half-way never leaves a folder that looks complete. Raises the
+    rename's ``OSError`` (then nothing changed); the deletion itself is best effort."""
+    path = Path(path)
+    trash = path.with_name(f".{path.name.lstrip('.')}.ucp-trash-{os.getpid()}-{time.time_ns()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def pid_alive(pid: int) -> bool:

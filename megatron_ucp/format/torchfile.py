@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from megatron_ucp.format.lightpickle import Pickler as _LightPickler
 from megatron_ucp.format.lightpickle import stand_in_class
-from megatron_ucp.format.rawtensor import DTYPES, DType, RawTensor, contiguous_stride
+from megatron_ucp.format.rawtensor import DTYPES, DType, RawTensor, contiguous_stride, from_torch
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +351,6 @@ def matches_torch_save() -> bool:
     """Whether this module writes the installed torch's ``torch.save`` bytes (imports torch)."""
     import torch
 
-    from megatron_ucp.format.rawtensor import from_torch
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(5, 7, generator=g)

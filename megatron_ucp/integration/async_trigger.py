@@ -36,6 +36,8 @@ from typing import Any, Callable, Optional
 
 from megatron_ucp import launchenv
 from megatron_ucp.background import queue as B
+from megatron_ucp.background.store import ConverterSettings
+from megatron_ucp.background.trigger import trigger, unfinished, wait_for_converter
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed.versions import internals
 from megatron_ucp.errors import UnsupportedError
@@ -133,8 +135,6 @@ def _after_commit(engine: Any, save_dir: str, tag: str, config: UcpConfig) -> No
     """Queue the conversion on each node's launcher; never raises (training goes on regardless)."""
     import torch.distributed as dist
 
-    from megatron_ucp.background.store import ConverterSettings
-    from megatron_ucp.background.trigger import trigger
 
     t0 = time.perf_counter()
     try:
@@ -179,7 +179,6 @@ def _after_commit(engine: Any, save_dir: str, tag: str, config: UcpConfig) -> No
 
 def _at_exit() -> None:
     """Wait (bounded) for this node's converter so the last save's conversion finishes in the job."""
-    from megatron_ucp.background.trigger import unfinished, wait_for_converter
 
     config: Optional[UcpConfig] = _state["config"]
     launched: dict = _state["launched"]

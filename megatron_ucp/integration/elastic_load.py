@@ -36,11 +36,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from megatron_ucp import launchenv
+from megatron_ucp.background.queue import node_assignment
 from megatron_ucp.config import UcpConfig
-from megatron_ucp.deepspeed.reader import recorded_dp
-from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
+from megatron_ucp.convert.execute import ConvertOptions, convert
+from megatron_ucp.convert.universal import (COMPLETE, ConversionInProgress, inspect_staging, staging_path,
+                                            universal_state)
+from megatron_ucp.deepspeed.reader import load_torch_file, recorded_dp
+from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
+from megatron_ucp.format.torchload import structure_problems
 from megatron_ucp.integration.collectives import (Failure, broadcast_from_first, comm, count_across, decide_on_first,
                                                   is_first)
 from megatron_ucp.integration.partition_load import LP_GROUPS, load_universal_partitions, lp_groups_of
@@ -144,7 +149,6 @@ def _elastic_engine(engine: Any) -> bool:
 def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_optimizer_states: bool
                        ) -> tuple[ResumeDecision, Optional[str], bool]:
     """Rank-0 side: read the facts from disk and decide. Returns (decision, native tag, tag from latest)."""
-    from megatron_ucp.convert.universal import staging_path, universal_state
 
     current_dp = int(engine.seq_dp_world_size)
     if engine.load_universal_checkpoint():
@@ -164,7 +168,7 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
         if tag_dir.is_dir():
             checkpoint_dp = recorded_dp(tag_dir)
         twin_dir = Path(load_dir) / F.universal_tag(resolved)
-        twin = TwinState(universal_state(twin_dir, tag_dir))
+        twin = universal_state(twin_dir, tag_dir)
         staging = staging_path(twin_dir).exists()
     decision = decide_resume(requested_tag=resolved, checkpoint_dp=checkpoint_dp, current_dp=current_dp,
                              load_universal=False, twin_state=twin, tag_is_universal=tag_is_universal,
@@ -225,7 +229,6 @@ def _check_model_states_loadable(load_dir: Path, tag: Optional[str]) -> None:
     """DeepSpeed's load starts with ``torch.load`` of the folder's model states, whose errors name no
     file (``PytorchStreamReader failed reading zip archive``): check its structure first and say
     which file is damaged. Headers only (a few ``pread`` calls)."""
-    from megatron_ucp.format.torchload import structure_problems
 
     if tag is None:
         return
@@ -262,12 +265,10 @@ def _universal_mode(engine: Any) -> Iterator[None]:
 def _convert_synchronously(load_dir: Path, native_tag: Optional[str], decision: ResumeDecision, from_latest: bool,
                            config: UcpConfig) -> None:
     """Convert the native tag to its universal twin while every rank waits (one converter per node)."""
-    from megatron_ucp.convert.universal import COMPLETE, universal_state
 
     dist = comm()
     if native_tag is None or decision.tag is None:
         raise UcpError("internal: a conversion needs a native tag", subject=decision)
-    from megatron_ucp.background.queue import node_assignment
 
     rank, world = dist.get_rank(), dist.get_world_size()
     where = node_assignment(rank, world, launchenv.local_rank(os.environ), launchenv.local_size(os.environ), config.ranks_per_node)
@@ -298,9 +299,6 @@ def _convert_synchronously(load_dir: Path, native_tag: Optional[str], decision: 
 def _convert_or_wait(source: Path, twin: Path, share: tuple[int, int], attempt: str, from_latest: bool,
                      config: UcpConfig) -> None:
     """Run this rank's share; if another live converter (e.g. the async one) owns it, wait for it."""
-    from megatron_ucp.convert.execute import ConvertOptions, convert
-    from megatron_ucp.convert.universal import COMPLETE, ConversionInProgress, inspect_staging, universal_state
-    from megatron_ucp.errors import OutputExistsError
 
     options = ConvertOptions(source=source, output=twin, workers=config.converter_workers, replace_stale=True,
                              update_latest=from_latest,
@@ -328,7 +326,6 @@ def _convert_or_wait(source: Path, twin: Path, share: tuple[int, int], attempt: 
 def _finish_universal_load(engine: Any, result: Any, decision: ResumeDecision, kwargs: dict,
                            config: UcpConfig) -> None:
     """After DeepSpeed's universal load: what it skips, the training state, the batch, one summary."""
-    from megatron_ucp.deepspeed.reader import load_torch_file
 
     load_path = result[0] if isinstance(result, tuple) else None
     optimizer = engine.optimizer

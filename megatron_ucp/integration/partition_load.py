@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from megatron_ucp.convert.universal import list_zero_folder, read_manifest
+from megatron_ucp.deepspeed.reader import load_torch_file
 from megatron_ucp.errors import CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
@@ -48,23 +49,14 @@ def lp_groups_of(optimizer: Any) -> list[list[Any]]:
     return getattr(optimizer, LP_GROUPS[type(optimizer).__name__])
 
 
-def _list_zero_folder(zero_dir: Path) -> dict[str, tuple[str, ...]]:
-    """Parameter folder (relative name) -> its state files (names without ``.pt``)."""
-    if not zero_dir.is_dir():
-        raise CheckpointFormatError(f"{zero_dir}: no zero/ folder: not a universal checkpoint", subject=zero_dir)
-    listing: dict[str, tuple[str, ...]] = {}
-    for dirpath, _, filenames in os.walk(zero_dir):
-        rel = os.path.relpath(dirpath, zero_dir)
-        states = sorted(f[:-3] for f in filenames if f.endswith(".pt"))
-        if rel != "." and states:
-            listing[rel.replace(os.sep, "/")] = tuple(states)
-    return listing
+def _state_listing(zero_dir: Path) -> dict[str, tuple[str, ...]]:
+    """Parameter folder -> its state files (names without ``.pt``)."""
+    return {name: tuple(f[:-3] for f in files if f.endswith(".pt")) for name, files in list_zero_folder(zero_dir).items()}
 
 
 def _manifest_sums(checkpoint_dir: Path) -> Optional[dict[str, dict]]:
     """Per state file ``{"numel", "sum"[, "rows_numel", "rows_sum"]}`` recorded by the converter, or
     None (stock's folder, one converted before megatron-ucp recorded them, an unknown algorithm)."""
-    from megatron_ucp.convert.universal import read_manifest
 
     manifest = read_manifest(checkpoint_dir)
     sums = (manifest or {}).get("checksums")
@@ -231,7 +223,6 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     With ``strict=False`` optimizer tensor states missing from the checkpoint start at zero (as a
     fresh optimizer's would) instead of being absent, so that the first step does not fail.
     """
-    from megatron_ucp.deepspeed.reader import load_torch_file
 
     t_start = time.perf_counter()
     clock = _Clock()
@@ -245,7 +236,7 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     optimized = {n for group_names in names for n in group_names}
     frozen = set(optimizer.param_names.values()) - optimized
 
-    facts = decide_on_first(lambda: _FolderFacts(_list_zero_folder(zero_dir), _manifest_sums(checkpoint_dir)), group)
+    facts = decide_on_first(lambda: _FolderFacts(_state_listing(zero_dir), _manifest_sums(checkpoint_dir)), group)
     if isinstance(facts, Failure):
         raise CheckpointFormatError(f"cannot read {zero_dir}: {facts.message}", subject=zero_dir)
     listing, sums = facts.listing, facts.sums
@@ -341,7 +332,6 @@ def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names:
     A rank reads only its fragments' bytes; the owner of a parameter's first element adds what the
     file holds to the ledger: from the manifest's ``sums`` when there are some, else from the file.
     """
-    from megatron_ucp.deepspeed.reader import load_torch_file
 
     flat = param_group["params"][0]
     buffers = {state: torch.zeros_like(flat) for state in states}

@@ -34,9 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+import megatron_ucp
 from megatron_ucp.config import (ENV_SWITCH, FALSE_WORDS, NONE_WORD, OPTION_PREFIX, OptionSpec, RunnerSettings,
                                  UcpConfig, build_settings, config_env, option_specs, spec_by_option)
+from megatron_ucp.deepspeed.reader import load_raw
 from megatron_ucp.errors import UcpError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format.lightpickle import stand_ins_for_unimportable
+from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.plan.launch import (CheckpointFacts, MegatronArgs, alcf_batch_env, checkpoint_tag_file, derived_seed,
                                       detect_rank, detect_ranks_per_node, detect_world_size, facts_from_model_states,
                                       int_or_none, megatron_args, plan_launch)
@@ -135,10 +140,6 @@ def read_checkpoint_facts(margs: MegatronArgs) -> Optional[CheckpointFacts]:
     pickled ``args`` load as stand-ins (:mod:`megatron_ucp.format.lightpickle`), never by importing a
     ``megatron`` that might not be the checkout's own.
     """
-    from megatron_ucp.deepspeed.reader import load_raw
-    from megatron_ucp.format import dsformat as F
-    from megatron_ucp.format.lightpickle import stand_ins_for_unimportable
-    from megatron_ucp.format.paths import read_tag_file
 
     if margs.load is None:
         return None
@@ -390,7 +391,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           "notes": list(plan.notes), "warnings": list(plan.warnings)}, indent=1))
         return 0
 
-    import megatron_ucp
 
     os.environ.update(config_env(config))
     try:

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_ucp.deepspeed.reader import flatten_module_states, load_torch_file
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.plan.accounting import Problem, ProblemKind
 from megatron_ucp.plan.resume import restored_global_samples
@@ -65,7 +66,6 @@ def restore_module_tensors(module: torch.nn.Module, optimized: set[str], folder:
     Megatron leaves deterministic buffers such as RoPE's ``inv_freq`` out of its save, so those
     stay as the model built them and are listed in one line. Returns (problems, extras).
     """
-    from megatron_ucp.deepspeed.reader import flatten_module_states, load_torch_file
 
     saved = flatten_module_states(states.get("module"))
     live = module.state_dict()

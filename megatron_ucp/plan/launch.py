@@ -16,6 +16,8 @@ from typing import Any, Mapping, Optional, Sequence
 from megatron_ucp import launchenv
 from megatron_ucp.config import RunnerSettings, UcpConfig
 from megatron_ucp.errors import UcpError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.plan.resume import checkpoint_global_batch
 
 MEGATRON_DEFAULT_SEED = 1234
 """Megatron's ``--seed`` default (megatron/arguments.py)."""
@@ -254,7 +256,6 @@ def derived_seed(base_seed: int, iteration: int, rank: int) -> int:
 
 def checkpoint_tag_file(margs: MegatronArgs) -> str:
     """The file DeepSpeed reads the tag from when --load-tag is not given."""
-    from megatron_ucp.format import dsformat as F
     return F.LATEST_UNIVERSAL if margs.universal_checkpoint else F.LATEST
 
 
@@ -264,8 +265,6 @@ def facts_from_model_states(load_dir: str, tag: str, states: Mapping[str, Any]) 
     Megatron's ``args`` (client state) is preferred: Megatron re-sets the engine's batch from
     ``--global-batch-size`` every iteration, so the saved ``ds_config`` can be stale.
     """
-    from megatron_ucp.format import dsformat as F
-    from megatron_ucp.plan.resume import checkpoint_global_batch
 
     dp = states.get(F.DP_WORLD_SIZE)
     dp = int(dp) if isinstance(dp, int) else None

@@ -33,14 +33,19 @@ class Route(enum.Enum):
     """The user asked for a universal load (``load_universal`` flag, or a universal tag)."""
 
 
-class TwinState(enum.Enum):
-    """State of ``<tag>_universal`` (the values of :func:`megatron_ucp.convert.universal.universal_state`)."""
+class TwinState(str, enum.Enum):
+    """State of a universal folder: the one vocabulary (:func:`megatron_ucp.convert.universal.universal_state`
+    returns these, ``status`` reports them, the resume decision reads them). A ``str``: it compares
+    and formats as its value."""
 
     COMPLETE = "complete"
     FOREIGN = "foreign"
     ABSENT = "absent"
     STALE = "stale"
     """Complete, but converted from an earlier save of the tag: reconverted before loading."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 @dataclass(frozen=True)

@@ -414,7 +414,7 @@ def test_sigtermed_background_converter_records_an_event(root: Path, monkeypatch
     import signal
     import time
 
-    from megatron_ucp.background.converter import FAULT_PAUSE_ENV
+    from megatron_ucp.faults import PAUSE_ENV as FAULT_PAUSE_ENV
     from megatron_ucp.background.store import ConverterSettings
     from megatron_ucp.background.trigger import trigger
     from megatron_ucp.background.store import EVENTS_LOG, ucp_dir
@@ -442,7 +442,7 @@ def test_a_converter_killed_right_after_it_started_is_not_shown_in_progress(root
     import time
 
     from megatron_ucp.background import queue as B
-    from megatron_ucp.background.converter import FAULT_PAUSE_ENV
+    from megatron_ucp.faults import PAUSE_ENV as FAULT_PAUSE_ENV
     from megatron_ucp.background.store import ConverterSettings
     from megatron_ucp.background.trigger import trigger
     from megatron_ucp.background.store import job_facts, read_queue, read_registrations

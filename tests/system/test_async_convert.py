@@ -31,7 +31,7 @@ import pytest
 
 from megatron_ucp.background import queue as B
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.background.converter import FAULT_PAUSE_ENV
+from megatron_ucp.faults import PAUSE_ENV as FAULT_PAUSE_ENV
 from megatron_ucp.background.store import ConverterSettings
 from megatron_ucp.background.trigger import trigger, wait_for_converter
 from megatron_ucp.background.store import read_queue, read_registrations, ucp_dir
