@@ -20,12 +20,11 @@ import torch
 from tqdm import tqdm
 
 from megatron_ucp.convert.execute import plan_checkpoint
-from megatron_ucp.convert.universal import list_zero_folder, read_manifest
+from megatron_ucp.convert.universal import list_zero_folder, read_manifest, recorded_checksums
 from megatron_ucp.convert.writer import RankFileCache, assemble_torch
 from megatron_ucp.deepspeed.reader import load_torch_file, read_checkpoint, read_model_states, resolve_checkpoint
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.format import integrity
 from megatron_ucp.plan.accounting import checksum
 from megatron_ucp.plan.conversion import ParamPlan
 
@@ -83,18 +82,6 @@ def _expected_shape(name: str, shape: tuple, uc_info: Optional[dict], entry: dic
     return shape
 
 
-def _recorded_sums(manifest: Optional[dict]) -> Optional[dict]:
-    sums = (manifest or {}).get("checksums")
-    if not isinstance(sums, dict):
-        return None
-    if sums.get("algorithm") != integrity.ALGORITHM:
-        log.warning("manifest checksums use %r, which this megatron-ucp does not know: not checked",
-                    sums.get("algorithm"))
-        return None
-    files = sums.get("files")
-    return files if isinstance(files, dict) else None
-
-
 def _check_sum(path: Path, record: Any, tensor: torch.Tensor, rows: Any) -> Optional[str]:
     """A problem line when the file's tensors are not what the converter wrote."""
     if not isinstance(record, dict):
@@ -121,7 +108,7 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
     if not (zero / F.UNIVERSAL_OPTIMIZER_STATE_FILE).is_file():
         report.problems.append(f"{zero / F.UNIVERSAL_OPTIMIZER_STATE_FILE}: missing")
     report.manifest = read_manifest(folder)
-    sums = _recorded_sums(report.manifest)
+    sums = recorded_checksums(report.manifest)
     model = read_model_states(model_file)
     uc_info = model.universal_checkpoint_info
     expected_states = None

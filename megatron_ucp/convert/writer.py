@@ -220,7 +220,7 @@ class Writer:
         the kept rows in the parameter's flat layout)."""
         entry: dict[str, int] = {}
         for prefix, stream in zip(("", "rows_"), sums):
-            entry[f"{prefix}numel"] = stream.offset - (sums[0].offset if prefix else 0)
+            entry[f"{prefix}numel"] = stream.numel
             entry[f"{prefix}sum"] = stream.result()
         with self._lock:
             self.sums[key] = entry

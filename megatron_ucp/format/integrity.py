@@ -79,11 +79,6 @@ def fragment_sum(values: np.ndarray, offset: int = 0) -> int:
     return total & MASK
 
 
-def bytes_sum(data: Any, itemsize: int, offset: int = 0) -> int:
-    """:func:`fragment_sum` of raw bytes holding elements of ``itemsize`` bytes."""
-    return fragment_sum(as_uints(data, itemsize), offset)
-
-
 def combine(sums: Iterable[int]) -> int:
     """The checksum of a tensor from those of the fragments that partition it."""
     return sum(int(s) for s in sums) & MASK
@@ -106,6 +101,7 @@ class StreamingSum:
 
     def __init__(self, itemsize: int, offset: int = 0):
         self.itemsize = itemsize
+        self.start = offset
         self.offset = offset
         """Flat position of the next whole element."""
         self.value = 0
@@ -130,6 +126,11 @@ class StreamingSum:
         values = as_uints(data, self.itemsize)
         self.value = (self.value + fragment_sum(values, self.offset)) & MASK
         self.offset += values.size
+
+    @property
+    def numel(self) -> int:
+        """Whole elements seen so far."""
+        return self.offset - self.start
 
     def result(self) -> int:
         if self._carry:

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from megatron_ucp.convert.universal import list_zero_folder, read_manifest
+from megatron_ucp.convert.universal import list_zero_folder, read_manifest, recorded_checksums
 from megatron_ucp.deepspeed.reader import load_torch_file
 from megatron_ucp.errors import CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
@@ -52,18 +52,6 @@ def lp_groups_of(optimizer: Any) -> list[list[Any]]:
 def _state_listing(zero_dir: Path) -> dict[str, tuple[str, ...]]:
     """Parameter folder -> its state files (names without ``.pt``)."""
     return {name: tuple(f[:-3] for f in files if f.endswith(".pt")) for name, files in list_zero_folder(zero_dir).items()}
-
-
-def _manifest_sums(checkpoint_dir: Path) -> Optional[dict[str, dict]]:
-    """Per state file ``{"numel", "sum"[, "rows_numel", "rows_sum"]}`` recorded by the converter, or
-    None (stock's folder, one converted before megatron-ucp recorded them, an unknown algorithm)."""
-
-    manifest = read_manifest(checkpoint_dir)
-    sums = (manifest or {}).get("checksums")
-    if not isinstance(sums, dict) or sums.get("algorithm") != integrity.ALGORITHM:
-        return None
-    files = sums.get("files")
-    return files if isinstance(files, dict) else None
 
 
 class _Clock:
@@ -101,7 +89,11 @@ class _ParamLayout:
     pieces: tuple[torch.Tensor, ...]
     held: int
     numel: int
-    rows_restored: bool
+
+    @property
+    def rows_restored(self) -> bool:
+        """The kept vocabulary rows are the second piece."""
+        return len(self.pieces) > 1
 
     def narrow(self, start: int, length: int) -> torch.Tensor:
         parts, pos = [], 0
@@ -140,19 +132,17 @@ def _layout(full: torch.Tensor, entry: Any, lp: Any, name: str, state: str, path
     another padded size) those rows start at zero, as with stock DeepSpeed, and are not counted.
     """
     shape = tuple(lp.shape)
-    numel = 1
-    for d in shape:
-        numel *= int(d)
+    numel = lp.numel()
     if tuple(full.shape) == shape:
-        return _ParamLayout((full.reshape(-1),), full.numel(), numel, False)
+        return _ParamLayout((full.reshape(-1),), full.numel(), numel)
     is_vocab = isinstance(entry, dict) and entry.get(F.VOCAB_TENSOR, False)
     if (is_vocab and full.dim() == len(shape) and full.dim() >= 1 and full.shape[0] <= shape[0]
             and tuple(full.shape[1:]) == shape[1:]):
         rows = entry.get(F.VOCAB_PADDED_ROWS)
         if torch.is_tensor(rows) and tuple(rows.shape) == (shape[0] - full.shape[0], *shape[1:]):
             rows = rows if rows.dtype == full.dtype else rows.to(full.dtype)
-            return _ParamLayout((full.reshape(-1), rows.reshape(-1)), numel, numel, True)
-        return _ParamLayout((full.reshape(-1),), full.numel(), numel, False)
+            return _ParamLayout((full.reshape(-1), rows.reshape(-1)), numel, numel)
+        return _ParamLayout((full.reshape(-1),), full.numel(), numel)
     raise CheckpointFormatError(f"{path}: parameter {name!r} state {state!r} has shape {tuple(full.shape)}, the model's "
                                 f"parameter is {shape} (a different model, or TP>1 which megatron-ucp does not "
                                 "support yet)", subject=name)
@@ -236,7 +226,7 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     optimized = {n for group_names in names for n in group_names}
     frozen = set(optimizer.param_names.values()) - optimized
 
-    facts = decide_on_first(lambda: _FolderFacts(_state_listing(zero_dir), _manifest_sums(checkpoint_dir)), group)
+    facts = decide_on_first(lambda: _FolderFacts(_state_listing(zero_dir), recorded_checksums(read_manifest(checkpoint_dir))), group)
     if isinstance(facts, Failure):
         raise CheckpointFormatError(f"cannot read {zero_dir}: {facts.message}", subject=zero_dir)
     listing, sums = facts.listing, facts.sums
