@@ -38,13 +38,15 @@ from megatron_ucp.convert.universal import (COMPLETE, STALE, Staging, inspect_st
 from megatron_ucp.convert.writer import Chunk, RankFileCache, Writer, save_file, torch_save_forced, write_chunk
 from megatron_ucp.deepspeed.reader import (CheckpointFiles, CheckpointMeta, ResolvedCheckpoint, find_checkpoint_files,
                                            human_bytes, read_checkpoint, resolve_checkpoint)
-from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError
+from megatron_ucp.convert.replicas import ReplicaDrift, compare_replicas
+from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, PlanError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity, osio
 from megatron_ucp.format.paths import check_output_placement, special_kind
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.format.torchload import structure_problems
 from megatron_ucp.plan.conversion import ConversionPlan, ParamPlan, build_plan, share_of, split_by_bytes
+from megatron_ucp.plan.model_parallel import CoordinateInput, build_model_parallel_plan
 from megatron_ucp.version import __version__
 
 log = logging.getLogger(__name__)
@@ -108,7 +110,19 @@ def default_output(ck: ResolvedCheckpoint) -> Path:
 
 
 def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
-    return build_plan(meta.model.param_groups, meta.layouts, meta.model.output_rules())
+    """The plan of a DP-only checkpoint, or the merged per-coordinate plans of a TP/PP one."""
+    rules = meta.model.output_rules()
+    names = {spec.name for c in meta.coordinates for group in c.model.param_groups for spec in group}
+    try:
+        if not meta.model_parallel:
+            recorded = meta.model.tp_layouts(sorted(names), 1) if meta.model.tp_layouts_known(1) else None
+            return build_plan(meta.model.param_groups, meta.layouts, rules, tp_layouts=recorded)
+        layouts = meta.model.tp_layouts(sorted(names), meta.tp)
+        coordinates = [CoordinateInput(pp=c.pp, tp=c.tp, param_groups=tuple(tuple(g) for g in c.model.param_groups),
+                                       ranks=c.layouts, first_file=c.first_file) for c in meta.coordinates]
+        return build_model_parallel_plan(coordinates, meta.tp, meta.pp, layouts, rules)
+    except PlanError as exc:
+        raise CheckpointFormatError(f"{meta.files.tag_dir}: {exc}", subject=meta.files.tag_dir) from exc
 
 
 def _group_steps(meta: CheckpointMeta, plan: ConversionPlan, cache: RankFileCache) -> tuple[Any, ...]:
@@ -117,7 +131,7 @@ def _group_steps(meta: CheckpointMeta, plan: ConversionPlan, cache: RankFileCach
     steps = []
     for g in plan.groups:
         value = first.step(g.index)
-        for r in range(1, meta.dp):
+        for r in range(1, len(meta.steps)):
             if meta.steps[r][g.index] != meta.steps[0][g.index]:
                 raise CheckpointFormatError(f"{meta.files.rank_files[r]}: optimizer step {meta.steps[r][g.index]} of "
                                             f"param group {g.index} differs from rank 0's {meta.steps[0][g.index]}",
@@ -140,11 +154,16 @@ def _frozen_params(meta: CheckpointMeta, plan: ConversionPlan) -> dict[str, RawT
         if frozen_shapes and name not in frozen_shapes:
             continue
         out[name] = tensor
+    if out and meta.model_parallel:
+        raise UnsupportedError(f"{meta.files.model_states}: frozen parameters ({sorted(out)[:3]}) in a "
+                               f"{meta.describe()} checkpoint: their TP slices are not merged yet",
+                               subject=meta.files.model_states)
     return out
 
 
 def _model_files(meta: CheckpointMeta) -> list[Path]:
-    return [src for src in sorted(meta.files.tag_dir.iterdir()) if F.MODEL_FILE_RE.match(src.name)]
+    """Every model-parallel rank's model states and the pipeline model's layer files (as stock copies them)."""
+    return [*meta.files.model_files, *meta.files.layer_files]
 
 
 def _copy_model_files(meta: CheckpointMeta, staging: Staging) -> list[Path]:
@@ -262,8 +281,10 @@ def _merged_sums(plan: ConversionPlan, shares: Sequence[dict]) -> Optional[dict]
 
 
 def _manifest(meta: CheckpointMeta, ck: ResolvedCheckpoint, plan: ConversionPlan, frozen: Sequence[str],
-              shares: Sequence[dict], seconds: float, identity: dict) -> dict:
+              shares: Sequence[dict], seconds: float, identity: dict, drift: Sequence[ReplicaDrift] = ()) -> dict:
     sums = _merged_sums(plan, shares)
+    parallel = {"tp": meta.tp, "pp": meta.pp, "dp": meta.dp,
+                "layouts_recorded": meta.model.tp_layouts_known(1) if meta.tp == 1 else True}
     return {
         "format": F.MANIFEST_FORMAT,
         "version": F.MANIFEST_VERSION,
@@ -277,8 +298,11 @@ def _manifest(meta: CheckpointMeta, ck: ResolvedCheckpoint, plan: ConversionPlan
         "plan_fingerprint": plan.fingerprint(),
         "groups": [{"index": g.index, "numel": g.geometry.numel, "partition_size": g.geometry.partition_size,
                     "states": list(g.states), "step": g.has_step} for g in plan.groups],
-        "params": {p.name: {"group": p.group, "shape": list(p.out_shape), "source_shape": list(p.shape)}
+        "params": {p.name: {"group": p.group, "shape": list(p.out_shape), "source_shape": list(p.shape),
+                            **({"tp_layout": p.tp_layout} if p.tp_layout else {})}
                    for p in plan.params},
+        "parallel": parallel,
+        **({"replica_drift": [d.to_record() for d in drift]} if drift else {}),
         "frozen_params": list(frozen),
         **({"checksums": sums} if sums is not None else {}),
         "bytes": sum(int(s.get("bytes", 0)) for s in shares),
@@ -301,7 +325,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
         raise UcpError(f"{pointer}: is {pointer_kind}, not a tag file; remove it (or pass --no-latest) "
                        "before converting", subject=pointer)
     files = find_checkpoint_files(ck.tag_dir)
-    identity = source_identity([files.model_states, *files.rank_files])  # before reading: what this converts
+    identity = source_identity(files.identity_files())  # before reading: what this converts
     state = universal_state(output)
     stale = stale_reason(output, ck.tag_dir, current=identity) if state == COMPLETE else None
     if stale is not None:
@@ -337,7 +361,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
     except OSError as exc:
         raise UcpError(f"{exc.filename or output.parent}: cannot create the staging folder: {exc.strerror}",
                        subject=output) from exc
-    log.info("converting %s (DP=%d, %s, DeepSpeed %s): %d params, share %d/%d -> %s", ck.tag_dir, meta.dp, meta.kind,
+    log.info("converting %s (%s, %s, DeepSpeed %s): %d params, share %d/%d -> %s", ck.tag_dir, meta.describe(), meta.kind,
              meta.ds_version, len(mine), options.share_index + 1, options.share_count, output)
     try:
         written, sums = _write_params(mine, plan, steps, meta, staging, options, cache)
@@ -348,9 +372,12 @@ def convert(options: ConvertOptions) -> ConvertResult:
             frozen = _write_common(staging, meta, plan, cache, model_files_copied=options.share_count == 1)
             if options.verify_complete:
                 check_complete(staging.path, plan, frozen)
+            drift = compare_replicas(plan, cache)
+            for d in drift:
+                log.warning("%s: %s", ck.tag_dir, d.describe())
             shares = staging.shares_done()
             staging.close()
-            staging.commit(_manifest(meta, ck, plan, frozen, shares, time.perf_counter() - t0, identity), force)
+            staging.commit(_manifest(meta, ck, plan, frozen, shares, time.perf_counter() - t0, identity, drift), force)
             committed = True
             update = options.update_latest
             if update is None:
@@ -371,7 +398,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
 
     seconds = time.perf_counter() - t0
     n_states = sum(len(plan.groups[p.group].states) for p in mine)
-    summary = (f"{'converted' if committed else 'wrote share of'} {ck.tag} (DP={meta.dp}, {meta.kind}, DeepSpeed "
+    summary = (f"{'converted' if committed else 'wrote share of'} {ck.tag} ({meta.describe()}, {meta.kind}, DeepSpeed "
                f"{meta.ds_version}): {len(mine)} params, {n_states} state tensors, {human_bytes(written)} in "
                f"{seconds:.2f}s ({human_bytes(written / max(seconds, 1e-9))}/s) -> {output}"
                + ("" if committed else f" [share {options.share_index + 1}/{options.share_count}; commit by the last]"))

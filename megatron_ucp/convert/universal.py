@@ -107,7 +107,7 @@ def stale_reason(folder: Path, source_tag_dir: Path, current: Optional[dict[str,
     if current is None:
         try:
             files = find_checkpoint_files(Path(source_tag_dir))
-            current = source_identity([files.model_states, *files.rank_files])
+            current = source_identity(files.identity_files())
         except (OSError, UcpError) as exc:
             return f"its source {source_tag_dir} cannot be read ({exc})"
     if not isinstance(recorded, dict):

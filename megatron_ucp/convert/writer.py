@@ -131,8 +131,8 @@ def state_fragments(p: ParamPlan, state: str, cache: RankFileCache,
                     items: Optional[Sequence[CopyItem]] = None) -> list[RawTensor]:
     """The source fragments of one state of one parameter, in ``items`` order (default: all of
     ``p.items``; views, no copy)."""
-    return [cache.get(item.rank).state_tensor(p.group, state).narrow(0, item.src_offset, item.length)
-            for item in (p.items if items is None else items)]
+    return [cache.get(item.rank).state_tensor(p.group if item.group is None else item.group, state)
+            .narrow(0, item.src_offset, item.length) for item in (p.items if items is None else items)]
 
 
 def assemble_items_torch(items: Sequence[CopyItem], shape: Sequence[int], parts: Sequence[RawTensor]) -> Any:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from megatron_ucp.deepspeed.versions import (BF16_LAST_RANK_PADDING_UNTIL, ZERO_PER_RANK_PADDING_SINCE,
                                              check_file_version)
-from megatron_ucp.errors import CheckpointFormatError, UnsupportedError
+from megatron_ucp.errors import CheckpointFormatError, PlanError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import PICKLE_MODULE
 from megatron_ucp.format.paths import normalize_tag, read_tag_file, special_kind
@@ -31,6 +31,8 @@ from megatron_ucp.format.torchload import TorchNeeded
 from megatron_ucp.format.torchload import load as load_without_torch
 from megatron_ucp.plan.conversion import Fragment, OutputRules, ParamSpec, RankGroupLayout, RankLayout
 from megatron_ucp.plan.geometry import PaddingStyle
+from megatron_ucp.plan.tensor_parallel import (TP_LAYOUT_KEY, LayoutRules, TpLayout, layouts_known,
+                                               resolve_layouts)
 
 log = logging.getLogger(__name__)
 
@@ -99,24 +101,45 @@ def _explain_missing_tag(tag_dir: Path, message: str) -> None:
 class CheckpointFiles:
     tag_dir: Path
     model_states: Path
+    """The first model-parallel rank's ``mp_rank_00_model_states.pt``."""
     rank_files: tuple[Path, ...]
-    """Optimizer-state files, index = DP rank."""
+    """Optimizer-state files, model-parallel rank major: index = ``mp * dp + dp_rank``."""
+    model_files: tuple[Path, ...] = ()
+    """``mp_rank_XX_model_states.pt``, index = model-parallel rank (``pp * TP + tp``)."""
+    layer_files: tuple[Path, ...] = ()
+    """The pipeline model's ``layer_XX-model_YY-model_states.pt`` (module weights), when there are any."""
+
+    @property
+    def model_parallel(self) -> int:
+        return max(1, len(self.model_files))
+
+    @property
+    def dp(self) -> int:
+        return len(self.rank_files) // self.model_parallel
+
+    def identity_files(self) -> list[Path]:
+        """Every file a conversion reads (what a twin is bound to)."""
+        return [*(self.model_files or (self.model_states,)), *self.rank_files]
+
+    def coordinate_files(self, mp: int) -> tuple[Path, ...]:
+        """The rank files of one model-parallel rank, index = DP rank."""
+        return self.rank_files[mp * self.dp:(mp + 1) * self.dp]
 
 
 def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
-    """List and validate the files of a ZeRO-1/2 tag folder (TP=1, PP=1)."""
+    """List and validate the files of a ZeRO-1/2 tag folder, at any TP and PP.
+
+    Every model-parallel rank ``mp`` (``pp * TP + tp``) has ``mp_rank_{mp:02d}_model_states.pt`` and
+    one optimizer-state file per DP rank; all of them the same DP size.
+    """
     tag_dir = Path(tag_dir)
     names = sorted(os.listdir(tag_dir))
     model_files = [n for n in names if F.MODEL_FILE_RE.match(n)]
-    if any(F.LAYER_FILE_RE.match(n) for n in names) or any(F.MODEL_FILE_RE.match(n).group("pp") for n in model_files):
-        raise UnsupportedError(f"{tag_dir}: pipeline-parallel checkpoint (layer_* / per-stage model files); "
-                               "megatron-ucp supports PP=1 only (not supported yet)", subject=tag_dir)
+    if any(F.MODEL_FILE_RE.match(n).group("pp") for n in model_files):
+        raise UnsupportedError(f"{tag_dir}: per-stage model files (mp_rank_XX_YYY_model_states.pt, the "
+                               "pipe-engine layout of very old DeepSpeed) are not supported", subject=tag_dir)
     optim = [(n, F.OPTIM_FILE_RE.match(n)) for n in names]
     optim = [(n, m) for n, m in optim if m]
-    mp_ranks = {int(m.group("mp")) for _, m in optim} | {int(F.MODEL_FILE_RE.match(n).group("mp")) for n in model_files}
-    if len(mp_ranks) > 1 or (mp_ranks and mp_ranks != {0}):
-        raise UnsupportedError(f"{tag_dir}: tensor-parallel checkpoint (model-parallel ranks {sorted(mp_ranks)}); "
-                               "megatron-ucp supports TP=1 only (not supported yet)", subject=tag_dir)
     if F.MODEL_STATES_FILE not in names:
         if optim:
             raise CheckpointFormatError(f"{tag_dir}: {F.MODEL_STATES_FILE} is missing (optimizer files present)",
@@ -130,24 +153,48 @@ def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
     if len(prefixes) > 1:
         raise CheckpointFormatError(f"{tag_dir}: mixed optimizer-file prefixes {sorted(prefixes)} "
                                     "(bf16_ and plain files from different runs?)", subject=tag_dir)
-    by_rank: dict[int, str] = {}
-    for n, m in optim:
-        dp_rank = int(m.group("dp"))
-        if dp_rank in by_rank:  # DeepSpeed writes exactly one name per rank: ambiguity is an error
-            raise CheckpointFormatError(f"{tag_dir}: two files claim DP rank {dp_rank}: {by_rank[dp_rank]} and {n}; "
-                                        "remove the one DeepSpeed did not write", subject=tag_dir / n)
-        by_rank[dp_rank] = n
-    for n, m in optim:
-        kind = special_kind(tag_dir / n)
-        if kind is not None:
-            raise CheckpointFormatError(f"{tag_dir / n}: is {kind}, not a rank file", subject=tag_dir / n)
-    dp = len(by_rank)
-    missing = sorted(set(range(max(by_rank) + 1)) - set(by_rank))
-    if missing:
-        raise CheckpointFormatError(f"{tag_dir}: optimizer-state files for DP ranks {missing} are missing "
-                                    f"(found ranks 0..{max(by_rank)})", subject=tag_dir)
-    return CheckpointFiles(tag_dir=tag_dir, model_states=tag_dir / F.MODEL_STATES_FILE,
-                           rank_files=tuple(tag_dir / by_rank[r] for r in range(dp)))
+    model_mp = {int(F.MODEL_FILE_RE.match(n).group("mp")): n for n in model_files}
+    optim_mp = sorted({int(m.group("mp")) for _, m in optim})
+    mps = sorted(set(model_mp) | set(optim_mp))
+    if mps != list(range(len(mps))):
+        raise CheckpointFormatError(f"{tag_dir}: model-parallel ranks {mps} are not 0..{len(mps) - 1}: files of "
+                                    "some ranks are missing", subject=tag_dir)
+    for mp in mps:
+        if mp not in model_mp:
+            name = f"mp_rank_{mp:02d}_model_states.pt"
+            raise CheckpointFormatError(f"{tag_dir}: {name} is missing (optimizer files of model-parallel rank {mp} "
+                                        "present)", subject=tag_dir / name)
+        if mp not in optim_mp:
+            raise CheckpointFormatError(f"{tag_dir}: no optimizer-state files of model-parallel rank {mp} "
+                                        f"(*_mp_rank_{mp:02d}_optim_states.pt)", subject=tag_dir)
+    rank_files: list[Path] = []
+    dp_sizes = {}
+    for mp in mps:
+        by_rank: dict[int, str] = {}
+        for n, m in optim:
+            if int(m.group("mp")) != mp:
+                continue
+            dp_rank = int(m.group("dp"))
+            if dp_rank in by_rank:  # DeepSpeed writes exactly one name per rank: ambiguity is an error
+                raise CheckpointFormatError(f"{tag_dir}: two files claim DP rank {dp_rank}: {by_rank[dp_rank]} and "
+                                            f"{n}; remove the one DeepSpeed did not write", subject=tag_dir / n)
+            by_rank[dp_rank] = n
+            kind = special_kind(tag_dir / n)
+            if kind is not None:
+                raise CheckpointFormatError(f"{tag_dir / n}: is {kind}, not a rank file", subject=tag_dir / n)
+        missing = sorted(set(range(max(by_rank) + 1)) - set(by_rank))
+        if missing:
+            where = f" of model-parallel rank {mp}" if len(mps) > 1 else ""
+            raise CheckpointFormatError(f"{tag_dir}: optimizer-state files for DP ranks {missing}{where} are missing "
+                                        f"(found ranks 0..{max(by_rank)})", subject=tag_dir)
+        dp_sizes[mp] = len(by_rank)
+        rank_files += [tag_dir / by_rank[r] for r in range(len(by_rank))]
+    if len(set(dp_sizes.values())) > 1:
+        raise CheckpointFormatError(f"{tag_dir}: model-parallel ranks hold different numbers of DP rank files "
+                                    f"({dp_sizes}): files missing or mixed from different runs", subject=tag_dir)
+    return CheckpointFiles(tag_dir=tag_dir, model_states=tag_dir / F.MODEL_STATES_FILE, rank_files=tuple(rank_files),
+                           model_files=tuple(tag_dir / model_mp[mp] for mp in mps),
+                           layer_files=tuple(tag_dir / n for n in names if F.LAYER_FILE_RE.match(n)))
 
 
 def _check_size(path: Path) -> None:
@@ -353,6 +400,52 @@ class ModelStates:
             row_parallel_patterns=tuple(info.get(F.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, ()) or ()),
             two_sub_param_patterns=tuple(info.get(F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0, ()) or ()))
 
+    def parallel_dimensions(self, model_parallel: int) -> tuple[int, int]:
+        """(TP, PP) of the run that saved this file, with ``model_parallel`` = TP x PP model-states files.
+
+        From DeepSpeed's ``checkpoint_parallel_dimensions`` (0.16.5+), else Megatron's saved ``args``;
+        a single model-parallel rank is (1, 1) whatever is recorded.
+        """
+        dims = self.raw.get(F.CHECKPOINT_PARALLEL_DIMENSIONS)
+        if isinstance(dims, dict) and "tp_degree" in dims and "pp_degree" in dims:
+            tp, pp = int(dims["tp_degree"]), int(dims["pp_degree"])
+        else:
+            args = self.raw.get("args")
+            tp = getattr(args, "tensor_model_parallel_size", None)
+            pp = getattr(args, "pipeline_model_parallel_size", None)
+            if tp is None or pp is None:
+                if model_parallel == 1:
+                    return 1, 1
+                raise CheckpointFormatError(f"{self.path}: {model_parallel} model-parallel ranks, but neither "
+                                            f"{F.CHECKPOINT_PARALLEL_DIMENSIONS!r} nor Megatron's args say how they "
+                                            "divide into TP and PP", subject=self.path)
+            tp, pp = int(tp), int(pp)
+        if tp * pp != model_parallel:
+            raise CheckpointFormatError(f"{self.path}: records TP={tp} x PP={pp}, but the folder holds "
+                                        f"{model_parallel} model-parallel ranks' files", subject=self.path)
+        return tp, pp
+
+    def layout_rules(self, tp: int) -> LayoutRules:
+        info = self.universal_checkpoint_info or {}
+        return LayoutRules(
+            replicated_patterns=tuple(info.get(F.TP_REPLICATED_PARAMETER_PATTERNS, ()) or ()),
+            row_parallel_patterns=tuple(info.get(F.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, ()) or ()),
+            two_sub_param_patterns=tuple(info.get(F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0, ()) or ()),
+            vocabulary_patterns=tuple(info.get(F.VOCABULARY_PARAMETER_PATTERNS, ()) or ()), saved_tp=tp)
+
+    def tp_layouts(self, names: Sequence[str], tp: int) -> dict[str, TpLayout]:
+        """Each parameter's TP layout: recorded by megatron-ucp's save hook, else Megatron's patterns."""
+        recorded = self.raw.get(TP_LAYOUT_KEY)
+        try:
+            return resolve_layouts(names, recorded if isinstance(recorded, dict) else None, self.layout_rules(tp),
+                                   str(self.path))
+        except PlanError as exc:
+            raise CheckpointFormatError(str(exc), subject=self.path) from exc
+
+    def tp_layouts_known(self, tp: int) -> bool:
+        recorded = self.raw.get(TP_LAYOUT_KEY)
+        return layouts_known(recorded if isinstance(recorded, dict) else None, self.layout_rules(tp))
+
 
 def flatten_module_states(saved: Any, prefix: str = "") -> dict[str, Any]:
     """A model-states ``module`` dict as flat ``a.b.c`` names.
@@ -404,6 +497,21 @@ def recorded_dp(tag_dir: Path) -> Optional[int]:
     return int(dp) if dp is not None else None
 
 
+def recorded_tp_pp(tag_dir: Path) -> tuple[int, int]:
+    """(TP, PP) of a tag's save, from its model states and the number of model-parallel files (mapped,
+    no weight bytes read); (1, 1) for a tag without model states."""
+    path = model_states_path(Path(tag_dir))
+    if path is None:
+        return 1, 1
+    files = [p for p in Path(tag_dir).iterdir() if F.MODEL_FILE_RE.match(p.name)]
+    raw = load_raw(path)
+    if not isinstance(raw, dict):
+        raise CheckpointFormatError(f"{path}: not a DeepSpeed model-states dict", subject=path)
+    states = ModelStates(path=path, raw=raw, param_groups=[], dp_world_size=None, ds_version="",
+                         universal_checkpoint_info=None)
+    return states.parallel_dimensions(max(1, len(files)))
+
+
 def read_model_states(path: Path) -> ModelStates:
     raw = load_raw(path)
     if not isinstance(raw, dict):
@@ -418,10 +526,6 @@ def read_model_states(path: Path) -> ModelStates:
         groups.append([ParamSpec(name=str(name), group=g, shape=tuple(int(d) for d in shape))
                        for name, shape in group.items()])
     _check_shapes_against_module(path, groups, raw.get("module"))
-    mp = raw.get(F.MP_WORLD_SIZE)
-    if mp not in (None, 1):
-        raise UnsupportedError(f"{path}: mp_world_size={mp}; megatron-ucp supports TP=1, PP=1 only (not supported yet)",
-                               subject=path)
     dp = raw.get(F.DP_WORLD_SIZE)
     return ModelStates(path=path, raw=raw, param_groups=groups, dp_world_size=int(dp) if dp is not None else None,
                        ds_version=str(raw.get(F.DS_VERSION, "")),
@@ -440,27 +544,51 @@ def padding_style(kind: str, ds_version: str, saved_with_ucp: bool) -> PaddingSt
     return PaddingStyle.PER_RANK if v >= ZERO_PER_RANK_PADDING_SINCE else PaddingStyle.LAST_RANK_ONLY
 
 
+@dataclass(frozen=True)
+class CoordinateMeta:
+    """One model-parallel rank (``mp = pp * TP + tp``): its own parameters and DP partition geometry."""
+
+    mp: int
+    pp: int
+    tp: int
+    model: "ModelStates"
+    layouts: tuple[RankLayout, ...]
+    """Index = DP rank; ``RankLayout.rank`` is the DP rank."""
+    first_file: int
+    """Index of its DP rank 0 in :attr:`CheckpointFiles.rank_files`."""
+
+
 @dataclass
 class CheckpointMeta:
     """Everything known about a tag folder without reading tensor bytes."""
 
     files: CheckpointFiles
     model: ModelStates
+    """The first model-parallel rank's model states."""
     layouts: list[RankLayout]
+    """Every rank file's layout, in :attr:`CheckpointFiles.rank_files` order."""
     kind: str
     ds_version: str
     saved_with_ucp: bool
     zero_stage: Optional[int]
     steps: list[list[Optional[float]]]
-    """steps[rank][group]: the optimizer step each rank file records (None when absent)."""
+    """steps[file][group]: the optimizer step each rank file records (None when absent)."""
+    dp: int = 0
+    tp: int = 1
+    pp: int = 1
+    coordinates: tuple[CoordinateMeta, ...] = ()
 
     @property
-    def dp(self) -> int:
-        return len(self.layouts)
+    def model_parallel(self) -> bool:
+        return self.tp * self.pp > 1
 
     @property
     def padding_style(self) -> PaddingStyle:
         return padding_style(self.kind, self.ds_version, self.saved_with_ucp)
+
+    def describe(self) -> str:
+        """``DP=4`` or ``TP=2 x PP=2 x DP=1``, for logs."""
+        return f"TP={self.tp} x PP={self.pp} x DP={self.dp}" if self.model_parallel else f"DP={self.dp}"
 
 
 def _check_state_dtypes(rf: "RankFile", seen: dict[tuple[int, str], tuple[str, Path]]) -> None:
@@ -477,35 +605,38 @@ def _check_state_dtypes(rf: "RankFile", seen: dict[tuple[int, str], tuple[str, P
 
 
 def read_checkpoint(tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = None) -> CheckpointMeta:
-    """Read and cross-check the metadata of every file of a tag folder."""
+    """Read and cross-check the metadata of every file of a tag folder (every model-parallel rank)."""
     files = find_checkpoint_files(Path(tag_dir))
-    model = read_model_states(files.model_states)
-    dp = len(files.rank_files)
-    if model.dp_world_size is not None and model.dp_world_size != dp:
-        raise CheckpointFormatError(f"{files.model_states} records dp_world_size={model.dp_world_size} but the folder has "
-                                    f"{dp} optimizer-state files: missing or extra rank files?", subject=files.tag_dir)
+    models = [read_model_states(path) for path in files.model_files]
+    tp, pp = models[0].parallel_dimensions(len(models))
+    dp = files.dp
     layouts, kinds, versions, stages, ucp, steps = [], set(), set(), set(), set(), []
     dtypes: dict[tuple[int, str], tuple[str, Path]] = {}
-    for r, path in enumerate(files.rank_files):
-        rf = rank_files[r] if rank_files is not None else RankFile(path, r)
-        if rf.partition_counts is not None and any(c != dp for c in rf.partition_counts):
-            raise CheckpointFormatError(f"{path}: written at DP={rf.partition_counts[0]} but the folder holds {dp} rank "
-                                        "files: files of different DP sizes mixed?", subject=path)
-        info = rf.sd.get(F.ZERO_PARTITION_INFO)
-        if isinstance(info, dict) and info.get("dp_size") not in (None, dp):
-            raise CheckpointFormatError(f"{path}: records dp_size={info.get('dp_size')}, folder holds {dp} rank files",
-                                        subject=path)
-        if isinstance(info, dict) and info.get("dp_rank") not in (None, r):
-            raise CheckpointFormatError(f"{path}: records dp_rank={info.get('dp_rank')} but is named as rank {r}",
-                                        subject=path)
-        layouts.append(rf.layout())
-        kinds.add(rf.kind)
-        versions.add(rf.ds_version)
-        stages.add(rf.sd.get(F.ZERO_STAGE))
-        ucp.add(F.GROUP_TRUE_LENGTHS in rf.sd)
-        steps.append([None if rf.step(g) is None else float(rf.step(g)) for g in range(rf.num_groups)])
-        _check_state_dtypes(rf, dtypes)
-        del rf
+    coordinates = []
+    for mp, model in enumerate(models):
+        if model.dp_world_size is not None and model.dp_world_size != dp:
+            raise CheckpointFormatError(f"{model.path} records dp_world_size={model.dp_world_size} but the folder has "
+                                        f"{dp} optimizer-state files per model-parallel rank: missing or extra rank "
+                                        "files?", subject=files.tag_dir)
+        recorded_mp = model.raw.get(F.MP_WORLD_SIZE)
+        if recorded_mp is not None and int(recorded_mp) != len(models):
+            raise CheckpointFormatError(f"{model.path} records mp_world_size={recorded_mp} but the folder holds "
+                                        f"{len(models)} model-states files", subject=model.path)
+        first = len(layouts)
+        for r, path in enumerate(files.coordinate_files(mp)):
+            index = first + r
+            rf = rank_files[index] if rank_files is not None else RankFile(path, r)
+            _check_rank_file(rf, path, r, dp)
+            layouts.append(replace(rf.layout(), rank=r))  # a cache numbers files across coordinates
+            kinds.add(rf.kind)
+            versions.add(rf.ds_version)
+            stages.add(rf.sd.get(F.ZERO_STAGE))
+            ucp.add(F.GROUP_TRUE_LENGTHS in rf.sd)
+            steps.append([None if rf.step(g) is None else float(rf.step(g)) for g in range(rf.num_groups)])
+            _check_state_dtypes(rf, dtypes)
+            del rf
+        coordinates.append(CoordinateMeta(mp=mp, pp=mp // tp, tp=mp % tp, model=model,
+                                          layouts=tuple(layouts[first:]), first_file=first))
     if len(kinds) > 1 or len(versions) > 1 or len(stages) > 1:
         raise CheckpointFormatError(f"{files.tag_dir}: rank files disagree (optimizers {sorted(kinds)}, DeepSpeed "
                                     f"{sorted(versions)}): files from different runs mixed?", subject=files.tag_dir)
@@ -513,9 +644,23 @@ def read_checkpoint(tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = No
     if stage is not None and int(stage) > 2:
         raise UnsupportedError(f"{files.tag_dir}: ZeRO stage {int(stage)}; only stages 1 and 2 are supported",
                                subject=files.tag_dir)
-    return CheckpointMeta(files=files, model=model, layouts=layouts, kind=kinds.pop(), ds_version=versions.pop(),
+    return CheckpointMeta(files=files, model=models[0], layouts=layouts, kind=kinds.pop(), ds_version=versions.pop(),
                           saved_with_ucp=all(ucp), zero_stage=int(stage) if stage is not None else None,
-                          steps=steps)
+                          steps=steps, dp=dp, tp=tp, pp=pp, coordinates=tuple(coordinates))
+
+
+def _check_rank_file(rf: "RankFile", path: Path, r: int, dp: int) -> None:
+    """A rank file's own record of its DP size and rank agrees with where the folder puts it."""
+    if rf.partition_counts is not None and any(c != dp for c in rf.partition_counts):
+        raise CheckpointFormatError(f"{path}: written at DP={rf.partition_counts[0]} but the folder holds {dp} rank "
+                                    "files: files of different DP sizes mixed?", subject=path)
+    info = rf.sd.get(F.ZERO_PARTITION_INFO)
+    if isinstance(info, dict) and info.get("dp_size") not in (None, dp):
+        raise CheckpointFormatError(f"{path}: records dp_size={info.get('dp_size')}, folder holds {dp} rank files",
+                                    subject=path)
+    if isinstance(info, dict) and info.get("dp_rank") not in (None, r):
+        raise CheckpointFormatError(f"{path}: records dp_rank={info.get('dp_rank')} but is named as rank {r}",
+                                    subject=path)
 
 
 def human_bytes(n: float) -> str:

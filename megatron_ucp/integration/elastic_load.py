@@ -41,7 +41,7 @@ from megatron_ucp.config import UcpConfig
 from megatron_ucp.convert.execute import ConvertOptions, convert
 from megatron_ucp.convert.universal import (COMPLETE, ConversionInProgress, inspect_staging, staging_path,
                                             universal_state)
-from megatron_ucp.deepspeed.reader import load_torch_file, recorded_dp
+from megatron_ucp.deepspeed.reader import load_torch_file, recorded_dp, recorded_tp_pp
 from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
@@ -49,6 +49,7 @@ from megatron_ucp.format.torchload import structure_problems
 from megatron_ucp.integration.collectives import (Failure, broadcast_from_first, comm, count_across, decide_on_first,
                                                   is_first)
 from megatron_ucp.integration.partition_load import LP_GROUPS, load_universal_partitions, lp_groups_of
+from megatron_ucp.integration.model_parallel import current_tp_pp, one_model_states_file_per_rank
 from megatron_ucp.integration.training_state import check_training_state, restore_module_tensors
 from megatron_ucp.plan.accounting import AccountingReport, Problem, ProblemKind
 from megatron_ucp.plan.resume import (ResumeDecision, Route, TwinState, check_global_batch, checkpoint_global_batch,
@@ -151,14 +152,19 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
     """Rank-0 side: read the facts from disk and decide. Returns (decision, native tag, tag from latest)."""
 
     current_dp = int(engine.seq_dp_world_size)
-    if engine.load_universal_checkpoint():
+    no_universal_yet = (tag is None and not (Path(load_dir) / F.LATEST_UNIVERSAL).exists()
+                        and (Path(load_dir) / F.LATEST).is_file())
+    if engine.load_universal_checkpoint() and not no_universal_yet:
         return decide_resume(requested_tag=tag, checkpoint_dp=None, current_dp=current_dp,
                              load_universal=True), tag, False
+    # Without --universal-checkpoint, or with it (the runner adds it on a TP/PP change) before any
+    # universal checkpoint exists: decide from `latest`, converting its tag when the layout changed.
     resolved, from_latest = tag, False
     if resolved is None:
         resolved = read_tag_file(Path(load_dir) / F.LATEST)
         from_latest = resolved is not None
     checkpoint_dp = None
+    checkpoint_mp = (1, 1)
     tag_is_universal = False
     twin = TwinState.ABSENT
     staging = False
@@ -167,13 +173,16 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
         tag_is_universal = (tag_dir / F.UNIVERSAL_ZERO_DIR / F.UNIVERSAL_OPTIMIZER_STATE_FILE).is_file()
         if tag_dir.is_dir():
             checkpoint_dp = recorded_dp(tag_dir)
+            checkpoint_mp = recorded_tp_pp(tag_dir)
         twin_dir = Path(load_dir) / F.universal_tag(resolved)
         twin = universal_state(twin_dir, tag_dir)
         staging = staging_path(twin_dir).exists()
     decision = decide_resume(requested_tag=resolved, checkpoint_dp=checkpoint_dp, current_dp=current_dp,
                              load_universal=False, twin_state=twin, tag_is_universal=tag_is_universal,
-                             loads_optimizer_states=loads_optimizer_states, staging_present=staging)
+                             loads_optimizer_states=loads_optimizer_states, staging_present=staging,
+                             checkpoint_mp=checkpoint_mp, current_mp=current_tp_pp(engine))
     return decision, resolved, from_latest
+
 
 
 def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..., Any]:
@@ -252,12 +261,14 @@ def _node_local_storage(engine: Any) -> bool:
 
 @contextlib.contextmanager
 def _universal_mode(engine: Any) -> Iterator[None]:
-    """Set the engine's ``load_universal`` flag for one load; restore it whatever happens."""
+    """Set the engine's ``load_universal`` flag for one load; restore it whatever happens. At another
+    TP/PP size each rank reads one model-states file as it is (:func:`one_model_states_file_per_rank`)."""
     cfg = engine._config
     before = cfg.load_universal_checkpoint
     cfg.load_universal_checkpoint = True
     try:
-        yield
+        with one_model_states_file_per_rank(engine):
+            yield
     finally:
         cfg.load_universal_checkpoint = before
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ from megatron_ucp.integration.collectives import Failure, comm, decide_on_first,
 from megatron_ucp.plan.accounting import (AccountingReport, Column, Ledger, Problem, ProblemKind, add_sum,
                                           check_folders, check_ledger, check_optimizer_states, checksum,
                                           group_tensor_states, ledger_totals)
+from megatron_ucp.integration.model_parallel import TensorParallel, live_tp_layout, tensor_parallel_of
+from megatron_ucp.plan.tensor_parallel import Run, full_shape, runs_between, slice_runs
 
 log = logging.getLogger(__name__)
 
@@ -123,16 +126,16 @@ def _tensor_of(entry: Any, path: Path) -> torch.Tensor:
     return tensor
 
 
-def _layout(full: torch.Tensor, entry: Any, lp: Any, name: str, state: str, path: Path) -> _ParamLayout:
-    """The file's tensor as the parameter's flat layout (:class:`_ParamLayout`).
+def _layout(full: torch.Tensor, entry: Any, shape: tuple[int, ...], name: str, state: str, path: Path) -> _ParamLayout:
+    """The file's tensor as the flat layout of the whole live parameter of ``shape`` (all TP slices).
 
     Vocabulary tensors trimmed to ``original_vocab_size`` get their padded rows back from
     :data:`~megatron_ucp.format.dsformat.VOCAB_PADDED_ROWS` when the folder kept them (megatron-ucp's
     conversions do) and the padded size is the one they were saved at; otherwise (stock folders,
-    another padded size) those rows start at zero, as with stock DeepSpeed, and are not counted.
+    another padded size: TP changes it) those rows start at zero, as with stock DeepSpeed, and are
+    not counted: every real row is.
     """
-    shape = tuple(lp.shape)
-    numel = lp.numel()
+    numel = math.prod(shape)
     if tuple(full.shape) == shape:
         return _ParamLayout((full.reshape(-1),), full.numel(), numel)
     is_vocab = isinstance(entry, dict) and entry.get(F.VOCAB_TENSOR, False)
@@ -144,8 +147,13 @@ def _layout(full: torch.Tensor, entry: Any, lp: Any, name: str, state: str, path
             return _ParamLayout((full.reshape(-1), rows.reshape(-1)), numel, numel)
         return _ParamLayout((full.reshape(-1),), full.numel(), numel)
     raise CheckpointFormatError(f"{path}: parameter {name!r} state {state!r} has shape {tuple(full.shape)}, the model's "
-                                f"parameter is {shape} (a different model, or TP>1 which megatron-ucp does not "
-                                "support yet)", subject=name)
+                                f"whole parameter (all TP slices) is {shape}: a different model, or a TP layout "
+                                "the checkpoint does not record", subject=name)
+
+
+def _gather(layout: _ParamLayout, runs: tuple[Run, ...]) -> torch.Tensor:
+    parts = [layout.narrow(run.full_offset, run.length) for run in runs]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _recorded_source(sums: dict[str, dict], name: str, state: str, layout: _ParamLayout, path: Path
@@ -217,8 +225,14 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     t_start = time.perf_counter()
     clock = _Clock()
     dist = comm()
-    group = optimizer.dp_process_group
-    dp_to = dist.get_world_size(group=group)
+    dp_group = optimizer.dp_process_group
+    dp_to = dist.get_world_size(group=dp_group)
+    tensor_parallel = tensor_parallel_of(optimizer)
+    # With TP or PP every element of a file lands on the ranks of several DP groups (TP slices,
+    # pipeline stages): the ledger is summed over the world, and each file is expected once per
+    # TP copy that holds it whole (replicated parameters) and once per stage that holds it.
+    model_parallel = dist.get_world_size() != dp_to
+    group = None if model_parallel else dp_group
     zero_dir = checkpoint_dir / F.UNIVERSAL_ZERO_DIR
     lp_groups = lp_groups_of(optimizer)
     base = optimizer.optimizer
@@ -235,8 +249,10 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
                  "accounting checks against the files themselves, which reads each parameter in full on one rank "
                  "(slower; `megatron-ucp convert --force` records them)", checkpoint_dir, F.MANIFEST_FILE)
     # Frozen parameters' folders are the engine hook's to restore (they are not in the optimizer).
+    # Across pipeline stages every rank keeps every row; a file no stage consumed is then reported.
     accountable = {k: v for k, v in listing.items() if k in optimized}
-    ledger = Ledger.from_listing(accountable)
+    ledger = Ledger.from_listing({k: v for k, v in listing.items() if k not in frozen} if model_parallel
+                                 else accountable)
     table = ledger.new_table(device="cpu")
     failure: Optional[BaseException] = None
     dp_from: Optional[int] = None
@@ -255,7 +271,7 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
             loaded_groups = [None] * len(base.param_groups)
         for i, (param_group, lps) in enumerate(zip(base.param_groups, lp_groups)):
             restored_keys.append(_load_group(optimizer, i, param_group, lps, names[i], group_states[i], accountable,
-                                             zero_dir, ledger, table, sums, clock))
+                                             zero_dir, ledger, table, sums, clock, tensor_parallel))
             if loaded_groups[i] is not None:
                 for key, value in loaded_groups[i].items():
                     if key != "params":
@@ -279,7 +295,9 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     totals = totals[:-1]
 
     with clock:
-        problems += check_folders(names, {k: v for k, v in listing.items() if k not in frozen})
+        # other stages' folders are not extra: the ledger proves some rank consumed each of them
+        problems += check_folders(names, accountable if model_parallel
+                                  else {k: v for k, v in listing.items() if k not in frozen})
         problems += check_ledger(ledger, totals)
         for i, keys in enumerate(restored_keys):
             expected = expected_state_keys(base, i)
@@ -314,13 +332,16 @@ def _source_dp(optim_sd: dict) -> Optional[int]:
 
 def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names: list[str], states: tuple[str, ...],
                 listing: dict[str, tuple[str, ...]], zero_dir: Path, ledger: Ledger, table: torch.Tensor,
-                sums: Optional[dict[str, dict]], clock: "_Clock") -> set[str]:
+                sums: Optional[dict[str, dict]], clock: "_Clock", tensor_parallel: TensorParallel = TensorParallel()
+                ) -> set[str]:
     """Fill one param group's flat fp32 partition and optimizer states on this rank; return the keys set.
 
     A rank whose partition of the group is all padding reads no fragment but still gets every state
     key (zeros) and the group's step, so the optimizer and the next save look like everyone else's.
     A rank reads only its fragments' bytes; the owner of a parameter's first element adds what the
     file holds to the ledger: from the manifest's ``sums`` when there are some, else from the file.
+    Under TP a rank's parameter is its TP slice: its fragment maps to runs of the whole parameter
+    (:func:`~megatron_ucp.plan.tensor_parallel.slice_runs`), each copied and hashed at its own offset.
     """
 
     flat = param_group["params"][0]
@@ -352,19 +373,26 @@ def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names:
                 if full.dtype != torch.float32:  # fp32 masters and Adam states: a bf16 file would load silently
                     raise CheckpointFormatError(f"{path}: {full.dtype} tensor; universal optimizer states are "
                                                 "float32", subject=path)
-                layout = _layout(full, entry, lp, name, state, path)
+                tp_layout = live_tp_layout(lp, entry, tensor_parallel.size, tuple(full.shape))
+                whole = full_shape(tuple(lp.shape), tp_layout, tensor_parallel.size)
+                layout = _layout(full, entry, whole, name, state, path)
+                runs = runs_between(slice_runs(whole, tp_layout, tensor_parallel.size, tensor_parallel.rank, name),
+                                    lp_address.start, lp_address.numel)
                 target = (mapping.get_hp_fragment() if state == F.FP32_STATE
                           else buffers[state].narrow(0, hp_address.start, hp_address.numel))
-                fragment = layout.narrow(lp_address.start, lp_address.numel)
+                fragment = _gather(layout, runs)
                 target.copy_(fragment)
-                real = max(0, min(lp_address.numel, layout.held - lp_address.start))
                 table[row, Column.CONSUMERS] += 1
-                table[row, Column.LOADED_COUNT] += real
                 with clock:
-                    if real:  # what landed (on an accelerator: what was copied there, hashed on the CPU)
-                        placed = target[:real] if target.device.type == "cpu" else fragment[:real]
-                        add_sum(table, row, True, checksum(placed, lp_address.start))
-                    if lp_address.start == 0:
+                    at = 0
+                    for run in runs:  # what landed (on an accelerator: what was copied there, hashed on the CPU)
+                        real = max(0, min(run.length, layout.held - run.full_offset))
+                        table[row, Column.LOADED_COUNT] += real
+                        if real:
+                            placed = (target if target.device.type == "cpu" else fragment).narrow(0, at, real)
+                            add_sum(table, row, True, checksum(placed, run.full_offset))
+                        at += run.length
+                    if any(run.full_offset == 0 for run in runs):
                         count, value = ((layout.held, layout.source_sum()) if sums is None
                                         else _recorded_source(sums, name, state, layout, path))
                         table[row, Column.SOURCE_COUNT] += count

@@ -21,6 +21,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from megatron_ucp.errors import CheckpointFormatError, PlanError
 from megatron_ucp.plan.geometry import NCCL_START_ALIGNMENT_FACTOR, GroupGeometry
+from megatron_ucp.plan.tensor_parallel import TpLayout
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,8 @@ class CopyItem:
     src_offset: int
     dst_offset: int
     length: int
+    group: Optional[int] = None
+    """The rank file's param group to read; None: the parameter's own (a model-parallel plan sets it)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,11 @@ class ParamPlan:
     cat_dim: int = 0
     vocab_tensor: bool = False
     n_sub_params: int = 1
+    replicas: tuple[tuple[CopyItem, ...], ...] = ()
+    """Other copies of a replicated parameter (the other TP ranks', a tied parameter's other pipeline
+    stage), each covering the whole parameter: compared with ``items``, not written."""
+    tp_layout: Optional[str] = None
+    """How TP divides it (:meth:`~megatron_ucp.plan.tensor_parallel.TpLayout.describe`), when known."""
 
     @property
     def numel(self) -> int:
@@ -152,11 +160,11 @@ def split_items(items: Sequence[CopyItem], at: int) -> tuple[tuple[CopyItem, ...
         if end <= at:
             head.append(item)
         elif item.dst_offset >= at:
-            tail.append(CopyItem(item.rank, item.src_offset, item.dst_offset - at, item.length))
+            tail.append(CopyItem(item.rank, item.src_offset, item.dst_offset - at, item.length, item.group))
         else:
             cut = at - item.dst_offset
-            head.append(CopyItem(item.rank, item.src_offset, item.dst_offset, cut))
-            tail.append(CopyItem(item.rank, item.src_offset + cut, 0, item.length - cut))
+            head.append(CopyItem(item.rank, item.src_offset, item.dst_offset, cut, item.group))
+            tail.append(CopyItem(item.rank, item.src_offset + cut, 0, item.length - cut, item.group))
     return tuple(head), tuple(tail)
 
 
@@ -177,11 +185,28 @@ class ConversionPlan:
     params: tuple[ParamPlan, ...]
     """Group-major, then flat order: each parameter reads a contiguous run of ranks."""
     _fingerprint: str = field(default="", compare=False)
+    partitions: tuple[tuple[int, ...], ...] = ()
+    """Model-parallel plans: per rank file (``CopyItem.rank``), each param group's partition size.
+    Empty: every rank file has the geometry of :attr:`groups`."""
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def files(self) -> int:
+        """Rank files the items index."""
+        return len(self.partitions) if self.partitions else self.dp
+
+    def partition_size(self, group: int, rank: int) -> int:
+        if self.partitions:
+            return self.partitions[rank][group]
+        return self.groups[group].geometry.partition_size
 
     def fingerprint(self) -> str:
         """Stable identity of the plan, so cooperating converters can tell they do the same job."""
         if not self._fingerprint:
-            h = hashlib.sha256(repr((self.dp, self.groups, self.params)).encode())
+            key = (self.dp, self.groups, self.params) if not self.partitions else \
+                (self.dp, self.groups, self.params, self.partitions, self.tp, self.pp)
+            h = hashlib.sha256(repr(key).encode())
             object.__setattr__(self, "_fingerprint", h.hexdigest()[:16])
         return self._fingerprint
 
@@ -202,7 +227,8 @@ def _fail(source: str, message: str) -> CheckpointFormatError:
 
 def build_plan(param_groups: Sequence[Sequence[ParamSpec]], ranks: Sequence[RankLayout],
                rules: OutputRules = OutputRules(),
-               alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR) -> ConversionPlan:
+               alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR,
+               tp_layouts: Optional[Mapping[str, TpLayout]] = None) -> ConversionPlan:
     """Derive geometry from the model's parameter shapes and the rank files, check, and plan.
 
     ``param_groups`` lists, per optimizer param group, the parameters DeepSpeed partitioned
@@ -237,7 +263,7 @@ def build_plan(param_groups: Sequence[Sequence[ParamSpec]], ranks: Sequence[Rank
             raise PlanError(f"param group {g}: some rank files store an optimizer step and some do not")
         group_plans.append(GroupPlan(index=g, geometry=geo, states=states,
                                      has_step=has_step.pop(), param_names=tuple(s.name for s in specs)))
-        param_plans.extend(_plan_group(g, specs, ranks, geo, states, rules))
+        param_plans.extend(_plan_group(g, specs, ranks, geo, states, rules, tp_layouts))
 
     plan = ConversionPlan(dp=dp, groups=tuple(group_plans), params=tuple(param_plans))
     check_plan(plan)
@@ -266,7 +292,8 @@ def _check_states(g: int, ranks: Sequence[RankLayout], geo: GroupGeometry) -> tu
 
 
 def _plan_group(g: int, specs: Sequence[ParamSpec], ranks: Sequence[RankLayout], geo: GroupGeometry,
-                states: Sequence[str], rules: OutputRules) -> list[ParamPlan]:
+                states: Sequence[str], rules: OutputRules,
+                tp_layouts: Optional[Mapping[str, TpLayout]] = None) -> list[ParamPlan]:
     s = geo.partition_size
     by_name = {spec.name: spec for spec in specs}
     if len(by_name) != len(specs):
@@ -320,13 +347,17 @@ def _plan_group(g: int, specs: Sequence[ParamSpec], ranks: Sequence[RankLayout],
                                 f"fragment on rank {rank} starts at {rank * s + start}, expected {flat_offset + dst}")
             items.append(CopyItem(rank=rank, src_offset=start, dst_offset=dst, length=n))
             dst += n
-        plans.append(_shape_output(spec, flat_offset, tuple(items), rules))
+        plans.append(shape_output(spec, flat_offset, tuple(items), rules,
+                                   tp_layouts.get(spec.name) if tp_layouts else None))
     plans.sort(key=lambda p: p.flat_offset)
     return plans
 
 
-def _shape_output(spec: ParamSpec, flat_offset: int, items: tuple[CopyItem, ...], rules: OutputRules) -> ParamPlan:
-    """Apply vocabulary trimming and record the cat_dim / sub-parameter keys DeepSpeed's loader reads."""
+def shape_output(spec: ParamSpec, flat_offset: int, items: tuple[CopyItem, ...], rules: OutputRules,
+                  layout: Optional[TpLayout] = None, replicas: tuple[tuple[CopyItem, ...], ...] = ()) -> ParamPlan:
+    """Apply vocabulary trimming and record the cat_dim / sub-parameter keys DeepSpeed's loader reads:
+    from the parameter's TP layout when known (recorded at save, or a model-parallel checkpoint's
+    patterns), else from Megatron's patterns as DeepSpeed reads them."""
     out_shape = tuple(spec.shape)
     vocab = False
     if rules.original_vocab_size is not None and rules.matches(rules.vocabulary_patterns, spec.name):
@@ -335,11 +366,15 @@ def _shape_output(spec: ParamSpec, flat_offset: int, items: tuple[CopyItem, ...]
                             f"vocabulary parameter {spec.name!r} {out_shape}")
         out_shape = (rules.original_vocab_size, *out_shape[1:])
         vocab = True
-    cat_dim = 1 if rules.matches(rules.row_parallel_patterns, spec.name) else 0
-    n_sub = 2 if rules.matches(rules.two_sub_param_patterns, spec.name) else 1
+    if layout is not None:
+        cat_dim, n_sub = (0, 1) if layout.replicated else (layout.dim, layout.sub_params)
+    else:
+        cat_dim = 1 if rules.matches(rules.row_parallel_patterns, spec.name) else 0
+        n_sub = 2 if rules.matches(rules.two_sub_param_patterns, spec.name) else 1
     return ParamPlan(name=spec.name, group=spec.group, shape=tuple(spec.shape), out_shape=out_shape,
                      flat_offset=flat_offset, items=items, cat_dim=cat_dim if n_sub == 1 else 0,
-                     vocab_tensor=vocab, n_sub_params=n_sub)
+                     vocab_tensor=vocab, n_sub_params=n_sub, replicas=replicas,
+                     tp_layout=layout.describe() if layout is not None else None)
 
 
 def check_plan(plan: ConversionPlan) -> None:
@@ -356,21 +391,27 @@ def check_plan(plan: ConversionPlan) -> None:
         seen_names.add(p.name)
         if not 0 <= p.group < len(plan.groups):
             raise PlanError(f"parameter {p.name!r} refers to param group {p.group}, plan has {len(plan.groups)}")
-        s = plan.groups[p.group].geometry.partition_size
-        cursor = 0
-        for item in sorted(p.items, key=lambda i: i.dst_offset):
-            if item.length <= 0:
-                raise PlanError(f"{p.name!r}: empty copy item {item}")
-            if item.dst_offset != cursor:
-                kind = "gap" if item.dst_offset > cursor else "overlap"
-                raise PlanError(f"{p.name!r}: {kind} in output coverage at element {cursor} (next item at "
-                                f"{item.dst_offset})")
-            if not 0 <= item.rank < plan.dp or item.src_offset < 0 or item.src_offset + item.length > s:
-                raise PlanError(f"{p.name!r}: copy item {item} outside rank partitions of size {s} at DP={plan.dp}")
-            cursor += item.length
-            reads.setdefault((p.group, item.rank), []).append((item.src_offset, item.src_offset + item.length, p.name))
-        if cursor != p.numel:
-            raise PlanError(f"{p.name!r}: items cover {cursor} of its {p.numel} elements")
+        for copy, items in enumerate((p.items, *p.replicas)):
+            label = p.name if copy == 0 else f"{p.name} (copy {copy})"
+            cursor = 0
+            for item in sorted(items, key=lambda i: i.dst_offset):
+                group = p.group if item.group is None else item.group
+                if item.length <= 0:
+                    raise PlanError(f"{label!r}: empty copy item {item}")
+                if item.dst_offset != cursor:
+                    kind = "gap" if item.dst_offset > cursor else "overlap"
+                    raise PlanError(f"{label!r}: {kind} in output coverage at element {cursor} (next item at "
+                                    f"{item.dst_offset})")
+                if not 0 <= item.rank < plan.files:
+                    raise PlanError(f"{label!r}: copy item {item} outside the rank files (file {item.rank} of {plan.files})")
+                s = plan.partition_size(group, item.rank)
+                if item.src_offset < 0 or item.src_offset + item.length > s:
+                    raise PlanError(f"{label!r}: copy item {item} outside rank partitions of size {s} at DP={plan.dp}")
+                cursor += item.length
+                reads.setdefault((group, item.rank), []).append((item.src_offset, item.src_offset + item.length,
+                                                                 label))
+            if cursor != p.numel:
+                raise PlanError(f"{label!r}: items cover {cursor} of its {p.numel} elements")
         if p.out_numel > p.numel:
             raise PlanError(f"{p.name!r}: output shape {p.out_shape} larger than the parameter {p.shape}")
     for (g, rank), spans in reads.items():

@@ -17,7 +17,7 @@ from megatron_ucp import launchenv
 from megatron_ucp.config import RunnerSettings, UcpConfig
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.plan.resume import checkpoint_global_batch
+from megatron_ucp.plan.resume import checkpoint_global_batch, describe_change
 
 MEGATRON_DEFAULT_SEED = 1234
 """Megatron's ``--seed`` default (megatron/arguments.py)."""
@@ -104,6 +104,8 @@ class CheckpointFacts:
     global_batch_size: Optional[int]
     micro_batch_size: Optional[int]
     iteration: Optional[int] = None
+    tp: int = 1
+    pp: int = 1
 
 
 @dataclass(frozen=True)
@@ -144,18 +146,24 @@ def plan_launch(margs: MegatronArgs, facts: Optional[CheckpointFacts], world_siz
     dp_from = facts.dp_world_size
     if dp_from is None:
         return LaunchPlan(warnings=(f"{where} records no dp_world_size: DP change not checked",), dp_to=dp_to)
-    if dp_from == dp_to:
-        return LaunchPlan(notes=(f"resuming {where} at the DP size it was saved at ({dp_to})",),
+    saved = (facts.tp, facts.pp, dp_from)
+    now = (margs.tensor_parallel, margs.pipeline_parallel, dp_to)
+    if saved == now:
+        at = f"({dp_to})" if saved[:2] == (1, 1) else f"(TP={now[0]}, PP={now[1]}, DP={dp_to})"
+        return LaunchPlan(notes=(f"resuming {where} at the DP size it was saved at {at}",),
                           dp_from=dp_from, dp_to=dp_to)
 
-    notes = [f"DP change: {where} was saved at DP={dp_from}, this job runs at DP={dp_to}"]
+    notes = [f"{describe_change(saved, now)}: {where} was saved at TP={saved[0]} x PP={saved[1]} x DP={dp_from}, "
+             f"this job runs at TP={now[0]} x PP={now[1]} x DP={dp_to}" if saved[:2] != now[:2] else
+             f"DP change: {where} was saved at DP={dp_from}, this job runs at DP={dp_to}"]
     warnings: list[str] = []
     extra: list[str] = []
-    if mp != 1:
-        warnings.append(f"TP x PP x SP = {mp}: megatron-ucp's elastic resume covers ZeRO-1/2 data parallelism "
-                        "with TP=PP=1 only; the command line is left as it is")
-        return LaunchPlan(notes=tuple(notes), warnings=tuple(warnings), dp_from=dp_from, dp_to=dp_to)
-    if margs.universal_checkpoint:
+    if saved[:2] != now[:2] and not margs.universal_checkpoint:
+        # Megatron compares TP, PP and the padded vocabulary with the checkpoint's unless this is set
+        extra.append("--universal-checkpoint")
+        notes.append("TP/PP change: adding --universal-checkpoint (Megatron then accepts the new TP/PP and padded "
+                     f"vocabulary; megatron-ucp converts {facts.tag} first when latest_universal does not exist)")
+    elif margs.universal_checkpoint:
         notes.append("--universal-checkpoint given: DeepSpeed loads the universal tag in latest_universal, "
                      "as Megatron users expect (with megatron-ucp's loader)")
     elif config.elastic_resume:
@@ -199,7 +207,9 @@ def plan_launch(margs: MegatronArgs, facts: Optional[CheckpointFacts], world_siz
     else:
         extra.append("--no-load-rng")
         reseed = margs.seed if margs.seed is not None else MEGATRON_DEFAULT_SEED
-        notes.append(f"RNG states saved per rank at DP={dp_from} cannot be mapped to DP={dp_to}: adding "
+        notes.append(f"RNG states saved per rank at {saved} cannot be mapped to (TP, PP, DP) {now}: adding "
+                     if saved[:2] != now[:2] else
+                     f"RNG states saved per rank at DP={dp_from} cannot be mapped to DP={dp_to}: adding "
                      f"--no-load-rng; after the load every rank re-seeds deterministically from "
                      f"sha256(seed={reseed}, iteration, rank)")
     return LaunchPlan(extra_args=tuple(extra), notes=tuple(notes), warnings=tuple(warnings),
@@ -278,5 +288,13 @@ def facts_from_model_states(load_dir: str, tag: str, states: Mapping[str, Any]) 
         micro = ds_config.get("train_micro_batch_size_per_gpu")
         micro = micro if isinstance(micro, int) else None
     iteration = states.get("iteration")
+    dims = states.get(F.CHECKPOINT_PARALLEL_DIMENSIONS)
+    if isinstance(dims, Mapping) and "tp_degree" in dims and "pp_degree" in dims:
+        tp, pp = int(dims["tp_degree"]), int(dims["pp_degree"])
+    else:
+        tp = getattr(ckpt_args, "tensor_model_parallel_size", 1)
+        pp = getattr(ckpt_args, "pipeline_model_parallel_size", 1)
+        tp, pp = (tp if isinstance(tp, int) else 1), (pp if isinstance(pp, int) else 1)
     return CheckpointFacts(load_dir=load_dir, tag=tag, dp_world_size=dp, global_batch_size=gb,
-                           micro_batch_size=micro, iteration=int(iteration) if isinstance(iteration, int) else None)
+                           micro_batch_size=micro, iteration=int(iteration) if isinstance(iteration, int) else None,
+                           tp=tp, pp=pp)

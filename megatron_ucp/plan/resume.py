@@ -74,14 +74,23 @@ class ResumeDecision:
         return self.checkpoint_dp is not None and self.checkpoint_dp != self.current_dp
 
 
+def describe_change(checkpoint: tuple[int, int, int], current: tuple[int, int, int]) -> str:
+    """``DP changed 768 -> 512`` / ``TP changed 1 -> 2, DP changed 4 -> 2``: what differs, (TP, PP, DP)."""
+    parts = [f"{axis} changed {a} -> {b}" for axis, a, b in zip(("TP", "PP", "DP"), checkpoint, current) if a != b]
+    return ", ".join(parts) if parts else f"layout unchanged (TP={current[0]}, PP={current[1]}, DP={current[2]})"
+
+
 def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int], current_dp: int,
                   load_universal: bool, twin_state: TwinState | str = TwinState.ABSENT,
                   tag_is_universal: bool = False, loads_optimizer_states: bool = True,
-                  staging_present: bool = False) -> ResumeDecision:
+                  staging_present: bool = False, checkpoint_mp: tuple[int, int] = (1, 1),
+                  current_mp: tuple[int, int] = (1, 1)) -> ResumeDecision:
     """Decide how to load ``requested_tag`` (already resolved from ``latest`` when it was None).
 
     ``checkpoint_dp`` is the ``dp_world_size`` recorded in the tag's model states (None when the
     tag or its model states are missing: DeepSpeed then fails or warns in its own words).
+    ``checkpoint_mp`` / ``current_mp`` are (TP, PP): a change of either needs the universal route
+    like a DP change does (the native load cannot reshape TP slices or pipeline stages).
     ``tag_is_universal`` says the tag folder itself is a universal checkpoint. Without optimizer
     states to load, a DP change needs no resharding (DeepSpeed rebuilds fp32 from the weights).
     """
@@ -99,15 +108,18 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
         return ResumeDecision(Route.EXPLICIT_UNIVERSAL, requested_tag, checkpoint_dp, current_dp,
                               f"{requested_tag} is a universal checkpoint (saved at DP={checkpoint_dp}): "
                               f"loading it in universal mode at DP={current_dp}")
-    if checkpoint_dp == current_dp:
+    mp_changed = tuple(checkpoint_mp) != tuple(current_mp)
+    if checkpoint_dp == current_dp and not mp_changed:
+        unchanged = (f"DP unchanged ({current_dp})" if tuple(current_mp) == (1, 1) else
+                     f"layout unchanged (TP={current_mp[0]}, PP={current_mp[1]}, DP={current_dp})")
         return ResumeDecision(Route.NATIVE, requested_tag, checkpoint_dp, current_dp,
-                              f"DP unchanged ({current_dp}): native load of {requested_tag}")
-    if not loads_optimizer_states:
+                              f"{unchanged}: native load of {requested_tag}")
+    if not loads_optimizer_states and not mp_changed:
         return ResumeDecision(Route.NATIVE, requested_tag, checkpoint_dp, current_dp,
                               f"DP changed {checkpoint_dp} -> {current_dp} but no optimizer states are loaded: "
                               f"native load of {requested_tag} (fp32 master weights rebuilt from bf16 weights)")
     target = F.universal_tag(requested_tag)
-    changed = f"DP changed {checkpoint_dp} -> {current_dp}"
+    changed = describe_change((*checkpoint_mp, checkpoint_dp), (*current_mp, current_dp))
     if twin is TwinState.COMPLETE:
         return ResumeDecision(Route.UNIVERSAL_EXISTING, target, checkpoint_dp, current_dp,
                               f"{changed}: loading {target}")

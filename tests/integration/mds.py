@@ -174,7 +174,10 @@ class MdsModel:
 
 @dataclass
 class MdsRun:
-    """One launch of pretrain_gpt_alcf.py: ``nproc`` ranks, TP=PP=1, so DP = ``nproc``.
+    """One launch of pretrain_gpt_alcf.py: ``nproc`` ranks, DP = ``nproc / (tp * pp)``.
+
+``pipeline=False`` builds the non-pipeline ``GPTModel`` (``--no-pipeline-parallel``, AuroraGPT's
+choice; PP must be 1), ``True`` the pipeline model ``GPTModelPipe`` (PP >= 1).
 
     ``optimizer="bf16"``: BF16_Optimizer (DeepSpeed config with ``data_types.grad_accum_dtype:
     fp32``); ``"zero"``: DeepSpeedZeroOptimizer (the ALCF default at PP=1). ``route``: ``runner``
@@ -191,6 +194,9 @@ class MdsRun:
     global_batch: int = 12
     micro_batch: int = 1
     model: MdsModel = field(default_factory=MdsModel)
+    tp: int = 1
+    pp: int = 1
+    pipeline: bool = False
     route: str = "runner"
     entry: Optional[Path] = None
     extra_args: Sequence[str] = ()
@@ -243,7 +249,8 @@ def megatron_args(co: Checkout, run: MdsRun, config_path: Path) -> list[str]:
         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
         "--no-gradient-accumulation-fusion", "--bf16", "--accumulate-allreduce-grads-in-fp32",
         "--deepspeed", "--deepspeed_config", str(config_path), "--zero-stage", str(run.zero_stage),
-        "--no-pipeline-parallel", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+        *([] if run.pipeline else ["--no-pipeline-parallel"]),
+        "--tensor-model-parallel-size", str(run.tp), "--pipeline-model-parallel-size", str(run.pp),
         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(CORPUS_TOKENS),
         "--data-path", str(co.data_prefix), "--split", "990,10,0",
         "--distributed-backend", "gloo", "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0",

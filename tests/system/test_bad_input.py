@@ -163,9 +163,12 @@ def test_disk_full_mid_write(root):
     assert not (root / f"{TAG}_universal").exists() and not list(root.glob(".*ucp-staging"))
 
 
-def test_tensor_and_pipeline_parallel_are_refused(root, capsys):
+def test_incomplete_model_parallel_folders_are_named(root, capsys):
+    """TP/PP folders are converted (tests/integration/test_model_parallel.py); a model-parallel rank
+    with half its files is named, not guessed around."""
     shutil.copy(root / TAG / F.MODEL_STATES_FILE, root / TAG / "mp_rank_01_model_states.pt")
-    convert_fails(root, capsys, expect="TP=1 only (not supported yet)", names=str(root / TAG))
+    convert_fails(root, capsys, expect="no optimizer-state files of model-parallel rank 1", names=str(root / TAG))
     (root / TAG / "mp_rank_01_model_states.pt").unlink()
-    shutil.copy(root / TAG / F.MODEL_STATES_FILE, root / TAG / "layer_01-model_00-model_states.pt")
-    convert_fails(root, capsys, expect="PP=1 only (not supported yet)", names=str(root / TAG))
+    first = sorted((root / TAG).glob("*_mp_rank_00_optim_states.pt"))[0]
+    shutil.copy(first, root / TAG / first.name.replace("mp_rank_00", "mp_rank_01"))
+    convert_fails(root, capsys, expect="mp_rank_01_model_states.pt is missing", names=str(root / TAG))

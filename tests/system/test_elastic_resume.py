@@ -314,7 +314,7 @@ def test_layout_restores_kept_rows_and_zero_fills_without_them() -> None:
     def whole(layout):
         return layout.narrow(0, layout.numel)
 
-    lp = torch.zeros(5, 2)
+    lp = (5, 2)  # the whole live parameter's shape
     trimmed, rows = torch.arange(6.0).view(3, 2), torch.arange(6.0, 10.0).view(2, 2)
     layout = _layout(trimmed, {F.VOCAB_TENSOR: True, F.VOCAB_PADDED_ROWS: rows}, lp, "w", "fp32", Path("f"))
     assert layout.held == 10 and layout.rows_restored and whole(layout).tolist() == list(range(10))

@@ -1,0 +1,210 @@
+"""How one parameter is cut between tensor-parallel ranks, and where each slice's elements sit in the whole.
+
+Pure (no I/O, no torch). Megatron splits a parameter across TP ranks in one of three ways: along
+one dimension (column-parallel weights and the vocabulary on dim 0, row-parallel weights on dim 1),
+not at all (layer norms and other replicated parameters), or as ``n`` sub-parameters stacked on
+dim 0 and each split on dim 0 (SwiGLU's ``dense_h_to_4h``: rank ``k`` holds ``[W1_k; W2_k]``).
+A :class:`TpLayout` says which; :func:`slice_runs` maps a slice's flat elements to the whole
+parameter's flat elements as contiguous runs. Conversion merges slices with it, the loader cuts
+them with it, and both sides of the accounting use the same runs, so "every element exactly once"
+is one statement for both directions.
+
+The layout comes from, best first: what megatron-ucp's save hook recorded from the live module's
+``tensor_model_parallel`` / ``partition_dim`` attributes (:data:`TP_LAYOUT_KEY`, present at every TP
+size), else Megatron's ``universal_checkpoint_info`` patterns (:func:`layout_from_patterns`), which
+carry the replicated and row-parallel patterns only when the checkpoint was saved at TP > 1.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional, Sequence
+
+from megatron_ucp.errors import PlanError
+
+TP_LAYOUT_KEY = "ucp_tp_layout"
+"""Model-states key the save hook writes: parameter name -> :meth:`TpLayout.to_record`."""
+
+
+@dataclass(frozen=True)
+class TpLayout:
+    """How a parameter is divided between TP ranks (:mod:`megatron_ucp.plan.tensor_parallel`)."""
+
+    replicated: bool = False
+    dim: int = 0
+    """Partition dimension when split."""
+    sub_params: int = 1
+    """Equal sub-parameters stacked on dim 0, each split on dim 0 (``dim`` is then 0)."""
+    vocab: bool = False
+    """Dim 0 is the (padded) vocabulary."""
+
+    def __post_init__(self) -> None:
+        if self.sub_params < 1 or (self.sub_params > 1 and self.dim != 0):
+            raise PlanError(f"invalid TP layout {self}: sub-parameters are stacked and split on dim 0")
+
+    def to_record(self) -> dict:
+        return {"replicated": self.replicated, "partition_dim": self.dim, "sub_params": self.sub_params,
+                "vocab": self.vocab}
+
+    @classmethod
+    def from_record(cls, record: Mapping) -> "TpLayout":
+        return cls(replicated=bool(record.get("replicated", False)), dim=int(record.get("partition_dim", 0)),
+                   sub_params=int(record.get("sub_params", 1)), vocab=bool(record.get("vocab", False)))
+
+    def describe(self) -> str:
+        if self.replicated:
+            return "replicated"
+        text = f"split dim {self.dim}"
+        if self.sub_params > 1:
+            text += f", {self.sub_params} sub-params"
+        return text + (", vocabulary" if self.vocab else "")
+
+
+@dataclass(frozen=True)
+class Run:
+    """``length`` elements at ``slice_offset`` of a TP slice are at ``full_offset`` of the whole parameter."""
+
+    slice_offset: int
+    full_offset: int
+    length: int
+
+
+def _check_divisible(name: str, shape: Sequence[int], dim: int, parts: int) -> None:
+    if dim >= len(shape):
+        raise PlanError(f"{name}: partition dim {dim} outside its shape {tuple(shape)}")
+    if shape[dim] % parts:
+        raise PlanError(f"{name}: dimension {dim} of {tuple(shape)} does not divide into {parts} equal TP slices")
+
+
+def slice_shape(full: Sequence[int], layout: TpLayout, tp: int, name: str = "parameter") -> tuple[int, ...]:
+    """Shape of one TP rank's slice of a parameter of shape ``full``."""
+    full = tuple(full)
+    if layout.replicated or tp == 1:
+        return full
+    _check_divisible(name, full, layout.dim, tp * layout.sub_params)
+    out = list(full)
+    out[layout.dim] //= tp
+    return tuple(out)
+
+
+def full_shape(piece: Sequence[int], layout: TpLayout, tp: int) -> tuple[int, ...]:
+    """Shape of the whole parameter whose TP slices have shape ``piece``."""
+    piece = tuple(piece)
+    if layout.replicated or tp == 1:
+        return piece
+    out = list(piece)
+    out[layout.dim] *= tp
+    return tuple(out)
+
+
+def slice_runs(full: Sequence[int], layout: TpLayout, tp: int, rank: int, name: str = "parameter") -> tuple[Run, ...]:
+    """TP rank ``rank``'s slice, in its own flat order, as contiguous runs of the whole parameter.
+
+    Split on ``dim`` with the dimensions before it ``outer`` and after it ``inner``: slice row ``o``
+    holds ``[rank * w, (rank + 1) * w)`` of that dimension (``w = full[dim] / tp``), one run of
+    ``w * inner`` elements per ``o``. Sub-parameters: one run per sub-parameter. Runs are merged
+    when they touch, so dim 0 (and any split whose outer dimensions are 1) is a single run.
+    """
+    if not 0 <= rank < tp:
+        raise PlanError(f"{name}: TP rank {rank} outside 0..{tp - 1}")
+    full = tuple(full)
+    numel = math.prod(full)
+    if layout.replicated or tp == 1:
+        return (Run(0, 0, numel),) if numel else ()
+    shape = slice_shape(full, layout, tp, name)
+    if layout.sub_params > 1:
+        sub = numel // layout.sub_params
+        piece = sub // tp
+        runs = [Run(k * piece, k * sub + rank * piece, piece) for k in range(layout.sub_params)]
+        return _merged(runs)
+    outer = math.prod(full[:layout.dim])
+    inner = math.prod(full[layout.dim + 1:])
+    width = shape[layout.dim] * inner
+    stride = full[layout.dim] * inner
+    return _merged(Run(o * width, o * stride + rank * width, width) for o in range(outer))
+
+
+def _merged(runs: Iterable[Run]) -> tuple[Run, ...]:
+    out: list[Run] = []
+    for run in runs:
+        if run.length <= 0:
+            continue
+        if out and out[-1].slice_offset + out[-1].length == run.slice_offset and \
+                out[-1].full_offset + out[-1].length == run.full_offset:
+            last = out.pop()
+            run = Run(last.slice_offset, last.full_offset, last.length + run.length)
+        out.append(run)
+    return tuple(out)
+
+
+def runs_between(runs: Sequence[Run], start: int, length: int) -> tuple[Run, ...]:
+    """The part of ``runs`` covering slice elements ``[start, start + length)``, offsets unchanged."""
+    end = start + length
+    out = []
+    for run in runs:
+        lo, hi = max(start, run.slice_offset), min(end, run.slice_offset + run.length)
+        if lo < hi:
+            out.append(Run(lo, run.full_offset + lo - run.slice_offset, hi - lo))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class LayoutRules:
+    """Megatron's ``universal_checkpoint_info`` patterns, the part that says how TP divides a parameter."""
+
+    replicated_patterns: tuple[str, ...] = ()
+    row_parallel_patterns: tuple[str, ...] = ()
+    two_sub_param_patterns: tuple[str, ...] = ()
+    vocabulary_patterns: tuple[str, ...] = ()
+    saved_tp: int = 1
+    """The TP size of the checkpoint the patterns come from: below 2 they say nothing of replication."""
+
+    def complete(self) -> bool:
+        """Whether the patterns alone describe every TP layout (Megatron writes replicated and
+        row-parallel patterns only when saving at TP > 1)."""
+        return self.saved_tp > 1
+
+
+def _matches(patterns: Iterable[str], name: str) -> bool:
+    return any(re.match(p, name) for p in patterns)
+
+
+def layout_from_patterns(name: str, rules: LayoutRules) -> TpLayout:
+    """The layout Megatron's patterns give ``name`` (what stock ``ds_to_universal`` assumes)."""
+    vocab = _matches(rules.vocabulary_patterns, name)
+    if _matches(rules.replicated_patterns, name):
+        return TpLayout(replicated=True, vocab=vocab)
+    if _matches(rules.two_sub_param_patterns, name):
+        return TpLayout(sub_params=2, vocab=vocab)
+    return TpLayout(dim=1 if _matches(rules.row_parallel_patterns, name) else 0, vocab=vocab)
+
+
+def resolve_layouts(names: Iterable[str], recorded: Optional[Mapping[str, Mapping]], rules: LayoutRules,
+                    source: str) -> dict[str, TpLayout]:
+    """Each parameter's layout: recorded by the save hook when the checkpoint has it, else from the
+    patterns. Without a record, a checkpoint saved at TP=1 has no replicated or row-parallel
+    patterns: its layouts are only right for TP=1, and :func:`layouts_known` says so."""
+    out = {}
+    for name in names:
+        record = (recorded or {}).get(name)
+        if record is not None:
+            layout = TpLayout.from_record(record)
+            if _matches(rules.two_sub_param_patterns, name) and layout.sub_params == 1 and not layout.replicated:
+                layout = TpLayout(sub_params=2, vocab=layout.vocab)  # Megatron's attribute cannot say this
+            if _matches(rules.vocabulary_patterns, name) and not layout.vocab:
+                layout = TpLayout(layout.replicated, layout.dim, layout.sub_params, vocab=True)
+            out[name] = layout
+        else:
+            out[name] = layout_from_patterns(name, rules)
+    if recorded:
+        missing = sorted(set(out) - set(recorded))
+        if missing:
+            raise PlanError(f"{source}: records the TP layout of some parameters but not of {missing[:5]}"
+                            f"{' ...' if len(missing) > 5 else ''}")
+    return out
+
+
+def layouts_known(recorded: Optional[Mapping], rules: LayoutRules) -> bool:
+    """Whether the layouts can be trusted at another TP size (recorded, or patterns saved at TP > 1)."""
+    return bool(recorded) or rules.complete()
