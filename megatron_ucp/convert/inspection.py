@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megatron_ucp.convert.execute import plan_checkpoint
 from megatron_ucp.convert.universal import universal_state
 from megatron_ucp.deepspeed.reader import read_checkpoint, resolve_checkpoint
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.plan.conversion import build_plan
 from megatron_ucp.plan.geometry import (GroupGeometry, PaddingStyle, StripCrash, stock_converter_crashes,
                                         stock_loader_crash_ranks)
 
@@ -47,6 +47,12 @@ class InspectReport:
     stock_loader_crash_dps: list[int]
     universal_twin: Optional[str] = None
     notes: list[str] = field(default_factory=list)
+    parallel: Optional[dict] = None
+    """``{tp, pp, dp}`` of a TP/PP checkpoint; its ``groups`` are then those of coordinate (pp 0, tp 0)."""
+    coordinates: list[dict] = field(default_factory=list)
+    """Per model-parallel coordinate: its file, parameters and each group's geometry (TP/PP checkpoints)."""
+    tp_layouts: dict[str, int] = field(default_factory=dict)
+    """How many parameters TP divides each way (``split dim 1``, ``replicated``, ...)."""
 
     @property
     def stock_converter_fails(self) -> bool:
@@ -107,20 +113,38 @@ def inspect_checkpoint(path: Path, tag: Optional[str], target_dps: Sequence[int]
     ck = resolve_checkpoint(path, tag)
     meta = read_checkpoint(ck.tag_dir)
     # the checks convert runs before any byte moves (fragments inside partitions and tensors,
-    # every element covered once, shapes against the mappings): a checkpoint convert would refuse
-    # is refused here too, with the same message
-    build_plan(meta.model.param_groups, meta.layouts, meta.model.output_rules())
-    groups = []
-    for g, specs in enumerate(meta.model.param_groups):
-        numel = sum(s.numel for s in specs)
-        pad = meta.layouts[0].groups[g].param_alignment_padding
-        groups.append(GroupGeometry(numel=numel, dp=meta.dp, padded_numel=numel + pad))
-    recorded = [[lay.groups[g].recorded_padding for lay in meta.layouts] for g in range(len(groups))]
-    report = inspect_geometry(groups, meta.padding_style, target_dps, source=str(ck.tag_dir),
-                              ds_version=meta.ds_version, optimizer=meta.kind, zero_stage=meta.zero_stage,
-                              saved_with_ucp=meta.saved_with_ucp,
-                              has_uc_info=meta.model.universal_checkpoint_info is not None,
-                              param_counts=[len(s) for s in meta.model.param_groups], recorded=recorded)
+    # every element covered once, shapes against the mappings, TP slices against each other): a
+    # checkpoint convert would refuse is refused here too, with the same message
+    plan = plan_checkpoint(meta)
+    reports = []
+    for c in meta.coordinates:  # each coordinate has its own geometry, so its own stock crashes
+        groups = []
+        for g, specs in enumerate(c.model.param_groups):
+            numel = sum(s.numel for s in specs)
+            pad = c.layouts[0].groups[g].param_alignment_padding
+            groups.append(GroupGeometry(numel=numel, dp=meta.dp, padded_numel=numel + pad))
+        recorded = [[lay.groups[g].recorded_padding for lay in c.layouts] for g in range(len(groups))]
+        reports.append(inspect_geometry(groups, meta.padding_style, target_dps, source=str(ck.tag_dir),
+                                        ds_version=meta.ds_version, optimizer=meta.kind, zero_stage=meta.zero_stage,
+                                        saved_with_ucp=meta.saved_with_ucp,
+                                        has_uc_info=meta.model.universal_checkpoint_info is not None,
+                                        param_counts=[len(s) for s in c.model.param_groups], recorded=recorded))
+    report = reports[0]
+    if meta.model_parallel:
+        report.parallel = {"tp": meta.tp, "pp": meta.pp, "dp": meta.dp}
+        report.coordinates = [{"pp": c.pp, "tp": c.tp, "file": c.model.path.name,
+                               "params": sum(len(g) for g in c.model.param_groups),
+                               "groups": [asdict(g) for g in r.groups],
+                               "stock_converter_crashes": r.stock_converter_crashes,
+                               "stock_loader_crash_dps": r.stock_loader_crash_dps}
+                              for c, r in zip(meta.coordinates, reports)]
+        report.stock_converter_crashes = [dict(crash, pp=c.pp, tp=c.tp) for c, r in zip(meta.coordinates, reports)
+                                          for crash in r.stock_converter_crashes]
+        report.stock_loader_crash_dps = sorted({d for r in reports for d in r.stock_loader_crash_dps})
+    for p in plan.params:
+        if p.tp_layout:
+            kind = p.tp_layout.split(", vocabulary")[0]
+            report.tp_layouts[kind] = report.tp_layouts.get(kind, 0) + 1
     twin = ck.tag_dir.parent / F.universal_tag(ck.tag)
     report.universal_twin = f"{twin.name}: {universal_state(twin)}"
     return report
@@ -128,13 +152,22 @@ def inspect_checkpoint(path: Path, tag: Optional[str], target_dps: Sequence[int]
 
 def format_report(r: InspectReport) -> str:
     lines = [f"checkpoint:       {r.source}",
-             f"DP size:          {r.dp}",
+             f"DP size:          {r.dp}" if r.parallel is None else
+             f"layout:           TP={r.parallel['tp']} x PP={r.parallel['pp']} x DP={r.dp} "
+             f"({len(r.coordinates)} model-parallel coordinates, each with its own ZeRO geometry)",
              f"DeepSpeed:        {r.ds_version}",
              f"optimizer:        {r.optimizer}" + (f" (ZeRO stage {r.zero_stage})" if r.zero_stage else ""),
              f"group_paddings:   {r.padding_style}" + (" (saved with megatron-ucp: true lengths recorded)"
                                                        if r.saved_with_megatron_ucp else "")]
     if r.universal_twin:
         lines.append(f"universal twin:   {r.universal_twin}")
+    if r.tp_layouts:
+        lines.append("TP layouts:       " + "; ".join(f"{kind}: {n}" for kind, n in sorted(r.tp_layouts.items())))
+    for c in r.coordinates:
+        sizes = ", ".join(f"group {g['index']} N={g['numel']:,} partition {g['partition_size']:,}" for g in c["groups"])
+        lines.append(f"(pp {c['pp']}, tp {c['tp']}) {c['file']}: {c['params']} params; {sizes}")
+    if r.coordinates:
+        lines.append("groups of coordinate (pp 0, tp 0):")
     for g in r.groups:
         extra = f", {g.params} params" if g.params is not None else ""
         lines.append(f"group {g.index}: N={g.numel:,}{extra}; partition {g.partition_size:,}; alignment padding "

@@ -26,7 +26,7 @@ from megatron_ucp.deepspeed.reader import load_torch_file, read_checkpoint, read
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.plan.accounting import checksum
-from megatron_ucp.plan.conversion import ParamPlan
+from megatron_ucp.plan.conversion import ParamPlan, ParamSpec
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,8 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
     if report.manifest is not None:
         expected_states = {int(g["index"]): set(g["states"]) | ({F.STEP_STATE} if g.get("step") else set())
                            for g in report.manifest.get("groups", [])}
-    listed = {p.name for group in model.param_groups for p in group}
+    param_groups = _whole_parameters(report.manifest) or model.param_groups
+    listed = {p.name for group in param_groups for p in group}
     frozen = set((report.manifest or {}).get("frozen_params", []))
     present = set(list_zero_folder(zero))
     for name in sorted(present - listed - frozen):
@@ -130,7 +131,7 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
         report.compared_with = ck.tag_dir
         steps = meta.steps  # steps[rank][group]: every rank's, not only rank 0's
 
-    for group in model.param_groups:
+    for group in param_groups:
         group_files: Optional[set] = None
         group_step = None
         for spec in tqdm(group, desc="verify", disable=not progress, leave=False):
@@ -215,3 +216,15 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
                         report.problems.append(f"{zero / p_name / (state + '.pt')}: missing (source has state {state!r})")
     log.debug(report.summary())
     return report
+
+
+def _whole_parameters(manifest: Optional[dict]) -> Optional[list[list[ParamSpec]]]:
+    """A TP/PP folder's whole parameters, from its manifest: its model-states files list one
+    coordinate's TP slices (and one pipeline stage's parameters) each. None for a DP-only folder."""
+    parallel = (manifest or {}).get("parallel") or {}
+    if int(parallel.get("tp", 1)) * int(parallel.get("pp", 1)) == 1:
+        return None
+    groups: dict[int, list[ParamSpec]] = {}
+    for name, info in manifest["params"].items():
+        groups.setdefault(int(info["group"]), []).append(ParamSpec(name, int(info["group"]), tuple(info["source_shape"])))
+    return [groups[g] for g in sorted(groups)]

@@ -9,7 +9,7 @@ accelerator's device (gloo/CPU, ccl/XPU, nccl/CUDA).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
@@ -45,6 +45,14 @@ def count_across(flag: int, group: Any = None) -> int:
     t = torch.tensor([int(flag)], dtype=torch.int64, device=device())
     dist.all_reduce(t, group=group)
     return int(t.item())
+
+
+def gather_names(names: Iterable[str], group: Any = None) -> set[str]:
+    """The union of every rank's ``names`` (small: parameter names), on every rank of the group."""
+    dist = comm()
+    boxes: list[Any] = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(boxes, sorted(names), group=group)
+    return {name for box in boxes for name in box}
 
 
 def is_first(group: Any = None) -> bool:

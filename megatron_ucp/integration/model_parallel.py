@@ -8,14 +8,19 @@ into (the checkpoint's layout is the converter's business).
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from megatron_ucp.deepspeed.reader import load_torch_file
+from megatron_ucp.errors import CheckpointFormatError, PlanError
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.integration.collectives import count_across, gather_names, is_first
+from megatron_ucp.plan.names import is_pipeline_names, name_map
 from megatron_ucp.plan.tensor_parallel import TpLayout
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -51,6 +56,24 @@ def live_tp_layout(lp: Any, entry: Any, tp: int, file_shape: tuple[int, ...]) ->
     if tuple(lp.shape) == tuple(file_shape):  # no attributes: a slice as large as the whole is replicated
         return TpLayout(replicated=True, vocab=vocab)
     return TpLayout(dim=0 if sub > 1 else int(info.get(F.CAT_DIM, 0)), sub_params=sub, vocab=vocab)
+
+
+def tp_layout_record(named_parameters: Any) -> Optional[dict[str, dict]]:
+    """Each parameter's TP layout as the save hook records it (:data:`~megatron_ucp.plan.tensor_parallel.TP_LAYOUT_KEY`).
+
+    From Megatron's ``tensor_model_parallel`` / ``partition_dim`` attributes, which it sets at every
+    TP size, TP=1 included: what Megatron's ``universal_checkpoint_info`` only says at TP > 1. None
+    when no parameter carries them (not a Megatron model: nothing to record).
+    """
+    params = list(named_parameters)
+    if not any(hasattr(p, "tensor_model_parallel") for _, p in params):
+        return None
+    record = {}
+    for name, p in params:
+        split = bool(getattr(p, "tensor_model_parallel", False))
+        dim = int(getattr(p, "partition_dim", 0)) if split else 0
+        record[name] = TpLayout(replicated=not split, dim=max(dim, 0)).to_record()
+    return record
 
 
 def current_tp_pp(engine: Any) -> tuple[int, int]:
@@ -103,3 +126,23 @@ class ClientStateLoader:
         if self.checkpoint_engine is not None:
             return path, self.checkpoint_engine.load(path, map_location=lambda storage, loc: storage), None
         return path, load_torch_file(Path(path), mmap=False), None
+
+
+def saved_names(optimizer: Any, listing: dict[str, tuple[str, ...]], group: Any) -> Optional[dict[str, str]]:
+    """Live name -> saved folder name when the checkpoint was saved by the other GPT model class
+    (``GPTModel`` <-> ``GPTModelPipe``, :mod:`megatron_ucp.plan.names`); None when names match.
+    Collective over ``group``: the pipeline model's names are only complete across its stages."""
+    local = set(optimizer.param_names.values())
+    if not count_across(0 if local <= set(listing) else 1, group):
+        return None
+    live = gather_names(local, group)
+    try:
+        mapping = name_map(live, listing)
+    except PlanError as exc:
+        raise CheckpointFormatError(f"the checkpoint's parameter names do not match the model's, and no name map "
+                                    f"applies: {exc}", subject=str(exc)) from exc
+    if mapping is not None and is_first(group):
+        kinds = ("GPTModelPipe", "GPTModel") if is_pipeline_names(listing) else ("GPTModel", "GPTModelPipe")
+        log.info("megatron-ucp: the checkpoint was saved by %s, the model is %s: %d parameter names mapped "
+                 "(e.g. %s <- %s)", *kinds, len(mapping), *next(iter(sorted(mapping.items()))))
+    return mapping

@@ -31,7 +31,7 @@ from megatron_ucp.integration.collectives import Failure, comm, decide_on_first,
 from megatron_ucp.plan.accounting import (AccountingReport, Column, Ledger, Problem, ProblemKind, add_sum,
                                           check_folders, check_ledger, check_optimizer_states, checksum,
                                           group_tensor_states, ledger_totals)
-from megatron_ucp.integration.model_parallel import TensorParallel, live_tp_layout, tensor_parallel_of
+from megatron_ucp.integration.model_parallel import TensorParallel, live_tp_layout, saved_names, tensor_parallel_of
 from megatron_ucp.plan.tensor_parallel import Run, full_shape, runs_between, slice_runs
 
 log = logging.getLogger(__name__)
@@ -244,6 +244,11 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     if isinstance(facts, Failure):
         raise CheckpointFormatError(f"cannot read {zero_dir}: {facts.message}", subject=zero_dir)
     listing, sums = facts.listing, facts.sums
+    mapping = saved_names(optimizer, listing, group)
+    if mapping is not None:
+        names = [[mapping.get(n, n) for n in group_names] for group_names in names]
+        optimized = {mapping.get(n, n) for n in optimized}
+        frozen = {mapping.get(n, n) for n in frozen}
     if sums is None and is_first(group):
         log.info("megatron-ucp: %s has no checksums in %s (stock's folder, or converted by an older megatron-ucp): "
                  "accounting checks against the files themselves, which reads each parameter in full on one rank "

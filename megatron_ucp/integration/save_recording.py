@@ -17,7 +17,9 @@ from typing import Any, Sequence
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.integration.model_parallel import tp_layout_record
 from megatron_ucp.plan.geometry import NCCL_START_ALIGNMENT_FACTOR, GroupGeometry
+from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +101,29 @@ def _wrap(record: Any) -> Any:
     return make
 
 
+def _record_tp_layout(original: Any) -> Any:
+    """The model states also carry each parameter's TP layout (:func:`tp_layout_record`), so that a
+    TP=1 checkpoint is converted with the right ``cat_dim`` and reshards correctly to TP > 1."""
+    @functools.wraps(original)
+    def _save_checkpoint(self: Any, save_dir: Any, tag: Any, client_state: Any = None, *args: Any, **kwargs: Any) -> Any:
+        state = dict(client_state or {})
+        names = getattr(self, "param_names", None)
+        if TP_LAYOUT_KEY not in state and isinstance(names, dict):
+            record = tp_layout_record((names[p], p) for p in self.module.parameters() if p in names)
+            if record is not None:
+                state[TP_LAYOUT_KEY] = record
+        return original(self, save_dir, tag, state, *args, **kwargs)
+    return _save_checkpoint
+
+
 def install(patches: Any, config: UcpConfig) -> None:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not callable(getattr(DeepSpeedEngine, "_save_checkpoint", None)):
+        raise UnsupportedError("DeepSpeedEngine._save_checkpoint not found: DeepSpeed internals changed")
+    patches.replace(DeepSpeedEngine, "_save_checkpoint", _record_tp_layout)
 
     for cls, record in ((BF16_Optimizer, _bf16_record), (DeepSpeedZeroOptimizer, _zero_record)):
         if not callable(getattr(cls, "state_dict", None)):

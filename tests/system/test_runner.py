@@ -192,12 +192,25 @@ def test_cases_where_the_runner_stays_out():
     assert plan(facts=None).extra_args == () and "nothing to adapt" in plan(facts=None).notes[0]
     assert "--finetune" in plan(["--finetune"]).notes[0] and plan(["--finetune"]).extra_args == ()
     assert "cannot tell this job's world size" in plan(world=None).warnings[0]
-    tp = plan(["--tensor-model-parallel-size", "2"])
-    assert tp.extra_args == () and "TP=PP=1 only" in tp.warnings[0]
     none = L.plan_launch(L.MegatronArgs(), FACTS, 384, UcpConfig(), C.RunnerSettings())
     assert none.notes == ("no --load: nothing to resume",)
     unknown_dp = plan(facts=dataclasses.replace(FACTS, dp_world_size=None))
     assert unknown_dp.extra_args == () and "records no dp_world_size" in unknown_dp.warnings[0]
+
+
+def test_tp_pp_changes_are_planned_like_dp_changes():
+    """TP 1 -> 2 (DP 768 -> 192 on 384 ranks): Megatron must accept the new TP, RNG re-seeded, batch kept."""
+    tp = plan(["--tensor-model-parallel-size", "2"])
+    assert tp.extra_args == ("--universal-checkpoint", "--global-batch-size", "3072", "--no-load-rng")
+    assert tp.notes[0].startswith("TP changed 1 -> 2, DP changed 768 -> 192") and tp.reseed_base is not None
+    same = plan(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+                facts=dataclasses.replace(FACTS, tp=2, pp=2, dp_world_size=96))
+    assert same.extra_args == () and "(TP=2, PP=2, DP=96)" in same.notes[0]
+    pp_only = plan(["--pipeline-model-parallel-size", "2", "--universal-checkpoint"],
+                   facts=dataclasses.replace(FACTS, dp_world_size=192))
+    assert pp_only.notes[0].startswith("PP changed 1 -> 2:") and "--universal-checkpoint" not in pp_only.extra_args
+    states = {"dp_world_size": 4, "checkpoint_parallel_dimensions": {"tp_degree": 2, "pp_degree": 1}}
+    assert (L.facts_from_model_states("/c", "t", states).tp, L.facts_from_model_states("/c", "t", states).pp) == (2, 1)
 
 
 def test_elastic_off_without_universal_checkpoint_warns():
