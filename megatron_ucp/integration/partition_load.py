@@ -24,10 +24,10 @@ import torch
 
 from megatron_ucp.convert.universal import list_zero_folder, read_manifest, recorded_checksums
 from megatron_ucp.deepspeed.reader import load_torch_file
-from megatron_ucp.errors import CheckpointFormatError, UcpError
+from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
-from megatron_ucp.integration.collectives import Failure, comm, decide_on_first, device, is_first
+from megatron_ucp.integration.collectives import Failure, comm, count_across, decide_on_first, device, is_first
 from megatron_ucp.plan.accounting import (AccountingReport, Column, Ledger, Problem, ProblemKind, add_sum,
                                           check_folders, check_ledger, check_optimizer_states, checksum,
                                           group_tensor_states, ledger_totals)
@@ -253,6 +253,9 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
         log.info("megatron-ucp: %s has no checksums in %s (stock's folder, or converted by an older megatron-ucp): "
                  "accounting checks against the files themselves, which reads each parameter in full on one rank "
                  "(slower; `megatron-ucp convert --force` records them)", checkpoint_dir, F.MANIFEST_FILE)
+    if model_parallel and count_across(1 if frozen else 0):  # rows must agree on every rank of the world
+        raise UnsupportedError(f"{zero_dir}: frozen parameters in a model with TP or PP > 1 are not supported yet "
+                               "(their state is restored per TP slice by no one)", subject=zero_dir)
     # Frozen parameters' folders are the engine hook's to restore (they are not in the optimizer).
     # Across pipeline stages every rank keeps every row; a file no stage consumed is then reported.
     accountable = {k: v for k, v in listing.items() if k in optimized}

@@ -22,7 +22,9 @@ from megatron_ucp.convert.verify import verify_universal
 from megatron_ucp.deepspeed.reader import flatten_module_states
 from tests.integration.mds import MdsRun, point_latest_at, rank_env, run_mds
 
-LAYOUTS = {"tp2": (2, 1, False), "pp2": (1, 2, True), "tp2pp2": (2, 2, True)}
+LAYOUTS = {"tp2": (2, 1, False), "pp2": (1, 2, True), "tp2pp2": (2, 2, True), "tp2zero": (2, 1, False)}
+"""(TP, PP, pipeline model) of each training; ``tp2zero`` trains with DeepSpeedZeroOptimizer (the ALCF
+default at PP=1), the others with BF16_Optimizer."""
 SAME_PADDING = ("--make-vocab-size-divisible-by", "256")
 """257 tokens pad to 512 rows at TP=1 and at TP=2 (the default, 128, pads to 384 and 512): with the same
 padded size every row's state carries over, so a TP change can be held to the uninterrupted curve."""
@@ -35,12 +37,23 @@ def _train(mds_checkout, mds_runs, name: str):
         (tp, pp, pipeline), route, extra = LAYOUTS[name], "runner", ("--ucp-async-convert",)
     else:
         (tp, pp, pipeline), route, extra = LAYOUTS[name], "plain", ()
+    optimizer = "zero" if name.endswith("zero") else "bf16"
 
     def make(folder: Path):
         return run_mds(mds_checkout, MdsRun(nproc=4, ckpt=folder / "ckpt", tp=tp, pp=pp, pipeline=pipeline,
-                                            train_iters=6, save_interval=2, route=route, extra_args=extra))
+                                            train_iters=6, save_interval=2, route=route, extra_args=extra,
+                                            optimizer=optimizer))
     result = mds_runs.get(f"train-{name}", make)
     return mds_runs.base / f"train-{name}" / "ckpt", result
+
+
+def _assert_continues(res, full, *said: str, tolerance: float = 2e-4) -> None:
+    """The resumed run said ``said`` (and proved every element placed) and continued the uninterrupted curve."""
+    lines = res.ucp_lines()
+    for text in (*said, "every element placed exactly once"):
+        assert any(text in line for line in lines), (text, lines)
+    for it in (5, 6):
+        assert abs(res.losses[it] - full.losses[it]) < tolerance, (it, res.losses, full.losses)
 
 
 def _stock_convert(tag_dir: Path, out: Path) -> None:
@@ -114,16 +127,17 @@ def test_tp_merge_matches_megatrons_own_slices(mds_checkout, mds_runs, tmp_path)
     assert {"replicated", "split dim 0", "split dim 1"} <= checked
 
 
-def test_tp2_resumed_at_dp1_continues_the_uninterrupted_curve(mds_checkout, mds_runs, tmp_path):
-    root, full = _train(mds_checkout, mds_runs, "tp2")
+@pytest.mark.parametrize("name", ["tp2", "tp2zero"])
+def test_tp2_resumed_at_dp1_continues_the_uninterrupted_curve(mds_checkout, mds_runs, tmp_path, name):
+    root, full = _train(mds_checkout, mds_runs, name)
     resume = tmp_path / "ckpt"
     subprocess.run(["cp", "-a", str(root), str(resume)], check=True)
     point_latest_at(resume, "global_step4")
-    res = run_mds(mds_checkout, MdsRun(nproc=2, ckpt=resume, tp=2, train_iters=6, save_interval=2))
-    assert any("DP changed 2 -> 1" in line for line in res.ucp_lines())
-    assert any("every element placed exactly once" in line for line in res.ucp_lines())
-    for it in (5, 6):
-        assert abs(res.losses[it] - full.losses[it]) < 2e-4, (it, res.losses, full.losses)
+    res = run_mds(mds_checkout, MdsRun(nproc=2, ckpt=resume, tp=2, train_iters=6, save_interval=2,
+                                       optimizer="zero" if name.endswith("zero") else "bf16"))
+    wanted = "DeepSpeedZeroOptimizer" if name.endswith("zero") else "BF16_Optimizer"
+    assert wanted in json.loads((resume / "global_step4_universal" / "ucp_manifest.json").read_text())["source"]["optimizer"]
+    _assert_continues(res, full, "DP changed 2 -> 1")
 
 
 def test_tp2_checkpoint_resumed_at_tp1_where_stock_cannot_load(mds_checkout, mds_runs, tmp_path):
@@ -215,11 +229,7 @@ def test_tp1_checkpoint_resumed_at_tp2_continues_the_curve(mds_checkout, mds_run
     ours = _resume_copy(root, tmp_path / "ours")
     res = run_mds(mds_checkout, MdsRun(nproc=2, ckpt=ours, tp=2, train_iters=6, save_interval=2,
                                        extra_args=SAME_PADDING))
-    lines = res.ucp_lines()
-    assert any("run: TP changed 1 -> 2" in line for line in lines)
-    assert any("every element placed exactly once" in line for line in lines)
-    for it in (5, 6):
-        assert abs(res.losses[it] - full.losses[it]) < 2e-4, (it, res.losses, full.losses)
+    _assert_continues(res, full, "run: TP changed 1 -> 2")
     manifest = json.loads((ours / "global_step4_universal" / "ucp_manifest.json").read_text())
     dense = "language_model.encoder.layers.0.self_attention.dense.weight"
     assert manifest["params"][dense]["tp_layout"] == "split dim 1"  # recorded at save, TP=1
@@ -245,12 +255,7 @@ def test_nonpipeline_pp1_resumed_as_pipeline_pp2(mds_checkout, mds_runs, tmp_pat
     ours = _resume_copy(root, tmp_path / "ours")
     res = run_mds(mds_checkout, MdsRun(nproc=4, ckpt=ours, pp=2, pipeline=True, train_iters=6, save_interval=2,
                                        extra_args=SAME_PADDING))
-    lines = res.ucp_lines()
-    assert any("run: PP changed 1 -> 2" in line for line in lines)
-    assert any("saved by GPTModel, the model is GPTModelPipe" in line for line in lines)
-    assert any("every element placed exactly once" in line for line in lines)
-    for it in (5, 6):
-        assert abs(res.losses[it] - full.losses[it]) < 2e-4, (it, res.losses, full.losses)
+    _assert_continues(res, full, "run: PP changed 1 -> 2", "saved by GPTModel, the model is GPTModelPipe")
 
     stock = _resume_copy(root, tmp_path / "stock")
     _stock_convert(stock / "global_step4", stock / "global_step4_universal")
@@ -275,9 +280,5 @@ def test_pipeline_tp2_pp2_resumed_as_nonpipeline_tp2_pp1(mds_checkout, mds_runs,
     root, full = _train(mds_checkout, mds_runs, "tp2pp2")
     ours = _resume_copy(root, tmp_path / "ours")
     res = run_mds(mds_checkout, MdsRun(nproc=4, ckpt=ours, tp=2, pp=1, train_iters=6, save_interval=2))
-    lines = res.ucp_lines()
-    assert any("run: PP changed 2 -> 1, DP changed 1 -> 2" in line for line in lines)
-    assert any("saved by GPTModelPipe, the model is GPTModel" in line for line in lines)
-    assert any("every element placed exactly once" in line for line in lines)
-    for it in (5, 6):
-        assert abs(res.losses[it] - full.losses[it]) < 2e-4, (it, res.losses, full.losses)
+    _assert_continues(res, full, "run: PP changed 2 -> 1, DP changed 1 -> 2",
+                      "saved by GPTModelPipe, the model is GPTModel")
