@@ -401,29 +401,8 @@ class ModelStates:
             two_sub_param_patterns=tuple(info.get(F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0, ()) or ()))
 
     def parallel_dimensions(self, model_parallel: int) -> tuple[int, int]:
-        """(TP, PP) of the run that saved this file, with ``model_parallel`` = TP x PP model-states files.
-
-        From DeepSpeed's ``checkpoint_parallel_dimensions`` (0.16.5+), else Megatron's saved ``args``;
-        a single model-parallel rank is (1, 1) whatever is recorded.
-        """
-        dims = self.raw.get(F.CHECKPOINT_PARALLEL_DIMENSIONS)
-        if isinstance(dims, dict) and "tp_degree" in dims and "pp_degree" in dims:
-            tp, pp = int(dims["tp_degree"]), int(dims["pp_degree"])
-        else:
-            args = self.raw.get("args")
-            tp = getattr(args, "tensor_model_parallel_size", None)
-            pp = getattr(args, "pipeline_model_parallel_size", None)
-            if tp is None or pp is None:
-                if model_parallel == 1:
-                    return 1, 1
-                raise CheckpointFormatError(f"{self.path}: {model_parallel} model-parallel ranks, but neither "
-                                            f"{F.CHECKPOINT_PARALLEL_DIMENSIONS!r} nor Megatron's args say how they "
-                                            "divide into TP and PP", subject=self.path)
-            tp, pp = int(tp), int(pp)
-        if tp * pp != model_parallel:
-            raise CheckpointFormatError(f"{self.path}: records TP={tp} x PP={pp}, but the folder holds "
-                                        f"{model_parallel} model-parallel ranks' files", subject=self.path)
-        return tp, pp
+        """(TP, PP) of the run that saved this file (:func:`parallel_dimensions`)."""
+        return parallel_dimensions(self.raw, self.path, model_parallel)
 
     def layout_rules(self, tp: int) -> LayoutRules:
         info = self.universal_checkpoint_info or {}
@@ -445,6 +424,32 @@ class ModelStates:
     def tp_layouts_known(self, tp: int) -> bool:
         recorded = self.raw.get(TP_LAYOUT_KEY)
         return layouts_known(recorded if isinstance(recorded, dict) else None, self.layout_rules(tp))
+
+
+def parallel_dimensions(raw: dict, path: Path, model_parallel: int) -> tuple[int, int]:
+    """(TP, PP) of the run that saved a model-states dict, with ``model_parallel`` = TP x PP files.
+
+    From DeepSpeed's ``checkpoint_parallel_dimensions`` (0.16.5+), else Megatron's saved ``args``;
+    a single model-parallel rank is (1, 1) whatever is recorded.
+    """
+    dims = raw.get(F.CHECKPOINT_PARALLEL_DIMENSIONS)
+    if isinstance(dims, dict) and "tp_degree" in dims and "pp_degree" in dims:
+        tp, pp = int(dims["tp_degree"]), int(dims["pp_degree"])
+    else:
+        args = raw.get("args")
+        tp = getattr(args, "tensor_model_parallel_size", None)
+        pp = getattr(args, "pipeline_model_parallel_size", None)
+        if tp is None or pp is None:
+            if model_parallel == 1:
+                return 1, 1
+            raise CheckpointFormatError(f"{path}: {model_parallel} model-parallel ranks, but neither "
+                                        f"{F.CHECKPOINT_PARALLEL_DIMENSIONS!r} nor Megatron's args say how they "
+                                        "divide into TP and PP", subject=path)
+        tp, pp = int(tp), int(pp)
+    if tp * pp != model_parallel:
+        raise CheckpointFormatError(f"{path}: records TP={tp} x PP={pp}, but the folder holds "
+                                    f"{model_parallel} model-parallel ranks' files", subject=path)
+    return tp, pp
 
 
 def flatten_module_states(saved: Any, prefix: str = "") -> dict[str, Any]:
@@ -507,9 +512,7 @@ def recorded_tp_pp(tag_dir: Path) -> tuple[int, int]:
     raw = load_raw(path)
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"{path}: not a DeepSpeed model-states dict", subject=path)
-    states = ModelStates(path=path, raw=raw, param_groups=[], dp_world_size=None, ds_version="",
-                         universal_checkpoint_info=None)
-    return states.parallel_dimensions(max(1, len(files)))
+    return parallel_dimensions(raw, path, max(1, len(files)))
 
 
 def read_model_states(path: Path) -> ModelStates:

@@ -78,7 +78,8 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class OutputRules:
-    """Megatron-DeepSpeed's ``universal_checkpoint_info`` patterns that shape the output files (TP=1)."""
+    """Megatron-DeepSpeed's ``universal_checkpoint_info`` patterns that shape the output files: the
+    vocabulary trim always, ``cat_dim`` and sub-parameters when no TP layout is known."""
 
     vocabulary_patterns: tuple[str, ...] = ()
     original_vocab_size: Optional[int] = None

@@ -135,3 +135,21 @@ def test_merged_plan_refuses_stages_that_disagree() -> None:
         build_model_parallel_plan(coords, 2, 2, {"a": TpLayout()}, OutputRules())
     with pytest.raises(PlanError, match="do not cover"):
         build_model_parallel_plan(coords[:3], 2, 2, {"a": TpLayout(), "b": TpLayout()}, OutputRules())
+
+
+def test_parallel_dimensions_from_deepspeed_or_megatron_records() -> None:
+    from argparse import Namespace
+    from pathlib import Path
+
+    from megatron_ucp.deepspeed.reader import parallel_dimensions
+    from megatron_ucp.errors import CheckpointFormatError
+
+    f = Path("mp_rank_00_model_states.pt")
+    assert parallel_dimensions({"checkpoint_parallel_dimensions": {"tp_degree": 2, "pp_degree": 2}}, f, 4) == (2, 2)
+    older = {"args": Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)}  # DeepSpeed < 0.16.5
+    assert parallel_dimensions(older, f, 2) == (1, 2)
+    assert parallel_dimensions({}, f, 1) == (1, 1)
+    with pytest.raises(CheckpointFormatError, match="neither"):
+        parallel_dimensions({}, f, 2)
+    with pytest.raises(CheckpointFormatError, match="holds 2 model-parallel"):
+        parallel_dimensions({"checkpoint_parallel_dimensions": {"tp_degree": 2, "pp_degree": 2}}, f, 2)
