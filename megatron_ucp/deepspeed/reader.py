@@ -429,7 +429,7 @@ class ModelStates:
 def parallel_dimensions(raw: dict, path: Path, model_parallel: int) -> tuple[int, int]:
     """(TP, PP) of the run that saved a model-states dict, with ``model_parallel`` = TP x PP files.
 
-    From DeepSpeed's ``checkpoint_parallel_dimensions`` (0.16.5+), else Megatron's saved ``args``;
+    From DeepSpeed's ``checkpoint_parallel_dimensions`` (0.19+), else Megatron's saved ``args``;
     a single model-parallel rank is (1, 1) whatever is recorded.
     """
     dims = raw.get(F.CHECKPOINT_PARALLEL_DIMENSIONS)

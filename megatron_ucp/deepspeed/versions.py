@@ -24,7 +24,12 @@ class Internals:
     ``DeepSpeedEngine.load_checkpoint`` / ``save_checkpoint`` signatures, ``ZeROOptimizer.
     load_hp_checkpoint_state_from_checkpoint_dir`` shared by ``BF16_Optimizer`` and
     ``DeepSpeedZeroOptimizer``, ``_hp_mapping`` (``lp_fragment_address``, ``optim_fragment``),
-    ``real_dp_process_group``, ``nccl_start_alignment_factor`` and the ZeRO-1/2 file layout
+    ``real_dp_process_group``, ``nccl_start_alignment_factor``, ``mpu`` on both optimizers and
+    ``deepspeed.utils.bwc``'s TP/PP helpers, ``DeepSpeedEngine._save_checkpoint(save_dir, tag,
+    client_state, exclude_frozen_parameters)`` (the TP layout record), ``SDLoaderFactory.get_sd_loader``
+    imported inside ``_load_checkpoint`` (replaced for one universal load at another TP/PP size),
+    ``checkpoint_parallel_dimensions`` in model states from 0.19 on (Megatron's ``args`` before),
+    and the ZeRO-1/2 file layout
     (whose one difference, DeepSpeedZeroOptimizer's per-rank ``group_paddings`` from 0.16.4 on, is a
     file fact: ``ZERO_PER_RANK_PADDING_SINCE`` below).
     """

@@ -146,7 +146,7 @@ def test_parallel_dimensions_from_deepspeed_or_megatron_records() -> None:
 
     f = Path("mp_rank_00_model_states.pt")
     assert parallel_dimensions({"checkpoint_parallel_dimensions": {"tp_degree": 2, "pp_degree": 2}}, f, 4) == (2, 2)
-    older = {"args": Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)}  # DeepSpeed < 0.16.5
+    older = {"args": Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)}  # DeepSpeed < 0.19
     assert parallel_dimensions(older, f, 2) == (1, 2)
     assert parallel_dimensions({}, f, 1) == (1, 1)
     with pytest.raises(CheckpointFormatError, match="neither"):
