@@ -32,7 +32,7 @@ from megatron_ucp.format.torchload import load as load_without_torch
 from megatron_ucp.plan.conversion import Fragment, OutputRules, ParamSpec, RankGroupLayout, RankLayout
 from megatron_ucp.plan.geometry import PaddingStyle
 from megatron_ucp.plan.tensor_parallel import (TP_LAYOUT_KEY, LayoutRules, TpLayout, layouts_known,
-                                               resolve_layouts)
+                                               resolve_layouts, tp_pp_of_states)
 
 log = logging.getLogger(__name__)
 
@@ -429,23 +429,18 @@ class ModelStates:
 def parallel_dimensions(raw: dict, path: Path, model_parallel: int) -> tuple[int, int]:
     """(TP, PP) of the run that saved a model-states dict, with ``model_parallel`` = TP x PP files.
 
-    From DeepSpeed's ``checkpoint_parallel_dimensions`` (0.19+), else Megatron's saved ``args``;
-    a single model-parallel rank is (1, 1) whatever is recorded.
+    From DeepSpeed's ``checkpoint_parallel_dimensions`` (0.19+), else Megatron's saved ``args``
+    (:func:`~megatron_ucp.plan.tensor_parallel.tp_pp_of_states`); neither, with one model-parallel
+    rank: (1, 1). What is recorded must multiply to the number of model-parallel files.
     """
-    dims = raw.get(F.CHECKPOINT_PARALLEL_DIMENSIONS)
-    if isinstance(dims, dict) and "tp_degree" in dims and "pp_degree" in dims:
-        tp, pp = int(dims["tp_degree"]), int(dims["pp_degree"])
-    else:
-        args = raw.get("args")
-        tp = getattr(args, "tensor_model_parallel_size", None)
-        pp = getattr(args, "pipeline_model_parallel_size", None)
-        if tp is None or pp is None:
-            if model_parallel == 1:
-                return 1, 1
-            raise CheckpointFormatError(f"{path}: {model_parallel} model-parallel ranks, but neither "
-                                        f"{F.CHECKPOINT_PARALLEL_DIMENSIONS!r} nor Megatron's args say how they "
-                                        "divide into TP and PP", subject=path)
-        tp, pp = int(tp), int(pp)
+    recorded = tp_pp_of_states(raw)
+    if recorded is None:
+        if model_parallel == 1:
+            return 1, 1
+        raise CheckpointFormatError(f"{path}: {model_parallel} model-parallel ranks, but neither "
+                                    f"{F.CHECKPOINT_PARALLEL_DIMENSIONS!r} nor Megatron's args say how they "
+                                    "divide into TP and PP", subject=path)
+    tp, pp = recorded
     if tp * pp != model_parallel:
         raise CheckpointFormatError(f"{path}: records TP={tp} x PP={pp}, but the folder holds "
                                     f"{model_parallel} model-parallel ranks' files", subject=path)

@@ -18,6 +18,7 @@ from megatron_ucp.config import RunnerSettings, UcpConfig
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.plan.resume import checkpoint_global_batch, describe_change
+from megatron_ucp.plan.tensor_parallel import tp_pp_of_states
 
 MEGATRON_DEFAULT_SEED = 1234
 """Megatron's ``--seed`` default (megatron/arguments.py)."""
@@ -288,13 +289,7 @@ def facts_from_model_states(load_dir: str, tag: str, states: Mapping[str, Any]) 
         micro = ds_config.get("train_micro_batch_size_per_gpu")
         micro = micro if isinstance(micro, int) else None
     iteration = states.get("iteration")
-    dims = states.get(F.CHECKPOINT_PARALLEL_DIMENSIONS)
-    if isinstance(dims, Mapping) and "tp_degree" in dims and "pp_degree" in dims:
-        tp, pp = int(dims["tp_degree"]), int(dims["pp_degree"])
-    else:
-        tp = getattr(ckpt_args, "tensor_model_parallel_size", 1)
-        pp = getattr(ckpt_args, "pipeline_model_parallel_size", 1)
-        tp, pp = (tp if isinstance(tp, int) else 1), (pp if isinstance(pp, int) else 1)
+    tp, pp = tp_pp_of_states(states) or (1, 1)
     return CheckpointFacts(load_dir=load_dir, tag=tag, dp_world_size=dp, global_batch_size=gb,
                            micro_batch_size=micro, iteration=int(iteration) if isinstance(iteration, int) else None,
                            tp=tp, pp=pp)

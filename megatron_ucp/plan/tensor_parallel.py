@@ -22,9 +22,24 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
 from megatron_ucp.errors import PlanError
+from megatron_ucp.format import dsformat as F
 
 TP_LAYOUT_KEY = "ucp_tp_layout"
 """Model-states key the save hook writes: parameter name -> :meth:`TpLayout.to_record`."""
+
+
+def tp_pp_of_states(states: Mapping) -> Optional[tuple[int, int]]:
+    """(TP, PP) a model-states dict records: DeepSpeed's ``checkpoint_parallel_dimensions`` (0.19+),
+    else Megatron's saved ``args``; None when it records neither."""
+    dims = states.get(F.CHECKPOINT_PARALLEL_DIMENSIONS)
+    if isinstance(dims, Mapping) and "tp_degree" in dims and "pp_degree" in dims:
+        return int(dims["tp_degree"]), int(dims["pp_degree"])
+    args = states.get("args")
+    tp = getattr(args, "tensor_model_parallel_size", None)
+    pp = getattr(args, "pipeline_model_parallel_size", None)
+    if isinstance(tp, int) and isinstance(pp, int):
+        return tp, pp
+    return None
 
 
 @dataclass(frozen=True)
