@@ -132,10 +132,3 @@ def build_model_parallel_plan(coordinates: Sequence[CoordinateInput], tp: int, p
                           tp=tp, pp=pp)
     check_plan(plan)
     return plan
-
-
-def coordinate_plans(coordinates: Sequence[CoordinateInput],
-                     alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR) -> Mapping[tuple[int, int], ConversionPlan]:
-    """Each coordinate's own plan (its TP slices, its DP geometry): for inspection."""
-    return {(c.pp, c.tp): build_plan(c.param_groups, c.ranks, OutputRules(), alignment_factor) for c in coordinates}
-
