@@ -115,9 +115,9 @@ def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
     names = {spec.name for c in meta.coordinates for group in c.model.param_groups for spec in group}
     try:
         if not meta.model_parallel:
-            recorded = meta.model.tp_layouts(sorted(names), 1) if meta.model.tp_layouts_known(1) else None
+            recorded = meta.tp_layouts(sorted(names)) if meta.tp_layouts_known() else None
             return build_plan(meta.model.param_groups, meta.layouts, rules, tp_layouts=recorded)
-        layouts = meta.model.tp_layouts(sorted(names), meta.tp)
+        layouts = meta.tp_layouts(sorted(names))
         coordinates = [CoordinateInput(pp=c.pp, tp=c.tp, param_groups=tuple(tuple(g) for g in c.model.param_groups),
                                        ranks=c.layouts, first_file=c.first_file) for c in meta.coordinates]
         return build_model_parallel_plan(coordinates, meta.tp, meta.pp, layouts, rules)
@@ -284,7 +284,7 @@ def _manifest(meta: CheckpointMeta, ck: ResolvedCheckpoint, plan: ConversionPlan
               shares: Sequence[dict], seconds: float, identity: dict, drift: Sequence[ReplicaDrift] = ()) -> dict:
     sums = _merged_sums(plan, shares)
     parallel = {"tp": meta.tp, "pp": meta.pp, "dp": meta.dp,
-                "layouts_recorded": meta.model.tp_layouts_known(1) if meta.tp == 1 else True}
+                "layouts_recorded": meta.tp_layout_record() is not None}
     return {
         "format": F.MANIFEST_FORMAT,
         "version": F.MANIFEST_VERSION,

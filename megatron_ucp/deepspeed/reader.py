@@ -31,8 +31,8 @@ from megatron_ucp.format.torchload import TorchNeeded
 from megatron_ucp.format.torchload import load as load_without_torch
 from megatron_ucp.plan.conversion import Fragment, OutputRules, ParamSpec, RankGroupLayout, RankLayout
 from megatron_ucp.plan.geometry import PaddingStyle
-from megatron_ucp.plan.tensor_parallel import (TP_LAYOUT_KEY, LayoutRules, TpLayout, layouts_known,
-                                               resolve_layouts, tp_pp_of_states)
+from megatron_ucp.plan.tensor_parallel import (TP_LAYOUT_KEY, LayoutRules, SavedRecord, TpLayout, layouts_known,
+                                               merge_layout_records, resolve_layouts, tp_pp_of_states)
 
 log = logging.getLogger(__name__)
 
@@ -412,18 +412,14 @@ class ModelStates:
             two_sub_param_patterns=tuple(info.get(F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0, ()) or ()),
             vocabulary_patterns=tuple(info.get(F.VOCABULARY_PARAMETER_PATTERNS, ()) or ()), saved_tp=tp)
 
-    def tp_layouts(self, names: Sequence[str], tp: int) -> dict[str, TpLayout]:
-        """Each parameter's TP layout: recorded by megatron-ucp's save hook, else Megatron's patterns."""
+    @property
+    def tp_layout_record(self) -> Optional[dict]:
+        """What megatron-ucp's save hook recorded of this rank's parameters' TP layouts, if anything."""
         recorded = self.raw.get(TP_LAYOUT_KEY)
-        try:
-            return resolve_layouts(names, recorded if isinstance(recorded, dict) else None, self.layout_rules(tp),
-                                   str(self.path))
-        except PlanError as exc:
-            raise CheckpointFormatError(str(exc), subject=self.path) from exc
+        return recorded if isinstance(recorded, dict) else None
 
-    def tp_layouts_known(self, tp: int) -> bool:
-        recorded = self.raw.get(TP_LAYOUT_KEY)
-        return layouts_known(recorded if isinstance(recorded, dict) else None, self.layout_rules(tp))
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(spec.name for group in self.param_groups for spec in group)
 
 
 def parallel_dimensions(raw: dict, path: Path, model_parallel: int) -> tuple[int, int]:
@@ -583,6 +579,31 @@ class CheckpointMeta:
     @property
     def padding_style(self) -> PaddingStyle:
         return padding_style(self.kind, self.ds_version, self.saved_with_ucp)
+
+    def tp_layout_record(self) -> Optional[dict[str, Any]]:
+        """The save hook's TP-layout records of every model-states file, merged and cross-checked
+        (:func:`~megatron_ucp.plan.tensor_parallel.merge_layout_records`); None when saved without it."""
+        coordinates = self.coordinates or (CoordinateMeta(0, 0, 0, self.model, tuple(self.layouts), 0),)
+        saved = [SavedRecord(source=f"{c.model.path} (pipeline stage {c.pp}, TP rank {c.tp})" if self.model_parallel
+                             else str(c.model.path), record=c.model.tp_layout_record, params=c.model.param_names())
+                 for c in coordinates]
+        try:
+            return merge_layout_records(saved)
+        except PlanError as exc:
+            raise CheckpointFormatError(str(exc), subject=self.files.tag_dir) from exc
+
+    def tp_layouts(self, names: Sequence[str]) -> dict[str, TpLayout]:
+        """Each parameter's TP layout: recorded by megatron-ucp's save hook (every stage's file), else
+        Megatron's patterns."""
+        try:
+            return resolve_layouts(names, self.tp_layout_record(), self.model.layout_rules(self.tp),
+                                   str(self.files.tag_dir))
+        except PlanError as exc:
+            raise CheckpointFormatError(str(exc), subject=self.files.tag_dir) from exc
+
+    def tp_layouts_known(self) -> bool:
+        """Whether the layouts hold at another TP size: recorded at save, or Megatron's patterns of a TP > 1 save."""
+        return layouts_known(self.tp_layout_record(), self.model.layout_rules(self.tp))
 
     def describe(self) -> str:
         """``DP=4`` or ``TP=2 x PP=2 x DP=1``, for logs."""

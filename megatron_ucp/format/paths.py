@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from megatron_ucp.errors import CheckpointFormatError, UcpError
+from megatron_ucp.format import dsformat as F
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))
@@ -88,6 +89,24 @@ def read_tag_file(path: Path) -> Optional[str]:
     if not text.strip():
         raise CheckpointFormatError(f"{path}: empty; pass --tag", subject=path)
     return normalize_tag(text, str(path))
+
+
+def lagging_universal_pointer(root: Path) -> Optional[tuple[str, Optional[str]]]:
+    """``(latest's tag, latest_universal's tag or None)`` when ``latest`` names a native tag whose
+    universal twin ``latest_universal`` does not name; None when they agree or there is no ``latest``.
+
+    ``latest`` is what training saved last, or what the user pointed back at after a loss spike;
+    ``latest_universal`` trails it (the background conversion of the newest save has not finished)
+    or names a newer tag than the user chose. A universal load that followed it would resume from
+    another iteration without a word: the elastic-load hook follows ``latest`` instead.
+    """
+    latest = root / F.LATEST
+    native = read_tag_file(latest) if latest.is_file() else None
+    if native is None or (root / native / F.UNIVERSAL_ZERO_DIR / F.UNIVERSAL_OPTIMIZER_STATE_FILE).is_file():
+        return None
+    pointer = root / F.LATEST_UNIVERSAL
+    named = read_tag_file(pointer) if pointer.is_file() else None
+    return None if named == F.universal_tag(native) else (native, named)
 
 
 def _real(path: Path) -> Path:

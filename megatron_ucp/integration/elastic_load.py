@@ -44,7 +44,7 @@ from megatron_ucp.convert.universal import (COMPLETE, ConversionInProgress, insp
 from megatron_ucp.deepspeed.reader import load_torch_file, recorded_dp, recorded_tp_pp
 from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.format.paths import read_tag_file
+from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
 from megatron_ucp.format.torchload import structure_problems
 from megatron_ucp.integration.collectives import (Failure, broadcast_from_first, comm, count_across, decide_on_first,
                                                   is_first)
@@ -152,13 +152,18 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
     """Rank-0 side: read the facts from disk and decide. Returns (decision, native tag, tag from latest)."""
 
     current_dp = int(engine.seq_dp_world_size)
-    no_universal_yet = (tag is None and not (Path(load_dir) / F.LATEST_UNIVERSAL).exists()
-                        and (Path(load_dir) / F.LATEST).is_file())
-    if engine.load_universal_checkpoint() and not no_universal_yet:
+    universal_flag = bool(engine.load_universal_checkpoint())
+    lag = lagging_universal_pointer(Path(load_dir)) if universal_flag and tag is None else None
+    follow_latest = lag is not None
+    if lag is not None and lag[1] is not None:
+        log.warning("megatron-ucp: %s names %s but %s names %s: following %s (loading %s)", F.LATEST, lag[0],
+                    F.LATEST_UNIVERSAL, lag[1], F.LATEST, F.universal_tag(lag[0]))
+    if universal_flag and not follow_latest:
         return decide_resume(requested_tag=tag, checkpoint_dp=None, current_dp=current_dp,
                              load_universal=True), tag, False
-    # Without --universal-checkpoint, or with it (the runner adds it on a TP/PP change) before any
-    # universal checkpoint exists: decide from `latest`, converting its tag when the layout changed.
+    # Without --universal-checkpoint, or with it (the runner adds it on a TP/PP change) when
+    # latest_universal does not name the twin of `latest`'s tag: decide from `latest`, converting
+    # its tag when needed.
     resolved, from_latest = tag, False
     if resolved is None:
         resolved = read_tag_file(Path(load_dir) / F.LATEST)
@@ -180,7 +185,8 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
     decision = decide_resume(requested_tag=resolved, checkpoint_dp=checkpoint_dp, current_dp=current_dp,
                              load_universal=False, twin_state=twin, tag_is_universal=tag_is_universal,
                              loads_optimizer_states=loads_optimizer_states, staging_present=staging,
-                             checkpoint_mp=checkpoint_mp, current_mp=current_tp_pp(engine))
+                             checkpoint_mp=checkpoint_mp, current_mp=current_tp_pp(engine),
+                             universal_of_latest=follow_latest)
     return decision, resolved, from_latest
 
 

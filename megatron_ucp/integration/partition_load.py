@@ -5,7 +5,7 @@ DeepSpeedZeroOptimizer (installed by :mod:`megatron_ucp.integration.elastic_load
 :func:`load_universal_partitions`: the group's first rank lists ``zero/`` and reads the manifest's
 checksums once, everyone learns them; each rank restores the global optimizer state, then per
 param group (:func:`_load_group`) copies only its fragments of fp32 and of every optimizer state
-out of the memory-mapped files (:class:`_ParamLayout`), hashes what landed, and adds the file's
+out of the memory-mapped files (:class:`~megatron_ucp.integration.state_layout.StateLayout`), hashes what landed, and adds the file's
 recorded count and checksum when it owns the parameter's first element; one all-reduce of the
 ledger (:mod:`megatron_ucp.plan.accounting`) closes the account, and the live optimizer's state
 names are checked against what was restored.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,8 @@ from megatron_ucp.plan.accounting import (AccountingReport, Column, Ledger, Prob
                                           check_folders, check_ledger, check_optimizer_states, checksum,
                                           group_tensor_states, ledger_totals)
 from megatron_ucp.integration.model_parallel import TensorParallel, live_tp_layout, saved_names, tensor_parallel_of
-from megatron_ucp.plan.tensor_parallel import Run, full_shape, runs_between, slice_runs
+from megatron_ucp.integration.state_layout import StateLayout, gather, state_layout, tensor_of
+from megatron_ucp.plan.tensor_parallel import full_shape, runs_between, slice_runs
 
 log = logging.getLogger(__name__)
 
@@ -80,83 +80,7 @@ class _FolderFacts:
     sums: Optional[dict[str, dict]]
 
 
-@dataclass(frozen=True)
-class _ParamLayout:
-    """A state file's tensor in the parameter's flat layout, never materialized: a rank copies only
-    the bytes of its fragment out of the memory-mapped file.
-
-    ``pieces`` are flat views in order (the tensor, then its kept vocabulary rows); positions from
-    ``held`` to ``numel`` (vocabulary padding the folder did not keep) read as zeros.
-    """
-
-    pieces: tuple[torch.Tensor, ...]
-    held: int
-    numel: int
-
-    @property
-    def rows_restored(self) -> bool:
-        """The kept vocabulary rows are the second piece."""
-        return len(self.pieces) > 1
-
-    def narrow(self, start: int, length: int) -> torch.Tensor:
-        parts, pos = [], 0
-        for piece in self.pieces:
-            lo, hi = max(start, pos), min(start + length, pos + piece.numel())
-            if lo < hi:
-                parts.append(piece.narrow(0, lo - pos, hi - lo))
-            pos += piece.numel()
-        got = sum(t.numel() for t in parts)
-        if got < length:
-            parts.append(self.pieces[0].new_zeros(length - got))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def source_sum(self) -> int:
-        """Checksum of everything the file holds (reads all of it: the path without manifest sums)."""
-        sums, pos = [], 0
-        for piece in self.pieces:
-            sums.append(checksum(piece, pos))
-            pos += piece.numel()
-        return integrity.combine(sums)
-
-
-def _tensor_of(entry: Any, path: Path) -> torch.Tensor:
-    tensor = entry.get(F.PARAM) if isinstance(entry, dict) else entry
-    if not torch.is_tensor(tensor):
-        raise CheckpointFormatError(f"{path}: no tensor under {F.PARAM!r}", subject=path)
-    return tensor
-
-
-def _layout(full: torch.Tensor, entry: Any, shape: tuple[int, ...], name: str, state: str, path: Path) -> _ParamLayout:
-    """The file's tensor as the flat layout of the whole live parameter of ``shape`` (all TP slices).
-
-    Vocabulary tensors trimmed to ``original_vocab_size`` get their padded rows back from
-    :data:`~megatron_ucp.format.dsformat.VOCAB_PADDED_ROWS` when the folder kept them (megatron-ucp's
-    conversions do) and the padded size is the one they were saved at; otherwise (stock folders,
-    another padded size: TP changes it) those rows start at zero, as with stock DeepSpeed, and are
-    not counted: every real row is.
-    """
-    numel = math.prod(shape)
-    if tuple(full.shape) == shape:
-        return _ParamLayout((full.reshape(-1),), full.numel(), numel)
-    is_vocab = isinstance(entry, dict) and entry.get(F.VOCAB_TENSOR, False)
-    if (is_vocab and full.dim() == len(shape) and full.dim() >= 1 and full.shape[0] <= shape[0]
-            and tuple(full.shape[1:]) == shape[1:]):
-        rows = entry.get(F.VOCAB_PADDED_ROWS)
-        if torch.is_tensor(rows) and tuple(rows.shape) == (shape[0] - full.shape[0], *shape[1:]):
-            rows = rows if rows.dtype == full.dtype else rows.to(full.dtype)
-            return _ParamLayout((full.reshape(-1), rows.reshape(-1)), numel, numel)
-        return _ParamLayout((full.reshape(-1),), full.numel(), numel)
-    raise CheckpointFormatError(f"{path}: parameter {name!r} state {state!r} has shape {tuple(full.shape)}, the model's "
-                                f"whole parameter (all TP slices) is {shape}: a different model, or a TP layout "
-                                "the checkpoint does not record", subject=name)
-
-
-def _gather(layout: _ParamLayout, runs: tuple[Run, ...]) -> torch.Tensor:
-    parts = [layout.narrow(run.full_offset, run.length) for run in runs]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _recorded_source(sums: dict[str, dict], name: str, state: str, layout: _ParamLayout, path: Path
+def _recorded_source(sums: dict[str, dict], name: str, state: str, layout: StateLayout, path: Path
                      ) -> tuple[int, int]:
     """(elements, checksum) the manifest says the file holds, for what this layout restores."""
     record = sums.get(f"{name}/{state}")
@@ -164,7 +88,11 @@ def _recorded_source(sums: dict[str, dict], name: str, state: str, layout: _Para
         raise CheckpointFormatError(f"{path}: not in the manifest's checksums although the folder has them "
                                     "(a file added after the conversion?)", subject=path)
     count, value = int(record["numel"]), int(record["sum"])
-    if layout.rows_restored:
+    if layout.rows_cut:  # the manifest sums every kept row; the restored ones are hashed here (a few rows)
+        rows = layout.pieces[1]
+        count += rows.numel()
+        value = integrity.combine([value, checksum(rows, layout.pieces[0].numel())])
+    elif layout.rows_restored:
         count += int(record.get("rows_numel", 0))
         value = integrity.combine([value, int(record.get("rows_sum", 0))])
     return count, value
@@ -377,18 +305,18 @@ def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names:
                 if state != F.FP32_STATE and state not in buffers:
                     continue  # not one of this group's states: check_folders reports the odd file
                 entry = load_torch_file(path, mmap=True)
-                full = _tensor_of(entry, path)
+                full = tensor_of(entry, path)
                 if full.dtype != torch.float32:  # fp32 masters and Adam states: a bf16 file would load silently
                     raise CheckpointFormatError(f"{path}: {full.dtype} tensor; universal optimizer states are "
                                                 "float32", subject=path)
                 tp_layout = live_tp_layout(lp, entry, tensor_parallel.size, tuple(full.shape))
                 whole = full_shape(tuple(lp.shape), tp_layout, tensor_parallel.size)
-                layout = _layout(full, entry, whole, name, state, path)
+                layout = state_layout(full, entry, whole, name, state, path)
                 runs = runs_between(slice_runs(whole, tp_layout, tensor_parallel.size, tensor_parallel.rank, name),
                                     lp_address.start, lp_address.numel)
                 target = (mapping.get_hp_fragment() if state == F.FP32_STATE
                           else buffers[state].narrow(0, hp_address.start, hp_address.numel))
-                fragment = _gather(layout, runs)
+                fragment = gather(layout, runs)
                 target.copy_(fragment)
                 table[row, Column.CONSUMERS] += 1
                 with clock:

@@ -163,10 +163,11 @@ def plan_launch(margs: MegatronArgs, facts: Optional[CheckpointFacts], world_siz
         # Megatron compares TP, PP and the padded vocabulary with the checkpoint's unless this is set
         extra.append("--universal-checkpoint")
         notes.append("TP/PP change: adding --universal-checkpoint (Megatron then accepts the new TP/PP and padded "
-                     f"vocabulary; megatron-ucp converts {facts.tag} first when latest_universal does not exist)")
+                     f"vocabulary; megatron-ucp loads the universal twin of {facts.tag}, converting it first when "
+                     "it does not exist)")
     elif margs.universal_checkpoint:
-        notes.append("--universal-checkpoint given: DeepSpeed loads the universal tag in latest_universal, "
-                     "as Megatron users expect (with megatron-ucp's loader)")
+        notes.append(f"--universal-checkpoint given: loading the universal twin of {facts.tag} (the tag in latest) "
+                     "with megatron-ucp's loader, converting it first when latest_universal does not name it")
     elif config.elastic_resume:
         notes.append(f"the elastic-resume hook loads the universal twin of {facts.tag} "
                      "(converting it first if it does not exist yet)")

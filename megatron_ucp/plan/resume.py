@@ -84,7 +84,7 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
                   load_universal: bool, twin_state: TwinState | str = TwinState.ABSENT,
                   tag_is_universal: bool = False, loads_optimizer_states: bool = True,
                   staging_present: bool = False, checkpoint_mp: tuple[int, int] = (1, 1),
-                  current_mp: tuple[int, int] = (1, 1)) -> ResumeDecision:
+                  current_mp: tuple[int, int] = (1, 1), universal_of_latest: bool = False) -> ResumeDecision:
     """Decide how to load ``requested_tag`` (already resolved from ``latest`` when it was None).
 
     ``checkpoint_dp`` is the ``dp_world_size`` recorded in the tag's model states (None when the
@@ -93,6 +93,9 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
     like a DP change does (the native load cannot reshape TP slices or pipeline stages).
     ``tag_is_universal`` says the tag folder itself is a universal checkpoint. Without optimizer
     states to load, a DP change needs no resharding (DeepSpeed rebuilds fp32 from the weights).
+    ``universal_of_latest``: ``load_universal`` is set, but the tag comes from ``latest`` (the hook
+    found no ``latest_universal`` naming its twin): load the twin of ``requested_tag`` in universal
+    mode whatever the layout, converting it when needed.
     """
     if current_dp < 1:
         raise UcpError(f"current DP size must be >= 1, got {current_dp}", subject=current_dp)
@@ -109,17 +112,19 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
                               f"{requested_tag} is a universal checkpoint (saved at DP={checkpoint_dp}): "
                               f"loading it in universal mode at DP={current_dp}")
     mp_changed = tuple(checkpoint_mp) != tuple(current_mp)
-    if checkpoint_dp == current_dp and not mp_changed:
+    if checkpoint_dp == current_dp and not mp_changed and not universal_of_latest:
         unchanged = (f"DP unchanged ({current_dp})" if tuple(current_mp) == (1, 1) else
                      f"layout unchanged (TP={current_mp[0]}, PP={current_mp[1]}, DP={current_dp})")
         return ResumeDecision(Route.NATIVE, requested_tag, checkpoint_dp, current_dp,
                               f"{unchanged}: native load of {requested_tag}")
-    if not loads_optimizer_states and not mp_changed:
+    if not loads_optimizer_states and not mp_changed and not universal_of_latest:
         return ResumeDecision(Route.NATIVE, requested_tag, checkpoint_dp, current_dp,
                               f"DP changed {checkpoint_dp} -> {current_dp} but no optimizer states are loaded: "
                               f"native load of {requested_tag} (fp32 master weights rebuilt from bf16 weights)")
     target = F.universal_tag(requested_tag)
     changed = describe_change((*checkpoint_mp, checkpoint_dp), (*current_mp, current_dp))
+    if universal_of_latest and checkpoint_dp == current_dp and not mp_changed:
+        changed = f"load_universal is set ({changed})"
     if twin is TwinState.COMPLETE:
         return ResumeDecision(Route.UNIVERSAL_EXISTING, target, checkpoint_dp, current_dp,
                               f"{changed}: loading {target}")

@@ -220,6 +220,52 @@ def resolve_layouts(names: Iterable[str], recorded: Optional[Mapping[str, Mappin
     return out
 
 
+@dataclass(frozen=True)
+class SavedRecord:
+    """One model-states file's TP-layout record and the parameters that file's rank holds."""
+
+    source: str
+    """The file, and its place in the layout (``.../mp_rank_02_model_states.pt (pipeline stage 1, TP rank 0)``)."""
+    record: Optional[Mapping[str, Mapping]]
+    """What the save hook wrote under :data:`TP_LAYOUT_KEY`; None when the file has none."""
+    params: tuple[str, ...]
+    """The parameters this rank optimizes (its ``param_shapes``)."""
+
+
+def merge_layout_records(saved: Sequence[SavedRecord]) -> Optional[dict[str, Mapping]]:
+    """One TP-layout record for the whole checkpoint, from every model-parallel rank's own.
+
+    Each pipeline stage's save hook records the parameters of its own stage, in its own file, so
+    the record of a PP > 1 checkpoint is the union of its files'. Every file must record every
+    parameter its rank holds, and where two files record one parameter (TP ranks of one stage, the
+    stages holding a tied embedding) they must agree. None when no file has a record (saved
+    without the hooks: Megatron's patterns decide); a record in some files only is an error, since
+    it means files of different saves were mixed.
+    """
+    with_record = [s for s in saved if s.record is not None]
+    if not with_record:
+        return None
+    if len(with_record) != len(saved):
+        bare = [s.source for s in saved if s.record is None]
+        raise PlanError(f"{bare[0]}: has no TP-layout record ({TP_LAYOUT_KEY!r}) while {with_record[0].source} "
+                        "has one: model-states files of different saves mixed?")
+    merged: dict[str, Mapping] = {}
+    first_seen: dict[str, str] = {}
+    for s in with_record:
+        missing = sorted(set(s.params) - set(s.record))
+        if missing:
+            raise PlanError(f"{s.source}: records the TP layout of some of its parameters but not of "
+                            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for name in s.params:
+            layout = TpLayout.from_record(s.record[name])
+            if name in merged and TpLayout.from_record(merged[name]) != layout:
+                raise PlanError(f"{s.source}: records {name!r} as {layout.describe()}, but {first_seen[name]} "
+                                f"records it as {TpLayout.from_record(merged[name]).describe()}")
+            merged.setdefault(name, s.record[name])
+            first_seen.setdefault(name, s.source)
+    return merged
+
+
 def layouts_known(recorded: Optional[Mapping], rules: LayoutRules) -> bool:
     """Whether the layouts can be trusted at another TP size (recorded, or patterns saved at TP > 1)."""
     return bool(recorded) or rules.complete()

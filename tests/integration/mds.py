@@ -161,6 +161,9 @@ class MdsModel:
     kv_heads: int = 2
     ffn: int = 128
     seq: int = 32
+    untied: bool = True
+    """AuroraGPT unties the input and output embeddings; Megatron's default ties them (with the
+    pipeline model, both the first and the last stage then hold ``tied_modules.embed``)."""
 
     def args(self) -> list[str]:
         return ["--num-layers", str(self.layers), "--hidden-size", str(self.hidden),
@@ -169,7 +172,7 @@ class MdsModel:
                 "--max-position-embeddings", str(2 * self.seq),
                 "--swiglu", "--hidden-dropout", "0", "--attention-dropout", "0", "--normalization", "rmsnorm",
                 "--disable-bias-linear", "--no-query-key-layer-scaling", "--use-rotary-position-embeddings",
-                "--untie-embeddings-and-output-weights"]
+                *(["--untie-embeddings-and-output-weights"] if self.untied else [])]
 
 
 @dataclass

@@ -305,11 +305,12 @@ def test_padded_vocabulary_rows_survive_the_round_trip(ds_checkpoint, runs) -> N
 
 
 def test_layout_restores_kept_rows_and_zero_fills_without_them() -> None:
-    """Unit view of the vocabulary rule: rows kept by megatron-ucp come back exactly; a folder
-    without them (stock's, or another padded size) zero-fills them and does not count them. Any
-    fragment, also one straddling the kept rows, is cut out without building the whole tensor."""
+    """Unit view of the vocabulary rule: rows kept by megatron-ucp come back exactly, up to the
+    smaller of the saved and the new padded size; a folder without them (stock's) zero-fills them
+    and does not count them. Any fragment, also one straddling the kept rows, is cut out without
+    building the whole tensor."""
     from megatron_ucp.plan.accounting import checksum
-    from megatron_ucp.integration.partition_load import _layout
+    from megatron_ucp.integration.state_layout import state_layout as _layout
 
     def whole(layout):
         return layout.narrow(0, layout.numel)
@@ -324,9 +325,12 @@ def test_layout_restores_kept_rows_and_zero_fills_without_them() -> None:
     layout = _layout(trimmed, {F.VOCAB_TENSOR: True}, lp, "w", "fp32", Path("f"))
     assert layout.held == 6 and whole(layout).tolist() == [0, 1, 2, 3, 4, 5, 0, 0, 0, 0]
     assert layout.narrow(5, 3).tolist() == [5, 0, 0] and layout.source_sum() == checksum(torch.arange(6.0))
-    wrong_rows = torch.ones(3, 2)  # saved at another padded size: not used
-    layout = _layout(trimmed, {F.VOCAB_TENSOR: True, F.VOCAB_PADDED_ROWS: wrong_rows}, lp, "w", "fp32", Path("f"))
-    assert layout.held == 6 and not whole(layout)[6:].any()
+    more_rows = torch.arange(6.0, 12.0).view(3, 2)  # saved at a larger padded size (TP 2 -> 1): the first 2 rows
+    layout = _layout(trimmed, {F.VOCAB_TENSOR: True, F.VOCAB_PADDED_ROWS: more_rows}, lp, "w", "fp32", Path("f"))
+    assert layout.held == 10 and layout.rows_cut and whole(layout).tolist() == list(range(10))
+    layout = _layout(trimmed, {F.VOCAB_TENSOR: True, F.VOCAB_PADDED_ROWS: rows}, (6, 2), "w", "fp32", Path("f"))
+    assert layout.held == 10 and not layout.rows_cut  # a smaller padded size (TP 1 -> 2): the new row is zero
+    assert whole(layout).tolist() == [*range(10), 0, 0]
     with pytest.raises(CheckpointFormatError, match="shape"):
         _layout(torch.zeros(2, 5), {}, lp, "w", "fp32", Path("f"))  # same numel, transposed
 

@@ -98,3 +98,30 @@ def test_global_samples_fallback_uses_the_checkpoint_batch():
     assert restored_global_samples({"global_steps": 10}, 12, 8) == 120
     assert restored_global_samples({"global_steps": 10}, None, 8) == 80
     assert restored_global_samples({}, 12, 8) is None
+
+
+def test_flag_with_latest_followed_loads_the_twin_of_latest_even_at_the_same_layout():
+    """--universal-checkpoint whose latest_universal lags `latest`: the twin of latest's tag, converted when needed."""
+    d = decide(current_dp=768, universal_of_latest=True)
+    assert d.route is Route.CONVERT_THEN_UNIVERSAL and d.tag == "global_step95600_universal"
+    assert d.message.startswith("load_universal is set (layout unchanged")
+    d = decide(current_dp=768, universal_of_latest=True, twin_state=TwinState.COMPLETE, loads_optimizer_states=False)
+    assert d.route is Route.UNIVERSAL_EXISTING and d.tag == "global_step95600_universal"
+    assert decide(universal_of_latest=True).message.startswith("DP changed 768 -> 512")
+
+
+def test_latest_universal_that_does_not_name_the_twin_of_latest_is_reported(tmp_path):
+    from megatron_ucp.format.paths import lagging_universal_pointer
+
+    assert lagging_universal_pointer(tmp_path) is None  # no latest
+    (tmp_path / "global_step4").mkdir()
+    (tmp_path / "latest").write_text("global_step4")
+    assert lagging_universal_pointer(tmp_path) == ("global_step4", None)
+    (tmp_path / "latest_universal").write_text("global_step6_universal")  # newer than the tag the user chose
+    assert lagging_universal_pointer(tmp_path) == ("global_step4", "global_step6_universal")
+    (tmp_path / "latest_universal").write_text("global_step4_universal")
+    assert lagging_universal_pointer(tmp_path) is None
+    (tmp_path / "latest").write_text("global_step6_universal")  # latest names a universal folder itself
+    (tmp_path / "global_step6_universal" / "zero").mkdir(parents=True)
+    (tmp_path / "global_step6_universal" / "zero" / "optimizer_state.pt").write_bytes(b"x")
+    assert lagging_universal_pointer(tmp_path) is None

@@ -11,8 +11,9 @@ import pytest
 from megatron_ucp.errors import PlanError
 from megatron_ucp.plan.conversion import OutputRules, ParamSpec, synthesize_layouts
 from megatron_ucp.plan.model_parallel import CoordinateInput, build_model_parallel_plan
-from megatron_ucp.plan.tensor_parallel import (LayoutRules, TpLayout, full_shape, layout_from_patterns,
-                                               resolve_layouts, runs_between, slice_runs, slice_shape)
+from megatron_ucp.plan.tensor_parallel import (LayoutRules, SavedRecord, TpLayout, full_shape, layout_from_patterns,
+                                               merge_layout_records, resolve_layouts, runs_between, slice_runs,
+                                               slice_shape)
 
 LAYOUTS = [TpLayout(), TpLayout(dim=1), TpLayout(sub_params=2), TpLayout(replicated=True), TpLayout(dim=2)]
 
@@ -78,6 +79,42 @@ def test_patterns_without_tp_say_nothing_of_row_parallelism_but_a_record_does() 
     assert got["3.input_layernorm.weight"].replicated
     with pytest.raises(PlanError, match="not of"):
         resolve_layouts([*recorded, "4.weight"], recorded, rules, "f")
+
+
+def _stage_record(*names: str, dim: int = 0) -> dict:
+    return {n: TpLayout(replicated=n.endswith("norm.weight"), dim=dim).to_record() for n in names}
+
+
+def test_each_pipeline_stage_records_its_own_parameters_and_the_records_merge() -> None:
+    """A PP=2 save through the hooks: stage 0's file records stage 0's layers, stage 1's its own."""
+    stage0 = SavedRecord("mp_rank_00 (stage 0)", _stage_record("1.word_embeddings.weight", "2.input_layernorm.weight"),
+                         ("1.word_embeddings.weight", "2.input_layernorm.weight"))
+    stage1 = SavedRecord("mp_rank_01 (stage 1)", _stage_record("3.input_layernorm.weight", "5.lm_head.weight"),
+                         ("3.input_layernorm.weight", "5.lm_head.weight"))
+    merged = merge_layout_records([stage0, stage1])
+    assert sorted(merged) == ["1.word_embeddings.weight", "2.input_layernorm.weight", "3.input_layernorm.weight",
+                              "5.lm_head.weight"]
+    layouts = resolve_layouts(sorted(merged), merged, LayoutRules(), "tag")
+    assert layouts["3.input_layernorm.weight"].replicated and not layouts["5.lm_head.weight"].replicated
+    assert merge_layout_records([SavedRecord("a", None, ("x",)), SavedRecord("b", None, ("y",))]) is None
+
+
+def test_a_stage_without_the_record_of_its_own_parameter_is_named() -> None:
+    stage0 = SavedRecord("mp_rank_00 (pipeline stage 0, TP rank 0)", _stage_record("1.w"), ("1.w",))
+    stage1 = SavedRecord("mp_rank_01 (pipeline stage 1, TP rank 0)", _stage_record("3.w"), ("3.w", "4.weight"))
+    with pytest.raises(PlanError, match=r"mp_rank_01 \(pipeline stage 1, TP rank 0\).*\['4.weight'\]"):
+        merge_layout_records([stage0, stage1])
+    with pytest.raises(PlanError, match="mp_rank_01.*no TP-layout record.*different saves"):
+        merge_layout_records([stage0, SavedRecord("mp_rank_01", None, ("3.w",))])
+
+
+def test_copies_of_one_parameter_must_agree_on_its_layout() -> None:
+    """The TP ranks of a stage, and the stages holding a tied embedding, record one parameter each."""
+    tied = "tied_modules.embed.word_embeddings.weight"
+    first = SavedRecord("stage 0", _stage_record(tied), (tied,))
+    assert merge_layout_records([first, SavedRecord("stage 1", _stage_record(tied), (tied,))]) == _stage_record(tied)
+    with pytest.raises(PlanError, match="stage 1: records .* as split dim 1, but stage 0 records it as split dim 0"):
+        merge_layout_records([first, SavedRecord("stage 1", _stage_record(tied, dim=1), (tied,))])
 
 
 def _coordinates(tp: int, pp: int, dp: int, stage_params: list[list[tuple[str, tuple[int, ...], TpLayout]]]):
