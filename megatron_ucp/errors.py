@@ -26,7 +26,7 @@ class PlanError(UcpError):
 
 
 class UnsupportedError(UcpError):
-    """A configuration this version cannot handle correctly (TP>1, PP>1, unknown DeepSpeed, ...)."""
+    """A configuration this version cannot handle correctly (ZeRO-3, an unknown DeepSpeed release, ...)."""
 
 
 class OutputExistsError(UcpError):

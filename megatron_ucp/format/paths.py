@@ -106,7 +106,7 @@ def lagging_universal_pointer(root: Path) -> Optional[tuple[str, Optional[str]]]
         return None
     pointer = root / F.LATEST_UNIVERSAL
     named = read_tag_file(pointer) if pointer.is_file() else None
-    return None if named == F.universal_tag(native) else (native, named)
+    return None if named == F.universal_tag(native) and (root / named).is_dir() else (native, named)
 
 
 def _real(path: Path) -> Path:

@@ -41,7 +41,7 @@ from megatron_ucp.deepspeed.reader import load_raw
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import stand_ins_for_unimportable
-from megatron_ucp.format.paths import read_tag_file
+from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
 from megatron_ucp.plan.launch import (CheckpointFacts, MegatronArgs, alcf_batch_env, checkpoint_tag_file, derived_seed,
                                       detect_rank, detect_ranks_per_node, detect_world_size, facts_from_model_states,
                                       int_or_none, megatron_args, plan_launch)
@@ -145,8 +145,9 @@ def read_checkpoint_facts(margs: MegatronArgs) -> Optional[CheckpointFacts]:
         return None
     root = Path(margs.load)
     tag = margs.load_tag
-    if tag is None:
-        tag = read_tag_file(root / checkpoint_tag_file(margs))
+    if tag is None:  # the hook's rule: latest_universal only while it names the twin of latest's tag
+        lagging = margs.universal_checkpoint and lagging_universal_pointer(root) is not None
+        tag = read_tag_file(root / (F.LATEST if lagging else checkpoint_tag_file(margs)))
         if tag is None:
             return None
     path = root / tag / F.MODEL_STATES_FILE

@@ -84,6 +84,30 @@ def canonical_names(names: Iterable[str]) -> dict[str, Canonical]:
     return _canonical_pipe(names) if is_pipeline_names(names) else _canonical_nonpipe(names)
 
 
+def _canonical_where_known(params: Iterable[str], others: Iterable[str]) -> dict[str, Canonical]:
+    """Canonical forms of ``others`` (buffers, frozen tensors) in the scheme of ``params``; names the
+    scheme does not know (``language_model.rotary_pos_emb.inv_freq``) are left out."""
+    params = list(params)
+    out = {}
+    for name in others:
+        try:
+            out.update({k: v for k, v in canonical_names([*params, name]).items() if k == name})
+        except PlanError:
+            continue
+    return out
+
+
+def counterpart_names(names: Iterable[str], live_params: Iterable[str], saved_params: Iterable[str],
+                      saved: Iterable[str]) -> dict[str, str]:
+    """Live module tensors (buffers) -> the name the other GPT model class saved the same tensor
+    under, for the names both schemes know; the parameter names of each side fix its scheme (and
+    the pipeline model's first layer index)."""
+    saved = list(saved)
+    live_c = _canonical_where_known(live_params, names)
+    by_canonical = {c: n for n, c in _canonical_where_known(saved_params, saved).items()}
+    return {name: by_canonical[c] for name, c in live_c.items() if c in by_canonical}
+
+
 def name_map(live: Iterable[str], saved: Iterable[str]) -> Optional[dict[str, str]]:
     """Live parameter name -> the saved name holding its state; None when no map is needed (the live
     names are all saved names). Raises :class:`PlanError` naming what cannot be paired."""

@@ -1,14 +1,30 @@
 """One summary of `make test`'s pytest runs (the full suite and each DeepSpeed release of the matrix).
 
 ``python tests/support/matrix_summary.py RESULTS_DIR`` reads every JUnit XML file pytest wrote there and
-prints one line per run and a closing ``N passed, N failed, N skipped`` line over all of them.
+prints one line per run and a closing ``N passed, N failed, N skipped`` line over all of them. When
+no run against the real Megatron-DeepSpeed is among them (no snapshot beside the checkout), the
+lines just above that closing line say so and how to run them: a green `make test` without them
+proves much less, and one skipped test among hundreds is easy to miss.
 Exit status: 0, or 1 when a run failed or no test ran at all.
 """
 from __future__ import annotations
 
+import os
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+
+MDS_RESULTS_PREFIX = "megatron-deepspeed-"
+"""The Makefile names the JUnit file of each run against the real Megatron-DeepSpeed so."""
+
+
+def not_run_note(expected: str) -> str:
+    where = expected or "../shared/third_party/megatron-deepspeed"
+    return ("\n!!! The tests against the real Megatron-DeepSpeed did NOT run: no checkout at "
+            f"{where} (pretrain_gpt_alcf.py not found).\n"
+            "!!! To run them: MEGATRON_DEEPSPEED_DIR=/path/to/Megatron-DeepSpeed EZPZ_DIR=/path/to/ezpz make test\n"
+            "!!! (argonne-lcf/Megatron-DeepSpeed and saforem2/ezpz; see tests/integration/mds.py)")
 
 
 def counts(path: Path) -> tuple[int, int, int]:
@@ -34,6 +50,8 @@ def main(argv: list[str]) -> int:
         p, f, s = counts(path)
         passed, failed, skipped = passed + p, failed + f, skipped + s
         print(f"  {path.stem:<32} {p:4d} passed {f:3d} failed {s:3d} skipped")
+    if not any(path.stem.startswith(MDS_RESULTS_PREFIX) for path in files):
+        print(not_run_note(os.environ.get("MEGATRON_DEEPSPEED_DIR", "")))
     print(f"{passed} passed, {failed} failed, {skipped} skipped")
     return 1 if failed or not passed else 0
 

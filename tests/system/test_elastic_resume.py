@@ -356,11 +356,19 @@ def test_buffers_and_frozen_parameters_are_restored(tmp_path: Path) -> None:
     assert net.frozen.tolist() == [1.0, 2.0, 3.0] and net.other_frozen.tolist() == [5.0, 6.0]
     assert net.running.tolist() == [0.0, 1.0, 2.0, 3.0]
 
-    # A buffer the checkpoint never held (Megatron leaves RoPE's inv_freq out of its save) is listed,
-    # not an error; a frozen parameter the checkpoint lacks is.
+    # A persistent buffer the checkpoint lacks would keep its initial value: an error, like a frozen
+    # parameter the checkpoint lacks; a non-persistent one ("scratch") is part of no checkpoint.
     problems, extras = restore_module_tensors(Net(), {"trained.weight", "trained.bias"}, tmp_path, {"module": {}})
-    assert {(p.param, p.state) for p in problems} == {("other_frozen", "fp32")}
-    assert any("never held" in e and "running" in e for e in extras)
+    assert {(p.param, p.state) for p in problems} == {("other_frozen", "fp32"), ("running", "buffer")}
+    assert "persistent buffer missing" in next(p.detail for p in problems if p.param == "running")
+
+    class MegatronNet(Net):  # Megatron's save leaves "running" out (as it does RoPE's inv_freq): listed, no error
+        def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
+            return {k: v for k, v in self.state_dict(prefix=prefix, keep_vars=keep_vars).items() if k != "running"}
+
+    problems, extras = restore_module_tensors(MegatronNet(), {"trained.weight", "trained.bias"}, tmp_path,
+                                              {"module": {"other_frozen": torch.tensor([5.0, 6.0])}})
+    assert problems == [] and any("Megatron's save never writes" in e and "running" in e for e in extras)
 
     # Held, but of another shape: an error naming it.
     states = {"module": {"running": torch.zeros(5), "other_frozen": torch.tensor([5.0, 6.0])}}
@@ -384,12 +392,47 @@ def test_megatron_nested_module_states_are_flattened(tmp_path: Path) -> None:
             super().__init__()
             self.language_model = Inner()
 
+        def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
+            return {"language_model": {"table": self.language_model.table}}  # inv_freq left out, as Megatron does
+
     nested = {"language_model": {"table": torch.arange(3.0)}}
     assert set(flatten_module_states(nested)) == {"language_model.table"}
     net = Outer()
     problems, extras = restore_module_tensors(net, set(), tmp_path, {"module": nested})
     assert problems == [] and net.language_model.table.tolist() == [0.0, 1.0, 2.0]
     assert any("language_model.inv_freq" in e for e in extras)
+
+
+def test_buffers_saved_by_the_pipeline_model_reach_the_non_pipeline_one(tmp_path: Path) -> None:
+    """GPTModelPipe saves module tensors per layer file; a GPTModel resuming from it gets them through the name map."""
+    from megatron_ucp.integration.training_state import restore_module_tensors
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = torch.nn.Linear(2, 2, bias=False)
+            self.register_buffer("window", torch.zeros(3))
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(), Layer()])
+
+    class Gpt(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.language_model = torch.nn.Module()
+            self.language_model.encoder = Encoder()
+
+    for index in (2, 3):  # pipeline layers 2 and 3 are transformer layers 0 and 1
+        torch.save({"mlp.weight": torch.zeros(2, 2), "window": torch.full((3,), float(index))},
+                   tmp_path / f"layer_{index:02d}-model_00-model_states.pt")
+        (tmp_path / "zero" / f"{index}.mlp.weight").mkdir(parents=True)
+    net = Gpt()
+    optimized = {n for n, _ in net.named_parameters()}
+    problems, extras = restore_module_tensors(net, optimized, tmp_path, {"module": None})
+    assert problems == [] and extras == ["2 buffers, 0 frozen params restored"]
+    assert [layer.window.tolist() for layer in net.language_model.encoder.layers] == [[2.0] * 3, [3.0] * 3]
 
 
 @pytest.mark.parametrize("damage", ["transposed fp32", "truncated model states", "bit rot in exp_avg"])

@@ -294,8 +294,17 @@ def test_read_checkpoint_facts_prefers_megatron_args(tmp_path):
     assert facts == L.CheckpointFacts(str(root), "global_step7", 4, 16, 1, 7)
     assert R.read_checkpoint_facts(L.MegatronArgs(load=str(root), load_tag="global_step9")) is None
     assert R.read_checkpoint_facts(L.MegatronArgs(load=str(tmp_path / "empty"))) is None
-    no_latest_universal = L.MegatronArgs(load=str(root), universal_checkpoint=True)
-    assert R.read_checkpoint_facts(no_latest_universal) is None
+    # --universal-checkpoint: the tag in latest_universal only while it names the twin of latest's tag
+    # (the hook's rule); before any conversion, latest's tag, whose twin the hook converts and loads
+    universal = L.MegatronArgs(load=str(root), universal_checkpoint=True)
+    assert R.read_checkpoint_facts(universal).tag == "global_step7"
+    (root / "latest_universal").write_text("global_step9_universal")  # a newer tag than the one latest names
+    assert R.read_checkpoint_facts(universal).tag == "global_step7"
+    twin = root / "global_step7_universal"
+    twin.mkdir()
+    (twin / "mp_rank_00_model_states.pt").write_bytes((root / "global_step7" / "mp_rank_00_model_states.pt").read_bytes())
+    (root / "latest_universal").write_text("global_step7_universal")
+    assert R.read_checkpoint_facts(universal).tag == "global_step7_universal"
 
 
 def test_reading_the_checkpoint_imports_no_megatron_and_the_script_folder_comes_first(tmp_path):

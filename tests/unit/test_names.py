@@ -47,3 +47,18 @@ def test_tied_embedding_and_mismatches_are_named() -> None:
         name_map(pipe(2), nonpipe(1))
     with pytest.raises(PlanError, match="not a parameter name"):
         name_map(pipe(1), ["encoder.weight"])
+
+
+def test_buffers_follow_the_parameters_scheme_and_unknown_names_are_left_out() -> None:
+    from megatron_ucp.plan.names import counterpart_names
+
+    gpt_params = ["language_model.embedding.word_embeddings.weight", "language_model.encoder.layers.0.mlp.w",
+                  "language_model.encoder.layers.1.mlp.w", "language_model.encoder.final_layernorm.weight"]
+    pipe_params = ["1.word_embeddings.weight", "2.mlp.w", "3.mlp.w", "4.weight"]
+    buffers = ["language_model.encoder.layers.1.self_attention.window", "language_model.rotary_pos_emb.inv_freq"]
+    saved = [*pipe_params, "2.self_attention.window", "3.self_attention.window"]
+    assert counterpart_names(buffers, gpt_params, pipe_params, saved) == {
+        "language_model.encoder.layers.1.self_attention.window": "3.self_attention.window"}
+    assert counterpart_names(["3.self_attention.window"], pipe_params, gpt_params,
+                             ["language_model.encoder.layers.1.self_attention.window"]) == {
+        "3.self_attention.window": "language_model.encoder.layers.1.self_attention.window"}

@@ -120,6 +120,8 @@ def test_latest_universal_that_does_not_name_the_twin_of_latest_is_reported(tmp_
     (tmp_path / "latest_universal").write_text("global_step6_universal")  # newer than the tag the user chose
     assert lagging_universal_pointer(tmp_path) == ("global_step4", "global_step6_universal")
     (tmp_path / "latest_universal").write_text("global_step4_universal")
+    assert lagging_universal_pointer(tmp_path) == ("global_step4", "global_step4_universal")  # twin deleted
+    (tmp_path / "global_step4_universal").mkdir()
     assert lagging_universal_pointer(tmp_path) is None
     (tmp_path / "latest").write_text("global_step6_universal")  # latest names a universal folder itself
     (tmp_path / "global_step6_universal" / "zero").mkdir(parents=True)
