@@ -148,6 +148,11 @@ def measure(co, work: Path, moves: list[Move]) -> list[dict]:
     return rows
 
 
+def _short(text: str) -> str:
+    """Error lines name files under the working folder: keep the part inside the checkpoint."""
+    return re.sub(r"'?/\S*?/(global_step\d+(?:_universal)?/\S*?)'?(?=\s|$)", r"`\1`", text).replace("|", "/")
+
+
 def markdown(rows: list[dict], version: str) -> str:
     lines = [f"DeepSpeed {version}, argonne-lcf Megatron-DeepSpeed, CPU/gloo; max |loss - uninterrupted| over the two "
              "resumed iterations (5, 6), restarting from iteration 4.", "",
@@ -155,7 +160,7 @@ def markdown(rows: list[dict], version: str) -> str:
              "(`ds_to_universal` + `--universal-checkpoint`) |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['saved']} | {r['resumed']} | {r['padded_vocab']} | {r['ours']['text']} | "
-                     f"{r['stock']['text'].replace('|', '/')} |")
+                     f"{_short(r['stock']['text'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -163,7 +168,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="move names (default: all)")
     ap.add_argument("--work", type=Path, help="working folder (default: a temporary one, removed after)")
+    ap.add_argument("--table-only", action="store_true", help="rewrite results/layout-moves.md from the saved JSON")
     args = ap.parse_args()
+    if args.table_only:
+        saved = json.loads((RESULTS / "layout-moves.json").read_text())
+        (RESULTS / "layout-moves.md").write_text(markdown(saved["rows"], saved["deepspeed"]))
+        print(markdown(saved["rows"], saved["deepspeed"]))
+        return 0
     if snapshot_dir() is None:
         print("set MEGATRON_DEEPSPEED_DIR to a Megatron-DeepSpeed checkout", file=sys.stderr)
         return 2
