@@ -9,6 +9,7 @@ complete > foreign > in progress > pending > failed > interrupted > skipped > re
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import logging
 import os
@@ -46,6 +47,8 @@ class UniversalStatus(str, enum.Enum):
     SKIPPED = "skipped"
     REMOVED = "removed"
     ABSENT = TwinState.ABSENT.value
+    UNREADABLE = "unreadable"
+    """The tag's entry cannot be examined (a symlink loop, no permission): the row says why."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,8 @@ class RootStatus:
     tags: tuple[TagStatus, ...]
     converters: tuple[str, ...]
     """One line per node's background converter that is alive."""
+    problems: tuple[str, ...] = ()
+    """What could not be read at the root (a ``latest`` that is a symlink loop, ...), one line each."""
 
     @property
     def latest_converted(self) -> bool:
@@ -137,17 +142,26 @@ class RootStatus:
     def to_json(self) -> dict:
         return {"root": str(self.root), "latest": self.latest, "latest_universal": self.latest_universal,
                 "latest_converted": self.latest_converted, "converters": list(self.converters),
-                "tags": [t.to_json() for t in self.tags]}
+                "tags": [t.to_json() for t in self.tags], "problems": list(self.problems)}
 
 
-def _read_text(path: Path) -> Optional[str]:
+def _read_text(path: Path, problems: list[str]) -> Optional[str]:
     """The tag a ``latest``-style file names; a damaged one is reported and shown as absent
     (status describes the root, it does not fail on one bad file, and never opens a FIFO)."""
     try:
         return read_tag_file(path)
     except CheckpointFormatError as exc:
         log.warning("%s", exc)
+        problems.append(str(exc))
         return None
+
+
+def _entry_kind(entry: os.DirEntry) -> str:
+    """``dir`` / ``other`` for a root entry, or why it cannot be examined (a symlink loop, ...)."""
+    try:
+        return "dir" if entry.is_dir() else "other"
+    except OSError as exc:
+        return "a symlink loop" if exc.errno == errno.ELOOP else f"unreadable: {exc.strerror or exc}"
 
 
 def _folder_bytes(path: Path) -> int:
@@ -198,15 +212,21 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
     root = Path(root).resolve()
     if not root.is_dir():
         raise CheckpointFormatError(f"{root}: not a directory", subject=root)
-    latest = _read_text(root / F.LATEST)
-    latest_universal = _read_text(root / F.LATEST_UNIVERSAL)
+    problems: list[str] = []
+    latest = _read_text(root / F.LATEST, problems)
+    latest_universal = _read_text(root / F.LATEST_UNIVERSAL, problems)
     queue = read_queue(root)
     regs = read_registrations(root)
     now = time.time()
 
     tags: dict[str, float] = {}
+    unreadable: dict[str, str] = {}
     for entry in os.scandir(root):
-        if not entry.is_dir() or entry.name.startswith("."):
+        kind = _entry_kind(entry)
+        if entry.name.startswith(".") or entry.name in (F.LATEST, F.LATEST_UNIVERSAL) or kind == "other":
+            continue
+        if kind != "dir":  # one bad entry is a row of the table, not the end of status
+            unreadable[entry.name] = str(kind)
             continue
         path = Path(entry.path)
         if entry.name.endswith(F.UNIVERSAL_SUFFIX):
@@ -252,11 +272,16 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
             universal_bytes=_folder_bytes(twin) if sizes and twin.is_dir() else None,
             seconds=manifest.get("seconds") if manifest else None, latest=tag == latest,
             latest_universal=latest_universal == twin.name))
+    for name, why in sorted(unreadable.items()):
+        rows.append(TagStatus(tag=name, native=False, universal=UniversalStatus.UNREADABLE,
+                              detail=f"{root / name}: {why}; remove or replace it", dp=None, native_bytes=None,
+                              universal_bytes=None, seconds=None, latest=name == latest,
+                              latest_universal=name == latest_universal))
     converters = tuple(f"node {r.node}: pid {r.pid} on {r.host}, {r.phase}"
                        + (f" ({r.attempt})" if r.attempt else "") + f", heartbeat {r.age:.0f}s ago"
                        for r in sorted(regs.values(), key=lambda r: r.node) if r.alive())
     return RootStatus(root=root, latest=latest, latest_universal=latest_universal, tags=tuple(rows),
-                      converters=converters)
+                      converters=converters, problems=tuple(problems))
 
 
 def _size(n: Optional[int]) -> str:
@@ -278,6 +303,7 @@ def format_status(rs: RootStatus) -> str:
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     notes = [f"  {t.tag}: {t.universal.value}: {t.detail}" for t in rs.tags
              if t.detail and t.universal is not UniversalStatus.IN_PROGRESS]
+    notes += [f"  {problem}" for problem in rs.problems]
     if notes:
         lines += ["", "details:"] + notes
     lines += [""] + ([f"background converters: {c}" for c in rs.converters] or ["background converters: none running"])

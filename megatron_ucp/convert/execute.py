@@ -44,7 +44,7 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity, osio
 from megatron_ucp.format.paths import check_output_placement, special_kind
 from megatron_ucp.format.rawtensor import RawTensor
-from megatron_ucp.format.torchload import structure_problems
+from megatron_ucp.format.torchload import TorchReaderCheck, structure_problems
 from megatron_ucp.plan.conversion import ConversionPlan, ParamPlan, build_plan, share_of, split_by_bytes
 from megatron_ucp.plan.model_parallel import CoordinateInput, build_model_parallel_plan
 from megatron_ucp.version import __version__
@@ -255,17 +255,32 @@ def _repair_interrupted(ck: ResolvedCheckpoint, output: Path, options: ConvertOp
     return done
 
 
+def files_copied_as_they_are(files: CheckpointFiles) -> list[Path]:
+    """The model-states and layer files: the output holds them byte for byte, and DeepSpeed's loader
+    opens them with ``torch.load``."""
+    return [*(files.model_files or (files.model_states,)), *files.layer_files]
+
+
 def check_torch_loadable(files: CheckpointFiles) -> None:
-    """The model-states file is copied into the output as it is, and DeepSpeed's loader reads it with
-    ``torch.load``: damage torch rejects is an error here, not a "complete" folder that cannot load.
-    Rank files are only read by this converter (tolerantly, correctly): the reader warns about their
+    """Damage ``torch.load`` rejects in a file copied as it is is an error before any work, not a
+    "complete" folder that cannot load: our structural check here (headers only, the clearest
+    messages), torch's own reader before the commit (:func:`_refuse_what_torch_refuses`). Rank
+    files are only read by this converter (tolerantly, correctly): the reader warns about their
     damage (a native DeepSpeed load of this tag would fail) as it reads their headers anyway."""
-    problems = structure_problems(files.model_states)
-    if problems:
-        raise CheckpointFormatError(f"{files.model_states}: damaged ({problems[0]}"
-                                    + (f"; {len(problems) - 1} more" if len(problems) > 1 else "")
-                                    + "): torch.load, which DeepSpeed's loader uses, rejects it; the universal folder "
-                                    "would carry it", subject=files.model_states)
+    for path in files_copied_as_they_are(files):
+        problems = structure_problems(path)
+        if problems:
+            raise CheckpointFormatError(f"{path}: damaged ({problems[0]}"
+                                        + (f"; {len(problems) - 1} more" if len(problems) > 1 else "")
+                                        + "): torch.load, which DeepSpeed's loader uses, rejects it; the universal "
+                                        "folder would carry it", subject=path)
+
+
+def _refuse_what_torch_refuses(check: TorchReaderCheck) -> None:
+    """Before the commit: every file copied as it is opens with torch's own zip reader (whatever it rejects)."""
+    for path, reason in sorted(check.refused().items()):
+        raise CheckpointFormatError(f"{path}: damaged (torch's zip reader: {reason}): torch.load, which DeepSpeed's "
+                                    "loader uses, rejects it; the universal folder would carry it", subject=path)
 
 
 def _merged_sums(plan: ConversionPlan, shares: Sequence[dict]) -> Optional[dict]:
@@ -350,6 +365,16 @@ def convert(options: ConvertOptions) -> ConvertResult:
     # Each rank file is opened (mapped, metadata unpickled) once: the metadata pass, the step check,
     # the writers and the common state all use the same cached objects.
     check_torch_loadable(files)
+    reader_check = TorchReaderCheck(files_copied_as_they_are(files))  # runs while we convert
+    try:
+        return _convert_checked(ck, files, options, output, force, identity, t0, reader_check)
+    finally:
+        reader_check.cancel()
+
+
+def _convert_checked(ck: ResolvedCheckpoint, files: CheckpointFiles, options: ConvertOptions, output: Path,
+                     force: bool, identity: dict, t0: float, reader_check: TorchReaderCheck) -> ConvertResult:
+    """:func:`convert` once the source passed its checks: plan, write this share, commit if last."""
     cache = RankFileCache(list(files.rank_files))
     meta = read_checkpoint(ck.tag_dir, rank_files=[cache.get(r) for r in range(len(files.rank_files))])
     plan = plan_checkpoint(meta)
@@ -375,6 +400,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
             drift = compare_replicas(plan, cache)
             for d in drift:
                 log.warning("%s: %s", ck.tag_dir, d.describe())
+            _refuse_what_torch_refuses(reader_check)
             shares = staging.shares_done()
             staging.close()
             staging.commit(_manifest(meta, ck, plan, frozen, shares, time.perf_counter() - t0, identity, drift), force)

@@ -192,9 +192,14 @@ def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
     if len(set(dp_sizes.values())) > 1:
         raise CheckpointFormatError(f"{tag_dir}: model-parallel ranks hold different numbers of DP rank files "
                                     f"({dp_sizes}): files missing or mixed from different runs", subject=tag_dir)
-    return CheckpointFiles(tag_dir=tag_dir, model_states=tag_dir / F.MODEL_STATES_FILE, rank_files=tuple(rank_files),
-                           model_files=tuple(tag_dir / model_mp[mp] for mp in mps),
-                           layer_files=tuple(tag_dir / n for n in names if F.LAYER_FILE_RE.match(n)))
+    files = CheckpointFiles(tag_dir=tag_dir, model_states=tag_dir / F.MODEL_STATES_FILE, rank_files=tuple(rank_files),
+                            model_files=tuple(tag_dir / model_mp[mp] for mp in mps),
+                            layer_files=tuple(tag_dir / n for n in names if F.LAYER_FILE_RE.match(n)))
+    for path in (*files.model_files, *files.layer_files):  # copied into the output as they are: never a FIFO
+        kind = special_kind(path)
+        if kind is not None:
+            raise CheckpointFormatError(f"{path}: is {kind}, not a torch file", subject=path)
+    return files
 
 
 def _check_size(path: Path) -> None:

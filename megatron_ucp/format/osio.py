@@ -85,8 +85,8 @@ def read_ahead(paths: "list[os.PathLike | str]") -> None:
     if advice is None:
         return
     for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:  # non-blocking: a FIFO among the paths must not stop us here (the reader refuses it)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except OSError:
             continue
         try:

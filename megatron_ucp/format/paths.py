@@ -16,7 +16,7 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import BinaryIO, Iterable, Optional
 
 from megatron_ucp.errors import CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
@@ -38,10 +38,41 @@ def special_kind(path: Path) -> Optional[str]:
         if exc.errno == errno.ELOOP:
             return "a symlink loop"
         raise
+    return None if stat.S_ISREG(mode) else _kind_of(mode)
+
+
+def _kind_of(mode: int) -> str:
     for test, name in _KINDS:
         if test(mode):
             return name
-    return None if stat.S_ISREG(mode) else "not a regular file"
+    return "not a regular file"
+
+
+def open_checkpoint_file(path: os.PathLike | str) -> BinaryIO:
+    """Open a checkpoint file for reading, refusing (never blocking on) anything but a regular file.
+
+    The one way this package opens a file it reads: a FIFO would block ``open`` forever and a
+    device would never end, so the file is opened non-blocking and judged by ``fstat`` of what was
+    opened (no window between a check and the open). Raises :class:`CheckpointFormatError` naming
+    the file and what it is; a missing file raises ``FileNotFoundError``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        kind = "a symlink loop" if exc.errno == errno.ELOOP else None
+        raise CheckpointFormatError(f"{path}: {'is ' + kind if kind else 'cannot read: ' + str(exc.strerror)}",
+                                    subject=path) from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointFormatError(f"{path}: is {_kind_of(mode)}, not a regular file", subject=path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def normalize_tag(tag: str, where: str) -> str:

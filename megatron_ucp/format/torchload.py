@@ -26,8 +26,10 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format.lightpickle import Unpickler as _LightUnpickler
 from megatron_ucp.format.lightpickle import stand_in_class
+from megatron_ucp.format.paths import open_checkpoint_file
 from megatron_ucp.format.rawtensor import DTYPE_BY_STORAGE, DTYPES, UNTYPED_STORAGE, RawTensor, Storage
 
 __all__ = ["TorchNeeded", "load", "is_zip_file"]
@@ -43,9 +45,9 @@ class TorchNeeded(Exception):
 
 def is_zip_file(path: os.PathLike | str) -> bool:
     try:
-        with open(path, "rb") as fh:
+        with open_checkpoint_file(path) as fh:
             return fh.read(4) == b"PK\x03\x04"
-    except OSError:
+    except (OSError, CheckpointFormatError):
         return False
 
 
@@ -159,7 +161,7 @@ class _Archive:
     def __init__(self, path: Path):
         self.path = path
         self.damage: list[str] = []
-        with open(path, "rb") as fh:
+        with open_checkpoint_file(path) as fh:
             if fh.read(4) != b"PK\x03\x04":
                 raise TorchNeeded("not a zip-format torch file (legacy serialization)")
             fh.seek(0)
@@ -251,7 +253,7 @@ def structure_problems(path: os.PathLike | str) -> list[str]:
     path = Path(path)
     problems: list[str] = []
     try:
-        with open(path, "rb") as fh, zipfile.ZipFile(fh) as z:
+        with open_checkpoint_file(path) as fh, zipfile.ZipFile(fh) as z:
             fd = fh.fileno()
             size = os.fstat(fd).st_size
             for info in z.infolist():
@@ -266,3 +268,73 @@ def structure_problems(path: os.PathLike | str) -> list[str]:
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
         problems.append(f"not a readable zip archive ({exc})")
     return problems
+
+
+
+_REFUSAL_TAIL = ". This is an internal miniz error"
+_READER_CHILD = f"""
+import json, sys
+import torch
+refused = {{}}
+for path in sys.argv[1:]:
+    try:
+        torch._C.PyTorchFileReader(path)
+    except Exception as exc:
+        refused[path] = (str(exc).split({_REFUSAL_TAIL!r})[0].strip().splitlines() or [type(exc).__name__])[0]
+print(json.dumps(refused))
+"""
+
+
+def torch_reader_problem(path: os.PathLike | str) -> str | None:
+    """Why torch's own zip reader (``PyTorchFileReader``, what ``torch.load`` opens a file with)
+    refuses ``path``, or None. Parses the archive's directory only. Imports torch: for processes
+    that have it already (the elastic-load hook); a converter uses :class:`TorchReaderCheck`."""
+    import torch
+
+    with open_checkpoint_file(path):  # never hand a FIFO to torch
+        pass
+    try:
+        torch._C.PyTorchFileReader(os.fspath(path))
+    except Exception as exc:  # RuntimeError from miniz / caffe2's enforce
+        return (str(exc).split(_REFUSAL_TAIL)[0].strip().splitlines() or [type(exc).__name__])[0]
+    return None
+
+
+class TorchReaderCheck:
+    """torch's own zip reader run over files in a child process, while the caller works.
+
+    A converter copies model-states and layer files into its output as they are, and DeepSpeed's
+    loader opens them with ``torch.load``: a file our tolerant reader reads but torch refuses would
+    make a "complete" folder no load can open. Asking torch itself catches every kind of damage it
+    rejects, not only the kinds known today; doing it in a child keeps the converter free of torch's
+    import (about 2 s) and overlaps it with the conversion. The paths must be regular files
+    (:func:`~megatron_ucp.format.paths.open_checkpoint_file`'s check): a FIFO would block the child.
+    """
+
+    def __init__(self, paths: "list[os.PathLike | str]"):
+        import subprocess
+
+        self.paths = [os.fspath(p) for p in paths]
+        self._proc = None
+        if "torch" not in sys.modules:  # a process that has torch already (a test, the training job) asks it directly
+            self._proc = subprocess.Popen([sys.executable, "-c", _READER_CHILD, *self.paths],
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def refused(self, timeout: float = 600.0) -> dict[str, str]:
+        """Path -> torch's reason, for every file torch's reader refuses (waits for the child)."""
+        import json
+
+        if self._proc is None:
+            return {p: why for p in self.paths if (why := torch_reader_problem(p)) is not None}
+        out, err = self._proc.communicate(timeout=timeout)
+        if self._proc.returncode != 0:
+            tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"torch's zip reader could not be run over {len(self.paths)} file(s) "
+                               f"(exit {self._proc.returncode}): {tail[0]}")
+        return json.loads(out.decode())
+
+    def cancel(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        if self._proc is not None:
+            self._proc.communicate()

@@ -45,7 +45,7 @@ from megatron_ucp.deepspeed.reader import load_torch_file, recorded_dp, recorded
 from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
-from megatron_ucp.format.torchload import structure_problems
+from megatron_ucp.format.torchload import structure_problems, torch_reader_problem
 from megatron_ucp.integration.collectives import (Failure, broadcast_from_first, comm, count_across, decide_on_first,
                                                   is_first)
 from megatron_ucp.integration.partition_load import LP_GROUPS, load_universal_partitions, lp_groups_of
@@ -242,8 +242,8 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
 
 def _check_model_states_loadable(load_dir: Path, tag: Optional[str]) -> None:
     """DeepSpeed's load starts with ``torch.load`` of the folder's model states, whose errors name no
-    file (``PytorchStreamReader failed reading zip archive``): check its structure first and say
-    which file is damaged. Headers only (a few ``pread`` calls)."""
+    file (``PytorchStreamReader failed reading zip archive``): check its structure, and open it with
+    torch's own zip reader, first and say which file is damaged. Headers only (a few ``pread`` calls)."""
 
     if tag is None:
         return
@@ -251,7 +251,7 @@ def _check_model_states_loadable(load_dir: Path, tag: Optional[str]) -> None:
     path = folder / F.MODEL_STATES_FILE
     if not folder.is_dir() or not path.is_file():
         return  # DeepSpeed reports a missing tag or file in its own words
-    problems = structure_problems(path)
+    problems = structure_problems(path) or [p for p in (torch_reader_problem(path),) if p]
     if problems:
         raise CheckpointFormatError(f"{path}: damaged ({problems[0]}); torch.load cannot read it. Reconvert: "
                                     f"megatron-ucp convert {load_dir} --tag {tag.removesuffix(F.UNIVERSAL_SUFFIX)} "

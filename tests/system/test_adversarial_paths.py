@@ -159,6 +159,55 @@ def test_rank_file_that_is_a_fifo_is_named_not_read(root: Path):
     refused(cli("convert", str(root), timeout=30), str(path), "FIFO")
 
 
+@pytest.mark.parametrize("name", [F.MODEL_STATES_FILE, "layer_01-model_00-model_states.pt"])
+def test_a_model_states_file_that_is_a_fifo_is_refused_by_every_command(root: Path, name: str):
+    """Every path that opens a checkpoint file goes through one special-file check: convert hung
+    (killed after 90 s) on a FIFO model-states file that inspect and verify refused at once."""
+    path = root / TAG / name
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    refused(cli("convert", str(root), timeout=30), str(path), "FIFO")
+    refused(cli("inspect", str(root), timeout=30), str(path), "FIFO")
+    assert not (root / F.universal_tag(TAG)).exists()
+
+
+@pytest.mark.parametrize("entries", [(9, 9), (8, 9), (0, 0)], ids=["both-high", "disk-vs-total", "zero"])
+def test_model_states_that_torch_refuses_is_not_committed(root: Path, entries: tuple[int, int]):
+    """A zip64 end-of-central-directory entry count damaged: our tolerant reader reads around it, torch's
+    zip reader does not, and the file would be copied into the universal folder as it is. Convert
+    opens every such file the way torch.load does first, and refuses, naming it; nothing is written."""
+    import struct
+
+    path = root / TAG / F.MODEL_STATES_FILE
+    data = bytearray(path.read_bytes())
+    at = data.rfind(b"PK\x06\x06")  # zip64 EOCD: entries on this disk at +24, in total at +32
+    assert at > 0
+    struct.pack_into("<QQ", data, at + 24, *entries)
+    path.write_bytes(bytes(data))
+    before = digest(root)
+    refused(cli("convert", str(root), timeout=60), str(path), "torch's zip reader")
+    assert digest(root) == before and not (root / F.universal_tag(TAG)).exists()
+    assert not (root / F.LATEST_UNIVERSAL).exists()
+
+
+def test_status_reports_symlink_loops_in_its_table(root: Path):
+    """A tag folder or a `latest` that is a symlink loop is a line of status, not its end (exit 2)."""
+    os.symlink("global_step9", root / "global_step9")
+    proc = cli("status", str(root), timeout=30)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("global_step9"))
+    assert "unreadable" in row and "symlink loop" in proc.stdout
+    assert any(line.startswith(TAG) and "yes" in line for line in proc.stdout.splitlines())
+    (root / F.LATEST).unlink()
+    os.symlink(F.LATEST, root / F.LATEST)
+    proc = cli("status", str(root), "--json", timeout=30)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    report = json.loads(proc.stdout)
+    assert report["latest"] is None and any("symlink loop" in p for p in report["problems"])
+
+
 @pytest.mark.parametrize("kind,words", [("file", "is a file"), ("symlink-loop", "symlink loop")])
 def test_tag_folder_that_is_not_a_folder_says_what_it_is(root: Path, kind: str, words: str):
     tag = root / "global_step9"
