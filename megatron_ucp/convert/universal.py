@@ -24,7 +24,6 @@ from typing import Any, Iterable, Optional
 from megatron_ucp.deepspeed.reader import find_checkpoint_files
 from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.format import integrity
 from megatron_ucp.format import osio
 from megatron_ucp.format.paths import read_tag_file, special_kind
 from megatron_ucp.plan.resume import TwinState
@@ -64,21 +63,6 @@ def read_manifest(folder: Path) -> Optional[dict]:
         log.warning("%s: manifest version %s is newer than this megatron-ucp (%s); reading known fields only",
                     path, data.get("version"), F.MANIFEST_VERSION)
     return data
-
-
-def recorded_checksums(manifest: Optional[dict]) -> Optional[dict[str, dict]]:
-    """The manifest's per-state-file ``{"numel", "sum"[, "rows_numel", "rows_sum"]}``, or None: a folder
-    without them (stock's, or converted before megatron-ucp recorded them) or with an algorithm this
-    megatron-ucp does not know (warned: not checked)."""
-    sums = (manifest or {}).get("checksums")
-    if not isinstance(sums, dict):
-        return None
-    if sums.get("algorithm") != integrity.ALGORITHM:
-        log.warning("manifest checksums use %r, which this megatron-ucp does not know: not checked",
-                    sums.get("algorithm"))
-        return None
-    files = sums.get("files")
-    return files if isinstance(files, dict) else None
 
 
 def source_identity(files: Iterable[Path]) -> dict[str, list[int]]:

@@ -20,7 +20,8 @@ import torch
 from tqdm import tqdm
 
 from megatron_ucp.convert.execute import plan_checkpoint
-from megatron_ucp.convert.universal import list_zero_folder, read_manifest, recorded_checksums
+from megatron_ucp.convert.universal import list_zero_folder, read_manifest
+from megatron_ucp.format.integrity import recorded_checksums
 from megatron_ucp.convert.writer import RankFileCache, assemble_torch
 from megatron_ucp.deepspeed.reader import load_torch_file, read_checkpoint, read_model_states, resolve_checkpoint
 from megatron_ucp.errors import CheckpointFormatError
@@ -82,16 +83,16 @@ def _expected_shape(name: str, shape: tuple, uc_info: Optional[dict], entry: dic
     return shape
 
 
-def _check_sum(path: Path, record: Any, tensor: torch.Tensor, rows: Any) -> Optional[str]:
+def _check_sum(path: Path, record: Any, tensor: torch.Tensor, rows: Any, algorithm: str) -> Optional[str]:
     """A problem line when the file's tensors are not what the converter wrote."""
     if not isinstance(record, dict):
         return f"{path}: no checksum in the manifest (a file added after the conversion?)"
     if int(record.get("numel", -1)) != tensor.numel():
         return f"{path}: {tensor.numel()} elements, the manifest recorded {record.get('numel')} (truncated or replaced)"
-    if checksum(tensor) != int(record.get("sum", -1)):
+    if checksum(tensor, 0, algorithm) != int(record.get("sum", -1)):
         return f"{path}: checksum differs from the manifest's: the data changed after the conversion (bit rot?)"
     if "rows_sum" in record and (not torch.is_tensor(rows) or rows.numel() != int(record.get("rows_numel", -1))
-                                 or checksum(rows, tensor.numel()) != int(record["rows_sum"])):
+                                 or checksum(rows, tensor.numel(), algorithm) != int(record["rows_sum"])):
         return f"{path}: '{F.VOCAB_PADDED_ROWS}' differs from the manifest's checksum"
     return None
 
@@ -181,7 +182,8 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
                     continue
                 report.elements += tensor.numel()
                 if sums is not None and spec.name not in frozen:
-                    problem = _check_sum(path, sums.get(f"{spec.name}/{state}"), tensor, entry.get(F.VOCAB_PADDED_ROWS))
+                    problem = _check_sum(path, sums.files.get(f"{spec.name}/{state}"), tensor,
+                                         entry.get(F.VOCAB_PADDED_ROWS), sums.algorithm)
                     if problem:
                         report.problems.append(problem)
                     else:
@@ -205,7 +207,7 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
                         report.problems.append(f"{path}: '{F.VOCAB_PADDED_ROWS}' of shape "
                                                f"{tuple(rows.shape) if torch.is_tensor(rows) else type(rows).__name__},"
                                                f" expected {tuple(want_shape)}")
-    for key in sorted(sums or ()):
+    for key in sorted(sums.files if sums is not None else ()):
         if not (zero / f"{key}.pt").is_file():
             report.problems.append(f"{zero / (key + '.pt')}: missing (the manifest recorded its checksum)")
     if plan is not None:

@@ -5,33 +5,69 @@ as the bytes pass on their way to disk; each loading rank computes it over the f
 placed, at their offsets, and one all-reduce proves that the fragments reassemble every file;
 ``megatron-ucp verify`` recomputes it over whole files to find bit rot and modified files.
 
-Definition. Element ``i`` of a flattened tensor (flat position ``i`` in its parameter), read as an
-unsigned integer ``b_i`` of its own width (``bits`` = 32 for float32, 16 for bf16, ...), sits in
-lane ``l = i mod e`` of the 64-bit word ``w = i div e`` (``e = 64 / bits`` elements per word) and
-weighs ``c_i = (2w + 1) * 2**(bits * l)``. The checksum is::
+Definition (``ucp-wsum64-v3``). Element ``i`` of a flattened tensor (flat position ``i`` in its
+parameter), read as an unsigned integer ``b_i`` of its own width (32 bits for float32, 16 for
+bf16, ...), weighs ``c_i = T[i mod P] * (2 * (i div P) + 1) mod 2**64``, where ``T`` is a fixed
+table of ``P`` = 16384 odd 64-bit words (splitmix64 of the index, low bit set). The checksum is::
 
     sum_i (b_i + 1) * c_i   mod 2**64
 
 Why this form: it is additive over fragments at any offsets (ranks hash only what they read) and
-exact integer arithmetic (independent of reduction order and device); and for whole words it is
-``sum_w (v_w + K) * (2w + 1)`` where ``v_w`` is the word's little-endian value, so the bulk of a
-tensor is one wrapping uint64 dot product of the bytes viewed as words (no copy) against a fixed
-table of odd weights: several GB/s, faster than the CRC-32 the zip writer computes anyway. Every
-single-bit change shows (``c_i`` is an odd number times a power of two below 2**64); ``+ 1`` makes
-position matter even for zeros. Pure: numpy only (the converter does not import torch).
+exact integer arithmetic (independent of reduction order and device); a fragment is one wrapping
+multiply-and-sum per period it touches, against a slice of ``T``, with no copy of the data. Every
+weight is odd, so every change of one element shows; ``+ 1`` makes position matter even for
+zeros. Weights look random across positions, so no class of changes cancels: two sign-bit flips
+(``+-2**31 * (c_i +- c_j)``) cancel only where ``c_i = -+c_j`` modulo 2**33, which never happens
+within one residue of ``P`` (below 2**32 periods) and for other pairs by the table's chance, about
+one pair in 2**32: the room any 64-bit sum leaves a change of bit 31.
+
+The previous definition (``ucp-wsum64-v2``, :data:`LEGACY_ALGORITHM`) packed elements into 64-bit
+words and weighed element ``i`` by ``(2w + 1) * 2**(bits * (i mod e))`` (``w`` its word, ``e``
+elements per word): odd-lane elements got weights of ``2**32`` times an odd number, so any two
+sign-bit flips at odd-indexed float32 elements of one state added ``2**63 + 2**63 = 0``. Manifests
+written with it are still checked with it (:func:`fragment_sum`'s ``algorithm``). Pure: numpy only
+(the converter does not import torch).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
 
 import numpy as np
 
-ALGORITHM = "ucp-wsum64-v2"
+log = logging.getLogger(__name__)
+
+ALGORITHM = "ucp-wsum64-v3"
 """Name recorded in the manifest next to the sums; a reader that does not know it ignores them."""
+LEGACY_ALGORITHM = "ucp-wsum64-v2"
+"""What megatron-ucp recorded before v3; its manifests are still checked with it."""
+KNOWN_ALGORITHMS = (ALGORITHM, LEGACY_ALGORITHM)
 MASK = (1 << 64) - 1
+PERIOD = 1 << 14
 _WORDS_PER_CHUNK = 1 << 14
 _WEIGHTS = 2 * np.arange(_WORDS_PER_CHUNK, dtype=np.uint64) + 1
 _UINT_OF_SIZE = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+
+def _splitmix64(index: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = index * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+_TABLE = _splitmix64(np.arange(PERIOD, dtype=np.uint64)) | np.uint64(1)
+with np.errstate(over="ignore"):
+    _TABLE_PREFIX = np.concatenate([np.zeros(1, np.uint64), np.cumsum(_TABLE, dtype=np.uint64)])
+"""``_TABLE_PREFIX[k]`` = sum of the first ``k`` table entries mod 2**64 (the ``+ 1`` term of a piece)."""
+
+
+def weight(i: int) -> int:
+    """``c_i`` of v3 (the module docstring's definition), for one position."""
+    q, r = divmod(i, PERIOD)
+    return (int(_TABLE[r]) * (2 * q + 1)) & MASK
 
 
 def as_uints(data: Any, itemsize: int) -> np.ndarray:
@@ -50,10 +86,36 @@ def _element_weight(i: int, per_word: int, bits: int) -> int:
     return ((2 * (i // per_word) + 1) << (bits * (i % per_word))) & MASK
 
 
-def fragment_sum(values: np.ndarray, offset: int = 0) -> int:
-    """Checksum of the unsigned ints ``values`` placed at flat element ``offset`` (a Python int < 2**64)."""
+def fragment_sum(values: np.ndarray, offset: int = 0, algorithm: str = ALGORITHM) -> int:
+    """Checksum of the unsigned ints ``values`` placed at flat element ``offset`` (a Python int < 2**64),
+    by ``algorithm`` (one of :data:`KNOWN_ALGORITHMS`)."""
     if offset < 0:
         raise ValueError(f"negative fragment offset {offset}")
+    if algorithm == ALGORITHM:
+        return _period_sum(values, offset)
+    if algorithm != LEGACY_ALGORITHM:
+        raise ValueError(f"unknown checksum algorithm {algorithm!r} (known: {', '.join(KNOWN_ALGORITHMS)})")
+    return _word_sum(values, offset)
+
+
+def _period_sum(values: np.ndarray, offset: int) -> int:
+    """v3: per period piece, ``(2q + 1) * (sum_k b_k * T[r + k] + sum_k T[r + k])``."""
+    n = values.size
+    total, pos = 0, 0
+    buf = np.empty(min(n, PERIOD), dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        while pos < n:
+            q, r = divmod(offset + pos, PERIOD)
+            m = min(PERIOD - r, n - pos)
+            np.multiply(values[pos:pos + m], _TABLE[r:r + m], out=buf[:m], dtype=np.uint64)
+            piece = int(buf[:m].sum(dtype=np.uint64)) + int(_TABLE_PREFIX[r + m] - _TABLE_PREFIX[r])
+            total += piece * (2 * q + 1)
+            pos += m
+    return total & MASK
+
+
+def _word_sum(values: np.ndarray, offset: int) -> int:
+    """v2 (:data:`LEGACY_ALGORITHM`): elements packed into 64-bit words."""
     itemsize = values.dtype.itemsize
     per_word, bits = 8 // itemsize, 8 * itemsize
     n = values.size
@@ -99,7 +161,8 @@ class StreamingSum:
     """The checksum of a tensor whose bytes arrive in order, in pieces of any length (the converter
     feeds it the chunks it writes, while they are in the CPU cache); pieces may split elements."""
 
-    def __init__(self, itemsize: int, offset: int = 0):
+    def __init__(self, itemsize: int, offset: int = 0, algorithm: str = ALGORITHM):
+        self.algorithm = algorithm
         self.itemsize = itemsize
         self.start = offset
         self.offset = offset
@@ -124,7 +187,7 @@ class StreamingSum:
 
     def _add(self, data: Any) -> None:
         values = as_uints(data, self.itemsize)
-        self.value = (self.value + fragment_sum(values, self.offset)) & MASK
+        self.value = (self.value + fragment_sum(values, self.offset, self.algorithm)) & MASK
         self.offset += values.size
 
     @property
@@ -136,3 +199,28 @@ class StreamingSum:
         if self._carry:
             raise ValueError(f"{len(self._carry)} bytes left over: not a whole number of {self.itemsize}-byte elements")
         return self.value
+
+
+@dataclass(frozen=True)
+class RecordedChecksums:
+    """The manifest's checksums: the algorithm that made them and, per state file (``<param>/<state>``),
+    ``{"numel", "sum"[, "rows_numel", "rows_sum"]}``."""
+
+    algorithm: str
+    files: dict[str, dict]
+
+
+def recorded_checksums(manifest: Optional[dict]) -> Optional[RecordedChecksums]:
+    """The manifest's checksums, or None: a folder without them (stock's, or converted before
+    megatron-ucp recorded them) or with an algorithm this megatron-ucp does not know (warned: not
+    checked). Older algorithms it knows (:data:`~megatron_ucp.format.KNOWN_ALGORITHMS`)
+    are checked with their own definition."""
+    sums = (manifest or {}).get("checksums")
+    if not isinstance(sums, dict):
+        return None
+    algorithm = sums.get("algorithm")
+    if algorithm not in KNOWN_ALGORITHMS:
+        log.warning("manifest checksums use %r, which this megatron-ucp does not know: not checked", algorithm)
+        return None
+    files = sums.get("files")
+    return RecordedChecksums(str(algorithm), files) if isinstance(files, dict) else None

@@ -21,7 +21,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from megatron_ucp.convert.universal import list_zero_folder, read_manifest, recorded_checksums
+from megatron_ucp.convert.universal import list_zero_folder, read_manifest
+from megatron_ucp.format.integrity import RecordedChecksums, recorded_checksums
 from megatron_ucp.deepspeed.reader import load_torch_file
 from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
@@ -77,13 +78,13 @@ class _FolderFacts:
     """What the group's first rank reads once and broadcasts (no metadata storm on the file system)."""
 
     listing: dict[str, tuple[str, ...]]
-    sums: Optional[dict[str, dict]]
+    sums: Optional[RecordedChecksums]
 
 
-def _recorded_source(sums: dict[str, dict], name: str, state: str, layout: StateLayout, path: Path
+def _recorded_source(sums: RecordedChecksums, name: str, state: str, layout: StateLayout, path: Path
                      ) -> tuple[int, int]:
     """(elements, checksum) the manifest says the file holds, for what this layout restores."""
-    record = sums.get(f"{name}/{state}")
+    record = sums.files.get(f"{name}/{state}")
     if not isinstance(record, dict) or "numel" not in record or "sum" not in record:
         raise CheckpointFormatError(f"{path}: not in the manifest's checksums although the folder has them "
                                     "(a file added after the conversion?)", subject=path)
@@ -91,7 +92,7 @@ def _recorded_source(sums: dict[str, dict], name: str, state: str, layout: State
     if layout.rows_cut:  # the manifest sums every kept row; the restored ones are hashed here (a few rows)
         rows = layout.pieces[1]
         count += rows.numel()
-        value = integrity.combine([value, checksum(rows, layout.pieces[0].numel())])
+        value = integrity.combine([value, checksum(rows, layout.pieces[0].numel(), sums.algorithm)])
     elif layout.rows_restored:
         count += int(record.get("rows_numel", 0))
         value = integrity.combine([value, int(record.get("rows_sum", 0))])
@@ -268,7 +269,7 @@ def _source_dp(optim_sd: dict) -> Optional[int]:
 
 def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names: list[str], states: tuple[str, ...],
                 listing: dict[str, tuple[str, ...]], zero_dir: Path, ledger: Ledger, table: torch.Tensor,
-                sums: Optional[dict[str, dict]], clock: "_Clock", tensor_parallel: TensorParallel = TensorParallel()
+                sums: Optional[RecordedChecksums], clock: "_Clock", tensor_parallel: TensorParallel = TensorParallel()
                 ) -> set[str]:
     """Fill one param group's flat fp32 partition and optimizer states on this rank; return the keys set.
 
@@ -287,6 +288,7 @@ def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names:
     if step_source is not None:
         group_step = load_torch_file(zero_dir / step_source / f"{F.STEP_STATE}.pt", mmap=False)
 
+    algorithm = sums.algorithm if sums is not None else integrity.ALGORITHM  # both sides of the ledger alike
     with torch.no_grad():
         for lp, name in zip(lps, names):
             mapping = getattr(lp, "_hp_mapping", None)
@@ -326,7 +328,7 @@ def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names:
                         table[row, Column.LOADED_COUNT] += real
                         if real:
                             placed = (target if target.device.type == "cpu" else fragment).narrow(0, at, real)
-                            add_sum(table, row, True, checksum(placed, run.full_offset))
+                            add_sum(table, row, True, checksum(placed, run.full_offset, algorithm))
                         at += run.length
                     if any(run.full_offset == 0 for run in runs):
                         count, value = ((layout.held, layout.source_sum()) if sums is None

@@ -33,7 +33,7 @@ from megatron_ucp.format import integrity
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def checksum(tensor: torch.Tensor, offset: int = 0) -> int:
+def checksum(tensor: torch.Tensor, offset: int = 0, algorithm: str = integrity.ALGORITHM) -> int:
     """:func:`megatron_ucp.format.integrity.fragment_sum` of ``tensor`` (flattened) placed at flat element ``offset``.
 
     ``checksum(full) == combine(checksum(full[a:b], a) for each piece [a, b) of a partition of full)``.
@@ -51,7 +51,7 @@ def checksum(tensor: torch.Tensor, offset: int = 0) -> int:
     if int_dtype is None:
         raise AccountingError(f"cannot checksum tensors of dtype {flat.dtype}", subject=flat.dtype)
     values = flat.contiguous().view(int_dtype).cpu().numpy()
-    return integrity.fragment_sum(integrity.as_uints(values, flat.element_size()), offset)
+    return integrity.fragment_sum(integrity.as_uints(values, flat.element_size()), offset, algorithm)
 
 
 def combine(sums: Iterable[int]) -> int:

@@ -109,3 +109,22 @@ def flip_a_data_bit(path: Path) -> None:
     name_len, extra_len = struct.unpack("<HH", bytes(data[info.header_offset + 26:info.header_offset + 30]))
     data[info.header_offset + 30 + name_len + extra_len + 5] ^= 0x10
     path.write_bytes(bytes(data))
+
+
+def rewrite_manifest_checksums(folder: Path, algorithm: str) -> None:
+    """Recompute a universal folder's manifest checksums with ``algorithm``: a folder as an older
+    megatron-ucp wrote it (``ucp-wsum64-v2`` before v3)."""
+    import json
+
+    from megatron_ucp.format import dsformat as F
+    from megatron_ucp.plan.accounting import checksum
+
+    path = folder / "ucp_manifest.json"
+    manifest = json.loads(path.read_text())
+    for key, record in manifest["checksums"]["files"].items():
+        entry = torch.load(folder / F.UNIVERSAL_ZERO_DIR / f"{key}.pt", weights_only=False)
+        record["sum"] = checksum(entry[F.PARAM], 0, algorithm)
+        if "rows_sum" in record:
+            record["rows_sum"] = checksum(entry[F.VOCAB_PADDED_ROWS], entry[F.PARAM].numel(), algorithm)
+    manifest["checksums"]["algorithm"] = algorithm
+    path.write_text(json.dumps(manifest))

@@ -548,6 +548,22 @@ def test_the_manifest_records_every_state_files_checksum(root: Path, writer: str
     assert rows_seen == 3  # fp32, exp_avg, exp_avg_sq of the padded vocabulary
 
 
+def test_a_manifest_written_with_the_previous_checksum_is_still_checked(root: Path):
+    """Folders converted before ucp-wsum64-v3 record v2 sums: verify checks them with v2, and finds a change."""
+    from megatron_ucp.format.integrity import LEGACY_ALGORITHM
+    from tests.support.elastic_support import flip_a_data_bit, rewrite_manifest_checksums
+
+    assert cli("convert", str(root)).returncode == 0
+    uni = root / f"{TAG}_universal"
+    rewrite_manifest_checksums(uni, LEGACY_ALGORITHM)  # as megatron-ucp before v3 wrote it
+    proc = cli("verify", str(uni))
+    assert proc.returncode == 0 and "match the manifest's checksums" in proc.stdout + proc.stderr, proc.stdout
+    victim = uni / F.UNIVERSAL_ZERO_DIR / "language_model.encoder.final_layernorm.weight" / "exp_avg.pt"
+    flip_a_data_bit(victim)
+    proc = cli("verify", str(uni))
+    assert proc.returncode == 1 and "checksum differs" in proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("damage", ["bit flip", "another file's tensor", "file removed"])
 def test_verify_without_source_finds_what_changed_since_the_conversion(root: Path, damage: str):
     import shutil

@@ -17,6 +17,7 @@ of the continued steps equal the uninterrupted run's (tolerance for bf16 reducti
 """
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -25,10 +26,11 @@ import torch
 
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.format.integrity import LEGACY_ALGORITHM
 from tests.support.dsharness import TrainResult, TrainSpec, run_training
 from tests.support.dsharness.stock import stock_ds_to_universal
 from tests.support.elastic_support import (ElasticRuns, assert_losses_continue, assert_same_state, flip_a_data_bit,
-                                   private_copy, resume, summary_lines, ucp_lines)
+                                   private_copy, resume, rewrite_manifest_checksums, summary_lines, ucp_lines)
 
 pytestmark = pytest.mark.slow
 
@@ -435,7 +437,8 @@ def test_buffers_saved_by_the_pipeline_model_reach_the_non_pipeline_one(tmp_path
     assert [layer.window.tolist() for layer in net.language_model.encoder.layers] == [[2.0] * 3, [3.0] * 3]
 
 
-@pytest.mark.parametrize("damage", ["transposed fp32", "truncated model states", "bit rot in exp_avg"])
+@pytest.mark.parametrize("damage", ["transposed fp32", "truncated model states", "bit rot in exp_avg",
+                                    "bit rot in exp_avg, v2 manifest"])
 def test_a_damaged_universal_folder_is_refused_naming_the_file(ds_checkpoint, runs, damage: str) -> None:
     """A universal fp32.pt replaced by its transpose (same element count) must not load as if it were
     the parameter; a truncated model-states file is named, not reported as a raw zip error; one flipped
@@ -451,7 +454,9 @@ def test_a_damaged_universal_folder_is_refused_naming_the_file(ds_checkpoint, ru
             entry = torch.load(victim, weights_only=False)
             entry["param"] = entry["param"].t().contiguous()
             torch.save(entry, victim)
-        elif damage == "bit rot in exp_avg":
+        elif damage.startswith("bit rot in exp_avg"):
+            if damage.endswith("v2 manifest"):  # converted before ucp-wsum64-v3: checked with v2 on both sides
+                rewrite_manifest_checksums(uni, LEGACY_ALGORITHM)
             victim = uni / "zero" / QKV / "exp_avg.pt"
             flip_a_data_bit(victim)
         else:
@@ -463,7 +468,8 @@ def test_a_damaged_universal_folder_is_refused_naming_the_file(ds_checkpoint, ru
 
     res, victim = runs.get(f"damaged-{damage}", make)
     assert res.returncode != 0 and res.losses == [], res.log[-3000:]
-    if damage == "bit rot in exp_avg":
-        assert f"checksum mismatch: parameter '{QKV}', state 'exp_avg'" in res.log, res.log[-3000:]
+    if damage.startswith("bit rot in exp_avg"):  # the one damaged file, not every file (a wrong algorithm would)
+        mismatches = re.findall(r"checksum mismatch: parameter '([^']+)', state '([^']+)'", res.log)
+        assert set(mismatches) == {(QKV, "exp_avg")}, res.log[-3000:]
         return
     assert str(victim) in res.log and ("shape" in res.log or "damaged" in res.log), res.log[-3000:]
