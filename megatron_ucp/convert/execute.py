@@ -264,7 +264,8 @@ def files_copied_as_they_are(files: CheckpointFiles) -> list[Path]:
 def check_torch_loadable(files: CheckpointFiles) -> None:
     """Damage ``torch.load`` rejects in a file copied as it is is an error before any work, not a
     "complete" folder that cannot load: our structural check here (headers only, the clearest
-    messages), torch's own reader before the commit (:func:`_refuse_what_torch_refuses`). Rank
+    messages), torch's own reader over every file of the output before the commit
+    (:func:`_refuse_what_torch_refuses`). Rank
     files are only read by this converter (tolerantly, correctly): the reader warns about their
     damage (a native DeepSpeed load of this tag would fail) as it reads their headers anyway."""
     for path in files_copied_as_they_are(files):
@@ -276,11 +277,15 @@ def check_torch_loadable(files: CheckpointFiles) -> None:
                                         "folder would carry it", subject=path)
 
 
-def _refuse_what_torch_refuses(check: TorchReaderCheck) -> None:
-    """Before the commit: every file copied as it is opens with torch's own zip reader (whatever it rejects)."""
-    for path, reason in sorted(check.refused().items()):
-        raise CheckpointFormatError(f"{path}: damaged (torch's zip reader: {reason}): torch.load, which DeepSpeed's "
-                                    "loader uses, rejects it; the universal folder would carry it", subject=path)
+def _refuse_what_torch_refuses(check: TorchReaderCheck, folder: Path, sources: list[Path]) -> None:
+    """Before the commit, every file the output holds opens with torch's own zip reader (whatever it
+    rejects): named by its source when it was copied as it is, else by its place in the output."""
+    written = sorted(p for p in folder.rglob("*.pt") if p.is_file())
+    copied = {folder / src.name: src for src in sources}
+    for path, reason in sorted(check.refused(written).items()):
+        name = copied.get(Path(path), Path(path))
+        raise CheckpointFormatError(f"{name}: damaged (torch's zip reader: {reason}): torch.load, which DeepSpeed's "
+                                    "loader uses, rejects it; the universal folder would carry it", subject=name)
 
 
 def _merged_sums(plan: ConversionPlan, shares: Sequence[dict]) -> Optional[dict]:
@@ -365,7 +370,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
     # Each rank file is opened (mapped, metadata unpickled) once: the metadata pass, the step check,
     # the writers and the common state all use the same cached objects.
     check_torch_loadable(files)
-    reader_check = TorchReaderCheck(files_copied_as_they_are(files))  # runs while we convert
+    reader_check = TorchReaderCheck()  # imports torch in a child while we convert
     try:
         return _convert_checked(ck, files, options, output, force, identity, t0, reader_check)
     finally:
@@ -400,7 +405,7 @@ def _convert_checked(ck: ResolvedCheckpoint, files: CheckpointFiles, options: Co
             drift = compare_replicas(plan, cache)
             for d in drift:
                 log.warning("%s: %s", ck.tag_dir, d.describe())
-            _refuse_what_torch_refuses(reader_check)
+            _refuse_what_torch_refuses(reader_check, staging.path, files_copied_as_they_are(files))
             shares = staging.shares_done()
             staging.close()
             staging.commit(_manifest(meta, ck, plan, frozen, shares, time.perf_counter() - t0, identity, drift), force)

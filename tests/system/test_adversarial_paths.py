@@ -190,6 +190,32 @@ def test_model_states_that_torch_refuses_is_not_committed(root: Path, entries: t
     assert not (root / F.LATEST_UNIVERSAL).exists()
 
 
+def test_a_written_state_file_torch_refuses_is_not_committed(root: Path, monkeypatch):
+    """Every file of the output, not only those copied as they are, opens with torch's reader before
+    the commit: a state file damaged between its write and the commit is named, nothing is committed."""
+    import struct
+
+    from megatron_ucp.convert import execute
+    from megatron_ucp.errors import CheckpointFormatError
+
+    compare = execute.compare_replicas
+    damaged = []
+
+    def damage_one_written_file(plan, cache):  # runs in the commit block, just before torch's check
+        victim = sorted(Path(cache.paths[0]).parents[1].glob(f".{TAG}_universal*/zero/*/exp_avg.pt"))[0]
+        data = bytearray(victim.read_bytes())
+        struct.pack_into("<QQ", data, data.rfind(b"PK\x06\x06") + 24, 9, 9)
+        victim.write_bytes(bytes(data))
+        damaged.append(victim)
+        return compare(plan, cache)
+
+    monkeypatch.setattr(execute, "compare_replicas", damage_one_written_file)
+    with pytest.raises(CheckpointFormatError, match="torch's zip reader") as refused_:
+        execute.convert(execute.ConvertOptions(source=root, progress=False))
+    assert damaged and damaged[0].name in str(refused_.value) and damaged[0].parent.name in str(refused_.value)
+    assert not (root / F.universal_tag(TAG)).exists() and not (root / F.LATEST_UNIVERSAL).exists()
+
+
 def test_status_reports_symlink_loops_in_its_table(root: Path):
     """A tag folder or a `latest` that is a symlink loop is a line of status, not its end (exit 2)."""
     os.symlink("global_step9", root / "global_step9")
