@@ -21,8 +21,11 @@ MDS_RESULTS_PREFIX = "megatron-deepspeed-"
 
 def not_run_note(expected: str) -> str:
     where = expected or "../shared/third_party/megatron-deepspeed"
-    return ("\n!!! The tests against the real Megatron-DeepSpeed did NOT run: no checkout at "
-            f"{where} (pretrain_gpt_alcf.py not found).\n"
+    if (Path(where) / "pretrain_gpt_alcf.py").is_file():
+        why = f"a checkout is at {where}, but no run against it left results (stopped before them?)"
+    else:
+        why = f"no checkout at {where} (pretrain_gpt_alcf.py not found)"
+    return (f"\n!!! The tests against the real Megatron-DeepSpeed did NOT run: {why}.\n"
             "!!! To run them: MEGATRON_DEEPSPEED_DIR=/path/to/Megatron-DeepSpeed EZPZ_DIR=/path/to/ezpz make test\n"
             "!!! (argonne-lcf/Megatron-DeepSpeed and saforem2/ezpz; see tests/integration/mds.py)")
 

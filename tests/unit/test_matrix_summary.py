@@ -33,3 +33,15 @@ def test_with_it_the_closing_line_follows_the_runs(tmp_path: Path) -> None:
     rc, lines = _summary(tmp_path)
     assert rc == 1 and lines[-1] == "7 passed, 1 failed, 0 skipped"
     assert not any("did NOT run" in line for line in lines)
+
+
+def test_a_checkout_without_results_is_not_called_missing(tmp_path: Path) -> None:
+    checkout = tmp_path / "Megatron-DeepSpeed"
+    checkout.mkdir()
+    (checkout / "pretrain_gpt_alcf.py").write_text("")
+    results = tmp_path / "results"
+    results.mkdir()
+    _junit(results / "deepspeed-0.19.8.xml", 2, failures=1)
+    done = subprocess.run([sys.executable, str(SCRIPT), str(results)], capture_output=True, text=True,
+                          env={"MEGATRON_DEEPSPEED_DIR": str(checkout)})
+    assert done.returncode == 1 and f"a checkout is at {checkout}, but no run against it" in done.stdout
