@@ -16,7 +16,8 @@ the tag by hand) and ``save_checkpoint`` returns normally. Rank 0 reports, at ea
 queue event not reported yet: conversions completed, failed (with the log path), skipped because
 saves came faster than conversions, interrupted, or removed by ``keep_last``.
 
-End of run: an ``atexit`` handler in each node's launcher process waits up to
+End of run: an ``atexit`` handler in each node's launcher process (or the runner, when the script
+ends normally: :func:`wait_at_end_of_run`) waits up to
 ``converter_exit_wait`` seconds for its node's converter, so the last save's conversion finishes
 inside the job allocation; if it does not, it says so, and ``megatron-ucp status`` /
 ``megatron-ucp convert`` show and complete it. When training dies of an uncaught exception the
@@ -178,7 +179,14 @@ def _after_commit(engine: Any, save_dir: str, tag: str, config: UcpConfig) -> No
 
 
 def _at_exit() -> None:
-    """Wait (bounded) for this node's converter so the last save's conversion finishes in the job."""
+    wait_at_end_of_run()
+
+
+def wait_at_end_of_run() -> None:
+    """Wait (bounded by ``converter_exit_wait``) for this node's converter so the last save's
+    conversion finishes inside the job. At process exit (``atexit``) for scripts that install the
+    hooks themselves; the runner calls it when the script ends normally, before it uninstalls the
+    hooks (which would stop the wait). Not after a crash: the job should end now."""
 
     config: Optional[UcpConfig] = _state["config"]
     launched: dict = _state["launched"]

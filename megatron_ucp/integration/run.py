@@ -42,6 +42,7 @@ from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import stand_ins_for_unimportable
 from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
+from megatron_ucp.integration.async_trigger import wait_at_end_of_run
 from megatron_ucp.plan.launch import (CheckpointFacts, MegatronArgs, alcf_batch_env, checkpoint_tag_file, derived_seed,
                                       detect_rank, detect_ranks_per_node, detect_world_size, facts_from_model_states,
                                       int_or_none, megatron_args, plan_launch)
@@ -399,10 +400,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UcpError as exc:
         print(f"megatron-ucp run: error: {exc}", file=sys.stderr)
         return 2
+    ended_normally = False
     try:
         with reseed_after_load(plan.reseed_base) if plan.reseed_base is not None else contextlib.nullcontext():
-            return _run_target(split.target, final_args)
+            status = _run_target(split.target, final_args)
+        ended_normally = True
+        return status
+    except SystemExit as exc:  # Megatron's --exit-interval ends with sys.exit()
+        ended_normally = exc.code in (None, 0)
+        raise
     finally:
+        if ended_normally:  # the last save's background conversion, before uninstall stops the wait
+            wait_at_end_of_run()
         megatron_ucp.uninstall()
 
 

@@ -449,6 +449,22 @@ def _launch(args, nprocs, tmp, name, env=None):
                   for m in _LOSS.finditer(text)}
 
 
+def test_the_runner_waits_for_the_last_saves_conversion_when_the_script_ends(tmp_path):
+    """The script exits (Megatron's --exit-interval: sys.exit) while the background conversion of its
+    last save still runs (the converter pauses 8 s after its first parameter): the runner waits for it
+    before it uninstalls the hooks, so the job ends with the twin complete. (Uninstalling used to drop
+    the end-of-run wait: only conversions quicker than the end of the script finished.)"""
+    from megatron_ucp.convert.universal import universal_state
+    from megatron_ucp.faults import PAUSE_ENV
+
+    text, losses = _launch(["--standin-grad-acc-steps", "3", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                            "--exit-interval", "2", "--ucp-async-convert"], 1, tmp_path, "save",
+                           env={PAUSE_ENV: "global_step2:8:0"})
+    assert sorted(losses) == [1, 2]
+    assert "waiting up to" in text and "background conversions in" in text and "finished" in text, text[-3000:]
+    assert universal_state(tmp_path / "ckpt" / "global_step2_universal") == "complete"
+
+
 @pytest.fixture(scope="module")
 def saved_at_dp2(tmp_path_factory):
     """Iterations 1-2 at DP=2 (global batch 6 = micro 1 x DP 2 x GAS 3), saved, then exit."""
