@@ -98,18 +98,13 @@ def read_tag_file(path: Path) -> Optional[str]:
     if kind is not None:
         raise CheckpointFormatError(f"{path}: is {kind}, not a file holding a tag name; remove or replace it",
                                     subject=path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:  # the shared opener: also refuses a file replaced by a FIFO between the check and the open
+        with open_checkpoint_file(path) as fh:
+            data = fh.read(MAX_TAG_FILE_BYTES + 1)
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise CheckpointFormatError(f"{path}: cannot read: {exc.strerror}", subject=path) from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the check and the open
-            raise CheckpointFormatError(f"{path}: is not a regular file", subject=path)
-        data = os.read(fd, MAX_TAG_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
     if len(data) > MAX_TAG_FILE_BYTES:
         raise CheckpointFormatError(f"{path}: {len(data)}+ bytes, not a tag name", subject=path)
     try:
