@@ -56,7 +56,7 @@ export DS_ACCELERATOR := cpu
 export DS_BUILD_OPS := 0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv matrix demo test test-main test-matrix bench clean-venv
+.PHONY: venv matrix demo test test-main test-matrix bench bench-scale clean-venv
 
 venv: $(STAMP)
 
@@ -117,6 +117,14 @@ test-matrix: matrix
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_convert.py
 	$(BIN)/python benchmarks/bench_resume.py
+
+# Synthetic checkpoints at DP up to 768 (megatron_ucp.synthetic): conversion against DP and against
+# stock and the ALCF converter, and the AuroraGPT-7B plan from metadata. llama-1b needs ~25 GB of disk
+# (one checkpoint, one output and stock's fragments at a time) and about an hour on 2 cores.
+BENCH_SCALE_PRESET ?= llama-1b
+bench-scale: $(STAMP)
+	$(BIN)/python benchmarks/bench_scale.py --preset $(BENCH_SCALE_PRESET) --flavour plain
+	$(BIN)/python benchmarks/bench_scale.py --preset $(BENCH_SCALE_PRESET) --flavour megatron --tools ours,cp+sync
 
 clean-venv:
 	rm -rf $(VENV) $(MATRIX_DIR)

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from megatron_ucp.errors import UcpError
 
-COMMANDS = ("convert", "inspect", "verify", "status")
+COMMANDS = ("convert", "inspect", "verify", "status", "synthesize")
 
 
 def build_parser() -> argparse.ArgumentParser:

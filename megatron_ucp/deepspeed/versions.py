@@ -74,6 +74,51 @@ INTERNALS = {
 }
 HOOKS_TESTED_DEEPSPEED = tuple(INTERNALS)
 
+@dataclass(frozen=True)
+class SavedFiles:
+    """What one release writes differently from the others: the synthetic-checkpoint writer follows
+    it, and ``tests/system/test_synthetic_checkpoint.py`` holds it to a real save of each release."""
+
+    zero_per_rank_padding: bool
+    """DeepSpeedZeroOptimizer's ``group_paddings`` is the per-rank clamp (else ``P - N`` on the last rank)."""
+    param_alignment_paddings: bool
+    """DeepSpeedZeroOptimizer files carry ``param_alignment_paddings`` (per-parameter padding lists)."""
+    parallel_dimensions: bool
+    """Model states carry ``checkpoint_parallel_dimensions`` (``tp_degree``, ``pp_degree``)."""
+    sparse_tensor_module_names: bool
+    """Model states carry ``sparse_tensor_module_names``."""
+    universal_checkpoint_version: float = 0.2
+    """``deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE`` (Megatron records it)."""
+    recovery_scripts: tuple[str, ...] = ("zero_to_fp32.py",)
+    """Scripts the engine copies next to ``latest``."""
+
+
+SAVED_FILES = {
+    "0.16.2": SavedFiles(zero_per_rank_padding=False, param_alignment_paddings=False, parallel_dimensions=False,
+                         sparse_tensor_module_names=True),
+    "0.16.9": SavedFiles(zero_per_rank_padding=True, param_alignment_paddings=False, parallel_dimensions=False,
+                         sparse_tensor_module_names=True),
+    "0.17.6": SavedFiles(zero_per_rank_padding=True, param_alignment_paddings=False, parallel_dimensions=False,
+                         sparse_tensor_module_names=True),
+    "0.18.9": SavedFiles(zero_per_rank_padding=True, param_alignment_paddings=False, parallel_dimensions=False,
+                         sparse_tensor_module_names=True),
+    "0.19.5": SavedFiles(zero_per_rank_padding=True, param_alignment_paddings=False, parallel_dimensions=True,
+                         sparse_tensor_module_names=True, universal_checkpoint_version=0.3),
+    "0.19.8": SavedFiles(zero_per_rank_padding=True, param_alignment_paddings=True, parallel_dimensions=True,
+                         sparse_tensor_module_names=False, universal_checkpoint_version=0.4,
+                         recovery_scripts=("zero_to_fp32.py", "zero_to_torch.py")),
+}
+
+
+def saved_files(version: str) -> SavedFiles:
+    """How release ``version`` lays out its files; only the tested releases (a guess would be a lie)."""
+    facts = SAVED_FILES.get(version)
+    if facts is None:
+        raise UnsupportedError(f"DeepSpeed {version}: no record of how it writes checkpoints; known releases "
+                               f"{', '.join(SAVED_FILES)}", subject=version)
+    return facts
+
+
 # Range of ds_version values recorded in checkpoint files that the reader understands.
 FILES_MIN_DEEPSPEED = Version("0.10.0")
 FILES_MAX_DEEPSPEED = Version("0.19.8")

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Sequence
+from typing import Any
 
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.model_parallel import tp_layout_record
-from megatron_ucp.plan.geometry import NCCL_START_ALIGNMENT_FACTOR, GroupGeometry
+from megatron_ucp.plan.save_record import partition_record
 from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
 
 log = logging.getLogger(__name__)
@@ -26,36 +26,6 @@ log = logging.getLogger(__name__)
 
 def wanted(config: UcpConfig) -> bool:
     return config.record_true_lengths
-
-
-def partition_record(group_numels: Sequence[int], padded_group_numels: Sequence[int],
-                     flat_numels: Sequence[int], dp_sizes: Sequence[int], dp_ranks: Sequence[int],
-                     alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR) -> dict[str, Any]:
-    """The keys added to a rank's optimizer state dict. Pure; checks DeepSpeed's flat sizes."""
-    if len(set(dp_sizes)) != 1 or len(set(dp_ranks)) != 1:
-        raise UnsupportedError(f"param groups with different data-parallel groups (sizes {list(dp_sizes)}) "
-                               "are not supported (MoE expert groups?)")
-    dp, rank = dp_sizes[0], dp_ranks[0]
-    geos = [GroupGeometry(numel=n, dp=dp, padded_numel=pn, alignment_factor=alignment_factor)
-            for n, pn in zip(group_numels, padded_group_numels)]
-    for g, (geo, flat) in enumerate(zip(geos, flat_numels)):
-        if geo.padded_total != flat:
-            raise UnsupportedError(f"param group {g}: DeepSpeed's flat buffer has {flat} elements, the known geometry "
-                                   f"gives {geo.padded_total} (N={geo.numel}, DP={dp}); this DeepSpeed partitions "
-                                   "differently from what megatron-ucp understands")
-    return {
-        F.GROUP_PADDINGS: [geo.padding(rank) for geo in geos],
-        F.GROUP_TRUE_LENGTHS: [geo.true_length(rank) for geo in geos],
-        F.ZERO_PARTITION_INFO: {
-            "version": F.ZERO_PARTITION_INFO_VERSION,
-            "dp_size": dp,
-            "dp_rank": rank,
-            "alignment": alignment_factor * dp,
-            "group_numels": [geo.numel for geo in geos],
-            "padded_group_numels": [geo.padded_numel for geo in geos],
-            "partition_sizes": [geo.partition_size for geo in geos],
-        },
-    }
 
 
 def _dp_of(optimizer: Any) -> tuple[list[int], list[int]]:

@@ -102,6 +102,33 @@ def test_training_saves_and_converts_in_the_background(trained):
     assert entry[F.PARAM].shape[0] == 257 and entry[F.VOCAB_PADDED_ROWS].shape[0] == 384 - 257
 
 
+def test_synthetic_writer_matches_the_training_save(trained, tmp_path):
+    """The synthetic writer (megatron flavour, with the save record) writes what this Megatron-DeepSpeed
+    run saved at iteration 3: every file, key, shape, dtype, storage size, ``args`` field it
+    writes and geometry field (tests/support/file_structure.py); schedule counters and RNG states
+    compared by kind."""
+    import deepspeed
+
+    from megatron_ucp.plan.llama_shapes import LlamaShape
+    from megatron_ucp.synthetic.content import SyntheticSpec
+    from megatron_ucp.synthetic.writer import write_checkpoint
+    from tests.integration.mds import CORPUS_TOKENS
+    from tests.support.file_structure import folder_differences, load
+
+    optimizer, root, _ = trained
+    m = MdsModel()
+    shape = LlamaShape(layers=m.layers, hidden=m.hidden, ffn=m.ffn, heads=m.heads, kv_heads=m.kv_heads, vocab=384,
+                       original_vocab=CORPUS_TOKENS + 1, tied=not m.untied)
+    spec = SyntheticSpec(shape=shape, dp=4, optimizer=optimizer, record=True, ds_version=deepspeed.__version__,
+                         iteration=3, micro_batch=1, grad_accumulation=3, seq_length=m.seq)
+    written = write_checkpoint(tmp_path / "synthetic", spec, progress=False)
+    diffs = folder_differences(root / "global_step3", written.tag_dir)
+    assert not diffs, "\n".join(diffs[:40])
+    real_args = vars(load(root / "global_step3" / "mp_rank_00_model_states.pt")["args"])
+    ours = vars(load(written.tag_dir / "mp_rank_00_model_states.pt")["args"])
+    assert {k: (real_args.get(k, "<absent>"), v) for k, v in ours.items() if real_args.get(k, "<absent>") != v} == {}
+
+
 def test_resume_at_dp3_with_no_flag(trained, mds_checkout, mds_runs):
     optimizer, root, reference = trained
 

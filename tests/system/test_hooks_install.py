@@ -13,7 +13,7 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.errors import UcpError, UnsupportedError
 from megatron_ucp.integration.install import PatchSet
-from megatron_ucp.integration.save_recording import partition_record
+from megatron_ucp.plan.save_record import partition_record
 
 
 @pytest.fixture(autouse=True)

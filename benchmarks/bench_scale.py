@@ -1,0 +1,200 @@
+"""Scale benchmark: conversion against DP size on synthetic checkpoints, and the 7B/768 plan from metadata.
+
+A DP = 768 run cannot train on a workstation; its files can be written (``megatron_ucp.synthetic``,
+proven key for key against real saves by tests/system/test_synthetic_checkpoint.py) and every tool
+that reads them measured, side by side in one run, one configuration on disk at a time:
+
+* ``convert``: for each DP size, a synthetic checkpoint of one model (``--preset``, default
+  ``llama-1b``: ~11.4 GB of fp32 master and Adam state), then, page cache dropped before each:
+  ``megatron-ucp convert`` (ours), DeepSpeed's ``ds_to_universal`` (stock), the ALCF fork's
+  ``ALCF/ds_to_universal.py`` (when ``../shared/third_party`` has it) and ``cp -r`` + ``sync`` of the
+  same tag folder (the copy floor: read + write + fsync of the same bytes). Wall time, peak RSS of
+  the process tree, or the crash's last line. Ours is checked afterwards (``megatron-ucp verify``).
+* ``metadata``: ``megatron-ucp inspect`` and the conversion plan (built and checked) of the real
+  AuroraGPT-7B shapes at DP 768, both optimizer classes, from metadata alone: time and peak RSS.
+
+Results go to benchmarks/results/scale-<preset>-<flavour>.{json,md}. ::
+
+    python benchmarks/bench_scale.py                      # llama-1b at DP 8, 64, 256, 768
+    python benchmarks/bench_scale.py --preset llama-100m --dp 8,768 --tools ours,cp+sync
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(REPO_ROOT))
+
+import bench_convert as bc  # noqa: E402  (shared measuring helpers)
+
+from megatron_ucp.plan.llama_shapes import preset  # noqa: E402
+from megatron_ucp.synthetic.content import SyntheticSpec  # noqa: E402
+from megatron_ucp.synthetic.writer import write_checkpoint  # noqa: E402
+
+ALCF_CONVERTER = REPO_ROOT.parent / "shared" / "third_party" / "megatron-deepspeed" / "ALCF" / "ds_to_universal.py"
+TOOLS = ("ours", "stock", "alcf", "cp+sync")
+
+
+def tool_argv(tool: str, tag: Path, out: Path, workers: int) -> list[list[str]]:
+    if tool == "alcf":
+        return [[bc.python(), str(ALCF_CONVERTER), "--input_folder", str(tag), "--output_folder", str(out),
+                 "--inject_missing_state", "--num_extract_workers", str(workers), "--num_merge_workers",
+                 str(workers)]]
+    return bc.tool_argv(tool, tag, out, workers)
+
+
+def run_tool(tool: str, tag: Path, scratch: Path, workers: int) -> dict:
+    out = scratch / f"out-{tool}"
+    log = scratch / f"{tool}.log"
+    shutil.rmtree(out, ignore_errors=True)
+    bc.evict(tag)
+    started, peak, result = time.perf_counter(), 0, {}
+    try:
+        # The ALCF script calls torch.load without weights_only=False, which torch >= 2.6 refuses for
+        # any DeepSpeed file (it pickles DeepSpeed objects): the one environment edit it gets.
+        env = {**os.environ, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"} if tool == "alcf" else None
+        for argv in tool_argv(tool, tag, out, workers):
+            step = bc.run_measured(argv, env=env, log=log)
+            peak = max(peak, step["peak_rss"])
+        result = {"seconds": time.perf_counter() - started, "peak_rss": peak}
+        if tool == "ours":
+            verify = subprocess.run([bc.python(), "-m", "megatron_ucp.cli", "verify", str(out), "--source", str(tag)],
+                                    capture_output=True, text=True, cwd=REPO_ROOT)
+            result["verified"] = verify.returncode == 0
+    except RuntimeError:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        crash = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "no output")
+        result = {"crashed": crash.strip()[:300], "seconds": time.perf_counter() - started}
+    shutil.rmtree(out, ignore_errors=True)
+    for temp in scratch.glob("out-*"):
+        shutil.rmtree(temp, ignore_errors=True)
+    return result
+
+
+def bench_convert_at(spec: SyntheticSpec, tools: list[str], workers: int, scratch: Path) -> dict:
+    root = scratch / f"ckpt-dp{spec.dp}"
+    shutil.rmtree(root, ignore_errors=True)
+    written = write_checkpoint(root, spec, progress=False)
+    row = {"dp": spec.dp, "bytes": written.bytes, "files": written.files, "write_seconds": written.seconds}
+    for tool in tools:
+        row[tool] = run_tool(tool, written.tag_dir, scratch, workers)
+        print(f"  DP {spec.dp:4d} {tool:8s} {json.dumps(row[tool])}", flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    return row
+
+
+def metadata_probe(dp: int = 768) -> list[dict]:
+    """Inspect and plan AuroraGPT-7B at ``dp`` from shapes alone, each in a fresh process."""
+    out = []
+    for optimizer in ("bf16", "zero"):
+        code = ("import json,resource,time\n"
+                "t=time.perf_counter()\n"
+                "from megatron_ucp.plan.llama_shapes import preset\n"
+                "from megatron_ucp.synthetic.content import SyntheticSpec\n"
+                "from megatron_ucp.synthetic.metadata import rank_layouts\n"
+                "from megatron_ucp.plan.conversion import build_plan, check_plan\n"
+                f"s=SyntheticSpec(shape=preset('aurora-7b'),dp={dp},optimizer='{optimizer}',ds_version='0.16.2')\n"
+                "p=build_plan(s.groups(),rank_layouts(s)); check_plan(p)\n"
+                "print(json.dumps({'seconds':time.perf_counter()-t,"
+                "'peak_rss':resource.getrusage(resource.RUSAGE_SELF).ru_maxrss*1024}))\n")
+        plan = json.loads(subprocess.run([bc.python(), "-c", code], capture_output=True, text=True, check=True,
+                                         cwd=REPO_ROOT).stdout.strip().splitlines()[-1])
+        groups = [sum(p.numel for p in g) for g in preset("aurora-7b").param_groups()]
+        t0 = time.perf_counter()
+        inspect = subprocess.run([bc.python(), "-m", "megatron_ucp.cli", "inspect", "--group-numels",
+                                  ",".join(map(str, groups)), "--dp", str(dp), "--optimizer", optimizer,
+                                  "--ds-version", "0.16.2", "--target-dp", "1-1024"],
+                                 capture_output=True, text=True, cwd=REPO_ROOT)
+        out.append({"optimizer": optimizer, "dp": dp, "plan": plan, "inspect_seconds": time.perf_counter() - t0,
+                    "inspect_summary": inspect.stdout.strip().splitlines()[-1][:300]})
+        print(f"  7B DP {dp} {optimizer}: plan {plan}, inspect {out[-1]['inspect_seconds']:.2f} s", flush=True)
+    return out
+
+
+def _cell(result: dict, key: str = "seconds") -> str:
+    if "crashed" in result:
+        return f"crash: `{result['crashed'][:80]}`"
+    return f"{result[key]:.1f} s" if key == "seconds" else f"{result[key] / 2**20:.0f} MiB"
+
+
+def markdown(rows: list[dict], meta: list[dict], args: argparse.Namespace) -> str:
+    tools = [t for t in TOOLS if t in args.tools]
+    lines = [f"Preset `{args.preset}` ({rows[0]['bytes'] / 1e9:.1f} GB per checkpoint), {args.optimizer}, "
+             f"DeepSpeed {args.ds_version} files ({args.flavour}), page cache dropped before each run; {bc.machine()['cores']} cores.",
+             "", "| DP | " + " | ".join(tools) + " | ours / copy floor | ours peak RSS |",
+             "|---|" + "---|" * (len(tools) + 2)]
+    base = rows[0].get("ours", {}).get("seconds")
+    for row in rows:
+        ours, floor = row.get("ours", {}), row.get("cp+sync", {})
+        frac = (f"{floor['seconds'] / ours['seconds']:.0%} of floor speed"
+                if "seconds" in floor and "crashed" not in ours and "crashed" not in floor and "ours" in row else "-")
+        rss = _cell(ours, "peak_rss") if "peak_rss" in ours else "-"
+        lines.append(f"| {row['dp']} | " + " | ".join(_cell(row[t]) for t in tools) + f" | {frac} | {rss} |")
+    if base:
+        lines += ["", "Ours against DP (time / time at DP " + str(rows[0]["dp"]) + "): "
+                  + ", ".join(f"DP {r['dp']} {r['ours']['seconds'] / base:.2f}x" for r in rows
+                              if "seconds" in r.get("ours", {}) and "crashed" not in r["ours"])]
+    if meta:
+        lines += ["", "AuroraGPT-7B at DP 768 from metadata alone (no bytes on disk):", ""]
+        lines += [f"- {m['optimizer']}: plan built and checked in {m['plan']['seconds']:.2f} s, peak RSS "
+                  f"{m['plan']['peak_rss'] / 2**20:.0f} MiB; `inspect` {m['inspect_seconds']:.2f} s: {m['inspect_summary']}"
+                  for m in meta]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="llama-1b")
+    parser.add_argument("--dp", default="8,64,256,768")
+    parser.add_argument("--optimizer", choices=["bf16", "zero"], default="zero",
+                        help="zero (default): the ALCF default at PP=1, which stock converts at 0.16.4+ files")
+    parser.add_argument("--ds-version", default="0.19.8")
+    parser.add_argument("--flavour", choices=["megatron", "plain"], default="megatron",
+                        help="megatron: what pretrain_gpt_alcf.py saves (stock 0.19.8's ds_to_universal dies on its "
+                        "nested module dict at the end, as on a real save); plain: a bare engine's files")
+    parser.add_argument("--tools", default=",".join(TOOLS))
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--scratch", type=Path, default=None, help="where checkpoints go (default: a temp dir)")
+    parser.add_argument("--no-metadata", action="store_true")
+    args = parser.parse_args(argv)
+    args.tools = [t for t in args.tools.split(",") if t]
+    if "alcf" in args.tools and not ALCF_CONVERTER.is_file():
+        print(f"no {ALCF_CONVERTER}: leaving the ALCF converter out")
+        args.tools.remove("alcf")
+    scratch = Path(args.scratch or tempfile.mkdtemp(prefix="ucp-bench-scale-"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    rows = []
+    try:
+        for dp in (int(d) for d in args.dp.split(",")):
+            spec = SyntheticSpec(shape=preset(args.preset), dp=dp, optimizer=args.optimizer,
+                                 ds_version=args.ds_version, flavour=args.flavour)
+            rows.append(bench_convert_at(spec, args.tools, args.workers, scratch))
+    finally:
+        if args.scratch is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    meta = [] if args.no_metadata else metadata_probe()
+    results = BENCH_DIR / "results"
+    data = {"machine": bc.machine(), "args": {k: v for k, v in vars(args).items() if k != "scratch"},
+            "convert": rows, "metadata": meta, "self_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+    name = f"scale-{args.preset}-{args.flavour}"
+    (results / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
+    table = markdown(rows, meta, args)
+    (results / f"{name}.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The parameters of a Megatron-DeepSpeed llama-style ``GPTModel``, per TP rank, from its shape alone.
+
+Pure (no I/O, no torch). What ``pretrain_gpt_alcf.py`` builds with ``--no-pipeline-parallel``,
+``--normalization rmsnorm``, ``--disable-bias-linear``, RoPE and (optionally) ``--swiglu``,
+``--num-key-value-heads`` and ``--untie-embeddings-and-output-weights``: the names DeepSpeed
+records in ``param_shapes``, in declaration order, in Megatron's two param groups (weight decay:
+the matrices; no weight decay: the RMSNorm weights), and each parameter's TP split as Megatron's
+``tensor_model_parallel`` / ``partition_dim`` attributes give it. The synthetic-checkpoint writer
+and the metadata-only scale tools use it; a real save of the same shape is the proof
+(``tests/system/test_synthetic_checkpoint.py``, ``tests/integration``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_ucp.errors import PlanError
+from megatron_ucp.plan.conversion import ParamSpec
+from megatron_ucp.plan.tensor_parallel import TpLayout
+
+WEIGHT_DECAY, NO_WEIGHT_DECAY = 0, 1
+ROTARY_BUFFER = "language_model.rotary_pos_emb.inv_freq"
+"""The one persistent buffer of a RoPE model (``buffer_names``; Megatron's own save leaves it out)."""
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """A llama-style model's sizes. ``vocab`` is the padded vocabulary (``args.padded_vocab_size``)."""
+
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: Optional[int] = None
+    vocab: int = 32000
+    original_vocab: Optional[int] = None
+    """The tokenizer's vocabulary (``universal_checkpoint_info.original_vocab_size``); default ``vocab``."""
+    tied: bool = False
+    swiglu: bool = True
+
+    def __post_init__(self) -> None:
+        kv = self.kv_heads if self.kv_heads is not None else self.heads
+        object.__setattr__(self, "kv_heads", kv)
+        if self.original_vocab is None:
+            object.__setattr__(self, "original_vocab", self.vocab)
+        sizes = {"layers": self.layers, "hidden": self.hidden, "ffn": self.ffn, "heads": self.heads,
+                 "kv_heads": kv, "vocab": self.vocab}
+        bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise PlanError(f"llama shape: sizes must be positive integers, got {bad}")
+        if self.hidden % self.heads or self.heads % kv:
+            raise PlanError(f"llama shape: hidden {self.hidden} must divide into {self.heads} heads, and the heads "
+                            f"into {kv} key-value groups")
+        if not 0 < self.original_vocab <= self.vocab:
+            raise PlanError(f"llama shape: original vocabulary {self.original_vocab} must be in 1..{self.vocab}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    def check_tp(self, tp: int) -> None:
+        parts = {"vocab": self.vocab, "heads": self.heads, "kv_heads": self.kv_heads, "ffn": self.ffn}
+        bad = {k: v for k, v in parts.items() if v % tp}
+        if tp < 1 or bad:
+            raise PlanError(f"llama shape: TP={tp} must divide {bad or parts}")
+
+    def param_groups(self, tp: int = 1) -> list[list[ParamSpec]]:
+        """``[weight decay, no weight decay]``, each in declaration order, with one TP rank's shapes."""
+        self.check_tp(tp)
+        groups: list[list[ParamSpec]] = [[], []]
+        for name, (shape, layout) in self._declared().items():
+            group = NO_WEIGHT_DECAY if layout.replicated else WEIGHT_DECAY
+            groups[group].append(ParamSpec(name, group, _slice(shape, layout, tp)))
+        return groups
+
+    def tp_layouts(self) -> dict[str, TpLayout]:
+        """Each parameter's TP split as Megatron's attributes record it (what the save hook writes)."""
+        return {name: layout for name, (_, layout) in self._declared().items()}
+
+    def numel(self) -> int:
+        return sum(p.numel for g in self.param_groups() for p in g)
+
+    def _declared(self) -> dict[str, tuple[tuple[int, ...], TpLayout]]:
+        h = self.hidden
+        column, row, replicated = TpLayout(dim=0), TpLayout(dim=1), TpLayout(replicated=True)
+        out = {"language_model.embedding.word_embeddings.weight": ((self.vocab, h), column)}
+        for i in range(self.layers):
+            p = f"language_model.encoder.layers.{i}."
+            out[p + "input_layernorm.weight"] = ((h,), replicated)
+            out[p + "self_attention.query_key_value.weight"] = ((self.qkv_rows, h), column)
+            out[p + "self_attention.dense.weight"] = ((h, h), row)
+            out[p + "post_attention_layernorm.weight"] = ((h,), replicated)
+            out[p + "mlp.dense_h_to_4h.weight"] = (((2 if self.swiglu else 1) * self.ffn, h), column)
+            out[p + "mlp.dense_4h_to_h.weight"] = ((h, self.ffn), row)
+        out["language_model.encoder.final_layernorm.weight"] = ((h,), replicated)
+        if not self.tied:
+            out["language_model.output_layer.weight"] = ((self.vocab, h), column)
+        return out
+
+
+def _slice(shape: tuple[int, ...], layout: TpLayout, tp: int) -> tuple[int, ...]:
+    if layout.replicated:
+        return shape
+    out = list(shape)
+    out[layout.dim] //= tp
+    return tuple(out)
+
+
+PRESETS = {
+    "aurora-7b": LlamaShape(layers=32, hidden=4096, ffn=11008, heads=32, kv_heads=32, vocab=32000),
+    "llama-1b": LlamaShape(layers=16, hidden=2048, ffn=5632, heads=16, kv_heads=16, vocab=32000),
+    "llama-100m": LlamaShape(layers=8, hidden=768, ffn=2048, heads=12, kv_heads=4, vocab=32000),
+}
+"""``aurora-7b``: AuroraGPT-7B as ``train_aGPT_7B.sh`` configures it (Llama-2 tokenizer, no GQA).
+``llama-1b``: the scale benchmark's ~1B shape (about 11.4 GB of fp32 master and Adam state)."""
+
+
+def preset(name: str) -> LlamaShape:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise PlanError(f"unknown model preset {name!r}; one of {sorted(PRESETS)}") from None

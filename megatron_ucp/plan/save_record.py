@@ -1,0 +1,43 @@
+"""What the save hook adds to each rank's optimizer state dict, computed from the geometry. Pure.
+
+The hook (``integration/save_recording``) calls it with the live optimizer's sizes; the
+synthetic-checkpoint writer (``synthetic/``) with a model shape's. One function, so that a
+synthetic checkpoint "with our save record" carries exactly what a hooked save carries.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from megatron_ucp.errors import UnsupportedError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.plan.geometry import NCCL_START_ALIGNMENT_FACTOR, GroupGeometry
+
+
+def partition_record(group_numels: Sequence[int], padded_group_numels: Sequence[int],
+                     flat_numels: Sequence[int], dp_sizes: Sequence[int], dp_ranks: Sequence[int],
+                     alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR) -> dict[str, Any]:
+    """The keys added to a rank's optimizer state dict. Pure; checks DeepSpeed's flat sizes."""
+    if len(set(dp_sizes)) != 1 or len(set(dp_ranks)) != 1:
+        raise UnsupportedError(f"param groups with different data-parallel groups (sizes {list(dp_sizes)}) "
+                               "are not supported (MoE expert groups?)")
+    dp, rank = dp_sizes[0], dp_ranks[0]
+    geos = [GroupGeometry(numel=n, dp=dp, padded_numel=pn, alignment_factor=alignment_factor)
+            for n, pn in zip(group_numels, padded_group_numels)]
+    for g, (geo, flat) in enumerate(zip(geos, flat_numels)):
+        if geo.padded_total != flat:
+            raise UnsupportedError(f"param group {g}: DeepSpeed's flat buffer has {flat} elements, the known geometry "
+                                   f"gives {geo.padded_total} (N={geo.numel}, DP={dp}); this DeepSpeed partitions "
+                                   "differently from what megatron-ucp understands")
+    return {
+        F.GROUP_PADDINGS: [geo.padding(rank) for geo in geos],
+        F.GROUP_TRUE_LENGTHS: [geo.true_length(rank) for geo in geos],
+        F.ZERO_PARTITION_INFO: {
+            "version": F.ZERO_PARTITION_INFO_VERSION,
+            "dp_size": dp,
+            "dp_rank": rank,
+            "alignment": alignment_factor * dp,
+            "group_numels": [geo.numel for geo in geos],
+            "padded_group_numels": [geo.padded_numel for geo in geos],
+            "partition_sizes": [geo.partition_size for geo in geos],
+        },
+    }

@@ -1,0 +1,283 @@
+"""The objects DeepSpeed pickles into each file of a checkpoint, built from a spec instead of a run.
+
+One function per file kind: :func:`rank_file_state` (``*_optim_states.pt``: one DP rank's flat
+partitions and DeepSpeed's bookkeeping, exactly as ``BF16_Optimizer.state_dict`` or
+``DeepSpeedZeroOptimizer.state_dict`` of the given release returns it, wrapped as the engine saves
+it) and :func:`model_states` (``mp_rank_XX_model_states.pt``: the engine's dict, then the client
+state Megatron-DeepSpeed adds). DeepSpeed's own objects (``fragment_address``, ``LossScaler``,
+``ZeroStageEnum``) are lightpickle stand-ins pickled as DeepSpeed pickles them, so the files load
+with DeepSpeed's classes and nothing here imports DeepSpeed: any release's files are written from
+any environment. Where a release differs, :class:`~megatron_ucp.deepspeed.versions.SavedFiles` says how.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from megatron_ucp.deepspeed.versions import SavedFiles, saved_files
+from megatron_ucp.errors import PlanError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format.lightpickle import stand_in_class
+from megatron_ucp.plan.conversion import ParamSpec
+from megatron_ucp.plan.geometry import GroupGeometry, PaddingStyle
+from megatron_ucp.plan.llama_shapes import ROTARY_BUFFER, LlamaShape
+from megatron_ucp.plan.save_record import partition_record
+from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
+from megatron_ucp.synthetic.values import flat_range
+
+OPTIMIZERS = {"bf16": "BF16_Optimizer", "zero": "DeepSpeedZeroOptimizer"}
+FLAVOURS = ("megatron", "plain")
+_FRAGMENT = stand_in_class("deepspeed.utils.tensor_fragment", "fragment_address")
+_LOSS_SCALER = stand_in_class("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+_ZERO_STAGE = stand_in_class("deepspeed.runtime.zero.config", "ZeroStageEnum")
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """A checkpoint as a Megatron-DeepSpeed (or plain DeepSpeed) ZeRO-1/2 bf16 run would save it.
+
+    ``optimizer``: ``bf16`` (BF16_Optimizer: ``data_types.grad_accum_dtype: fp32``) or ``zero``
+    (DeepSpeedZeroOptimizer, ZeRO stage ``zero_stage``). ``record``: saved with megatron-ucp's
+    hooks (per-rank true lengths and paddings, partition info, TP layouts). ``flavour``:
+    ``megatron`` (``pretrain_gpt_alcf.py``'s GPTModel: nested module dict, ``args``, RNG states,
+    Megatron's param groups) or ``plain`` (an engine around a torch AdamW, no client state).
+    """
+
+    shape: LlamaShape
+    dp: int
+    tp: int = 1
+    optimizer: str = "bf16"
+    zero_stage: int = 1
+    ds_version: str = "0.19.8"
+    record: bool = False
+    flavour: str = "megatron"
+    iteration: int = 100
+    seed: int = 0
+    micro_batch: int = 1
+    grad_accumulation: int = 1
+    seq_length: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise PlanError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.zero_stage not in (1, 2) or (self.optimizer == "bf16" and self.zero_stage != 1):
+            raise PlanError(f"ZeRO stage {self.zero_stage} with {OPTIMIZERS[self.optimizer]}: BF16_Optimizer is "
+                            "stage 1 only, DeepSpeedZeroOptimizer stage 1 or 2")
+        if self.flavour not in FLAVOURS:
+            raise PlanError(f"flavour must be one of {FLAVOURS}, got {self.flavour!r}")
+        if self.dp < 1 or self.iteration < 1:
+            raise PlanError(f"DP size and iteration must be >= 1, got {self.dp}, {self.iteration}")
+        self.shape.check_tp(self.tp)
+        saved_files(self.ds_version)
+
+    @property
+    def files(self) -> SavedFiles:
+        return saved_files(self.ds_version)
+
+    @property
+    def tag(self) -> str:
+        return f"global_step{self.iteration}"
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.dp * self.grad_accumulation
+
+    def groups(self) -> list[list[ParamSpec]]:
+        return self.shape.param_groups(self.tp)
+
+    def geometries(self) -> list[GroupGeometry]:
+        return [GroupGeometry(numel=sum(p.numel for p in g), dp=self.dp) for g in self.groups()]
+
+    def padding_style(self) -> PaddingStyle:
+        """How this release's optimizer class records ``group_paddings`` (before our record replaces it)."""
+        if self.optimizer == "zero" and self.files.zero_per_rank_padding:
+            return PaddingStyle.PER_RANK
+        return PaddingStyle.LAST_RANK_ONLY
+
+    def ds_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {"train_batch_size": self.global_batch,
+                                  "train_micro_batch_size_per_gpu": self.micro_batch, "steps_per_print": 1000,
+                                  "gradient_clipping": 1.0, "zero_optimization": {"stage": self.zero_stage},
+                                  "bf16": {"enabled": True}, "wall_clock_breakdown": False}
+        if self.optimizer == "bf16":
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+        return config
+
+
+# ---- rank files ------------------------------------------------------------------------------
+def _param_group(spec: SyntheticSpec, group: int) -> dict[str, Any]:
+    adam = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-08, "weight_decay": 0.1 if group == 0 else 0.0,
+            "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+            "fused": None}
+    if spec.flavour == "megatron":  # Megatron's get_param_groups, then torch Adam (weight decay coupled)
+        head = {"name": "wd_no_scale_lr" if group == 0 else "no_wd_no_scale_lr",
+                "wd_mult": 1.0 if group == 0 else 0.0, "lr_mult": 1.0}
+        return {**head, **adam, "decoupled_weight_decay": False, "params": [group]}
+    return {**adam, "decoupled_weight_decay": True, "params": [group]}
+
+
+def slice_mappings(params: list[ParamSpec], start: int, size: int) -> "collections.OrderedDict[str, Any]":
+    """``param_slice_mappings`` of one group for the partition ``[start, start + size)``."""
+    out: collections.OrderedDict[str, Any] = collections.OrderedDict()
+    offset = 0
+    for p in params:
+        lo, hi = max(offset, start), min(offset + p.numel, start + size)
+        if hi > lo:
+            out[p.name] = _FRAGMENT.__new__(_FRAGMENT)
+            out[p.name].__setstate__({"numel": hi - lo, "start": lo - start})
+        offset += p.numel
+    return out
+
+
+def rank_file_state(spec: SyntheticSpec, tp_rank: int, dp_rank: int) -> dict[str, Any]:
+    """What the engine saves as ``bf16_zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt``."""
+    groups, geos, style = spec.groups(), spec.geometries(), spec.padding_style()
+    fp32, states, mappings, recorded = [], {}, [], []
+    for g, geo in enumerate(geos):
+        size = geo.partition_size
+        start = dp_rank * size
+
+        def part(state: str) -> torch.Tensor:
+            return flat_range(spec.seed, tp_rank, g, state, start, start + size, geo.numel)
+
+        padding = geo.recorded_padding(dp_rank, style)
+        master = part("fp32")
+        # DeepSpeedZeroOptimizer cuts its recorded padding off the fp32 partition (Python slice
+        # semantics: a padding larger than the partition leaves a wrong, positive length).
+        fp32.append(master[:size - padding] if spec.optimizer == "zero" else master)
+        states[g] = {"step": torch.tensor(float(spec.iteration)), "exp_avg": part("exp_avg"),
+                     "exp_avg_sq": part("exp_avg_sq")}
+        mappings.append(slice_mappings(groups[g], start, size))
+        recorded.append(padding)
+    base = {"state": states, "param_groups": [_param_group(spec, g) for g in range(len(geos))]}
+    sd: dict[str, Any] = {}
+    if spec.optimizer == "zero":
+        scaler = _LOSS_SCALER.__new__(_LOSS_SCALER)
+        scaler.__setstate__({"cur_scale": 1.0, "dynamic": False})
+        sd.update({"loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False})
+    sd.update({"clip_grad": 1.0, F.BASE_OPTIMIZER_STATE: base, F.SINGLE_PARTITION_OF_FP32_GROUPS: fp32})
+    if spec.optimizer == "zero":
+        sd[F.ZERO_STAGE] = _ZERO_STAGE(spec.zero_stage)
+    sd[F.GROUP_PADDINGS] = recorded
+    if spec.optimizer == "zero" and spec.files.param_alignment_paddings:
+        sd[F.PARAM_ALIGNMENT_PADDINGS] = [[0] * len(g) for g in groups]
+    sd.update({F.PARTITION_COUNT: [spec.dp] * len(geos), F.DS_VERSION: spec.ds_version,
+               F.PARAM_SLICE_MAPPINGS: mappings})
+    if spec.record:
+        sd.update(partition_record([geo.numel for geo in geos], [geo.numel for geo in geos],
+                                   [geo.padded_total for geo in geos], [spec.dp] * len(geos), [dp_rank] * len(geos)))
+    return {F.OPTIMIZER_STATE_DICT: sd, F.DS_CONFIG: spec.ds_config(), F.DS_VERSION: spec.ds_version}
+
+
+# ---- model states ------------------------------------------------------------------------------
+def bf16_weights(spec: SyntheticSpec, tp_rank: int) -> dict[str, torch.Tensor]:
+    """Each parameter's bf16 weight: the fp32 master rounded, as views of the group's flat buffer
+    (DeepSpeed's parameters are views of it, so ``torch.save`` stores the padded buffer once)."""
+    out = {}
+    for g, (params, geo) in enumerate(zip(spec.groups(), spec.geometries())):
+        flat = torch.zeros(geo.padded_total, dtype=torch.bfloat16)
+        chunk = 1 << 24
+        for lo in range(0, geo.numel, chunk):
+            hi = min(lo + chunk, geo.numel)
+            flat[lo:hi] = flat_range(spec.seed, tp_rank, g, "fp32", lo, hi, geo.numel).to(torch.bfloat16)
+        offset = 0
+        for p in params:
+            out[p.name] = flat[offset:offset + p.numel].view(p.shape)
+            offset += p.numel
+    return out
+
+
+def _module(spec: SyntheticSpec, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    order = [p.name for p in spec.shape.param_groups(spec.tp)[0] + spec.shape.param_groups(spec.tp)[1]]
+    declared = [n for n in spec.shape.tp_layouts() if n in order]
+    if spec.flavour == "plain":
+        return collections.OrderedDict((n, weights[n]) for n in declared)
+    # Megatron's state_dict_for_save_checkpoint: nested by submodule, the encoder's keys flat
+    prefix = "language_model.encoder."
+    lm: dict[str, Any] = {"embedding": {"word_embeddings": collections.OrderedDict(
+        weight=weights["language_model.embedding.word_embeddings.weight"])}}
+    lm["encoder"] = collections.OrderedDict((n[len(prefix):], weights[n]) for n in declared if n.startswith(prefix))
+    if not spec.shape.tied:
+        lm["output_layer"] = collections.OrderedDict(weight=weights["language_model.output_layer.weight"])
+    return {"language_model": lm}
+
+
+def _megatron_args(spec: SyntheticSpec) -> argparse.Namespace:
+    s = spec.shape
+    return argparse.Namespace(
+        num_layers=s.layers, hidden_size=s.hidden, ffn_hidden_size=s.ffn, num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads, padded_vocab_size=s.vocab, swiglu=s.swiglu,
+        untie_embeddings_and_output_weights=not s.tied, normalization="rmsnorm", add_bias_linear=False,
+        add_position_embedding=False, use_rotary_position_embeddings=True, seq_length=spec.seq_length,
+        tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=1, no_pipeline_parallel=True,
+        ds_pipeline_enabled=False, data_parallel_size=spec.dp, world_size=spec.dp * spec.tp, rank=0,
+        micro_batch_size=spec.micro_batch, global_batch_size=spec.global_batch, iteration=spec.iteration,
+        consumed_train_samples=spec.iteration * spec.global_batch, consumed_valid_samples=0,
+        deepspeed=True, bf16=True, fp16=False, zero_stage=spec.zero_stage)
+
+
+def _rng_state(seed: int) -> list[dict[str, Any]]:
+    gen = torch.Generator().manual_seed(seed)
+    state = gen.get_state()
+    return [{"random_rng_state": random.Random(seed).getstate(),
+             "np_rng_state": np.random.RandomState(seed).get_state(),
+             "torch_rng_state": state, "cuda_rng_state": state.clone(),
+             "rng_tracker_states": {"model-parallel-rng": state.clone()}}]
+
+
+def _megatron_client_state(spec: SyntheticSpec) -> dict[str, Any]:
+    s = spec.shape
+    info: dict[str, Any] = {F.UNIVERSAL_CHECKPOINT_VERSION_KEY: spec.files.universal_checkpoint_version,
+                            F.ORIGINAL_VOCAB_SIZE: s.original_vocab, "padded_vocab_size": s.vocab,
+                            F.VOCABULARY_PARAMETER_PATTERNS: ["language_model.embedding.word_embeddings.weight"]
+                            + ([] if s.tied else ["language_model.output_layer.weight"])}
+    layers = "language_model.encoder.layers."
+    if spec.tp > 1:
+        info[F.TP_REPLICATED_PARAMETER_PATTERNS] = [layers + r"\d+.input_layernorm.weight",
+                                                    layers + r"\d+.post_attention_layernorm.weight",
+                                                    "language_model.encoder.final_layernorm.weight"]
+        info[F.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] = [layers + r"\d+.mlp.dense_4h_to_h.weight",
+                                                           layers + r"\d+.self_attention.dense.weight"]
+    info[F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0] = [layers + r"\d+.mlp.dense_h_to_4h.weight"] if s.swiglu else []
+    lr = {"max_lr": 3e-4, "lr_warmup_steps": 2000, "lr_warmup_tokens": None, "num_steps": spec.iteration,
+          "num_tokens": spec.iteration * spec.global_batch * spec.seq_length, "lr_decay_style": "cosine",
+          "lr_decay_steps": 10 ** 6, "lr_decay_tokens": None, "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1,
+          "wd_incr_style": "constant", "wd_incr_steps": 10 ** 6}
+    return {"lr_scheduler": lr, F.UNIVERSAL_CHECKPOINT_INFO: info, "args": _megatron_args(spec),
+            "checkpoint_version": 3.0, "iteration": spec.iteration,
+            "tokens": spec.iteration * spec.global_batch * spec.seq_length, "rng_state": _rng_state(spec.seed)}
+
+
+def model_states(spec: SyntheticSpec, tp_rank: int, weights: Optional[dict[str, torch.Tensor]] = None) -> dict:
+    """What the engine saves as ``mp_rank_{tp_rank:02d}_model_states.pt`` (client state included)."""
+    weights = bf16_weights(spec, tp_rank) if weights is None else weights
+    files = spec.files
+    client = _megatron_client_state(spec) if spec.flavour == "megatron" else {}
+    frozen = collections.OrderedDict() if spec.zero_stage == 2 else None
+    state: dict[str, Any] = {
+        "module": _module(spec, weights),
+        "buffer_names": [ROTARY_BUFFER] if spec.flavour == "megatron" else [],
+        "optimizer": None,
+        F.PARAM_SHAPES: [collections.OrderedDict((p.name, torch.Size(p.shape)) for p in g) for g in spec.groups()],
+        # ZeRO-2 (partitioned gradients) saves the frozen parameters' shapes and fragments: none here
+        "frozen_param_shapes": frozen, "shared_params": {}, "frozen_param_fragments": frozen,
+        "lr_scheduler": client.pop("lr_scheduler", {"last_batch_iteration": spec.iteration - 1}),
+        "data_sampler": None, "random_ltd": None}
+    if files.sparse_tensor_module_names:
+        state["sparse_tensor_module_names"] = set()
+    state.update({"skipped_steps": 0, "global_steps": spec.iteration,
+                  "global_samples": spec.iteration * spec.global_batch, F.DP_WORLD_SIZE: spec.dp,
+                  F.MP_WORLD_SIZE: spec.tp})
+    if files.parallel_dimensions:
+        state[F.CHECKPOINT_PARALLEL_DIMENSIONS] = {"pp_degree": 1, "tp_degree": spec.tp}
+    state.update({F.DS_CONFIG: spec.ds_config(), F.DS_VERSION: spec.ds_version})
+    state.update(client)
+    if spec.record and spec.flavour == "megatron":
+        state[TP_LAYOUT_KEY] = {name: layout.to_record() for name, layout in spec.shape.tp_layouts().items()}
+    return state

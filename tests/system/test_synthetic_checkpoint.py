@@ -1,0 +1,134 @@
+"""The synthetic-checkpoint writer tells the truth: its files are a real DeepSpeed save's, key for key.
+
+* against real saves: the committed DeepSpeed 0.16.2 checkpoints (both optimizer classes, stock)
+  and the session's 0.19.x harness trainings (stock and with the hooks, ZeRO-1 and ZeRO-2), every
+  file name, key, tensor shape, dtype, storage size and geometry field equal (values a run
+  decides, and the harness's own client state, aside). The same comparison runs on every release
+  of the matrix (``test_deepspeed_versions``) and against the real Megatron-DeepSpeed
+  (``tests/integration``);
+* our conversion of a synthetic checkpoint equals an independent rebuild from its rank files (a
+  plain concatenation of the partitions), at DP 8 and at DP 768 where most ranks hold only
+  padding, and the two DP sizes give byte-identical universal folders.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ucp.convert.execute import ConvertOptions, convert
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.plan.llama_shapes import LlamaShape
+from megatron_ucp.synthetic.content import SyntheticSpec
+from megatron_ucp.synthetic.writer import write_checkpoint
+from tests.support.dsharness.checkpoints import legacy_fixture
+from tests.support.file_structure import folder_differences, load
+
+HARNESS = LlamaShape(layers=1, hidden=3, ffn=12, heads=1, vocab=64, original_vocab=60, swiglu=False)
+"""The harness's TinyGPT (tests/support/dsharness/model.py) as a llama shape: no SwiGLU, one head."""
+HARNESS_CLIENT_STATE = ("iteration", "universal_checkpoint_info")
+"""What the harness adds to the model states (not DeepSpeed, not Megatron): left out of the comparison,
+with its DeepSpeed config (the MDS comparison in tests/integration holds ``ds_config`` too)."""
+
+
+def harness_spec(optimizer: str, stage: int, record: bool, ds_version: str, dp: int = 4, step: int = 2):
+    return SyntheticSpec(shape=HARNESS, dp=dp, optimizer=optimizer, zero_stage=stage, record=record,
+                         flavour="plain", iteration=step, ds_version=ds_version, micro_batch=12 // dp)
+
+
+def assert_same_files(real_tag: Path, spec: SyntheticSpec, tmp_path: Path) -> None:
+    written = write_checkpoint(tmp_path / "synthetic", spec, progress=False)
+    diffs = folder_differences(real_tag, written.tag_dir, ignore=["/ds_config"], drop=HARNESS_CLIENT_STATE)
+    assert not diffs, "\n".join(diffs[:40])
+
+
+@pytest.mark.parametrize("name", ["bf16_optimizer", "zero_optimizer"])
+def test_synthetic_matches_deepspeed_0_16_2(name: str, tmp_path: Path):
+    fixture = legacy_fixture(name)
+    optimizer = "bf16" if name == "bf16_optimizer" else "zero"
+    assert_same_files(fixture.tag_dir, harness_spec(optimizer, 1, False, "0.16.2"), tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer,stage,plugin", [("bf16", 1, False), ("zero", 1, False), ("bf16", 1, True),
+                                                    ("zero", 2, True)])
+def test_synthetic_matches_the_installed_release(ds_checkpoint, tmp_path: Path, optimizer: str, stage: int,
+                                                 plugin: bool):
+    import deepspeed
+
+    ck = ds_checkpoint(optimizer=optimizer, dp=4, plugin=plugin, **({"zero_stage": 2} if stage == 2 else {}))
+    spec = harness_spec(optimizer, stage, plugin, deepspeed.__version__)
+    assert_same_files(ck.tag_dir(2), spec, tmp_path)
+
+
+SMALL = LlamaShape(layers=2, hidden=8, ffn=16, heads=2, kv_heads=1, vocab=40, original_vocab=37)
+"""1,616 elements in the weight-decay group and 40 in the norms: at DP 768 (S = 2 and 1) most ranks
+of both groups hold only padding."""
+
+
+def rebuild(tag_dir: Path, spec: SyntheticSpec) -> dict[tuple[str, str], torch.Tensor]:
+    """Every parameter's fp32 and Adam states from the rank files alone: concatenate the partitions
+    (each stored tensor zero-filled to the partition size), then cut in ``param_shapes`` order."""
+    states = ("fp32", "exp_avg", "exp_avg_sq")
+    flats: dict[tuple[int, str], list[torch.Tensor]] = {}
+    for r in range(spec.dp):
+        sd = load(tag_dir / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt")[F.OPTIMIZER_STATE_DICT]
+        for g, master in enumerate(sd[F.SINGLE_PARTITION_OF_FP32_GROUPS]):
+            size = sd[F.BASE_OPTIMIZER_STATE]["state"][g]["exp_avg"].numel()
+            pieces = {"fp32": master, **{s: sd[F.BASE_OPTIMIZER_STATE]["state"][g][s] for s in states[1:]}}
+            for state, t in pieces.items():
+                full = torch.zeros(size)
+                full[:min(t.numel(), size)] = t[:size]
+                flats.setdefault((g, state), []).append(full)
+    shapes = load(tag_dir / "mp_rank_00_model_states.pt")[F.PARAM_SHAPES]
+    out = {}
+    for g, group in enumerate(shapes):
+        for state in states:
+            flat, offset = torch.cat(flats[(g, state)]), 0
+            for name, shape in group.items():
+                out[(name, state)] = flat[offset:offset + shape.numel()].view(shape)
+                offset += shape.numel()
+    return out
+
+
+@pytest.mark.parametrize("optimizer,ds_version", [("bf16", "0.19.8"), ("zero", "0.16.2")])
+def test_conversion_of_a_synthetic_checkpoint_equals_an_independent_rebuild(tmp_path: Path, optimizer: str,
+                                                                             ds_version: str):
+    outputs = []
+    for dp in (8, 768):
+        spec = SyntheticSpec(shape=SMALL, dp=dp, optimizer=optimizer, ds_version=ds_version, iteration=7)
+        root = tmp_path / f"dp{dp}"
+        written = write_checkpoint(root, spec, progress=False)
+        convert(ConvertOptions(source=root, progress=False))
+        universal = root / F.universal_tag(spec.tag)
+        expected = rebuild(written.tag_dir, spec)
+        for (name, state), want in expected.items():
+            entry = torch.load(universal / F.UNIVERSAL_ZERO_DIR / name / f"{state}.pt", weights_only=False)
+            got = entry[F.PARAM]
+            if F.VOCAB_PADDED_ROWS in entry:  # the padded vocabulary rows, kept beside the trimmed tensor
+                assert got.shape[0] == SMALL.original_vocab
+                got = torch.cat([got, entry[F.VOCAB_PADDED_ROWS]])
+            assert torch.equal(got, want), (dp, name, state)
+            assert want.abs().sum() > 0, (dp, name, state)  # real values, not a zero-filled hole
+        outputs.append(universal)
+    zero = outputs[0] / F.UNIVERSAL_ZERO_DIR
+    files = sorted(p.relative_to(outputs[0]) for p in zero.glob("*/*.pt"))
+    assert len(files) == 4 * sum(len(g) for g in SMALL.param_groups())
+    for path in files:  # every parameter's state files, whatever DP the checkpoint was saved at
+        assert (outputs[0] / path).read_bytes() == (outputs[1] / path).read_bytes(), path
+
+
+def test_synthesize_command_writes_once_and_refuses_what_it_cannot(tmp_path: Path, capsys):
+    from megatron_ucp.cli import main
+
+    args = ["synthesize", str(tmp_path / "ck"), "--layers", "1", "--hidden", "8", "--ffn", "16", "--heads", "2",
+            "--vocab", "40", "--dp", "3", "--optimizer", "zero", "--ds-version", "0.16.2", "--no-progress"]
+    assert main(args) == 0
+    assert (tmp_path / "ck" / "latest").read_text() == "global_step100"
+    assert len(list((tmp_path / "ck" / "global_step100").glob("*_optim_states.pt"))) == 3
+    assert main(args) == 2  # the tag exists: never overwritten
+    assert "already exists" in capsys.readouterr().err
+    assert main(["synthesize", str(tmp_path / "other"), "--layers", "1", "--dp", "2"]) == 2
+    assert "--hidden" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
