@@ -10,6 +10,14 @@ that reads them measured, side by side in one run, one configuration on disk at 
   ``ALCF/ds_to_universal.py`` (when ``../shared/third_party`` has it) and ``cp -r`` + ``sync`` of the
   same tag folder (the copy floor: read + write + fsync of the same bytes). Wall time, peak RSS of
   the process tree, or the crash's last line. Ours is checked afterwards (``megatron-ucp verify``).
+* ``resume`` (on the checkpoint at the largest DP, converted by ours): one process plays rank ``r``
+  of a ``W``-rank resume (``benchmarks/resume_probe.py``: the loader's read plan and copies, no
+  collectives) for the first rank, a middle rank, the last rank holding real elements of the norm
+  group and an all-padding rank where there is one, ``W`` in ``--resume-to``: planning time, load
+  time, bytes read from storage against the rank's share, peak RSS, bit-exactness against the
+  synthetic values.
+* ``shares``: the same conversion split over N converter processes (``--share I/N``), N in
+  ``--shares``: wall time of the slowest, against N = 1.
 * ``metadata``: ``megatron-ucp inspect`` and the conversion plan (built and checked) of the real
   AuroraGPT-7B shapes at DP 768, both optimizer classes, from metadata alone: time and peak RSS.
 
@@ -23,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -39,12 +46,14 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import bench_convert as bc  # noqa: E402  (shared measuring helpers)
 
-from megatron_ucp.plan.llama_shapes import preset  # noqa: E402
+from megatron_ucp.plan.llama_shapes import PRESETS, preset  # noqa: E402
 from megatron_ucp.synthetic.content import SyntheticSpec  # noqa: E402
 from megatron_ucp.synthetic.writer import write_checkpoint  # noqa: E402
 
 ALCF_CONVERTER = REPO_ROOT.parent / "shared" / "third_party" / "megatron-deepspeed" / "ALCF" / "ds_to_universal.py"
 TOOLS = ("ours", "stock", "alcf", "cp+sync")
+SLOW = ("stock", "alcf")
+"""Run ``--slow-reps`` times (minutes each at 13 GB); the others ``--reps`` times, medians reported."""
 
 
 def tool_argv(tool: str, tag: Path, out: Path, workers: int) -> list[list[str]]:
@@ -83,23 +92,98 @@ def run_tool(tool: str, tag: Path, scratch: Path, workers: int) -> dict:
     return result
 
 
-def bench_convert_at(spec: SyntheticSpec, tools: list[str], workers: int, scratch: Path) -> dict:
+def median_run(results: list[dict]) -> dict:
+    """The run of median time (a crash, if any run crashed); ``runs``: how many."""
+    crashed = [r for r in results if "crashed" in r]
+    if crashed:
+        return crashed[0]
+    ordered = sorted(results, key=lambda r: r["seconds"])
+    return {**ordered[len(ordered) // 2], "runs": len(results), "all_seconds": [r["seconds"] for r in results]}
+
+
+def bench_convert_at(spec: SyntheticSpec, tools: list[str], workers: int, scratch: Path,
+                     resume_to: list[int] = (), shares: list[int] = (), reps: int = 3, slow_reps: int = 1) -> dict:
     root = scratch / f"ckpt-dp{spec.dp}"
     shutil.rmtree(root, ignore_errors=True)
     written = write_checkpoint(root, spec, progress=False)
     row = {"dp": spec.dp, "bytes": written.bytes, "files": written.files, "write_seconds": written.seconds}
-    for tool in tools:
-        row[tool] = run_tool(tool, written.tag_dir, scratch, workers)
-        print(f"  DP {spec.dp:4d} {tool:8s} {json.dumps(row[tool])}", flush=True)
+    runs: dict[str, list[dict]] = {tool: [] for tool in tools}
+    for rep in range(max(reps, slow_reps)):
+        order = tools[rep % len(tools):] + tools[:rep % len(tools)]  # rotated every repetition
+        for tool in order:
+            if rep >= (slow_reps if tool in SLOW else reps) or any("crashed" in r for r in runs[tool]):
+                continue
+            runs[tool].append(run_tool(tool, written.tag_dir, scratch, workers))
+            print(f"  DP {spec.dp:4d} {tool:8s} {json.dumps(runs[tool][-1])}", flush=True)
+    for tool, results in runs.items():
+        row[tool] = median_run(results)
+    if shares:
+        row["shares"] = share_scaling(written.tag_dir, scratch, shares)
+    if resume_to:
+        universal = scratch / "resume-universal"
+        bc.run_measured(tool_argv("ours", written.tag_dir, universal, workers)[0])
+        row["resume"] = resume_probe(spec, universal, resume_to)
+        shutil.rmtree(universal, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
     return row
+
+
+def sampled_ranks(spec: SyntheticSpec, world: int) -> list[int]:
+    """First, middle, last rank holding real elements of every group, first all-padding rank (if any)."""
+    from megatron_ucp.plan.geometry import at_dp
+
+    geos = at_dp(spec.geometries(), world)
+    last_real = min(max(r for r in range(world) if g.true_length(r) > 0) for g in geos)
+    padding_only = sorted({r for g in geos for r in g.padding_only_ranks()})
+    return sorted({0, world // 2, last_real, *padding_only[:1]})
+
+
+def resume_probe(spec: SyntheticSpec, universal: Path, worlds: list[int]) -> list[dict]:
+    rows = []
+    for world in worlds:
+        for rank in sampled_ranks(spec, world):
+            bc.evict(universal)
+            out = subprocess.run([bc.python(), str(BENCH_DIR / "resume_probe.py"), str(universal), "--preset",
+                                  spec_preset(spec), "--world", str(world), "--rank", str(rank), "--seed",
+                                  str(spec.seed)], capture_output=True, text=True, cwd=REPO_ROOT)
+            if out.returncode != 0 and not out.stdout.strip():
+                raise RuntimeError(f"resume probe W={world} r={rank} failed:\n{out.stderr[-2000:]}")
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(f"  resume {spec.dp} -> {world} rank {rank}: {json.dumps(row)}", flush=True)
+    return rows
+
+
+def share_scaling(tag: Path, scratch: Path, counts: list[int]) -> list[dict]:
+    """Wall time of N concurrent ``--share I/N`` converters of one tag into one output."""
+    rows = []
+    for n in counts:
+        out = scratch / "out-shares"
+        shutil.rmtree(out, ignore_errors=True)
+        bc.evict(tag)
+        started = time.perf_counter()
+        procs = [subprocess.Popen([bc.python(), "-m", "megatron_ucp.cli", "-q", "convert", str(tag), "--output",
+                                   str(out), "--share", f"{i}/{n}", "--attempt-id", f"bench-{n}", "--no-latest",
+                                   "--no-progress"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE) for i in range(n)]
+        codes = [proc.wait() for proc in procs]
+        rows.append({"shares": n, "seconds": time.perf_counter() - started, "ok": codes == [0] * n})
+        print(f"  {n} share(s): {json.dumps(rows[-1])}", flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+    return rows
+
+
+def spec_preset(spec: SyntheticSpec) -> str:
+    return next(name for name in PRESETS if PRESETS[name] == spec.shape)
 
 
 def metadata_probe(dp: int = 768) -> list[dict]:
     """Inspect and plan AuroraGPT-7B at ``dp`` from shapes alone, each in a fresh process."""
     out = []
     for optimizer in ("bf16", "zero"):
-        code = ("import json,resource,time\n"
+        code = ("import json,time\n"
+                f"import sys; sys.path.insert(0, {str(BENCH_DIR)!r})\n"
+                "from resume_probe import peak_rss\n"
                 "t=time.perf_counter()\n"
                 "from megatron_ucp.plan.llama_shapes import preset\n"
                 "from megatron_ucp.synthetic.content import SyntheticSpec\n"
@@ -107,8 +191,7 @@ def metadata_probe(dp: int = 768) -> list[dict]:
                 "from megatron_ucp.plan.conversion import build_plan, check_plan\n"
                 f"s=SyntheticSpec(shape=preset('aurora-7b'),dp={dp},optimizer='{optimizer}',ds_version='0.16.2')\n"
                 "p=build_plan(s.groups(),rank_layouts(s)); check_plan(p)\n"
-                "print(json.dumps({'seconds':time.perf_counter()-t,"
-                "'peak_rss':resource.getrusage(resource.RUSAGE_SELF).ru_maxrss*1024}))\n")
+                "print(json.dumps({'seconds':time.perf_counter()-t,'peak_rss':peak_rss()}))\n")
         plan = json.loads(subprocess.run([bc.python(), "-c", code], capture_output=True, text=True, check=True,
                                          cwd=REPO_ROOT).stdout.strip().splitlines()[-1])
         groups = [sum(p.numel for p in g) for g in preset("aurora-7b").param_groups()]
@@ -132,7 +215,8 @@ def _cell(result: dict, key: str = "seconds") -> str:
 def markdown(rows: list[dict], meta: list[dict], args: argparse.Namespace) -> str:
     tools = [t for t in TOOLS if t in args.tools]
     lines = [f"Preset `{args.preset}` ({rows[0]['bytes'] / 1e9:.1f} GB per checkpoint), {args.optimizer}, "
-             f"DeepSpeed {args.ds_version} files ({args.flavour}), page cache dropped before each run; {bc.machine()['cores']} cores.",
+             f"DeepSpeed {args.ds_version} files ({args.flavour}), page cache dropped before each run, medians of "
+             f"{args.reps} runs (stock and ALCF: {args.slow_reps}), tools rotated; {bc.machine()['cores']} cores.",
              "", "| DP | " + " | ".join(tools) + " | ours / copy floor | ours peak RSS |",
              "|---|" + "---|" * (len(tools) + 2)]
     base = rows[0].get("ours", {}).get("seconds")
@@ -146,6 +230,22 @@ def markdown(rows: list[dict], meta: list[dict], args: argparse.Namespace) -> st
         lines += ["", "Ours against DP (time / time at DP " + str(rows[0]["dp"]) + "): "
                   + ", ".join(f"DP {r['dp']} {r['ours']['seconds'] / base:.2f}x" for r in rows
                               if "seconds" in r.get("ours", {}) and "crashed" not in r["ours"])]
+    for row in rows:
+        if row.get("shares"):
+            one = row["shares"][0]["seconds"]
+            lines += ["", f"Conversion at DP {row['dp']} split over N converter processes (`--share I/N`, one output, each with the CLI's default of 1 writer thread):",
+                      "", "| N | wall | speed-up vs N=1 | all ok |", "|---|---|---|---|"]
+            lines += [f"| {r['shares']} | {r['seconds']:.1f} s | {one / r['seconds']:.2f}x | {r['ok']} |"
+                      for r in row["shares"]]
+        if row.get("resume"):
+            lines += ["", f"Resume from DP {row['dp']} (ours' universal folder), one process playing each rank, "
+                      "page cache dropped before each:", "",
+                      "| DP to | rank | plan | load | read / share | share | peak RSS | bit-exact |",
+                      "|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {r['world']} | {r['rank']} | "
+                      f"{r['plan_seconds'] * 1e3:.2f} ms | {r['load_seconds']:.2f} s | "
+                      f"{r['read_bytes'] / max(r['share_bytes'], 1):.2f}x | {r['share_bytes'] / 2**20:.1f} MiB | "
+                      f"{r['peak_rss'] / 2**20:.0f} MiB | {r['bit_exact']} |" for r in row["resume"]]
     if meta:
         lines += ["", "AuroraGPT-7B at DP 768 from metadata alone (no bytes on disk):", ""]
         lines += [f"- {m['optimizer']}: plan built and checked in {m['plan']['seconds']:.2f} s, peak RSS "
@@ -168,6 +268,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--scratch", type=Path, default=None, help="where checkpoints go (default: a temp dir)")
     parser.add_argument("--no-metadata", action="store_true")
+    parser.add_argument("--label", default="", help="appended to the results' file names")
+    parser.add_argument("--reps", type=int, default=3, help="runs of ours and cp+sync per DP (median reported)")
+    parser.add_argument("--slow-reps", type=int, default=1, help="runs of stock and the ALCF converter per DP")
+    parser.add_argument("--resume-to", default="384,767,1024,1536",
+                        help="DP sizes to resume the largest-DP checkpoint at ('' for none)")
+    parser.add_argument("--shares", default="1,2,4", help="converter counts for the --share scaling ('' for none)")
     args = parser.parse_args(argv)
     args.tools = [t for t in args.tools.split(",") if t]
     if "alcf" in args.tools and not ALCF_CONVERTER.is_file():
@@ -176,19 +282,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="ucp-bench-scale-"))
     scratch.mkdir(parents=True, exist_ok=True)
     rows = []
+    sizes = [int(d) for d in args.dp.split(",")]
+    resume_to = [int(w) for w in args.resume_to.split(",") if w]
+    shares = [int(n) for n in args.shares.split(",") if n]
     try:
-        for dp in (int(d) for d in args.dp.split(",")):
+        for dp in sizes:
             spec = SyntheticSpec(shape=preset(args.preset), dp=dp, optimizer=args.optimizer,
                                  ds_version=args.ds_version, flavour=args.flavour)
-            rows.append(bench_convert_at(spec, args.tools, args.workers, scratch))
+            last = dp == max(sizes)
+            rows.append(bench_convert_at(spec, args.tools, args.workers, scratch, resume_to if last else [],
+                                         shares if last else [], args.reps, args.slow_reps))
     finally:
         if args.scratch is None:
             shutil.rmtree(scratch, ignore_errors=True)
     meta = [] if args.no_metadata else metadata_probe()
     results = BENCH_DIR / "results"
     data = {"machine": bc.machine(), "args": {k: v for k, v in vars(args).items() if k != "scratch"},
-            "convert": rows, "metadata": meta, "self_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
-    name = f"scale-{args.preset}-{args.flavour}"
+            "convert": rows, "metadata": meta}
+    name = f"scale-{args.preset}-{args.flavour}" + (f"-{args.label}" if args.label else "")
     (results / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
     table = markdown(rows, meta, args)
     (results / f"{name}.md").write_text(table)

@@ -5,6 +5,8 @@
   count in its RSS); ``MADV_DONTNEED`` on a private, unmodified file mapping drops them again
   (the page cache keeps them), so resident memory stays at the parameter being written, not the
   checkpoint. ``MADV_WILLNEED`` starts readahead for the next one (cold caches).
+* :func:`read_only_this`: a loader copying one rank's slice out of a mapped state file reads
+  that slice, not the kernel's readahead window around it.
 * :func:`read_ahead`: ``posix_fadvise(WILLNEED)`` on the files a share reads, at its start, so the
   disk streams them while the first parameters are being written (cold caches).
 * :func:`start_writeback`: ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` starts writing a finished
@@ -24,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+MADV_RANDOM = 1
 MADV_WILLNEED = 3
 MADV_DONTNEED = 4
 SYNC_FILE_RANGE_WRITE = 2
@@ -60,6 +63,19 @@ def _madvise(start: int, end: int, advice: int) -> None:
 def will_need(address: int, nbytes: int) -> None:
     if nbytes > 0:
         _madvise(address - address % PAGE, address + nbytes + (-(address + nbytes)) % PAGE, MADV_WILLNEED)
+
+
+def read_only_this(address: int, nbytes: int, bounds: tuple[int, int]) -> None:
+    """Before copying ``nbytes`` at ``address`` out of a file mapping spanning ``bounds``: read those
+    pages and no others. The kernel's fault readahead (``read_ahead_kb``: 8 MiB on some VMs) would
+    otherwise read far around each fault, a whole state file for a rank that needs a slice of it;
+    ``MADV_RANDOM`` on the mapping turns it off, ``MADV_WILLNEED`` on the range reads exactly it, in
+    one request."""
+    if nbytes <= 0:
+        return
+    lo, hi = bounds
+    _madvise(lo - lo % PAGE, hi + (-hi) % PAGE, MADV_RANDOM)
+    will_need(address, nbytes)
 
 
 def done_with(address: int, nbytes: int, bounds: tuple[int, int]) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.format import integrity
+from megatron_ucp.format import integrity, osio
 from megatron_ucp.plan.accounting import checksum
 from megatron_ucp.plan.tensor_parallel import Run
 
@@ -46,7 +46,12 @@ class StateLayout:
         for piece in self.pieces:
             lo, hi = max(start, pos), min(start + length, pos + piece.numel())
             if lo < hi:
-                parts.append(piece.narrow(0, lo - pos, hi - lo))
+                part = piece.narrow(0, lo - pos, hi - lo)
+                if part.device.type == "cpu":  # a mapped file: read this slice, not the readahead around it
+                    base = piece.data_ptr()
+                    osio.read_only_this(part.data_ptr(), part.numel() * part.element_size(),
+                                        (base, base + piece.numel() * piece.element_size()))
+                parts.append(part)
             pos += piece.numel()
         got = sum(t.numel() for t in parts)
         if got < length:

@@ -222,6 +222,12 @@ def _megatron_args(spec: SyntheticSpec) -> argparse.Namespace:
         deepspeed=True, bf16=True, fp16=False, zero_stage=spec.zero_stage)
 
 
+def _megatron_args_of(spec: SyntheticSpec, tp_rank: int) -> argparse.Namespace:
+    args = _megatron_args(spec)
+    args.rank = tp_rank  # the TP rank of DP rank 0 saves it: Megatron orders TP fastest, so its global rank
+    return args
+
+
 def _rng_state(seed: int) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(seed)
     state = gen.get_state()
@@ -231,7 +237,7 @@ def _rng_state(seed: int) -> list[dict[str, Any]]:
              "rng_tracker_states": {"model-parallel-rng": state.clone()}}]
 
 
-def _megatron_client_state(spec: SyntheticSpec) -> dict[str, Any]:
+def _megatron_client_state(spec: SyntheticSpec, tp_rank: int) -> dict[str, Any]:
     s = spec.shape
     info: dict[str, Any] = {F.UNIVERSAL_CHECKPOINT_VERSION_KEY: spec.files.universal_checkpoint_version,
                             F.ORIGINAL_VOCAB_SIZE: s.original_vocab, "padded_vocab_size": s.vocab,
@@ -249,7 +255,7 @@ def _megatron_client_state(spec: SyntheticSpec) -> dict[str, Any]:
           "num_tokens": spec.iteration * spec.global_batch * spec.seq_length, "lr_decay_style": "cosine",
           "lr_decay_steps": 10 ** 6, "lr_decay_tokens": None, "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1,
           "wd_incr_style": "constant", "wd_incr_steps": 10 ** 6}
-    return {"lr_scheduler": lr, F.UNIVERSAL_CHECKPOINT_INFO: info, "args": _megatron_args(spec),
+    return {"lr_scheduler": lr, F.UNIVERSAL_CHECKPOINT_INFO: info, "args": _megatron_args_of(spec, tp_rank),
             "checkpoint_version": 3.0, "iteration": spec.iteration,
             "tokens": spec.iteration * spec.global_batch * spec.seq_length, "rng_state": _rng_state(spec.seed)}
 
@@ -258,7 +264,7 @@ def model_states(spec: SyntheticSpec, tp_rank: int, weights: Optional[dict[str, 
     """What the engine saves as ``mp_rank_{tp_rank:02d}_model_states.pt`` (client state included)."""
     weights = bf16_weights(spec, tp_rank) if weights is None else weights
     files = spec.files
-    client = _megatron_client_state(spec) if spec.flavour == "megatron" else {}
+    client = _megatron_client_state(spec, tp_rank) if spec.flavour == "megatron" else {}
     frozen = collections.OrderedDict() if spec.zero_stage == 2 else None
     state: dict[str, Any] = {
         "module": _module(spec, weights),

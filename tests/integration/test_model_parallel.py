@@ -105,6 +105,37 @@ def _stock_convert(tag_dir: Path, out: Path) -> None:
                    env=rank_env(), check=True, capture_output=True, timeout=300)
 
 
+@pytest.mark.parametrize("name", ["tp2", "tp2zero", "tp2zero2"])
+def test_synthetic_writer_matches_a_tp2_save(mds_checkout, mds_runs, name, tmp_path):
+    """At TP=2 the synthetic writer writes what Megatron-DeepSpeed saved (iteration 4): both TP ranks'
+    model states and rank files, key for key (tests/support/file_structure.py), with and without the
+    hooks' record, ZeRO-1 and ZeRO-2."""
+    import deepspeed
+
+    from megatron_ucp.plan.llama_shapes import LlamaShape
+    from megatron_ucp.synthetic.content import SyntheticSpec
+    from megatron_ucp.synthetic.writer import write_checkpoint
+    from tests.integration.mds import CORPUS_TOKENS
+    from tests.support.file_structure import folder_differences, load
+
+    root, _ = _train(mds_checkout, mds_runs, name)
+    t, m = TRAININGS[name], MdsModel()
+    dp = t.nproc // (t.tp * t.pp)
+    shape = LlamaShape(layers=m.layers, hidden=m.hidden, ffn=m.ffn, heads=m.heads, kv_heads=m.kv_heads, vocab=512,
+                       original_vocab=CORPUS_TOKENS + 1)
+    spec = SyntheticSpec(shape=shape, dp=dp, tp=t.tp, optimizer=t.optimizer, zero_stage=t.zero_stage, record=t.hooked,
+                         ds_version=deepspeed.__version__, iteration=4, micro_batch=1, grad_accumulation=12 // dp,
+                         seq_length=m.seq)
+    written = write_checkpoint(tmp_path / "synthetic", spec, progress=False)
+    diffs = folder_differences(root / "global_step4", written.tag_dir)
+    assert not diffs, "\n".join(diffs[:40])
+    for tp_rank in range(t.tp):
+        name_ = f"mp_rank_{tp_rank:02d}_model_states.pt"
+        real_args = vars(load(root / "global_step4" / name_)["args"])
+        ours = vars(load(written.tag_dir / name_)["args"])
+        assert {k: (real_args.get(k), v) for k, v in ours.items() if real_args.get(k, "<absent>") != v} == {}
+
+
 CONVERTED = ("tp2", "pp2", "tp2pp2", "tp2zero", "tp2zero2", "tied-pp2")
 
 
