@@ -194,8 +194,7 @@ def bf16_weights(spec: SyntheticSpec, tp_rank: int) -> dict[str, torch.Tensor]:
 
 
 def _module(spec: SyntheticSpec, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-    order = [p.name for p in spec.shape.param_groups(spec.tp)[0] + spec.shape.param_groups(spec.tp)[1]]
-    declared = [n for n in spec.shape.tp_layouts() if n in order]
+    declared = list(spec.shape.tp_layouts())  # declaration order, as the module's state_dict lists them
     if spec.flavour == "plain":
         return collections.OrderedDict((n, weights[n]) for n in declared)
     # Megatron's state_dict_for_save_checkpoint: nested by submodule, the encoder's keys flat
