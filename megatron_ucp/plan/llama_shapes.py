@@ -16,7 +16,7 @@ from typing import Optional
 
 from megatron_ucp.errors import PlanError
 from megatron_ucp.plan.conversion import ParamSpec
-from megatron_ucp.plan.tensor_parallel import TpLayout
+from megatron_ucp.plan.tensor_parallel import TpLayout, slice_shape
 
 WEIGHT_DECAY, NO_WEIGHT_DECAY = 0, 1
 ROTARY_BUFFER = "language_model.rotary_pos_emb.inv_freq"
@@ -74,7 +74,7 @@ class LlamaShape:
         groups: list[list[ParamSpec]] = [[], []]
         for name, (shape, layout) in self._declared().items():
             group = NO_WEIGHT_DECAY if layout.replicated else WEIGHT_DECAY
-            groups[group].append(ParamSpec(name, group, _slice(shape, layout, tp)))
+            groups[group].append(ParamSpec(name, group, slice_shape(shape, layout, tp, name)))
         return groups
 
     def tp_layouts(self) -> dict[str, TpLayout]:
@@ -100,14 +100,6 @@ class LlamaShape:
         if not self.tied:
             out["language_model.output_layer.weight"] = ((self.vocab, h), column)
         return out
-
-
-def _slice(shape: tuple[int, ...], layout: TpLayout, tp: int) -> tuple[int, ...]:
-    if layout.replicated:
-        return shape
-    out = list(shape)
-    out[layout.dim] //= tp
-    return tuple(out)
 
 
 PRESETS = {

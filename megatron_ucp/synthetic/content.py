@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import random
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -24,7 +25,7 @@ from megatron_ucp.deepspeed.versions import SavedFiles, saved_files
 from megatron_ucp.errors import PlanError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import stand_in_class
-from megatron_ucp.plan.conversion import ParamSpec
+from megatron_ucp.plan.conversion import ParamSpec, RankGroupLayout, RankLayout, synthesize_layouts
 from megatron_ucp.plan.geometry import GroupGeometry, PaddingStyle
 from megatron_ucp.plan.llama_shapes import ROTARY_BUFFER, LlamaShape
 from megatron_ucp.plan.save_record import partition_record
@@ -122,22 +123,27 @@ def _param_group(spec: SyntheticSpec, group: int) -> dict[str, Any]:
     return {**adam, "decoupled_weight_decay": True, "params": [group]}
 
 
-def slice_mappings(params: list[ParamSpec], start: int, size: int) -> "collections.OrderedDict[str, Any]":
-    """``param_slice_mappings`` of one group for the partition ``[start, start + size)``."""
+@functools.lru_cache(maxsize=4)
+def rank_layouts(spec: SyntheticSpec) -> list[RankLayout]:
+    """Every DP rank's file as the reader sees it (fragments, stored lengths, recorded paddings),
+    from metadata alone: :func:`~megatron_ucp.plan.conversion.synthesize_layouts` with this release's
+    paddings. The writer takes ``param_slice_mappings`` from it; the 7B/768 plan needs nothing else."""
+    return synthesize_layouts(spec.groups(), spec.dp, recorded_style=None if spec.record else spec.padding_style(),
+                              fp32_cut_style=spec.padding_style() if spec.optimizer == "zero" else None)
+
+
+def _slice_mappings(layout: RankGroupLayout) -> "collections.OrderedDict[str, Any]":
     out: collections.OrderedDict[str, Any] = collections.OrderedDict()
-    offset = 0
-    for p in params:
-        lo, hi = max(offset, start), min(offset + p.numel, start + size)
-        if hi > lo:
-            out[p.name] = _FRAGMENT.__new__(_FRAGMENT)
-            out[p.name].__setstate__({"numel": hi - lo, "start": lo - start})
-        offset += p.numel
+    for fragment in layout.fragments:
+        out[fragment.name] = _FRAGMENT.__new__(_FRAGMENT)
+        out[fragment.name].__setstate__({"numel": fragment.numel, "start": fragment.start})
     return out
 
 
 def rank_file_state(spec: SyntheticSpec, tp_rank: int, dp_rank: int) -> dict[str, Any]:
     """What the engine saves as ``bf16_zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt``."""
     groups, geos, style = spec.groups(), spec.geometries(), spec.padding_style()
+    layout = rank_layouts(spec)[dp_rank]
     fp32, states, mappings, recorded = [], {}, [], []
     for g, geo in enumerate(geos):
         size = geo.partition_size
@@ -153,7 +159,7 @@ def rank_file_state(spec: SyntheticSpec, tp_rank: int, dp_rank: int) -> dict[str
         fp32.append(master[:size - padding] if spec.optimizer == "zero" else master)
         states[g] = {"step": torch.tensor(float(spec.iteration)), "exp_avg": part("exp_avg"),
                      "exp_avg_sq": part("exp_avg_sq")}
-        mappings.append(slice_mappings(groups[g], start, size))
+        mappings.append(_slice_mappings(layout.groups[g]))
         recorded.append(padding)
     base = {"state": states, "param_groups": [_param_group(spec, g) for g in range(len(geos))]}
     sd: dict[str, Any] = {}
