@@ -1,4 +1,4 @@
-"""Resume benchmark: loading a universal checkpoint at a new DP size, stock DeepSpeed vs megatron-ucp.
+"""Resume benchmark: a DP change, stock DeepSpeed's universal load vs megatron-ucp's routes.
 
 The checkpoint is ``m100-dp8`` (``benchmarks/make_checkpoint.py``: a real DeepSpeed 0.19.8 ZeRO-1
 bf16 run at DP=8, DeepSpeedZeroOptimizer, 100.7M parameters), converted once by each tool into
@@ -12,7 +12,10 @@ processes (CPU, gloo; the test harness ``tests/support/dsharness``) that build t
   the manifest);
 * ``ours-on-stock``: the hooks on stock's folder (no manifest: accounting on the slower path that
   checksums each parameter's file on one rank);
-* ``auto``: the hooks given the native DP=8 tag: the route decision, then ``ours``.
+* ``reshard``: the hooks given the native DP=8 tag (resume route ``auto``): each rank copies its
+  partitions straight out of the native rank files, no universal folder at all;
+* ``native-same-dp``: stock DeepSpeed's own native load of the same model saved at the DP it
+  resumes at (``m100-dp4``): what a restart costs when nothing changes, the reshard's yardstick.
 
 Per rank, the harness measures the time of ``load_checkpoint`` between two barriers (the slowest
 rank's is the load time), bytes through ``read`` calls and bytes read from storage
@@ -46,7 +49,9 @@ sys.path.insert(0, str(REPO_ROOT))
 import bench_convert as bc  # noqa: E402
 import make_checkpoint as mk  # noqa: E402
 
-ROUTES = ("stock", "ours", "ours-on-stock", "auto")
+ROUTES = ("stock", "ours", "ours-on-stock", "reshard", "native-same-dp")
+SAME_DP = {"m100-dp8": "m100-dp4"}
+"""The same model saved at the resumed DP size, per benchmark checkpoint."""
 UNIVERSAL = f"{mk.TAG}_universal"
 
 
@@ -85,24 +90,29 @@ def universal_state_bytes(folder: Path) -> int:
 def run_route(route: str, roots: dict[str, Path], spec: "mk.CkptSpec", dp: int, cache: str, scratch: Path) -> dict:
     from tests.support.dsharness import TrainSpec, run_training
 
-    root = roots["stock" if route in ("stock", "ours-on-stock") else "ours"]
-    folder = root / UNIVERSAL
+    if route == "native-same-dp":
+        root = mk.build(mk.SPECS[SAME_DP[spec.name]])
+        folder = root / mk.TAG
+    else:
+        root = roots["stock" if route in ("stock", "ours-on-stock") else "ours"]
+        folder = root / (mk.TAG if route == "reshard" else UNIVERSAL)
     if cache == "cold":
         bc.evict(folder)
         bc.evict(root / mk.TAG)
     else:
         bc.warm(folder)
-    tag = mk.TAG if route == "auto" else UNIVERSAL
-    run = TrainSpec(dp=dp, optimizer="zero", steps=1, load_dir=root, load_tag=tag,
-                    load_universal=route != "auto", plugin=route != "stock", global_batch=spec.dp,
+    native = route in ("reshard", "native-same-dp")
+    run = TrainSpec(dp=dp, optimizer="zero", steps=1, load_dir=root, load_tag=mk.TAG if native else UNIVERSAL,
+                    load_universal=not native, plugin=route not in ("stock", "native-same-dp"), global_batch=spec.dp,
                     hidden=spec.hidden, num_layers=spec.num_layers, vocab=spec.vocab, seq=8, uc_info=True,
                     timeout=1200)
     res = run_training(run)
     if not res.ok or res.loaded_step != 1:
         raise RuntimeError(f"{route}: the load failed (exit {res.returncode}):\n{res.log[-4000:]}")
     stats = res.info["load_stats"]
-    if route != "stock":
-        summary = [line for line in res.log.splitlines() if "megatron-ucp universal load:" in line]
+    if route not in ("stock", "native-same-dp"):
+        kind = "native reshard" if route == "reshard" else "universal load"
+        summary = [line for line in res.log.splitlines() if f"megatron-ucp {kind}:" in line]
         if not summary or "every element placed exactly once" not in summary[-1]:
             raise RuntimeError(f"{route}: no clean accounting summary:\n{res.log[-4000:]}")
     return {"route": route, "ranks": stats, "load_s": max(s["wall"] for s in stats)}
@@ -131,6 +141,8 @@ def summarize(runs: list[dict], needed: int) -> dict:
     for route in out:
         ratios = [rep[route] / rep["stock"] for rep in by_rep.values() if route in rep and "stock" in rep]
         out[route]["vs_stock"] = statistics.median(ratios) if ratios else None
+        same = [rep[route] / rep["native-same-dp"] for rep in by_rep.values() if route in rep and "native-same-dp" in rep]
+        out[route]["vs_same_dp"] = statistics.median(same) if same and route != "native-same-dp" else None
     return out
 
 
@@ -152,11 +164,14 @@ def markdown(result: dict, meta: dict) -> str:
              "| route | folder | load s | vs stock | accounting s | accounting % | `read()` MB (worst rank) "
              "| storage read / needed | peak RSS MB (worst rank) |",
              "|---|---|---|---|---|---|---|---|---|"]
-    folders = {"stock": "stock's", "ours": "ours", "ours-on-stock": "stock's (no checksums)",
-               "auto": "native DP=8 tag -> ours"}
+    folders = {"stock": "stock's universal", "ours": "ours (universal)",
+               "ours-on-stock": "stock's universal (no checksums)", "reshard": "native DP=8 tag, no universal folder",
+               "native-same-dp": "native DP=4 tag of the same model (stock load)"}
     for route, row in result["routes"].items():
         acct = row["accounting_s"]
         vs = "-" if row["vs_stock"] is None else f"{row['vs_stock']:.2f}x"
+        if row.get("vs_same_dp") is not None:
+            vs += f" ({row['vs_same_dp']:.2f}x same-DP)"
         acct_s = "-" if acct is None else f"{acct:.2f}"
         acct_pct = "-" if acct is None else f"{100 * acct / row['load_s']:.0f}%"
         lines.append(f"| {route} | {folders[route]} | {row['load_s']:.2f} | {vs} | {acct_s} | {acct_pct} | "

@@ -12,7 +12,10 @@ flips every round), so both kinds of save see the same machine load:
 
 Reported per model: median ``save_checkpoint`` time off and on (max over ranks, barrier before each
 save), the median of the paired differences (the added blocking time), the median time of the
-post-save trigger measured inside the hook, and median step times idle vs during a conversion.
+post-save trigger measured inside the hook, median step times idle vs during a conversion, and
+the save record's partition checksums (``plan.save_record.partition_checksums``: every rank hashes
+its fp32 partition and optimizer states in memory at each save, what the native reshard checks
+against), timed inside the save on the slowest rank, as a share of the save.
 Medians, because these machines are noisy; never asserted.
 
 Models: ``demo`` is the demo's geometry (hidden 3, 1 layer, vocab 64: 9-element norm group whose
@@ -83,6 +86,19 @@ def _worker(cfg: WorkerConfig) -> None:
     rank.setup()
     engine, torch, dist = rank.engine, rank.torch, rank.dist
     root = Path(cfg.root)
+    from megatron_ucp.integration import save_recording
+
+    record_seconds: list[float] = []
+    hashing = save_recording.partition_checksums
+
+    def timed_checksums(*args, **kwargs):  # the save hook's own call, timed where it runs
+        t0 = time.perf_counter()
+        try:
+            return hashing(*args, **kwargs)
+        finally:
+            record_seconds.append(time.perf_counter() - t0)
+
+    save_recording.partition_checksums = timed_checksums
 
     def step() -> float:
         t0 = time.perf_counter()
@@ -115,7 +131,8 @@ def _worker(cfg: WorkerConfig) -> None:
 
     for _ in range(2):  # warm-up
         step()
-    out: dict[str, list] = {"save_off": [], "save_on": [], "idle": [], "during": [], "trigger": []}
+    out: dict[str, list] = {"save_off": [], "save_on": [], "idle": [], "during": [], "trigger": [], "checksums": [],
+                            "checksums_share": []}
     for i in range(cfg.saves):
         for on in ((False, True) if i % 2 == 0 else (True, False)):
             megatron_ucp.install(async_convert=on, **plugin)
@@ -123,8 +140,12 @@ def _worker(cfg: WorkerConfig) -> None:
             before = len(trigger_timings())
             dist.barrier()
             t0 = time.perf_counter()
+            hashed = len(record_seconds)
             engine.save_checkpoint(str(root))
-            out["save_on" if on else "save_off"].append(slowest(time.perf_counter() - t0))
+            took = slowest(time.perf_counter() - t0)
+            out["save_on" if on else "save_off"].append(took)
+            out["checksums"].append(slowest(sum(record_seconds[hashed:])))
+            out["checksums_share"].append(out["checksums"][-1] / took)
             if on:
                 out["trigger"] += trigger_timings()[before:]
             n = 0
@@ -175,7 +196,7 @@ def run_model(model: str, dp: int, saves: int, idle_steps: int, max_during: int,
     raw = _launch(cfg, work / "logs")
     shutil.rmtree(root, ignore_errors=True)
     paired = [on - off for off, on in zip(raw["save_off"], raw["save_on"])]
-    kept = {k: raw[k] for k in ("save_off", "save_on", "trigger")}
+    kept = {k: raw[k] for k in ("save_off", "save_on", "trigger", "checksums")}
     for k in ("idle", "during"):  # step times: quartiles only (thousands of values)
         kept[f"{k}_quartiles"] = statistics.quantiles(raw[k], n=4) if len(raw[k]) >= 2 else raw[k]
     return {"model": model, "dp": dp, "rounds": saves, "params": raw["params"], "raw": kept,
@@ -183,18 +204,21 @@ def run_model(model: str, dp: int, saves: int, idle_steps: int, max_during: int,
             "save_on_ms": _median_ms(raw["save_on"]), "added_ms": _median_ms(paired),
             "trigger_ms": _median_ms(raw["trigger"]), "trigger_max_ms": round(max(raw["trigger"]) * 1000, 2),
             "idle_step_ms": _median_ms(raw["idle"]), "during_step_ms": _median_ms(raw["during"]),
+            "checksums_ms": _median_ms(raw["checksums"]),
+            "checksums_share": round(statistics.median(raw["checksums_share"]), 4),
             "during_steps": len(raw["during"])}
 
 
 def table(results: list[dict]) -> str:
     rows = [("model", "params", "DP", "saves", "save off (ms)", "save on (ms)", "added, paired (ms)",
-             "trigger median / max (ms)", "step idle (ms)", "step during conversion (ms)", "steps during")]
+             "trigger median / max (ms)", "step idle (ms)", "step during conversion (ms)", "steps during",
+             "record checksums (ms, share of the save)")]
     for r in results:
         params = f"{r['params'] / 1e6:.1f}M" if r["params"] >= 100_000 else str(r["params"])
         rows.append((r["model"], params, str(r["dp"]), f"{r['rounds']}+{r['rounds']}",
                      str(r["save_off_ms"]), str(r["save_on_ms"]), str(r["added_ms"]),
                      f"{r['trigger_ms']} / {r['trigger_max_ms']}", str(r["idle_step_ms"]), str(r["during_step_ms"]),
-                     str(r["during_steps"])))
+                     str(r["during_steps"]), f"{r['checksums_ms']} ({100 * r['checksums_share']:.1f}%)"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

@@ -15,7 +15,8 @@ that reads them measured, side by side in one run, one configuration on disk at 
   collectives) for the first rank, a middle rank, the last rank holding real elements of the norm
   group and an all-padding rank where there is one, ``W`` in ``--resume-to``: planning time, load
   time, bytes read from storage against the rank's share, peak RSS, bit-exactness against the
-  synthetic values.
+  synthetic values; the same ranks again from the native tag itself (``--native``: the native
+  reshard's code, no universal folder).
 * ``shares``: the same conversion split over N converter processes (``--share I/N``), N in
   ``--shares``: wall time of the slowest, against N = 1.
 * ``metadata``: ``megatron-ucp inspect`` and the conversion plan (built and checked) of the real
@@ -122,7 +123,8 @@ def bench_convert_at(spec: SyntheticSpec, tools: list[str], workers: int, scratc
     if resume_to:
         universal = scratch / "resume-universal"
         bc.run_measured(tool_argv("ours", written.tag_dir, universal, workers)[0])
-        row["resume"] = resume_probe(spec, universal, resume_to)
+        row["resume"] = resume_probe(spec, universal, resume_to) + resume_probe(spec, written.tag_dir, resume_to,
+                                                                                 native=True)
         shutil.rmtree(universal, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
     return row
@@ -138,14 +140,16 @@ def sampled_ranks(spec: SyntheticSpec, world: int) -> list[int]:
     return sorted({0, world // 2, last_real, *padding_only[:1]})
 
 
-def resume_probe(spec: SyntheticSpec, universal: Path, worlds: list[int]) -> list[dict]:
+def resume_probe(spec: SyntheticSpec, folder: Path, worlds: list[int], native: bool = False) -> list[dict]:
+    """Sampled ranks of each resume, from the universal folder or (``native``) from the native tag."""
     rows = []
     for world in worlds:
         for rank in sampled_ranks(spec, world):
-            bc.evict(universal)
-            out = subprocess.run([bc.python(), str(BENCH_DIR / "resume_probe.py"), str(universal), "--preset",
+            bc.evict(folder)
+            out = subprocess.run([bc.python(), str(BENCH_DIR / "resume_probe.py"), str(folder), "--preset",
                                   spec_preset(spec), "--world", str(world), "--rank", str(rank), "--seed",
-                                  str(spec.seed)], capture_output=True, text=True, cwd=REPO_ROOT)
+                                  str(spec.seed), *(["--native"] if native else [])],
+                                 capture_output=True, text=True, cwd=REPO_ROOT)
             if out.returncode != 0 and not out.stdout.strip():
                 raise RuntimeError(f"resume probe W={world} r={rank} failed:\n{out.stderr[-2000:]}")
             row = json.loads(out.stdout.strip().splitlines()[-1])
@@ -237,14 +241,22 @@ def markdown(rows: list[dict], meta: list[dict], args: argparse.Namespace) -> st
             lines += [f"| {r['shares']} | {r['seconds']:.1f} s | {one / r['seconds']:.2f}x | {r['ok']} |"
                       for r in row["shares"]]
         if row.get("resume"):
-            lines += ["", f"Resume from DP {row['dp']} (ours' universal folder), one process playing each rank, "
-                      "page cache dropped before each:", "",
-                      "| DP to | rank | plan | load | read / share | share | peak RSS | bit-exact |",
-                      "|---|---|---|---|---|---|---|---|"]
-            lines += [f"| {r['world']} | {r['rank']} | "
+            lines += ["", f"Resume from DP {row['dp']} (universal: ours' universal folder; native: the native "
+                      "rank files, no universal folder), one process playing each rank, page cache dropped before "
+                      "each. Native: reading the facts (the model states' shapes, old rank 0's optimizer-level "
+                      "state), which only the first rank of a DP group does, once, is not in the rank's bytes; "
+                      "its own bytes are below the table.", "",
+                      "| route | DP to | rank | plan | load | read / share | share | peak RSS | bit-exact |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {r.get('route', 'universal')} | {r['world']} | {r['rank']} | "
                       f"{r['plan_seconds'] * 1e3:.2f} ms | {r['load_seconds']:.2f} s | "
                       f"{r['read_bytes'] / max(r['share_bytes'], 1):.2f}x | {r['share_bytes'] / 2**20:.1f} MiB | "
                       f"{r['peak_rss'] / 2**20:.0f} MiB | {r['bit_exact']} |" for r in row["resume"]]
+            facts = [r["facts_read_bytes"] for r in row["resume"] if "facts_read_bytes" in r]
+            if facts:
+                lines += ["", f"Native facts, read by the first rank only: {min(facts) / 2**20:.1f}-"
+                          f"{max(facts) / 2**20:.1f} MiB in {min(r['facts_seconds'] for r in row['resume'] if 'facts_seconds' in r):.2f}-"
+                          f"{max(r['facts_seconds'] for r in row['resume'] if 'facts_seconds' in r):.2f} s."]
     if meta:
         lines += ["", "AuroraGPT-7B at DP 768 from metadata alone (no bytes on disk):", ""]
         lines += [f"- {m['optimizer']}: plan built and checked in {m['plan']['seconds']:.2f} s, peak RSS "

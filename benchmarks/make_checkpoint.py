@@ -63,6 +63,7 @@ def _spec(name: str, dp: int, hidden: int, layers: int, vocab: int) -> CkptSpec:
 #: The checkpoints the benchmark knows. ``m100-dp8`` is the headline (~100M params, 1.4 GB).
 SPECS = {s.name: s for s in (
     _spec("m100-dp8", 8, 768, 12, 10240),      # 100.6M params, ~1.4 GB
+    _spec("m100-dp4", 4, 768, 12, 10240),      # the same model at DP 4: the resume benchmark's same-DP baseline
     _spec("m25-dp8", 8, 512, 6, 8192),         # 27.3M params: DP series and model-size series
     _spec("m25-dp16", 16, 512, 6, 8192),
     _spec("m25-dp32", 32, 512, 6, 8192),
@@ -98,7 +99,7 @@ def harness_digest() -> str:
 
     h = hashlib.sha1()
     for name in ("worker.py", "model.py", "spec.py"):
-        h.update((REPO_ROOT / "tests" / "dsharness" / name).read_bytes())
+        h.update((REPO_ROOT / "tests" / "support" / "dsharness" / name).read_bytes())
     return h.hexdigest()[:12]
 
 

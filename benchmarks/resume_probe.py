@@ -1,4 +1,4 @@
-"""One process plays DP rank ``r`` of a ``W``-rank resume from a universal folder (no collectives).
+"""One process plays DP rank ``r`` of a ``W``-rank resume, from a universal folder or from the native files.
 
 What ``integration/partition_load._load_group`` does on that rank, with its own primitives: the
 rank's fragments of every parameter (its partition of each group at DP ``W``: the read plan), then
@@ -8,9 +8,15 @@ layout of the whole parameter (``state_layout``, kept vocabulary rows included),
 and the hash of what landed (the accounting). Prints one JSON line: planning time, load time, bytes the kernel read from storage for this
 process (``/proc/self/io`` ``read_bytes``: run it with the folder evicted from the page cache),
 the rank's share in bytes, peak RSS, and whether every copied partition equals the synthetic
-checkpoint's values at that place (``synthetic.values``: the source, independently of any file). ::
+checkpoint's values at that place (``synthetic.values``: the source, independently of any file).
 
-    python benchmarks/resume_probe.py UNIVERSAL_DIR --preset llama-1b --dp-from 768 --world 1024 --rank 511
+With ``--native`` the folder is the native tag and the rank runs the native reshard's own code
+(``integration/native_reshard``: the facts, the live-model check, the read plan, each old rank
+file it needs opened and checked, ``copy_partitions`` with the ledger), as the hook does before its
+one all-reduce. ::
+
+    python benchmarks/resume_probe.py UNIVERSAL_DIR --preset llama-1b --world 1024 --rank 511
+    python benchmarks/resume_probe.py TAG_DIR --native --preset llama-1b --world 1024 --rank 511
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from megatron_ucp.integration.state_layout import gather, state_layout, tensor_o
 from megatron_ucp.plan.geometry import GroupGeometry  # noqa: E402
 from megatron_ucp.plan.llama_shapes import preset  # noqa: E402
 from megatron_ucp.plan.tensor_parallel import TpLayout, runs_between, slice_runs  # noqa: E402
-from megatron_ucp.synthetic.values import flat_range  # noqa: E402
+from megatron_ucp.synthetic.content import SyntheticSpec, state_range  # noqa: E402
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -73,14 +79,74 @@ def plan_rank(groups, world: int, rank: int) -> list[tuple[GroupGeometry, list[t
     return out
 
 
+def exact_against_source(args, copied) -> bool:
+    """Every copied partition equals the synthetic values at its place (the source, not a file)."""
+    source = SyntheticSpec(shape=preset(args.preset), dp=1, seed=args.seed)  # values do not depend on DP
+    exact = True
+    for g, geo, buffers in copied:
+        start = args.rank * geo.partition_size
+        for state, got in buffers.items():
+            want = state_range(source, 0, g, state, start, start + geo.partition_size)
+            exact = exact and bool(torch.equal(got, want))
+    return exact
+
+
+def native(args) -> int:
+    from megatron_ucp.integration.native_reshard import (check_live_model, copy_partitions, open_source, read_facts,
+                                                         reshard_ledger)
+    from megatron_ucp.plan.geometry import at_dp
+    from megatron_ucp.plan.reshard import reshard_reads, source_ranks
+
+    tag = args.folder
+    groups = preset(args.preset).param_groups()
+    io0 = read_bytes()
+    t0 = time.perf_counter()
+
+    def rank_file(r: int) -> Path:
+        return tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+
+    facts = read_facts(tag / F.MODEL_STATES_FILE, rank_file)  # the first rank's part, broadcast in a job
+    t_facts = time.perf_counter() - t0
+    facts_io = read_bytes() - io0  # what only the DP group's first rank reads, once for the job
+    io0 = read_bytes()
+    t1 = time.perf_counter()
+    new = [GroupGeometry(numel=sum(p.numel for p in g), dp=args.world) for g in groups]
+    geos = check_live_model(facts, [[p.name for p in g] for g in groups], [[p.shape for p in g] for g in groups],
+                            [g.partition_size for g in new], args.world, tag)
+    reads = reshard_reads(geos, args.world, args.rank)
+    t_plan = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    sources = {r: open_source(rank_file(r), r, facts, geos, reads) for r in source_ranks(reads)}
+    targets = [{state: torch.zeros(geo.partition_size) for state in ("fp32", *facts.states[g])}
+               for g, geo in enumerate(new)]
+    ledger = reshard_ledger(facts)
+    copy_partitions(facts, geos, reads, sources, args.rank, targets, ledger, ledger.new_table())
+    t_load = time.perf_counter() - t2
+    io = read_bytes() - io0
+    copied = [(g, geo, targets[g]) for g, geo in enumerate(at_dp(geos, args.world))]
+    exact = exact_against_source(args, copied)
+    share = sum(4 * geo.partition_size * len(targets[g]) for g, geo in enumerate(new))
+    real = sum(geo.true_length(args.rank) for geo in new)
+    print(json.dumps({"route": "native", "world": args.world, "rank": args.rank, "facts_seconds": t_facts,
+                      "facts_read_bytes": facts_io,
+                      "plan_seconds": t_plan, "load_seconds": t_load, "read_bytes": io, "share_bytes": share,
+                      "real_elements": real, "old_files": len(sources), "peak_rss": peak_rss(),
+                      "bit_exact": exact}))
+    return 0 if exact else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("universal", type=Path)
+    ap.add_argument("folder", type=Path, help="the universal folder, or with --native the native tag folder")
+    ap.add_argument("--native", action="store_true", help="reshard the native rank files (no universal folder)")
     ap.add_argument("--preset", required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.native:
+        return native(args)
+    args.universal = args.folder
     zero = args.universal / F.UNIVERSAL_ZERO_DIR
     groups = preset(args.preset).param_groups()
     io0 = read_bytes()
@@ -88,7 +154,6 @@ def main(argv=None) -> int:
     plan = plan_rank(groups, args.world, args.rank)
     t_plan = time.perf_counter() - t0
     share = 0
-    exact = True
     t1 = time.perf_counter()
     sums = recorded_checksums(read_manifest(args.universal))
     algorithm = sums.algorithm if sums is not None else None
@@ -115,13 +180,9 @@ def main(argv=None) -> int:
         copied.append((g, geo, buffers))
     t_load = time.perf_counter() - t1
     io = read_bytes() - io0
-    for g, geo, buffers in copied:  # the source, independently of the files: the synthetic values
-        start = args.rank * geo.partition_size
-        for state, got in buffers.items():
-            want = flat_range(args.seed, 0, g, state, start, start + geo.partition_size, geo.numel)
-            exact = exact and bool(torch.equal(got, want))
+    exact = exact_against_source(args, copied)
     real = sum(min(max(geo.numel - args.rank * geo.partition_size, 0), geo.partition_size) for geo, _ in plan)
-    print(json.dumps({"world": args.world, "rank": args.rank, "plan_seconds": t_plan, "load_seconds": t_load,
+    print(json.dumps({"route": "universal", "world": args.world, "rank": args.rank, "plan_seconds": t_plan, "load_seconds": t_load,
                       "read_bytes": io, "share_bytes": share, "real_elements": real,
                       "fragments": sum(len(f) for _, f in plan),
                       "peak_rss": peak_rss(), "bit_exact": exact}))

@@ -15,6 +15,12 @@ from typing import Any, Mapping, Optional, Sequence
 
 from megatron_ucp.errors import UcpError
 
+RESUME_ROUTES = ("auto", "reshard", "universal")
+"""The ``resume_route`` values: ``auto`` reshards the native files on a DP-only change and goes
+through the universal folder on a TP/PP change; ``reshard`` is ``auto`` said explicitly (a TP/PP
+change still needs the universal folder, and the log says so); ``universal`` always takes the
+universal folder (converted on demand), as megatron-ucp did before it could reshard."""
+
 
 @dataclass(frozen=True)
 class UcpConfig:
@@ -27,6 +33,10 @@ class UcpConfig:
     """On a DP change, load the universal twin of the requested tag (converting it if needed)."""
     strict: bool = True
     """Every tensor of a universal checkpoint must be consumed; False downgrades misses to warnings."""
+    resume_route: str = "auto"
+    """How a DP change is loaded (:data:`RESUME_ROUTES`): ``auto``/``reshard``
+    copy each rank's partitions straight from the native files (a TP/PP change still goes through the
+    universal folder); ``universal`` always loads the universal twin, converting it when missing."""
 
     # --- background conversion (issue: async conversion) ---------------------------------------
     async_convert: bool = False
@@ -58,6 +68,8 @@ class UcpConfig:
             raise UcpError(f"converter_exit_wait must be >= 0 seconds, got {self.converter_exit_wait}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise UcpError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        if self.resume_route not in RESUME_ROUTES:
+            raise UcpError(f"resume_route must be auto, reshard or universal, got {self.resume_route!r}")
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "UcpConfig":
@@ -129,6 +141,8 @@ _HELP = {
     "record_true_lengths": "record each rank's true partition lengths at save (needed for exact conversion)",
     "elastic_resume": "on a DP change, load the universal twin <tag>_universal (converting it first if missing)",
     "strict": "fail a universal load that leaves any checkpoint tensor or optimizer state unaccounted for",
+    "resume_route": "how a DP change loads: auto/reshard (straight from the native rank files; TP/PP changes go "
+                    "through the universal folder) or universal (always the universal twin, converted on demand)",
     "async_convert": "convert every saved tag to the universal layout in the background",
     "keep_last": "keep at most N universal folders per checkpoint root ('all': keep every one)",
     "converter_workers": "worker processes per converter (one converter per node)",

@@ -40,6 +40,7 @@ ORIGINAL_VOCAB_SIZE = "original_vocab_size"
 PARAMETER_WITH_ROW_PARALLELISM_PATTERNS = "parameter_with_row_parallelism_patterns"
 PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"
 TP_REPLICATED_PARAMETER_PATTERNS = "tp_replicated_parameter_patterns"
+PIPELINE_REPLICATED_PARAMETER_PATTERNS = "pipeline_replicated_parameter_patterns"
 CHECKPOINT_PARALLEL_DIMENSIONS = "checkpoint_parallel_dimensions"
 PARAM = "param"
 CAT_DIM = "cat_dim"
@@ -53,12 +54,16 @@ MP_WORLD_SIZE = "mp_world_size"
 # Keys of the optimizer state dict that are per-rank shards (not copied to optimizer_state.pt).
 SHARDED_OPTIMIZER_KEYS = (BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)
 
-# ---- keys megatron-ucp adds at save time (hooks and patches/ write the same) ---------------
+# ---- keys megatron-ucp adds at save time (hooks and patches/ write the same but the checksums) ----
 GROUP_TRUE_LENGTHS = "group_true_lengths"
 """Per param group: this rank's true (unpadded) number of elements in its partition."""
 ZERO_PARTITION_INFO = "zero_partition_info"
 """Dict: version, dp_size, dp_rank, alignment, group_numels, padded_group_numels, partition_sizes."""
 ZERO_PARTITION_INFO_VERSION = 1
+ZERO_PARTITION_CHECKSUMS = "zero_partition_checksums"
+"""megatron-ucp's save record: ``{"algorithm": ..., "groups": [{state: [numel, checksum]}, ...]}``, the
+checksum (``format.integrity``) of this rank's real elements of the fp32 partition and of every
+optimizer state, at their flat positions in the group, computed on the partitions in memory."""
 
 VOCAB_PADDED_ROWS = "ucp_padded_vocab_rows"
 """In a vocabulary parameter's state file, beside the ``param`` DeepSpeed trims to

@@ -6,8 +6,11 @@ Two DeepSpeed attributes are replaced (through the :class:`~megatron_ucp.integra
 ``DeepSpeedEngine.load_checkpoint``
     Before loading, rank 0 reads the DP size recorded in the requested tag's model states and
     :func:`megatron_ucp.plan.resume.decide_resume` picks the route; the decision is broadcast so all
-    ranks act alike. Same DP: DeepSpeed's native load, untouched. DP changed: the universal twin
-    ``<tag>_universal`` is loaded in universal mode (the engine's ``load_universal`` flag is set
+    ranks act alike. Same DP: DeepSpeed's native load, untouched. DP changed (TP and PP not), resume
+    route ``auto`` or ``reshard``: DeepSpeed loads the module and the training state from the tag
+    without optimizer states, then every rank copies its new partitions straight out of the old rank
+    files (:mod:`megatron_ucp.integration.native_reshard`): no conversion, nothing written. Otherwise
+    (a TP/PP change, or route ``universal``): the universal twin ``<tag>_universal`` is loaded in universal mode (the engine's ``load_universal`` flag is set
     for the call and restored afterwards), converting it first when it is missing (one converter
     per node, all ranks waiting). Universal loads (this route or the explicit
     ``{"checkpoint": {"load_universal": true}}``) then restore what DeepSpeed skips (module buffers,
@@ -30,25 +33,21 @@ import contextvars
 import functools
 import logging
 import os
-import time
-import uuid
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from megatron_ucp import launchenv
-from megatron_ucp.background.queue import node_assignment
 from megatron_ucp.config import UcpConfig
-from megatron_ucp.convert.execute import ConvertOptions, convert
-from megatron_ucp.convert.universal import (COMPLETE, ConversionInProgress, inspect_staging, staging_path,
-                                            universal_state)
+from megatron_ucp.convert.universal import staging_path, universal_state
 from megatron_ucp.deepspeed.reader import load_torch_file, recorded_dp, recorded_tp_pp
-from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError, UnsupportedError
+from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
 from megatron_ucp.format.torchload import structure_problems, torch_reader_problem
-from megatron_ucp.integration.collectives import (Failure, broadcast_from_first, comm, count_across, decide_on_first,
-                                                  is_first)
+from megatron_ucp.integration.collectives import Failure, decide_on_first, is_first
+from megatron_ucp.integration.native_reshard import load_native_partitions, refresh_lp_params
 from megatron_ucp.integration.partition_load import LP_GROUPS, load_universal_partitions, lp_groups_of
+from megatron_ucp.integration.sync_convert import convert_synchronously
 from megatron_ucp.integration.model_parallel import current_tp_pp, one_model_states_file_per_rank
 from megatron_ucp.integration.training_state import check_training_state, restore_module_tensors
 from megatron_ucp.plan.accounting import AccountingReport, Problem, ProblemKind
@@ -79,7 +78,7 @@ def install(patches: Any, config: UcpConfig) -> None:
 
     for owner, names in ((DeepSpeedEngine, ("load_checkpoint", "_load_checkpoint", "_load_zero_checkpoint",
                                             "load_universal_checkpoint", "zero_optimization_stage",
-                                            "train_batch_size")),
+                                            "train_batch_size", "_get_zero_ckpt_name", "_get_rank_zero_ckpt_name")),
                          (ZeROOptimizer, (_OPTIMIZER_LOADER,)),
                          (BF16_Optimizer, ("_load_universal_checkpoint", "_load_global_state", "update_lp_params")),
                          (DeepSpeedZeroOptimizer, ("_load_universal_checkpoint", "_load_global_state",
@@ -130,11 +129,6 @@ def on_uninstall() -> None:
 
 
 # ================================================================================================
-# small distributed helpers (deepspeed.comm + the accelerator's device: gloo/CPU, ccl/XPU, nccl/CUDA)
-# ================================================================================================
-
-
-# ================================================================================================
 # engine: decide, convert, load, finish
 # ================================================================================================
 
@@ -147,8 +141,8 @@ def _elastic_engine(engine: Any) -> bool:
     return stage in (1, 2) and type(engine.optimizer).__name__ in LP_GROUPS
 
 
-def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_optimizer_states: bool
-                       ) -> tuple[ResumeDecision, Optional[str], bool]:
+def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_optimizer_states: bool,
+                       config: UcpConfig) -> tuple[ResumeDecision, Optional[str], bool]:
     """Rank-0 side: read the facts from disk and decide. Returns (decision, native tag, tag from latest)."""
 
     current_dp = int(engine.seq_dp_world_size)
@@ -186,7 +180,7 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
                              load_universal=False, twin_state=twin, tag_is_universal=tag_is_universal,
                              loads_optimizer_states=loads_optimizer_states, staging_present=staging,
                              checkpoint_mp=checkpoint_mp, current_mp=current_tp_pp(engine),
-                             universal_of_latest=follow_latest)
+                             universal_of_latest=follow_latest, resume_route=config.resume_route)
     return decision, resolved, from_latest
 
 
@@ -203,7 +197,7 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
             return original(self, load_dir, tag, **kwargs)
 
         outcome = decide_on_first(lambda: _gather_and_decide(self, load_dir, tag,
-                                                             load_optimizer_states and not load_module_only))
+                                                             load_optimizer_states and not load_module_only, config))
         if isinstance(outcome, Failure):
             if is_first():
                 log.error("megatron-ucp: deciding how to load %s failed: %s", load_dir, outcome.message)
@@ -219,13 +213,15 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
             log.info("megatron-ucp: %s", decision.message)
             if decision.warning:
                 log.warning("megatron-ucp: %s", decision.warning)
+        if decision.route is Route.RESHARD:
+            return _reshard_load(self, original, load_dir, decision, kwargs, config)
         if decision.convert and _node_local_storage(self):
             raise UnsupportedError(f"{decision.message}, but checkpoint.use_node_local_storage keeps each node's "
                                    "files on its own disk; converting needs them on one shared filesystem. Convert "
                                    "with `megatron-ucp convert` where all rank files are, then load again.",
                                    subject=load_dir)
         if decision.convert:
-            _convert_synchronously(Path(load_dir), native_tag, decision, from_latest, config)
+            convert_synchronously(Path(load_dir), native_tag, decision, from_latest, config)
 
         _check_model_states_loadable(Path(load_dir), decision.tag)
         token = _DEFER_ENFORCEMENT.set(True)
@@ -238,6 +234,36 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
         return result
 
     return load_checkpoint
+
+
+def _reshard_load(engine: Any, original: Callable[..., Any], load_dir: str, decision: ResumeDecision, kwargs: dict,
+                  config: UcpConfig) -> Any:
+    """Route RESHARD: DeepSpeed's own load of everything but the optimizer states (module, scheduler,
+    counters, client state: each rank reads its model-states file once, not twice as DeepSpeed's
+    state-dict loader does), then the partitions from the old rank files, the bf16 weights checked
+    against (or refreshed from) the masters as the universal route does, one summary."""
+    tag = decision.tag
+    with one_model_states_file_per_rank(engine, always=True):  # each rank reads its model states once
+        result = original(engine, load_dir, tag, **{**kwargs, "load_optimizer_states": False})
+    load_path = result[0] if isinstance(result, tuple) else None
+    if load_path is None:
+        return result  # DeepSpeed said why (no such tag)
+    own = Path(engine._get_zero_ckpt_name(load_dir, tag)).name
+    found = re.search(r"_mp_rank_(\d+)_optim_states\.pt$", own)
+    if found is None:
+        raise UnsupportedError(f"this DeepSpeed names its optimizer files {own!r}; the native reshard does not know "
+                               "the pattern (use --ucp-resume-route universal)", subject=own)
+    mp_rank, bf16 = int(found.group(1)), own.startswith("bf16_")
+
+    def rank_file(dp_rank: int) -> Path:
+        return Path(engine._get_rank_zero_ckpt_name(load_dir, tag, mp_rank, dp_rank, bf16))
+
+    report = load_native_partitions(engine.optimizer, Path(load_path), rank_file)
+    if refresh_lp_params(engine.optimizer) and is_first():
+        log.info("megatron-ucp: the loaded bf16 weights differ from the rounded fp32 masters; refreshed them from "
+                 "the masters (as a universal load does)")
+    _finish_load(engine, Path(load_path), report, int(decision.checkpoint_dp), kwargs, config, restore_module=False)
+    return result
 
 
 def _check_model_states_loadable(load_dir: Path, tag: Optional[str]) -> None:
@@ -279,67 +305,6 @@ def _universal_mode(engine: Any) -> Iterator[None]:
         cfg.load_universal_checkpoint = before
 
 
-def _convert_synchronously(load_dir: Path, native_tag: Optional[str], decision: ResumeDecision, from_latest: bool,
-                           config: UcpConfig) -> None:
-    """Convert the native tag to its universal twin while every rank waits (one converter per node)."""
-
-    dist = comm()
-    if native_tag is None or decision.tag is None:
-        raise UcpError("internal: a conversion needs a native tag", subject=decision)
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    where = node_assignment(rank, world, launchenv.local_rank(os.environ), launchenv.local_size(os.environ), config.ranks_per_node)
-    share = (where.node, where.nodes) if where.launcher else None
-    attempt = broadcast_from_first(f"elastic-load-{uuid.uuid4().hex}" if rank == 0 else None)
-    twin = load_dir / decision.tag
-    error: Optional[BaseException] = None
-    t0 = time.perf_counter()
-    if share is not None:
-        try:
-            _convert_or_wait(load_dir / native_tag, twin, share, attempt, from_latest, config)
-        except Exception as exc:
-            error = exc
-            log.error("megatron-ucp: converting %s on rank %d failed: %s", native_tag, rank, exc)
-    failures = count_across(1 if error is not None else 0)  # also the barrier: every converter finished
-    if error is not None:
-        raise error
-    if failures:
-        raise UcpError(f"converting {native_tag} to {decision.tag} failed on {failures} rank(s); see their log",
-                       subject=twin)
-    if universal_state(twin) != COMPLETE:
-        raise UcpError(f"{twin}: conversion reported success but the folder is not complete on rank {rank} "
-                       "(is the checkpoint directory shared by every node?)", subject=twin)
-    if rank == 0:
-        log.info("megatron-ucp: converted %s -> %s in %.1fs", native_tag, decision.tag, time.perf_counter() - t0)
-
-
-def _convert_or_wait(source: Path, twin: Path, share: tuple[int, int], attempt: str, from_latest: bool,
-                     config: UcpConfig) -> None:
-    """Run this rank's share; if another live converter (e.g. the async one) owns it, wait for it."""
-
-    options = ConvertOptions(source=source, output=twin, workers=config.converter_workers, replace_stale=True,
-                             update_latest=from_latest,
-                             share_index=share[0], share_count=share[1], attempt_id=attempt, progress=False)
-    for _ in range(2):
-        try:
-            convert(options)
-            return
-        except OutputExistsError:
-            if universal_state(twin, source) == COMPLETE:
-                return
-            raise
-        except ConversionInProgress as exc:
-            log.info("megatron-ucp: %s; waiting for it", exc)
-            while universal_state(twin) != COMPLETE:
-                info = inspect_staging(twin)
-                if info is None or not info.is_live(options.stale_after):
-                    break
-                time.sleep(2.0)
-            if universal_state(twin) == COMPLETE:
-                return
-    raise UcpError(f"{twin}: could not convert (another converter kept failing or died)", subject=twin)
-
-
 def _finish_universal_load(engine: Any, result: Any, decision: ResumeDecision, kwargs: dict,
                            config: UcpConfig) -> None:
     """After DeepSpeed's universal load: what it skips, the training state, the batch, one summary."""
@@ -352,16 +317,23 @@ def _finish_universal_load(engine: Any, result: Any, decision: ResumeDecision, k
     if load_path is None:
         return
     folder = Path(load_path).parent
-    dp_to = int(engine.seq_dp_world_size)
     dp_from = engine.loaded_checkpoint_dp_world_size
+    if report is None:
+        report = AccountingReport(0, 0, (), 0, dp_from, int(engine.seq_dp_world_size)).with_more([Problem(
+            ProblemKind.TRAINING_STATE, None, None,
+            f"the optimizer did not load {folder / F.UNIVERSAL_ZERO_DIR}: no tensors were restored")])
+    _finish_load(engine, Path(load_path), report, dp_from, kwargs, config, restore_module=True)
+
+
+def _finish_load(engine: Any, load_path: Path, report: AccountingReport, dp_from: Optional[int], kwargs: dict,
+                 config: UcpConfig, restore_module: bool) -> None:
+    """The training state and the batch checked, module tensors DeepSpeed skipped restored (universal
+    mode), one summary line; enforced as ``config.strict`` says."""
+    folder = load_path.parent
+    dp_to = int(engine.seq_dp_world_size)
     problems: list[Problem] = []
     extras: list[str] = []
-    if report is None:
-        report = AccountingReport(0, 0, (), 0, dp_from, dp_to)
-        problems.append(Problem(ProblemKind.TRAINING_STATE, None, None,
-                                f"the optimizer did not load {folder / F.UNIVERSAL_ZERO_DIR}: no tensors were "
-                                "restored"))
-    states = load_torch_file(Path(load_path), mmap=True)
+    states = load_torch_file(load_path, mmap=True)
     if not isinstance(states, dict):
         raise CheckpointFormatError(f"{load_path}: not a DeepSpeed model-states dict", subject=load_path)
 
@@ -376,10 +348,11 @@ def _finish_universal_load(engine: Any, result: Any, decision: ResumeDecision, k
         p, e = check_training_state(engine, states, ckpt_batch, current_batch, kwargs["load_lr_scheduler_states"])
         problems += p
         extras += e
-    optimized = {engine.optimizer.param_names[lp] for group in lp_groups_of(engine.optimizer) for lp in group}
-    p, e = restore_module_tensors(engine.module, optimized, folder, states)
-    problems += p
-    extras += e
+    if restore_module:
+        optimized = {engine.optimizer.param_names[lp] for group in lp_groups_of(engine.optimizer) for lp in group}
+        p, e = restore_module_tensors(engine.module, optimized, folder, states)
+        problems += p
+        extras += e
     report = report.with_more(problems, extras, dp_from=dp_from)
     setattr(engine, ENGINE_REPORT_ATTR, report)
     report.enforce(config.strict, log, verbose=is_first())

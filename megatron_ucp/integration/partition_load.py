@@ -336,14 +336,21 @@ def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names:
                         table[row, Column.SOURCE_COUNT] += count
                         add_sum(table, row, False, value)
 
+    install_group_state(optimizer, flat, lps, buffers, group_step)
+    return set(buffers) | ({F.STEP_STATE} if group_step is not None else set())
+
+
+def install_group_state(optimizer: Any, flat: torch.Tensor, lps: list, buffers: dict[str, torch.Tensor],
+                        step: Any) -> None:
+    """Make ``buffers`` (flat, partition-sized) and ``step`` the base optimizer's state of one group, and
+    point each parameter's optimizer fragments at them (what DeepSpeed's ``_link_hp_params`` does)."""
     state_dict = optimizer.optimizer.state[flat]
     for state, buffer in buffers.items():
         state_dict[state] = buffer
-    if group_step is not None:
-        state_dict[F.STEP_STATE] = group_step.clone() if torch.is_tensor(group_step) else group_step
+    if step is not None:
+        state_dict[F.STEP_STATE] = step.clone() if torch.is_tensor(step) else step
     for lp in lps:
         mapping = getattr(lp, "_hp_mapping", None)
         if mapping is not None:
             address = mapping.get_hp_fragment_address()
             mapping.optim_fragment = {s: b.narrow(0, address.start, address.numel) for s, b in buffers.items()}
-    return set(buffers) | ({F.STEP_STATE} if group_step is not None else set())

@@ -3,7 +3,9 @@
 Wraps ``state_dict`` of ``BF16_Optimizer`` and ``DeepSpeedZeroOptimizer`` so that the dict each
 rank saves carries, next to ``group_paddings``, ``group_true_lengths`` and ``zero_partition_info``
 (DP size, rank, alignment, group numels, partition sizes): what a converter needs to check the
-file on its own. BF16_Optimizer's ``group_paddings`` (last-rank-only in stock DeepSpeed, wrong once
+file on its own, and ``zero_partition_checksums``: a checksum of the real elements of every flat
+partition it saves (fp32 and each optimizer state), taken on the tensors in memory, against which
+a native reshard checks what it copied. BF16_Optimizer's ``group_paddings`` (last-rank-only in stock DeepSpeed, wrong once
 the padding exceeds a partition) is replaced by the per-rank value, so that stock
 ``ds_to_universal`` converts plugin-saved checkpoints too. The optimizer's own attributes are not
 touched; only the returned dict differs. ``patches/`` carries the same change as an upstream diff.
@@ -18,7 +20,7 @@ from megatron_ucp.config import UcpConfig
 from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.model_parallel import tp_layout_record
-from megatron_ucp.plan.save_record import partition_record
+from megatron_ucp.plan.save_record import partition_checksums, partition_record
 from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
 
 log = logging.getLogger(__name__)
@@ -35,11 +37,17 @@ def _dp_of(optimizer: Any) -> tuple[list[int], list[int]]:
     return [dist.get_world_size(group=pg) for pg in groups], [dist.get_rank(group=pg) for pg in groups]
 
 
+def _base_states(optimizer: Any, flats: list[Any]) -> list[dict[str, Any]]:
+    return [dict(optimizer.optimizer.state.get(flat, {})) for flat in flats]
+
+
 def _bf16_record(optimizer: Any) -> dict[str, Any]:
     numels = [sum(p.numel() for p in group) for group in optimizer.bf16_groups]
     sizes, ranks = _dp_of(optimizer)
-    return partition_record(numels, numels, [f.numel() for f in optimizer.bf16_groups_flat], sizes, ranks,
-                            optimizer.nccl_start_alignment_factor)
+    record = partition_record(numels, numels, [f.numel() for f in optimizer.bf16_groups_flat], sizes, ranks,
+                              optimizer.nccl_start_alignment_factor)
+    flats = optimizer.fp32_groups_flat_partition
+    return {**record, **partition_checksums(flats, _base_states(optimizer, flats), record)}
 
 
 def _zero_record(optimizer: Any) -> dict[str, Any]:
@@ -53,7 +61,8 @@ def _zero_record(optimizer: Any) -> dict[str, Any]:
     if recorded and recorded != record[F.GROUP_PADDINGS]:
         log.warning("DeepSpeedZeroOptimizer group_paddings %s differ from the geometry's %s; saving the latter",
                     recorded, record[F.GROUP_PADDINGS])
-    return record
+    flats = optimizer.single_partition_of_fp32_groups
+    return {**record, **partition_checksums(flats, _base_states(optimizer, flats), record)}
 
 
 def _wrap(record: Any) -> Any:

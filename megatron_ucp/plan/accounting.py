@@ -19,10 +19,11 @@ independent of reduction order and device. Everything here is pure: no I/O, no
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -117,17 +118,18 @@ class AccountingReport:
     """This rank's time per phase of the optimizer load (``load``: reading and copying fragments;
     ``accounting``: checksums and checks; ``collective``: the one all-reduce, which also waits for
     the slowest rank), for benchmarks and debugging."""
+    route: str = "universal load"
+    """``universal load`` (from a universal folder) or ``native reshard`` (from the saved rank files)."""
 
     def with_more(self, problems: Sequence[Problem] = (), extras: Sequence[str] = (),
                   dp_from: Optional[int] = None) -> "AccountingReport":
-        return AccountingReport(self.params, self.state_files, self.state_names, self.elements,
-                                self.dp_from if dp_from is None else dp_from, self.dp_to,
-                                self.problems + tuple(problems), self.extras + tuple(extras), self.seconds)
+        return dataclasses.replace(self, dp_from=self.dp_from if dp_from is None else dp_from,
+                                   problems=self.problems + tuple(problems), extras=self.extras + tuple(extras))
 
     def summary_line(self) -> str:
         dp_from = "?" if self.dp_from is None else str(self.dp_from)
         verdict = "every element placed exactly once" if not self.problems else f"{len(self.problems)} PROBLEM(S)"
-        line = (f"megatron-ucp universal load: {self.params} params, {self.state_files} state tensors "
+        line = (f"megatron-ucp {self.route}: {self.params} params, {self.state_files} state tensors "
                 f"({', '.join(self.state_names)}), {self.elements} elements, DP {dp_from} -> {self.dp_to}: {verdict}")
         if self.extras:
             line += "; " + "; ".join(self.extras)
@@ -142,7 +144,8 @@ class AccountingReport:
             shown = "\n  ".join(str(p) for p in self.problems[:40])
             more = f"\n  ... and {len(self.problems) - 40} more" if len(self.problems) > 40 else ""
             raise AccountingError(
-                f"universal checkpoint load is incomplete ({len(self.problems)} problem(s)):\n  {shown}{more}\n"
+                f"{'universal checkpoint load' if self.route == 'universal load' else self.route} is incomplete "
+                f"({len(self.problems)} problem(s)):\n  {shown}{more}\n"
                 "Fix or reconvert the checkpoint; pass strict=False (MEGATRON_UCP_STRICT=0) only for a "
                 "deliberate partial load.", subject=list(self.problems))
         if not verbose:
@@ -289,29 +292,34 @@ class Ledger:
         return torch.zeros((len(self.rows), len(Column)), dtype=torch.int64, device=device)
 
 
-def check_ledger(ledger: Ledger, totals: torch.Tensor) -> list[Problem]:
-    """Problems in the all-reduced table: unconsumed files, miscounted or misplaced elements."""
+def universal_file(param: str, state: str) -> str:
+    return f"zero/{param}/{state}.pt"
+
+
+def check_ledger(ledger: Ledger, totals: torch.Tensor,
+                 source: Callable[[str, str], str] = universal_file) -> list[Problem]:
+    """Problems in the all-reduced table: unconsumed files, miscounted or misplaced elements.
+    ``source(param, state)`` names what a row stands for (a universal folder's state file by default)."""
     table = totals.detach().cpu().tolist()
     problems = []
     for (param, state), row in zip(ledger.rows, table):
         if row[Column.CONSUMERS] == 0:
-            problems.append(Problem(ProblemKind.UNCONSUMED, param, state,
-                                    f"zero/{param}/{state}.pt was read by no rank"))
+            problems.append(Problem(ProblemKind.UNCONSUMED, param, state, f"{source(param, state)} was read by no rank"))
             continue
         if state == F.STEP_STATE:
             if row[Column.STEP_MISMATCH]:
                 problems.append(Problem(ProblemKind.STEP_MISMATCH, param, state,
-                                        f"zero/{param}/step.pt differs from the step of its param group "
+                                        f"{source(param, state)} differs from the step of its param group "
                                         f"({row[Column.STEP_MISMATCH]} rank(s) saw the difference)"))
             continue
         if row[Column.LOADED_COUNT] != row[Column.SOURCE_COUNT]:
             problems.append(Problem(ProblemKind.COUNT_MISMATCH, param, state,
-                                    f"the file holds {row[Column.SOURCE_COUNT]} elements, the ranks wrote "
-                                    f"{row[Column.LOADED_COUNT]}"))
+                                    f"{source(param, state)}: the checkpoint holds {row[Column.SOURCE_COUNT]} "
+                                    f"elements, the ranks wrote {row[Column.LOADED_COUNT]}"))
         elif row_sums(row)[0] != row_sums(row)[1]:
             problems.append(Problem(ProblemKind.CHECKSUM_MISMATCH, param, state,
-                                    "the fragments written into the ranks do not reassemble the file "
-                                    "(an element landed in the wrong place or changed)"))
+                                    f"{source(param, state)}: the fragments written into the ranks do not "
+                                    "reassemble it (an element landed in the wrong place or changed)"))
     return problems
 
 

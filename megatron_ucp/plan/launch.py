@@ -169,8 +169,10 @@ def plan_launch(margs: MegatronArgs, facts: Optional[CheckpointFacts], world_siz
         notes.append(f"--universal-checkpoint given: loading the universal twin of {facts.tag} (the tag in latest) "
                      "with megatron-ucp's loader, converting it first when latest_universal does not name it")
     elif config.elastic_resume:
-        notes.append(f"the elastic-resume hook loads the universal twin of {facts.tag} "
-                     "(converting it first if it does not exist yet)")
+        notes.append(f"the elastic-resume hook loads the universal twin of {facts.tag} (converting it first if it "
+                     "does not exist yet): resume route universal" if config.resume_route == "universal" else
+                     f"the elastic-resume hook reshards {facts.tag} from its native rank files (resume route "
+                     f"{config.resume_route}; no conversion)")
     elif not margs.no_load_optim:
         warnings.append("elastic resume is off and --universal-checkpoint is not given: DeepSpeed will refuse to "
                         f"load ZeRO optimizer states saved at DP={dp_from} into DP={dp_to}")

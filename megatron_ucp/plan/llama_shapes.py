@@ -5,22 +5,58 @@ Pure (no I/O, no torch). What ``pretrain_gpt_alcf.py`` builds with ``--no-pipeli
 ``--num-key-value-heads`` and ``--untie-embeddings-and-output-weights``: the names DeepSpeed
 records in ``param_shapes``, in declaration order, in Megatron's two param groups (weight decay:
 the matrices; no weight decay: the RMSNorm weights), and each parameter's TP split as Megatron's
-``tensor_model_parallel`` / ``partition_dim`` attributes give it. The synthetic-checkpoint writer
+``tensor_model_parallel`` / ``partition_dim`` attributes give it. With a :class:`PipeStage`, the
+same for one stage of the pipeline model ``GPTModelPipe`` (any PP): its layer list, DeepSpeed's
+``type:transformer`` split of it (:mod:`~megatron_ucp.plan.pipeline_stages`) and its names. The synthetic-checkpoint writer
 and the metadata-only scale tools use it; a real save of the same shape is the proof
 (``tests/system/test_synthetic_checkpoint.py``, ``tests/integration``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_ucp.errors import PlanError
 from megatron_ucp.plan.conversion import ParamSpec
+from megatron_ucp.plan.pipeline_stages import balanced_cuts
 from megatron_ucp.plan.tensor_parallel import TpLayout, slice_shape
 
 WEIGHT_DECAY, NO_WEIGHT_DECAY = 0, 1
 ROTARY_BUFFER = "language_model.rotary_pos_emb.inv_freq"
 """The one persistent buffer of a RoPE model (``buffer_names``; Megatron's own save leaves it out)."""
+TIED_EMBEDDING = "tied_modules.embed."
+"""Where ``GPTModelPipe`` keeps a tied embedding (``TiedLayerSpec("embed", ...)``): on the first and
+the last stage, registered before the stage's numbered layers."""
+_Declared = dict[str, tuple[tuple[int, ...], TpLayout]]
+
+
+@dataclass(frozen=True)
+class PipeStage:
+    """Stage ``index`` of a ``GPTModelPipe`` cut into ``pp`` stages."""
+
+    pp: int
+    index: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.pp:
+            raise PlanError(f"pipeline stage {self.index} of {self.pp} does not exist")
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.pp - 1
+
+
+@dataclass(frozen=True)
+class PipeLayer:
+    """One entry of ``GPTModelPipe``'s layer list: its position, its parameters (local names), and
+    whether it is the tied embedding (``tied``: named ``tied_modules.embed.*``; only its first use
+    is a module whose weights the stage saves in a ``layer_XX`` file)."""
+
+    index: int
+    params: _Declared = field(default_factory=dict)
+    transformer: bool = False
+    tied: bool = False
+    saves_file: bool = True
 
 
 @dataclass(frozen=True)
@@ -68,37 +104,76 @@ class LlamaShape:
         if tp < 1 or bad:
             raise PlanError(f"llama shape: TP={tp} must divide {bad or parts}")
 
-    def param_groups(self, tp: int = 1) -> list[list[ParamSpec]]:
-        """``[weight decay, no weight decay]``, each in declaration order, with one TP rank's shapes."""
+    def param_groups(self, tp: int = 1, stage: Optional[PipeStage] = None) -> list[list[ParamSpec]]:
+        """``[weight decay, no weight decay]``, each in declaration order, with one TP rank's shapes
+        (of ``GPTModel``, or of one ``GPTModelPipe`` stage)."""
         self.check_tp(tp)
         groups: list[list[ParamSpec]] = [[], []]
-        for name, (shape, layout) in self._declared().items():
+        for name, (shape, layout) in self._declared(stage).items():
             group = NO_WEIGHT_DECAY if layout.replicated else WEIGHT_DECAY
             groups[group].append(ParamSpec(name, group, slice_shape(shape, layout, tp, name)))
         return groups
 
-    def tp_layouts(self) -> dict[str, TpLayout]:
+    def tp_layouts(self, stage: Optional[PipeStage] = None) -> dict[str, TpLayout]:
         """Each parameter's TP split as Megatron's attributes record it (what the save hook writes)."""
-        return {name: layout for name, (_, layout) in self._declared().items()}
+        return {name: layout for name, (_, layout) in self._declared(stage).items()}
 
     def numel(self) -> int:
         return sum(p.numel for g in self.param_groups() for p in g)
 
-    def _declared(self) -> dict[str, tuple[tuple[int, ...], TpLayout]]:
+    def _layer(self) -> _Declared:
+        """One transformer layer's parameters, local names in declaration order."""
         h = self.hidden
         column, row, replicated = TpLayout(dim=0), TpLayout(dim=1), TpLayout(replicated=True)
-        out = {"language_model.embedding.word_embeddings.weight": ((self.vocab, h), column)}
+        return {"input_layernorm.weight": ((h,), replicated),
+                "self_attention.query_key_value.weight": ((self.qkv_rows, h), column),
+                "self_attention.dense.weight": ((h, h), row),
+                "post_attention_layernorm.weight": ((h,), replicated),
+                "mlp.dense_h_to_4h.weight": (((2 if self.swiglu else 1) * self.ffn, h), column),
+                "mlp.dense_4h_to_h.weight": ((h, self.ffn), row)}
+
+    def _declared(self, stage: Optional[PipeStage] = None) -> _Declared:
+        if stage is not None:
+            return self._stage_declared(stage)
+        h = self.hidden
+        out = {"language_model.embedding.word_embeddings.weight": ((self.vocab, h), TpLayout(dim=0))}
         for i in range(self.layers):
-            p = f"language_model.encoder.layers.{i}."
-            out[p + "input_layernorm.weight"] = ((h,), replicated)
-            out[p + "self_attention.query_key_value.weight"] = ((self.qkv_rows, h), column)
-            out[p + "self_attention.dense.weight"] = ((h, h), row)
-            out[p + "post_attention_layernorm.weight"] = ((h,), replicated)
-            out[p + "mlp.dense_h_to_4h.weight"] = (((2 if self.swiglu else 1) * self.ffn, h), column)
-            out[p + "mlp.dense_4h_to_h.weight"] = ((h, self.ffn), row)
-        out["language_model.encoder.final_layernorm.weight"] = ((h,), replicated)
+            out.update({f"language_model.encoder.layers.{i}.{k}": v for k, v in self._layer().items()})
+        out["language_model.encoder.final_layernorm.weight"] = ((h,), TpLayout(replicated=True))
         if not self.tied:
-            out["language_model.output_layer.weight"] = ((self.vocab, h), column)
+            out["language_model.output_layer.weight"] = ((self.vocab, h), TpLayout(dim=0))
+        return out
+
+    # ---- the pipeline model ------------------------------------------------------------------
+    def pipe_layers(self) -> list[PipeLayer]:
+        """``GPTModelPipe``'s layer list (bf16 cast, embedding, layers, final norm, head, fp32 cast)."""
+        h = self.hidden
+        embedding = {"word_embeddings.weight": ((self.vocab, h), TpLayout(dim=0))}
+        out = [PipeLayer(0), PipeLayer(1, embedding, tied=self.tied)]
+        out += [PipeLayer(2 + i, self._layer(), transformer=True) for i in range(self.layers)]
+        out.append(PipeLayer(len(out), {"weight": ((h,), TpLayout(replicated=True))}))
+        if self.tied:  # the second use of the tied embedding: a function around the shared module
+            out.append(PipeLayer(len(out), embedding, tied=True, saves_file=False))
+        else:
+            out.append(PipeLayer(len(out), {"lm_head.weight": ((self.vocab, h), TpLayout(dim=0))}))
+        out.append(PipeLayer(len(out)))
+        return out
+
+    def stage_layers(self, stage: PipeStage) -> list[PipeLayer]:
+        """The layers DeepSpeed's ``type:transformer`` partition gives ``stage``."""
+        layers = self.pipe_layers()
+        if stage.pp > self.layers:
+            raise PlanError(f"PP={stage.pp} stages for {self.layers} transformer layers: a stage would hold none")
+        cuts = balanced_cuts([int(layer.transformer) for layer in layers], stage.pp)
+        return layers[cuts[stage.index]:cuts[stage.index + 1]]
+
+    def _stage_declared(self, stage: PipeStage) -> _Declared:
+        layers = self.stage_layers(stage)
+        out: _Declared = {}
+        for layer in (x for x in layers if x.tied):  # tied_modules is registered before the numbered layers
+            out.update({TIED_EMBEDDING + k: v for k, v in layer.params.items()})
+        for layer in (x for x in layers if not x.tied):
+            out.update({f"{layer.index}.{k}": v for k, v in layer.params.items()})
         return out
 
 

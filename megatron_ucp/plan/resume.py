@@ -16,6 +16,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from megatron_ucp.config import RESUME_ROUTES
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 
@@ -31,6 +32,11 @@ class Route(enum.Enum):
     """DP changed and there is no twin yet: convert synchronously, then load it in universal mode."""
     EXPLICIT_UNIVERSAL = "explicit-universal"
     """The user asked for a universal load (``load_universal`` flag, or a universal tag)."""
+    RESHARD = "native-reshard"
+    """DP changed (TP and PP not): each rank copies its new partitions straight out of the native rank
+    files (:mod:`megatron_ucp.plan.reshard`); no conversion, no second copy on disk."""
+
+
 
 
 class TwinState(str, enum.Enum):
@@ -63,7 +69,7 @@ class ResumeDecision:
 
     @property
     def universal(self) -> bool:
-        return self.route is not Route.NATIVE
+        return self.route not in (Route.NATIVE, Route.RESHARD)
 
     @property
     def convert(self) -> bool:
@@ -84,7 +90,8 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
                   load_universal: bool, twin_state: TwinState | str = TwinState.ABSENT,
                   tag_is_universal: bool = False, loads_optimizer_states: bool = True,
                   staging_present: bool = False, checkpoint_mp: tuple[int, int] = (1, 1),
-                  current_mp: tuple[int, int] = (1, 1), universal_of_latest: bool = False) -> ResumeDecision:
+                  current_mp: tuple[int, int] = (1, 1), universal_of_latest: bool = False,
+                  resume_route: str = "auto") -> ResumeDecision:
     """Decide how to load ``requested_tag`` (already resolved from ``latest`` when it was None).
 
     ``checkpoint_dp`` is the ``dp_world_size`` recorded in the tag's model states (None when the
@@ -95,10 +102,13 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
     states to load, a DP change needs no resharding (DeepSpeed rebuilds fp32 from the weights).
     ``universal_of_latest``: ``load_universal`` is set, but the tag comes from ``latest`` (the hook
     found no ``latest_universal`` naming its twin): load the twin of ``requested_tag`` in universal
-    mode whatever the layout, converting it when needed.
+    mode whatever the layout, converting it when needed. ``resume_route``: one of :data:`RESUME_ROUTES`.
     """
     if current_dp < 1:
         raise UcpError(f"current DP size must be >= 1, got {current_dp}", subject=current_dp)
+    if resume_route not in RESUME_ROUTES:
+        raise UcpError(f"resume route must be one of {', '.join(RESUME_ROUTES)}, got {resume_route!r}",
+                       subject=resume_route)
     twin = TwinState(twin_state.value if isinstance(twin_state, TwinState) else twin_state)
     if load_universal:
         shown = requested_tag if requested_tag is not None else f"the tag in {F.LATEST_UNIVERSAL}"
@@ -123,8 +133,15 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
                               f"native load of {requested_tag} (fp32 master weights rebuilt from bf16 weights)")
     target = F.universal_tag(requested_tag)
     changed = describe_change((*checkpoint_mp, checkpoint_dp), (*current_mp, current_dp))
+    if not mp_changed and not universal_of_latest and resume_route != "universal":
+        how = "" if resume_route == "reshard" else " (resume route auto)"
+        return ResumeDecision(Route.RESHARD, requested_tag, checkpoint_dp, current_dp,
+                              f"{changed}: resharding {requested_tag} from its native rank files{how}, no conversion")
     if universal_of_latest and checkpoint_dp == current_dp and not mp_changed:
         changed = f"load_universal is set ({changed})"
+    elif mp_changed and resume_route == "reshard":
+        changed += " (resume route reshard: the native files reshard DP only; a TP/PP change goes through the " \
+                   "universal folder)"
     if twin is TwinState.COMPLETE:
         return ResumeDecision(Route.UNIVERSAL_EXISTING, target, checkpoint_dp, current_dp,
                               f"{changed}: loading {target}")

@@ -1,4 +1,4 @@
-"""What the save hook adds to each rank's optimizer state dict, computed from the geometry. Pure.
+"""What the save hook adds to each rank's optimizer state dict: the geometry (pure) and the partitions' checksums.
 
 The hook (``integration/save_recording``) calls it with the live optimizer's sizes; the
 synthetic-checkpoint writer (``synthetic/``) with a model shape's. One function, so that a
@@ -10,6 +10,8 @@ from typing import Any, Sequence
 
 from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.format import integrity
+from megatron_ucp.plan.accounting import checksum
 from megatron_ucp.plan.geometry import NCCL_START_ALIGNMENT_FACTOR, GroupGeometry
 
 
@@ -41,3 +43,18 @@ def partition_record(group_numels: Sequence[int], padded_group_numels: Sequence[
             "partition_sizes": [geo.partition_size for geo in geos],
         },
     }
+
+
+def partition_checksums(fp32: list[Any], states: list[dict[str, Any]], record: dict[str, Any]) -> dict[str, Any]:
+    """:data:`~megatron_ucp.format.dsformat.ZERO_PARTITION_CHECKSUMS` of one rank: each group's real
+    elements (``group_true_lengths``) of the fp32 partition and of each tensor state of partition size,
+    hashed at their flat position in the group (``dp_rank * partition_size``)."""
+    info = record[F.ZERO_PARTITION_INFO]
+    groups = []
+    for g, (master, state) in enumerate(zip(fp32, states)):
+        size, real = info["partition_sizes"][g], record[F.GROUP_TRUE_LENGTHS][g]
+        start = info["dp_rank"] * size
+        tensors = {F.FP32_STATE: master, **{k: v for k, v in sorted(state.items())
+                                            if hasattr(v, "numel") and k != F.STEP_STATE and v.numel() == size}}
+        groups.append({k: [real, checksum(t.reshape(-1)[:real], start)] for k, t in tensors.items()})
+    return {F.ZERO_PARTITION_CHECKSUMS: {"algorithm": integrity.ALGORITHM, "groups": groups}}

@@ -3,8 +3,10 @@
 One function per file kind: :func:`rank_file_state` (``*_optim_states.pt``: one DP rank's flat
 partitions and DeepSpeed's bookkeeping, exactly as ``BF16_Optimizer.state_dict`` or
 ``DeepSpeedZeroOptimizer.state_dict`` of the given release returns it, wrapped as the engine saves
-it) and :func:`model_states` (``mp_rank_XX_model_states.pt``: the engine's dict, then the client
-state Megatron-DeepSpeed adds). DeepSpeed's own objects (``fragment_address``, ``LossScaler``,
+it), :func:`model_states` (``mp_rank_XX_model_states.pt``: the engine's dict, then the client
+state Megatron-DeepSpeed adds) and, for the pipeline model, :func:`layer_files` (``layer_XX-model_YY-
+model_states.pt``: one per layer of a stage, as ``PipelineModule.save_state_dict`` writes them).
+A model-parallel rank ``mp`` is DeepSpeed's: ``stage * TP + tp_rank``. DeepSpeed's own objects (``fragment_address``, ``LossScaler``,
 ``ZeroStageEnum``) are lightpickle stand-ins pickled as DeepSpeed pickles them, so the files load
 with DeepSpeed's classes and nothing here imports DeepSpeed: any release's files are written from
 any environment. Where a release differs, :class:`~megatron_ucp.deepspeed.versions.SavedFiles` says how.
@@ -27,8 +29,8 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import stand_in_class
 from megatron_ucp.plan.conversion import ParamSpec, RankGroupLayout, RankLayout, synthesize_layouts
 from megatron_ucp.plan.geometry import GroupGeometry, PaddingStyle
-from megatron_ucp.plan.llama_shapes import ROTARY_BUFFER, LlamaShape
-from megatron_ucp.plan.save_record import partition_record
+from megatron_ucp.plan.llama_shapes import NO_WEIGHT_DECAY, ROTARY_BUFFER, TIED_EMBEDDING, LlamaShape, PipeStage
+from megatron_ucp.plan.save_record import partition_checksums, partition_record
 from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
 from megatron_ucp.synthetic.values import flat_range
 
@@ -48,11 +50,15 @@ class SyntheticSpec:
     hooks (per-rank true lengths and paddings, partition info, TP layouts). ``flavour``:
     ``megatron`` (``pretrain_gpt_alcf.py``'s GPTModel: nested module dict, ``args``, RNG states,
     Megatron's param groups) or ``plain`` (an engine around a torch AdamW, no client state).
+    ``pipeline``: Megatron's ``GPTModelPipe`` in ``pp`` stages (a DeepSpeed ``PipelineModule``:
+    layer files, stage-local names); PP > 1 needs it, as in Megatron-DeepSpeed.
     """
 
     shape: LlamaShape
     dp: int
     tp: int = 1
+    pp: int = 1
+    pipeline: bool = False
     optimizer: str = "bf16"
     zero_stage: int = 1
     ds_version: str = "0.19.8"
@@ -74,7 +80,12 @@ class SyntheticSpec:
             raise PlanError(f"flavour must be one of {FLAVOURS}, got {self.flavour!r}")
         if self.dp < 1 or self.iteration < 1:
             raise PlanError(f"DP size and iteration must be >= 1, got {self.dp}, {self.iteration}")
+        if self.pp < 1 or (self.pp > 1 and not self.pipeline):
+            raise PlanError(f"PP={self.pp}: pipeline parallelism needs the pipeline model (GPTModelPipe)")
+        if self.pipeline and self.flavour != "megatron":
+            raise PlanError("the pipeline model is Megatron-DeepSpeed's: flavour must be 'megatron'")
         self.shape.check_tp(self.tp)
+        self.shape.param_groups(self.tp, self.stage(self.mp_size - 1))
         saved_files(self.ds_version)
 
     @property
@@ -89,11 +100,26 @@ class SyntheticSpec:
     def global_batch(self) -> int:
         return self.micro_batch * self.dp * self.grad_accumulation
 
-    def groups(self) -> list[list[ParamSpec]]:
-        return self.shape.param_groups(self.tp)
+    @property
+    def mp_size(self) -> int:
+        """Model-parallel ranks: one ``mp_rank_XX`` model-states file and one row of rank files each."""
+        return self.tp * self.pp
 
-    def geometries(self) -> list[GroupGeometry]:
-        return [GroupGeometry(numel=sum(p.numel for p in g), dp=self.dp) for g in self.groups()]
+    def layout_text(self) -> str:
+        model = f"GPTModelPipe, PP={self.pp}" if self.pipeline else "GPTModel" if self.flavour == "megatron" else "plain"
+        return f"TP={self.tp}, DP={self.dp}, {model}"
+
+    def stage(self, mp_rank: int) -> Optional[PipeStage]:
+        """The pipeline stage that model-parallel rank holds (None: the non-pipeline GPTModel)."""
+        if not 0 <= mp_rank < self.mp_size:
+            raise PlanError(f"model-parallel rank {mp_rank} of {self.mp_size} does not exist")
+        return PipeStage(self.pp, mp_rank // self.tp) if self.pipeline else None
+
+    def groups(self, mp_rank: int = 0) -> list[list[ParamSpec]]:
+        return self.shape.param_groups(self.tp, self.stage(mp_rank))
+
+    def geometries(self, mp_rank: int = 0) -> list[GroupGeometry]:
+        return [GroupGeometry(numel=sum(p.numel for p in g), dp=self.dp) for g in self.groups(mp_rank)]
 
     def padding_style(self) -> PaddingStyle:
         """How this release's optimizer class records ``group_paddings`` (before our record replaces it)."""
@@ -111,6 +137,33 @@ class SyntheticSpec:
         return config
 
 
+# ---- values ----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _group_facts(spec: SyntheticSpec, mp_rank: int, group: int) -> tuple[int, int]:
+    """(real length, length of the tied embedding's copy at the start) of one flat group."""
+    params = spec.groups(mp_rank)[group]
+    stage = spec.stage(mp_rank)
+    tied = params[0].numel if params and stage and stage.index > 0 and params[0].name.startswith(TIED_EMBEDDING) else 0
+    return sum(p.numel for p in params), tied
+
+
+def state_range(spec: SyntheticSpec, mp_rank: int, group: int, state: str, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of a group's flat ``state`` (``fp32``, ``exp_avg``, ``exp_avg_sq``) on a
+    model-parallel rank, zero from its real length on. What a real run holds identically on several
+    ranks is identical here: the TP-replicated parameters (the no-weight-decay group, the norms) on
+    every TP rank of a stage, and a tied embedding on the last stage as on the first."""
+    stage, tp_rank = divmod(mp_rank, spec.tp)
+    real, tied = _group_facts(spec, mp_rank, group)
+
+    def buffer(at_stage: int) -> str:
+        return f"s{at_stage}/{'replicated' if group == NO_WEIGHT_DECAY else f't{tp_rank}'}/g{group}"
+
+    if start >= tied:
+        return flat_range(spec.seed, buffer(stage), state, start, stop, real)
+    head = flat_range(spec.seed, buffer(0), state, start, min(stop, tied), real)
+    return torch.cat([head, flat_range(spec.seed, buffer(stage), state, tied, max(stop, tied), real)])
+
+
 # ---- rank files ------------------------------------------------------------------------------
 def _param_group(spec: SyntheticSpec, group: int) -> dict[str, Any]:
     adam = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-08, "weight_decay": 0.1 if group == 0 else 0.0,
@@ -123,12 +176,13 @@ def _param_group(spec: SyntheticSpec, group: int) -> dict[str, Any]:
     return {**adam, "decoupled_weight_decay": True, "params": [group]}
 
 
-@functools.lru_cache(maxsize=4)
-def rank_layouts(spec: SyntheticSpec) -> list[RankLayout]:
+@functools.lru_cache(maxsize=8)
+def rank_layouts(spec: SyntheticSpec, mp_rank: int = 0) -> list[RankLayout]:
     """Every DP rank's file as the reader sees it (fragments, stored lengths, recorded paddings),
     from metadata alone: :func:`~megatron_ucp.plan.conversion.synthesize_layouts` with this release's
     paddings. The writer takes ``param_slice_mappings`` from it; the 7B/768 plan needs nothing else."""
-    return synthesize_layouts(spec.groups(), spec.dp, recorded_style=None if spec.record else spec.padding_style(),
+    return synthesize_layouts(spec.groups(mp_rank), spec.dp,
+                              recorded_style=None if spec.record else spec.padding_style(),
                               fp32_cut_style=spec.padding_style() if spec.optimizer == "zero" else None)
 
 
@@ -140,20 +194,21 @@ def _slice_mappings(layout: RankGroupLayout) -> "collections.OrderedDict[str, An
     return out
 
 
-def rank_file_state(spec: SyntheticSpec, tp_rank: int, dp_rank: int) -> dict[str, Any]:
-    """What the engine saves as ``bf16_zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt``."""
-    groups, geos, style = spec.groups(), spec.geometries(), spec.padding_style()
-    layout = rank_layouts(spec)[dp_rank]
-    fp32, states, mappings, recorded = [], {}, [], []
+def rank_file_state(spec: SyntheticSpec, mp_rank: int, dp_rank: int) -> dict[str, Any]:
+    """What the engine saves as ``bf16_zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt``."""
+    groups, geos, style = spec.groups(mp_rank), spec.geometries(mp_rank), spec.padding_style()
+    layout = rank_layouts(spec, mp_rank)[dp_rank]
+    fp32, masters, states, mappings, recorded = [], [], {}, [], []
     for g, geo in enumerate(geos):
         size = geo.partition_size
         start = dp_rank * size
 
         def part(state: str) -> torch.Tensor:
-            return flat_range(spec.seed, tp_rank, g, state, start, start + size, geo.numel)
+            return state_range(spec, mp_rank, g, state, start, start + size)
 
         padding = geo.recorded_padding(dp_rank, style)
         master = part("fp32")
+        masters.append(master)
         # DeepSpeedZeroOptimizer cuts its recorded padding off the fp32 partition (Python slice
         # semantics: a padding larger than the partition leaves a wrong, positive length).
         fp32.append(master[:size - padding] if spec.optimizer == "zero" else master)
@@ -176,22 +231,24 @@ def rank_file_state(spec: SyntheticSpec, tp_rank: int, dp_rank: int) -> dict[str
     sd.update({F.PARTITION_COUNT: [spec.dp] * len(geos), F.DS_VERSION: spec.ds_version,
                F.PARAM_SLICE_MAPPINGS: mappings})
     if spec.record:
-        sd.update(partition_record([geo.numel for geo in geos], [geo.numel for geo in geos],
-                                   [geo.padded_total for geo in geos], [spec.dp] * len(geos), [dp_rank] * len(geos)))
+        record = partition_record([geo.numel for geo in geos], [geo.numel for geo in geos],
+                                  [geo.padded_total for geo in geos], [spec.dp] * len(geos), [dp_rank] * len(geos))
+        sd.update(record)
+        sd.update(partition_checksums(masters, [states[g] for g in range(len(geos))], record))
     return {F.OPTIMIZER_STATE_DICT: sd, F.DS_CONFIG: spec.ds_config(), F.DS_VERSION: spec.ds_version}
 
 
 # ---- model states ------------------------------------------------------------------------------
-def bf16_weights(spec: SyntheticSpec, tp_rank: int) -> dict[str, torch.Tensor]:
+def bf16_weights(spec: SyntheticSpec, mp_rank: int) -> dict[str, torch.Tensor]:
     """Each parameter's bf16 weight: the fp32 master rounded, as views of the group's flat buffer
     (DeepSpeed's parameters are views of it, so ``torch.save`` stores the padded buffer once)."""
     out = {}
-    for g, (params, geo) in enumerate(zip(spec.groups(), spec.geometries())):
+    for g, (params, geo) in enumerate(zip(spec.groups(mp_rank), spec.geometries(mp_rank))):
         flat = torch.zeros(geo.padded_total, dtype=torch.bfloat16)
         chunk = 1 << 24
         for lo in range(0, geo.numel, chunk):
             hi = min(lo + chunk, geo.numel)
-            flat[lo:hi] = flat_range(spec.seed, tp_rank, g, "fp32", lo, hi, geo.numel).to(torch.bfloat16)
+            flat[lo:hi] = state_range(spec, mp_rank, g, "fp32", lo, hi).to(torch.bfloat16)
         offset = 0
         for p in params:
             out[p.name] = flat[offset:offset + p.numel].view(p.shape)
@@ -199,7 +256,32 @@ def bf16_weights(spec: SyntheticSpec, tp_rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _module(spec: SyntheticSpec, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+def layer_file_name(layer: int, tp_rank: int) -> str:
+    return f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
+def layer_files(spec: SyntheticSpec, mp_rank: int,
+                weights: Optional[dict[str, torch.Tensor]] = None) -> dict[str, "collections.OrderedDict[str, Any]"]:
+    """The pipeline model's per-layer files of one stage and TP rank (written by DP rank 0): each
+    layer's own ``state_dict`` with its tensors cloned, for every layer that is a module (the tied
+    embedding's second use is a function around the first, and saves nothing)."""
+    if not spec.pipeline:
+        return {}
+    weights = bf16_weights(spec, mp_rank) if weights is None else weights
+    stage, tp_rank = spec.stage(mp_rank), mp_rank % spec.tp
+    out = {}
+    for layer in spec.shape.stage_layers(stage):
+        if not layer.params or not layer.saves_file:
+            continue
+        prefix = TIED_EMBEDDING if layer.tied else f"{layer.index}."
+        out[layer_file_name(layer.index, tp_rank)] = collections.OrderedDict(
+            (k, weights[prefix + k].clone()) for k in layer.params)
+    return out
+
+
+def _module(spec: SyntheticSpec, weights: Optional[dict[str, torch.Tensor]]) -> Optional[dict[str, Any]]:
+    if spec.pipeline or weights is None:  # a PipelineModule saves its layers in files of their own
+        return None
     declared = list(spec.shape.tp_layouts())  # declaration order, as the module's state_dict lists them
     if spec.flavour == "plain":
         return collections.OrderedDict((n, weights[n]) for n in declared)
@@ -215,21 +297,25 @@ def _module(spec: SyntheticSpec, weights: dict[str, torch.Tensor]) -> dict[str, 
 
 def _megatron_args(spec: SyntheticSpec) -> argparse.Namespace:
     s = spec.shape
+    pipeline = {"pipeline_model_parallel_size": spec.pp, "no_pipeline_parallel": not spec.pipeline,
+                "ds_pipeline_enabled": spec.pipeline}
     return argparse.Namespace(
         num_layers=s.layers, hidden_size=s.hidden, ffn_hidden_size=s.ffn, num_attention_heads=s.heads,
         num_key_value_heads=s.kv_heads, padded_vocab_size=s.vocab, swiglu=s.swiglu,
         untie_embeddings_and_output_weights=not s.tied, normalization="rmsnorm", add_bias_linear=False,
         add_position_embedding=False, use_rotary_position_embeddings=True, seq_length=spec.seq_length,
-        tensor_model_parallel_size=spec.tp, pipeline_model_parallel_size=1, no_pipeline_parallel=True,
-        ds_pipeline_enabled=False, data_parallel_size=spec.dp, world_size=spec.dp * spec.tp, rank=0,
+        tensor_model_parallel_size=spec.tp, **pipeline, data_parallel_size=spec.dp,
+        world_size=spec.dp * spec.mp_size, rank=0,
         micro_batch_size=spec.micro_batch, global_batch_size=spec.global_batch, iteration=spec.iteration,
         consumed_train_samples=spec.iteration * spec.global_batch, consumed_valid_samples=0,
         deepspeed=True, bf16=True, fp16=False, zero_stage=spec.zero_stage)
 
 
-def _megatron_args_of(spec: SyntheticSpec, tp_rank: int) -> argparse.Namespace:
+def _megatron_args_of(spec: SyntheticSpec, mp_rank: int) -> argparse.Namespace:
     args = _megatron_args(spec)
-    args.rank = tp_rank  # the TP rank of DP rank 0 saves it: Megatron orders TP fastest, so its global rank
+    # DP rank 0 of the stage saves it; Megatron orders ranks TP fastest, then DP, then PP
+    stage, tp_rank = divmod(mp_rank, spec.tp)
+    args.rank = stage * spec.tp * spec.dp + tp_rank
     return args
 
 
@@ -242,40 +328,53 @@ def _rng_state(seed: int) -> list[dict[str, Any]]:
              "rng_tracker_states": {"model-parallel-rng": state.clone()}}]
 
 
-def _megatron_client_state(spec: SyntheticSpec, tp_rank: int) -> dict[str, Any]:
+def _universal_info(spec: SyntheticSpec) -> dict[str, Any]:
+    """Megatron-DeepSpeed's ``universal_checkpoint_info``: its name patterns are the model class's."""
     s = spec.shape
     info: dict[str, Any] = {F.UNIVERSAL_CHECKPOINT_VERSION_KEY: spec.files.universal_checkpoint_version,
-                            F.ORIGINAL_VOCAB_SIZE: s.original_vocab, "padded_vocab_size": s.vocab,
-                            F.VOCABULARY_PARAMETER_PATTERNS: ["language_model.embedding.word_embeddings.weight"]
-                            + ([] if s.tied else ["language_model.output_layer.weight"])}
-    layers = "language_model.encoder.layers."
+                            F.ORIGINAL_VOCAB_SIZE: s.original_vocab, "padded_vocab_size": s.vocab}
+    if spec.pipeline:
+        tied = [TIED_EMBEDDING + "word_embeddings.weight"]
+        info[F.VOCABULARY_PARAMETER_PATTERNS] = tied if s.tied else [r"\d+.word_embeddings.weight",
+                                                                     r"\d+.lm_head.weight"]
+        info[F.PIPELINE_REPLICATED_PARAMETER_PATTERNS] = tied if s.tied else []
+        layers, final_norm = "", r"\d+.weight"
+    else:
+        info[F.VOCABULARY_PARAMETER_PATTERNS] = (["language_model.embedding.word_embeddings.weight"]
+                                                 + ([] if s.tied else ["language_model.output_layer.weight"]))
+        layers, final_norm = "language_model.encoder.layers.", "language_model.encoder.final_layernorm.weight"
     if spec.tp > 1:
         info[F.TP_REPLICATED_PARAMETER_PATTERNS] = [layers + r"\d+.input_layernorm.weight",
-                                                    layers + r"\d+.post_attention_layernorm.weight",
-                                                    "language_model.encoder.final_layernorm.weight"]
+                                                    layers + r"\d+.post_attention_layernorm.weight", final_norm]
         info[F.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] = [layers + r"\d+.mlp.dense_4h_to_h.weight",
                                                            layers + r"\d+.self_attention.dense.weight"]
     info[F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0] = [layers + r"\d+.mlp.dense_h_to_4h.weight"] if s.swiglu else []
+    return info
+
+
+def _megatron_client_state(spec: SyntheticSpec, mp_rank: int) -> dict[str, Any]:
     lr = {"max_lr": 3e-4, "lr_warmup_steps": 2000, "lr_warmup_tokens": None, "num_steps": spec.iteration,
           "num_tokens": spec.iteration * spec.global_batch * spec.seq_length, "lr_decay_style": "cosine",
           "lr_decay_steps": 10 ** 6, "lr_decay_tokens": None, "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1,
           "wd_incr_style": "constant", "wd_incr_steps": 10 ** 6}
-    return {"lr_scheduler": lr, F.UNIVERSAL_CHECKPOINT_INFO: info, "args": _megatron_args_of(spec, tp_rank),
+    return {"lr_scheduler": lr, F.UNIVERSAL_CHECKPOINT_INFO: _universal_info(spec),
+            "args": _megatron_args_of(spec, mp_rank),
             "checkpoint_version": 3.0, "iteration": spec.iteration,
             "tokens": spec.iteration * spec.global_batch * spec.seq_length, "rng_state": _rng_state(spec.seed)}
 
 
-def model_states(spec: SyntheticSpec, tp_rank: int, weights: Optional[dict[str, torch.Tensor]] = None) -> dict:
-    """What the engine saves as ``mp_rank_{tp_rank:02d}_model_states.pt`` (client state included)."""
-    weights = bf16_weights(spec, tp_rank) if weights is None else weights
+def model_states(spec: SyntheticSpec, mp_rank: int, weights: Optional[dict[str, torch.Tensor]] = None) -> dict:
+    """What the engine saves as ``mp_rank_{mp_rank:02d}_model_states.pt`` (client state included)."""
+    weights = bf16_weights(spec, mp_rank) if weights is None and not spec.pipeline else weights
     files = spec.files
-    client = _megatron_client_state(spec, tp_rank) if spec.flavour == "megatron" else {}
+    client = _megatron_client_state(spec, mp_rank) if spec.flavour == "megatron" else {}
     frozen = collections.OrderedDict() if spec.zero_stage == 2 else None
     state: dict[str, Any] = {
         "module": _module(spec, weights),
-        "buffer_names": [ROTARY_BUFFER] if spec.flavour == "megatron" else [],
+        "buffer_names": [ROTARY_BUFFER] if spec.flavour == "megatron" and not spec.pipeline else [],
         "optimizer": None,
-        F.PARAM_SHAPES: [collections.OrderedDict((p.name, torch.Size(p.shape)) for p in g) for g in spec.groups()],
+        F.PARAM_SHAPES: [collections.OrderedDict((p.name, torch.Size(p.shape)) for p in g)
+                         for g in spec.groups(mp_rank)],
         # ZeRO-2 (partitioned gradients) saves the frozen parameters' shapes and fragments: none here
         "frozen_param_shapes": frozen, "shared_params": {}, "frozen_param_fragments": frozen,
         "lr_scheduler": client.pop("lr_scheduler", {"last_batch_iteration": spec.iteration - 1}),
@@ -284,11 +383,12 @@ def model_states(spec: SyntheticSpec, tp_rank: int, weights: Optional[dict[str, 
         state["sparse_tensor_module_names"] = set()
     state.update({"skipped_steps": 0, "global_steps": spec.iteration,
                   "global_samples": spec.iteration * spec.global_batch, F.DP_WORLD_SIZE: spec.dp,
-                  F.MP_WORLD_SIZE: spec.tp})
+                  F.MP_WORLD_SIZE: spec.mp_size})
     if files.parallel_dimensions:
-        state[F.CHECKPOINT_PARALLEL_DIMENSIONS] = {"pp_degree": 1, "tp_degree": spec.tp}
+        state[F.CHECKPOINT_PARALLEL_DIMENSIONS] = {"pp_degree": spec.pp, "tp_degree": spec.tp}
     state.update({F.DS_CONFIG: spec.ds_config(), F.DS_VERSION: spec.ds_version})
     state.update(client)
     if spec.record and spec.flavour == "megatron":
-        state[TP_LAYOUT_KEY] = {name: layout.to_record() for name, layout in spec.shape.tp_layouts().items()}
+        state[TP_LAYOUT_KEY] = {name: layout.to_record()
+                                for name, layout in spec.shape.tp_layouts(spec.stage(mp_rank)).items()}
     return state

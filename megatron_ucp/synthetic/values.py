@@ -1,7 +1,8 @@
 """Reproducible values for a synthetic checkpoint, any element range of any flat buffer on demand.
 
-A param group's flat buffer (per TP rank) is cut into blocks of :data:`BLOCK` elements; each
-block's values come from a generator seeded with a hash of (seed, TP rank, group, state, block).
+A flat buffer (named by the caller: one param group of one model-parallel rank, or of every rank
+that holds the same values) is cut into blocks of :data:`BLOCK` elements; each block's values come
+from a generator seeded with a hash of (seed, buffer name, state, block).
 So a value depends on where it sits in the model, not on the DP size or on which rank file holds
 it: the same model written at DP 8 and at DP 768 holds the same numbers (their universal
 conversions are byte-identical), a rank's partition is made without the rest, and a test can
@@ -19,8 +20,8 @@ BLOCK = 1 << 16
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
-def _block(seed: int, tp_rank: int, group: int, state: str, index: int) -> torch.Tensor:
-    digest = hashlib.blake2b(f"{seed}/{tp_rank}/{group}/{state}/{index}".encode(), digest_size=8).digest()
+def _block(seed: int, buffer: str, state: str, index: int) -> torch.Tensor:
+    digest = hashlib.blake2b(f"{seed}/{buffer}/{state}/{index}".encode(), digest_size=8).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
     if state == "exp_avg_sq":  # a second moment: non-negative
         return torch.rand(BLOCK, generator=gen).mul_(1e-6)
@@ -28,7 +29,7 @@ def _block(seed: int, tp_rank: int, group: int, state: str, index: int) -> torch
     return values.mul_(0.02 if state == "fp32" else 1e-3)
 
 
-def flat_range(seed: int, tp_rank: int, group: int, state: str, start: int, stop: int, real: int) -> torch.Tensor:
+def flat_range(seed: int, buffer: str, state: str, start: int, stop: int, real: int) -> torch.Tensor:
     """Elements ``[start, stop)`` of the flat buffer of ``state``; those at ``real`` and beyond are 0."""
     if state not in STATES:
         raise ValueError(f"unknown state {state!r}; one of {STATES}")
@@ -39,6 +40,6 @@ def flat_range(seed: int, tp_rank: int, group: int, state: str, start: int, stop
         index = pos // BLOCK
         lo = pos - index * BLOCK
         hi = min(BLOCK, end - index * BLOCK)
-        out[pos - start: pos - start + hi - lo] = _block(seed, tp_rank, group, state, index)[lo:hi]
+        out[pos - start: pos - start + hi - lo] = _block(seed, buffer, state, index)[lo:hi]
         pos += hi - lo
     return out

@@ -24,7 +24,7 @@ from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import PICKLE_MODULE
 from megatron_ucp.format.osio import fsync_path
-from megatron_ucp.synthetic.content import SyntheticSpec, model_states, rank_file_state
+from megatron_ucp.synthetic.content import SyntheticSpec, bf16_weights, layer_files, model_states, rank_file_state
 
 log = logging.getLogger(__name__)
 STAGING_SUFFIX = ".synthetic-staging"
@@ -38,12 +38,12 @@ class Written:
     seconds: float
 
 
-def rank_file_name(tp_rank: int, dp_rank: int) -> str:
-    return f"bf16_zero_pp_rank_{dp_rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
+def rank_file_name(mp_rank: int, dp_rank: int) -> str:
+    return f"bf16_zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
-def model_states_name(tp_rank: int) -> str:
-    return f"mp_rank_{tp_rank:02d}_model_states.pt"
+def model_states_name(mp_rank: int) -> str:
+    return f"mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def _save(obj: object, path: Path) -> int:
@@ -83,15 +83,19 @@ def write_checkpoint(root: os.PathLike | str, spec: SyntheticSpec, progress: boo
     ranks = range(spec.dp) if rank_files is None else rank_files
     started = time.perf_counter()
     total = files = 0
-    bar = tqdm(total=spec.tp * (len(ranks) + 1), unit="file", disable=not progress,
-               desc=f"synthetic {spec.tag} (TP={spec.tp}, DP={spec.dp})")
+    bar = tqdm(total=spec.mp_size * (len(ranks) + 1), unit="file", disable=not progress,
+               desc=f"synthetic {spec.tag} ({spec.layout_text()})")
     try:
-        for tp_rank in range(spec.tp):
-            total += _save(model_states(spec, tp_rank), staging / model_states_name(tp_rank))
+        for mp_rank in range(spec.mp_size):
+            weights = bf16_weights(spec, mp_rank)
+            for name, layer in layer_files(spec, mp_rank, weights).items():
+                total += _save(layer, staging / name)
+                files += 1
+            total += _save(model_states(spec, mp_rank, weights), staging / model_states_name(mp_rank))
             files += 1
             bar.update()
             for dp_rank in ranks:
-                total += _save(rank_file_state(spec, tp_rank, dp_rank), staging / rank_file_name(tp_rank, dp_rank))
+                total += _save(rank_file_state(spec, mp_rank, dp_rank), staging / rank_file_name(mp_rank, dp_rank))
                 files += 1
                 bar.update()
     except BaseException:
@@ -108,7 +112,7 @@ def write_checkpoint(root: os.PathLike | str, spec: SyntheticSpec, progress: boo
             _replace_text(root / "latest_checkpointed_iteration.txt", str(spec.iteration))
         _replace_text(root / F.LATEST, spec.tag)
     seconds = time.perf_counter() - started
-    log.info("synthetic checkpoint %s: %d files, %.2f GB in %.1f s (%s, TP=%d, DP=%d, DeepSpeed %s files%s)",
-             tag_dir, files, total / 1e9, seconds, spec.optimizer, spec.tp, spec.dp, spec.ds_version,
+    log.info("synthetic checkpoint %s: %d files, %.2f GB in %.1f s (%s, %s, DeepSpeed %s files%s)",
+             tag_dir, files, total / 1e9, seconds, spec.optimizer, spec.layout_text(), spec.ds_version,
              ", with megatron-ucp's save record" if spec.record else "")
     return Written(tag_dir=tag_dir, files=files, bytes=total, seconds=seconds)

@@ -4,7 +4,8 @@ Each optimizer class trains a llama-style model (RoPE, RMSNorm, SwiGLU, GQA, unt
 a NullTokenizer vocabulary of 257 padded to 384) at DP=4 through the runner with background
 conversion, saving at iterations 3 and 6. Then, from the iteration-3 checkpoint, in strict mode:
 
-* DP=3 with no flag (the hook loads the universal twin the background converter made);
+* DP=3 with no flag (each rank reshards its partitions straight from the native rank files), and
+  with ``--ucp-resume-route universal`` (the twin the background converter made) to the same losses;
 * DP=2 with ``--universal-checkpoint`` (BF16_Optimizer through the runner, DeepSpeedZeroOptimizer
   through the two-line patch of ``pretrain_gpt_alcf.py`` in ``patches/megatron-deepspeed``).
 
@@ -129,19 +130,37 @@ def test_synthetic_writer_matches_the_training_save(trained, tmp_path):
     assert {k: (real_args.get(k, "<absent>"), v) for k, v in ours.items() if real_args.get(k, "<absent>") != v} == {}
 
 
-def test_resume_at_dp3_with_no_flag(trained, mds_checkout, mds_runs):
-    optimizer, root, reference = trained
-
+def _dp3(mds_checkout, mds_runs, optimizer: str, root: Path, route: str) -> MdsResult:
+    """The iteration-3 checkpoint resumed at DP=3 through the runner, no flag but the resume route."""
     def resume(folder: Path) -> MdsResult:
         ckpt = _restart_copy(root, folder / "ckpt")
         return run_mds(mds_checkout, MdsRun(nproc=3, ckpt=ckpt, optimizer=optimizer, train_iters=6,
-                                            save_interval=100))
+                                            save_interval=100, extra_args=["--ucp-resume-route", route]))
+    return mds_runs.get(f"dp3-{route}-{optimizer}", resume)
 
-    res = mds_runs.get(f"dp3-{optimizer}", resume)
+
+def test_resume_at_dp3_with_no_flag(trained, mds_checkout, mds_runs):
+    optimizer, root, reference = trained
+    res = _dp3(mds_checkout, mds_runs, optimizer, root, "auto")
+    decided = [line for line in res.ucp_lines() if "DP changed 4 -> 3" in line]
+    assert decided and "resharding global_step3 from its native rank files" in decided[0], res.ucp_lines()
+    summary = assert_accounted(res)
+    assert summary.startswith("megatron-ucp native reshard:") and "DP 4 -> 3" in summary
+    assert_continues(res, reference, optimizer=optimizer)
+
+
+def test_resume_at_dp3_through_the_universal_route_gives_the_same_losses(trained, mds_checkout, mds_runs):
+    """``--ucp-resume-route universal``: the twin the background converter made, loaded by our
+    universal loader (buffers Megatron's save leaves out reported), to the losses the native reshard
+    gives, bit for bit."""
+    optimizer, root, reference = trained
+    res = _dp3(mds_checkout, mds_runs, optimizer, root, "universal")
     decided = [line for line in res.ucp_lines() if "DP changed 4 -> 3" in line]
     assert decided and "global_step3_universal" in decided[0], res.ucp_lines()
     summary = assert_accounted(res)
     assert "Megatron's save never writes" in summary and "rotary_pos_emb.inv_freq" in summary
+    native = _dp3(mds_checkout, mds_runs, optimizer, root, "auto")
+    assert {k: res.losses[k] for k in (4, 5, 6)} == {k: native.losses[k] for k in (4, 5, 6)}
     assert_continues(res, reference, optimizer=optimizer)
 
 

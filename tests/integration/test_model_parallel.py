@@ -105,11 +105,12 @@ def _stock_convert(tag_dir: Path, out: Path) -> None:
                    env=rank_env(), check=True, capture_output=True, timeout=300)
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2zero", "tp2zero2"])
-def test_synthetic_writer_matches_a_tp2_save(mds_checkout, mds_runs, name, tmp_path):
-    """At TP=2 the synthetic writer writes what Megatron-DeepSpeed saved (iteration 4): both TP ranks'
-    model states and rank files, key for key (tests/support/file_structure.py), with and without the
-    hooks' record, ZeRO-1 and ZeRO-2."""
+@pytest.mark.parametrize("name", ["tp2", "tp2zero", "tp2zero2", "pp2", "pp2-zero", "tied-pp2", "tp2pp2"])
+def test_synthetic_writer_matches_a_model_parallel_save(mds_checkout, mds_runs, name, tmp_path):
+    """At TP=2 and with the pipeline model at PP=2 (untied, tied, TP=2 x PP=2) the synthetic writer
+    writes what Megatron-DeepSpeed saved (iteration 4): every model-parallel rank's model states,
+    layer files and rank files, key for key (tests/support/file_structure.py), with and without the
+    hooks' record, both optimizer classes, ZeRO-1 and ZeRO-2."""
     import deepspeed
 
     from megatron_ucp.plan.llama_shapes import LlamaShape
@@ -122,15 +123,16 @@ def test_synthetic_writer_matches_a_tp2_save(mds_checkout, mds_runs, name, tmp_p
     t, m = TRAININGS[name], MdsModel()
     dp = t.nproc // (t.tp * t.pp)
     shape = LlamaShape(layers=m.layers, hidden=m.hidden, ffn=m.ffn, heads=m.heads, kv_heads=m.kv_heads, vocab=512,
-                       original_vocab=CORPUS_TOKENS + 1)
-    spec = SyntheticSpec(shape=shape, dp=dp, tp=t.tp, optimizer=t.optimizer, zero_stage=t.zero_stage, record=t.hooked,
+                       original_vocab=CORPUS_TOKENS + 1, tied=not t.untied)
+    spec = SyntheticSpec(shape=shape, dp=dp, tp=t.tp, pp=t.pp, pipeline=t.pipeline, optimizer=t.optimizer,
+                         zero_stage=t.zero_stage, record=t.hooked,
                          ds_version=deepspeed.__version__, iteration=4, micro_batch=1, grad_accumulation=12 // dp,
                          seq_length=m.seq)
     written = write_checkpoint(tmp_path / "synthetic", spec, progress=False)
     diffs = folder_differences(root / "global_step4", written.tag_dir)
     assert not diffs, "\n".join(diffs[:40])
-    for tp_rank in range(t.tp):
-        name_ = f"mp_rank_{tp_rank:02d}_model_states.pt"
+    for mp_rank in range(t.tp * t.pp):
+        name_ = f"mp_rank_{mp_rank:02d}_model_states.pt"
         real_args = vars(load(root / "global_step4" / name_)["args"])
         ours = vars(load(written.tag_dir / name_)["args"])
         assert {k: (real_args.get(k), v) for k, v in ours.items() if real_args.get(k, "<absent>") != v} == {}
@@ -207,16 +209,26 @@ def test_tp_merge_matches_megatrons_own_slices(mds_checkout, mds_runs, tmp_path)
     assert {"replicated", "split dim 0", "split dim 1"} <= checked
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2zero", "tp2zero2"])
-def test_tp2_resumed_at_dp1_continues_the_uninterrupted_curve(mds_checkout, mds_runs, tmp_path, name):
-    """TP=2 kept, DP 2 -> 1: BF16_Optimizer, DeepSpeedZeroOptimizer at ZeRO-1 (saved without the hooks) and ZeRO-2."""
-    ckpt, res, full = _resume(mds_checkout, mds_runs, name, tmp_path / "ckpt", nproc=2, tp=2)
-    manifest = json.loads((ckpt / "global_step4_universal" / "ucp_manifest.json").read_text())
+@pytest.mark.parametrize("name, route", [("tp2", "auto"), ("tp2", "universal"), ("tp2zero", "auto"),
+                                         ("tp2zero2", "auto")])
+def test_tp2_resumed_at_dp1_continues_the_uninterrupted_curve(mds_checkout, mds_runs, tmp_path, name, route):
+    """TP=2 kept, DP 2 -> 1: BF16_Optimizer, DeepSpeedZeroOptimizer at ZeRO-1 (saved without the hooks) and
+    ZeRO-2. With no flag each TP coordinate reshards its own native files; with ``--ucp-resume-route
+    universal`` the same move goes through the universal twin, to the same losses."""
     t = TRAININGS[name]
-    assert manifest["source"]["optimizer"] == ("DeepSpeedZeroOptimizer" if t.optimizer == "zero" else "BF16_Optimizer")
-    if t.optimizer == "zero":  # BF16_Optimizer's files record no stage
-        assert manifest["source"]["zero_stage"] == t.zero_stage
-    _assert_continues(res, full, "DP changed 2 -> 1")
+    ckpt, res, full = _resume(mds_checkout, mds_runs, name, tmp_path / "ckpt", nproc=2, tp=2,
+                              extra_args=(*SAME_PADDING, "--ucp-resume-route", route))
+    if route == "universal":
+        manifest = json.loads((ckpt / "global_step4_universal" / "ucp_manifest.json").read_text())
+        assert manifest["source"]["optimizer"] == ("DeepSpeedZeroOptimizer" if t.optimizer == "zero"
+                                                   else "BF16_Optimizer")
+        if t.optimizer == "zero":  # BF16_Optimizer's files record no stage
+            assert manifest["source"]["zero_stage"] == t.zero_stage
+        _assert_continues(res, full, "DP changed 2 -> 1", "megatron-ucp universal load:")
+        return
+    assert not any("converting" in line for line in res.ucp_lines()), res.ucp_lines()
+    _assert_continues(res, full, "DP changed 2 -> 1: resharding global_step4 from its native rank files",
+                      "megatron-ucp native reshard:", optimizer=t.optimizer)
 
 
 def test_tp2_checkpoint_resumed_at_tp1_where_stock_cannot_load(mds_checkout, mds_runs, tmp_path):
@@ -398,7 +410,8 @@ def test_pp2_hooked_converted_in_the_background_and_resumed_at_dp1(mds_checkout,
         report = verify_universal(twin, source=root / tag)
         assert report.ok, report.problems[:5]
     _, res, full = _resume(mds_checkout, mds_runs, name, tmp_path / "ckpt", nproc=2, pp=2, pipeline=True)
-    _assert_continues(res, full, "DP changed 2 -> 1", optimizer=optimizer)
+    _assert_continues(res, full, "DP changed 2 -> 1: resharding global_step4 from its native rank files",
+                      "megatron-ucp native reshard:", optimizer=optimizer)
 
 
 def test_pipeline_pp2_resumed_as_pipeline_pp1(mds_checkout, mds_runs, tmp_path):
@@ -442,7 +455,8 @@ def test_tied_embeddings_across_pipeline_stages(mds_checkout, mds_runs, tmp_path
     assert [(d["param"], d["state"], d["differing"]) for d in drift] == [(TIED, "fp32", 3)]
     assert drift[0]["max_abs_diff"] == pytest.approx(0.25, abs=1e-6)
 
-    ckpt, res, full = _resume(mds_checkout, mds_runs, "tied-pp2", tmp_path / "ckpt", nproc=2, pp=2, pipeline=True)
+    ckpt, res, full = _resume(mds_checkout, mds_runs, "tied-pp2", tmp_path / "ckpt", nproc=2, pp=2, pipeline=True,
+                              extra_args=(*SAME_PADDING, "--ucp-resume-route", "universal"))
     _assert_continues(res, full, "DP changed 2 -> 1")
     loaded = json.loads((ckpt / "global_step4_universal" / "ucp_manifest.json").read_text())["params"]
     once_each = sum(math.prod(p["source_shape"]) for p in loaded.values())

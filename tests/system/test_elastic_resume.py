@@ -36,6 +36,9 @@ pytestmark = pytest.mark.slow
 
 OPTIMIZERS = ("bf16", "zero")
 CLASSES = {"bf16": "BF16_Optimizer", "zero": "DeepSpeedZeroOptimizer"}
+UNIVERSAL = {"resume_route": "universal"}
+"""Every load here takes the universal route (a DP change reshards the native files by default:
+tests/system/test_native_reshard.py)."""
 NORMS = ("language_model.encoder.layers.0.input_layernorm.weight",
          "language_model.encoder.layers.0.post_attention_layernorm.weight",
          "language_model.encoder.final_layernorm.weight")
@@ -58,13 +61,14 @@ def _source(ds_checkpoint, runs: ElasticRuns, opt: str):
 def _dp2(ds_checkpoint, runs: ElasticRuns, opt: str) -> TrainResult:
     ck, root = _source(ds_checkpoint, runs, opt)
     return runs.get(f"{opt}-dp2", lambda f: resume(2, opt, root, f, load_tag="global_step2", save_dir=f / "ckpt",
+                                                   plugin_kwargs=UNIVERSAL,
                                                    save_at=(3,)))
 
 
 def _dp3(ds_checkpoint, runs: ElasticRuns, opt: str) -> TrainResult:
     _dp2(ds_checkpoint, runs, opt)  # made the twin
     ck, root = _source(ds_checkpoint, runs, opt)
-    return runs.get(f"{opt}-dp3", lambda f: resume(3, opt, root, f, load_tag="global_step2"))
+    return runs.get(f"{opt}-dp3", lambda f: resume(3, opt, root, f, load_tag="global_step2", plugin_kwargs=UNIVERSAL))
 
 
 def _stock_converts(opt: str) -> bool:
@@ -100,7 +104,7 @@ def _scale_up(ds_checkpoint, runs: ElasticRuns, opt: str) -> TrainResult:
     """DP=2's step-3 checkpoint (tag from ``latest``) at DP=4; zero: as 2 nodes of 2, one converter each."""
     dp2 = _dp2(ds_checkpoint, runs, opt)
     saved_at_2 = Path(dp2.dumps["state_step3"]).parent.parent / "ckpt"
-    kwargs = {"ranks_per_node": 2} if opt == "zero" else {}
+    kwargs = {**UNIVERSAL, **({"ranks_per_node": 2} if opt == "zero" else {})}
     return runs.get(f"{opt}-up", lambda f: resume(4, opt, private_copy(saved_at_2, f / "ckpt"), f,
                                                   plugin_kwargs=kwargs))
 
@@ -222,7 +226,7 @@ def _strict_run(ds_checkpoint, runs: ElasticRuns, strict: bool) -> TrainResult:
     damaged = _damaged(ds_checkpoint, runs)
     return runs.get(f"damaged-strict{int(strict)}", lambda f: run_training(TrainSpec(
         dp=1, optimizer="bf16", steps=3, load_dir=damaged, load_tag="global_step2", plugin=True,
-        plugin_kwargs={"strict": strict}, expect_failure=strict, global_batch=12 if strict else 6, timeout=600)))
+        plugin_kwargs={"strict": strict, **UNIVERSAL}, expect_failure=strict, global_batch=12 if strict else 6, timeout=600)))
 
 
 @pytest.mark.parametrize("what", ["missing state file", "extra folder", "lazily created state"])
@@ -295,7 +299,8 @@ def test_padded_vocabulary_rows_survive_the_round_trip(ds_checkpoint, runs) -> N
     the saved one, and the accounting counts them."""
     ck = ds_checkpoint("bf16", 4, uc_info=True)
     root = runs.get("vocab-root", lambda f: private_copy(ck.root, f / "ckpt"))
-    res = runs.get("vocab-dp2", lambda f: resume(2, "bf16", root, f, load_tag="global_step2"))
+    res = runs.get("vocab-dp2", lambda f: resume(2, "bf16", root, f, load_tag="global_step2",
+                                                 plugin_kwargs=UNIVERSAL))
     saved = torch.load(ck.dump("state_step2"), weights_only=False)
     assert_same_state(ck.dump("state_step2"), res.dumps["state_step2_loaded"])
     entry = torch.load(root / "global_step2_universal" / "zero" / EMBEDDING / "fp32.pt", weights_only=False)
@@ -463,7 +468,7 @@ def test_a_damaged_universal_folder_is_refused_naming_the_file(ds_checkpoint, ru
             victim = uni / F.MODEL_STATES_FILE
             victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
         res = run_training(TrainSpec(dp=2, optimizer="bf16", steps=3, load_dir=copy, load_tag="global_step2",
-                                     plugin=True, expect_failure=True, timeout=600))
+                                     plugin=True, plugin_kwargs=UNIVERSAL, expect_failure=True, timeout=600))
         return res, victim
 
     res, victim = runs.get(f"damaged-{damage}", make)

@@ -8,7 +8,11 @@
   (``tests/integration``);
 * our conversion of a synthetic checkpoint equals an independent rebuild from its rank files (a
   plain concatenation of the partitions), at DP 8 and at DP 768 where most ranks hold only
-  padding, and the two DP sizes give byte-identical universal folders.
+  padding, and the two DP sizes give byte-identical universal folders; the same for the pipeline
+  model at TP=2 x PP=2 with a tied embedding, merged across TP and stages by an independent merge,
+  its replicas (TP-replicated norms, the tied embedding on both stages) identical as a run's are;
+* the pipeline stages are DeepSpeed's own ``type:transformer`` split (against
+  ``deepspeed.runtime.utils.partition_balanced``, every layer count and stage count up to 48 x 8).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import pytest
 import torch
 
 from megatron_ucp.convert.execute import ConvertOptions, convert
+from megatron_ucp.convert.universal import read_manifest
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.plan.llama_shapes import LlamaShape
 from megatron_ucp.synthetic.content import SyntheticSpec
@@ -67,13 +72,13 @@ SMALL = LlamaShape(layers=2, hidden=8, ffn=16, heads=2, kv_heads=1, vocab=40, or
 of both groups hold only padding."""
 
 
-def rebuild(tag_dir: Path, spec: SyntheticSpec) -> dict[tuple[str, str], torch.Tensor]:
-    """Every parameter's fp32 and Adam states from the rank files alone: concatenate the partitions
-    (each stored tensor zero-filled to the partition size), then cut in ``param_shapes`` order."""
+def rebuild(tag_dir: Path, spec: SyntheticSpec, mp_rank: int = 0) -> dict[tuple[str, str], torch.Tensor]:
+    """Every parameter's fp32 and Adam states from one model-parallel rank's files alone: concatenate
+    the partitions (each stored tensor zero-filled to the partition size), then cut in ``param_shapes`` order."""
     states = ("fp32", "exp_avg", "exp_avg_sq")
     flats: dict[tuple[int, str], list[torch.Tensor]] = {}
     for r in range(spec.dp):
-        sd = load(tag_dir / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt")[F.OPTIMIZER_STATE_DICT]
+        sd = load(tag_dir / f"bf16_zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_optim_states.pt")[F.OPTIMIZER_STATE_DICT]
         for g, master in enumerate(sd[F.SINGLE_PARTITION_OF_FP32_GROUPS]):
             size = sd[F.BASE_OPTIMIZER_STATE]["state"][g]["exp_avg"].numel()
             pieces = {"fp32": master, **{s: sd[F.BASE_OPTIMIZER_STATE]["state"][g][s] for s in states[1:]}}
@@ -81,7 +86,7 @@ def rebuild(tag_dir: Path, spec: SyntheticSpec) -> dict[tuple[str, str], torch.T
                 full = torch.zeros(size)
                 full[:min(t.numel(), size)] = t[:size]
                 flats.setdefault((g, state), []).append(full)
-    shapes = load(tag_dir / "mp_rank_00_model_states.pt")[F.PARAM_SHAPES]
+    shapes = load(tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")[F.PARAM_SHAPES]
     out = {}
     for g, group in enumerate(shapes):
         for state in states:
@@ -119,6 +124,66 @@ def test_conversion_of_a_synthetic_checkpoint_equals_an_independent_rebuild(tmp_
         assert (outputs[0] / path).read_bytes() == (outputs[1] / path).read_bytes(), path
 
 
+def _universal_state(universal: Path, name: str, state: str) -> torch.Tensor:
+    entry = torch.load(universal / F.UNIVERSAL_ZERO_DIR / name / f"{state}.pt", weights_only=False)
+    got = entry[F.PARAM]
+    if F.VOCAB_PADDED_ROWS in entry:  # the padded vocabulary rows, kept beside the trimmed tensor
+        got = torch.cat([got, entry[F.VOCAB_PADDED_ROWS]])
+    return got
+
+
+def _tp_merge(slices: list[torch.Tensor], name: str) -> torch.Tensor:
+    """Megatron's TP split undone by hand: norms replicated, row-parallel matrices on dim 1, SwiGLU's
+    stacked halves half by half, the rest on dim 0."""
+    if slices[0].dim() == 1:
+        assert all(torch.equal(s, slices[0]) for s in slices), name  # replicas, as a run holds them
+        return slices[0]
+    if name.endswith(("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")):
+        return torch.cat(slices, dim=1)
+    if name.endswith("mlp.dense_h_to_4h.weight"):
+        halves = [s.chunk(2, dim=0) for s in slices]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(slices)
+
+
+def test_pipeline_checkpoint_converts_to_an_independent_merge(tmp_path: Path):
+    """GPTModelPipe at TP=2 x PP=2 x DP=3, tied embedding: the universal state of every parameter is
+    the TP merge of the stages' rebuilt partitions; the tied embedding is the same on both stages,
+    and the converter finds no drifted replica."""
+    shape = LlamaShape(layers=3, hidden=8, ffn=16, heads=2, kv_heads=2, vocab=40, original_vocab=37, tied=True)
+    spec = SyntheticSpec(shape=shape, dp=3, tp=2, pp=2, pipeline=True, optimizer="bf16", iteration=5)
+    written = write_checkpoint(tmp_path, spec, progress=False)
+    assert len(list(written.tag_dir.glob("layer_*-model_*-model_states.pt"))) == 2 * (1 + 3 + 1)
+    convert(ConvertOptions(source=tmp_path, progress=False))
+    universal = tmp_path / F.universal_tag(spec.tag)
+    manifest = read_manifest(universal)
+    assert "replica_drift" not in manifest, manifest["replica_drift"]
+    per_stage = [[rebuild(written.tag_dir, spec, stage * 2 + tp) for tp in range(2)] for stage in range(2)]
+    tied = [key for key in per_stage[0][0] if key[0].startswith("tied_modules.")]
+    assert len(tied) == 3
+    for key in tied:  # each stage's copy, TP rank by TP rank
+        assert all(torch.equal(per_stage[0][tp][key], per_stage[1][tp][key]) for tp in range(2)), key
+    checked = set()
+    for stage in range(2):
+        for key in per_stage[stage][0]:
+            want = _tp_merge([per_stage[stage][tp][key] for tp in range(2)], key[0])
+            assert torch.equal(_universal_state(universal, *key), want), key
+            assert want.abs().sum() > 0, key
+            checked.add(key[0])
+    assert len(checked) == len({p.name for s in range(2) for g in spec.groups(2 * s) for p in g})
+
+
+def test_pipeline_stages_are_deepspeeds_own_split():
+    from deepspeed.runtime.utils import partition_balanced
+
+    from megatron_ucp.plan.pipeline_stages import balanced_cuts
+
+    for layers in range(1, 49):
+        weights = [0, 0] + [1] * layers + [0, 0, 0]  # GPTModelPipe's list: casts, embedding, norm, head
+        for pp in range(1, 9):
+            assert balanced_cuts(weights, pp) == [int(c) for c in partition_balanced(weights, pp)], (layers, pp)
+
+
 def test_synthesize_command_writes_once_and_refuses_what_it_cannot(tmp_path: Path, capsys):
     from megatron_ucp.cli import main
 
@@ -132,3 +197,11 @@ def test_synthesize_command_writes_once_and_refuses_what_it_cannot(tmp_path: Pat
     assert main(["synthesize", str(tmp_path / "other"), "--layers", "1", "--dp", "2"]) == 2
     assert "--hidden" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
+    assert main(["synthesize", str(tmp_path / "pipe"), *args[2:10], "--dp", "2", "--pp", "2", "--no-progress"]) == 2
+    assert "PP=2 stages for 1 transformer layers" in capsys.readouterr().err
+    assert main(["synthesize", str(tmp_path / "pipe"), "--layers", "2", *args[4:10], "--dp", "2", "--pp", "2",
+                 "--no-progress"]) == 0
+    assert "GPTModelPipe, PP=2" in capsys.readouterr().out
+    tag = tmp_path / "pipe" / "global_step100"
+    assert sorted(p.name for p in tag.glob("layer_*")) == [f"layer_0{i}-model_00-model_states.pt" for i in (1, 2, 3, 4, 5)]
+    assert len(list(tag.glob("*_optim_states.pt"))) == 4

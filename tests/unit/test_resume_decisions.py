@@ -10,7 +10,7 @@ from megatron_ucp.plan.resume import (ResumeDecision, Route, TwinState, check_gl
 
 def decide(**overrides) -> ResumeDecision:
     args = dict(requested_tag="global_step95600", checkpoint_dp=768, current_dp=512, load_universal=False,
-                twin_state=TwinState.ABSENT)
+                twin_state=TwinState.ABSENT, resume_route="universal")
     args.update(overrides)
     return decide_resume(**args)
 
@@ -65,7 +65,31 @@ def test_scale_up_is_symmetric():
     assert d.message == "DP changed 2 -> 4: loading global_step4_universal"
 
 
+def test_dp_only_change_reshards_the_native_files_by_default():
+    for twin in TwinState:  # a twin on disk changes nothing: the native files are read once, nothing converted
+        d = decide(resume_route="auto", twin_state=twin)
+        assert d.route is Route.RESHARD and d.tag == "global_step95600" and not d.universal and not d.convert
+        assert d.message == ("DP changed 768 -> 512: resharding global_step95600 from its native rank files "
+                             "(resume route auto), no conversion")
+    assert decide_resume(requested_tag="t", checkpoint_dp=4, current_dp=3, load_universal=False).route is Route.RESHARD
+    explicit = decide(resume_route="reshard", checkpoint_mp=(2, 1), current_mp=(2, 1))
+    assert explicit.route is Route.RESHARD and "(resume route" not in explicit.message
+
+
+def test_tp_or_pp_change_still_goes_through_the_universal_folder():
+    for route in ("auto", "reshard"):
+        d = decide(resume_route=route, checkpoint_mp=(1, 1), current_mp=(2, 1), current_dp=768)
+        assert d.route is Route.CONVERT_THEN_UNIVERSAL and d.tag == "global_step95600_universal"
+        assert ("universal folder" in d.message) == (route == "reshard"), d.message
+    # the explicit flag, a universal tag, or no optimizer states: as before, whatever the route
+    assert decide(resume_route="reshard", load_universal=True).route is Route.EXPLICIT_UNIVERSAL
+    assert decide(resume_route="reshard", loads_optimizer_states=False).route is Route.NATIVE
+    assert decide(resume_route="reshard", universal_of_latest=True).route is Route.CONVERT_THEN_UNIVERSAL
+
+
 def test_bad_inputs():
+    with pytest.raises(UcpError, match="resume route"):
+        decide(resume_route="fast")
     with pytest.raises(UcpError):
         decide(current_dp=0)
     with pytest.raises(ValueError):
