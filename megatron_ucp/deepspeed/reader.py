@@ -236,18 +236,19 @@ def load_torch_file(path: Path, mmap: bool = True) -> Any:
                                     f"{type(exc).__name__}: {exc}", subject=path) from exc
 
 
-def load_raw(path: Path, damage: Optional[list[str]] = None) -> Any:
+def load_raw(path: Path, damage: Optional[list[str]] = None, random_access: bool = False) -> Any:
     """A torch file's object with tensors as :class:`RawTensor`: read without torch when possible.
 
     Zip-format files (torch >= 1.6, every DeepSpeed checkpoint this tool reads) are mapped and
     unpickled by :mod:`megatron_ucp.format.torchload`; files it does not rebuild faithfully (legacy
     format, unusual torch objects) and damaged ones go through ``torch.load``, whose tensors are
-    then wrapped: the result is the same, and so are the errors.
+    then wrapped: the result is the same, and so are the errors. ``random_access``: the caller will
+    read slices of the tensors itself (no readahead from the metadata reads into the tensor bytes).
     """
     path = Path(path)
     _check_size(path)
     try:
-        return load_without_torch(path, damage)
+        return load_without_torch(path, damage, random_access)
     except TorchNeeded as why:
         log.debug("%s: reading with torch.load (%s)", path, why)
     except Exception as exc:  # damaged: let torch.load produce the diagnosis
@@ -498,17 +499,32 @@ def recorded_dp(tag_dir: Path) -> Optional[int]:
     return int(dp) if dp is not None else None
 
 
-def recorded_tp_pp(tag_dir: Path) -> tuple[int, int]:
-    """(TP, PP) of a tag's save, from its model states and the number of model-parallel files (mapped,
-    no weight bytes read); (1, 1) for a tag without model states."""
+@dataclass(frozen=True)
+class SavedLayout:
+    """What the resume decision needs from a tag's first model-states file, read once (mapped, no
+    weight bytes read)."""
+
+    dp: Optional[int]
+    tp_pp: tuple[int, int]
+    param_names: frozenset[str]
+    """The optimized parameters' names in that file (model-parallel rank 0's): the model class that saved it."""
+
+
+def saved_layout(tag_dir: Path) -> Optional[SavedLayout]:
+    """DP, (TP, PP) (from the model states and the number of model-parallel files) and parameter names
+    of a tag's save; None for a tag without model states. A damaged file raises :class:`CheckpointFormatError`."""
     path = model_states_path(Path(tag_dir))
     if path is None:
-        return 1, 1
-    files = [p for p in Path(tag_dir).iterdir() if F.MODEL_FILE_RE.match(p.name)]
+        return None
     raw = load_raw(path)
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"{path}: not a DeepSpeed model-states dict", subject=path)
-    return parallel_dimensions(raw, path, max(1, len(files)))
+    files = [p for p in Path(tag_dir).iterdir() if F.MODEL_FILE_RE.match(p.name)]
+    shapes = raw.get(F.PARAM_SHAPES) or []
+    groups = [shapes] if isinstance(shapes, dict) else shapes
+    names = frozenset(str(n) for g in groups if isinstance(g, dict) for n in g)
+    dp = raw.get(F.DP_WORLD_SIZE)
+    return SavedLayout(int(dp) if dp is not None else None, parallel_dimensions(raw, path, max(1, len(files))), names)
 
 
 def read_model_states(path: Path) -> ModelStates:

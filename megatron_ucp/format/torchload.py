@@ -158,10 +158,14 @@ class _Archive:
     converter releases them again).
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, random_access: bool = False):
         self.path = path
         self.damage: list[str] = []
         with open_checkpoint_file(path) as fh:
+            if random_access and hasattr(os, "posix_fadvise"):
+                # the header and small-record reads below would otherwise leave readahead markers in
+                # the tensor bytes after them, and a later exact read of a slice would set them off
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             if fh.read(4) != b"PK\x03\x04":
                 raise TorchNeeded("not a zip-format torch file (legacy serialization)")
             fh.seek(0)
@@ -221,14 +225,14 @@ class _Archive:
                        region=(self.address, self.address + len(self.map)))
 
 
-def load(path: os.PathLike | str, damage: list[str] | None = None) -> Any:
+def load(path: os.PathLike | str, damage: list[str] | None = None, random_access: bool = False) -> Any:
     """The object ``torch.load(path, mmap=True)`` would return, with tensors as :class:`RawTensor`.
 
     Raises :class:`TorchNeeded` when only torch can rebuild it, ``zipfile.BadZipFile`` /
     ``pickle.UnpicklingError`` / ``EOFError`` when the file is damaged. Damage this reader reads
     around but ``torch.load`` rejects (:func:`structure_problems`) is appended to ``damage``.
     """
-    archive = _Archive(Path(path))
+    archive = _Archive(Path(path), random_access)
     if damage is not None:
         damage.extend(archive.damage)
     if archive.small.get("byteorder", b"little") != b"little":

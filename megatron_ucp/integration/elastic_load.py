@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.convert.universal import staging_path, universal_state
-from megatron_ucp.deepspeed.reader import load_torch_file, recorded_dp, recorded_tp_pp
+from megatron_ucp.deepspeed.reader import load_torch_file, saved_layout
 from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
@@ -164,15 +164,17 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
         from_latest = resolved is not None
     checkpoint_dp = None
     checkpoint_mp = (1, 1)
+    names_match = True
     tag_is_universal = False
     twin = TwinState.ABSENT
     staging = False
     if resolved is not None:
         tag_dir = Path(load_dir) / resolved
         tag_is_universal = (tag_dir / F.UNIVERSAL_ZERO_DIR / F.UNIVERSAL_OPTIMIZER_STATE_FILE).is_file()
-        if tag_dir.is_dir():
-            checkpoint_dp = recorded_dp(tag_dir)
-            checkpoint_mp = recorded_tp_pp(tag_dir)
+        saved = saved_layout(tag_dir) if tag_dir.is_dir() else None
+        if saved is not None:
+            checkpoint_dp, checkpoint_mp = saved.dp, saved.tp_pp
+            names_match = saved.param_names == _live_param_names(engine)
         twin_dir = Path(load_dir) / F.universal_tag(resolved)
         twin = universal_state(twin_dir, tag_dir)
         staging = staging_path(twin_dir).exists()
@@ -180,8 +182,15 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
                              load_universal=False, twin_state=twin, tag_is_universal=tag_is_universal,
                              loads_optimizer_states=loads_optimizer_states, staging_present=staging,
                              checkpoint_mp=checkpoint_mp, current_mp=current_tp_pp(engine),
-                             universal_of_latest=follow_latest, resume_route=config.resume_route)
+                             universal_of_latest=follow_latest, resume_route=config.resume_route,
+                             names_match=names_match)
     return decision, resolved, from_latest
+
+
+def _live_param_names(engine: Any) -> frozenset[str]:
+    """This rank's optimized parameter names (rank 0 is model-parallel rank 0, as the model states compared)."""
+    optimizer = engine.optimizer
+    return frozenset(optimizer.param_names[lp] for group in lp_groups_of(optimizer) for lp in group)
 
 
 

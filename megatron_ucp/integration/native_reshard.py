@@ -98,7 +98,7 @@ def read_facts(model_states: Path, rank_file: RankFile) -> SavedFacts:
         raise CheckpointFormatError(f"{model_states.parent}: {len(present)} rank files of this model-parallel rank "
                                     f"({expected[0].name} ...), but the model states say DP={dp_from}: files of "
                                     "another save in the same folder?", subject=model_states.parent)
-    first = _optimizer_state(expected[0])
+    first = _optimizer_state(expected[0], raw=True)  # its tensors are located, not read (nor read ahead)
     record = first.get(F.ZERO_PARTITION_CHECKSUMS)
     algorithm = record.get("algorithm") if isinstance(record, dict) else None
     if algorithm is not None and algorithm not in integrity.KNOWN_ALGORITHMS:
@@ -112,12 +112,18 @@ def read_facts(model_states: Path, rank_file: RankFile) -> SavedFacts:
         shapes=[[(name, tuple(shape)) for name, shape in group.items()] for group in states[F.PARAM_SHAPES]],
         global_state={k: v for k, v in first.items() if k not in _PARTITIONS},
         param_groups=[{k: v for k, v in group.items() if k != "params"} for group in groups],
-        states=[tuple(k for k, v in sorted(s.items()) if torch.is_tensor(v) and k != F.STEP_STATE) for s in per_group],
-        steps=[s.get(F.STEP_STATE) for s in per_group], algorithm=algorithm)
+        states=[tuple(k for k, v in sorted(s.items()) if isinstance(v, RawTensor) and k != F.STEP_STATE)
+                for s in per_group],
+        steps=[_in_memory(s.get(F.STEP_STATE)) for s in per_group], algorithm=algorithm)
+
+
+def _in_memory(value: Any) -> Any:
+    """A step as the optimizer keeps it: a torch tensor of its own (copied out of the file), or a number."""
+    return value.to_torch().clone() if isinstance(value, RawTensor) else value
 
 
 def _optimizer_state(path: Path, raw: bool = False) -> dict:
-    sd = load_raw(path) if raw else load_torch_file(path, mmap=True)
+    sd = load_raw(path, random_access=True) if raw else load_torch_file(path, mmap=True)
     optim = sd.get(F.OPTIMIZER_STATE_DICT) if isinstance(sd, dict) else None
     if not isinstance(optim, dict) or not isinstance(optim.get(F.BASE_OPTIMIZER_STATE), dict) \
             or not isinstance(optim.get(F.SINGLE_PARTITION_OF_FP32_GROUPS), list):

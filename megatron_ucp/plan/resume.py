@@ -91,7 +91,7 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
                   tag_is_universal: bool = False, loads_optimizer_states: bool = True,
                   staging_present: bool = False, checkpoint_mp: tuple[int, int] = (1, 1),
                   current_mp: tuple[int, int] = (1, 1), universal_of_latest: bool = False,
-                  resume_route: str = "auto") -> ResumeDecision:
+                  resume_route: str = "auto", names_match: bool = True) -> ResumeDecision:
     """Decide how to load ``requested_tag`` (already resolved from ``latest`` when it was None).
 
     ``checkpoint_dp`` is the ``dp_world_size`` recorded in the tag's model states (None when the
@@ -103,6 +103,8 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
     ``universal_of_latest``: ``load_universal`` is set, but the tag comes from ``latest`` (the hook
     found no ``latest_universal`` naming its twin): load the twin of ``requested_tag`` in universal
     mode whatever the layout, converting it when needed. ``resume_route``: one of :data:`RESUME_ROUTES`.
+    ``names_match``: the saved parameter names are the model's; when not (``GPTModelPipe`` saved,
+    ``GPTModel`` resumed, or the other way) only the universal route maps them, whatever the route.
     """
     if current_dp < 1:
         raise UcpError(f"current DP size must be >= 1, got {current_dp}", subject=current_dp)
@@ -133,7 +135,7 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
                               f"native load of {requested_tag} (fp32 master weights rebuilt from bf16 weights)")
     target = F.universal_tag(requested_tag)
     changed = describe_change((*checkpoint_mp, checkpoint_dp), (*current_mp, current_dp))
-    if not mp_changed and not universal_of_latest and resume_route != "universal":
+    if not mp_changed and not universal_of_latest and resume_route != "universal" and names_match:
         how = "" if resume_route == "reshard" else " (resume route auto)"
         return ResumeDecision(Route.RESHARD, requested_tag, checkpoint_dp, current_dp,
                               f"{changed}: resharding {requested_tag} from its native rank files{how}, no conversion")
@@ -142,6 +144,9 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
     elif mp_changed and resume_route == "reshard":
         changed += " (resume route reshard: the native files reshard DP only; a TP/PP change goes through the " \
                    "universal folder)"
+    elif not names_match and resume_route != "universal":
+        changed += (" (the saved parameter names are not the model's, as when GPTModelPipe and GPTModel trade "
+                    "places: the universal route maps them)")
     if twin is TwinState.COMPLETE:
         return ResumeDecision(Route.UNIVERSAL_EXISTING, target, checkpoint_dp, current_dp,
                               f"{changed}: loading {target}")

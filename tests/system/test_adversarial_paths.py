@@ -326,7 +326,7 @@ def test_a_twin_made_from_an_earlier_save_is_stale_everywhere(root: Path):
     assert status.returncode == 0 and "stale" in status.stdout, status.stdout
 
     decision = decide_resume(requested_tag=TAG, checkpoint_dp=4, current_dp=3, load_universal=False,
-                             twin_state=TwinState.STALE)
+                             twin_state=TwinState.STALE, resume_route="universal")
     assert decision.route is Route.CONVERT_THEN_UNIVERSAL and "earlier save" in decision.message
 
     result = convert(ConvertOptions(source=root, replace_stale=True, progress=False))  # what async and resume do

@@ -87,6 +87,17 @@ def test_tp_or_pp_change_still_goes_through_the_universal_folder():
     assert decide(resume_route="reshard", universal_of_latest=True).route is Route.CONVERT_THEN_UNIVERSAL
 
 
+def test_a_model_class_change_goes_through_the_universal_folder():
+    """GPTModelPipe saved, GPTModel resumed: the native partitions cannot be matched by name."""
+    for route in ("auto", "reshard"):
+        d = decide(resume_route=route, names_match=False, twin_state="complete")
+        assert d.route is Route.UNIVERSAL_EXISTING and d.tag == "global_step95600_universal"
+        assert "saved parameter names are not the model's" in d.message, d.message
+    assert "names" not in decide(resume_route="universal", names_match=False).message
+    same_dp = decide(checkpoint_dp=512, names_match=False)  # same layout: DeepSpeed's own load, as before
+    assert same_dp.route is Route.NATIVE
+
+
 def test_bad_inputs():
     with pytest.raises(UcpError, match="resume route"):
         decide(resume_route="fast")
