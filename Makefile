@@ -17,13 +17,22 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.megatron-ucp-installed
 TORCH_VERSION := 2.13.0
 DEEPSPEED_VERSION := 0.19.8
-# The release lines of the matrix (0.19.8, above, runs the full suite). Keep in step with
-# megatron_ucp/deepspeed/versions.py INTERNALS.
-DS_MATRIX := 0.16.2 0.16.9 0.17.6 0.18.9 0.19.5
+# The release lines of the matrix on torch 2.13 (0.19.8, above, runs the full suite; 0.16.9 runs on
+# torch 2.8 + IPEX, below). Keep in step with megatron_ucp/deepspeed/versions.py INTERNALS.
+DS_MATRIX := 0.16.2 0.17.6 0.18.9 0.19.5
 # Where the real Megatron-DeepSpeed runs the full integration suite (both optimizer classes, the
 # patch route, the wrapper flow); the other releases run a training + DP-change resume each.
 DS_INTEGRATION_FULL := 0.19.5
 MATRIX_DIR := .venv-ds
+# The stack Aurora runs: torch 2.8 with intel-extension-for-pytorch 2.8 (both imported as a job on Aurora
+# imports them; the torch wheel is PyPI's, run on the CPU), its own environment, with the DeepSpeed
+# lines users pair with it: 0.19.5 installed there, 0.16.9 through its .venv-ds overlay. IPEX's import
+# costs ~6 s of CPU per process, so these runs are chosen to cover each path once, not everything.
+TORCH28_VENV := .venv-torch2.8
+TORCH28_BIN := $(TORCH28_VENV)/bin
+TORCH28_STAMP := $(TORCH28_VENV)/.megatron-ucp-installed
+TORCH28_PINS := torch==2.8.0 intel-extension-for-pytorch==2.8.0 deepspeed==0.19.5
+TORCH28_DS := 0.19.5 0.16.9
 THIRD_PARTY ?= $(abspath ../shared/third_party)
 MEGATRON_DEEPSPEED_DIR ?= $(THIRD_PARTY)/megatron-deepspeed
 EZPZ_DIR ?= $(THIRD_PARTY)/ezpz
@@ -47,12 +56,29 @@ ELASTIC_TESTS = tests/system/test_native_reshard.py::test_reshard_equals_the_uni
 MATRIX_TESTS = tests/system/test_deepspeed_versions.py tests/system/test_hooks_install.py \
 	$(ELASTIC)::test_install_patches_both_load_paths_and_uninstall_restores_them \
 	$(if $(1),$(call ELASTIC_TESTS,$(1)))
+# On torch 2.8 + IPEX 2.8 (TORCH28_DS), with IPEX loaded first in every process (tests/support/ipex_site):
+# on each release install/uninstall and the IPEX checks (test_hooks_install). On 0.16.9 the internals
+# table and the save recording + conversion of both optimizer classes (test_deepspeed_versions), and
+# the real Megatron-DeepSpeed: training with background conversion, then DP 4 -> 3 through both routes
+# (mds_class). On 0.19.5 our torch file reader and writer against what torch 2.8 writes and reads
+# (DeepSpeed's files of one class; the other class's are read by the conversions), the runner's
+# launches, the async trigger, and the save hook, conversion and both elastic loads in the harness.
+TORCH28_RUNNER = $(addprefix tests/system/test_runner.py::,test_the_runner_waits_for_the_last_saves_conversion_when_the_script_ends \
+	test_resume_at_dp3_configured_by_options test_main_installs_runs_and_uninstalls)
+TORCH28_0195 = tests/unit/test_fast_io.py tests/system/test_torchless_io.py \
+	--deselect "tests/system/test_torchless_io.py::test_real_deepspeed_files_load_as_torch_loads_them[bf16]" \
+	$(TORCH28_RUNNER) tests/system/test_async_convert.py::test_save_returns_before_the_universal_folder_exists \
+	$(call ELASTIC_TESTS,$(call elastic_class,0.19.5))
+TORCH28_TESTS = tests/system/test_hooks_install.py $(ELASTIC)::test_install_patches_both_load_paths_and_uninstall_restores_them \
+	$(if $(filter 0.19.5,$(1)),$(TORCH28_0195),tests/system/test_deepspeed_versions.py)
+TORCH28_ENV = PYTHONPATH=$(abspath $(MATRIX_DIR))/$(1):$(abspath tests/support/ipex_site) MEGATRON_UCP_TEST_IMPORT_IPEX=1
 # Optimizer classes per release (megatron_ucp/deepspeed/versions.py INTERNALS says why): 0.17.x never builds
 # BF16_Optimizer and its DeepSpeedZeroOptimizer dies on all-padding ranks (the harness model has one
 # at DP=4, the Megatron model does not); 0.18.9's DeepSpeedZeroOptimizer step breaks on torch 2.13.
-mds_class = $(word 2,$(subst :, ,$(filter $(1):%,0.16.2:zero 0.16.9:bf16 0.17.6:zero 0.18.9:bf16)))
+mds_class = $(word 2,$(subst :, ,$(filter $(1):%,0.16.2:zero 0.16.9:bf16 0.17.6:zero 0.18.9:bf16 0.19.5:zero)))
 elastic_class = $(word 2,$(subst :, ,$(filter $(1):%,0.16.2:bf16 0.16.9:zero 0.18.9:bf16 0.19.5:zero)))
 RESULTS := .test-results
+comma := ,
 export DS_ACCELERATOR := cpu
 export DS_BUILD_OPS := 0
 export PYTHONUNBUFFERED := 1
@@ -75,13 +101,29 @@ $(MATRIX_DIR)/%/.installed: $(STAMP)
 	@touch $@
 
 # Megatron-DeepSpeed's runtime and ezpz (installed from a temporary copy: the snapshot stays read-only).
-$(MDS_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet $(MDS_RUNTIME)
+# $(1): the environment's python, $(2): extra pip options.
+install_mds_runtime = $(1) -m pip install --quiet $(2) $(MDS_RUNTIME) && \
 	tmp=$$(mktemp -d) && cp -r $(EZPZ_DIR) $$tmp/ezpz && chmod -R u+w $$tmp/ezpz && \
-		$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation $$tmp/ezpz && rm -rf $$tmp
+	$(1) -m pip install --quiet --no-deps --no-build-isolation $$tmp/ezpz && rm -rf $$tmp
+
+$(MDS_STAMP): $(STAMP)
+	$(call install_mds_runtime,$(BIN)/python)
 	@touch $@
 
-matrix: $(foreach v,$(DS_MATRIX),$(MATRIX_DIR)/$(v)/.installed) $(if $(HAVE_MDS),$(MDS_STAMP))
+matrix: $(foreach v,$(sort $(DS_MATRIX) $(TORCH28_DS)),$(MATRIX_DIR)/$(v)/.installed) $(if $(HAVE_MDS),$(MDS_STAMP)) \
+	$(TORCH28_STAMP)
+
+# Everything pinned by one constraints file, so that no later install (megatron-core, the runtime of
+# Megatron-DeepSpeed) moves torch off 2.8.0.
+$(TORCH28_STAMP): pyproject.toml Makefile
+	@test -x $(TORCH28_BIN)/python || $(PYTHON) -m venv $(TORCH28_VENV)
+	printf '%s\n' $(TORCH28_PINS) > $(TORCH28_VENV)/constraints.txt
+	$(TORCH28_BIN)/python -m pip install --quiet --upgrade pip wheel setuptools
+	$(TORCH28_BIN)/python -m pip install --quiet -c $(TORCH28_VENV)/constraints.txt torch intel-extension-for-pytorch
+	DS_BUILD_OPS=0 $(TORCH28_BIN)/python -m pip install --quiet --no-build-isolation -c $(TORCH28_VENV)/constraints.txt deepspeed
+	$(TORCH28_BIN)/python -m pip install --quiet --no-build-isolation -c $(TORCH28_VENV)/constraints.txt -e '.[test,xpu]'
+	$(if $(HAVE_MDS),$(call install_mds_runtime,$(TORCH28_BIN)/python,-c $(TORCH28_VENV)/constraints.txt))
+	@touch $@
 
 demo: $(STAMP)
 	$(BIN)/python -m demo
@@ -113,6 +155,17 @@ test-matrix: matrix
 				$(BIN)/python -m pytest -q tests/integration \
 				$(if $(filter $(DS_INTEGRATION_FULL),$(v)),,-k "(training or dp3 or pp2_hooked) and $(call mds_class,$(v))") \
 				--junitxml=$(RESULTS)/megatron-deepspeed-$(v).xml || status=1; ,) \
+	) \
+	$(foreach v,$(TORCH28_DS),\
+		echo "=== torch 2.8 + IPEX 2.8 + DeepSpeed $(v): hooks$(if $(filter 0.19.5,$(v)),$(comma) file formats$(comma) runner$(comma) async trigger$(comma) elastic load,$(comma) save$(comma) conversion)"; \
+		$(call TORCH28_ENV,$(v)) $(TORCH28_BIN)/python -m pytest -q $(call TORCH28_TESTS,$(v)) \
+			--junitxml=$(RESULTS)/torch2.8-deepspeed-$(v).xml || status=1; \
+		$(if $(and $(HAVE_MDS),$(filter-out 0.19.5,$(v))),\
+			echo "=== torch 2.8 + IPEX 2.8 + DeepSpeed $(v): the real Megatron-DeepSpeed"; \
+			$(call TORCH28_ENV,$(v)) MEGATRON_DEEPSPEED_DIR=$(MEGATRON_DEEPSPEED_DIR) EZPZ_DIR=$(EZPZ_DIR) \
+				MEGATRON_UCP_REQUIRE_INTEGRATION=1 MEGATRON_UCP_MDS_CACHE=$(abspath $(RESULTS))/mds-checkout-torch2.8 \
+				$(TORCH28_BIN)/python -m pytest -q tests/integration -k "(training or dp3) and $(call mds_class,$(v))" \
+				--junitxml=$(RESULTS)/megatron-deepspeed-torch2.8-$(v).xml || status=1; ,) \
 	) exit $$status
 
 bench: $(STAMP)
@@ -128,4 +181,4 @@ bench-scale: $(STAMP)
 	$(BIN)/python benchmarks/bench_scale.py --preset $(BENCH_SCALE_PRESET) --flavour megatron --tools ours,cp+sync
 
 clean-venv:
-	rm -rf $(VENV) $(MATRIX_DIR)
+	rm -rf $(VENV) $(MATRIX_DIR) $(TORCH28_VENV)

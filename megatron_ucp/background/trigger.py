@@ -92,7 +92,9 @@ def converter_env(settings: ConverterSettings, base: Optional[dict] = None) -> d
         env[key] = str(settings.threads)
     env["DS_ACCELERATOR"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
-    package_parent = str(Path(__file__).resolve().parents[1])
+    # The folder holding the megatron_ucp package (a checkout run without installing): never the package
+    # folder itself, whose subpackages would then shadow top-level names (its ``deepspeed`` DeepSpeed's).
+    package_parent = str(Path(__file__).resolve().parents[2])
     paths = [package_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != package_parent]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env

@@ -98,34 +98,44 @@ def install(patches: Any, config: UcpConfig) -> None:
 
 
 _handler: Optional[logging.Handler] = None
+_level_set = False
 
 
 def _make_logs_visible() -> None:
-    """The decision and summary lines must reach the training log even when nobody configured logging.
+    """The decision and summary lines must reach the training log even when nobody configured logging
+    for megatron-ucp.
 
-    Only when neither megatron-ucp's logger nor the root logger has a handler (the runner and
-    applications that configure logging keep full control); undone by :func:`on_uninstall`.
+    When the ``megatron_ucp`` logger has no level of its own, it gets INFO on the first rank (WARNING on
+    the others, so that 768 ranks do not repeat it): a root logger left at WARNING, or configured by a
+    library at import (intel-extension-for-pytorch calls ``logging.basicConfig``), would otherwise drop
+    them. A handler is added only when neither that logger nor the root logger has one (the lines then
+    go to the application's handlers in its format). An application that sets the ``megatron_ucp``
+    logger's level or handlers keeps full control. Undone by :func:`on_uninstall`.
     """
-    global _handler
+    global _handler, _level_set
     pkg = logging.getLogger("megatron_ucp")
+    if pkg.level == logging.NOTSET:
+        pkg.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
+        _level_set = True
     if _handler is not None or pkg.handlers or logging.getLogger().handlers:
         return
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("[megatron-ucp] %(levelname)s %(message)s"))
     pkg.addHandler(_handler)
     pkg.propagate = False
-    if pkg.level == logging.NOTSET:  # INFO on the first rank only, so that 768 ranks do not repeat it
-        pkg.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
 
 
 def on_uninstall() -> None:
-    """Remove the log handler :func:`_make_logs_visible` added, if any."""
-    global _handler
+    """Remove the log handler and level :func:`_make_logs_visible` added, if any."""
+    global _handler, _level_set
+    pkg = logging.getLogger("megatron_ucp")
     if _handler is not None:
-        pkg = logging.getLogger("megatron_ucp")
         pkg.removeHandler(_handler)
         pkg.propagate = True
         _handler = None
+    if _level_set:
+        pkg.setLevel(logging.NOTSET)
+        _level_set = False
 
 
 # ================================================================================================

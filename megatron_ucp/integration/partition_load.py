@@ -323,12 +323,11 @@ def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names:
                 table[row, Column.CONSUMERS] += 1
                 with clock:
                     at = 0
-                    for run in runs:  # what landed (on an accelerator: what was copied there, hashed on the CPU)
+                    for run in runs:  # what landed in the engine's tensor (on an accelerator: read back)
                         real = max(0, min(run.length, layout.held - run.full_offset))
                         table[row, Column.LOADED_COUNT] += real
                         if real:
-                            placed = (target if target.device.type == "cpu" else fragment).narrow(0, at, real)
-                            add_sum(table, row, True, checksum(placed, run.full_offset, algorithm))
+                            add_sum(table, row, True, checksum(target.narrow(0, at, real), run.full_offset, algorithm))
                         at += run.length
                     if any(run.full_offset == 0 for run in runs):
                         count, value = ((layout.held, layout.source_sum()) if sums is None

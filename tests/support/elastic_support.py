@@ -21,7 +21,9 @@ from tests.support.dsharness import TrainResult, TrainSpec, run_training
 
 #: bf16 reduction order differs between DP sizes; everything else must match exactly.
 LOSS_TOLERANCE = 1e-3
-UCP_LINE = re.compile(r"\[megatron-ucp\] \w+ (.*)$")
+# Our own handler's format, or (a library configured the root logger first: IPEX's logging.basicConfig)
+# the root handler's "%(asctime)s - %(filename)s - %(name)s - %(levelname)s - %(message)s".
+UCP_LINE = re.compile(r"(?:\[megatron-ucp\] \w+ | - megatron_ucp[\w.]* - \w+ - )(.*)$")
 
 
 def ucp_lines(log: str) -> list[str]:

@@ -188,3 +188,25 @@ def test_next_trigger_recovers(run: AsyncRun):
     state = read_queue(run.root)
     assert state.active is None and state.pending is None
     assert read_registrations(run.root) == {}
+
+
+def test_the_converters_path_never_shadows_deepspeed(tmp_path):
+    """The converter's PYTHONPATH holds the folder above the package, not the package folder: there its
+    ``deepspeed`` subpackage became the top-level ``deepspeed`` for anything the converter imports
+    (IPEX imports DeepSpeed at start, so on the torch 2.8 + IPEX stack every conversion that needed a
+    DeepSpeed class failed with ``No module named 'deepspeed.utils'``)."""
+    import subprocess
+    import sys
+
+    import deepspeed
+
+    from megatron_ucp.background.trigger import converter_env
+
+    env = converter_env(ConverterSettings())
+    code = "import deepspeed, megatron_ucp; print(deepspeed.__file__); print(megatron_ucp.__file__)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ds_file, ucp_file = proc.stdout.split()[-2:]
+    assert Path(ds_file) == Path(deepspeed.__file__), ds_file
+    assert Path(ucp_file).parent.parent == Path(env["PYTHONPATH"].split(os.pathsep)[0]), env["PYTHONPATH"]

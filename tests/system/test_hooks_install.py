@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import deepspeed
 import pytest
@@ -108,6 +109,50 @@ def test_no_module_imports_ipex():
             "megatron_ucp = sys.modules['megatron_ucp']\nmegatron_ucp.install()\n"
             "bad = [m for m in sys.modules if m.startswith(('intel_extension_for_pytorch', 'oneccl'))]\n"
             "assert not bad, bad\nprint(len(sys.modules))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != IMPORT_IPEX}  # not the torch 2.8 runs' own preload
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(names) > 20
+
+
+IMPORT_IPEX = "MEGATRON_UCP_TEST_IMPORT_IPEX"
+
+
+def test_decision_lines_survive_a_library_configuring_the_root_logger():
+    """intel-extension-for-pytorch calls ``logging.basicConfig`` at import: a root handler, the root
+    level left at WARNING. The decision lines must still reach the log (through that handler), the
+    other ranks stay quiet, and uninstall leaves the logger as it found it."""
+    import subprocess
+    import sys
+
+    code = ("import logging, os\n"
+            "logging.basicConfig(format='ROOT %(message)s')\n"
+            "import megatron_ucp\n"
+            "megatron_ucp.install()\n"
+            "logging.getLogger('megatron_ucp.integration.elastic_load').info('decided')\n"
+            "megatron_ucp.uninstall()\n"
+            "print('level', logging.getLogger('megatron_ucp').level, len(logging.getLogger('megatron_ucp').handlers))\n")
+    env = {k: v for k, v in os.environ.items() if k != IMPORT_IPEX}
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**env, "RANK": "0"})
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**env, "RANK": "5"})
+    assert first.returncode == 0 and other.returncode == 0, first.stderr[-2000:] + other.stderr[-2000:]
+    assert "ROOT decided" in first.stderr and "decided" not in other.stderr, first.stderr[-2000:]
+    assert "level 0 0" in first.stdout and "level 0 0" in other.stdout
+
+
+@pytest.mark.skipif(os.environ.get(IMPORT_IPEX) != "1", reason="only in make test's torch 2.8 + IPEX runs")
+def test_the_torch_2_8_runs_have_ipex_loaded_in_every_process():
+    """What those runs claim: torch 2.8 with IPEX 2.8 imported before our code, here and in the processes
+    the tests launch (tests/support/ipex_site)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    assert torch.__version__.startswith("2.8."), torch.__version__
+    assert "intel_extension_for_pytorch" in sys.modules
+    code = "import sys, torch; print(torch.__version__, sys.modules['intel_extension_for_pytorch'].__version__)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.split()[-2:][1].startswith("2.8."), proc.stderr[-2000:]

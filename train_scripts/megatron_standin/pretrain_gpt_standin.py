@@ -557,9 +557,11 @@ def load_checkpoint(engine: Any, scheduler: ParamScheduler, args: argparse.Names
 # ------------------------------------------------------------------------------------------------
 
 def setup_logging(rank: int) -> None:
+    """The script owns its log: ``force`` replaces a root handler a library installed at import
+    (intel-extension-for-pytorch calls ``logging.basicConfig``, which made this call a no-op)."""
     level = os.environ.get("LOG_LEVEL", "INFO").upper() if rank == 0 else "WARNING"
     logging.basicConfig(level=level, stream=sys.stdout, format="[%(asctime)s][%(name)s] %(message)s",
-                        datefmt="%H:%M:%S")
+                        datefmt="%H:%M:%S", force=True)
 
 
 def train(args: argparse.Namespace) -> int:
