@@ -26,8 +26,7 @@ DS_INTEGRATION_FULL := 0.19.5
 MATRIX_DIR := .venv-ds
 # The stack Aurora runs: torch 2.8 with intel-extension-for-pytorch 2.8 (both imported as a job on Aurora
 # imports them; the torch wheel is PyPI's, run on the CPU), its own environment, with the DeepSpeed
-# lines users pair with it: 0.19.5 installed there, 0.16.9 through its .venv-ds overlay. IPEX's import
-# costs ~6 s of CPU per process, so these runs are chosen to cover each path once, not everything.
+# lines users pair with it: 0.19.5 installed there, 0.16.9 through its .venv-ds overlay.
 TORCH28_VENV := .venv-torch2.8
 TORCH28_BIN := $(TORCH28_VENV)/bin
 TORCH28_STAMP := $(TORCH28_VENV)/.megatron-ucp-installed
@@ -56,21 +55,21 @@ ELASTIC_TESTS = tests/system/test_native_reshard.py::test_reshard_equals_the_uni
 MATRIX_TESTS = tests/system/test_deepspeed_versions.py tests/system/test_hooks_install.py \
 	$(ELASTIC)::test_install_patches_both_load_paths_and_uninstall_restores_them \
 	$(if $(1),$(call ELASTIC_TESTS,$(1)))
-# On torch 2.8 + IPEX 2.8 (TORCH28_DS), with IPEX loaded first in every process (tests/support/ipex_site):
-# on each release install/uninstall and the IPEX checks (test_hooks_install). On 0.16.9 the internals
-# table and the save recording + conversion of both optimizer classes (test_deepspeed_versions), and
-# the real Megatron-DeepSpeed: training with background conversion, then DP 4 -> 3 through both routes
-# (mds_class). On 0.19.5 our torch file reader and writer against what torch 2.8 writes and reads
-# (DeepSpeed's files of one class; the other class's are read by the conversions), the runner's
-# launches, the async trigger, and the save hook, conversion and both elastic loads in the harness.
-TORCH28_RUNNER = $(addprefix tests/system/test_runner.py::,test_the_runner_waits_for_the_last_saves_conversion_when_the_script_ends \
-	test_resume_at_dp3_configured_by_options test_main_installs_runs_and_uninstalls)
-TORCH28_0195 = tests/unit/test_fast_io.py tests/system/test_torchless_io.py \
+# On torch 2.8 + IPEX 2.8 (TORCH28_DS), with IPEX loaded first in every process (tests/support/ipex_site);
+# IPEX's import costs ~6 s of CPU per process, so each path runs once. On 0.16.9: the internals table,
+# install/uninstall, the save recording + conversion of both optimizer classes (test_deepspeed_versions),
+# and the real Megatron-DeepSpeed through the runner: training with background conversion, then
+# DP 4 -> 3 through both routes (mds_class). On 0.19.5: the IPEX checks and install (test_hooks_install),
+# our torch file reader and writer against what torch 2.8 writes and reads (DeepSpeed's files of one
+# class; the other's are read by the conversions), the runner's end-of-job wait for a background
+# conversion, and both elastic loads bit for bit in the harness (the native reshard against the universal route).
+TORCH28_0195 = tests/system/test_hooks_install.py tests/unit/test_fast_io.py tests/system/test_torchless_io.py \
 	--deselect "tests/system/test_torchless_io.py::test_real_deepspeed_files_load_as_torch_loads_them[bf16]" \
-	$(TORCH28_RUNNER) tests/system/test_async_convert.py::test_save_returns_before_the_universal_folder_exists \
-	$(call ELASTIC_TESTS,$(call elastic_class,0.19.5))
-TORCH28_TESTS = tests/system/test_hooks_install.py $(ELASTIC)::test_install_patches_both_load_paths_and_uninstall_restores_them \
-	$(if $(filter 0.19.5,$(1)),$(TORCH28_0195),tests/system/test_deepspeed_versions.py)
+	tests/system/test_runner.py::test_the_runner_waits_for_the_last_saves_conversion_when_the_script_ends \
+	tests/system/test_runner.py::test_main_installs_runs_and_uninstalls \
+	"tests/system/test_native_reshard.py::test_reshard_equals_the_universal_route_rank_by_rank[$(call elastic_class,0.19.5)-3]"
+TORCH28_TESTS = $(if $(filter 0.19.5,$(1)),$(TORCH28_0195),$(ELASTIC)::test_install_patches_both_load_paths_and_uninstall_restores_them \
+	tests/system/test_deepspeed_versions.py)
 TORCH28_ENV = PYTHONPATH=$(abspath $(MATRIX_DIR))/$(1):$(abspath tests/support/ipex_site) MEGATRON_UCP_TEST_IMPORT_IPEX=1
 # Optimizer classes per release (megatron_ucp/deepspeed/versions.py INTERNALS says why): 0.17.x never builds
 # BF16_Optimizer and its DeepSpeedZeroOptimizer dies on all-padding ranks (the harness model has one
@@ -157,7 +156,7 @@ test-matrix: matrix
 				--junitxml=$(RESULTS)/megatron-deepspeed-$(v).xml || status=1; ,) \
 	) \
 	$(foreach v,$(TORCH28_DS),\
-		echo "=== torch 2.8 + IPEX 2.8 + DeepSpeed $(v): hooks$(if $(filter 0.19.5,$(v)),$(comma) file formats$(comma) runner$(comma) async trigger$(comma) elastic load,$(comma) save$(comma) conversion)"; \
+		echo "=== torch 2.8 + IPEX 2.8 + DeepSpeed $(v): $(if $(filter 0.19.5,$(v)),IPEX checks$(comma) file formats$(comma) runner$(comma) elastic loads,hooks$(comma) save$(comma) conversion)"; \
 		$(call TORCH28_ENV,$(v)) $(TORCH28_BIN)/python -m pytest -q $(call TORCH28_TESTS,$(v)) \
 			--junitxml=$(RESULTS)/torch2.8-deepspeed-$(v).xml || status=1; \
 		$(if $(and $(HAVE_MDS),$(filter-out 0.19.5,$(v))),\
