@@ -49,10 +49,11 @@ def main(argv: list[str]) -> int:
     files = sorted(Path(argv[1]).glob("*.xml"))
     passed = failed = skipped = 0
     print("\n=== make test: every run")
+    width = max([32] + [len(path.stem) + 1 for path in files])
     for path in files:
         p, f, s = counts(path)
         passed, failed, skipped = passed + p, failed + f, skipped + s
-        print(f"  {path.stem:<32} {p:4d} passed {f:3d} failed {s:3d} skipped")
+        print(f"  {path.stem:<{width}} {p:4d} passed {f:3d} failed {s:3d} skipped")
     if not any(path.stem.startswith(MDS_RESULTS_PREFIX) for path in files):
         print(not_run_note(os.environ.get("MEGATRON_DEEPSPEED_DIR", "")))
     print(f"{passed} passed, {failed} failed, {skipped} skipped")
