@@ -516,26 +516,31 @@ def saved_layout(tag_dir: Path) -> Optional[SavedLayout]:
     path = model_states_path(Path(tag_dir))
     if path is None:
         return None
-    raw = load_raw(path)
-    if not isinstance(raw, dict):
-        raise CheckpointFormatError(f"{path}: not a DeepSpeed model-states dict", subject=path)
+    raw = _model_states_dict(path)
     files = [p for p in Path(tag_dir).iterdir() if F.MODEL_FILE_RE.match(p.name)]
-    shapes = raw.get(F.PARAM_SHAPES) or []
-    groups = [shapes] if isinstance(shapes, dict) else shapes
-    names = frozenset(str(n) for g in groups if isinstance(g, dict) for n in g)
+    names = frozenset(str(n) for g in _param_shape_groups(raw) if isinstance(g, dict) for n in g)
     dp = raw.get(F.DP_WORLD_SIZE)
     return SavedLayout(int(dp) if dp is not None else None, parallel_dimensions(raw, path, max(1, len(files))), names)
 
 
-def read_model_states(path: Path) -> ModelStates:
+def _model_states_dict(path: Path) -> dict:
     raw = load_raw(path)
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"{path}: not a DeepSpeed model-states dict", subject=path)
-    shapes = raw.get(F.PARAM_SHAPES)
+    return raw
+
+
+def _param_shape_groups(raw: dict) -> list:
+    """``param_shapes`` as a list of groups (older DeepSpeed saved a single group as a bare dict)."""
+    shapes = raw.get(F.PARAM_SHAPES) or []
+    return [shapes] if isinstance(shapes, dict) else shapes
+
+
+def read_model_states(path: Path) -> ModelStates:
+    raw = _model_states_dict(path)
+    shapes = _param_shape_groups(raw)
     if not shapes:
         raise CheckpointFormatError(f"{path}: no '{F.PARAM_SHAPES}' (not saved by a ZeRO engine?)", subject=path)
-    if isinstance(shapes, dict):
-        shapes = [shapes]
     groups = []
     for g, group in enumerate(shapes):
         groups.append([ParamSpec(name=str(name), group=g, shape=tuple(int(d) for d in shape))

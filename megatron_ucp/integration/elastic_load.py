@@ -368,8 +368,7 @@ def _finish_load(engine: Any, load_path: Path, report: AccountingReport, dp_from
         problems += p
         extras += e
     if restore_module:
-        optimized = {engine.optimizer.param_names[lp] for group in lp_groups_of(engine.optimizer) for lp in group}
-        p, e = restore_module_tensors(engine.module, optimized, folder, states)
+        p, e = restore_module_tensors(engine.module, set(_live_param_names(engine)), folder, states)
         problems += p
         extras += e
     report = report.with_more(problems, extras, dp_from=dp_from)

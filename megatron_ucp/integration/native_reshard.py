@@ -98,7 +98,7 @@ def read_facts(model_states: Path, rank_file: RankFile) -> SavedFacts:
         raise CheckpointFormatError(f"{model_states.parent}: {len(present)} rank files of this model-parallel rank "
                                     f"({expected[0].name} ...), but the model states say DP={dp_from}: files of "
                                     "another save in the same folder?", subject=model_states.parent)
-    first = _optimizer_state(expected[0], raw=True)  # its tensors are located, not read (nor read ahead)
+    first = _optimizer_state(expected[0])  # its tensors are located, not read (nor read ahead)
     record = first.get(F.ZERO_PARTITION_CHECKSUMS)
     algorithm = record.get("algorithm") if isinstance(record, dict) else None
     if algorithm is not None and algorithm not in integrity.KNOWN_ALGORITHMS:
@@ -122,8 +122,9 @@ def _in_memory(value: Any) -> Any:
     return value.to_torch().clone() if isinstance(value, RawTensor) else value
 
 
-def _optimizer_state(path: Path, raw: bool = False) -> dict:
-    sd = load_raw(path, random_access=True) if raw else load_torch_file(path, mmap=True)
+def _optimizer_state(path: Path) -> dict:
+    """The optimizer dict of an old rank file, its tensors located but not read (readahead off)."""
+    sd = load_raw(path, random_access=True)
     optim = sd.get(F.OPTIMIZER_STATE_DICT) if isinstance(sd, dict) else None
     if not isinstance(optim, dict) or not isinstance(optim.get(F.BASE_OPTIMIZER_STATE), dict) \
             or not isinstance(optim.get(F.SINGLE_PARTITION_OF_FP32_GROUPS), list):
@@ -206,7 +207,7 @@ def open_source(path: Path, rank: int, facts: SavedFacts, geos: list[GroupGeomet
                  reads: list[list[Read]]) -> Source:
     """Open one old file (metadata only: tensors are located, not read) and check it can give what the
     plan reads from it, before anything is copied."""
-    optim = _optimizer_state(path, raw=True)
+    optim = _optimizer_state(path)
     count = optim.get(F.PARTITION_COUNT)
     counts = count if isinstance(count, (list, tuple)) else [count]
     if any(c != facts.dp_from for c in counts):
