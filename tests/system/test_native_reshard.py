@@ -5,16 +5,21 @@ no-weight-decay group's rank 3 holds only padding). DP 4 -> 3 and 4 -> 2 (and 4 
 rank 5 holds only padding of that group) with no flag and no conversion: each rank's flat fp32 partition and every optimizer state equal (``torch.equal``) what the
 universal route gives the same rank, DeepSpeed's own ``safe_get_full_*`` agree with the partitions,
 the losses continue the uninterrupted run, no ``_universal`` folder is written, and each old byte is
-read by one rank. Bad rank files stop every rank before anything is copied, naming the file.
+read by one rank. Both routes run under a recording accelerator that spells its device ``cpu:0`` to
+megatron-ucp: every placement and collective of the hooks goes through it (or to the host at a listed
+place). Bad rank files stop every rank before anything is copied, naming the file.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support.device_policy import device_violations
+from tests.support.device_recorder import MARKED
 from tests.support.elastic_support import (ElasticRuns, assert_losses_continue, assert_same_state, private_copy,
                                            resume, summary_lines, ucp_lines)
 
@@ -40,7 +45,8 @@ def _run(ds_checkpoint, runs: ElasticRuns, case: str, dp: int, route: str):
 
     def make(folder: Path):
         root = private_copy(ck.root, folder / "ckpt")
-        return resume(dp, opt, root, folder, load_tag="global_step2", plugin_kwargs={"resume_route": route}, **stage)
+        return resume(dp, opt, root, folder, load_tag="global_step2", plugin_kwargs={"resume_route": route},
+                      env={"UCP_HARNESS_RECORD_DEVICES": "1"}, **stage)
 
     return ck, runs.get(f"{case}-{dp}-{route}", make)
 
@@ -84,6 +90,21 @@ def test_reshard_equals_the_universal_route_rank_by_rank(ds_checkpoint, runs, ca
     assert_losses_continue(native, ck.loss_at)
     report, theirs = native.info["dumps"]["state_step2_loaded"], universal.info["dumps"]["state_step2_loaded"]
     assert report["safe_get_differs"] == [] and report["safe_get_unavailable"] == theirs["safe_get_unavailable"]
+    for res in (native, universal):
+        _assert_devices_through_the_accelerator(res, dp)
+
+
+def _assert_devices_through_the_accelerator(res, dp: int) -> None:
+    """What the recording accelerator saw the hooks do on every rank (tests/support/device_recorder.py):
+    the accelerator was asked, the accounting all-reduce ran on its device, nothing else was placed
+    anywhere but there or on the host at a listed place, no process group was made."""
+    for rank in range(dp):
+        events = json.loads((Path(res.dumps["state_step2_loaded"]).parent / f"devices_rank{rank}.json").read_text())
+        assert device_violations(events, MARKED) == [], (rank, device_violations(events, MARKED))
+        asked = [e for e in events if e["kind"] == "ask"]
+        on_device = [e for e in events if e["kind"] == "collective" and e["tensors"]]
+        assert asked and on_device, (rank, events)
+        assert {e["name"] for e in on_device} == {"all_reduce"}, on_device
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ uses the process groups DeepSpeed hands it. This scan of the source fails on wha
 ``.cuda()`` / ``.xpu()``, ``torch.cuda`` / ``torch.xpu``, a device or backend named in code
 (``"cuda"``, ``"xpu"``, ``"nccl"``, ``"ccl"``, ``"xccl"``, ``"gloo"``), and explicit host placement
 (``device="cpu"``, ``.to("cpu")``, ``map_location="cpu"``) outside the places listed below (and one backend:
-the offline converter's own CPU process group), each with why it is right there.
+the offline converter's own CPU process group), each with why it is right there
+(``tests/support/device_policy.py``; the harness's recording accelerator checks a real run against the
+same list, ``tests/system/test_native_reshard.py``).
 """
 from __future__ import annotations
 
@@ -15,26 +17,10 @@ import ast
 from pathlib import Path
 
 import megatron_ucp
+from tests.support.device_policy import BACKEND_ON_PURPOSE, HOST_ON_PURPOSE
 
 PACKAGE = Path(megatron_ucp.__file__).parent
 ACCELERATOR_NAMES = {"cuda", "xpu", "nccl", "ccl", "xccl", "gloo", "hccl", "mps"}
-
-HOST_ON_PURPOSE = {
-    ("deepspeed/reader.py", "load_torch_file"): "checkpoint files are read into host memory (mapped)",
-    ("integration/native_reshard.py", "load_native_partitions"):
-        "the ledger is filled on the host, moved to device() for the one all-reduce",
-    ("integration/partition_load.py", "load_universal_partitions"):
-        "the ledger is filled on the host, moved to device() for the one all-reduce",
-    ("plan/accounting.py", "new_table"): "default of the host-side ledger table",
-    ("format/torchfile.py", "persistent_id"): "torch's own record of where a saved storage lived",
-    ("background/trigger.py", "converter_env"): "the background converter process is CPU-only by design",
-}
-
-BACKEND_ON_PURPOSE = {
-    ("convert/distributed.py", "convert_distributed", "'gloo'"):
-        "the offline converter's own process group: host files, host tensors, no engine",
-}
-
 
 def _enclosing_functions(tree: ast.AST) -> dict[ast.AST, str]:
     owner: dict[ast.AST, str] = {}

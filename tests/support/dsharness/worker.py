@@ -124,6 +124,7 @@ class Rank:
         # the imported modules moved out of the collected generations that is ~0.05 s, not ~0.5 s.
         gc.freeze()
         self.mark("import")
+        self.devices = _record_devices()
         _skip_shm_comm_kernel(deepspeed)
         deepspeed.init_distributed(dist_backend="gloo")
         self.mark("init_distributed")
@@ -316,6 +317,8 @@ class Rank:
             self.load()
         self.train()
         self.dist.barrier()
+        if self.devices is not None and self.spec.dump_dir is not None:
+            self.devices.write(Path(self.spec.dump_dir) / f"devices_rank{self.rank}.json")
         if self.rank == 0:
             _report("done", times=self.times)
 
@@ -335,6 +338,15 @@ def _process_io() -> dict[str, int]:
         pass
     out["maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
+
+
+def _record_devices() -> Any:
+    """With ``UCP_HARNESS_RECORD_DEVICES=1``: the recording accelerator (tests/support/device_recorder.py)."""
+    if os.environ.get("UCP_HARNESS_RECORD_DEVICES") != "1":
+        return None
+    from tests.support import device_recorder
+
+    return device_recorder.install()
 
 
 def _skip_shm_comm_kernel(deepspeed: Any) -> None:
