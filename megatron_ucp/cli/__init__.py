@@ -1,6 +1,6 @@
 """The ``megatron-ucp`` command: parses arguments, calls the library, maps errors to exit codes.
 
-Each subcommand lives in ``megatron_ucp/commands/<name>.py`` and exposes
+Each subcommand lives in ``megatron_ucp/cli/<name>.py`` and exposes
 ``register(subparsers)``, which adds its parser and sets ``func(args) -> int``.
 """
 from __future__ import annotations

@@ -111,7 +111,7 @@ def default_output(ck: ResolvedCheckpoint) -> Path:
 
 def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
     """The plan of a DP-only checkpoint, or the merged per-coordinate plans of a TP/PP one."""
-    rules = meta.model.output_rules()
+    rules = meta.model.patterns(meta.tp)
     names = {spec.name for c in meta.coordinates for group in c.model.param_groups for spec in group}
     try:
         if not meta.model_parallel:

@@ -29,9 +29,10 @@ from megatron_ucp.format.paths import normalize_tag, read_tag_file, special_kind
 from megatron_ucp.format.rawtensor import RawTensor, raw_tensors_from_torch
 from megatron_ucp.format.torchload import TorchNeeded
 from megatron_ucp.format.torchload import load as load_without_torch
-from megatron_ucp.plan.conversion import Fragment, OutputRules, ParamSpec, RankGroupLayout, RankLayout
+from megatron_ucp.plan.conversion import Fragment, ParamSpec, RankGroupLayout, RankLayout
 from megatron_ucp.plan.geometry import PaddingStyle
-from megatron_ucp.plan.tensor_parallel import (TP_LAYOUT_KEY, LayoutRules, SavedRecord, TpLayout, layouts_known,
+from megatron_ucp.plan.parallel_layout import ParallelLayout
+from megatron_ucp.plan.tensor_parallel import (TP_LAYOUT_KEY, MegatronPatterns, SavedRecord, TpLayout, layouts_known,
                                                merge_layout_records, resolve_layouts, tp_pp_of_states)
 
 log = logging.getLogger(__name__)
@@ -398,25 +399,24 @@ class ModelStates:
         cfg = self.raw.get(F.DS_CONFIG)
         return cfg if isinstance(cfg, dict) else {}
 
-    def output_rules(self) -> OutputRules:
-        info = self.universal_checkpoint_info or {}
-        return OutputRules(
-            vocabulary_patterns=tuple(info.get(F.VOCABULARY_PARAMETER_PATTERNS, ()) or ()),
-            original_vocab_size=info.get(F.ORIGINAL_VOCAB_SIZE),
-            row_parallel_patterns=tuple(info.get(F.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, ()) or ()),
-            two_sub_param_patterns=tuple(info.get(F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0, ()) or ()))
 
     def parallel_dimensions(self, model_parallel: int) -> tuple[int, int]:
         """(TP, PP) of the run that saved this file (:func:`parallel_dimensions`)."""
         return parallel_dimensions(self.raw, self.path, model_parallel)
 
-    def layout_rules(self, tp: int) -> LayoutRules:
+    def patterns(self, saved_tp: int = 1) -> MegatronPatterns:
+        """Megatron's ``universal_checkpoint_info`` patterns of this save (at TP ``saved_tp``)."""
         info = self.universal_checkpoint_info or {}
-        return LayoutRules(
-            replicated_patterns=tuple(info.get(F.TP_REPLICATED_PARAMETER_PATTERNS, ()) or ()),
-            row_parallel_patterns=tuple(info.get(F.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS, ()) or ()),
-            two_sub_param_patterns=tuple(info.get(F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0, ()) or ()),
-            vocabulary_patterns=tuple(info.get(F.VOCABULARY_PARAMETER_PATTERNS, ()) or ()), saved_tp=tp)
+
+        def listed(key: str) -> tuple[str, ...]:
+            return tuple(info.get(key, ()) or ())
+
+        return MegatronPatterns(
+            vocabulary_patterns=listed(F.VOCABULARY_PARAMETER_PATTERNS),
+            original_vocab_size=info.get(F.ORIGINAL_VOCAB_SIZE),
+            replicated_patterns=listed(F.TP_REPLICATED_PARAMETER_PATTERNS),
+            row_parallel_patterns=listed(F.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS),
+            two_sub_param_patterns=listed(F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0), saved_tp=saved_tp)
 
     @property
     def tp_layout_record(self) -> Optional[dict]:
@@ -504,8 +504,8 @@ class SavedLayout:
     """What the resume decision needs from a tag's first model-states file, read once (mapped, no
     weight bytes read)."""
 
-    dp: Optional[int]
-    tp_pp: tuple[int, int]
+    layout: Optional[ParallelLayout]
+    """TP, PP and DP of the save; None when the file records no DP size."""
     param_names: frozenset[str]
     """The optimized parameters' names in that file (model-parallel rank 0's): the model class that saved it."""
 
@@ -520,7 +520,8 @@ def saved_layout(tag_dir: Path) -> Optional[SavedLayout]:
     files = [p for p in Path(tag_dir).iterdir() if F.MODEL_FILE_RE.match(p.name)]
     names = frozenset(str(n) for g in _param_shape_groups(raw) if isinstance(g, dict) for n in g)
     dp = raw.get(F.DP_WORLD_SIZE)
-    return SavedLayout(int(dp) if dp is not None else None, parallel_dimensions(raw, path, max(1, len(files))), names)
+    tp, pp = parallel_dimensions(raw, path, max(1, len(files)))
+    return SavedLayout(ParallelLayout(tp=tp, pp=pp, dp=int(dp)) if dp is not None else None, names)
 
 
 def _model_states_dict(path: Path) -> dict:
@@ -599,8 +600,12 @@ class CheckpointMeta:
     coordinates: tuple[CoordinateMeta, ...] = ()
 
     @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp)
+
+    @property
     def model_parallel(self) -> bool:
-        return self.tp * self.pp > 1
+        return self.layout.model_parallel > 1
 
     @property
     def padding_style(self) -> PaddingStyle:
@@ -622,18 +627,18 @@ class CheckpointMeta:
         """Each parameter's TP layout: recorded by megatron-ucp's save hook (every stage's file), else
         Megatron's patterns."""
         try:
-            return resolve_layouts(names, self.tp_layout_record(), self.model.layout_rules(self.tp),
+            return resolve_layouts(names, self.tp_layout_record(), self.model.patterns(self.tp),
                                    str(self.files.tag_dir))
         except PlanError as exc:
             raise CheckpointFormatError(str(exc), subject=self.files.tag_dir) from exc
 
     def tp_layouts_known(self) -> bool:
         """Whether the layouts hold at another TP size: recorded at save, or Megatron's patterns of a TP > 1 save."""
-        return layouts_known(self.tp_layout_record(), self.model.layout_rules(self.tp))
+        return layouts_known(self.tp_layout_record(), self.model.patterns(self.tp))
 
     def describe(self) -> str:
         """``DP=4`` or ``TP=2 x PP=2 x DP=1``, for logs."""
-        return f"TP={self.tp} x PP={self.pp} x DP={self.dp}" if self.model_parallel else f"DP={self.dp}"
+        return self.layout.describe()
 
 
 def _check_state_dtypes(rf: "RankFile", seen: dict[tuple[int, str], tuple[str, Path]]) -> None:
@@ -655,6 +660,7 @@ def read_checkpoint(tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = No
     models = [read_model_states(path) for path in files.model_files]
     tp, pp = models[0].parallel_dimensions(len(models))
     dp = files.dp
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
     layouts, kinds, versions, stages, ucp, steps = [], set(), set(), set(), set(), []
     dtypes: dict[tuple[int, str], tuple[str, Path]] = {}
     coordinates = []
@@ -667,7 +673,7 @@ def read_checkpoint(tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = No
         if recorded_mp is not None and int(recorded_mp) != len(models):
             raise CheckpointFormatError(f"{model.path} records mp_world_size={recorded_mp} but the folder holds "
                                         f"{len(models)} model-states files", subject=model.path)
-        first = len(layouts)
+        first = layout.rank_file_index(mp, 0)
         for r, path in enumerate(files.coordinate_files(mp)):
             index = first + r
             rf = rank_files[index] if rank_files is not None else RankFile(path, r)
@@ -680,7 +686,8 @@ def read_checkpoint(tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = No
             steps.append([None if rf.step(g) is None else float(rf.step(g)) for g in range(rf.num_groups)])
             _check_state_dtypes(rf, dtypes)
             del rf
-        coordinates.append(CoordinateMeta(mp=mp, pp=mp // tp, tp=mp % tp, model=model,
+        pp_rank, tp_rank = layout.coordinates_of(mp)
+        coordinates.append(CoordinateMeta(mp=mp, pp=pp_rank, tp=tp_rank, model=model,
                                           layouts=tuple(layouts[first:]), first_file=first))
     if len(kinds) > 1 or len(versions) > 1 or len(stages) > 1:
         raise CheckpointFormatError(f"{files.tag_dir}: rank files disagree (optimizers {sorted(kinds)}, DeepSpeed "

@@ -40,8 +40,8 @@ from megatron_ucp.background import queue as B
 from megatron_ucp.background.store import ConverterSettings
 from megatron_ucp.background.trigger import trigger, unfinished, wait_for_converter
 from megatron_ucp.config import UcpConfig
+from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.versions import internals
-from megatron_ucp.errors import UnsupportedError
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +55,11 @@ def wanted(config: UcpConfig) -> bool:
 
 
 def install(patches: Any, config: UcpConfig) -> None:
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    decoupled = internals().decoupled_commit
-    needed = ("save_checkpoint", "zero_optimization_stage", "use_node_local_storage") + (
-        ("_commit_decoupled_checkpoint",) if decoupled else ())
-    for name in needed:
-        if not hasattr(DeepSpeedEngine, name):
-            raise UnsupportedError(f"DeepSpeedEngine has no {name!r}: the async-conversion hook cannot patch this "
-                                   "DeepSpeed; convert with `megatron-ucp convert` instead",
-                                   subject=f"DeepSpeedEngine.{name}")
-    patches.replace(DeepSpeedEngine, "save_checkpoint", lambda original: _wrap_save(original, config))
-    if decoupled:  # before 0.17 every checkpoint engine commits inside save_checkpoint
-        patches.replace(DeepSpeedEngine, "_commit_decoupled_checkpoint",
+    """Wrap the engine's save (and, on releases with decoupled checkpoint engines, its commit); the
+    install checked the surface."""
+    surface.replace(patches, surface.ENGINE, "save_checkpoint", lambda original: _wrap_save(original, config))
+    if internals().decoupled_commit:  # before 0.17 every checkpoint engine commits inside save_checkpoint
+        surface.replace(patches, surface.ENGINE, "_commit_decoupled_checkpoint",
                         lambda original: _wrap_decoupled(original, config))
     _state.update(config=config, launched={}, warned=set(), crashed=False)
     atexit.register(_at_exit)
@@ -139,12 +131,12 @@ def _after_commit(engine: Any, save_dir: str, tag: str, config: UcpConfig) -> No
 
     t0 = time.perf_counter()
     try:
-        stage = int(engine.zero_optimization_stage())
-        if stage not in (1, 2):
-            _warn_once("stage", "megatron-ucp: async conversion skipped: ZeRO stage %d (only stages 1 and 2 convert)",
-                       stage)
+        stage = surface.zero_stage(engine)
+        if stage not in surface.ELASTIC_STAGES:
+            _warn_once("stage", "megatron-ucp: async conversion skipped: ZeRO stage %s (only stages %s convert)",
+                       stage, " and ".join(map(str, surface.ELASTIC_STAGES)))
             return
-        if engine.use_node_local_storage():
+        if surface.node_local_storage(engine):
             _warn_once("local", "megatron-ucp: async conversion skipped: checkpoint.use_node_local_storage puts "
                                 "each node's files on its own disk; conversion needs them on one shared filesystem")
             return

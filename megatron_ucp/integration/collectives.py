@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
+from megatron_ucp.deepspeed import surface
+
 
 def comm() -> Any:
     """``torch.distributed`` itself, not ``deepspeed.comm``: DeepSpeed's wrappers differ between
@@ -25,9 +27,8 @@ def comm() -> Any:
 
 
 def device() -> torch.device:
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
+    """The accelerator's current device, as DeepSpeed's accelerator abstraction names it."""
+    return torch.device(surface.accelerator().current_device_name())
 
 
 def broadcast_from_first(value: Any, group: Any = None) -> Any:

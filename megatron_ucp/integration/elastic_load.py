@@ -1,7 +1,7 @@
 """Elastic resume: ``engine.load_checkpoint`` at any DP size, with every tensor accounted for.
 
-Two DeepSpeed attributes are replaced (through the :class:`~megatron_ucp.integration.install.PatchSet`, so
-``uninstall()`` restores them):
+Two DeepSpeed attributes are replaced (entries of :data:`megatron_ucp.deepspeed.surface.SURFACE`, through
+the install's :class:`~megatron_ucp.deepspeed.surface.PatchSet`, so ``uninstall()`` restores them):
 
 ``DeepSpeedEngine.load_checkpoint``
     Before loading, rank 0 reads the DP size recorded in the requested tag's model states and
@@ -39,24 +39,32 @@ from typing import Any, Callable, Iterator, Optional
 
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.convert.universal import staging_path, universal_state
+from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.reader import load_torch_file, saved_layout
 from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
 from megatron_ucp.format.torchload import structure_problems, torch_reader_problem
 from megatron_ucp.integration.collectives import Failure, decide_on_first, is_first
+from megatron_ucp.integration.live_layout import current_layout
+from megatron_ucp.integration.model_states_load import one_model_states_file_per_rank
 from megatron_ucp.integration.native_reshard import load_native_partitions, refresh_lp_params
-from megatron_ucp.integration.partition_load import LP_GROUPS, load_universal_partitions, lp_groups_of
+from megatron_ucp.integration.partition_load import load_universal_partitions
 from megatron_ucp.integration.sync_convert import convert_synchronously
-from megatron_ucp.integration.model_parallel import current_tp_pp, one_model_states_file_per_rank
 from megatron_ucp.integration.training_state import check_training_state, restore_module_tensors
 from megatron_ucp.plan.accounting import AccountingReport, Problem, ProblemKind
-from megatron_ucp.plan.resume import (ResumeDecision, Route, TwinState, check_global_batch, checkpoint_global_batch,
-                                      decide_resume)
+from megatron_ucp.plan.parallel_layout import ParallelLayout
+from megatron_ucp.plan.resume import (
+    ResumeDecision,
+    Route,
+    TwinState,
+    check_global_batch,
+    checkpoint_global_batch,
+    decide_resume,
+)
 
 log = logging.getLogger(__name__)
 
-_OPTIMIZER_LOADER = "load_hp_checkpoint_state_from_checkpoint_dir"
 _REPORT_ATTR = "_megatron_ucp_load_report"
 ENGINE_REPORT_ATTR = "megatron_ucp_load_report"
 """The engine attribute holding the last universal load's :class:`AccountingReport` (for tools)."""
@@ -70,30 +78,11 @@ def wanted(config: UcpConfig) -> bool:
 
 
 def install(patches: Any, config: UcpConfig) -> None:
-    """Patch the engine's load entry point and the ZeRO-1/2 universal loader; refuse if they moved."""
-    from deepspeed.runtime.base_optimizer import ZeROOptimizer
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    for owner, names in ((DeepSpeedEngine, ("load_checkpoint", "_load_checkpoint", "_load_zero_checkpoint",
-                                            "load_universal_checkpoint", "zero_optimization_stage",
-                                            "train_batch_size", "_get_zero_ckpt_name", "_get_rank_zero_ckpt_name")),
-                         (ZeROOptimizer, (_OPTIMIZER_LOADER,)),
-                         (BF16_Optimizer, ("_load_universal_checkpoint", "_load_global_state", "update_lp_params")),
-                         (DeepSpeedZeroOptimizer, ("_load_universal_checkpoint", "_load_global_state",
-                                                   "update_lp_params"))):
-        for name in names:
-            if not hasattr(owner, name):
-                raise UnsupportedError(f"DeepSpeed's {owner.__name__} has no attribute {name!r}: the elastic-load "
-                                       "hook cannot patch this DeepSpeed; use the diffs in patches/",
-                                       subject=f"{owner.__name__}.{name}")
-    for cls in (BF16_Optimizer, DeepSpeedZeroOptimizer):
-        if _OPTIMIZER_LOADER in cls.__dict__:
-            raise UnsupportedError(f"{cls.__name__} overrides {_OPTIMIZER_LOADER}; the elastic-load hook expects "
-                                   "the shared ZeROOptimizer implementation", subject=cls.__name__)
-    patches.replace(DeepSpeedEngine, "load_checkpoint", lambda original: _engine_load(original, config))
-    patches.replace(ZeROOptimizer, _OPTIMIZER_LOADER, lambda original: _optimizer_load(original, config))
+    """Patch the engine's load entry point and the ZeRO-1/2 universal loader (the install checked the
+    whole surface they rely on)."""
+    surface.replace(patches, surface.ENGINE, "load_checkpoint", lambda original: _engine_load(original, config))
+    surface.replace(patches, surface.ZERO_BASE, surface.OPTIMIZER_LOADER,
+                    lambda original: _optimizer_load(original, config))
     _make_logs_visible()
 
 
@@ -143,19 +132,16 @@ def on_uninstall() -> None:
 # ================================================================================================
 
 def _elastic_engine(engine: Any) -> bool:
-    """ZeRO stage 1/2 with BF16_Optimizer or DeepSpeedZeroOptimizer: the engines this hook handles."""
-    try:
-        stage = int(engine.zero_optimization_stage())
-    except Exception:
-        return False
-    return stage in (1, 2) and type(engine.optimizer).__name__ in LP_GROUPS
+    """An optimizer class at a ZeRO stage some :data:`~megatron_ucp.deepspeed.surface.OPTIMIZER_LAYOUTS`
+    entry handles: the engines this hook handles."""
+    return surface.engine_layout(engine) is not None
 
 
 def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_optimizer_states: bool,
                        config: UcpConfig) -> tuple[ResumeDecision, Optional[str], bool]:
     """Rank-0 side: read the facts from disk and decide. Returns (decision, native tag, tag from latest)."""
 
-    current_dp = int(engine.seq_dp_world_size)
+    live = current_layout(engine)
     universal_flag = bool(engine.load_universal_checkpoint())
     lag = lagging_universal_pointer(Path(load_dir)) if universal_flag and tag is None else None
     follow_latest = lag is not None
@@ -163,8 +149,7 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
         log.warning("megatron-ucp: %s names %s but %s names %s: following %s (loading %s)", F.LATEST, lag[0],
                     F.LATEST_UNIVERSAL, lag[1], F.LATEST, F.universal_tag(lag[0]))
     if universal_flag and not follow_latest:
-        return decide_resume(requested_tag=tag, checkpoint_dp=None, current_dp=current_dp,
-                             load_universal=True), tag, False
+        return decide_resume(requested_tag=tag, saved=None, live=live, load_universal=True), tag, False
     # Without --universal-checkpoint, or with it (the runner adds it on a TP/PP change) when
     # latest_universal does not name the twin of `latest`'s tag: decide from `latest`, converting
     # its tag when needed.
@@ -172,8 +157,7 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
     if resolved is None:
         resolved = read_tag_file(Path(load_dir) / F.LATEST)
         from_latest = resolved is not None
-    checkpoint_dp = None
-    checkpoint_mp = (1, 1)
+    saved_as: Optional[ParallelLayout] = None
     names_match = True
     tag_is_universal = False
     twin = TwinState.ABSENT
@@ -183,15 +167,14 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
         tag_is_universal = (tag_dir / F.UNIVERSAL_ZERO_DIR / F.UNIVERSAL_OPTIMIZER_STATE_FILE).is_file()
         saved = saved_layout(tag_dir) if tag_dir.is_dir() else None
         if saved is not None:
-            checkpoint_dp, checkpoint_mp = saved.dp, saved.tp_pp
+            saved_as = saved.layout
             names_match = saved.param_names == _live_param_names(engine)
         twin_dir = Path(load_dir) / F.universal_tag(resolved)
         twin = universal_state(twin_dir, tag_dir)
         staging = staging_path(twin_dir).exists()
-    decision = decide_resume(requested_tag=resolved, checkpoint_dp=checkpoint_dp, current_dp=current_dp,
+    decision = decide_resume(requested_tag=resolved, saved=saved_as, live=live,
                              load_universal=False, twin_state=twin, tag_is_universal=tag_is_universal,
                              loads_optimizer_states=loads_optimizer_states, staging_present=staging,
-                             checkpoint_mp=checkpoint_mp, current_mp=current_tp_pp(engine),
                              universal_of_latest=follow_latest, resume_route=config.resume_route,
                              names_match=names_match)
     return decision, resolved, from_latest
@@ -200,7 +183,7 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
 def _live_param_names(engine: Any) -> frozenset[str]:
     """This rank's optimized parameter names (rank 0 is model-parallel rank 0, as the model states compared)."""
     optimizer = engine.optimizer
-    return frozenset(optimizer.param_names[lp] for group in lp_groups_of(optimizer) for lp in group)
+    return frozenset(optimizer.param_names[lp] for group in surface.layout_of(optimizer).groups(optimizer) for lp in group)
 
 
 
@@ -234,7 +217,7 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
                 log.warning("megatron-ucp: %s", decision.warning)
         if decision.route is Route.RESHARD:
             return _reshard_load(self, original, load_dir, decision, kwargs, config)
-        if decision.convert and _node_local_storage(self):
+        if decision.convert and surface.node_local_storage(self):
             raise UnsupportedError(f"{decision.message}, but checkpoint.use_node_local_storage keeps each node's "
                                    "files on its own disk; converting needs them on one shared filesystem. Convert "
                                    "with `megatron-ucp convert` where all rank files are, then load again.",
@@ -267,7 +250,7 @@ def _reshard_load(engine: Any, original: Callable[..., Any], load_dir: str, deci
     load_path = result[0] if isinstance(result, tuple) else None
     if load_path is None:
         return result  # DeepSpeed said why (no such tag)
-    own = Path(engine._get_zero_ckpt_name(load_dir, tag)).name
+    own = Path(surface.own_optimizer_file(engine, load_dir, tag)).name
     found = re.search(r"_mp_rank_(\d+)_optim_states\.pt$", own)
     if found is None:
         raise UnsupportedError(f"this DeepSpeed names its optimizer files {own!r}; the native reshard does not know "
@@ -275,7 +258,7 @@ def _reshard_load(engine: Any, original: Callable[..., Any], load_dir: str, deci
     mp_rank, bf16 = int(found.group(1)), own.startswith("bf16_")
 
     def rank_file(dp_rank: int) -> Path:
-        return Path(engine._get_rank_zero_ckpt_name(load_dir, tag, mp_rank, dp_rank, bf16))
+        return Path(surface.rank_optimizer_file(engine, load_dir, tag, mp_rank, dp_rank, bf16))
 
     report = load_native_partitions(engine.optimizer, Path(load_path), rank_file)
     if refresh_lp_params(engine.optimizer) and is_first():
@@ -303,18 +286,11 @@ def _check_model_states_loadable(load_dir: Path, tag: Optional[str]) -> None:
                                     "--force", subject=path)
 
 
-def _node_local_storage(engine: Any) -> bool:
-    try:
-        return bool(engine.use_node_local_storage())
-    except Exception:
-        return False
-
-
 @contextlib.contextmanager
 def _universal_mode(engine: Any) -> Iterator[None]:
     """Set the engine's ``load_universal`` flag for one load; restore it whatever happens. At another
     TP/PP size each rank reads one model-states file as it is (:func:`one_model_states_file_per_rank`)."""
-    cfg = engine._config
+    cfg = surface.engine_config(engine)
     before = cfg.load_universal_checkpoint
     cfg.load_universal_checkpoint = True
     try:
@@ -384,7 +360,8 @@ def _finish_load(engine: Any, load_path: Path, report: AccountingReport, dp_from
 def _optimizer_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_hp_checkpoint_state_from_checkpoint_dir(self: Any, lp_groups_name: str, checkpoint_dir: str) -> None:
-        if type(self).__name__ not in LP_GROUPS or LP_GROUPS[type(self).__name__] != lp_groups_name:
+        layout = surface.layout_of(self)
+        if layout is None or layout.lp_groups != lp_groups_name:
             return original(self, lp_groups_name, checkpoint_dir)
         report = load_universal_partitions(self, Path(checkpoint_dir), strict=config.strict)
         if _DEFER_ENFORCEMENT.get():

@@ -1,7 +1,9 @@
 """Install and uninstall the runtime hooks into DeepSpeed.
 
-Every hook is a named attribute of a known DeepSpeed class or module, replaced through one
-:class:`PatchSet` so that :func:`uninstall` restores exactly what was there. Hook modules are
+Every hook is a named attribute of a known DeepSpeed class or module, listed in
+:data:`megatron_ucp.deepspeed.surface.SURFACE` (checked whole against the running release before
+anything is patched) and replaced through one :class:`PatchSet` so that :func:`uninstall` restores
+exactly what was there. Hook modules are
 listed in ``HOOK_MODULES``; each exposes ``wanted(config) -> bool`` and
 ``install(patches, config) -> None``. Installing twice with the same config is a no-op.
 """
@@ -10,10 +12,13 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from megatron_ucp.config import UcpConfig
+from megatron_ucp.deepspeed.surface import PatchSet, check_surface
 from megatron_ucp.deepspeed.versions import check_hooks_supported
+
+__all__ = ["PatchSet", "active_config", "install", "uninstall"]
 
 log = logging.getLogger(__name__)
 
@@ -23,34 +28,6 @@ HOOK_MODULES = (
     "megatron_ucp.integration.elastic_load",
     "megatron_ucp.integration.async_trigger",
 )
-
-_MARK = "__megatron_ucp_original__"
-
-
-class PatchSet:
-    """Replaces attributes and remembers the originals, so every change can be undone."""
-
-    def __init__(self) -> None:
-        self._applied: list[tuple[Any, str, Any]] = []
-
-    def replace(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        """Set ``owner.name = make(original)``; the replacement keeps a pointer to the original."""
-        original = owner.__dict__[name] if name in getattr(owner, "__dict__", {}) else getattr(owner, name)
-        if getattr(original, _MARK, None) is not None:
-            raise RuntimeError(f"{owner!r}.{name} is already patched by megatron-ucp")
-        replacement = make(original)
-        setattr(replacement, _MARK, original)
-        setattr(owner, name, replacement)
-        self._applied.append((owner, name, original))
-
-    def undo(self) -> None:
-        while self._applied:
-            owner, name, original = self._applied.pop()
-            setattr(owner, name, original)
-
-    def __len__(self) -> int:
-        return len(self._applied)
-
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"patches": None, "config": None, "modules": []}
@@ -77,6 +54,7 @@ def install(config: Optional[UcpConfig] = None, **overrides: Any) -> UcpConfig:
                 return config
             _uninstall_locked()
         version = check_hooks_supported(config.allow_untested_deepspeed)
+        check_surface(version)
         patches = PatchSet()
         installed = []
         try:

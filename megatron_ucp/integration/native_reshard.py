@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.reader import load_raw, load_torch_file
 from megatron_ucp.errors import CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
@@ -41,8 +42,17 @@ from megatron_ucp.format.paths import open_checkpoint_file
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.integration.collectives import Failure, comm, count_across, decide_on_first, device
 from megatron_ucp.integration.partition_load import expected_state_keys, install_group_state, lp_groups_of
-from megatron_ucp.plan.accounting import (AccountingReport, Column, Ledger, Problem, add_sum,
-                                          check_ledger, check_optimizer_states, checksum, ledger_totals)
+from megatron_ucp.plan.accounting import (
+    AccountingReport,
+    Column,
+    Ledger,
+    Problem,
+    add_sum,
+    check_ledger,
+    check_optimizer_states,
+    checksum,
+    ledger_totals,
+)
 from megatron_ucp.plan.geometry import GroupGeometry, at_dp
 from megatron_ucp.plan.reshard import Read, reshard_reads, source_ranks
 
@@ -357,7 +367,7 @@ def load_native_partitions(optimizer: Any, model_states: Path, rank_file: RankFi
     for g, (flat, lps) in enumerate(zip(flats, lp_groups)):
         buffers = {state: t for state, t in targets[g].items() if state != F.FP32_STATE}
         install_group_state(optimizer, flat, lps, buffers, facts.steps[g])
-    optimizer._load_global_state(facts.global_state)
+    surface.load_global_state(optimizer, facts.global_state)
     for param_group, saved in zip(base.param_groups, facts.param_groups):
         param_group.update(saved)
 
@@ -386,11 +396,6 @@ def load_native_partitions(optimizer: Any, model_states: Path, rank_file: RankFi
                             (checked,), seconds=seconds, route="native reshard")
 
 
-_LP_AND_HP = {"BF16_Optimizer": ("bf16_partitioned_groups", "fp32_groups_flat_partition"),
-              "DeepSpeedZeroOptimizer": ("parallel_partitioned_bit16_groups", "single_partition_of_fp32_groups")}
-"""Per optimizer class: this rank's bf16 partitions (views of the module's flat weights) and fp32 masters."""
-
-
 def refresh_lp_params(optimizer: Any) -> bool:
     """The bf16 weights made the rounded fp32 masters, as ``update_lp_params`` does after a universal
     load, but its all-gather only when some rank's weights differ: DeepSpeed saved the module after
@@ -398,12 +403,12 @@ def refresh_lp_params(optimizer: Any) -> bool:
     of 100M parameters on 4 CPU ranks, for nothing). Collective over the DP group. Returns whether
     the weights had to be refreshed."""
     dist = comm()
-    names = _LP_AND_HP.get(type(optimizer).__name__)
+    layout = surface.layout_of(optimizer)
     stale = 1
-    if names is not None and hasattr(optimizer, names[0]) and hasattr(optimizer, names[1]):
+    if layout is not None and hasattr(optimizer, layout.lp_partitions) and hasattr(optimizer, layout.hp_partitions):
         stale = 0
         with torch.no_grad():
-            for i, (parts, master) in enumerate(zip(getattr(optimizer, names[0]), getattr(optimizer, names[1]))):
+            for i, (parts, master) in enumerate(zip(layout.lp_partitions_of(optimizer), layout.masters(optimizer))):
                 mine = parts[dist.get_rank(group=optimizer.real_dp_process_group[i])]
                 stale += int(not torch.equal(mine, master.to(mine.dtype)))
     if count_across(stale, optimizer.dp_process_group):

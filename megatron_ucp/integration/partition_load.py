@@ -22,23 +22,33 @@ from typing import Any, Iterable, Optional
 import torch
 
 from megatron_ucp.convert.universal import list_zero_folder, read_manifest
-from megatron_ucp.format.integrity import RecordedChecksums, recorded_checksums
+from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.reader import load_torch_file
 from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
+from megatron_ucp.format.integrity import RecordedChecksums, recorded_checksums
 from megatron_ucp.integration.collectives import Failure, comm, count_across, decide_on_first, device, is_first
-from megatron_ucp.plan.accounting import (AccountingReport, Column, Ledger, Problem, ProblemKind, add_sum,
-                                          check_folders, check_ledger, check_optimizer_states, checksum,
-                                          group_tensor_states, ledger_totals)
-from megatron_ucp.integration.model_parallel import TensorParallel, live_tp_layout, saved_names, tensor_parallel_of
+from megatron_ucp.integration.live_layout import TpPlace, live_tp_layout, tensor_parallel_of
+from megatron_ucp.integration.saved_names import saved_names
 from megatron_ucp.integration.state_layout import StateLayout, gather, state_layout, tensor_of
+from megatron_ucp.plan.accounting import (
+    AccountingReport,
+    Column,
+    Ledger,
+    Problem,
+    ProblemKind,
+    add_sum,
+    check_folders,
+    check_ledger,
+    check_optimizer_states,
+    checksum,
+    group_tensor_states,
+    ledger_totals,
+)
 from megatron_ucp.plan.tensor_parallel import full_shape, runs_between, slice_runs
 
 log = logging.getLogger(__name__)
-
-LP_GROUPS = {"BF16_Optimizer": "bf16_groups", "DeepSpeedZeroOptimizer": "bit16_groups"}
-
 
 # Optimizers outside torch.optim whose lazily created states are known (they cannot be probed on CPU).
 _KNOWN_STATES = {
@@ -50,7 +60,8 @@ _KNOWN_STATES = {
 
 
 def lp_groups_of(optimizer: Any) -> list[list[Any]]:
-    return getattr(optimizer, LP_GROUPS[type(optimizer).__name__])
+    """The live bf16 parameters of each group, where the optimizer's layout keeps them."""
+    return surface.layout_of(optimizer).groups(optimizer)
 
 
 def _state_listing(zero_dir: Path) -> dict[str, tuple[str, ...]]:
@@ -196,9 +207,10 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     restored_keys: list[set[str]] = []
     group_states = group_tensor_states(names, accountable)
     problems: list[Problem] = []
+    context = _LoadContext(optimizer, zero_dir, accountable, ledger, table, sums, clock, tensor_parallel)
     try:
         optim_sd = load_torch_file(zero_dir / F.UNIVERSAL_OPTIMIZER_STATE_FILE, mmap=False)
-        optimizer._load_global_state(optim_sd)
+        surface.load_global_state(optimizer, optim_sd)
         dp_from = _source_dp(optim_sd)
         loaded_groups = optim_sd.get(F.PARAM_GROUPS) or []
         if len(loaded_groups) != len(base.param_groups):
@@ -207,8 +219,7 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
                                     f"{len(base.param_groups)}: hyperparameters not restored"))
             loaded_groups = [None] * len(base.param_groups)
         for i, (param_group, lps) in enumerate(zip(base.param_groups, lp_groups)):
-            restored_keys.append(_load_group(optimizer, i, param_group, lps, names[i], group_states[i], accountable,
-                                             zero_dir, ledger, table, sums, clock, tensor_parallel))
+            restored_keys.append(_load_group(context, param_group, lps, names[i], group_states[i]))
             if loaded_groups[i] is not None:
                 for key, value in loaded_groups[i].items():
                     if key != "params":
@@ -267,10 +278,23 @@ def _source_dp(optim_sd: dict) -> Optional[int]:
     return int(count) if isinstance(count, int) else None
 
 
-def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names: list[str], states: tuple[str, ...],
-                listing: dict[str, tuple[str, ...]], zero_dir: Path, ledger: Ledger, table: torch.Tensor,
-                sums: Optional[RecordedChecksums], clock: "_Clock", tensor_parallel: TensorParallel = TensorParallel()
-                ) -> set[str]:
+@dataclass(frozen=True)
+class _LoadContext:
+    """What every param group of one universal load shares: the folder's facts (its listing of the
+    optimized parameters, the manifest's checksums), this rank's TP place, and the ledger being filled."""
+
+    optimizer: Any
+    zero_dir: Path
+    listing: dict[str, tuple[str, ...]]
+    ledger: Ledger
+    table: torch.Tensor
+    sums: Optional[RecordedChecksums]
+    clock: "_Clock"
+    tensor_parallel: TpPlace
+
+
+def _load_group(context: _LoadContext, param_group: dict, lps: list, names: list[str],
+                states: tuple[str, ...]) -> set[str]:
     """Fill one param group's flat fp32 partition and optimizer states on this rank; return the keys set.
 
     A rank whose partition of the group is all padding reads no fragment but still gets every state
@@ -281,6 +305,8 @@ def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names:
     (:func:`~megatron_ucp.plan.tensor_parallel.slice_runs`), each copied and hashed at its own offset.
     """
 
+    optimizer, zero_dir, listing, ledger = context.optimizer, context.zero_dir, context.listing, context.ledger
+    table, sums, clock, tensor_parallel = context.table, context.sums, context.clock, context.tensor_parallel
     flat = param_group["params"][0]
     buffers = {state: torch.zeros_like(flat) for state in states}
     group_step: Any = None
@@ -291,7 +317,7 @@ def _load_group(optimizer: Any, index: int, param_group: dict, lps: list, names:
     algorithm = sums.algorithm if sums is not None else integrity.ALGORITHM  # both sides of the ledger alike
     with torch.no_grad():
         for lp, name in zip(lps, names):
-            mapping = getattr(lp, "_hp_mapping", None)
+            mapping = surface.hp_mapping(lp)
             if mapping is None or name not in listing:
                 continue
             lp_address = mapping.lp_fragment_address
@@ -349,7 +375,7 @@ def install_group_state(optimizer: Any, flat: torch.Tensor, lps: list, buffers: 
     if step is not None:
         state_dict[F.STEP_STATE] = step.clone() if torch.is_tensor(step) else step
     for lp in lps:
-        mapping = getattr(lp, "_hp_mapping", None)
+        mapping = surface.hp_mapping(lp)
         if mapping is not None:
             address = mapping.get_hp_fragment_address()
             mapping.optim_fragment = {s: b.narrow(0, address.start, address.numel) for s, b in buffers.items()}

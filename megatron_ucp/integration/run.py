@@ -32,20 +32,43 @@ import runpy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import megatron_ucp
-from megatron_ucp.config import (ENV_SWITCH, FALSE_WORDS, NONE_WORD, OPTION_PREFIX, OptionSpec, RunnerSettings,
-                                 UcpConfig, build_settings, config_env, option_specs, spec_by_option)
+from megatron_ucp.config import (
+    ENV_SWITCH,
+    FALSE_WORDS,
+    NONE_WORD,
+    OPTION_PREFIX,
+    OptionSpec,
+    RunnerSettings,
+    UcpConfig,
+    build_settings,
+    config_env,
+    option_specs,
+    spec_by_option,
+)
+from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.reader import load_raw
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import stand_ins_for_unimportable
 from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
 from megatron_ucp.integration.async_trigger import wait_at_end_of_run
-from megatron_ucp.plan.launch import (CheckpointFacts, MegatronArgs, alcf_batch_env, checkpoint_tag_file, derived_seed,
-                                      detect_rank, detect_ranks_per_node, detect_world_size, facts_from_model_states,
-                                      int_or_none, megatron_args, plan_launch)
+from megatron_ucp.plan.launch import (
+    CheckpointFacts,
+    MegatronArgs,
+    alcf_batch_env,
+    checkpoint_tag_file,
+    derived_seed,
+    detect_rank,
+    detect_ranks_per_node,
+    detect_world_size,
+    facts_from_model_states,
+    int_or_none,
+    megatron_args,
+    plan_launch,
+)
 
 log = logging.getLogger("megatron_ucp.integration.run")  # not __name__: "__main__" under python -m
 
@@ -192,9 +215,7 @@ def apply_seed(seed: int) -> None:
         pass
     torch.manual_seed(seed)
     try:
-        from deepspeed.accelerator import get_accelerator
-
-        get_accelerator().manual_seed_all(seed)
+        surface.accelerator().manual_seed_all(seed)
     except Exception as exc:  # an accelerator without a generator of its own: torch's covers the CPU
         log.debug("accelerator seed not set: %s", exc)
 
@@ -203,32 +224,31 @@ def apply_seed(seed: int) -> None:
 def reseed_after_load(base_seed: int) -> Iterator[None]:
     """Wrap ``DeepSpeedEngine.load_checkpoint`` (outermost, above the hooks) so that a successful
     load is followed by a deterministic per-rank re-seed. Restored on exit (LIFO with uninstall)."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    inner = DeepSpeedEngine.load_checkpoint
-
-    @functools.wraps(inner)
-    def load_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = inner(self, *args, **kwargs)
-        load_path, client = result if isinstance(result, tuple) and len(result) == 2 else (None, None)
-        if load_path is not None:
-            iteration = client.get("iteration") if isinstance(client, Mapping) else None
-            if not isinstance(iteration, int):
-                iteration = int(getattr(self, "global_steps", 0))
-            rank = int(self.global_rank)
-            seed = derived_seed(base_seed, iteration, rank)
-            apply_seed(seed)
-            if rank == 0:
-                log.info("megatron-ucp run: re-seeded RNG after the load: rank r uses sha256(seed=%d, iteration=%d, r) "
-                         "(rank 0: %d)", base_seed, iteration, seed)
-        return result
-
-    DeepSpeedEngine.load_checkpoint = load_checkpoint
-    try:
+    with surface.scoped_replace(surface.ENGINE, "load_checkpoint", _reseeding(base_seed), stack=True):
         yield
-    finally:
-        if DeepSpeedEngine.__dict__.get("load_checkpoint") is load_checkpoint:
-            DeepSpeedEngine.load_checkpoint = inner
+
+
+def _reseeding(base_seed: int) -> Callable[[Any], Any]:
+    def make(inner: Any) -> Any:
+        @functools.wraps(inner)
+        def load_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = inner(self, *args, **kwargs)
+            load_path, client = result if isinstance(result, tuple) and len(result) == 2 else (None, None)
+            if load_path is not None:
+                iteration = client.get("iteration") if isinstance(client, Mapping) else None
+                if not isinstance(iteration, int):
+                    iteration = int(getattr(self, "global_steps", 0))
+                rank = int(self.global_rank)
+                seed = derived_seed(base_seed, iteration, rank)
+                apply_seed(seed)
+                if rank == 0:
+                    log.info("megatron-ucp run: re-seeded RNG after the load: rank r uses sha256(seed=%d, "
+                             "iteration=%d, r) (rank 0: %d)", base_seed, iteration, seed)
+            return result
+
+        return load_checkpoint
+
+    return make
 
 
 def put_script_folder_first(target: Target) -> None:

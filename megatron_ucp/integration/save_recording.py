@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from megatron_ucp.config import UcpConfig
+from megatron_ucp.deepspeed import surface
+from megatron_ucp.deepspeed.surface import OptimizerLayout
 from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.integration.model_parallel import tp_layout_record
+from megatron_ucp.integration.live_layout import tp_layout_record
 from megatron_ucp.plan.save_record import partition_checksums, partition_record
 from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
 
@@ -41,28 +43,22 @@ def _base_states(optimizer: Any, flats: list[Any]) -> list[dict[str, Any]]:
     return [dict(optimizer.optimizer.state.get(flat, {})) for flat in flats]
 
 
-def _bf16_record(optimizer: Any) -> dict[str, Any]:
-    numels = [sum(p.numel() for p in group) for group in optimizer.bf16_groups]
-    sizes, ranks = _dp_of(optimizer)
-    record = partition_record(numels, numels, [f.numel() for f in optimizer.bf16_groups_flat], sizes, ranks,
-                              optimizer.nccl_start_alignment_factor)
-    flats = optimizer.fp32_groups_flat_partition
-    return {**record, **partition_checksums(flats, _base_states(optimizer, flats), record)}
+def _record(layout: OptimizerLayout) -> Callable[[Any], dict[str, Any]]:
+    """What one optimizer class adds to the dict it saves, read where its layout keeps it."""
 
+    def record_of(optimizer: Any) -> dict[str, Any]:
+        numels, padded = layout.padded_numels(optimizer)
+        sizes, ranks = _dp_of(optimizer)
+        record = partition_record(numels, padded, [f.numel() for f in layout.flats(optimizer)], sizes, ranks,
+                                  optimizer.nccl_start_alignment_factor)
+        recorded = list(getattr(optimizer, layout.recorded_paddings, []) if layout.recorded_paddings else [])
+        if recorded and recorded != record[F.GROUP_PADDINGS]:
+            log.warning("%s group_paddings %s differ from the geometry's %s; saving the latter", layout.class_name,
+                        recorded, record[F.GROUP_PADDINGS])
+        flats = layout.masters(optimizer)
+        return {**record, **partition_checksums(flats, _base_states(optimizer, flats), record)}
 
-def _zero_record(optimizer: Any) -> dict[str, Any]:
-    numels = [sum(p.numel() for p in group) for group in optimizer.bit16_groups]
-    paddings = getattr(optimizer, "round_robin_bit16_padding", None) or [[0]] * len(numels)
-    padded = [n + sum(pad) for n, pad in zip(numels, paddings)]
-    sizes, ranks = _dp_of(optimizer)
-    record = partition_record(numels, padded, [f.numel() for f in optimizer.bit16_groups_flat], sizes, ranks,
-                              optimizer.nccl_start_alignment_factor)
-    recorded = list(getattr(optimizer, "groups_padding", []))
-    if recorded and recorded != record[F.GROUP_PADDINGS]:
-        log.warning("DeepSpeedZeroOptimizer group_paddings %s differ from the geometry's %s; saving the latter",
-                    recorded, record[F.GROUP_PADDINGS])
-    flats = optimizer.single_partition_of_fp32_groups
-    return {**record, **partition_checksums(flats, _base_states(optimizer, flats), record)}
+    return record_of
 
 
 def _wrap(record: Any) -> Any:
@@ -96,15 +92,8 @@ def _record_tp_layout(original: Any) -> Any:
 
 
 def install(patches: Any, config: UcpConfig) -> None:
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if not callable(getattr(DeepSpeedEngine, "_save_checkpoint", None)):
-        raise UnsupportedError("DeepSpeedEngine._save_checkpoint not found: DeepSpeed internals changed")
-    patches.replace(DeepSpeedEngine, "_save_checkpoint", _record_tp_layout)
-
-    for cls, record in ((BF16_Optimizer, _bf16_record), (DeepSpeedZeroOptimizer, _zero_record)):
-        if not callable(getattr(cls, "state_dict", None)):
-            raise UnsupportedError(f"{cls.__name__}.state_dict not found: DeepSpeed internals changed")
-        patches.replace(cls, "state_dict", _wrap(record))
+    """Every optimizer layout's ``state_dict`` records, the engine's ``_save_checkpoint`` adds the TP layout
+    (the install checked the surface)."""
+    surface.replace(patches, surface.ENGINE, "_save_checkpoint", _record_tp_layout)
+    for layout in surface.OPTIMIZER_LAYOUTS:
+        surface.replace(patches, layout.owner, "state_dict", _wrap(_record(layout)))

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from megatron_ucp.errors import CheckpointFormatError, PlanError
 from megatron_ucp.plan.geometry import NCCL_START_ALIGNMENT_FACTOR, GroupGeometry, PaddingStyle
-from megatron_ucp.plan.tensor_parallel import TpLayout
+from megatron_ucp.plan.tensor_parallel import MegatronPatterns, TpLayout
 
 
 @dataclass(frozen=True)
@@ -74,20 +73,6 @@ class ParamSpec:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class OutputRules:
-    """Megatron-DeepSpeed's ``universal_checkpoint_info`` patterns that shape the output files: the
-    vocabulary trim always, ``cat_dim`` and sub-parameters when no TP layout is known."""
-
-    vocabulary_patterns: tuple[str, ...] = ()
-    original_vocab_size: Optional[int] = None
-    row_parallel_patterns: tuple[str, ...] = ()
-    two_sub_param_patterns: tuple[str, ...] = ()
-
-    def matches(self, patterns: Iterable[str], name: str) -> bool:
-        return any(re.match(p, name) for p in patterns)
 
 
 @dataclass(frozen=True)
@@ -227,7 +212,7 @@ def _fail(source: str, message: str) -> CheckpointFormatError:
 
 
 def build_plan(param_groups: Sequence[Sequence[ParamSpec]], ranks: Sequence[RankLayout],
-               rules: OutputRules = OutputRules(),
+               rules: MegatronPatterns = MegatronPatterns(),
                alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR,
                tp_layouts: Optional[Mapping[str, TpLayout]] = None) -> ConversionPlan:
     """Derive geometry from the model's parameter shapes and the rank files, check, and plan.
@@ -293,7 +278,7 @@ def _check_states(g: int, ranks: Sequence[RankLayout], geo: GroupGeometry) -> tu
 
 
 def _plan_group(g: int, specs: Sequence[ParamSpec], ranks: Sequence[RankLayout], geo: GroupGeometry,
-                states: Sequence[str], rules: OutputRules,
+                states: Sequence[str], rules: MegatronPatterns,
                 tp_layouts: Optional[Mapping[str, TpLayout]] = None) -> list[ParamPlan]:
     s = geo.partition_size
     by_name = {spec.name: spec for spec in specs}
@@ -354,14 +339,14 @@ def _plan_group(g: int, specs: Sequence[ParamSpec], ranks: Sequence[RankLayout],
     return plans
 
 
-def shape_output(spec: ParamSpec, flat_offset: int, items: tuple[CopyItem, ...], rules: OutputRules,
+def shape_output(spec: ParamSpec, flat_offset: int, items: tuple[CopyItem, ...], rules: MegatronPatterns,
                   layout: Optional[TpLayout] = None, replicas: tuple[tuple[CopyItem, ...], ...] = ()) -> ParamPlan:
     """Apply vocabulary trimming and record the cat_dim / sub-parameter keys DeepSpeed's loader reads:
     from the parameter's TP layout when known (recorded at save, or a model-parallel checkpoint's
     patterns), else from Megatron's patterns as DeepSpeed reads them."""
     out_shape = tuple(spec.shape)
     vocab = False
-    if rules.original_vocab_size is not None and rules.matches(rules.vocabulary_patterns, spec.name):
+    if rules.original_vocab_size is not None and rules.is_vocabulary(spec.name):
         if not out_shape or rules.original_vocab_size > out_shape[0]:
             raise PlanError(f"original_vocab_size {rules.original_vocab_size} exceeds the first dimension of "
                             f"vocabulary parameter {spec.name!r} {out_shape}")
@@ -370,8 +355,8 @@ def shape_output(spec: ParamSpec, flat_offset: int, items: tuple[CopyItem, ...],
     if layout is not None:
         cat_dim, n_sub = (0, 1) if layout.replicated else (layout.dim, layout.sub_params)
     else:
-        cat_dim = 1 if rules.matches(rules.row_parallel_patterns, spec.name) else 0
-        n_sub = 2 if rules.matches(rules.two_sub_param_patterns, spec.name) else 1
+        cat_dim = 1 if rules.is_row_parallel(spec.name) else 0
+        n_sub = 2 if rules.has_two_sub_params(spec.name) else 1
     return ParamPlan(name=spec.name, group=spec.group, shape=tuple(spec.shape), out_shape=out_shape,
                      flat_offset=flat_offset, items=items, cat_dim=cat_dim if n_sub == 1 else 0,
                      vocab_tensor=vocab, n_sub_params=n_sub, replicas=replicas,

@@ -17,7 +17,8 @@ from megatron_ucp import launchenv
 from megatron_ucp.config import RunnerSettings, UcpConfig
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.plan.resume import checkpoint_global_batch, describe_change
+from megatron_ucp.plan.parallel_layout import ParallelLayout
+from megatron_ucp.plan.resume import checkpoint_global_batch
 from megatron_ucp.plan.tensor_parallel import tp_pp_of_states
 
 MEGATRON_DEFAULT_SEED = 1234
@@ -154,7 +155,7 @@ def plan_launch(margs: MegatronArgs, facts: Optional[CheckpointFacts], world_siz
         return LaunchPlan(notes=(f"resuming {where} at the DP size it was saved at {at}",),
                           dp_from=dp_from, dp_to=dp_to)
 
-    notes = [f"{describe_change(saved, now)}: {where} was saved at TP={saved[0]} x PP={saved[1]} x DP={dp_from}, "
+    notes = [f"{ParallelLayout(*saved).describe_change(ParallelLayout(*now))}: {where} was saved at TP={saved[0]} x PP={saved[1]} x DP={dp_from}, "
              f"this job runs at TP={now[0]} x PP={now[1]} x DP={dp_to}" if saved[:2] != now[:2] else
              f"DP change: {where} was saved at DP={dp_from}, this job runs at DP={dp_to}"]
     warnings: list[str] = []

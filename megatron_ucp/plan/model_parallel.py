@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from megatron_ucp.errors import PlanError
-from megatron_ucp.plan.conversion import (ConversionPlan, CopyItem, GroupPlan, OutputRules, ParamPlan, ParamSpec,
+from megatron_ucp.plan.conversion import (ConversionPlan, CopyItem, GroupPlan, MegatronPatterns, ParamPlan, ParamSpec,
                                           RankLayout, shape_output, build_plan, check_plan)
 from megatron_ucp.plan.geometry import NCCL_START_ALIGNMENT_FACTOR
 from megatron_ucp.plan.tensor_parallel import TpLayout, full_shape, runs_between, slice_runs
@@ -47,7 +47,7 @@ def _global_items(slice_plan: ParamPlan, first_file: int, runs) -> list[CopyItem
 
 
 def build_model_parallel_plan(coordinates: Sequence[CoordinateInput], tp: int, pp: int,
-                              layouts: Mapping[str, TpLayout], rules: OutputRules = OutputRules(),
+                              layouts: Mapping[str, TpLayout], rules: MegatronPatterns = MegatronPatterns(),
                               alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR) -> ConversionPlan:
     """Plan every coordinate, then merge TP slices and pipeline stages into whole parameters."""
     by_coord = {(c.pp, c.tp): c for c in coordinates}
@@ -56,7 +56,7 @@ def build_model_parallel_plan(coordinates: Sequence[CoordinateInput], tp: int, p
     dps = {len(c.ranks) for c in coordinates}
     if len(dps) != 1:
         raise PlanError(f"coordinates have different DP sizes {sorted(dps)}")
-    plans = {key: build_plan(c.param_groups, c.ranks, OutputRules(), alignment_factor) for key, c in by_coord.items()}
+    plans = {key: build_plan(c.param_groups, c.ranks, MegatronPatterns(), alignment_factor) for key, c in by_coord.items()}
     n_groups = {len(p.groups) for p in plans.values()}
     if len(n_groups) != 1:
         raise PlanError(f"pipeline stages / TP ranks have different numbers of param groups {sorted(n_groups)}")

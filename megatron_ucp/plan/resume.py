@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional
 from megatron_ucp.config import RESUME_ROUTES
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.plan.parallel_layout import ParallelLayout
 
 
 class Route(enum.Enum):
@@ -80,24 +81,17 @@ class ResumeDecision:
         return self.checkpoint_dp is not None and self.checkpoint_dp != self.current_dp
 
 
-def describe_change(checkpoint: tuple[int, int, int], current: tuple[int, int, int]) -> str:
-    """``DP changed 768 -> 512`` / ``TP changed 1 -> 2, DP changed 4 -> 2``: what differs, (TP, PP, DP)."""
-    parts = [f"{axis} changed {a} -> {b}" for axis, a, b in zip(("TP", "PP", "DP"), checkpoint, current) if a != b]
-    return ", ".join(parts) if parts else f"layout unchanged (TP={current[0]}, PP={current[1]}, DP={current[2]})"
-
-
-def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int], current_dp: int,
+def decide_resume(*, requested_tag: Optional[str], saved: Optional[ParallelLayout], live: ParallelLayout,
                   load_universal: bool, twin_state: TwinState | str = TwinState.ABSENT,
                   tag_is_universal: bool = False, loads_optimizer_states: bool = True,
-                  staging_present: bool = False, checkpoint_mp: tuple[int, int] = (1, 1),
-                  current_mp: tuple[int, int] = (1, 1), universal_of_latest: bool = False,
+                  staging_present: bool = False, universal_of_latest: bool = False,
                   resume_route: str = "auto", names_match: bool = True) -> ResumeDecision:
     """Decide how to load ``requested_tag`` (already resolved from ``latest`` when it was None).
 
-    ``checkpoint_dp`` is the ``dp_world_size`` recorded in the tag's model states (None when the
-    tag or its model states are missing: DeepSpeed then fails or warns in its own words).
-    ``checkpoint_mp`` / ``current_mp`` are (TP, PP): a change of either needs the universal route
-    like a DP change does (the native load cannot reshape TP slices or pipeline stages).
+    ``saved`` is the layout the tag's model states record (None when the tag or its model states are
+    missing: DeepSpeed then fails or warns in its own words), ``live`` the running job's. A change of
+    TP or PP needs the universal route like a DP change does (the native load cannot reshape TP
+    slices or pipeline stages).
     ``tag_is_universal`` says the tag folder itself is a universal checkpoint. Without optimizer
     states to load, a DP change needs no resharding (DeepSpeed rebuilds fp32 from the weights).
     ``universal_of_latest``: ``load_universal`` is set, but the tag comes from ``latest`` (the hook
@@ -106,8 +100,7 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
     ``names_match``: the saved parameter names are the model's; when not (``GPTModelPipe`` saved,
     ``GPTModel`` resumed, or the other way) only the universal route maps them, whatever the route.
     """
-    if current_dp < 1:
-        raise UcpError(f"current DP size must be >= 1, got {current_dp}", subject=current_dp)
+    checkpoint_dp, current_dp = (saved.dp if saved is not None else None), live.dp
     if resume_route not in RESUME_ROUTES:
         raise UcpError(f"resume route must be one of {', '.join(RESUME_ROUTES)}, got {resume_route!r}",
                        subject=resume_route)
@@ -123,10 +116,10 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
         return ResumeDecision(Route.EXPLICIT_UNIVERSAL, requested_tag, checkpoint_dp, current_dp,
                               f"{requested_tag} is a universal checkpoint (saved at DP={checkpoint_dp}): "
                               f"loading it in universal mode at DP={current_dp}")
-    mp_changed = tuple(checkpoint_mp) != tuple(current_mp)
+    mp_changed = saved.model_axes() != live.model_axes()
     if checkpoint_dp == current_dp and not mp_changed and not universal_of_latest:
-        unchanged = (f"DP unchanged ({current_dp})" if tuple(current_mp) == (1, 1) else
-                     f"layout unchanged (TP={current_mp[0]}, PP={current_mp[1]}, DP={current_dp})")
+        unchanged = (f"DP unchanged ({current_dp})" if live.model_parallel == 1 else
+                     f"layout unchanged (TP={live.tp}, PP={live.pp}, DP={current_dp})")
         return ResumeDecision(Route.NATIVE, requested_tag, checkpoint_dp, current_dp,
                               f"{unchanged}: native load of {requested_tag}")
     if not loads_optimizer_states and not mp_changed and not universal_of_latest:
@@ -134,7 +127,7 @@ def decide_resume(*, requested_tag: Optional[str], checkpoint_dp: Optional[int],
                               f"DP changed {checkpoint_dp} -> {current_dp} but no optimizer states are loaded: "
                               f"native load of {requested_tag} (fp32 master weights rebuilt from bf16 weights)")
     target = F.universal_tag(requested_tag)
-    changed = describe_change((*checkpoint_mp, checkpoint_dp), (*current_mp, current_dp))
+    changed = saved.describe_change(live)
     if not mp_changed and not universal_of_latest and resume_route != "universal" and names_match:
         how = "" if resume_route == "reshard" else " (resume route auto)"
         return ResumeDecision(Route.RESHARD, requested_tag, checkpoint_dp, current_dp,

@@ -165,13 +165,16 @@ def runs_between(runs: Sequence[Run], start: int, length: int) -> tuple[Run, ...
 
 
 @dataclass(frozen=True)
-class LayoutRules:
-    """Megatron's ``universal_checkpoint_info`` patterns, the part that says how TP divides a parameter."""
+class MegatronPatterns:
+    """Megatron-DeepSpeed's ``universal_checkpoint_info``, one value: the parameter-name patterns that say
+    how TP divides a parameter (when no layout was recorded at save) and which vocabulary rows the
+    universal output keeps. Read once from the model states (``deepspeed.reader.ModelStates.patterns``)."""
 
+    vocabulary_patterns: tuple[str, ...] = ()
+    original_vocab_size: Optional[int] = None
     replicated_patterns: tuple[str, ...] = ()
     row_parallel_patterns: tuple[str, ...] = ()
     two_sub_param_patterns: tuple[str, ...] = ()
-    vocabulary_patterns: tuple[str, ...] = ()
     saved_tp: int = 1
     """The TP size of the checkpoint the patterns come from: below 2 they say nothing of replication."""
 
@@ -180,22 +183,34 @@ class LayoutRules:
         row-parallel patterns only when saving at TP > 1)."""
         return self.saved_tp > 1
 
+    def is_vocabulary(self, name: str) -> bool:
+        return _matches(self.vocabulary_patterns, name)
+
+    def is_replicated(self, name: str) -> bool:
+        return _matches(self.replicated_patterns, name)
+
+    def is_row_parallel(self, name: str) -> bool:
+        return _matches(self.row_parallel_patterns, name)
+
+    def has_two_sub_params(self, name: str) -> bool:
+        return _matches(self.two_sub_param_patterns, name)
+
 
 def _matches(patterns: Iterable[str], name: str) -> bool:
     return any(re.match(p, name) for p in patterns)
 
 
-def layout_from_patterns(name: str, rules: LayoutRules) -> TpLayout:
+def layout_from_patterns(name: str, rules: MegatronPatterns) -> TpLayout:
     """The layout Megatron's patterns give ``name`` (what stock ``ds_to_universal`` assumes)."""
-    vocab = _matches(rules.vocabulary_patterns, name)
-    if _matches(rules.replicated_patterns, name):
+    vocab = rules.is_vocabulary(name)
+    if rules.is_replicated(name):
         return TpLayout(replicated=True, vocab=vocab)
-    if _matches(rules.two_sub_param_patterns, name):
+    if rules.has_two_sub_params(name):
         return TpLayout(sub_params=2, vocab=vocab)
-    return TpLayout(dim=1 if _matches(rules.row_parallel_patterns, name) else 0, vocab=vocab)
+    return TpLayout(dim=1 if rules.is_row_parallel(name) else 0, vocab=vocab)
 
 
-def resolve_layouts(names: Iterable[str], recorded: Optional[Mapping[str, Mapping]], rules: LayoutRules,
+def resolve_layouts(names: Iterable[str], recorded: Optional[Mapping[str, Mapping]], rules: MegatronPatterns,
                     source: str) -> dict[str, TpLayout]:
     """Each parameter's layout: recorded by the save hook when the checkpoint has it, else from the
     patterns. Without a record, a checkpoint saved at TP=1 has no replicated or row-parallel
@@ -205,9 +220,9 @@ def resolve_layouts(names: Iterable[str], recorded: Optional[Mapping[str, Mappin
         record = (recorded or {}).get(name)
         if record is not None:
             layout = TpLayout.from_record(record)
-            if _matches(rules.two_sub_param_patterns, name) and layout.sub_params == 1 and not layout.replicated:
+            if rules.has_two_sub_params(name) and layout.sub_params == 1 and not layout.replicated:
                 layout = TpLayout(sub_params=2, vocab=layout.vocab)  # Megatron's attribute cannot say this
-            if _matches(rules.vocabulary_patterns, name) and not layout.vocab:
+            if rules.is_vocabulary(name) and not layout.vocab:
                 layout = TpLayout(layout.replicated, layout.dim, layout.sub_params, vocab=True)
             out[name] = layout
         else:
@@ -266,6 +281,6 @@ def merge_layout_records(saved: Sequence[SavedRecord]) -> Optional[dict[str, Map
     return merged
 
 
-def layouts_known(recorded: Optional[Mapping], rules: LayoutRules) -> bool:
+def layouts_known(recorded: Optional[Mapping], rules: MegatronPatterns) -> bool:
     """Whether the layouts can be trusted at another TP size (recorded, or patterns saved at TP > 1)."""
     return bool(recorded) or rules.complete()

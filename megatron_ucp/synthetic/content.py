@@ -29,6 +29,7 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import stand_in_class
 from megatron_ucp.plan.conversion import ParamSpec, RankGroupLayout, RankLayout, synthesize_layouts
 from megatron_ucp.plan.geometry import GroupGeometry, PaddingStyle
+from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.llama_shapes import NO_WEIGHT_DECAY, ROTARY_BUFFER, TIED_EMBEDDING, LlamaShape, PipeStage
 from megatron_ucp.plan.save_record import partition_checksums, partition_record
 from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
@@ -101,9 +102,13 @@ class SyntheticSpec:
         return self.micro_batch * self.dp * self.grad_accumulation
 
     @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp)
+
+    @property
     def mp_size(self) -> int:
         """Model-parallel ranks: one ``mp_rank_XX`` model-states file and one row of rank files each."""
-        return self.tp * self.pp
+        return self.layout.model_parallel
 
     def layout_text(self) -> str:
         model = f"GPTModelPipe, PP={self.pp}" if self.pipeline else "GPTModel" if self.flavour == "megatron" else "plain"
@@ -111,9 +116,8 @@ class SyntheticSpec:
 
     def stage(self, mp_rank: int) -> Optional[PipeStage]:
         """The pipeline stage that model-parallel rank holds (None: the non-pipeline GPTModel)."""
-        if not 0 <= mp_rank < self.mp_size:
-            raise PlanError(f"model-parallel rank {mp_rank} of {self.mp_size} does not exist")
-        return PipeStage(self.pp, mp_rank // self.tp) if self.pipeline else None
+        stage, _ = self.layout.coordinates_of(mp_rank)
+        return PipeStage(self.pp, stage) if self.pipeline else None
 
     def groups(self, mp_rank: int = 0) -> list[list[ParamSpec]]:
         return self.shape.param_groups(self.tp, self.stage(mp_rank))
@@ -152,7 +156,7 @@ def state_range(spec: SyntheticSpec, mp_rank: int, group: int, state: str, start
     model-parallel rank, zero from its real length on. What a real run holds identically on several
     ranks is identical here: the TP-replicated parameters (the no-weight-decay group, the norms) on
     every TP rank of a stage, and a tied embedding on the last stage as on the first."""
-    stage, tp_rank = divmod(mp_rank, spec.tp)
+    stage, tp_rank = spec.layout.coordinates_of(mp_rank)
     real, tied = _group_facts(spec, mp_rank, group)
 
     def buffer(at_stage: int) -> str:
@@ -268,7 +272,7 @@ def layer_files(spec: SyntheticSpec, mp_rank: int,
     if not spec.pipeline:
         return {}
     weights = bf16_weights(spec, mp_rank) if weights is None else weights
-    stage, tp_rank = spec.stage(mp_rank), mp_rank % spec.tp
+    stage, tp_rank = spec.stage(mp_rank), spec.layout.coordinates_of(mp_rank)[1]
     out = {}
     for layer in spec.shape.stage_layers(stage):
         if not layer.params or not layer.saves_file:
@@ -314,7 +318,7 @@ def _megatron_args(spec: SyntheticSpec) -> argparse.Namespace:
 def _megatron_args_of(spec: SyntheticSpec, mp_rank: int) -> argparse.Namespace:
     args = _megatron_args(spec)
     # DP rank 0 of the stage saves it; Megatron orders ranks TP fastest, then DP, then PP
-    stage, tp_rank = divmod(mp_rank, spec.tp)
+    stage, tp_rank = spec.layout.coordinates_of(mp_rank)
     args.rank = stage * spec.tp * spec.dp + tp_rank
     return args
 

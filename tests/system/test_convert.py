@@ -6,8 +6,6 @@ at save time; each universal tensor must equal it bit for bit.
 """
 from __future__ import annotations
 
-import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path

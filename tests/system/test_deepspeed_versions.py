@@ -1,7 +1,9 @@
 """What must hold on every DeepSpeed release megatron-ucp supports (run by the Makefile's matrix).
 
 * ``versions.INTERNALS`` tells the truth about the installed release (the one place that says
-  how releases differ is checked against each of them, not just written down);
+  how releases differ is checked against each of them, not just written down), and every internal
+  ``deepspeed.surface.SURFACE`` lists resolves on it; installing replaces only what that table marks
+  replaced, and a missing entry stops the install naming it;
 * the save hook records per-rank true lengths, partition info and corrected paddings with this
   release's optimizers (both classes, ZeRO stages 1 and 2), and the converter turns the result
   into a universal folder equal, bit for bit, to DeepSpeed's own gathered states.
@@ -33,6 +35,30 @@ def test_installed_release_is_a_tested_one_and_its_internals_are_as_recorded():
 
     # DDP_BFLOAT16 appeared in 0.17; there it equals BFLOAT16, which sends bf16 + ZeRO-1 to FP16_UnfusedOptimizer
     assert (getattr(constants, "DDP_BFLOAT16", None) != constants.BFLOAT16) == facts.bf16_optimizer_selected
+
+
+def test_the_surface_table_resolves_and_install_replaces_only_what_it_lists(monkeypatch):
+    import megatron_ucp
+    from megatron_ucp.deepspeed import surface
+    from megatron_ucp.errors import UnsupportedError
+
+    assert surface.check_surface() >= 26
+    replaced = {(e.owner, e.name) for e in surface.SURFACE if e.use is surface.Use.REPLACE and e.when(internals())}
+    megatron_ucp.uninstall()
+    try:
+        megatron_ucp.install(async_convert=True)  # every hook module
+        patched = {(e.owner, e.name) for e in surface.SURFACE
+                   if hasattr(getattr(surface.resolve(e.owner), e.name, None), "__megatron_ucp_original__")}
+    finally:
+        megatron_ucp.uninstall()
+    # get_sd_loader is replaced for one load only (surface.scoped_replace), never by the install
+    assert patched == replaced - {(surface.SD_LOADERS, "get_sd_loader")}, patched ^ replaced
+    gone = surface.Internal(surface.ENGINE, "_no_such_internal", surface.Use.CALL, "a test's missing internal")
+    monkeypatch.setattr(surface, "SURFACE", (*surface.SURFACE, gone))
+    with pytest.raises(UnsupportedError, match=r"DeepSpeedEngine\._no_such_internal \(a test's missing internal\)"):
+        megatron_ucp.install()
+    assert megatron_ucp.active_config() is None and not hasattr(surface.resolve(surface.ENGINE).load_checkpoint,
+                                                                "__megatron_ucp_original__")
 
 
 # Norm group of the harness model: N=9 elements. At DP=4 (S=4) rank 3 holds only padding; at DP=2

@@ -97,7 +97,6 @@ def test_partition_record_for_the_design_example():
 
 def test_no_module_imports_ipex():
     """IPEX belongs to the optional `xpu` extra: importing any module of the package never loads it."""
-    import importlib
     import pkgutil
     import subprocess
     import sys

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ucp.errors import CheckpointFormatError, PlanError
-from megatron_ucp.plan.conversion import (ConversionPlan, CopyItem, Fragment, OutputRules, ParamSpec, build_plan, check_plan,
+from megatron_ucp.plan.conversion import (ConversionPlan, CopyItem, Fragment, ParamSpec, build_plan, check_plan,
                                share_of, split_by_bytes, split_items, synthesize_layouts)
 from tests.support.aurora_shapes import aurora_7b_param_groups
 
@@ -97,7 +97,7 @@ def test_aurora_7b_at_dp768_from_metadata():
 def test_vocab_trimming_and_cat_dim():
     groups = [[ParamSpec("language_model.embedding.word_embeddings.weight", 0, (8, 3)),
                ParamSpec("language_model.encoder.layers.0.self_attention.dense.weight", 0, (3, 3))]]
-    rules = OutputRules(vocabulary_patterns=(r".*word_embeddings\.weight$",), original_vocab_size=5,
+    rules = MegatronPatterns(vocabulary_patterns=(r".*word_embeddings\.weight$",), original_vocab_size=5,
                         row_parallel_patterns=(r".*dense\.weight$",))
     plan = build_plan(groups, synthesize_layouts(groups, 4), rules)
     emb = plan.param("language_model.embedding.word_embeddings.weight")

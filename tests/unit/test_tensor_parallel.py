@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from megatron_ucp.errors import PlanError
-from megatron_ucp.plan.conversion import OutputRules, ParamSpec, synthesize_layouts
+from megatron_ucp.plan.conversion import ParamSpec, synthesize_layouts
 from megatron_ucp.plan.model_parallel import CoordinateInput, build_model_parallel_plan
-from megatron_ucp.plan.tensor_parallel import (LayoutRules, SavedRecord, TpLayout, full_shape, layout_from_patterns,
+from megatron_ucp.plan.tensor_parallel import (MegatronPatterns, SavedRecord, TpLayout, full_shape, layout_from_patterns,
                                                merge_layout_records, resolve_layouts, runs_between, slice_runs,
                                                slice_shape)
 
@@ -68,7 +68,7 @@ def test_indivisible_shapes_are_refused() -> None:
 
 
 def test_patterns_without_tp_say_nothing_of_row_parallelism_but_a_record_does() -> None:
-    rules = LayoutRules(two_sub_param_patterns=(r"\d+.mlp.dense_h_to_4h.weight",), saved_tp=1)
+    rules = MegatronPatterns(two_sub_param_patterns=(r"\d+.mlp.dense_h_to_4h.weight",), saved_tp=1)
     assert layout_from_patterns("3.self_attention.dense.weight", rules) == TpLayout(dim=0)  # stock's assumption
     recorded = {"3.self_attention.dense.weight": {"partition_dim": 1},
                 "3.mlp.dense_h_to_4h.weight": {"partition_dim": 0},
@@ -94,7 +94,7 @@ def test_each_pipeline_stage_records_its_own_parameters_and_the_records_merge() 
     merged = merge_layout_records([stage0, stage1])
     assert sorted(merged) == ["1.word_embeddings.weight", "2.input_layernorm.weight", "3.input_layernorm.weight",
                               "5.lm_head.weight"]
-    layouts = resolve_layouts(sorted(merged), merged, LayoutRules(), "tag")
+    layouts = resolve_layouts(sorted(merged), merged, MegatronPatterns(), "tag")
     assert layouts["3.input_layernorm.weight"].replicated and not layouts["5.lm_head.weight"].replicated
     assert merge_layout_records([SavedRecord("a", None, ("x",)), SavedRecord("b", None, ("y",))]) is None
 
@@ -137,7 +137,7 @@ def test_merged_plan_reads_every_slice_element_once_and_places_it_like_megatron(
               [("3.self_attention.dense.weight", (4, 8), TpLayout(dim=1)), ("4.weight", (4,), TpLayout(replicated=True))]]
     layouts = {name: layout for stage in stages for name, _, layout in stage}
     coords = _coordinates(tp, pp, dp, stages)
-    plan = build_model_parallel_plan(coords, tp, pp, layouts, OutputRules())
+    plan = build_model_parallel_plan(coords, tp, pp, layouts, MegatronPatterns())
     assert plan.tp == 2 and plan.pp == 2 and plan.files == tp * pp * dp
     # Simulate the files: each coordinate's flat partitions hold its slices (values = whole offsets).
     wholes = {name: np.arange(math.prod(shape)) + 1000 * i for i, (name, shape, _) in
@@ -169,9 +169,9 @@ def test_merged_plan_refuses_stages_that_disagree() -> None:
     stages = [[("a", (4, 4), TpLayout(dim=0))], [("b", (4, 4), TpLayout(dim=0))]]
     coords = _coordinates(2, 2, 1, stages)
     with pytest.raises(PlanError, match="no TP layout"):
-        build_model_parallel_plan(coords, 2, 2, {"a": TpLayout()}, OutputRules())
+        build_model_parallel_plan(coords, 2, 2, {"a": TpLayout()}, MegatronPatterns())
     with pytest.raises(PlanError, match="do not cover"):
-        build_model_parallel_plan(coords[:3], 2, 2, {"a": TpLayout(), "b": TpLayout()}, OutputRules())
+        build_model_parallel_plan(coords[:3], 2, 2, {"a": TpLayout(), "b": TpLayout()}, MegatronPatterns())
 
 
 def test_parallel_dimensions_from_deepspeed_or_megatron_records() -> None:

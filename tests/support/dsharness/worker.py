@@ -285,7 +285,7 @@ class Rank:
         self.dump("_loaded")
 
     def train(self) -> None:
-        spec, engine, torch = self.spec, self.engine, self.torch
+        spec, engine = self.spec, self.engine
         from .model import rank_batch
 
         while engine.global_steps < spec.steps:

@@ -1,0 +1,340 @@
+"""DeepSpeed's runtime surface: every internal the hooks read or replace, in one table, checked once.
+
+The hooks live inside DeepSpeed's engine and ZeRO optimizers, whose internals change between
+releases without notice. :data:`SURFACE` lists each class or module attribute the package touches,
+why, and whether it is replaced or only called; :func:`check_surface` resolves the whole table
+against the running release at install and names every missing entry at once. The rest of the
+package reaches DeepSpeed's runtime only through this module: :func:`replace` and
+:func:`scoped_replace` (through a :class:`PatchSet`, and only for entries the table marks
+``REPLACE``), the typed accessors below, and one :class:`OptimizerLayout` per ZeRO optimizer class
+(its stages and the instance attributes that hold its groups, partitions and masters). A new
+DeepSpeed release is one entry in ``versions.INTERNALS`` and one matrix entry; a moved internal is
+one edit here; ZeRO-3 is one more :class:`OptimizerLayout` (docs/EXTENDING.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+from megatron_ucp.deepspeed.versions import Internals, installed_deepspeed_version, internals
+from megatron_ucp.errors import UnsupportedError
+
+ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
+ZERO_BASE = "deepspeed.runtime.base_optimizer:ZeROOptimizer"
+BF16 = "deepspeed.runtime.bf16_optimizer:BF16_Optimizer"
+ZERO = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
+SD_LOADERS = "deepspeed.runtime.state_dict_factory:SDLoaderFactory"
+FRAGMENT = "deepspeed.utils.tensor_fragment:tensor_fragment"
+BWC = "deepspeed.utils.bwc"
+ACCELERATOR = "deepspeed.accelerator"
+OPTIMIZER_LOADER = "load_hp_checkpoint_state_from_checkpoint_dir"
+
+
+class Use(enum.Enum):
+    REPLACE = "replaced"
+    CALL = "called"
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One DeepSpeed attribute the package relies on, and why."""
+
+    owner: str
+    """``module:Class`` or ``module``."""
+    name: str
+    use: Use
+    why: str
+    when: Callable[[Internals], bool] = lambda facts: True
+    """Releases that have it (``versions.INTERNALS``); the others neither need nor check it."""
+
+    def __str__(self) -> str:
+        return f"{self.owner.rpartition(':')[2] or self.owner}.{self.name}"
+
+
+R, C = Use.REPLACE, Use.CALL
+SURFACE: tuple[Internal, ...] = (
+    # save hook (integration/save_recording.py)
+    Internal(ENGINE, "_save_checkpoint", R, "adds each parameter's TP layout to the model states"),
+    Internal(BF16, "state_dict", R, "records true lengths, the partition geometry and checksums"),
+    Internal(ZERO, "state_dict", R, "records true lengths, the partition geometry and checksums"),
+    # elastic load (integration/elastic_load.py and the loaders below it)
+    Internal(ENGINE, "load_checkpoint", R, "decides the route of a load (same DP, reshard, universal)"),
+    Internal(ZERO_BASE, OPTIMIZER_LOADER, R, "our universal loader for BF16_Optimizer and DeepSpeedZeroOptimizer"),
+    Internal(SD_LOADERS, "get_sd_loader", R, "for one load: one model-states file per rank, read as it is"),
+    Internal(ENGINE, "_load_checkpoint", C, "DeepSpeed's module + training-state load, called by load_checkpoint"),
+    Internal(ENGINE, "_load_zero_checkpoint", C, "the optimizer load the native reshard stands in for"),
+    Internal(ENGINE, "load_universal_checkpoint", C, "whether the job asked for a universal load"),
+    Internal(ENGINE, "zero_optimization_stage", C, "which optimizer layout applies"),
+    Internal(ENGINE, "train_batch_size", C, "the global batch, checked against the checkpoint's"),
+    Internal(ENGINE, "_get_zero_ckpt_name", C, "this rank's optimizer file name as DeepSpeed spells it"),
+    Internal(ENGINE, "_get_rank_zero_ckpt_name", C, "an old rank's optimizer file name as DeepSpeed spells it"),
+    Internal(ENGINE, "use_node_local_storage", C, "node-local files cannot be converted or resharded across nodes"),
+    Internal(BF16, "_load_universal_checkpoint", C, "the universal load that calls our loader"),
+    Internal(ZERO, "_load_universal_checkpoint", C, "the universal load that calls our loader"),
+    Internal(BF16, "_load_global_state", C, "the group's step and hyperparameters after our partitions"),
+    Internal(ZERO, "_load_global_state", C, "the group's step and hyperparameters after our partitions"),
+    Internal(BF16, "update_lp_params", C, "bf16 weights from the loaded fp32 masters"),
+    Internal(ZERO, "update_lp_params", C, "bf16 weights from the loaded fp32 masters"),
+    Internal(FRAGMENT, "get_hp_fragment_address", C, "where a parameter's fragment sits in the flat fp32 partition"),
+    Internal(BWC, "bwc_tensor_model_parallel_world_size", C, "TP size of the live model from its mpu"),
+    Internal(BWC, "bwc_tensor_model_parallel_rank", C, "this rank's TP place from the mpu"),
+    Internal(BWC, "bwc_pipeline_parallel_world_size", C, "PP size of the live model from its mpu"),
+    # async trigger (integration/async_trigger.py)
+    Internal(ENGINE, "save_checkpoint", R, "queues the background conversion once the save is committed"),
+    Internal(ENGINE, "_commit_decoupled_checkpoint", R, "decoupled checkpoint engines commit here, not in save",
+             when=lambda facts: facts.decoupled_commit),
+    # device placement (integration/collectives.py, integration/run.py)
+    Internal(ACCELERATOR, "get_accelerator", C, "the device collectives and the reseed run on"),
+)
+"""Class and module attributes. Instance attributes (an optimizer's groups and partitions) are in
+:data:`OPTIMIZER_LAYOUTS` and checked on the first optimizer each hook meets."""
+
+SHARED = ((ZERO_BASE, OPTIMIZER_LOADER, (BF16, ZERO)),)
+"""Replaced once on the base class: neither subclass may override it, or the replacement misses it."""
+
+
+def resolve(owner: str) -> Any:
+    """The class or module an owner string names (imports DeepSpeed)."""
+    module, _, attribute = owner.partition(":")
+    found = importlib.import_module(module)
+    return getattr(found, attribute) if attribute else found
+
+
+def _entry(owner: str, name: str) -> Internal:
+    for entry in SURFACE:
+        if entry.owner == owner and entry.name == name:
+            return entry
+    raise KeyError(f"{owner}.{name} is not in megatron_ucp.deepspeed.surface.SURFACE: add it there first")
+
+
+def check_surface(version: Optional[str] = None) -> int:
+    """Resolve every entry :data:`SURFACE` needs on the running release; raise naming all missing ones.
+
+    Returns how many entries were checked."""
+    version = version or installed_deepspeed_version()
+    facts = internals(version)
+    missing, checked = [], 0
+    for entry in SURFACE:
+        if not entry.when(facts):
+            continue
+        checked += 1
+        try:
+            owner = resolve(entry.owner)
+        except (ImportError, AttributeError):
+            missing.append(f"{entry} ({entry.owner.partition(':')[0]} does not import: {entry.why})")
+            continue
+        if not hasattr(owner, entry.name):
+            missing.append(f"{entry} ({entry.why})")
+    for base, name, subclasses in SHARED:
+        for sub in subclasses:
+            cls = _safe_resolve(sub)
+            if cls is not None and name in cls.__dict__:
+                missing.append(f"{sub.rpartition(':')[2]} overrides {name} (the hook replaces the shared "
+                               f"{base.rpartition(':')[2]} implementation)")
+    if missing:
+        raise UnsupportedError(f"DeepSpeed {version} lacks what the megatron-ucp hooks rely on: "
+                               + "; ".join(missing) + ". Install a supported DeepSpeed or apply the diffs in patches/",
+                               subject=str(missing[0]))
+    return checked
+
+
+def _safe_resolve(owner: str) -> Any:
+    try:
+        return resolve(owner)
+    except (ImportError, AttributeError):
+        return None
+
+
+# ------------------------------------------------------------------------------------------------
+# replacing: through a PatchSet, and only what the table lists
+# ------------------------------------------------------------------------------------------------
+
+_MARK = "__megatron_ucp_original__"
+
+
+class PatchSet:
+    """Replaces attributes and remembers the originals, so every change can be undone."""
+
+    def __init__(self) -> None:
+        self._applied: list[tuple[Any, str, Any]] = []
+
+    def replace(self, owner: Any, name: str, make: Callable[[Any], Any], stack: bool = False) -> None:
+        """Set ``owner.name = make(original)``; the replacement keeps a pointer to the original.
+        ``stack``: wrap a replacement of ours too (an outermost wrapper for one run, not a second install)."""
+        original = owner.__dict__[name] if name in getattr(owner, "__dict__", {}) else getattr(owner, name)
+        if getattr(original, _MARK, None) is not None and not stack:
+            raise RuntimeError(f"{owner!r}.{name} is already patched by megatron-ucp")
+        replacement = make(original)
+        setattr(replacement, _MARK, original)
+        setattr(owner, name, replacement)
+        self._applied.append((owner, name, original))
+
+    def undo(self) -> None:
+        while self._applied:
+            owner, name, original = self._applied.pop()
+            setattr(owner, name, original)
+
+    def __len__(self) -> int:
+        return len(self._applied)
+
+
+def replace(patches: PatchSet, owner: str, name: str, make: Callable[[Any], Any], stack: bool = False) -> None:
+    """Replace a :data:`SURFACE` entry marked ``REPLACE`` through ``patches``."""
+    if _entry(owner, name).use is not Use.REPLACE:
+        raise KeyError(f"{owner}.{name} is listed as called, not replaced, in SURFACE")
+    patches.replace(resolve(owner), name, make, stack=stack)
+
+
+@contextlib.contextmanager
+def scoped_replace(owner: str, name: str, make: Callable[[Any], Any], stack: bool = False) -> Iterator[None]:
+    """:func:`replace` for the duration of a ``with`` block (one load, one run), undone whatever happens."""
+    patches = PatchSet()
+    replace(patches, owner, name, make, stack=stack)
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+# ------------------------------------------------------------------------------------------------
+# typed accessors
+# ------------------------------------------------------------------------------------------------
+
+def accelerator() -> Any:
+    return resolve(ACCELERATOR).get_accelerator()
+
+
+def zero_stage(engine: Any) -> Optional[int]:
+    """The engine's ZeRO stage; None when it has none to tell (not a ZeRO engine)."""
+    try:
+        return int(engine.zero_optimization_stage())
+    except Exception:
+        return None
+
+
+def node_local_storage(engine: Any) -> bool:
+    try:
+        return bool(engine.use_node_local_storage())
+    except Exception:
+        return False
+
+
+def engine_config(engine: Any) -> Any:
+    """The engine's parsed ``DeepSpeedConfig`` (``load_universal_checkpoint`` is set on it for one load)."""
+    return _instance(engine, "_config")
+
+
+def own_optimizer_file(engine: Any, load_dir: str, tag: str) -> str:
+    return engine._get_zero_ckpt_name(load_dir, tag)
+
+
+def rank_optimizer_file(engine: Any, load_dir: str, tag: str, mp_rank: int, dp_rank: int, bf16: bool) -> str:
+    return engine._get_rank_zero_ckpt_name(load_dir, tag, mp_rank, dp_rank, bf16)
+
+
+def load_global_state(optimizer: Any, state: dict) -> None:
+    """The optimizer group's step and hyperparameters from a saved optimizer dict."""
+    optimizer._load_global_state(state)
+
+
+def hp_mapping(lp: Any) -> Any:
+    """A live bf16 parameter's link to its fp32 fragment (``lp_fragment_address``, ``optim_fragment``,
+    ``get_hp_fragment_address()``); None on a parameter this rank's partition does not touch."""
+    return getattr(lp, "_hp_mapping", None)
+
+
+def tp_size_and_rank(mpu: Any) -> tuple[int, int]:
+    """TP size and rank from an ``mpu`` (Megatron's, or DeepSpeed's pipeline grid); (1, 0) without one."""
+    if mpu is None:
+        return 1, 0
+    bwc = resolve(BWC)
+    return int(bwc.bwc_tensor_model_parallel_world_size(mpu)), int(bwc.bwc_tensor_model_parallel_rank(mpu))
+
+
+def pp_size(mpu: Any) -> int:
+    return 1 if mpu is None else int(resolve(BWC).bwc_pipeline_parallel_world_size(mpu))
+
+
+def _instance(obj: Any, name: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise UnsupportedError(f"DeepSpeed {installed_deepspeed_version()}: {type(obj).__name__} has no {name!r}, "
+                               "which megatron-ucp relies on; DeepSpeed internals changed",
+                               subject=f"{type(obj).__name__}.{name}") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# optimizer layouts: one per ZeRO optimizer class
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OptimizerLayout:
+    """Where one ZeRO optimizer class keeps a rank's share of the model, by attribute name.
+
+    Each list attribute holds one entry per parameter group: ``lp_groups`` the live bf16 parameters,
+    ``lp_flat`` their flat buffer, ``lp_partitions`` its per-rank views, ``hp_partitions`` this rank's
+    fp32 masters. ``round_robin_padding`` names the per-parameter padding list the class adds inside
+    the flat buffer (DeepSpeedZeroOptimizer only), ``recorded_paddings`` what it itself records as
+    ``group_paddings``.
+    """
+
+    owner: str
+    stages: tuple[int, ...]
+    lp_groups: str
+    lp_flat: str
+    lp_partitions: str
+    hp_partitions: str
+    round_robin_padding: Optional[str] = None
+    recorded_paddings: Optional[str] = None
+
+    @property
+    def class_name(self) -> str:
+        return self.owner.rpartition(":")[2]
+
+    def groups(self, optimizer: Any) -> list[list[Any]]:
+        return _instance(optimizer, self.lp_groups)
+
+    def flats(self, optimizer: Any) -> list[Any]:
+        return _instance(optimizer, self.lp_flat)
+
+    def lp_partitions_of(self, optimizer: Any) -> list[list[Any]]:
+        return _instance(optimizer, self.lp_partitions)
+
+    def masters(self, optimizer: Any) -> list[Any]:
+        return _instance(optimizer, self.hp_partitions)
+
+    def padded_numels(self, optimizer: Any) -> tuple[list[int], list[int]]:
+        """Each group's real element count, and the count with the padding the class adds between
+        parameters (what its flat buffer holds before the DP alignment)."""
+        numels = [sum(p.numel() for p in group) for group in self.groups(optimizer)]
+        paddings = (getattr(optimizer, self.round_robin_padding, None) if self.round_robin_padding else None) \
+            or [[0]] * len(numels)
+        return numels, [n + sum(pad) for n, pad in zip(numels, paddings)]
+
+
+OPTIMIZER_LAYOUTS = (
+    OptimizerLayout(BF16, stages=(1,), lp_groups="bf16_groups", lp_flat="bf16_groups_flat",
+                    lp_partitions="bf16_partitioned_groups", hp_partitions="fp32_groups_flat_partition"),
+    OptimizerLayout(ZERO, stages=(1, 2), lp_groups="bit16_groups", lp_flat="bit16_groups_flat",
+                    lp_partitions="parallel_partitioned_bit16_groups",
+                    hp_partitions="single_partition_of_fp32_groups", round_robin_padding="round_robin_bit16_padding",
+                    recorded_paddings="groups_padding"),
+)
+ELASTIC_STAGES = tuple(sorted({s for layout in OPTIMIZER_LAYOUTS for s in layout.stages}))
+"""ZeRO stages some optimizer layout handles: what the hooks save, convert and load."""
+
+
+def layout_of(optimizer: Any) -> Optional[OptimizerLayout]:
+    """The layout of this optimizer's class; None for a class the hooks leave to DeepSpeed."""
+    name = type(optimizer).__name__
+    return next((layout for layout in OPTIMIZER_LAYOUTS if layout.class_name == name), None)
+
+
+def engine_layout(engine: Any) -> Optional[OptimizerLayout]:
+    """The layout of an engine the hooks handle (its optimizer's class at its ZeRO stage), else None."""
+    layout = layout_of(getattr(engine, "optimizer", None))
+    return layout if layout is not None and zero_stage(engine) in layout.stages else None

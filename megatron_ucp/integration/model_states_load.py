@@ -1,0 +1,65 @@
+"""For one load, DeepSpeed's model-states loader replaced: each rank reads one existing
+``mp_rank_XX_model_states.pt`` as it is, once (:func:`one_model_states_file_per_rank`).
+
+The replacement goes through :func:`megatron_ucp.deepspeed.surface.scoped_replace` and is undone when
+the load returns or raises.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator
+
+from megatron_ucp.deepspeed import surface
+from megatron_ucp.deepspeed.reader import load_torch_file
+from megatron_ucp.errors import CheckpointFormatError
+
+
+@contextlib.contextmanager
+def one_model_states_file_per_rank(engine: Any, always: bool = False) -> Iterator[None]:
+    """For one load: each rank reads one existing ``mp_rank_XX_model_states.pt`` as it is, once.
+
+    At another TP or PP size the folder holds another number of those files than the engine has
+    model-parallel ranks, and DeepSpeed's state-dict loader then merges or splits the module weights
+    Megatron-style (for inference; it asserts ``key: attention.dense.weight is not found`` on this
+    fork's names) or, given one file, asserts that the count differs from the saved mp_world_size. In universal mode the module is not loaded from those files
+    (weights come from the fp32 masters), only the client state, which every file holds alike.
+    ``always``: also at the saved TP/PP size (the native reshard), where DeepSpeed's loader would read
+    the same file twice on every rank (``check_ckpt_list`` loads the first file whole to compare
+    its ``mp_world_size``): here each rank reads its own file once and the count is checked on it.
+    """
+    want = int(getattr(engine, "mp_world_size", 1) or 1)
+
+    def make(original: Any) -> Any:
+        def get_sd_loader(ckpt_list: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(ckpt_list, list) and ckpt_list and (always or len(ckpt_list) != want):
+                return ClientStateLoader(list(ckpt_list), kwargs.get("checkpoint_engine", args[0] if args else None),
+                                         check_count=always and len(ckpt_list) == want)
+            return original.__func__(ckpt_list, *args, **kwargs)
+
+        return staticmethod(get_sd_loader)
+
+    with surface.scoped_replace(surface.SD_LOADERS, "get_sd_loader", make):
+        yield
+
+
+class ClientStateLoader:
+    """Stands in for DeepSpeed's state-dict loader in a universal load at another TP/PP size: one
+    existing model-states file per rank, read as it is (nothing merged or split)."""
+
+    def __init__(self, ckpt_list: list, checkpoint_engine: Any, check_count: bool = False) -> None:
+        self.ckpt_list = ckpt_list
+        self.checkpoint_engine = checkpoint_engine
+        self.check_count = check_count
+
+    def load(self, mp_world_size: int, mp_rank: int, *args: Any, **kwargs: Any) -> tuple[str, Any, None]:
+        path = self.ckpt_list[min(mp_rank * len(self.ckpt_list) // max(1, mp_world_size), len(self.ckpt_list) - 1)]
+        if self.checkpoint_engine is not None:
+            states = self.checkpoint_engine.load(path, map_location=lambda storage, loc: storage)
+        else:
+            states = load_torch_file(Path(path), mmap=False)
+        saved = states.get("mp_world_size") if isinstance(states, dict) else None
+        if self.check_count and saved is not None and saved != len(self.ckpt_list):
+            raise CheckpointFormatError(f"{path}: saved with mp_world_size {saved}, but its folder holds "
+                                        f"{len(self.ckpt_list)} model-states files", subject=path)
+        return path, states, None
