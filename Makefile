@@ -82,7 +82,7 @@ export DS_ACCELERATOR := cpu
 export DS_BUILD_OPS := 0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv matrix demo test test-main test-matrix bench bench-scale clean-venv
+.PHONY: venv matrix demo test lint test-main test-matrix bench bench-scale clean-venv
 
 venv: $(STAMP)
 
@@ -130,14 +130,19 @@ demo: $(STAMP)
 # --keep-going: a failure in the main suite does not skip the matrix and the real Megatron-DeepSpeed.
 test: $(STAMP) matrix
 	@rm -rf $(RESULTS) && mkdir -p $(RESULTS)
-	$(MAKE) --no-print-directory --keep-going test-main test-matrix; status=$$?; \
+	$(MAKE) --no-print-directory --keep-going lint test-main test-matrix; status=$$?; \
 		MEGATRON_DEEPSPEED_DIR=$(MEGATRON_DEEPSPEED_DIR) $(BIN)/python tests/support/matrix_summary.py $(RESULTS); \
 		exit $$status
 
-# The layering contracts (pyproject.toml [tool.importlinter]), then the whole suite on DeepSpeed
-# $(DEEPSPEED_VERSION) (the real Megatron-DeepSpeed does not import it unedited).
-test-main: $(STAMP)
+# The code's form (ruff: formatted, pyflakes, 120 columns, sorted imports; pyproject.toml [tool.ruff])
+# and the layering contracts (pyproject.toml [tool.importlinter]).
+lint: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+
+# The whole suite on DeepSpeed $(DEEPSPEED_VERSION) (the real Megatron-DeepSpeed does not import it unedited).
+test-main: $(STAMP)
 	$(BIN)/python -m pytest -q tests --ignore=tests/integration --junitxml=$(RESULTS)/deepspeed-$(DEEPSPEED_VERSION).xml
 
 # Every release runs even when one fails; the status is the worst.

@@ -9,6 +9,7 @@ the converter does while it writes (``fragment_sum`` over whole tensors) and as 
 over its fragments (1 MiB pieces at their offsets); reports the median GB/s of each and the ratio
 v3 / v2. Writes ``benchmarks/results/checksum.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,9 @@ def main() -> int:
         piece = (1 << 20) // values.itemsize
         cases = {
             "whole tensor": lambda a: integrity.fragment_sum(values, 0, a),
-            "1 MiB fragments": lambda a: [integrity.fragment_sum(values[s:s + piece], s, a)
-                                          for s in range(0, values.size, piece)],
+            "1 MiB fragments": lambda a: [
+                integrity.fragment_sum(values[s : s + piece], s, a) for s in range(0, values.size, piece)
+            ],
         }
         for case, fn in cases.items():
             times = {a: [] for a in integrity.KNOWN_ALGORITHMS}
@@ -54,8 +56,12 @@ def main() -> int:
                 for algorithm in integrity.KNOWN_ALGORITHMS:  # interleaved: drift hits both alike
                     times[algorithm].append(_time(lambda: fn(algorithm)))
             speed = {a: raw.nbytes / statistics.median(t) / 1e9 for a, t in times.items()}
-            row = {"dtype": kind, "case": case, **{f"{a} GB/s": round(v, 2) for a, v in speed.items()},
-                   "v3 / v2": round(speed[integrity.ALGORITHM] / speed[integrity.LEGACY_ALGORITHM], 2)}
+            row = {
+                "dtype": kind,
+                "case": case,
+                **{f"{a} GB/s": round(v, 2) for a, v in speed.items()},
+                "v3 / v2": round(speed[integrity.ALGORITHM] / speed[integrity.LEGACY_ALGORITHM], 2),
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     out = REPO_ROOT / "benchmarks" / "results" / "checksum.json"

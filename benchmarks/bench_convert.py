@@ -22,6 +22,7 @@ repetitions; ``--cache cold`` evicts the source files from the page cache before
     python benchmarks/bench_convert.py                        # everything, warm, 3 repetitions
     python benchmarks/bench_convert.py --only m100-dp8 --reps 5 --cache cold
 """
+
 from __future__ import annotations
 
 import argparse
@@ -129,8 +130,12 @@ def cached_fraction(path: Path) -> Optional[float]:
     if not shutil.which("fincore") or not files:
         return None
     try:
-        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES,SIZE", *map(str, files)],
-                             capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES,SIZE", *map(str, files)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
         res = size = 0
         for line in out.splitlines():
             a, b = line.split()
@@ -142,12 +147,37 @@ def cached_fraction(path: Path) -> Optional[float]:
 
 def tool_argv(tool: str, tag: Path, out: Path, workers: int) -> list[list[str]]:
     if tool == "stock":
-        return [[python(), "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
-                 "--output_folder", str(out), "--inject_missing_state", "--num_extract_workers", str(workers),
-                 "--num_merge_workers", str(workers)]]
+        return [
+            [
+                python(),
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(tag),
+                "--output_folder",
+                str(out),
+                "--inject_missing_state",
+                "--num_extract_workers",
+                str(workers),
+                "--num_merge_workers",
+                str(workers),
+            ]
+        ]
     if tool == "ours":
-        return [[python(), "-m", "megatron_ucp.cli", "convert", str(tag), "--output", str(out), "--workers",
-                 str(workers), "--no-progress"]]
+        return [
+            [
+                python(),
+                "-m",
+                "megatron_ucp.cli",
+                "convert",
+                str(tag),
+                "--output",
+                str(out),
+                "--workers",
+                str(workers),
+                "--no-progress",
+            ]
+        ]
     if tool == "cp":
         return [["cp", "-r", str(tag), str(out)]]
     if tool == "cp+sync":
@@ -158,11 +188,14 @@ def tool_argv(tool: str, tag: Path, out: Path, workers: int) -> list[list[str]]:
 def baseline_rss() -> tuple[int, bool]:
     """Resident memory of a process that has imported the converter and nothing more (the fixed
     overhead), and whether that import brought torch in."""
-    code = ("import sys, megatron_ucp.convert.execute, megatron_ucp.cli, megatron_ucp.cli.convert, psutil, os; "
-            "print(psutil.Process(os.getpid()).memory_info().rss, int('torch' in sys.modules))")
+    code = (
+        "import sys, megatron_ucp.convert.execute, megatron_ucp.cli, megatron_ucp.cli.convert, psutil, os; "
+        "print(psutil.Process(os.getpid()).memory_info().rss, int('torch' in sys.modules))"
+    )
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    rss, torch_imported = subprocess.run([python(), "-c", code], capture_output=True, text=True, env=env,
-                                         cwd=REPO_ROOT, check=True).stdout.split()[-2:]
+    rss, torch_imported = subprocess.run(
+        [python(), "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT, check=True
+    ).stdout.split()[-2:]
     return int(rss), bool(int(torch_imported))
 
 
@@ -172,8 +205,12 @@ def startup_probe(reps: int = 5) -> float:
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        subprocess.run([python(), "-c", "import megatron_ucp.cli, megatron_ucp.convert.execute, megatron_ucp.cli.convert"],
-                       check=True, env=env, cwd=REPO_ROOT)
+        subprocess.run(
+            [python(), "-c", "import megatron_ucp.cli, megatron_ucp.convert.execute, megatron_ucp.cli.convert"],
+            check=True,
+            env=env,
+            cwd=REPO_ROOT,
+        )
         times.append(time.perf_counter() - t0)
     return median(times)
 
@@ -181,12 +218,20 @@ def startup_probe(reps: int = 5) -> float:
 def metadata_probe(name: str) -> dict:
     """RSS and time to read every rank file's metadata and build the plan (memory-mapped: no tensor bytes)."""
     tag = ensure(name) / mk.TAG
-    code = ("import os, time, psutil, sys; from pathlib import Path; import megatron_ucp.convert.execute as C, "
-            "megatron_ucp.deepspeed.reader as R; p = psutil.Process(); b = p.memory_info().rss; t = time.perf_counter(); "
-            f"m = R.read_checkpoint(Path({str(tag)!r})); plan = C.plan_checkpoint(m); "
-            "print(m.dp, time.perf_counter() - t, p.memory_info().rss - b, b)")
-    out = subprocess.run([python(), "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, check=True,
-                         env=dict(os.environ, DS_ACCELERATOR="cpu")).stdout.split()
+    code = (
+        "import os, time, psutil, sys; from pathlib import Path; import megatron_ucp.convert.execute as C, "
+        "megatron_ucp.deepspeed.reader as R; p = psutil.Process(); b = p.memory_info().rss; t = time.perf_counter(); "
+        f"m = R.read_checkpoint(Path({str(tag)!r})); plan = C.plan_checkpoint(m); "
+        "print(m.dp, time.perf_counter() - t, p.memory_info().rss - b, b)"
+    )
+    out = subprocess.run(
+        [python(), "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        check=True,
+        env=dict(os.environ, DS_ACCELERATOR="cpu"),
+    ).stdout.split()
     dp, seconds, delta, base = int(out[0]), float(out[1]), int(out[2]), int(out[3])
     return {"name": name, "dp": dp, "seconds": round(seconds, 3), "rss_delta": delta, "rss_base": base}
 
@@ -196,6 +241,7 @@ def machine() -> dict:
 
     try:
         import deepspeed  # noqa: F401
+
         ds = deepspeed.__version__
     except Exception:  # pragma: no cover
         ds = "?"
@@ -208,18 +254,26 @@ def machine() -> dict:
     except OSError:
         pass
     disk = shutil.disk_usage(BENCH_DIR)
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2 ** 30, 1),
-            "disk_free_gb": round(disk.free / 1e9, 1), "kernel": platform.release(),
-            "python": platform.python_version(), "torch": torch.__version__, "deepspeed": ds,
-            "load_average_start": os.getloadavg()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "disk_free_gb": round(disk.free / 1e9, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": ds,
+        "load_average_start": os.getloadavg(),
+    }
 
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def bench_one(name: str, reps: int, workers: int, cache: str, tools: tuple[str, ...], scratch: Path,
-              verify: bool) -> dict:
+def bench_one(
+    name: str, reps: int, workers: int, cache: str, tools: tuple[str, ...], scratch: Path, verify: bool
+) -> dict:
     root = ensure(name)
     tag = root / mk.TAG
     info = mk.info(name)
@@ -229,11 +283,13 @@ def bench_one(name: str, reps: int, workers: int, cache: str, tools: tuple[str, 
     if cache == "warm":
         warm(tag)
     cached_before = cached_fraction(tag)
-    print(f"[bench] {name}: {info['params'] / 1e6:.1f}M params, DP={info['dp']}, {nbytes / 1e9:.2f} GB, "
-          f"{reps} reps, cache {cache} (cached {cached_before if cached_before is None else f'{cached_before:.0%}'})",
-          flush=True)
+    print(
+        f"[bench] {name}: {info['params'] / 1e6:.1f}M params, DP={info['dp']}, {nbytes / 1e9:.2f} GB, "
+        f"{reps} reps, cache {cache} (cached {cached_before if cached_before is None else f'{cached_before:.0%}'})",
+        flush=True,
+    )
     for rep in range(reps):
-        order = tools[rep % len(tools):] + tools[:rep % len(tools)]
+        order = tools[rep % len(tools) :] + tools[: rep % len(tools)]
         for tool in order:
             out = scratch / f"{name}-{tool.replace('+', '_')}"
             shutil.rmtree(out, ignore_errors=True)
@@ -246,29 +302,49 @@ def bench_one(name: str, reps: int, workers: int, cache: str, tools: tuple[str, 
                 total["seconds"] += r["seconds"]
                 total["peak_rss"] = max(total["peak_rss"], r["peak_rss"])
             if tool == "ours" and verify:
-                v = subprocess.run([python(), "-m", "megatron_ucp.cli", "verify", str(out), "--source", str(tag),
-                                    "--no-progress"], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+                v = subprocess.run(
+                    [python(), "-m", "megatron_ucp.cli", "verify", str(out), "--source", str(tag), "--no-progress"],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    cwd=REPO_ROOT,
+                )
                 total["verified"] = v.returncode == 0
                 if v.returncode != 0:
                     raise RuntimeError(f"verify failed for {out}:\n{v.stdout[-2000:]}{v.stderr[-2000:]}")
             runs[tool].append(total)
-            print(f"[bench]   rep {rep + 1} {tool:8s} {total['seconds']:7.2f} s  peak RSS "
-                  f"{total['peak_rss'] / 1e6:7.0f} MB" + ("  verified bit-exact" if total.get("verified") else ""),
-                  flush=True)
+            print(
+                f"[bench]   rep {rep + 1} {tool:8s} {total['seconds']:7.2f} s  peak RSS "
+                f"{total['peak_rss'] / 1e6:7.0f} MB" + ("  verified bit-exact" if total.get("verified") else ""),
+                flush=True,
+            )
             shutil.rmtree(out, ignore_errors=True)
-    med = {t: {"seconds": median([r["seconds"] for r in runs[t]]),
-               "peak_rss": median([r["peak_rss"] for r in runs[t]])} for t in tools}
+    med = {
+        t: {"seconds": median([r["seconds"] for r in runs[t]]), "peak_rss": median([r["peak_rss"] for r in runs[t]])}
+        for t in tools
+    }
     # Ratios per repetition (the runs of one repetition are adjacent in time, so they share the
     # machine's load of the moment), then the median: steadier than a ratio of medians.
     ratios = {}
     for a, b in (("stock", "ours"), ("ours", "cp"), ("ours", "cp+sync")):
         if a in runs and b in runs:
             ratios[f"{a}/{b}"] = median([x["seconds"] / y["seconds"] for x, y in zip(runs[a], runs[b])])
-    return {"name": name, "params": info["params"], "dp": info["dp"], "bytes": nbytes,
-            "largest_param_state_bytes": spec_of(name).largest_param * 4, "optimizer": info["optimizer_class"],
-            "synthetic": name in SYNTHETIC,
-            "cache": cache, "cached_fraction_before": cached_before, "reps": reps, "workers": workers,
-            "runs": runs, "median": med, "ratios": ratios}
+    return {
+        "name": name,
+        "params": info["params"],
+        "dp": info["dp"],
+        "bytes": nbytes,
+        "largest_param_state_bytes": spec_of(name).largest_param * 4,
+        "optimizer": info["optimizer_class"],
+        "synthetic": name in SYNTHETIC,
+        "cache": cache,
+        "cached_fraction_before": cached_before,
+        "reps": reps,
+        "workers": workers,
+        "runs": runs,
+        "median": med,
+        "ratios": ratios,
+    }
 
 
 def ratio(result: dict, key: str) -> str:
@@ -279,28 +355,40 @@ def ratio(result: dict, key: str) -> str:
 def markdown(results: list[dict], meta: dict) -> str:
     lines = []
     m = meta["machine"]
-    lines.append(f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GiB RAM, Linux {m['kernel']}; "
-                 f"Python {m['python']}, torch {m['torch']}, DeepSpeed {m['deepspeed']}. Load average at start "
-                 f"{', '.join(f'{x:.1f}' for x in m['load_average_start'])} (a shared machine: medians, ratios "
-                 f"from runs interleaved in one session). Run {meta['date']}, `{meta['command']}`.")
+    lines.append(
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GiB RAM, Linux {m['kernel']}; "
+        f"Python {m['python']}, torch {m['torch']}, DeepSpeed {m['deepspeed']}. Load average at start "
+        f"{', '.join(f'{x:.1f}' for x in m['load_average_start'])} (a shared machine: medians, ratios "
+        f"from runs interleaved in one session). Run {meta['date']}, `{meta['command']}`."
+    )
     lines.append("")
-    runtime = "Python + torch" if meta.get("converter_imports_torch", True) else "Python; the converter does not import torch"
-    lines.append(f"Times: medians over the repetitions; ratios: the median of the per-repetition ratios. Fixed "
-                 f"overhead: a process that has only imported the converter holds {meta['baseline_rss'] / 1e6:.0f} MB "
-                 f"({runtime}). Peak RSS: the sum over the process tree, sampled every 10 ms.")
+    runtime = (
+        "Python + torch" if meta.get("converter_imports_torch", True) else "Python; the converter does not import torch"
+    )
+    lines.append(
+        f"Times: medians over the repetitions; ratios: the median of the per-repetition ratios. Fixed "
+        f"overhead: a process that has only imported the converter holds {meta['baseline_rss'] / 1e6:.0f} MB "
+        f"({runtime}). Peak RSS: the sum over the process tree, sampled every 10 ms."
+    )
     lines.append("")
     if meta.get("startup_seconds"):
-        lines.append(f"Start-up: a process that starts and imports the converter ({runtime}) takes "
-                     f"{meta['startup_seconds']:.2f} s (median of 5): included in every `ours` time.")
+        lines.append(
+            f"Start-up: a process that starts and imports the converter ({runtime}) takes "
+            f"{meta['startup_seconds']:.2f} s (median of 5): included in every `ours` time."
+        )
         lines.append("")
     probe = meta.get("metadata_probe")
     if probe:
-        lines.append(f"Metadata at DP={probe['dp']}: reading all {probe['dp']} rank files (memory-mapped) and "
-                     f"building the plan took {probe['seconds']:.2f} s and {probe['rss_delta'] / 1e6:.1f} MB of RSS.")
+        lines.append(
+            f"Metadata at DP={probe['dp']}: reading all {probe['dp']} rank files (memory-mapped) and "
+            f"building the plan took {probe['seconds']:.2f} s and {probe['rss_delta'] / 1e6:.1f} MB of RSS."
+        )
         lines.append("")
-    lines.append("| checkpoint | params | DP | GB | cache | stock s | ours s | cp s | cp+sync s | stock/ours | "
-                 "ours/cp | ours/(cp+sync) | ours MB/s | stock peak MB | ours peak MB | ours peak - fixed MB | "
-                 "largest state MB |")
+    lines.append(
+        "| checkpoint | params | DP | GB | cache | stock s | ours s | cp s | cp+sync s | stock/ours | "
+        "ours/cp | ours/(cp+sync) | ours MB/s | stock peak MB | ours peak MB | ours peak - fixed MB | "
+        "largest state MB |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         md = r["median"]
@@ -317,9 +405,10 @@ def markdown(results: list[dict], meta: dict) -> str:
             f"| {label} | {r['params'] / 1e6:.1f}M | {r['dp']} | {r['bytes'] / 1e9:.2f} | {r['cache']} | "
             + " | ".join(f"{s(t):.2f}" if s(t) else "-" for t in TOOLS)
             + f" | {ratio(r, 'stock/ours')} | {ratio(r, 'ours/cp')} | {ratio(r, 'ours/cp+sync')} | "
-              f"{(r['bytes'] / s('ours') / 1e6) if s('ours') else 0:.0f} | {rss('stock')} | {rss('ours')} | "
-              f"{(ours_rss - meta['baseline_rss']) / 1e6 if ours_rss else 0:.0f} | "
-              f"{r['largest_param_state_bytes'] / 1e6:.0f} |")
+            f"{(r['bytes'] / s('ours') / 1e6) if s('ours') else 0:.0f} | {rss('stock')} | {rss('ours')} | "
+            f"{(ours_rss - meta['baseline_rss']) / 1e6 if ours_rss else 0:.0f} | "
+            f"{r['largest_param_state_bytes'] / 1e6:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -339,8 +428,12 @@ def update_readme(cache: str, table: str, bench: str = "convert") -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="+", choices=sorted(set(mk.SPECS) | set(SYNTHETIC)),
-                    help="checkpoints to run (default: the suite)")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=sorted(set(mk.SPECS) | set(SYNTHETIC)),
+        help="checkpoints to run (default: the suite)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--workers", type=int, default=2, help="workers for both converters (default 2)")
     ap.add_argument("--cache", choices=("warm", "cold", "both"), default="warm")
@@ -349,8 +442,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-verify", action="store_true", help="skip the bit-exact check of our outputs")
     ap.add_argument("--name", default="latest", help="results file name (benchmarks/results/<name>.{json,md})")
     ap.add_argument("--no-readme", action="store_true", help="do not update the README table")
-    ap.add_argument("--render", nargs="+", metavar="NAME",
-                    help="only rebuild the README tables from saved results/<NAME>.json (no runs)")
+    ap.add_argument(
+        "--render",
+        nargs="+",
+        metavar="NAME",
+        help="only rebuild the README tables from saved results/<NAME>.json (no runs)",
+    )
     args = ap.parse_args(argv)
     if args.render:
         for name in args.render:
@@ -367,17 +464,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     scratch = Path(args.scratch) if args.scratch else Path(tempfile.mkdtemp(prefix="scratch-", dir=mk.CACHE_DIR))
     scratch.mkdir(parents=True, exist_ok=True)
     rss, torch_imported = baseline_rss()
-    meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "baseline_rss": rss,
-            "converter_imports_torch": torch_imported, "startup_seconds": startup_probe(),
-            "command": "python benchmarks/bench_convert.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    meta = {
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "baseline_rss": rss,
+        "converter_imports_torch": torch_imported,
+        "startup_seconds": startup_probe(),
+        "command": "python benchmarks/bench_convert.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     if "m25-dp8-as-dp768" in names:
         meta["metadata_probe"] = metadata_probe("m25-dp8-as-dp768")
     results = []
     try:
         for name in names:
             for cache in caches:
-                results.append(bench_one(name, args.reps, args.workers, cache, tuple(args.tools), scratch,
-                                         not args.no_verify))
+                results.append(
+                    bench_one(name, args.reps, args.workers, cache, tuple(args.tools), scratch, not args.no_verify)
+                )
     finally:
         if not args.scratch:
             shutil.rmtree(scratch, ignore_errors=True)

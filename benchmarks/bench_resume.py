@@ -28,6 +28,7 @@ and the table between the markers in ``benchmarks/README.md``.
     python benchmarks/bench_resume.py                   # m100-dp8 -> DP 4, cold cache, 3 repetitions
     python benchmarks/bench_resume.py --reps 5 --cache warm
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,8 +84,9 @@ def prepare(name: str) -> dict[str, Path]:
 
 def universal_state_bytes(folder: Path) -> int:
     """Bytes of the optimizer state files (fp32 and every optimizer state) of a universal folder."""
-    return sum(p.stat().st_size for p in (folder / "zero").rglob("*.pt")
-               if p.name not in ("step.pt", "optimizer_state.pt"))
+    return sum(
+        p.stat().st_size for p in (folder / "zero").rglob("*.pt") if p.name not in ("step.pt", "optimizer_state.pt")
+    )
 
 
 def run_route(route: str, roots: dict[str, Path], spec: "mk.CkptSpec", dp: int, cache: str, scratch: Path) -> dict:
@@ -102,10 +104,22 @@ def run_route(route: str, roots: dict[str, Path], spec: "mk.CkptSpec", dp: int, 
     else:
         bc.warm(folder)
     native = route in ("reshard", "native-same-dp")
-    run = TrainSpec(dp=dp, optimizer="zero", steps=1, load_dir=root, load_tag=mk.TAG if native else UNIVERSAL,
-                    load_universal=not native, plugin=route not in ("stock", "native-same-dp"), global_batch=spec.dp,
-                    hidden=spec.hidden, num_layers=spec.num_layers, vocab=spec.vocab, seq=8, uc_info=True,
-                    timeout=1200)
+    run = TrainSpec(
+        dp=dp,
+        optimizer="zero",
+        steps=1,
+        load_dir=root,
+        load_tag=mk.TAG if native else UNIVERSAL,
+        load_universal=not native,
+        plugin=route not in ("stock", "native-same-dp"),
+        global_batch=spec.dp,
+        hidden=spec.hidden,
+        num_layers=spec.num_layers,
+        vocab=spec.vocab,
+        seq=8,
+        uc_info=True,
+        timeout=1200,
+    )
     res = run_training(run)
     if not res.ok or res.loaded_step != 1:
         raise RuntimeError(f"{route}: the load failed (exit {res.returncode}):\n{res.log[-4000:]}")
@@ -141,32 +155,42 @@ def summarize(runs: list[dict], needed: int) -> dict:
     for route in out:
         ratios = [rep[route] / rep["stock"] for rep in by_rep.values() if route in rep and "stock" in rep]
         out[route]["vs_stock"] = statistics.median(ratios) if ratios else None
-        same = [rep[route] / rep["native-same-dp"] for rep in by_rep.values() if route in rep and "native-same-dp" in rep]
+        same = [
+            rep[route] / rep["native-same-dp"] for rep in by_rep.values() if route in rep and "native-same-dp" in rep
+        ]
         out[route]["vs_same_dp"] = statistics.median(same) if same and route != "native-same-dp" else None
     return out
 
 
 def markdown(result: dict, meta: dict) -> str:
     m = meta["machine"]
-    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GiB RAM; Python {m['python']}, torch "
-             f"{m['torch']}, DeepSpeed {m['deepspeed']}. Load average at start {m['load_average_start'][0]:.1f}. "
-             f"Run {meta['date']}, `{meta['command']}`.", "",
-             f"Checkpoint {result['name']} ({result['params'] / 1e6:.1f}M params, saved at DP={result['dp_from']}) "
-             f"loaded at DP={result['dp_to']} by {result['dp_to']} processes on this machine; cache "
-             f"{result['cache']}; {result['reps']} repetitions, routes in rotating order. Load: "
-             "`engine.load_checkpoint` between two barriers, slowest rank, median; ratios: median of the "
-             "per-repetition ratios. Accounting: checksums and checks, the rank that spent the most on them (the "
-             "all-reduce is not counted: it waits for the slowest rank's reading). `read()` MB: bytes through read calls on "
-             "the worst rank (stock `torch.load`s each whole state file it needs a fragment of; ours maps the "
-             "files and touches only its fragments). Storage read: bytes all ranks read from storage, over "
-             f"what the load needs once ({result['needed_bytes'] / 1e6:.0f} MB: optimizer state and model states; "
-             "the ranks share one page cache here).", "",
-             "| route | folder | load s | vs stock | accounting s | accounting % | `read()` MB (worst rank) "
-             "| storage read / needed | peak RSS MB (worst rank) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    folders = {"stock": "stock's universal", "ours": "ours (universal)",
-               "ours-on-stock": "stock's universal (no checksums)", "reshard": "native DP=8 tag, no universal folder",
-               "native-same-dp": "native DP=4 tag of the same model (stock load)"}
+    lines = [
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GiB RAM; Python {m['python']}, torch "
+        f"{m['torch']}, DeepSpeed {m['deepspeed']}. Load average at start {m['load_average_start'][0]:.1f}. "
+        f"Run {meta['date']}, `{meta['command']}`.",
+        "",
+        f"Checkpoint {result['name']} ({result['params'] / 1e6:.1f}M params, saved at DP={result['dp_from']}) "
+        f"loaded at DP={result['dp_to']} by {result['dp_to']} processes on this machine; cache "
+        f"{result['cache']}; {result['reps']} repetitions, routes in rotating order. Load: "
+        "`engine.load_checkpoint` between two barriers, slowest rank, median; ratios: median of the "
+        "per-repetition ratios. Accounting: checksums and checks, the rank that spent the most on them (the "
+        "all-reduce is not counted: it waits for the slowest rank's reading). `read()` MB: bytes through read calls on "
+        "the worst rank (stock `torch.load`s each whole state file it needs a fragment of; ours maps the "
+        "files and touches only its fragments). Storage read: bytes all ranks read from storage, over "
+        f"what the load needs once ({result['needed_bytes'] / 1e6:.0f} MB: optimizer state and model states; "
+        "the ranks share one page cache here).",
+        "",
+        "| route | folder | load s | vs stock | accounting s | accounting % | `read()` MB (worst rank) "
+        "| storage read / needed | peak RSS MB (worst rank) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    folders = {
+        "stock": "stock's universal",
+        "ours": "ours (universal)",
+        "ours-on-stock": "stock's universal (no checksums)",
+        "reshard": "native DP=8 tag, no universal folder",
+        "native-same-dp": "native DP=4 tag of the same model (stock load)",
+    }
     for route, row in result["routes"].items():
         acct = row["accounting_s"]
         vs = "-" if row["vs_stock"] is None else f"{row['vs_stock']:.2f}x"
@@ -174,8 +198,10 @@ def markdown(result: dict, meta: dict) -> str:
             vs += f" ({row['vs_same_dp']:.2f}x same-DP)"
         acct_s = "-" if acct is None else f"{acct:.2f}"
         acct_pct = "-" if acct is None else f"{100 * acct / row['load_s']:.0f}%"
-        lines.append(f"| {route} | {folders[route]} | {row['load_s']:.2f} | {vs} | {acct_s} | {acct_pct} | "
-                     f"{row['rchar_mb_max']:.0f} | {row['storage_over_needed']:.2f}x | {row['maxrss_mb']:.0f} |")
+        lines.append(
+            f"| {route} | {folders[route]} | {row['load_s']:.2f} | {vs} | {acct_s} | {acct_pct} | "
+            f"{row['rchar_mb_max']:.0f} | {row['storage_over_needed']:.2f}x | {row['maxrss_mb']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -191,26 +217,40 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     spec = mk.SPECS[args.name]
     roots = prepare(args.name)
-    meta = {"machine": bc.machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
-            "command": "python benchmarks/bench_resume.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    meta = {
+        "machine": bc.machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "command": "python benchmarks/bench_resume.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     runs = []
     routes = list(args.routes)
     if "stock" not in routes:
         routes.insert(0, "stock")  # the ratios need it
     for rep in range(args.reps):
-        order = routes[rep % len(routes):] + routes[:rep % len(routes)]
+        order = routes[rep % len(routes) :] + routes[: rep % len(routes)]
         for route in order:
             t0 = time.perf_counter()
             run = run_route(route, roots, spec, args.dp, args.cache, mk.CACHE_DIR)
             run["rep"] = rep
             runs.append(run)
-            print(f"[bench_resume] rep {rep + 1}/{args.reps} {route}: load {run['load_s']:.2f} s "
-                  f"(run {time.perf_counter() - t0:.0f} s)", flush=True)
+            print(
+                f"[bench_resume] rep {rep + 1}/{args.reps} {route}: load {run['load_s']:.2f} s "
+                f"(run {time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
     folder = roots["ours"] / UNIVERSAL
     needed = universal_state_bytes(folder) + (folder / "mp_rank_00_model_states.pt").stat().st_size
     meta["machine"]["load_average_end"] = os.getloadavg()
-    result = {"name": args.name, "params": spec.params, "dp_from": spec.dp, "dp_to": args.dp, "cache": args.cache,
-              "reps": args.reps, "needed_bytes": needed, "routes": summarize(runs, needed)}
+    result = {
+        "name": args.name,
+        "params": spec.params,
+        "dp_from": spec.dp,
+        "dp_to": args.dp,
+        "cache": args.cache,
+        "reps": args.reps,
+        "needed_bytes": needed,
+        "routes": summarize(runs, needed),
+    }
     bc.RESULTS_DIR.mkdir(exist_ok=True)
     stem = f"resume-{args.cache}"
     (bc.RESULTS_DIR / f"{stem}.json").write_text(json.dumps({"meta": meta, "result": result, "runs": runs}, indent=1))

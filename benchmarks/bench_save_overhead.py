@@ -27,6 +27,7 @@ the same shape as benchmarks/make_checkpoint.py's m100). ::
 
 Results: a table on stdout and ``benchmarks/results/save_overhead-<model>.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,6 +69,7 @@ class WorkerConfig:
 # one rank
 # ================================================================================================
 
+
 def _worker(cfg: WorkerConfig) -> None:
     sys.path.insert(0, str(REPO_ROOT))
     import megatron_ucp
@@ -79,9 +81,18 @@ def _worker(cfg: WorkerConfig) -> None:
 
     shape = MODELS[cfg.model]
     plugin = {"keep_last": 1, "converter_exit_wait": 1800}
-    spec = TrainSpec(dp=cfg.dp, optimizer="zero", steps=0, global_batch=cfg.dp, hidden=shape["hidden"],
-                     num_layers=shape["num_layers"], vocab=shape["vocab"], seq=shape["seq"], plugin=True,
-                     plugin_kwargs={"async_convert": False, **plugin})
+    spec = TrainSpec(
+        dp=cfg.dp,
+        optimizer="zero",
+        steps=0,
+        global_batch=cfg.dp,
+        hidden=shape["hidden"],
+        num_layers=shape["num_layers"],
+        vocab=shape["vocab"],
+        seq=shape["seq"],
+        plugin=True,
+        plugin_kwargs={"async_convert": False, **plugin},
+    )
     rank = Rank(spec)
     rank.setup()
     engine, torch, dist = rank.engine, rank.torch, rank.dist
@@ -102,8 +113,9 @@ def _worker(cfg: WorkerConfig) -> None:
 
     def step() -> float:
         t0 = time.perf_counter()
-        tokens, labels = rank_batch(engine.global_steps, rank.rank, rank.world, spec.global_batch, spec.seq,
-                                    spec.vocab, spec.seed)
+        tokens, labels = rank_batch(
+            engine.global_steps, rank.rank, rank.world, spec.global_batch, spec.seq, spec.vocab, spec.seed
+        )
         loss = engine(tokens, labels)
         engine.backward(loss)
         engine.step()
@@ -123,18 +135,31 @@ def _worker(cfg: WorkerConfig) -> None:
     def prune() -> None:
         """Keep the disk bounded: only the newest native tag survives (no conversion is running)."""
         if rank.rank == 0 and root.is_dir():
-            tags = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("global_step")
-                           and not p.name.endswith("_universal")), key=lambda p: int(p.name[len("global_step"):]))
+            tags = sorted(
+                (
+                    p
+                    for p in root.iterdir()
+                    if p.is_dir() and p.name.startswith("global_step") and not p.name.endswith("_universal")
+                ),
+                key=lambda p: int(p.name[len("global_step") :]),
+            )
             for p in tags[:-1]:
                 shutil.rmtree(p, ignore_errors=True)
         dist.barrier()
 
     for _ in range(2):  # warm-up
         step()
-    out: dict[str, list] = {"save_off": [], "save_on": [], "idle": [], "during": [], "trigger": [], "checksums": [],
-                            "checksums_share": []}
+    out: dict[str, list] = {
+        "save_off": [],
+        "save_on": [],
+        "idle": [],
+        "during": [],
+        "trigger": [],
+        "checksums": [],
+        "checksums_share": [],
+    }
     for i in range(cfg.saves):
-        for on in ((False, True) if i % 2 == 0 else (True, False)):
+        for on in (False, True) if i % 2 == 0 else (True, False):
             megatron_ucp.install(async_convert=on, **plugin)
             prune()
             before = len(trigger_timings())
@@ -166,21 +191,32 @@ def _worker(cfg: WorkerConfig) -> None:
 # the driver
 # ================================================================================================
 
+
 def _launch(cfg: WorkerConfig, log_dir: Path) -> dict:
     from demo.launch import launch
     from tests.support.dsharness.launch import extensions_dir
 
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]]
-                                                              if os.environ.get("PYTHONPATH") else [])),
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(extensions_dir(sys.executable))),
-           "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-    res = launch([str(Path(__file__).resolve()), "--worker", json.dumps(asdict(cfg))], cfg.dp, log_dir,
-                 name=cfg.model, env=env, cwd=REPO_ROOT, timeout=3600)
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        ),
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(extensions_dir(sys.executable))),
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    }
+    res = launch(
+        [str(Path(__file__).resolve()), "--worker", json.dumps(asdict(cfg))],
+        cfg.dp,
+        log_dir,
+        name=cfg.model,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=3600,
+    )
     text = res.output(0)
     if not res.ok:
         raise RuntimeError(f"{cfg.model} failed (exit codes {res.returncodes}); see {res.logs}:\n{text[-4000:]}")
-    line = next(l for l in text.splitlines() if l.startswith(MARKER))
-    return json.loads(line[len(MARKER):])
+    line = next(x for x in text.splitlines() if x.startswith(MARKER))
+    return json.loads(line[len(MARKER) :])
 
 
 def _median_ms(values: list) -> Optional[float]:
@@ -190,8 +226,9 @@ def _median_ms(values: list) -> Optional[float]:
 def run_model(model: str, dp: int, saves: int, idle_steps: int, max_during: int, work: Path) -> dict:
     root = work / model
     shutil.rmtree(root, ignore_errors=True)
-    cfg = WorkerConfig(model=model, dp=dp, saves=saves, idle_steps=idle_steps, max_during_steps=max_during,
-                       root=str(root))
+    cfg = WorkerConfig(
+        model=model, dp=dp, saves=saves, idle_steps=idle_steps, max_during_steps=max_during, root=str(root)
+    )
     t0 = time.perf_counter()
     raw = _launch(cfg, work / "logs")
     shutil.rmtree(root, ignore_errors=True)
@@ -199,26 +236,61 @@ def run_model(model: str, dp: int, saves: int, idle_steps: int, max_during: int,
     kept = {k: raw[k] for k in ("save_off", "save_on", "trigger", "checksums")}
     for k in ("idle", "during"):  # step times: quartiles only (thousands of values)
         kept[f"{k}_quartiles"] = statistics.quantiles(raw[k], n=4) if len(raw[k]) >= 2 else raw[k]
-    return {"model": model, "dp": dp, "rounds": saves, "params": raw["params"], "raw": kept,
-            "wall_s": round(time.perf_counter() - t0, 1), "save_off_ms": _median_ms(raw["save_off"]),
-            "save_on_ms": _median_ms(raw["save_on"]), "added_ms": _median_ms(paired),
-            "trigger_ms": _median_ms(raw["trigger"]), "trigger_max_ms": round(max(raw["trigger"]) * 1000, 2),
-            "idle_step_ms": _median_ms(raw["idle"]), "during_step_ms": _median_ms(raw["during"]),
-            "checksums_ms": _median_ms(raw["checksums"]),
-            "checksums_share": round(statistics.median(raw["checksums_share"]), 4),
-            "during_steps": len(raw["during"])}
+    return {
+        "model": model,
+        "dp": dp,
+        "rounds": saves,
+        "params": raw["params"],
+        "raw": kept,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "save_off_ms": _median_ms(raw["save_off"]),
+        "save_on_ms": _median_ms(raw["save_on"]),
+        "added_ms": _median_ms(paired),
+        "trigger_ms": _median_ms(raw["trigger"]),
+        "trigger_max_ms": round(max(raw["trigger"]) * 1000, 2),
+        "idle_step_ms": _median_ms(raw["idle"]),
+        "during_step_ms": _median_ms(raw["during"]),
+        "checksums_ms": _median_ms(raw["checksums"]),
+        "checksums_share": round(statistics.median(raw["checksums_share"]), 4),
+        "during_steps": len(raw["during"]),
+    }
 
 
 def table(results: list[dict]) -> str:
-    rows = [("model", "params", "DP", "saves", "save off (ms)", "save on (ms)", "added, paired (ms)",
-             "trigger median / max (ms)", "step idle (ms)", "step during conversion (ms)", "steps during",
-             "record checksums (ms, share of the save)")]
+    rows = [
+        (
+            "model",
+            "params",
+            "DP",
+            "saves",
+            "save off (ms)",
+            "save on (ms)",
+            "added, paired (ms)",
+            "trigger median / max (ms)",
+            "step idle (ms)",
+            "step during conversion (ms)",
+            "steps during",
+            "record checksums (ms, share of the save)",
+        )
+    ]
     for r in results:
         params = f"{r['params'] / 1e6:.1f}M" if r["params"] >= 100_000 else str(r["params"])
-        rows.append((r["model"], params, str(r["dp"]), f"{r['rounds']}+{r['rounds']}",
-                     str(r["save_off_ms"]), str(r["save_on_ms"]), str(r["added_ms"]),
-                     f"{r['trigger_ms']} / {r['trigger_max_ms']}", str(r["idle_step_ms"]), str(r["during_step_ms"]),
-                     str(r["during_steps"]), f"{r['checksums_ms']} ({100 * r['checksums_share']:.1f}%)"))
+        rows.append(
+            (
+                r["model"],
+                params,
+                str(r["dp"]),
+                f"{r['rounds']}+{r['rounds']}",
+                str(r["save_off_ms"]),
+                str(r["save_on_ms"]),
+                str(r["added_ms"]),
+                f"{r['trigger_ms']} / {r['trigger_max_ms']}",
+                str(r["idle_step_ms"]),
+                str(r["during_step_ms"]),
+                str(r["during_steps"]),
+                f"{r['checksums_ms']} ({100 * r['checksums_share']:.1f}%)",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

@@ -27,6 +27,7 @@ Results go to benchmarks/results/scale-<preset>-<flavour>.{json,md}. ::
     python benchmarks/bench_scale.py                      # llama-1b at DP 8, 64, 256, 768
     python benchmarks/bench_scale.py --preset llama-100m --dp 8,768 --tools ours,cp+sync
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,9 +60,21 @@ SLOW = ("stock", "alcf")
 
 def tool_argv(tool: str, tag: Path, out: Path, workers: int) -> list[list[str]]:
     if tool == "alcf":
-        return [[bc.python(), str(ALCF_CONVERTER), "--input_folder", str(tag), "--output_folder", str(out),
-                 "--inject_missing_state", "--num_extract_workers", str(workers), "--num_merge_workers",
-                 str(workers)]]
+        return [
+            [
+                bc.python(),
+                str(ALCF_CONVERTER),
+                "--input_folder",
+                str(tag),
+                "--output_folder",
+                str(out),
+                "--inject_missing_state",
+                "--num_extract_workers",
+                str(workers),
+                "--num_merge_workers",
+                str(workers),
+            ]
+        ]
     return bc.tool_argv(tool, tag, out, workers)
 
 
@@ -80,8 +93,12 @@ def run_tool(tool: str, tag: Path, scratch: Path, workers: int) -> dict:
             peak = max(peak, step["peak_rss"])
         result = {"seconds": time.perf_counter() - started, "peak_rss": peak}
         if tool == "ours":
-            verify = subprocess.run([bc.python(), "-m", "megatron_ucp.cli", "verify", str(out), "--source", str(tag)],
-                                    capture_output=True, text=True, cwd=REPO_ROOT)
+            verify = subprocess.run(
+                [bc.python(), "-m", "megatron_ucp.cli", "verify", str(out), "--source", str(tag)],
+                capture_output=True,
+                text=True,
+                cwd=REPO_ROOT,
+            )
             result["verified"] = verify.returncode == 0
     except RuntimeError:
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
@@ -102,15 +119,23 @@ def median_run(results: list[dict]) -> dict:
     return {**ordered[len(ordered) // 2], "runs": len(results), "all_seconds": [r["seconds"] for r in results]}
 
 
-def bench_convert_at(spec: SyntheticSpec, tools: list[str], workers: int, scratch: Path,
-                     resume_to: list[int] = (), shares: list[int] = (), reps: int = 3, slow_reps: int = 1) -> dict:
+def bench_convert_at(
+    spec: SyntheticSpec,
+    tools: list[str],
+    workers: int,
+    scratch: Path,
+    resume_to: list[int] = (),
+    shares: list[int] = (),
+    reps: int = 3,
+    slow_reps: int = 1,
+) -> dict:
     root = scratch / f"ckpt-dp{spec.dp}"
     shutil.rmtree(root, ignore_errors=True)
     written = write_checkpoint(root, spec, progress=False)
     row = {"dp": spec.dp, "bytes": written.bytes, "files": written.files, "write_seconds": written.seconds}
     runs: dict[str, list[dict]] = {tool: [] for tool in tools}
     for rep in range(max(reps, slow_reps)):
-        order = tools[rep % len(tools):] + tools[:rep % len(tools)]  # rotated every repetition
+        order = tools[rep % len(tools) :] + tools[: rep % len(tools)]  # rotated every repetition
         for tool in order:
             if rep >= (slow_reps if tool in SLOW else reps) or any("crashed" in r for r in runs[tool]):
                 continue
@@ -123,8 +148,9 @@ def bench_convert_at(spec: SyntheticSpec, tools: list[str], workers: int, scratc
     if resume_to:
         universal = scratch / "resume-universal"
         bc.run_measured(tool_argv("ours", written.tag_dir, universal, workers)[0])
-        row["resume"] = resume_probe(spec, universal, resume_to) + resume_probe(spec, written.tag_dir, resume_to,
-                                                                                 native=True)
+        row["resume"] = resume_probe(spec, universal, resume_to) + resume_probe(
+            spec, written.tag_dir, resume_to, native=True
+        )
         shutil.rmtree(universal, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
     return row
@@ -146,10 +172,25 @@ def resume_probe(spec: SyntheticSpec, folder: Path, worlds: list[int], native: b
     for world in worlds:
         for rank in sampled_ranks(spec, world):
             bc.evict(folder)
-            out = subprocess.run([bc.python(), str(BENCH_DIR / "resume_probe.py"), str(folder), "--preset",
-                                  spec_preset(spec), "--world", str(world), "--rank", str(rank), "--seed",
-                                  str(spec.seed), *(["--native"] if native else [])],
-                                 capture_output=True, text=True, cwd=REPO_ROOT)
+            out = subprocess.run(
+                [
+                    bc.python(),
+                    str(BENCH_DIR / "resume_probe.py"),
+                    str(folder),
+                    "--preset",
+                    spec_preset(spec),
+                    "--world",
+                    str(world),
+                    "--rank",
+                    str(rank),
+                    "--seed",
+                    str(spec.seed),
+                    *(["--native"] if native else []),
+                ],
+                capture_output=True,
+                text=True,
+                cwd=REPO_ROOT,
+            )
             if out.returncode != 0 and not out.stdout.strip():
                 raise RuntimeError(f"resume probe W={world} r={rank} failed:\n{out.stderr[-2000:]}")
             row = json.loads(out.stdout.strip().splitlines()[-1])
@@ -166,10 +207,30 @@ def share_scaling(tag: Path, scratch: Path, counts: list[int]) -> list[dict]:
         shutil.rmtree(out, ignore_errors=True)
         bc.evict(tag)
         started = time.perf_counter()
-        procs = [subprocess.Popen([bc.python(), "-m", "megatron_ucp.cli", "-q", "convert", str(tag), "--output",
-                                   str(out), "--share", f"{i}/{n}", "--attempt-id", f"bench-{n}", "--no-latest",
-                                   "--no-progress"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE) for i in range(n)]
+        procs = [
+            subprocess.Popen(
+                [
+                    bc.python(),
+                    "-m",
+                    "megatron_ucp.cli",
+                    "-q",
+                    "convert",
+                    str(tag),
+                    "--output",
+                    str(out),
+                    "--share",
+                    f"{i}/{n}",
+                    "--attempt-id",
+                    f"bench-{n}",
+                    "--no-latest",
+                    "--no-progress",
+                ],
+                cwd=REPO_ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for i in range(n)
+        ]
         codes = [proc.wait() for proc in procs]
         rows.append({"shares": n, "seconds": time.perf_counter() - started, "ok": codes == [0] * n})
         print(f"  {n} share(s): {json.dumps(rows[-1])}", flush=True)
@@ -185,26 +246,55 @@ def metadata_probe(dp: int = 768) -> list[dict]:
     """Inspect and plan AuroraGPT-7B at ``dp`` from shapes alone, each in a fresh process."""
     out = []
     for optimizer in ("bf16", "zero"):
-        code = ("import json,time\n"
-                f"import sys; sys.path.insert(0, {str(BENCH_DIR)!r})\n"
-                "from resume_probe import peak_rss\n"
-                "t=time.perf_counter()\n"
-                "from megatron_ucp.plan.llama_shapes import preset\n"
-                "from megatron_ucp.synthetic.content import SyntheticSpec, rank_layouts\n"
-                "from megatron_ucp.plan.conversion import build_plan, check_plan\n"
-                f"s=SyntheticSpec(shape=preset('aurora-7b'),dp={dp},optimizer='{optimizer}',ds_version='0.16.2')\n"
-                "p=build_plan(s.groups(),rank_layouts(s)); check_plan(p)\n"
-                "print(json.dumps({'seconds':time.perf_counter()-t,'peak_rss':peak_rss()}))\n")
-        plan = json.loads(subprocess.run([bc.python(), "-c", code], capture_output=True, text=True, check=True,
-                                         cwd=REPO_ROOT).stdout.strip().splitlines()[-1])
+        code = (
+            "import json,time\n"
+            f"import sys; sys.path.insert(0, {str(BENCH_DIR)!r})\n"
+            "from resume_probe import peak_rss\n"
+            "t=time.perf_counter()\n"
+            "from megatron_ucp.plan.llama_shapes import preset\n"
+            "from megatron_ucp.synthetic.content import SyntheticSpec, rank_layouts\n"
+            "from megatron_ucp.plan.conversion import build_plan, check_plan\n"
+            f"s=SyntheticSpec(shape=preset('aurora-7b'),dp={dp},optimizer='{optimizer}',ds_version='0.16.2')\n"
+            "p=build_plan(s.groups(),rank_layouts(s)); check_plan(p)\n"
+            "print(json.dumps({'seconds':time.perf_counter()-t,'peak_rss':peak_rss()}))\n"
+        )
+        plan = json.loads(
+            subprocess.run([bc.python(), "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+            .stdout.strip()
+            .splitlines()[-1]
+        )
         groups = [sum(p.numel for p in g) for g in preset("aurora-7b").param_groups()]
         t0 = time.perf_counter()
-        inspect = subprocess.run([bc.python(), "-m", "megatron_ucp.cli", "inspect", "--group-numels",
-                                  ",".join(map(str, groups)), "--dp", str(dp), "--optimizer", optimizer,
-                                  "--ds-version", "0.16.2", "--target-dp", "1-1024"],
-                                 capture_output=True, text=True, cwd=REPO_ROOT)
-        out.append({"optimizer": optimizer, "dp": dp, "plan": plan, "inspect_seconds": time.perf_counter() - t0,
-                    "inspect_summary": inspect.stdout.strip().splitlines()[-1][:300]})
+        inspect = subprocess.run(
+            [
+                bc.python(),
+                "-m",
+                "megatron_ucp.cli",
+                "inspect",
+                "--group-numels",
+                ",".join(map(str, groups)),
+                "--dp",
+                str(dp),
+                "--optimizer",
+                optimizer,
+                "--ds-version",
+                "0.16.2",
+                "--target-dp",
+                "1-1024",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+        out.append(
+            {
+                "optimizer": optimizer,
+                "dp": dp,
+                "plan": plan,
+                "inspect_seconds": time.perf_counter() - t0,
+                "inspect_summary": inspect.stdout.strip().splitlines()[-1][:300],
+            }
+        )
         print(f"  7B DP {dp} {optimizer}: plan {plan}, inspect {out[-1]['inspect_seconds']:.2f} s", flush=True)
     return out
 
@@ -217,51 +307,85 @@ def _cell(result: dict, key: str = "seconds") -> str:
 
 def markdown(rows: list[dict], meta: list[dict], args: argparse.Namespace) -> str:
     tools = [t for t in TOOLS if t in args.tools]
-    lines = [f"Preset `{args.preset}` ({rows[0]['bytes'] / 1e9:.1f} GB per checkpoint), {args.optimizer}, "
-             f"DeepSpeed {args.ds_version} files ({args.flavour}), page cache dropped before each run, medians of "
-             f"{args.reps} runs (stock and ALCF: {args.slow_reps}), tools rotated; {bc.machine()['cores']} cores.",
-             "", "| DP | " + " | ".join(tools) + " | ours / copy floor | ours peak RSS |",
-             "|---|" + "---|" * (len(tools) + 2)]
+    lines = [
+        f"Preset `{args.preset}` ({rows[0]['bytes'] / 1e9:.1f} GB per checkpoint), {args.optimizer}, "
+        f"DeepSpeed {args.ds_version} files ({args.flavour}), page cache dropped before each run, medians of "
+        f"{args.reps} runs (stock and ALCF: {args.slow_reps}), tools rotated; {bc.machine()['cores']} cores.",
+        "",
+        "| DP | " + " | ".join(tools) + " | ours / copy floor | ours peak RSS |",
+        "|---|" + "---|" * (len(tools) + 2),
+    ]
     base = rows[0].get("ours", {}).get("seconds")
     for row in rows:
         ours, floor = row.get("ours", {}), row.get("cp+sync", {})
-        frac = (f"{floor['seconds'] / ours['seconds']:.0%} of floor speed"
-                if "seconds" in floor and "crashed" not in ours and "crashed" not in floor and "ours" in row else "-")
+        frac = (
+            f"{floor['seconds'] / ours['seconds']:.0%} of floor speed"
+            if "seconds" in floor and "crashed" not in ours and "crashed" not in floor and "ours" in row
+            else "-"
+        )
         rss = _cell(ours, "peak_rss") if "peak_rss" in ours else "-"
         lines.append(f"| {row['dp']} | " + " | ".join(_cell(row[t]) for t in tools) + f" | {frac} | {rss} |")
     if base:
-        lines += ["", "Ours against DP (time / time at DP " + str(rows[0]["dp"]) + "): "
-                  + ", ".join(f"DP {r['dp']} {r['ours']['seconds'] / base:.2f}x" for r in rows
-                              if "seconds" in r.get("ours", {}) and "crashed" not in r["ours"])]
+        lines += [
+            "",
+            "Ours against DP (time / time at DP "
+            + str(rows[0]["dp"])
+            + "): "
+            + ", ".join(
+                f"DP {r['dp']} {r['ours']['seconds'] / base:.2f}x"
+                for r in rows
+                if "seconds" in r.get("ours", {}) and "crashed" not in r["ours"]
+            ),
+        ]
     for row in rows:
         if row.get("shares"):
             one = row["shares"][0]["seconds"]
-            lines += ["", f"Conversion at DP {row['dp']} split over N converter processes (`--share I/N`, one output, each with the CLI's default of 1 writer thread):",
-                      "", "| N | wall | speed-up vs N=1 | all ok |", "|---|---|---|---|"]
-            lines += [f"| {r['shares']} | {r['seconds']:.1f} s | {one / r['seconds']:.2f}x | {r['ok']} |"
-                      for r in row["shares"]]
+            lines += [
+                "",
+                f"Conversion at DP {row['dp']} split over N converter processes (`--share I/N`, one output, "
+                "each with the CLI's default of 1 writer thread):",
+                "",
+                "| N | wall | speed-up vs N=1 | all ok |",
+                "|---|---|---|---|",
+            ]
+            lines += [
+                f"| {r['shares']} | {r['seconds']:.1f} s | {one / r['seconds']:.2f}x | {r['ok']} |"
+                for r in row["shares"]
+            ]
         if row.get("resume"):
-            lines += ["", f"Resume from DP {row['dp']} (universal: ours' universal folder; native: the native "
-                      "rank files, no universal folder), one process playing each rank, page cache dropped before "
-                      "each. Native: reading the facts (the model states' shapes, old rank 0's optimizer-level "
-                      "state), which only the first rank of a DP group does, once, is not in the rank's bytes; "
-                      "its own bytes are below the table.", "",
-                      "| route | DP to | rank | plan | load | read / share | share | peak RSS | bit-exact |",
-                      "|---|---|---|---|---|---|---|---|---|"]
-            lines += [f"| {r.get('route', 'universal')} | {r['world']} | {r['rank']} | "
-                      f"{r['plan_seconds'] * 1e3:.2f} ms | {r['load_seconds']:.2f} s | "
-                      f"{r['read_bytes'] / max(r['share_bytes'], 1):.2f}x | {r['share_bytes'] / 2**20:.1f} MiB | "
-                      f"{r['peak_rss'] / 2**20:.0f} MiB | {r['bit_exact']} |" for r in row["resume"]]
+            lines += [
+                "",
+                f"Resume from DP {row['dp']} (universal: ours' universal folder; native: the native "
+                "rank files, no universal folder), one process playing each rank, page cache dropped before "
+                "each. Native: reading the facts (the model states' shapes, old rank 0's optimizer-level "
+                "state), which only the first rank of a DP group does, once, is not in the rank's bytes; "
+                "its own bytes are below the table.",
+                "",
+                "| route | DP to | rank | plan | load | read / share | share | peak RSS | bit-exact |",
+                "|---|---|---|---|---|---|---|---|---|",
+            ]
+            lines += [
+                f"| {r.get('route', 'universal')} | {r['world']} | {r['rank']} | "
+                f"{r['plan_seconds'] * 1e3:.2f} ms | {r['load_seconds']:.2f} s | "
+                f"{r['read_bytes'] / max(r['share_bytes'], 1):.2f}x | {r['share_bytes'] / 2**20:.1f} MiB | "
+                f"{r['peak_rss'] / 2**20:.0f} MiB | {r['bit_exact']} |"
+                for r in row["resume"]
+            ]
             facts = [r["facts_read_bytes"] for r in row["resume"] if "facts_read_bytes" in r]
+            facts_s = [r["facts_seconds"] for r in row["resume"] if "facts_seconds" in r]
             if facts:
-                lines += ["", f"Native facts, read by the first rank only: {min(facts) / 2**20:.1f}-"
-                          f"{max(facts) / 2**20:.1f} MiB in {min(r['facts_seconds'] for r in row['resume'] if 'facts_seconds' in r):.2f}-"
-                          f"{max(r['facts_seconds'] for r in row['resume'] if 'facts_seconds' in r):.2f} s."]
+                lines += [
+                    "",
+                    f"Native facts, read by the first rank only: {min(facts) / 2**20:.1f}-"
+                    f"{max(facts) / 2**20:.1f} MiB in {min(facts_s):.2f}-{max(facts_s):.2f} s.",
+                ]
     if meta:
         lines += ["", "AuroraGPT-7B at DP 768 from metadata alone (no bytes on disk):", ""]
-        lines += [f"- {m['optimizer']}: plan built and checked in {m['plan']['seconds']:.2f} s, peak RSS "
-                  f"{m['plan']['peak_rss'] / 2**20:.0f} MiB; `inspect` {m['inspect_seconds']:.2f} s: {m['inspect_summary']}"
-                  for m in meta]
+        lines += [
+            f"- {m['optimizer']}: plan built and checked in {m['plan']['seconds']:.2f} s, peak RSS "
+            f"{m['plan']['peak_rss'] / 2**20:.0f} MiB; `inspect` {m['inspect_seconds']:.2f} s: {m['inspect_summary']}"
+            for m in meta
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -269,12 +393,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="llama-1b")
     parser.add_argument("--dp", default="8,64,256,768")
-    parser.add_argument("--optimizer", choices=["bf16", "zero"], default="zero",
-                        help="zero (default): the ALCF default at PP=1, which stock converts at 0.16.4+ files")
+    parser.add_argument(
+        "--optimizer",
+        choices=["bf16", "zero"],
+        default="zero",
+        help="zero (default): the ALCF default at PP=1, which stock converts at 0.16.4+ files",
+    )
     parser.add_argument("--ds-version", default="0.19.8")
-    parser.add_argument("--flavour", choices=["megatron", "plain"], default="megatron",
-                        help="megatron: what pretrain_gpt_alcf.py saves (stock 0.19.8's ds_to_universal dies on its "
-                        "nested module dict at the end, as on a real save); plain: a bare engine's files")
+    parser.add_argument(
+        "--flavour",
+        choices=["megatron", "plain"],
+        default="megatron",
+        help="megatron: what pretrain_gpt_alcf.py saves (stock 0.19.8's ds_to_universal dies on its "
+        "nested module dict at the end, as on a real save); plain: a bare engine's files",
+    )
     parser.add_argument("--tools", default=",".join(TOOLS))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--scratch", type=Path, default=None, help="where checkpoints go (default: a temp dir)")
@@ -282,8 +414,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--label", default="", help="appended to the results' file names")
     parser.add_argument("--reps", type=int, default=3, help="runs of ours and cp+sync per DP (median reported)")
     parser.add_argument("--slow-reps", type=int, default=1, help="runs of stock and the ALCF converter per DP")
-    parser.add_argument("--resume-to", default="384,767,1024,1536",
-                        help="DP sizes to resume the largest-DP checkpoint at ('' for none)")
+    parser.add_argument(
+        "--resume-to", default="384,767,1024,1536", help="DP sizes to resume the largest-DP checkpoint at ('' for none)"
+    )
     parser.add_argument("--shares", default="1,2,4", help="converter counts for the --share scaling ('' for none)")
     args = parser.parse_args(argv)
     args.tools = [t for t in args.tools.split(",") if t]
@@ -298,18 +431,37 @@ def main(argv: Optional[list[str]] = None) -> int:
     shares = [int(n) for n in args.shares.split(",") if n]
     try:
         for dp in sizes:
-            spec = SyntheticSpec(shape=preset(args.preset), dp=dp, optimizer=args.optimizer,
-                                 ds_version=args.ds_version, flavour=args.flavour)
+            spec = SyntheticSpec(
+                shape=preset(args.preset),
+                dp=dp,
+                optimizer=args.optimizer,
+                ds_version=args.ds_version,
+                flavour=args.flavour,
+            )
             last = dp == max(sizes)
-            rows.append(bench_convert_at(spec, args.tools, args.workers, scratch, resume_to if last else [],
-                                         shares if last else [], args.reps, args.slow_reps))
+            rows.append(
+                bench_convert_at(
+                    spec,
+                    args.tools,
+                    args.workers,
+                    scratch,
+                    resume_to if last else [],
+                    shares if last else [],
+                    args.reps,
+                    args.slow_reps,
+                )
+            )
     finally:
         if args.scratch is None:
             shutil.rmtree(scratch, ignore_errors=True)
     meta = [] if args.no_metadata else metadata_probe()
     results = BENCH_DIR / "results"
-    data = {"machine": bc.machine(), "args": {k: v for k, v in vars(args).items() if k != "scratch"},
-            "convert": rows, "metadata": meta}
+    data = {
+        "machine": bc.machine(),
+        "args": {k: v for k, v in vars(args).items() if k != "scratch"},
+        "convert": rows,
+        "metadata": meta,
+    }
     name = f"scale-{args.preset}-{args.flavour}" + (f"-{args.label}" if args.label else "")
     (results / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
     table = markdown(rows, meta, args)

@@ -1,4 +1,5 @@
-"""Every (TP, PP, DP) move of the README's tested-layout table, ours and stock DeepSpeed's, on the real Megatron-DeepSpeed.
+"""Every (TP, PP, DP) move of the README's tested-layout table, ours and stock DeepSpeed's, on the real
+Megatron-DeepSpeed.
 
 ::
 
@@ -16,6 +17,7 @@ Not a test (no assertion): ``tests/integration/test_model_parallel.py`` holds ou
 same moves. This measures stock beside it, which the tests check only where stock's outcome is the
 point. About 12 minutes on 2 cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +33,15 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from tests.integration.mds import (MdsModel, MdsRun, deepspeed_version, prepare_checkout, rank_env,  # noqa: E402
-                                   run_mds, snapshot_dir)
+from tests.integration.mds import (
+    MdsModel,
+    MdsRun,
+    deepspeed_version,
+    prepare_checkout,
+    rank_env,
+    run_mds,
+    snapshot_dir,
+)
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 SAME_PADDING = ("--make-vocab-size-divisible-by", "256")
@@ -56,9 +65,19 @@ class Layout:
         return f"({self.tp},{self.pp},{self.dp}) {model}{extra}"
 
     def run(self, ckpt: Path, **kw) -> MdsRun:
-        return MdsRun(nproc=self.tp * self.pp * self.dp, ckpt=ckpt, tp=self.tp, pp=self.pp, pipeline=self.pipeline,
-                      optimizer=self.optimizer, zero_stage=self.zero_stage, model=MdsModel(untied=self.untied),
-                      train_iters=6, save_interval=2, **kw)
+        return MdsRun(
+            nproc=self.tp * self.pp * self.dp,
+            ckpt=ckpt,
+            tp=self.tp,
+            pp=self.pp,
+            pipeline=self.pipeline,
+            optimizer=self.optimizer,
+            zero_stage=self.zero_stage,
+            model=MdsModel(untied=self.untied),
+            train_iters=6,
+            save_interval=2,
+            **kw,
+        )
 
 
 @dataclass(frozen=True)
@@ -85,8 +104,11 @@ MOVES = [
     Move("tp2-to-tp1", TP2, Layout(1, 1, 2, False)),
     Move("tp2-to-tp1-vocab-512-to-384", TP2, Layout(1, 1, 2, False), vocab_divisor="128"),
     Move("tp2-dp", TP2, Layout(2, 1, 1, False)),
-    Move("tp2-zero2-dp", Layout(2, 1, 2, False, optimizer="zero", zero_stage=2),
-         Layout(2, 1, 1, False, optimizer="zero", zero_stage=2)),
+    Move(
+        "tp2-zero2-dp",
+        Layout(2, 1, 2, False, optimizer="zero", zero_stage=2),
+        Layout(2, 1, 1, False, optimizer="zero", zero_stage=2),
+    ),
     Move("tied-pp2-dp", Layout(1, 2, 2, True, untied=False), Layout(1, 2, 1, True, untied=False)),
 ]
 _ERROR = re.compile(r"([A-Za-z_.]*(?:Error|Exception)): (.{0,160})")
@@ -125,24 +147,49 @@ def measure(co, work: Path, moves: list[Move]) -> list[dict]:
             trained[move.saved] = (root, res.losses)
         root, full = trained[move.saved]
         padding = ("--make-vocab-size-divisible-by", move.vocab_divisor)
-        ours = run_mds(co, move.resumed.run(_restart_copy(root, work / f"{move.name}-ours"), extra_args=padding,
-                                            expect_failure=True))
+        ours = run_mds(
+            co,
+            move.resumed.run(_restart_copy(root, work / f"{move.name}-ours"), extra_args=padding, expect_failure=True),
+        )
         stock_dir = _restart_copy(root, work / f"{move.name}-stock")
-        converted = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                                    str(stock_dir / "global_step4"), "--output_folder",
-                                    str(stock_dir / "global_step4_universal"), "--num_extract_workers", "1",
-                                    "--num_merge_workers", "1"], env=rank_env(), capture_output=True, text=True,
-                                   timeout=600)
+        converted = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(stock_dir / "global_step4"),
+                "--output_folder",
+                str(stock_dir / "global_step4_universal"),
+                "--num_extract_workers",
+                "1",
+                "--num_merge_workers",
+                "1",
+            ],
+            env=rank_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if converted.returncode != 0:
             stock = {"ok": False, "text": "ds_to_universal " + _first_error(converted.stdout + converted.stderr)}
         else:
             (stock_dir / "latest_universal").write_text("global_step4_universal")
-            res = run_mds(co, move.resumed.run(stock_dir, route="plain", expect_failure=True,
-                                               extra_args=(*padding, "--universal-checkpoint")))
+            res = run_mds(
+                co,
+                move.resumed.run(
+                    stock_dir, route="plain", expect_failure=True, extra_args=(*padding, "--universal-checkpoint")
+                ),
+            )
             stock = _outcome(res, full)
-        row = {"move": move.name, "saved": move.saved.describe(), "resumed": move.resumed.describe(),
-               "padded_vocab": f"512 -> {384 if move.vocab_divisor == '128' else 512}",
-               "ours": _outcome(ours, full), "stock": stock}
+        row = {
+            "move": move.name,
+            "saved": move.saved.describe(),
+            "resumed": move.resumed.describe(),
+            "padded_vocab": f"512 -> {384 if move.vocab_divisor == '128' else 512}",
+            "ours": _outcome(ours, full),
+            "stock": stock,
+        }
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -154,13 +201,19 @@ def _short(text: str) -> str:
 
 
 def markdown(rows: list[dict], version: str) -> str:
-    lines = [f"DeepSpeed {version}, argonne-lcf Megatron-DeepSpeed, CPU/gloo; max |loss - uninterrupted| over the two "
-             "resumed iterations (5, 6), restarting from iteration 4.", "",
-             "| saved (TP,PP,DP) | resumed (TP,PP,DP) | padded vocab | megatron-ucp (runner, no flag) | stock "
-             "(`ds_to_universal` + `--universal-checkpoint`) |", "|---|---|---|---|---|"]
+    lines = [
+        f"DeepSpeed {version}, argonne-lcf Megatron-DeepSpeed, CPU/gloo; max |loss - uninterrupted| over the two "
+        "resumed iterations (5, 6), restarting from iteration 4.",
+        "",
+        "| saved (TP,PP,DP) | resumed (TP,PP,DP) | padded vocab | megatron-ucp (runner, no flag) | stock "
+        "(`ds_to_universal` + `--universal-checkpoint`) |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['saved']} | {r['resumed']} | {r['padded_vocab']} | {r['ours']['text']} | "
-                     f"{_short(r['stock']['text'])} |")
+        lines.append(
+            f"| {r['saved']} | {r['resumed']} | {r['padded_vocab']} | {r['ours']['text']} | "
+            f"{_short(r['stock']['text'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,7 @@ written last; a folder without it is a failed build and is rebuilt. ::
     python benchmarks/make_checkpoint.py --list
     python benchmarks/make_checkpoint.py m100-dp8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,10 @@ class CkptSpec:
         return max(self.vocab * h, 4 * h * h)
 
     def describe(self) -> str:
-        return (f"{self.params / 1e6:.1f}M params (hidden {self.hidden}, {self.num_layers} layers, vocab "
-                f"{self.vocab}), DP={self.dp}")
+        return (
+            f"{self.params / 1e6:.1f}M params (hidden {self.hidden}, {self.num_layers} layers, vocab "
+            f"{self.vocab}), DP={self.dp}"
+        )
 
 
 def _spec(name: str, dp: int, hidden: int, layers: int, vocab: int) -> CkptSpec:
@@ -61,14 +64,17 @@ def _spec(name: str, dp: int, hidden: int, layers: int, vocab: int) -> CkptSpec:
 
 
 #: The checkpoints the benchmark knows. ``m100-dp8`` is the headline (~100M params, 1.4 GB).
-SPECS = {s.name: s for s in (
-    _spec("m100-dp8", 8, 768, 12, 10240),      # 100.6M params, ~1.4 GB
-    _spec("m100-dp4", 4, 768, 12, 10240),      # the same model at DP 4: the resume benchmark's same-DP baseline
-    _spec("m25-dp8", 8, 512, 6, 8192),         # 27.3M params: DP series and model-size series
-    _spec("m25-dp16", 16, 512, 6, 8192),
-    _spec("m25-dp32", 32, 512, 6, 8192),
-    _spec("m50-dp8", 8, 640, 9, 10240),        # 57.4M params: model-size series
-)}
+SPECS = {
+    s.name: s
+    for s in (
+        _spec("m100-dp8", 8, 768, 12, 10240),  # 100.6M params, ~1.4 GB
+        _spec("m100-dp4", 4, 768, 12, 10240),  # the same model at DP 4: the resume benchmark's same-DP baseline
+        _spec("m25-dp8", 8, 512, 6, 8192),  # 27.3M params: DP series and model-size series
+        _spec("m25-dp16", 16, 512, 6, 8192),
+        _spec("m25-dp32", 32, 512, 6, 8192),
+        _spec("m50-dp8", 8, 640, 9, 10240),  # 57.4M params: model-size series
+    )
+}
 
 
 def checkpoint_root(name: str) -> Path:
@@ -115,25 +121,47 @@ def build(spec: CkptSpec, timeout: float = 3600) -> Path:
     tmp = CACHE_DIR / f".{spec.name}.building"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
-    print(f"[make_checkpoint] building {spec.name}: {spec.describe()} ({spec.dp} DeepSpeed processes) ...",
-          flush=True)
+    print(f"[make_checkpoint] building {spec.name}: {spec.describe()} ({spec.dp} DeepSpeed processes) ...", flush=True)
     t0 = time.perf_counter()
-    res = run_training(TrainSpec(dp=spec.dp, optimizer="zero", zero_stage=1, steps=1, save_dir=tmp / "ckpt",
-                                 save_at=(1,), global_batch=spec.dp, hidden=spec.hidden,
-                                 num_layers=spec.num_layers, vocab=spec.vocab, seq=8, uc_info=True,
-                                 timeout=timeout))
+    res = run_training(
+        TrainSpec(
+            dp=spec.dp,
+            optimizer="zero",
+            zero_stage=1,
+            steps=1,
+            save_dir=tmp / "ckpt",
+            save_at=(1,),
+            global_batch=spec.dp,
+            hidden=spec.hidden,
+            num_layers=spec.num_layers,
+            vocab=spec.vocab,
+            seq=8,
+            uc_info=True,
+            timeout=timeout,
+        )
+    )
     ck = tmp / "ckpt"
     for entry in ck.iterdir():
         shutil.move(str(entry), str(tmp / entry.name))
     ck.rmdir()
-    info = {"cache_version": CACHE_VERSION, **asdict(spec), "params": spec.params, "tag": TAG,
-            "harness_sha1": harness_digest(),
-            "optimizer_class": res.optimizer_class, "ds_version": res.ds_version,
-            "bytes": folder_bytes(tmp / TAG), "build_seconds": round(time.perf_counter() - t0, 1)}
+    info = {
+        "cache_version": CACHE_VERSION,
+        **asdict(spec),
+        "params": spec.params,
+        "tag": TAG,
+        "harness_sha1": harness_digest(),
+        "optimizer_class": res.optimizer_class,
+        "ds_version": res.ds_version,
+        "bytes": folder_bytes(tmp / TAG),
+        "build_seconds": round(time.perf_counter() - t0, 1),
+    }
     (tmp / MARKER).write_text(json.dumps(info, indent=1))
     os.rename(tmp, root)
-    print(f"[make_checkpoint] {spec.name}: {info['bytes'] / 1e9:.2f} GB in {info['build_seconds']}s "
-          f"({res.optimizer_class}, DeepSpeed {res.ds_version})", flush=True)
+    print(
+        f"[make_checkpoint] {spec.name}: {info['bytes'] / 1e9:.2f} GB in {info['build_seconds']}s "
+        f"({res.optimizer_class}, DeepSpeed {res.ds_version})",
+        flush=True,
+    )
     return root
 
 
@@ -146,16 +174,16 @@ def synthesize(src_name: str, dp: int) -> str:
     source's flat order; the model-states file gets ``dp_world_size = dp``. Stock ``ds_to_universal``
     converts it like a real one (the benchmark checks our output against the source's tensors).
     """
-    import torch
     import deepspeed  # noqa: F401  (real DeepSpeed classes in the files we write)
+    import torch
     from deepspeed.utils.tensor_fragment import fragment_address
 
     sys.path.insert(0, str(REPO_ROOT))
-    from megatron_ucp.convert.writer import RankFileCache
     from megatron_ucp.convert.verify import assemble_state
-    from megatron_ucp.plan.geometry import GroupGeometry
-    from megatron_ucp.plan.conversion import build_plan
+    from megatron_ucp.convert.writer import RankFileCache
     from megatron_ucp.deepspeed.reader import read_checkpoint
+    from megatron_ucp.plan.conversion import build_plan
+    from megatron_ucp.plan.geometry import GroupGeometry
 
     name = f"{src_name}-as-dp{dp}"
     root = checkpoint_root(name)
@@ -180,7 +208,7 @@ def synthesize(src_name: str, dp: int) -> str:
             flat = torch.zeros(geo.padded_total, dtype=torch.float32)
             offset = 0
             for p in params:
-                flat[offset:offset + p.numel].copy_(assemble_state(p, state, cache).reshape(-1))
+                flat[offset : offset + p.numel].copy_(assemble_state(p, state, cache).reshape(-1))
                 offset += p.numel
             flats[state] = flat
         groups.append((g, params, geo, flats))
@@ -217,8 +245,14 @@ def synthesize(src_name: str, dp: int) -> str:
     torch.save(model, tmp / TAG / meta.files.model_states.name)
     (tmp / "latest").write_text(TAG)
     base = info(src_name)
-    data = {**base, "name": name, "dp": dp, "synthetic_from": src_name, "bytes": folder_bytes(tmp / TAG),
-            "build_seconds": round(time.perf_counter() - t0, 1)}
+    data = {
+        **base,
+        "name": name,
+        "dp": dp,
+        "synthetic_from": src_name,
+        "bytes": folder_bytes(tmp / TAG),
+        "build_seconds": round(time.perf_counter() - t0, 1),
+    }
     (tmp / MARKER).write_text(json.dumps(data, indent=1))
     shutil.rmtree(root, ignore_errors=True)
     os.rename(tmp, root)
@@ -234,8 +268,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help=f"checkpoints to build (default: all): {', '.join(SPECS)}")
     ap.add_argument("--list", action="store_true")
-    ap.add_argument("--synthesize", nargs=2, metavar=("SOURCE", "DP"),
-                    help="re-partition a built checkpoint to DP ranks without DeepSpeed (e.g. m25-dp8 768)")
+    ap.add_argument(
+        "--synthesize",
+        nargs=2,
+        metavar=("SOURCE", "DP"),
+        help="re-partition a built checkpoint to DP ranks without DeepSpeed (e.g. m25-dp8 768)",
+    )
     args = ap.parse_args(argv)
     if args.list:
         for spec in SPECS.values():

@@ -5,7 +5,8 @@ rank's fragments of every parameter (its partition of each group at DP ``W``: th
 per fragment and state the memory-mapped load of the state file (``load_torch_file``), the flat
 layout of the whole parameter (``state_layout``, kept vocabulary rows included), the runs
 (``slice_runs`` / ``runs_between``) and the copy (``gather``) into the rank's flat partition.
-and the hash of what landed (the accounting). Prints one JSON line: planning time, load time, bytes the kernel read from storage for this
+and the hash of what landed (the accounting). Prints one JSON line: planning time, load time, bytes the kernel read
+from storage for this
 process (``/proc/self/io`` ``read_bytes``: run it with the folder evicted from the page cache),
 the rank's share in bytes, peak RSS, and whether every copied partition equals the synthetic
 checkpoint's values at that place (``synthetic.values``: the source, independently of any file).
@@ -18,6 +19,7 @@ one all-reduce. ::
     python benchmarks/resume_probe.py UNIVERSAL_DIR --preset llama-1b --world 1024 --rank 511
     python benchmarks/resume_probe.py TAG_DIR --native --preset llama-1b --world 1024 --rank 511
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +35,10 @@ import torch  # noqa: E402
 
 from megatron_ucp.convert.universal import read_manifest  # noqa: E402
 from megatron_ucp.deepspeed.reader import load_torch_file  # noqa: E402
-from megatron_ucp.format.integrity import recorded_checksums  # noqa: E402
-from megatron_ucp.plan.accounting import checksum  # noqa: E402
 from megatron_ucp.format import dsformat as F  # noqa: E402
+from megatron_ucp.format.integrity import recorded_checksums  # noqa: E402
 from megatron_ucp.integration.state_layout import gather, state_layout, tensor_of  # noqa: E402
+from megatron_ucp.plan.accounting import checksum  # noqa: E402
 from megatron_ucp.plan.geometry import GroupGeometry  # noqa: E402
 from megatron_ucp.plan.llama_shapes import preset  # noqa: E402
 from megatron_ucp.plan.tensor_parallel import TpLayout, runs_between, slice_runs  # noqa: E402
@@ -92,8 +94,13 @@ def exact_against_source(args, copied) -> bool:
 
 
 def native(args) -> int:
-    from megatron_ucp.integration.native_reshard import (check_live_model, copy_partitions, open_source, read_facts,
-                                                         reshard_ledger)
+    from megatron_ucp.integration.native_reshard import (
+        check_live_model,
+        copy_partitions,
+        open_source,
+        read_facts,
+        reshard_ledger,
+    )
     from megatron_ucp.plan.geometry import at_dp
     from megatron_ucp.plan.reshard import reshard_reads, source_ranks
 
@@ -111,14 +118,21 @@ def native(args) -> int:
     io0 = read_bytes()
     t1 = time.perf_counter()
     new = [GroupGeometry(numel=sum(p.numel for p in g), dp=args.world) for g in groups]
-    geos = check_live_model(facts, [[p.name for p in g] for g in groups], [[p.shape for p in g] for g in groups],
-                            [g.partition_size for g in new], args.world, tag)
+    geos = check_live_model(
+        facts,
+        [[p.name for p in g] for g in groups],
+        [[p.shape for p in g] for g in groups],
+        [g.partition_size for g in new],
+        args.world,
+        tag,
+    )
     reads = reshard_reads(geos, args.world, args.rank)
     t_plan = time.perf_counter() - t1
     t2 = time.perf_counter()
     sources = {r: open_source(rank_file(r), r, facts, geos, reads) for r in source_ranks(reads)}
-    targets = [{state: torch.zeros(geo.partition_size) for state in ("fp32", *facts.states[g])}
-               for g, geo in enumerate(new)]
+    targets = [
+        {state: torch.zeros(geo.partition_size) for state in ("fp32", *facts.states[g])} for g, geo in enumerate(new)
+    ]
     ledger = reshard_ledger(facts)
     copy_partitions(facts, geos, reads, sources, args.rank, targets, ledger, ledger.new_table())
     t_load = time.perf_counter() - t2
@@ -127,11 +141,25 @@ def native(args) -> int:
     exact = exact_against_source(args, copied)
     share = sum(4 * geo.partition_size * len(targets[g]) for g, geo in enumerate(new))
     real = sum(geo.true_length(args.rank) for geo in new)
-    print(json.dumps({"route": "native", "world": args.world, "rank": args.rank, "facts_seconds": t_facts,
-                      "facts_read_bytes": facts_io,
-                      "plan_seconds": t_plan, "load_seconds": t_load, "read_bytes": io, "share_bytes": share,
-                      "real_elements": real, "old_files": len(sources), "peak_rss": peak_rss(),
-                      "bit_exact": exact}))
+    print(
+        json.dumps(
+            {
+                "route": "native",
+                "world": args.world,
+                "rank": args.rank,
+                "facts_seconds": t_facts,
+                "facts_read_bytes": facts_io,
+                "plan_seconds": t_plan,
+                "load_seconds": t_load,
+                "read_bytes": io,
+                "share_bytes": share,
+                "real_elements": real,
+                "old_files": len(sources),
+                "peak_rss": peak_rss(),
+                "bit_exact": exact,
+            }
+        )
+    )
     return 0 if exact else 1
 
 
@@ -182,10 +210,23 @@ def main(argv=None) -> int:
     io = read_bytes() - io0
     exact = exact_against_source(args, copied)
     real = sum(min(max(geo.numel - args.rank * geo.partition_size, 0), geo.partition_size) for geo, _ in plan)
-    print(json.dumps({"route": "universal", "world": args.world, "rank": args.rank, "plan_seconds": t_plan, "load_seconds": t_load,
-                      "read_bytes": io, "share_bytes": share, "real_elements": real,
-                      "fragments": sum(len(f) for _, f in plan),
-                      "peak_rss": peak_rss(), "bit_exact": exact}))
+    print(
+        json.dumps(
+            {
+                "route": "universal",
+                "world": args.world,
+                "rank": args.rank,
+                "plan_seconds": t_plan,
+                "load_seconds": t_load,
+                "read_bytes": io,
+                "share_bytes": share,
+                "real_elements": real,
+                "fragments": sum(len(f) for _, f in plan),
+                "peak_rss": peak_rss(),
+                "bit_exact": exact,
+            }
+        )
+    )
     return 0 if exact else 1
 
 

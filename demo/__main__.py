@@ -1,4 +1,5 @@
 """``python -m demo`` (what ``make demo`` runs)."""
+
 import sys
 
 from demo.walkthrough import main

@@ -5,6 +5,7 @@ MASTER_ADDR=127.0.0.1, a free MASTER_PORT, DS_ACCELERATOR=cpu and OMP_NUM_THREAD
 every rank goes to its own log file; when one rank fails, the others are stopped (they would
 otherwise wait in a collective forever).
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,21 +46,42 @@ class LaunchResult:
         return failed[0] if failed else None
 
 
-def rank_env(rank: int, world: int, port: int, base: Optional[Mapping[str, str]] = None,
-             extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+def rank_env(
+    rank: int,
+    world: int,
+    port: int,
+    base: Optional[Mapping[str, str]] = None,
+    extra: Optional[Mapping[str, str]] = None,
+) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
-    env.update({
-        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-    })
+    env.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     env.update(extra or {})
     return env
 
 
-def launch(argv: Sequence[str], nprocs: int, log_dir: Path, *, name: str = "run",
-           env: Optional[Mapping[str, str]] = None, cwd: Optional[Path] = None,
-           timeout: float = 900.0) -> LaunchResult:
+def launch(
+    argv: Sequence[str],
+    nprocs: int,
+    log_dir: Path,
+    *,
+    name: str = "run",
+    env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[Path] = None,
+    timeout: float = 900.0,
+) -> LaunchResult:
     """Run ``python argv...`` as ``nprocs`` ranks; wait for all; stop the rest when one fails."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -72,8 +94,15 @@ def launch(argv: Sequence[str], nprocs: int, log_dir: Path, *, name: str = "run"
         fh = open(path, "w")
         handles.append(fh)
         logs.append(path)
-        procs.append(subprocess.Popen([sys.executable, *argv], stdout=fh, stderr=subprocess.STDOUT,
-                                      env=rank_env(rank, nprocs, port, extra=env), cwd=cwd))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *argv],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=rank_env(rank, nprocs, port, extra=env),
+                cwd=cwd,
+            )
+        )
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -99,5 +128,6 @@ def launch(argv: Sequence[str], nprocs: int, log_dir: Path, *, name: str = "run"
                 p.wait()
         for fh in handles:
             fh.close()
-    return LaunchResult(returncodes=tuple(int(p.returncode) for p in procs), logs=tuple(logs),
-                        seconds=time.monotonic() - start)
+    return LaunchResult(
+        returncodes=tuple(int(p.returncode) for p in procs), logs=tuple(logs), seconds=time.monotonic() - start
+    )

@@ -27,6 +27,7 @@ Outputs in ``demo_output/``: ``losses.png`` (both curves), ``losses.csv``, ``sum
 rank's log under ``logs/``. The pure parts (log parsing, the table) are separate functions so that
 tests can check them without running anything.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,13 +51,43 @@ CPU_DEMO = REPO / "train_scripts" / "cpu_demo.sh"
 
 # The model of train_scripts/cpu_demo.sh, passed explicitly so the demo does not depend on its defaults.
 MODEL_ARGS = (
-    "--num-layers", "1", "--hidden-size", "3", "--num-attention-heads", "1", "--ffn-hidden-size", "32",
-    "--seq-length", "16", "--max-position-embeddings", "16",
-    "--normalization", "rmsnorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-    "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--standin-vocab-size", "32", "--make-vocab-size-divisible-by", "32",
-    "--micro-batch-size", "1", "--lr", "0.1", "--lr-decay-style", "linear", "--seed", "1234",
-    "--bf16", "--deepspeed", "--zero-stage", "1", "--no-pipeline-parallel",
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "3",
+    "--num-attention-heads",
+    "1",
+    "--ffn-hidden-size",
+    "32",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--normalization",
+    "rmsnorm",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--standin-vocab-size",
+    "32",
+    "--make-vocab-size-divisible-by",
+    "32",
+    "--micro-batch-size",
+    "1",
+    "--lr",
+    "0.1",
+    "--lr-decay-style",
+    "linear",
+    "--seed",
+    "1234",
+    "--bf16",
+    "--deepspeed",
+    "--zero-stage",
+    "1",
+    "--no-pipeline-parallel",
 )
 GLOBAL_BATCH = 12
 """Divisible by micro batch x DP for DP = 1, 2, 3, 4, 6, 12."""
@@ -68,6 +99,7 @@ _ERROR_RE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception
 # ================================================================================================
 # pure helpers
 # ================================================================================================
+
 
 def parse_losses(text: str) -> dict[int, float]:
     """``{iteration: lm loss}`` from a stand-in (or Megatron-like) log; the last line for an iteration wins."""
@@ -108,8 +140,10 @@ def format_table(rows: Sequence[Row], resume_at: int, dp_train: int, dp_resume: 
 
     head_ref = f"uninterrupted (DP={dp_train})"
     head_el = f"elastic (DP={dp_train}->{dp_resume})"
-    lines = [f"{'iter':>5} | {head_ref:>22} | {head_el:>22} | {'difference':>11}",
-             f"{'-' * 5}-+-{'-' * 22}-+-{'-' * 22}-+-{'-' * 11}"]
+    lines = [
+        f"{'iter':>5} | {head_ref:>22} | {head_el:>22} | {'difference':>11}",
+        f"{'-' * 5}-+-{'-' * 22}-+-{'-' * 22}-+-{'-' * 11}",
+    ]
     for row in rows:
         el = num(row.elastic) if row.iteration > resume_at else ("checkpoint" if row.iteration == resume_at else "")
         diff = f"{row.difference:+.2e}" if row.difference is not None and row.iteration > resume_at else ""
@@ -125,6 +159,7 @@ def max_abs_difference(rows: Sequence[Row], resume_at: int) -> Optional[float]:
 # ================================================================================================
 # running things
 # ================================================================================================
+
 
 @dataclass
 class Phase:
@@ -160,12 +195,26 @@ def _collect_errors(phase: Phase) -> None:
 
 def run_cpu_demo(phase: Phase, nproc: int, ucp: bool, args: Sequence[str], out: Path) -> Phase:
     """One training job through train_scripts/cpu_demo.sh (NPROC ranks on the CPU)."""
-    env = dict(os.environ, NPROC=str(nproc), UCP="1" if ucp else "0", PYTHON=sys.executable,
-               LOG_DIR=str(out / "logs"), RUN_NAME=phase.name, QUIET="1",
-               CKPT_DIR=str(out / "unused_ckpt"), DS_ACCELERATOR="cpu")
+    env = dict(
+        os.environ,
+        NPROC=str(nproc),
+        UCP="1" if ucp else "0",
+        PYTHON=sys.executable,
+        LOG_DIR=str(out / "logs"),
+        RUN_NAME=phase.name,
+        QUIET="1",
+        CKPT_DIR=str(out / "unused_ckpt"),
+        DS_ACCELERATOR="cpu",
+    )
     t0 = time.perf_counter()
-    proc = subprocess.run(["bash", str(CPU_DEMO), *MODEL_ARGS, *args], env=env, cwd=out,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(
+        ["bash", str(CPU_DEMO), *MODEL_ARGS, *args],
+        env=env,
+        cwd=out,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     phase.seconds = time.perf_counter() - t0
     phase.returncode = proc.returncode
     phase.logs = [out / "logs" / f"{phase.name}.rank{r}.log" for r in range(nproc)]
@@ -180,11 +229,25 @@ def run_stock_converter(phase: Phase, source: Path, output: Path, out: Path) -> 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log_path, "w") as fh:
-        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                               "--input_folder", str(source), "--output_folder", str(output),
-                               "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                              stdout=fh, stderr=subprocess.STDOUT, cwd=out,
-                              env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(source),
+                "--output_folder",
+                str(output),
+                "--num_extract_workers",
+                "1",
+                "--num_merge_workers",
+                "1",
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            cwd=out,
+            env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"),
+        )
     phase.seconds = time.perf_counter() - t0
     phase.returncode = proc.returncode
     phase.logs = [log_path]
@@ -210,14 +273,17 @@ def geometry_note(tag_dir: Path, dp_resume: int) -> list[str]:
     crash = stock_loader_crash_ranks(groups, dp_resume)
     for g, geo in enumerate(groups):
         if g in crash:
-            lines.append(f"param group {g}: {geo.numel} elements; at DP={dp_resume} ZeRO pads it to {geo.padded_total} "
-                         f"(alignment {geo.alignment}), {geo.partition_size} per rank: rank(s) "
-                         f"{', '.join(map(str, crash[g]))} hold only padding")
+            lines.append(
+                f"param group {g}: {geo.numel} elements; at DP={dp_resume} ZeRO pads it to {geo.padded_total} "
+                f"(alignment {geo.alignment}), {geo.partition_size} per rank: rank(s) "
+                f"{', '.join(map(str, crash[g]))} hold only padding"
+            )
     return lines
 
 
-def plot(rows: Sequence[Row], resume_at: int, dp_train: int, dp_resume: int, path: Path,
-         stock_lines: Sequence[str]) -> Optional[Path]:
+def plot(
+    rows: Sequence[Row], resume_at: int, dp_train: int, dp_resume: int, path: Path, stock_lines: Sequence[str]
+) -> Optional[Path]:
     try:
         import matplotlib
 
@@ -232,13 +298,27 @@ def plot(rows: Sequence[Row], resume_at: int, dp_train: int, dp_resume: int, pat
     fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
     ax.plot(*zip(*ref), "o-", color="tab:blue", label=f"uninterrupted, DP={dp_train}")
     if el:
-        ax.plot(*zip(*(start + el)), "s--", color="tab:orange",
-                label=f"megatron-ucp: resumed from iteration {resume_at} at DP={dp_resume}")
+        ax.plot(
+            *zip(*(start + el)),
+            "s--",
+            color="tab:orange",
+            label=f"megatron-ucp: resumed from iteration {resume_at} at DP={dp_resume}",
+        )
     ax.axvline(resume_at, color="gray", linestyle=":", linewidth=1)
     if stock_lines:
-        note = "\n".join(["stock DeepSpeed (no megatron-ucp), same checkpoint:", *(_wrap(l, 70) for l in stock_lines)])
-        ax.text(0.98, 0.97, note, transform=ax.transAxes, ha="right", va="top", fontsize=6.5, multialignment="left",
-                color="tab:red", bbox={"facecolor": "white", "edgecolor": "tab:red", "alpha": 0.9})
+        note = "\n".join(["stock DeepSpeed (no megatron-ucp), same checkpoint:", *(_wrap(x, 70) for x in stock_lines)])
+        ax.text(
+            0.98,
+            0.97,
+            note,
+            transform=ax.transAxes,
+            ha="right",
+            va="top",
+            fontsize=6.5,
+            multialignment="left",
+            color="tab:red",
+            bbox={"facecolor": "white", "edgecolor": "tab:red", "alpha": 0.9},
+        )
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("iteration")
     ax.set_ylabel("lm loss (global mean)")
@@ -261,13 +341,18 @@ def _wrap(text: str, width: int) -> str:
 # main
 # ================================================================================================
 
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--dp-train", type=int, default=4, help="DP size of the uninterrupted run (default 4)")
     p.add_argument("--dp-resume", type=int, default=3, help="DP size of the elastic resume (default 3)")
     p.add_argument("--iters", type=int, default=20, help="iterations K; the checkpoint is taken at K/2 (default 20)")
-    p.add_argument("--optimizer", choices=("BF16_Optimizer", "DeepSpeedZeroOptimizer"), default="BF16_Optimizer",
-                   help="DeepSpeed's ZeRO-1 bf16 optimizer (default BF16_Optimizer: data_types.grad_accum_dtype=fp32)")
+    p.add_argument(
+        "--optimizer",
+        choices=("BF16_Optimizer", "DeepSpeedZeroOptimizer"),
+        default="BF16_Optimizer",
+        help="DeepSpeed's ZeRO-1 bf16 optimizer (default BF16_Optimizer: data_types.grad_accum_dtype=fp32)",
+    )
     p.add_argument("--skip-stock", action="store_true", help="do not run the stock DeepSpeed attempts")
     p.add_argument("--output", type=Path, default=Path("demo_output"), help="output folder (replaced)")
     return p
@@ -296,30 +381,73 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     common = ("--train-iters", str(k), "--standin-zero-optimizer", args.optimizer)
     t_start = time.perf_counter()
 
-    log.info("megatron-ucp demo: tiny GPT (megatron-core, local spec), DeepSpeed ZeRO-1 bf16 (%s), CPU/gloo\n",
-             args.optimizer)
-    log.info("[1/3] uninterrupted run: DP=%d, %d iterations, saving at %d (megatron-ucp runner, async conversion)",
-             args.dp_train, k, half)
-    ref = run_cpu_demo(Phase("uninterrupted", f"uninterrupted DP={args.dp_train}"), args.dp_train, True,
-                       [*common, "--standin-grad-acc-steps", str(GLOBAL_BATCH // args.dp_train),
-                        "--save", str(ref_dir), "--load", str(ref_dir), "--save-interval", str(half),
-                        "--ucp-async-convert", "--ucp-no-record-true-lengths"], out)
+    log.info(
+        "megatron-ucp demo: tiny GPT (megatron-core, local spec), DeepSpeed ZeRO-1 bf16 (%s), CPU/gloo\n",
+        args.optimizer,
+    )
+    log.info(
+        "[1/3] uninterrupted run: DP=%d, %d iterations, saving at %d (megatron-ucp runner, async conversion)",
+        args.dp_train,
+        k,
+        half,
+    )
+    ref = run_cpu_demo(
+        Phase("uninterrupted", f"uninterrupted DP={args.dp_train}"),
+        args.dp_train,
+        True,
+        [
+            *common,
+            "--standin-grad-acc-steps",
+            str(GLOBAL_BATCH // args.dp_train),
+            "--save",
+            str(ref_dir),
+            "--load",
+            str(ref_dir),
+            "--save-interval",
+            str(half),
+            "--ucp-async-convert",
+            "--ucp-no-record-true-lengths",
+        ],
+        out,
+    )
     log.info("      %s in %.0fs", "done" if ref.ok else f"FAILED ({ref.error})", ref.seconds)
     if not ref.ok:
         log.error("the uninterrupted run failed; see %s", ref.logs[0])
         return 1
     twin = ref_dir / f"{tag}_universal"
     done = (twin / "ucp_manifest.json").is_file()
-    async_note = (f"async conversion wrote {twin.name} while training continued" if done
-                  else f"no {twin.name} after the run (async conversion not active in this build): "
-                       "the elastic load converts on demand")
+    async_note = (
+        f"async conversion wrote {twin.name} while training continued"
+        if done
+        else f"no {twin.name} after the run (async conversion not active in this build): "
+        "the elastic load converts on demand"
+    )
     log.info("      %s", async_note)
 
-    log.info("[2/3] elastic resume: %s at DP=%d through the megatron-ucp runner (no --universal-checkpoint, "
-             "no --global-batch-size)", tag, args.dp_resume)
-    el = run_cpu_demo(Phase("elastic", f"elastic DP={args.dp_train}->{args.dp_resume}"), args.dp_resume, True,
-                      [*common, "--load", str(ref_dir), "--load-tag", tag, "--save", str(el_dir),
-                       "--save-interval", str(half), "--ucp-async-convert"], out)
+    log.info(
+        "[2/3] elastic resume: %s at DP=%d through the megatron-ucp runner (no --universal-checkpoint, "
+        "no --global-batch-size)",
+        tag,
+        args.dp_resume,
+    )
+    el = run_cpu_demo(
+        Phase("elastic", f"elastic DP={args.dp_train}->{args.dp_resume}"),
+        args.dp_resume,
+        True,
+        [
+            *common,
+            "--load",
+            str(ref_dir),
+            "--load-tag",
+            tag,
+            "--save",
+            str(el_dir),
+            "--save-interval",
+            str(half),
+            "--ucp-async-convert",
+        ],
+        out,
+    )
     log.info("      %s in %.0fs", "done" if el.ok else f"FAILED ({el.error})", el.seconds)
     for line in el.rank0().splitlines():
         if line.startswith("megatron-ucp"):
@@ -328,12 +456,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stock: list[Phase] = []
     if not args.skip_stock:
         log.info("[3/3] stock DeepSpeed (no megatron-ucp) on the same checkpoint at DP=%d", args.dp_resume)
-        p = run_cpu_demo(Phase("stock_resume", "plain resume"), args.dp_resume, False,
-                         [*common, "--load", str(ref_dir), "--load-tag", tag], out)
+        p = run_cpu_demo(
+            Phase("stock_resume", "plain resume"),
+            args.dp_resume,
+            False,
+            [*common, "--load", str(ref_dir), "--load-tag", tag],
+            out,
+        )
         stock.append(p)
         log.info("      (a) plain resume: %s", _outcome(p))
-        conv = run_stock_converter(Phase("stock_ds_to_universal", "ds_to_universal"), ref_dir / tag,
-                                   stock_dir / f"{tag}_universal", out)
+        conv = run_stock_converter(
+            Phase("stock_ds_to_universal", "ds_to_universal"), ref_dir / tag, stock_dir / f"{tag}_universal", out
+        )
         stock.append(conv)
         log.info("      (b) ds_to_universal: %s", _outcome(conv))
         source = stock_dir if conv.ok else ref_dir if twin.is_dir() else None
@@ -341,9 +475,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if source is not None:
             what = "ds_to_universal's output" if conv.ok else "megatron-ucp's universal folder"
             for label, dp in (("(c)", args.dp_resume), ("(d)", args.dp_train)):
-                p = run_cpu_demo(Phase(f"stock_universal_dp{dp}", f"--universal-checkpoint at DP={dp}"), dp, False,
-                                 [*common, "--universal-checkpoint", "--load", str(source), "--load-tag",
-                                  f"{tag}_universal"], out)
+                p = run_cpu_demo(
+                    Phase(f"stock_universal_dp{dp}", f"--universal-checkpoint at DP={dp}"),
+                    dp,
+                    False,
+                    [*common, "--universal-checkpoint", "--load", str(source), "--load-tag", f"{tag}_universal"],
+                    out,
+                )
                 stock.append(p)
                 log.info("      %s --universal-checkpoint at DP=%d on %s: %s", label, dp, what, _outcome(p))
                 if not p.ok:
@@ -363,10 +501,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         writer = csv.writer(fh)
         writer.writerow(["iteration", f"uninterrupted_dp{args.dp_train}", f"elastic_dp{args.dp_resume}", "difference"])
         for r in rows:
-            writer.writerow([r.iteration, r.reference, r.elastic if r.iteration > half else None,
-                             r.difference if r.iteration > half else None])
-    png = plot(rows, half, args.dp_train, args.dp_resume, out / "losses.png",
-               [f"{p.title}: {_outcome(p)}" for p in stock if not p.ok])
+            writer.writerow(
+                [
+                    r.iteration,
+                    r.reference,
+                    r.elastic if r.iteration > half else None,
+                    r.difference if r.iteration > half else None,
+                ]
+            )
+    png = plot(
+        rows,
+        half,
+        args.dp_train,
+        args.dp_resume,
+        out / "losses.png",
+        [f"{p.title}: {_outcome(p)}" for p in stock if not p.ok],
+    )
 
     summary = [f"megatron-ucp demo ({time.perf_counter() - t_start:.0f}s)"]
     for p in stock:
@@ -374,8 +524,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for line in why:
         summary.append(f"    why: {line}")
     if el.ok and elastic:
-        summary.append(f"  megatron-ucp, {el.title}: resumed at iteration {half}, continued to {max(elastic)}; "
-                       f"max |loss difference| vs uninterrupted = {worst:.2e}" if worst is not None else "")
+        summary.append(
+            f"  megatron-ucp, {el.title}: resumed at iteration {half}, continued to {max(elastic)}; "
+            f"max |loss difference| vs uninterrupted = {worst:.2e}"
+            if worst is not None
+            else ""
+        )
     else:
         summary.append(f"  megatron-ucp, {el.title}: FAILED ({el.error}); see {el.logs[0] if el.logs else out}")
     summary.append(f"  {async_note}")

@@ -4,6 +4,7 @@
 elastic universal loading, optional background conversion); ``uninstall()`` reverts it.
 The converter, verifier and inspector are plain library functions behind the ``megatron-ucp`` CLI.
 """
+
 from __future__ import annotations
 
 from megatron_ucp.config import UcpConfig

@@ -5,6 +5,7 @@ validated in ``__post_init__``; every hook reads the same frozen object. The opt
 derived from the dataclass fields (:func:`option_specs`), so a new field gets its ``--ucp-*``
 option and its variable; :func:`build_settings` merges options over variables over defaults.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -101,6 +102,7 @@ NONE_WORD = {"keep_last": "all", "ranks_per_node": "auto"}
 # option table: every UcpConfig field, plus the runner's own settings
 # ================================================================================================
 
+
 @dataclass(frozen=True)
 class RunnerSettings:
     """What the runner itself does (not hooks): the DP-change adjustments of the script's argv."""
@@ -142,7 +144,7 @@ _HELP = {
     "elastic_resume": "on a DP change, load the universal twin <tag>_universal (converting it first if missing)",
     "strict": "fail a universal load that leaves any checkpoint tensor or optimizer state unaccounted for",
     "resume_route": "how a DP change loads: auto/reshard (straight from the native rank files; TP/PP changes go "
-                    "through the universal folder) or universal (always the universal twin, converted on demand)",
+    "through the universal folder) or universal (always the universal twin, converted on demand)",
     "async_convert": "convert every saved tag to the universal layout in the background",
     "keep_last": "keep at most N universal folders per checkpoint root ('all': keep every one)",
     "converter_workers": "worker processes per converter (one converter per node)",
@@ -197,6 +199,7 @@ def spec_by_option() -> dict[str, tuple[OptionSpec, Optional[bool]]]:
 # settings: options > MEGATRON_UCP_* environment > defaults (pure)
 # ================================================================================================
 
+
 def parse_value(spec: OptionSpec, raw: str, where: str) -> Any:
     text = raw.strip().lower()
     if spec.kind == "bool":
@@ -216,8 +219,9 @@ def parse_value(spec: OptionSpec, raw: str, where: str) -> Any:
     return raw
 
 
-def build_settings(options: Sequence[tuple[str, str]], env: Mapping[str, str]
-                   ) -> tuple[UcpConfig, RunnerSettings, tuple[str, ...]]:
+def build_settings(
+    options: Sequence[tuple[str, str]], env: Mapping[str, str]
+) -> tuple[UcpConfig, RunnerSettings, tuple[str, ...]]:
     """The config, the runner settings, and one line per value that differs from its default
     (saying where it came from), for the log."""
     specs = {s.name: s for s in option_specs()}
@@ -247,6 +251,9 @@ def config_env(config: UcpConfig) -> dict[str, str]:
         if spec.runner:
             continue
         value = getattr(config, spec.name)
-        out[spec.env] = ("1" if value else "0") if spec.kind == "bool" else (
-            NONE_WORD.get(spec.name, "none") if value is None else str(value))
+        out[spec.env] = (
+            ("1" if value else "0")
+            if spec.kind == "bool"
+            else (NONE_WORD.get(spec.name, "none") if value is None else str(value))
+        )
     return out

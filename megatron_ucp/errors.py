@@ -4,6 +4,7 @@ Every user-facing failure raises :class:`UcpError` (or a subclass) with a messag
 offending file, parameter or state and says what to do. The CLI turns it into one line on stderr
 and a non-zero exit; nothing is reported with ``assert``.
 """
+
 from __future__ import annotations
 
 from typing import Any

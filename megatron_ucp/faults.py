@@ -6,6 +6,7 @@ nothing unless ``MEGATRON_UCP_TEST_PAUSE`` is set to ``TAG:SECONDS:NODE[,...]``,
 tests do (the converter runs in its own process, so an environment variable is the way in).
 Each pause happens once per process and point.
 """
+
 from __future__ import annotations
 
 import logging

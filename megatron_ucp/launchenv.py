@@ -5,23 +5,48 @@ Slurm export, read by the runner (DP-change planning before the launch), the hoo
 per node), the distributed converter (rank and world size) and the background converter (which
 drops them from its own environment). Pure: functions take the environment as a mapping.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-RANK = (("RANK", "torchrun"), ("PMIX_RANK", "mpiexec (PMIx)"), ("PMI_RANK", "mpiexec (PMI)"),
-        ("PALS_RANKID", "mpiexec (PALS)"), ("OMPI_COMM_WORLD_RANK", "mpirun (Open MPI)"),
-        ("SLURM_PROCID", "srun (Slurm)"))
+RANK = (
+    ("RANK", "torchrun"),
+    ("PMIX_RANK", "mpiexec (PMIx)"),
+    ("PMI_RANK", "mpiexec (PMI)"),
+    ("PALS_RANKID", "mpiexec (PALS)"),
+    ("OMPI_COMM_WORLD_RANK", "mpirun (Open MPI)"),
+    ("SLURM_PROCID", "srun (Slurm)"),
+)
 """(variable, launcher) in the order they are believed."""
 WORLD_SIZE = ("WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
-LOCAL_RANK = ("LOCAL_RANK", "PALS_LOCAL_RANKID", "PMI_LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
-              "SLURM_LOCALID")
-LOCAL_SIZE = ("LOCAL_WORLD_SIZE", "PALS_LOCAL_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
-              "SLURM_NTASKS_PER_NODE")
-JOB_ID = ("TORCHELASTIC_RUN_ID", "PALS_APID", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "PBS_JOBID",
-          "SLURM_JOB_ID")
-PER_PROCESS = (*(name for name, _ in RANK), *WORLD_SIZE, *LOCAL_RANK, *LOCAL_SIZE, "GROUP_RANK", "ROLE_RANK",
-               "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+LOCAL_RANK = (
+    "LOCAL_RANK",
+    "PALS_LOCAL_RANKID",
+    "PMI_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "SLURM_LOCALID",
+)
+LOCAL_SIZE = (
+    "LOCAL_WORLD_SIZE",
+    "PALS_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "SLURM_NTASKS_PER_NODE",
+)
+JOB_ID = ("TORCHELASTIC_RUN_ID", "PALS_APID", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "PBS_JOBID", "SLURM_JOB_ID")
+PER_PROCESS = (
+    *(name for name, _ in RANK),
+    *WORLD_SIZE,
+    *LOCAL_RANK,
+    *LOCAL_SIZE,
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 """What describes one process of a job: a process spawned on its own (the background converter)
 must not inherit it, or it would take itself for a rank of the training job."""
 

@@ -1,5 +1,6 @@
 """``python -m megatron_ucp.run`` and ``from megatron_ucp.run import main``, as documented: the
 zero-edit runner. The code lives in :mod:`megatron_ucp.integration.run`."""
+
 import sys
 
 from megatron_ucp.integration.run import main

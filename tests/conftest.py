@@ -7,6 +7,7 @@
 * ``legacy_fixture(name) -> LegacyFixture``: the committed DeepSpeed 0.16.2 checkpoints
   (``"bf16_optimizer"``, ``"zero_optimizer"``) with their reference dumps. Read-only as well.
 """
+
 from __future__ import annotations
 
 import os

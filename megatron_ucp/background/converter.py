@@ -23,6 +23,7 @@ verifies the folder (read-back of every file), moves ``latest_universal`` and ap
 exit. Decisions are the pure functions of :mod:`megatron_ucp.background.queue`; this module only
 gathers facts and executes them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,13 +42,35 @@ from typing import Any, Optional, Sequence
 
 from megatron_ucp import faults
 from megatron_ucp.background import queue as B
-from megatron_ucp.background.store import (NICE_INCREMENT, POLL_S, PROGRESS_DIR, STALE_AFTER_S, ConverterSettings,
-                                           QueueLock, advance_locked, job_facts, quick_json, read_queue,
-                                           read_registrations, record_event, register, registration_path, twin_path,
-                                           ucp_dir, unregister, write_queue)
+from megatron_ucp.background.store import (
+    NICE_INCREMENT,
+    POLL_S,
+    PROGRESS_DIR,
+    STALE_AFTER_S,
+    ConverterSettings,
+    QueueLock,
+    advance_locked,
+    job_facts,
+    quick_json,
+    read_queue,
+    read_registrations,
+    record_event,
+    register,
+    registration_path,
+    twin_path,
+    ucp_dir,
+    unregister,
+    write_queue,
+)
 from megatron_ucp.convert.execute import ConvertOptions, convert
-from megatron_ucp.convert.universal import (COMPLETE, ConversionInProgress, inspect_staging, latest_universal_target,
-                                            move_latest_universal, universal_state)
+from megatron_ucp.convert.universal import (
+    COMPLETE,
+    ConversionInProgress,
+    inspect_staging,
+    latest_universal_target,
+    move_latest_universal,
+    universal_state,
+)
 from megatron_ucp.errors import OutputExistsError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
@@ -86,6 +109,7 @@ sleep after its first parameter (so a test can kill it mid-way, or order events,
 # ================================================================================================
 # the converter process
 # ================================================================================================
+
 
 def lower_priority(nice: int) -> str:
     """Lowest best-effort I/O class level and ``nice``: training and data loading come first.
@@ -184,16 +208,22 @@ class Converter:
                 while True:
                     with QueueLock(self.root, timeout=60.0):
                         state = read_queue(self.root)
-                        state, job, events = advance_locked(self.root, state, self.settings, time.time(),
-                                                             redo_dead=False)
+                        state, job, events = advance_locked(
+                            self.root, state, self.settings, time.time(), redo_dead=False
+                        )
                         write_queue(self.root, state, events)
                         if job is None:
                             unregister(self.root, self.node, self.pid)
                             log.info("queue empty; converter of node %d exits", self.node)
                             return 0
                         share = self.node if self.node < job.share_count else None
-                        register(self.root, self.node, self.pid, "converting" if share is not None else "waiting",
-                                  job.attempt)
+                        register(
+                            self.root,
+                            self.node,
+                            self.pid,
+                            "converting" if share is not None else "waiting",
+                            job.attempt,
+                        )
                     for event in events:
                         log.info("%s", event.line())
                     if share is not None:
@@ -214,25 +244,48 @@ class Converter:
         handler = logging.FileHandler(log_path)
         handler.setFormatter(logging.Formatter(_LOG_FORMAT))
         logging.getLogger().addHandler(handler)
-        progress = _Progress(ucp_dir(self.root) / PROGRESS_DIR / f"{job.tag}.node{share}.json", job.attempt, job.tag,
-                             self.node)
+        progress = _Progress(
+            ucp_dir(self.root) / PROGRESS_DIR / f"{job.tag}.node{share}.json", job.attempt, job.tag, self.node
+        )
         t0 = time.perf_counter()
         try:
-            log.info("converting %s, share %d of %d (attempt %s, %d worker(s))", job.tag, share + 1,
-                     job.share_count, job.attempt, self.settings.workers)
-            result = convert(ConvertOptions(
-                source=self.root / job.tag, output=output, workers=self.settings.workers,
-                force=False, replace_stale=True, update_latest=False, share_index=share,
-                share_count=job.share_count, attempt_id=job.attempt, progress=False,
-                stale_after=self.settings.stale_after, on_progress=progress))
+            log.info(
+                "converting %s, share %d of %d (attempt %s, %d worker(s))",
+                job.tag,
+                share + 1,
+                job.share_count,
+                job.attempt,
+                self.settings.workers,
+            )
+            result = convert(
+                ConvertOptions(
+                    source=self.root / job.tag,
+                    output=output,
+                    workers=self.settings.workers,
+                    force=False,
+                    replace_stale=True,
+                    update_latest=False,
+                    share_index=share,
+                    share_count=job.share_count,
+                    attempt_id=job.attempt,
+                    progress=False,
+                    stale_after=self.settings.stale_after,
+                    on_progress=progress,
+                )
+            )
             log.info("%s", result.summary)
             if result.committed:
                 self._finish(job, output, log_path, time.perf_counter() - t0)
         except Terminated as exc:  # say so before the process ends (the queue would only see it die)
-            record_event(self.root, job.tag, B.EventKind.INTERRUPTED,
-                    f"converter pid {os.getpid()} on {socket.gethostname()} stopped by {exc}; the next save, "
-                    f"resume or `megatron-ucp convert {self.root} --tag {job.tag}` completes it",
-                    attempt=job.attempt, log=str(log_path))
+            record_event(
+                self.root,
+                job.tag,
+                B.EventKind.INTERRUPTED,
+                f"converter pid {os.getpid()} on {socket.gethostname()} stopped by {exc}; the next save, "
+                f"resume or `megatron-ucp convert {self.root} --tag {job.tag}` completes it",
+                attempt=job.attempt,
+                log=str(log_path),
+            )
             raise
         except ConversionInProgress as exc:
             log.warning("%s; waiting for that converter instead", exc)
@@ -241,8 +294,14 @@ class Converter:
                 record_event(self.root, job.tag, B.EventKind.FAILED, str(exc), attempt=job.attempt, log=str(log_path))
         except Exception as exc:  # the conversion failed: loud in the logs, harmless to training
             log.exception("conversion of %s failed", job.tag)
-            record_event(self.root, job.tag, B.EventKind.FAILED, f"{type(exc).__name__}: {exc}", attempt=job.attempt,
-                    log=str(log_path))
+            record_event(
+                self.root,
+                job.tag,
+                B.EventKind.FAILED,
+                f"{type(exc).__name__}: {exc}",
+                attempt=job.attempt,
+                log=str(log_path),
+            )
         finally:
             progress.remove()
             logging.getLogger().removeHandler(handler)
@@ -262,14 +321,27 @@ class Converter:
         if report is None or not report.ok:
             rejected = output.with_name(f".{output.name}.ucp-rejected-{int(time.time())}")
             os.rename(output, rejected)
-            record_event(self.root, job.tag, B.EventKind.REJECTED,
-                    f"read-back verification failed ({len(problems)} problem(s); first: {problems[0]}); "
-                    f"moved to {rejected.name}, latest_universal unchanged", attempt=job.attempt, log=str(log_path))
+            record_event(
+                self.root,
+                job.tag,
+                B.EventKind.REJECTED,
+                f"read-back verification failed ({len(problems)} problem(s); first: {problems[0]}); "
+                f"moved to {rejected.name}, latest_universal unchanged",
+                attempt=job.attempt,
+                log=str(log_path),
+            )
             return
         moved = move_latest_universal(self.root, output)
-        record_event(self.root, job.tag, B.EventKind.COMPLETE,
-                f"converted and verified ({report.params} params, {report.state_files} files) in "
-                f"{B.fmt_seconds(seconds)}; {moved}", attempt=job.attempt, log=str(log_path), seconds=round(seconds, 3))
+        record_event(
+            self.root,
+            job.tag,
+            B.EventKind.COMPLETE,
+            f"converted and verified ({report.params} params, {report.state_files} files) in "
+            f"{B.fmt_seconds(seconds)}; {moved}",
+            attempt=job.attempt,
+            log=str(log_path),
+            seconds=round(seconds, 3),
+        )
         self._retention()
 
     def _retention(self) -> None:
@@ -280,9 +352,11 @@ class Converter:
         state = read_queue(self.root)
         protected = {current[0]} if current else set()
         protected |= {F.universal_tag(j.tag) for j in (state.active, state.pending) if j is not None}
-        folders = [(p.name, (p / F.MANIFEST_FILE).stat().st_mtime) for p in sorted(self.root.iterdir())
-                   if p.name.endswith(F.UNIVERSAL_SUFFIX) and not p.name.startswith(".")
-                   and universal_state(p) == COMPLETE]
+        folders = [
+            (p.name, (p / F.MANIFEST_FILE).stat().st_mtime)
+            for p in sorted(self.root.iterdir())
+            if p.name.endswith(F.UNIVERSAL_SUFFIX) and not p.name.startswith(".") and universal_state(p) == COMPLETE
+        ]
         for name in B.select_for_removal(folders, keep, protected):
             path = self.root / name
             try:
@@ -290,8 +364,12 @@ class Converter:
             except OSError as exc:
                 log.warning("retention: could not remove %s: %s", path, exc)
                 continue
-            record_event(self.root, name[:-len(F.UNIVERSAL_SUFFIX)], B.EventKind.REMOVED,
-                    f"retention (keep_last={keep}) removed {name}")
+            record_event(
+                self.root,
+                name[: -len(F.UNIVERSAL_SUFFIX)],
+                B.EventKind.REMOVED,
+                f"retention (keep_last={keep}) removed {name}",
+            )
 
     def _wait_settled(self, job: B.Job) -> None:
         """Until the job is complete, failed or dead on every node: one conversion at a time per root."""
@@ -312,8 +390,7 @@ def run_converter(root: Path, node: int, nodes: int, settings: ConverterSettings
     priority = lower_priority(settings.nice)
     # No torch here: the converter reads and writes torch files without it (OMP_NUM_THREADS, set by
     # converter_env, bounds torch's threads where a rare fallback imports it).
-    log.info("converter of node %d/%d for %s: priority %s, %d worker(s)", node, nodes, root, priority,
-             settings.workers)
+    log.info("converter of node %d/%d for %s: priority %s, %d worker(s)", node, nodes, root, priority, settings.workers)
     return Converter(root, node, nodes, settings).run()
 
 
@@ -332,8 +409,10 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_ucp.background.converter",
-                                description="Background converter of one node (started by the async trigger).")
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_ucp.background.converter",
+        description="Background converter of one node (started by the async trigger).",
+    )
     p.add_argument("--root", type=Path, required=True)
     p.add_argument("--node", type=int, required=True)
     p.add_argument("--nodes", type=int, required=True)
@@ -346,8 +425,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT, stream=sys.stdout)
     signal.signal(signal.SIGTERM, _terminate)  # run finally blocks: record, unregister, stop heartbeats
-    settings = ConverterSettings(workers=args.workers, threads=args.threads, keep_last=args.keep_last,
-                                 stale_after=args.stale_after, nice=args.nice, job_id=args.job_id)
+    settings = ConverterSettings(
+        workers=args.workers,
+        threads=args.threads,
+        keep_last=args.keep_last,
+        stale_after=args.stale_after,
+        nice=args.nice,
+        job_id=args.job_id,
+    )
     try:
         return run_converter(args.root, args.node, args.nodes, settings)
     except Exception:

@@ -12,6 +12,7 @@ reported as skipped: the newest pending tag wins. Whoever comes first after the 
 settled (complete, failed, or dead) activates the pending one, under the lock, so every node's
 converter works on the same tag with the same attempt id.
 """
+
 from __future__ import annotations
 
 import enum
@@ -69,16 +70,27 @@ class Job:
             raise UcpError(f"job {self.tag}: share_count must be >= 1, got {self.share_count}", subject=self)
 
     def to_json(self) -> dict[str, Any]:
-        return {"tag": self.tag, "share_count": self.share_count, "requested": self.requested,
-                "attempt": self.attempt, "activated": self.activated, "tries": self.tries}
+        return {
+            "tag": self.tag,
+            "share_count": self.share_count,
+            "requested": self.requested,
+            "attempt": self.attempt,
+            "activated": self.activated,
+            "tries": self.tries,
+        }
 
     @classmethod
     def from_json(cls, data: Optional[dict]) -> Optional["Job"]:
         if not data:
             return None
-        return cls(tag=str(data["tag"]), share_count=int(data.get("share_count", 1)),
-                   requested=float(data.get("requested", 0.0)), attempt=data.get("attempt"),
-                   activated=data.get("activated"), tries=int(data.get("tries", 0)))
+        return cls(
+            tag=str(data["tag"]),
+            share_count=int(data.get("share_count", 1)),
+            requested=float(data.get("requested", 0.0)),
+            attempt=data.get("attempt"),
+            activated=data.get("activated"),
+            tries=int(data.get("tries", 0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -93,8 +105,16 @@ class Event:
     seconds: Optional[float] = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"seq": self.seq, "time": self.time, "tag": self.tag, "kind": self.kind.value,
-                "message": self.message, "attempt": self.attempt, "log": self.log, "seconds": self.seconds}
+        return {
+            "seq": self.seq,
+            "time": self.time,
+            "tag": self.tag,
+            "kind": self.kind.value,
+            "message": self.message,
+            "attempt": self.attempt,
+            "log": self.log,
+            "seconds": self.seconds,
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> Optional["Event"]:
@@ -102,9 +122,16 @@ class Event:
             kind = EventKind(data["kind"])
         except (KeyError, ValueError):
             return None  # a newer megatron-ucp's event kind: ignored, never fatal
-        return cls(seq=int(data["seq"]), time=float(data.get("time", 0.0)), tag=str(data.get("tag", "")), kind=kind,
-                   message=str(data.get("message", "")), attempt=data.get("attempt"), log=data.get("log"),
-                   seconds=data.get("seconds"))
+        return cls(
+            seq=int(data["seq"]),
+            time=float(data.get("time", 0.0)),
+            tag=str(data.get("tag", "")),
+            kind=kind,
+            message=str(data.get("message", "")),
+            attempt=data.get("attempt"),
+            log=data.get("log"),
+            seconds=data.get("seconds"),
+        )
 
     def line(self) -> str:
         extra = f" (log: {self.log})" if self.log else ""
@@ -121,11 +148,15 @@ class QueueState:
     """Events up to this seq were reported in the training log."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": QUEUE_FORMAT, "version": QUEUE_VERSION,
-                "active": self.active.to_json() if self.active else None,
-                "pending": self.pending.to_json() if self.pending else None,
-                "events": [e.to_json() for e in self.events], "next_seq": self.next_seq,
-                "reported_seq": self.reported_seq}
+        return {
+            "format": QUEUE_FORMAT,
+            "version": QUEUE_VERSION,
+            "active": self.active.to_json() if self.active else None,
+            "pending": self.pending.to_json() if self.pending else None,
+            "events": [e.to_json() for e in self.events],
+            "next_seq": self.next_seq,
+            "reported_seq": self.reported_seq,
+        }
 
     @classmethod
     def from_json(cls, data: Optional[dict]) -> "QueueState":
@@ -133,9 +164,13 @@ class QueueState:
         if not isinstance(data, dict) or data.get("format") != QUEUE_FORMAT:
             return cls()
         events = tuple(e for e in (Event.from_json(d) for d in data.get("events") or ()) if e is not None)
-        return cls(active=Job.from_json(data.get("active")), pending=Job.from_json(data.get("pending")),
-                   events=events, next_seq=int(data.get("next_seq", 1)),
-                   reported_seq=int(data.get("reported_seq", 0)))
+        return cls(
+            active=Job.from_json(data.get("active")),
+            pending=Job.from_json(data.get("pending")),
+            events=events,
+            next_seq=int(data.get("next_seq", 1)),
+            reported_seq=int(data.get("reported_seq", 0)),
+        )
 
     def add(self, tag: str, kind: EventKind, message: str, now: float, **extra: Any) -> tuple["QueueState", Event]:
         event = Event(seq=self.next_seq, time=now, tag=tag, kind=kind, message=message, **extra)
@@ -167,6 +202,7 @@ class QueueState:
 # ------------------------------------------------------------------------------------------------
 # liveness of the active job
 # ------------------------------------------------------------------------------------------------
+
 
 class Outcome(str, enum.Enum):
     RUNNING = "running"
@@ -215,8 +251,10 @@ def judge(state: QueueState, job: Job, facts: JobFacts, now: float, grace: float
 # queue transitions
 # ------------------------------------------------------------------------------------------------
 
-def request(state: QueueState, tag: str, share_count: int, now: float,
-            already_complete: bool = False) -> tuple[QueueState, list[Event]]:
+
+def request(
+    state: QueueState, tag: str, share_count: int, now: float, already_complete: bool = False
+) -> tuple[QueueState, list[Event]]:
     """A save of ``tag`` finished: make it the pending job (the newest wins; a replaced one is skipped).
 
     Idempotent: every node's trigger requests the same tag after the same save.
@@ -230,15 +268,24 @@ def request(state: QueueState, tag: str, share_count: int, now: float,
         return state, []
     events: list[Event] = []
     if pending is not None:
-        state, event = state.add(pending.tag, EventKind.SKIPPED,
-                                 f"not converted: {tag} was saved before its conversion could start "
-                                 "(saves come faster than conversions; the newest wins)", now)
+        state, event = state.add(
+            pending.tag,
+            EventKind.SKIPPED,
+            f"not converted: {tag} was saved before its conversion could start "
+            "(saves come faster than conversions; the newest wins)",
+            now,
+        )
         events.append(event)
     return replace(state, pending=Job(tag=tag, share_count=share_count, requested=now)), events
 
 
-def advance(state: QueueState, outcome: Optional[Outcome], now: float, make_attempt: Callable[[Job], str],
-            redo_dead: bool = True) -> tuple[QueueState, Optional[Job], list[Event]]:
+def advance(
+    state: QueueState,
+    outcome: Optional[Outcome],
+    now: float,
+    make_attempt: Callable[[Job], str],
+    redo_dead: bool = True,
+) -> tuple[QueueState, Optional[Job], list[Event]]:
     """Settle the active job if ``outcome`` says so and activate the next one; returns the job to work on.
 
     ``outcome`` is :func:`judge`'s verdict on ``state.active`` (None when there is none). A running
@@ -264,17 +311,23 @@ def advance(state: QueueState, outcome: Optional[Outcome], now: float, make_atte
             else:
                 what = "converting it again"
                 redo = active
-            state, event = state.add(active.tag, EventKind.INTERRUPTED,
-                                     f"every converter of attempt {active.attempt} stopped before it committed; "
-                                     f"{what}", now, attempt=active.attempt)
+            state, event = state.add(
+                active.tag,
+                EventKind.INTERRUPTED,
+                f"every converter of attempt {active.attempt} stopped before it committed; {what}",
+                now,
+                attempt=active.attempt,
+            )
             events.append(event)
         elif outcome is Outcome.COMPLETE and state.settled_by(active.attempt) is None:
-            state, event = state.add(active.tag, EventKind.COMPLETE, "committed (by another converter)", now,
-                                     attempt=active.attempt)
+            state, event = state.add(
+                active.tag, EventKind.COMPLETE, "committed (by another converter)", now, attempt=active.attempt
+            )
             events.append(event)
         elif outcome is Outcome.FAILED and state.settled_by(active.attempt) is None:
-            state, event = state.add(active.tag, EventKind.FAILED, "a share of the conversion failed", now,
-                                     attempt=active.attempt)
+            state, event = state.add(
+                active.tag, EventKind.FAILED, "a share of the conversion failed", now, attempt=active.attempt
+            )
             events.append(event)
         state = replace(state, active=None)
     nxt = state.pending if state.pending is not None else redo
@@ -299,6 +352,7 @@ def attempt_id(tag: str, job_id: str, tries: int, now: float) -> str:
 # nodes
 # ------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class NodeAssignment:
     node: int
@@ -308,8 +362,13 @@ class NodeAssignment:
     note: str = ""
 
 
-def node_assignment(rank: int, world: int, local_rank: Optional[int] = None, local_world: Optional[int] = None,
-                    ranks_per_node: Optional[int] = None) -> NodeAssignment:
+def node_assignment(
+    rank: int,
+    world: int,
+    local_rank: Optional[int] = None,
+    local_world: Optional[int] = None,
+    ranks_per_node: Optional[int] = None,
+) -> NodeAssignment:
     """Which node this rank is on, how many nodes there are, and whether it launches the converter.
 
     ``ranks_per_node`` (config) wins; else ``LOCAL_WORLD_SIZE``/``LOCAL_RANK``. Ranks are assumed
@@ -322,12 +381,14 @@ def node_assignment(rank: int, world: int, local_rank: Optional[int] = None, loc
     if per is None or per < 1:
         return NodeAssignment(0, 1, rank == 0, "node size unknown: one converter (rank 0)")
     if world % per:
-        return NodeAssignment(0, 1, rank == 0, f"world {world} is not a multiple of {per} ranks per node: "
-                                               "one converter (rank 0)")
+        return NodeAssignment(
+            0, 1, rank == 0, f"world {world} is not a multiple of {per} ranks per node: one converter (rank 0)"
+        )
     local = local_rank if ranks_per_node is None and local_rank is not None else rank % per
     if local != rank % per:
-        return NodeAssignment(0, 1, rank == 0, f"LOCAL_RANK {local} does not match rank {rank} in blocks of "
-                                               f"{per}: one converter (rank 0)")
+        return NodeAssignment(
+            0, 1, rank == 0, f"LOCAL_RANK {local} does not match rank {rank} in blocks of {per}: one converter (rank 0)"
+        )
     return NodeAssignment(rank // per, world // per, local == 0)
 
 
@@ -335,8 +396,10 @@ def node_assignment(rank: int, world: int, local_rank: Optional[int] = None, loc
 # tag order, latest_universal, retention
 # ------------------------------------------------------------------------------------------------
 
-def select_for_removal(folders: Sequence[tuple[str, float]], keep_last: Optional[int],
-                       protected: Iterable[str]) -> list[str]:
+
+def select_for_removal(
+    folders: Sequence[tuple[str, float]], keep_last: Optional[int], protected: Iterable[str]
+) -> list[str]:
     """Which complete universal folders retention deletes: all but the newest ``keep_last``.
 
     ``folders`` are (name, mtime) of complete megatron-ucp universal folders only (never native

@@ -6,6 +6,7 @@ heartbeats, progress files) and the model states (DP size). :func:`classify` tur
 one tag into its universal state without I/O, so the precedence is tested on its own:
 complete > foreign > in progress > pending > failed > interrupted > skipped > removed > absent.
 """
+
 from __future__ import annotations
 
 import enum
@@ -76,8 +77,10 @@ def classify(f: TagFacts) -> tuple[UniversalStatus, str]:
     if f.folder == TwinState.COMPLETE:
         return UniversalStatus.COMPLETE, ""
     if f.folder == TwinState.STALE:
-        return UniversalStatus.STALE, (f"converted from an earlier save of {f.tag}; the next save or resume "
-                                       f"reconverts it, or `megatron-ucp convert {f.root} --tag {f.tag} --force`")
+        return UniversalStatus.STALE, (
+            f"converted from an earlier save of {f.tag}; the next save or resume "
+            f"reconverts it, or `megatron-ucp convert {f.root} --tag {f.tag} --force`"
+        )
     if f.folder == TwinState.FOREIGN:
         return UniversalStatus.FOREIGN, "exists without a megatron-ucp manifest (stock converter, or copied)"
     ev = f.last_event
@@ -92,8 +95,11 @@ def classify(f: TagFacts) -> tuple[UniversalStatus, str]:
         return UniversalStatus.PENDING, "queued behind the active conversion"
     if ev is not None and ev.kind in (B.EventKind.FAILED, B.EventKind.REJECTED):
         return UniversalStatus.FAILED, ev.message + (f"; log: {ev.log}" if ev.log else "")
-    if f.staging or f.active is not None or (ev is not None and ev.kind in (B.EventKind.INTERRUPTED,
-                                                                             B.EventKind.CLEANED)):
+    if (
+        f.staging
+        or f.active is not None
+        or (ev is not None and ev.kind in (B.EventKind.INTERRUPTED, B.EventKind.CLEANED))
+    ):
         why = "its converter stopped before committing (killed, or the job ended)"
         return UniversalStatus.INTERRUPTED, f"{why}; {convert_hint}"
     if ev is not None and ev.kind is B.EventKind.SKIPPED:
@@ -140,9 +146,15 @@ class RootStatus:
         return any(t.tag == self.latest and t.universal is UniversalStatus.COMPLETE for t in self.tags)
 
     def to_json(self) -> dict:
-        return {"root": str(self.root), "latest": self.latest, "latest_universal": self.latest_universal,
-                "latest_converted": self.latest_converted, "converters": list(self.converters),
-                "tags": [t.to_json() for t in self.tags], "problems": list(self.problems)}
+        return {
+            "root": str(self.root),
+            "latest": self.latest,
+            "latest_universal": self.latest_universal,
+            "latest_converted": self.latest_converted,
+            "converters": list(self.converters),
+            "tags": [t.to_json() for t in self.tags],
+            "problems": list(self.problems),
+        }
 
 
 def _read_text(path: Path, problems: list[str]) -> Optional[str]:
@@ -230,7 +242,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
             continue
         path = Path(entry.path)
         if entry.name.endswith(F.UNIVERSAL_SUFFIX):
-            tags.setdefault(entry.name[:-len(F.UNIVERSAL_SUFFIX)], entry.stat().st_mtime)
+            tags.setdefault(entry.name[: -len(F.UNIVERSAL_SUFFIX)], entry.stat().st_mtime)
         elif _is_native_tag(path):
             tags[entry.name] = entry.stat().st_mtime
     for job in (queue.active, queue.pending):
@@ -249,12 +261,19 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         info = inspect_staging(twin)
         is_active = queue.active is not None and queue.active.tag == tag
         facts = TagFacts(
-            tag=tag, folder=folder, staging=info is not None, staging_live=bool(info and info.is_live(60.0)),
-            active=active_verdict if is_active and active_verdict in (B.Outcome.RUNNING.value, B.Outcome.DEAD.value)
+            tag=tag,
+            folder=folder,
+            staging=info is not None,
+            staging_live=bool(info and info.is_live(60.0)),
+            active=active_verdict
+            if is_active and active_verdict in (B.Outcome.RUNNING.value, B.Outcome.DEAD.value)
             else None,
-            pending=queue.pending is not None and queue.pending.tag == tag, last_event=queue.last_event(tag),
+            pending=queue.pending is not None and queue.pending.tag == tag,
+            last_event=queue.last_event(tag),
             progress=_progress(root, tag, queue.active.attempt if is_active else None) if info or is_active else None,
-            shares=(len(info.shares_done), info.share_count) if info is not None else None, root=str(root))
+            shares=(len(info.shares_done), info.share_count) if info is not None else None,
+            root=str(root),
+        )
         state, detail = classify(facts)
         try:
             manifest = read_manifest(twin) if folder in ("complete", "stale") else None
@@ -266,22 +285,50 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
             dp_size = (manifest.get("source") or {}).get("dp")
         if dp_size is None and dp and native_dir.is_dir():
             dp_size = _native_dp(native_dir)
-        rows.append(TagStatus(
-            tag=tag, native=native_dir.is_dir() and _is_native_tag(native_dir), universal=state, detail=detail,
-            dp=dp_size, native_bytes=_folder_bytes(native_dir) if sizes and native_dir.is_dir() else None,
-            universal_bytes=_folder_bytes(twin) if sizes and twin.is_dir() else None,
-            seconds=manifest.get("seconds") if manifest else None, latest=tag == latest,
-            latest_universal=latest_universal == twin.name))
+        rows.append(
+            TagStatus(
+                tag=tag,
+                native=native_dir.is_dir() and _is_native_tag(native_dir),
+                universal=state,
+                detail=detail,
+                dp=dp_size,
+                native_bytes=_folder_bytes(native_dir) if sizes and native_dir.is_dir() else None,
+                universal_bytes=_folder_bytes(twin) if sizes and twin.is_dir() else None,
+                seconds=manifest.get("seconds") if manifest else None,
+                latest=tag == latest,
+                latest_universal=latest_universal == twin.name,
+            )
+        )
     for name, why in sorted(unreadable.items()):
-        rows.append(TagStatus(tag=name, native=False, universal=UniversalStatus.UNREADABLE,
-                              detail=f"{root / name}: {why}; remove or replace it", dp=None, native_bytes=None,
-                              universal_bytes=None, seconds=None, latest=name == latest,
-                              latest_universal=name == latest_universal))
-    converters = tuple(f"node {r.node}: pid {r.pid} on {r.host}, {r.phase}"
-                       + (f" ({r.attempt})" if r.attempt else "") + f", heartbeat {r.age:.0f}s ago"
-                       for r in sorted(regs.values(), key=lambda r: r.node) if r.alive())
-    return RootStatus(root=root, latest=latest, latest_universal=latest_universal, tags=tuple(rows),
-                      converters=converters, problems=tuple(problems))
+        rows.append(
+            TagStatus(
+                tag=name,
+                native=False,
+                universal=UniversalStatus.UNREADABLE,
+                detail=f"{root / name}: {why}; remove or replace it",
+                dp=None,
+                native_bytes=None,
+                universal_bytes=None,
+                seconds=None,
+                latest=name == latest,
+                latest_universal=name == latest_universal,
+            )
+        )
+    converters = tuple(
+        f"node {r.node}: pid {r.pid} on {r.host}, {r.phase}"
+        + (f" ({r.attempt})" if r.attempt else "")
+        + f", heartbeat {r.age:.0f}s ago"
+        for r in sorted(regs.values(), key=lambda r: r.node)
+        if r.alive()
+    )
+    return RootStatus(
+        root=root,
+        latest=latest,
+        latest_universal=latest_universal,
+        tags=tuple(rows),
+        converters=converters,
+        problems=tuple(problems),
+    )
 
 
 def _size(n: Optional[int]) -> str:
@@ -296,18 +343,32 @@ def format_status(rs: RootStatus) -> str:
     for t in rs.tags:
         marks = (" [latest]" if t.latest else "") + (" [latest_universal]" if t.latest_universal else "")
         uni = t.universal.value + (f" {t.detail}" if t.universal is UniversalStatus.IN_PROGRESS and t.detail else "")
-        table.append((t.tag + marks, "yes" if t.native else "no", uni, str(t.dp) if t.dp is not None else "-",
-                      _size(t.native_bytes), _size(t.universal_bytes), B.fmt_seconds(t.seconds)))
+        table.append(
+            (
+                t.tag + marks,
+                "yes" if t.native else "no",
+                uni,
+                str(t.dp) if t.dp is not None else "-",
+                _size(t.native_bytes),
+                _size(t.universal_bytes),
+                B.fmt_seconds(t.seconds),
+            )
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = [f"{rs.root}: latest = {rs.latest or '-'}, latest_universal = {rs.latest_universal or '-'}"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
-    notes = [f"  {t.tag}: {t.universal.value}: {t.detail}" for t in rs.tags
-             if t.detail and t.universal is not UniversalStatus.IN_PROGRESS]
+    notes = [
+        f"  {t.tag}: {t.universal.value}: {t.detail}"
+        for t in rs.tags
+        if t.detail and t.universal is not UniversalStatus.IN_PROGRESS
+    ]
     notes += [f"  {problem}" for problem in rs.problems]
     if notes:
         lines += ["", "details:"] + notes
     lines += [""] + ([f"background converters: {c}" for c in rs.converters] or ["background converters: none running"])
     if rs.latest is not None and not rs.latest_converted:
-        lines.append(f"NOTE: the latest tag {rs.latest} has no complete universal checkpoint yet; "
-                     f"`megatron-ucp convert {rs.root} --tag {rs.latest}` makes it")
+        lines.append(
+            f"NOTE: the latest tag {rs.latest} has no complete universal checkpoint yet; "
+            f"`megatron-ucp convert {rs.root} --tag {rs.latest}` makes it"
+        )
     return "\n".join(lines)

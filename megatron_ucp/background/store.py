@@ -6,6 +6,7 @@ mtime), ``progress/`` and the per-attempt logs. Every reader tolerates a damaged
 (a fresh queue, no registration) and says so; what the facts mean is decided in
 :mod:`megatron_ucp.background.queue`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -88,8 +89,9 @@ class QueueLock:
                 self._held = True
                 return self
             if time.monotonic() > deadline:
-                raise LockBusy(f"{self.path}: held by another process for more than {self.timeout:.0f}s",
-                               subject=self.path)
+                raise LockBusy(
+                    f"{self.path}: held by another process for more than {self.timeout:.0f}s", subject=self.path
+                )
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
@@ -100,8 +102,12 @@ class QueueLock:
         except (OSError, ValueError):
             return
         age = time.time() - st.st_mtime
-        dead = len(holder) >= 2 and holder[0] == socket.gethostname() and holder[1].isdigit() \
+        dead = (
+            len(holder) >= 2
+            and holder[0] == socket.gethostname()
+            and holder[1].isdigit()
             and not osio.pid_alive(int(holder[1]))
+        )
         if dead or age > LOCK_STALE_S:
             broken = self.path.with_name(f"{LOCK_FILE}.broken-{os.getpid()}-{time.time_ns()}")
             try:
@@ -181,8 +187,15 @@ def read_registrations(root: Path) -> dict[int, Registration]:
             data = json.loads(path.read_text())
             age = now - path.stat().st_mtime
             node = int(data["node"])
-            out[node] = Registration(node, str(data["host"]), int(data["pid"]), str(data.get("phase", "")),
-                                     data.get("attempt"), age, float(data.get("since", 0.0)))
+            out[node] = Registration(
+                node,
+                str(data["host"]),
+                int(data["pid"]),
+                str(data.get("phase", "")),
+                data.get("attempt"),
+                age,
+                float(data.get("since", 0.0)),
+            )
         except (OSError, ValueError, KeyError):
             continue
     return out
@@ -191,8 +204,17 @@ def read_registrations(root: Path) -> dict[int, Registration]:
 def register(root: Path, node: int, pid: int, phase: str, attempt: Optional[str] = None) -> None:
     path = registration_path(root, node)
     path.parent.mkdir(parents=True, exist_ok=True)
-    quick_json(path, {"node": node, "host": socket.gethostname(), "pid": pid, "phase": phase, "attempt": attempt,
-                       "since": time.time()})
+    quick_json(
+        path,
+        {
+            "node": node,
+            "host": socket.gethostname(),
+            "pid": pid,
+            "phase": phase,
+            "attempt": attempt,
+            "since": time.time(),
+        },
+    )
 
 
 def unregister(root: Path, node: int, pid: int) -> None:
@@ -211,15 +233,22 @@ def job_facts(root: Path, job: B.Job, regs: dict[int, Registration], stale_after
     or ``converting`` it; a converter ``waiting`` for the others does not keep a job alive."""
     output = twin_path(root, job.tag)
     info = inspect_staging(output)
-    runners = any(r.alive(stale_after)
-                  and (r.phase == "starting" or (r.phase == "converting" and r.attempt == job.attempt))
-                  for r in regs.values())
-    joined = [r for r in regs.values()
-              if r.attempt == job.attempt or (r.phase == "starting" and r.since >= (job.activated or 0.0))]
-    return B.JobFacts(universal_complete=universal_state(output, root / job.tag) == COMPLETE,
-                      staging_live=info is not None and info.is_live(stale_after), runners_live=runners,
-                      shares_failed=info.failed if info is not None and info.attempt_id == job.attempt else (),
-                      runners_gone=bool(joined) and not any(r.alive(stale_after) for r in joined))
+    runners = any(
+        r.alive(stale_after) and (r.phase == "starting" or (r.phase == "converting" and r.attempt == job.attempt))
+        for r in regs.values()
+    )
+    joined = [
+        r
+        for r in regs.values()
+        if r.attempt == job.attempt or (r.phase == "starting" and r.since >= (job.activated or 0.0))
+    ]
+    return B.JobFacts(
+        universal_complete=universal_state(output, root / job.tag) == COMPLETE,
+        staging_live=info is not None and info.is_live(stale_after),
+        runners_live=runners,
+        shares_failed=info.failed if info is not None and info.attempt_id == job.attempt else (),
+        runners_gone=bool(joined) and not any(r.alive(stale_after) for r in joined),
+    )
 
 
 def staging_dead(output: Path, stale_after: float, now: Optional[float] = None) -> bool:
@@ -239,19 +268,20 @@ def staging_dead(output: Path, stale_after: float, now: Optional[float] = None) 
     return now - newest > stale_after
 
 
-def clean_dead_staging(root: Path, state: B.QueueState, stale_after: float, now: float
-                        ) -> tuple[B.QueueState, list[B.Event]]:
+def clean_dead_staging(
+    root: Path, state: B.QueueState, stale_after: float, now: float
+) -> tuple[B.QueueState, list[B.Event]]:
     """Remove staging folders whose converters are gone: they never look finished, but they use disk."""
     events = []
     for path in sorted(Path(root).glob(f".*{F.UNIVERSAL_SUFFIX}{F.STAGING_SUFFIX}")):
-        output = path.parent / path.name[1:-len(F.STAGING_SUFFIX)]
+        output = path.parent / path.name[1 : -len(F.STAGING_SUFFIX)]
         if not staging_dead(output, stale_after, now):
             continue
         try:
             osio.remove_out_of_sight(path)
         except OSError:
             continue
-        tag = output.name[:-len(F.UNIVERSAL_SUFFIX)]
+        tag = output.name[: -len(F.UNIVERSAL_SUFFIX)]
         state, event = state.add(tag, B.EventKind.CLEANED, f"removed the dead staging folder {path.name}", now)
         events.append(event)
     return state, events
@@ -262,7 +292,8 @@ def record_event(root: Path, tag: str, kind: B.EventKind, message: str, **extra:
         state, event = read_queue(root).add(tag, kind, message, time.time(), **extra)
         write_queue(root, state, [event])
     (log.info if kind in (B.EventKind.COMPLETE, B.EventKind.REMOVED, B.EventKind.CLEANED) else log.error)(
-        "%s", event.line())
+        "%s", event.line()
+    )
     return event
 
 
@@ -281,8 +312,18 @@ class ConverterSettings:
     python: str = field(default_factory=lambda: sys.executable)
 
     def argv(self) -> list[str]:
-        out = ["--workers", str(self.workers), "--threads", str(self.threads), "--stale-after",
-               str(self.stale_after), "--nice", str(self.nice), "--job-id", self.job_id]
+        out = [
+            "--workers",
+            str(self.workers),
+            "--threads",
+            str(self.threads),
+            "--stale-after",
+            str(self.stale_after),
+            "--nice",
+            str(self.nice),
+            "--job-id",
+            self.job_id,
+        ]
         if self.keep_last is not None:
             out += ["--keep-last", str(self.keep_last)]
         return out
@@ -296,16 +337,19 @@ class ConverterSettings:
         return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def advance_locked(root: Path, state: B.QueueState, settings: ConverterSettings, now: float,
-                    redo_dead: bool) -> tuple[B.QueueState, Optional[B.Job], list[B.Event]]:
+def advance_locked(
+    root: Path, state: B.QueueState, settings: ConverterSettings, now: float, redo_dead: bool
+) -> tuple[B.QueueState, Optional[B.Job], list[B.Event]]:
     """Judge the active job, settle it, activate the next; on activation clear dead staging first."""
     outcome = None
     if state.active is not None:
-        outcome = B.judge(state, state.active, job_facts(root, state.active, read_registrations(root),
-                                                         settings.stale_after), now)
+        outcome = B.judge(
+            state, state.active, job_facts(root, state.active, read_registrations(root), settings.stale_after), now
+        )
     before = state.active.attempt if state.active is not None else None
-    state, job, events = B.advance(state, outcome, now, lambda j: B.attempt_id(j.tag, settings.job_id, j.tries, now),
-                                   redo_dead=redo_dead)
+    state, job, events = B.advance(
+        state, outcome, now, lambda j: B.attempt_id(j.tag, settings.job_id, j.tries, now), redo_dead=redo_dead
+    )
     if job is not None and job.attempt != before:
         state, cleaned = clean_dead_staging(root, state, settings.stale_after, now)
         events += cleaned

@@ -5,6 +5,7 @@ The converter is a separate process (``python -m megatron_ucp.background.convert
 session, with the launchers' per-process variables removed from its environment
 (:func:`converter_env`), so that it is never taken for a rank of the training job.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,8 +18,19 @@ from typing import Optional, Sequence
 
 from megatron_ucp import launchenv
 from megatron_ucp.background import queue as B
-from megatron_ucp.background.store import (POLL_S, STALE_AFTER_S, ConverterSettings, QueueLock, advance_locked,
-                                           read_queue, read_registrations, register, twin_path, ucp_dir, write_queue)
+from megatron_ucp.background.store import (
+    POLL_S,
+    STALE_AFTER_S,
+    ConverterSettings,
+    QueueLock,
+    advance_locked,
+    read_queue,
+    read_registrations,
+    register,
+    twin_path,
+    ucp_dir,
+    write_queue,
+)
 from megatron_ucp.convert.universal import COMPLETE, universal_state
 
 log = logging.getLogger(__name__)
@@ -50,8 +62,15 @@ def _reap() -> None:
             del _children[key]
 
 
-def trigger(root: Path, tag: str, node: int, nodes: int, settings: ConverterSettings, report: bool = False,
-            lock_timeout: float = 5.0) -> TriggerResult:
+def trigger(
+    root: Path,
+    tag: str,
+    node: int,
+    nodes: int,
+    settings: ConverterSettings,
+    report: bool = False,
+    lock_timeout: float = 5.0,
+) -> TriggerResult:
     """Queue ``tag`` of ``root`` for conversion and make sure node ``node``'s converter runs.
 
     Every node's launcher calls it after the same save (idempotent). Takes the queue lock for a few
@@ -80,9 +99,14 @@ def trigger(root: Path, tag: str, node: int, nodes: int, settings: ConverterSett
             state = state.mark_reported()
         if state != before:  # the other nodes' identical requests change nothing: no rewrite, no fsync
             write_queue(root, state, events)
-    return TriggerResult(tag=tag, active=state.active.tag if state.active else None,
-                         pending=state.pending.tag if state.pending else None, spawned=spawned,
-                         events=reported, seconds=time.perf_counter() - t0)
+    return TriggerResult(
+        tag=tag,
+        active=state.active.tag if state.active else None,
+        pending=state.pending.tag if state.pending else None,
+        spawned=spawned,
+        events=reported,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def converter_env(settings: ConverterSettings, base: Optional[dict] = None) -> dict[str, str]:
@@ -105,17 +129,36 @@ def spawn_converter(root: Path, node: int, nodes: int, settings: ConverterSettin
     terminal do not reach it), stdin closed, output appended to ``.ucp/runner.node<i>.log``."""
     folder = ucp_dir(root)
     folder.mkdir(parents=True, exist_ok=True)
-    argv = [settings.python, "-m", "megatron_ucp.background.converter", "--root", str(root), "--node", str(node),
-            "--nodes", str(nodes), *settings.argv()]
+    argv = [
+        settings.python,
+        "-m",
+        "megatron_ucp.background.converter",
+        "--root",
+        str(root),
+        "--node",
+        str(node),
+        "--nodes",
+        str(nodes),
+        *settings.argv(),
+    ]
     with open(folder / f"runner.node{node}.log", "ab") as out:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=converter_env(settings), cwd=str(root), start_new_session=True, close_fds=True)
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=converter_env(settings),
+            cwd=str(root),
+            start_new_session=True,
+            close_fds=True,
+        )
     log.debug("started converter pid %d for node %d of %s", proc.pid, node, root)
     return proc
 
 
-def wait_for_converter(root: Path, node: int, timeout: float, stale_after: float = STALE_AFTER_S,
-                       say_every: float = 30.0) -> bool:
+def wait_for_converter(
+    root: Path, node: int, timeout: float, stale_after: float = STALE_AFTER_S, say_every: float = 30.0
+) -> bool:
     """Wait (at most ``timeout`` s) until node ``node``'s converter exited. True when it did."""
     root = Path(root).resolve()
     deadline = time.monotonic() + timeout
@@ -131,8 +174,11 @@ def wait_for_converter(root: Path, node: int, timeout: float, stale_after: float
             return False
         if time.monotonic() - said >= say_every:
             state = read_queue(root)
-            log.warning("megatron-ucp: waiting for the background conversion of %s (pending: %s)",
-                        state.active.tag if state.active else "-", state.pending.tag if state.pending else "-")
+            log.warning(
+                "megatron-ucp: waiting for the background conversion of %s (pending: %s)",
+                state.active.tag if state.active else "-",
+                state.pending.tag if state.pending else "-",
+            )
             said = time.monotonic()
         time.sleep(min(POLL_S, max(0.05, deadline - time.monotonic())))
 

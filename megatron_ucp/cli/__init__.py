@@ -3,6 +3,7 @@
 Each subcommand lives in ``megatron_ucp/cli/<name>.py`` and exposes
 ``register(subparsers)``, which adds its parser and sets ``func(args) -> int``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,8 @@ COMMANDS = ("convert", "inspect", "verify", "status", "synthesize")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-ucp",
-        description="Universal checkpoints for Megatron-DeepSpeed ZeRO-1/2: convert, inspect, verify, resume.")
+        description="Universal checkpoints for Megatron-DeepSpeed ZeRO-1/2: convert, inspect, verify, resume.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -33,6 +35,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] == "run":
         # The runner hands the rest of argv to a training script untouched; see megatron_ucp.integration.run.
         from megatron_ucp.integration.run import main as run_main
+
         return run_main(argv[1:])
     args = build_parser().parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO

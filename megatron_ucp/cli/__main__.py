@@ -1,4 +1,5 @@
 """``python -m megatron_ucp.cli``: the ``megatron-ucp`` command."""
+
 import sys
 
 from megatron_ucp.cli import main

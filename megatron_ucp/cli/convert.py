@@ -1,4 +1,5 @@
 """``megatron-ucp convert ROOT``: convert a ZeRO-1/2 checkpoint to the universal layout."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,25 +26,45 @@ def _share(text: str) -> tuple[int, int]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="convert a ZeRO-1/2 checkpoint to the universal layout",
-                       description="Convert a DeepSpeed ZeRO-1/2 (bf16/fp16) checkpoint into DeepSpeed's universal "
-                       "layout, bit-exactly, streaming, without temporary fragment files.")
+    p = sub.add_parser(
+        "convert",
+        help="convert a ZeRO-1/2 checkpoint to the universal layout",
+        description="Convert a DeepSpeed ZeRO-1/2 (bf16/fp16) checkpoint into DeepSpeed's universal "
+        "layout, bit-exactly, streaming, without temporary fragment files.",
+    )
     p.add_argument("root", type=Path, help="checkpoint root (holding 'latest') or a tag folder (global_stepN)")
     p.add_argument("--tag", help="tag to convert (default: the root's 'latest')")
     p.add_argument("--output", type=Path, help="output folder (default: ROOT/<tag>_universal)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="parallel writers (threads) in this process (default 1; the number of cores is a good choice)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="parallel writers (threads) in this process (default 1; the number of cores is a good choice)",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--no-latest", action="store_true", help="do not update ROOT/latest_universal")
-    p.add_argument("--share", type=_share, default=(0, 1), metavar="I/N",
-                   help="convert share I of N (one converter per node); the last share to finish commits")
+    p.add_argument(
+        "--share",
+        type=_share,
+        default=(0, 1),
+        metavar="I/N",
+        help="convert share I of N (one converter per node); the last share to finish commits",
+    )
     p.add_argument("--attempt-id", help="id shared by the N converters of one conversion (required with --share)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--distributed", action="store_true",
-                   help="this process is one of many started by torchrun, mpiexec (MPICH/PALS, Open MPI) or srun: "
-                   "convert share RANK of WORLD_SIZE, commit once, exit together (see docs/distributed_convert.md)")
-    p.add_argument("--dist-timeout", type=float, default=1800.0, metavar="SECONDS",
-                   help="with --distributed: how long processes wait for each other (default 1800)")
+    p.add_argument(
+        "--distributed",
+        action="store_true",
+        help="this process is one of many started by torchrun, mpiexec (MPICH/PALS, Open MPI) or srun: "
+        "convert share RANK of WORLD_SIZE, commit once, exit together (see docs/distributed_convert.md)",
+    )
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="with --distributed: how long processes wait for each other (default 1800)",
+    )
     p.set_defaults(func=run)
 
 
@@ -58,10 +79,20 @@ def run(args: argparse.Namespace) -> int:
         log.warning("launched as %s but --distributed not given: this process converts everything alone", hint)
     if count > 1 and not args.attempt_id:
         raise UcpError("--share I/N needs --attempt-id (the same for all N converters)")
-    result = convert(ConvertOptions(source=args.root, tag=args.tag, output=args.output, workers=args.workers,
-                                    force=args.force,
-                                    update_latest=False if args.no_latest else None, share_index=index,
-                                    share_count=count, attempt_id=args.attempt_id, progress=not args.no_progress))
+    result = convert(
+        ConvertOptions(
+            source=args.root,
+            tag=args.tag,
+            output=args.output,
+            workers=args.workers,
+            force=args.force,
+            update_latest=False if args.no_latest else None,
+            share_index=index,
+            share_count=count,
+            attempt_id=args.attempt_id,
+            progress=not args.no_progress,
+        )
+    )
     print(result.summary)
     _exit_now_if_program(0)
     return 0
@@ -71,12 +102,20 @@ def _run_distributed(args: argparse.Namespace) -> int:
 
     launch = detect_launch()
     if launch is None:
-        raise UcpError("--distributed: no launcher environment (RANK/WORLD_SIZE from torchrun, PMI_RANK/PMI_SIZE or "
-                       "PALS_RANKID from mpiexec, OMPI_COMM_WORLD_RANK/SIZE, SLURM_PROCID/SLURM_NTASKS)")
-    options = ConvertOptions(source=args.root, tag=args.tag, output=args.output, workers=args.workers,
-                             force=args.force,
-                             update_latest=False if args.no_latest else None, attempt_id=args.attempt_id,
-                             progress=not args.no_progress and launch.rank == 0)
+        raise UcpError(
+            "--distributed: no launcher environment (RANK/WORLD_SIZE from torchrun, PMI_RANK/PMI_SIZE or "
+            "PALS_RANKID from mpiexec, OMPI_COMM_WORLD_RANK/SIZE, SLURM_PROCID/SLURM_NTASKS)"
+        )
+    options = ConvertOptions(
+        source=args.root,
+        tag=args.tag,
+        output=args.output,
+        workers=args.workers,
+        force=args.force,
+        update_latest=False if args.no_latest else None,
+        attempt_id=args.attempt_id,
+        progress=not args.no_progress and launch.rank == 0,
+    )
     try:
         result = convert_distributed(options, launch, timeout=args.dist_timeout)
     except DistributedConvertError as exc:

@@ -1,4 +1,5 @@
 """``megatron-ucp inspect ROOT``: geometry, padding, and what stock DeepSpeed would do."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,19 +13,31 @@ from megatron_ucp.plan.geometry import GroupGeometry, parse_dp_range
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="report partition geometry and predict stock DeepSpeed failures",
-                       description="Report DP size, DeepSpeed version, optimizer class, per-group size / partition / "
-                       "padding, ranks holding only padding, whether stock ds_to_universal would crash, and at which "
-                       "target DP sizes stock DeepSpeed's universal loader would crash. Reads metadata only.")
+    p = sub.add_parser(
+        "inspect",
+        help="report partition geometry and predict stock DeepSpeed failures",
+        description="Report DP size, DeepSpeed version, optimizer class, per-group size / partition / "
+        "padding, ranks holding only padding, whether stock ds_to_universal would crash, and at which "
+        "target DP sizes stock DeepSpeed's universal loader would crash. Reads metadata only.",
+    )
     p.add_argument("root", type=Path, nargs="?", help="checkpoint root or tag folder")
     p.add_argument("--tag", help="tag (default: the root's 'latest')")
-    p.add_argument("--target-dp", default="1-1024", metavar="RANGE",
-                   help="DP sizes to check for the stock loader: e.g. 1-1024 (default), 256,512,768, 12-768:12")
-    p.add_argument("--group-numels", metavar="N1,N2,...",
-                   help="no checkpoint: inspect param groups of these sizes (with --dp)")
+    p.add_argument(
+        "--target-dp",
+        default="1-1024",
+        metavar="RANGE",
+        help="DP sizes to check for the stock loader: e.g. 1-1024 (default), 256,512,768, 12-768:12",
+    )
+    p.add_argument(
+        "--group-numels", metavar="N1,N2,...", help="no checkpoint: inspect param groups of these sizes (with --dp)"
+    )
     p.add_argument("--dp", type=int, help="DP size for --group-numels")
-    p.add_argument("--optimizer", choices=["bf16", "zero"], default="bf16",
-                   help="optimizer class for --group-numels (bf16: BF16_Optimizer, zero: DeepSpeedZeroOptimizer)")
+    p.add_argument(
+        "--optimizer",
+        choices=["bf16", "zero"],
+        default="bf16",
+        help="optimizer class for --group-numels (bf16: BF16_Optimizer, zero: DeepSpeedZeroOptimizer)",
+    )
     p.add_argument("--ds-version", default="0.19.8", help="DeepSpeed version for --group-numels")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
@@ -41,9 +54,14 @@ def run(args: argparse.Namespace) -> int:
             raise UcpError(f"--group-numels: expected comma-separated integers, got {args.group_numels!r}") from exc
         kind = BF16_OPTIMIZER if args.optimizer == "bf16" else ZERO_OPTIMIZER
         style = padding_style(kind, args.ds_version, saved_with_ucp=False)
-        report = inspect_geometry([GroupGeometry(numel=n, dp=args.dp) for n in numels], style, targets,
-                                  source=f"<{len(numels)} groups at DP={args.dp}>", ds_version=args.ds_version,
-                                  optimizer=kind)
+        report = inspect_geometry(
+            [GroupGeometry(numel=n, dp=args.dp) for n in numels],
+            style,
+            targets,
+            source=f"<{len(numels)} groups at DP={args.dp}>",
+            ds_version=args.ds_version,
+            optimizer=kind,
+        )
     else:
         if args.root is None:
             raise UcpError("give a checkpoint path, or --group-numels with --dp")

@@ -1,4 +1,5 @@
 """``megatron-ucp status ROOT``: each tag's native checkpoint, universal twin and conversion state."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,15 +10,19 @@ from megatron_ucp.background.status import format_status, root_status
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="show each tag's universal conversion state",
-                       description="For every tag under a checkpoint root: native checkpoint present, universal "
-                       "twin complete / in progress (with progress) / pending / failed (with log path) / interrupted "
-                       "/ skipped / absent, DP size, sizes on disk, conversion time; and the background converters.")
+    p = sub.add_parser(
+        "status",
+        help="show each tag's universal conversion state",
+        description="For every tag under a checkpoint root: native checkpoint present, universal "
+        "twin complete / in progress (with progress) / pending / failed (with log path) / interrupted "
+        "/ skipped / absent, DP size, sizes on disk, conversion time; and the background converters.",
+    )
     p.add_argument("root", type=Path, help="checkpoint root (the --save folder)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-sizes", action="store_true", help="skip walking the folders for their sizes")
-    p.add_argument("--check", action="store_true",
-                   help="exit 1 when the tag in 'latest' has no complete universal checkpoint")
+    p.add_argument(
+        "--check", action="store_true", help="exit 1 when the tag in 'latest' has no complete universal checkpoint"
+    )
     p.set_defaults(func=run)
 
 

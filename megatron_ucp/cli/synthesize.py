@@ -4,6 +4,7 @@ A developer command: DP = 768 and 7B-class shapes cannot train on a workstation,
 can be written, and every path that reads them measured (``make bench-scale``). The writer (and
 torch) is imported only when the command runs: the other commands stay torch-free.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,10 +18,13 @@ _SIZES = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "original_voc
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("synthesize", help="write a synthetic DeepSpeed checkpoint of a llama shape (developers)",
-                       description="Write ROOT/global_step<N> and ROOT/latest as DeepSpeed (0.16-0.19) saves a "
-                       "Megatron-DeepSpeed llama model at the given TP, PP and DP: the same file names, keys, flat "
-                       "partitions and paddings, reproducible values (the same at every DP size).")
+    p = sub.add_parser(
+        "synthesize",
+        help="write a synthetic DeepSpeed checkpoint of a llama shape (developers)",
+        description="Write ROOT/global_step<N> and ROOT/latest as DeepSpeed (0.16-0.19) saves a "
+        "Megatron-DeepSpeed llama model at the given TP, PP and DP: the same file names, keys, flat "
+        "partitions and paddings, reproducible values (the same at every DP size).",
+    )
     p.add_argument("root", type=Path, help="checkpoint root to write into (the tag must not exist)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named shape; the size options override it")
     for name in _SIZES:
@@ -29,17 +33,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-swiglu", action="store_true", help="a plain (not gated) MLP")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1; > 1 implies --pipeline)")
-    p.add_argument("--pipeline", action="store_true",
-                   help="the pipeline model GPTModelPipe (layer files, stage-local names) instead of GPTModel")
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="the pipeline model GPTModelPipe (layer files, stage-local names) instead of GPTModel",
+    )
     p.add_argument("--dp", type=int, required=True, help="data-parallel size")
-    p.add_argument("--optimizer", choices=["bf16", "zero"], default="bf16",
-                   help="bf16: BF16_Optimizer; zero: DeepSpeedZeroOptimizer (default bf16)")
+    p.add_argument(
+        "--optimizer",
+        choices=["bf16", "zero"],
+        default="bf16",
+        help="bf16: BF16_Optimizer; zero: DeepSpeedZeroOptimizer (default bf16)",
+    )
     p.add_argument("--zero-stage", type=int, choices=[1, 2], default=1)
-    p.add_argument("--ds-version", choices=sorted(SAVED_FILES), default="0.19.8",
-                   help="the DeepSpeed release whose files to write (default 0.19.8)")
+    p.add_argument(
+        "--ds-version",
+        choices=sorted(SAVED_FILES),
+        default="0.19.8",
+        help="the DeepSpeed release whose files to write (default 0.19.8)",
+    )
     p.add_argument("--record", action="store_true", help="as saved with megatron-ucp's hooks (true lengths, ...)")
-    p.add_argument("--flavour", choices=["megatron", "plain"], default="megatron",
-                   help="megatron: Megatron-DeepSpeed's client state (default); plain: a bare DeepSpeed engine")
+    p.add_argument(
+        "--flavour",
+        choices=["megatron", "plain"],
+        default="megatron",
+        help="megatron: Megatron-DeepSpeed's client state (default); plain: a bare DeepSpeed engine",
+    )
     p.add_argument("--iteration", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -66,12 +85,24 @@ def run(args: argparse.Namespace) -> int:
     from megatron_ucp.synthetic.content import SyntheticSpec
     from megatron_ucp.synthetic.writer import write_checkpoint
 
-    spec = SyntheticSpec(shape=shape_from(args), dp=args.dp, tp=args.tp, pp=args.pp,
-                         pipeline=args.pipeline or args.pp > 1, optimizer=args.optimizer,
-                         zero_stage=args.zero_stage, ds_version=args.ds_version, record=args.record,
-                         flavour=args.flavour, iteration=args.iteration, seed=args.seed)
+    spec = SyntheticSpec(
+        shape=shape_from(args),
+        dp=args.dp,
+        tp=args.tp,
+        pp=args.pp,
+        pipeline=args.pipeline or args.pp > 1,
+        optimizer=args.optimizer,
+        zero_stage=args.zero_stage,
+        ds_version=args.ds_version,
+        record=args.record,
+        flavour=args.flavour,
+        iteration=args.iteration,
+        seed=args.seed,
+    )
     done = write_checkpoint(args.root, spec, progress=not args.no_progress)
-    print(f"wrote {done.tag_dir}: {done.files} files, {done.bytes / 1e9:.2f} GB in {done.seconds:.1f} s "
-          f"({spec.shape.numel() / 1e6:.1f}M parameters, {spec.layout_text()}, {spec.optimizer}, "
-          f"DeepSpeed {spec.ds_version} files{', with the save record' if spec.record else ''})")
+    print(
+        f"wrote {done.tag_dir}: {done.files} files, {done.bytes / 1e9:.2f} GB in {done.seconds:.1f} s "
+        f"({spec.shape.numel() / 1e6:.1f}M parameters, {spec.layout_text()}, {spec.optimizer}, "
+        f"DeepSpeed {spec.ds_version} files{', with the save record' if spec.record else ''})"
+    )
     return 0

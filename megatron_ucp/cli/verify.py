@@ -1,4 +1,5 @@
 """``megatron-ucp verify UNIVERSAL_DIR [--source TAG_DIR]``."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,9 +8,12 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="check a universal checkpoint (completeness; bit-exact with --source)",
-                       description="Check that every parameter and state is present with the shape the model states "
-                       "record; with --source, that every tensor equals the source's fragments bit for bit.")
+    p = sub.add_parser(
+        "verify",
+        help="check a universal checkpoint (completeness; bit-exact with --source)",
+        description="Check that every parameter and state is present with the shape the model states "
+        "record; with --source, that every tensor equals the source's fragments bit for bit.",
+    )
     p.add_argument("universal_dir", type=Path)
     p.add_argument("--source", type=Path, help="the native tag folder (or root) it was converted from")
     p.add_argument("--no-progress", action="store_true")

@@ -7,9 +7,23 @@ The converter API (docs/ARCHITECTURE.md) is re-exported here::
 
 Imports: ``deepspeed``, ``plan``, ``format``, ``errors``.
 """
-from megatron_ucp.convert.execute import (ConvertOptions, ConvertResult, convert, default_output, plan_checkpoint,
-                                          resolve_checkpoint)
+
+from megatron_ucp.convert.execute import (
+    ConvertOptions,
+    ConvertResult,
+    convert,
+    default_output,
+    plan_checkpoint,
+    resolve_checkpoint,
+)
 from megatron_ucp.convert.writer import RankFileCache
 
-__all__ = ["ConvertOptions", "ConvertResult", "RankFileCache", "convert", "default_output", "plan_checkpoint",
-           "resolve_checkpoint"]
+__all__ = [
+    "ConvertOptions",
+    "ConvertResult",
+    "RankFileCache",
+    "convert",
+    "default_output",
+    "plan_checkpoint",
+    "resolve_checkpoint",
+]

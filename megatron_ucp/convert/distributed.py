@@ -20,6 +20,7 @@ Launch environments (:func:`detect_launch`): ``torchrun`` (``RANK``/``WORLD_SIZE
 and publishes ``host port`` in a file next to the output (the file system all ranks write the
 checkpoint to is shared by construction); the others read it and connect.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -42,10 +43,11 @@ from megatron_ucp.errors import UcpError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LaunchEnv", "detect_launch", "convert_distributed", "DistributedConvertResult",
-           "DistributedConvertError"]
+__all__ = ["LaunchEnv", "detect_launch", "convert_distributed", "DistributedConvertResult", "DistributedConvertError"]
 
 DEFAULT_TIMEOUT_S = 3600.0
+
+
 class DistributedConvertError(UcpError):
     """The distributed conversion failed on at least one process (all processes raise it)."""
 
@@ -101,15 +103,24 @@ def detect_launch(env: Optional[Mapping[str, str]] = None) -> Optional[LaunchEnv
         if nodes is not None:
             size = _int(env, "PALS_LOCAL_SIZE") * nodes
     if size is None:
-        raise UcpError(f"launched by {launcher} (rank {rank}) but no world size in the environment "
-                       f"(looked for {', '.join(launchenv.WORLD_SIZE)}, PALS_LOCAL_SIZE x hosts of $PBS_NODEFILE)")
+        raise UcpError(
+            f"launched by {launcher} (rank {rank}) but no world size in the environment "
+            f"(looked for {', '.join(launchenv.WORLD_SIZE)}, PALS_LOCAL_SIZE x hosts of $PBS_NODEFILE)"
+        )
     if not 0 <= rank < size:
         raise UcpError(f"rank {rank} out of range for world size {size} ({launcher})")
     local = launchenv.local_rank(env)
     job = launchenv.job_id(env)
-    return LaunchEnv(rank=rank, world_size=size, launcher=launcher, local_rank=local,
-                     master_addr=env.get("MASTER_ADDR") or None, master_port=_int(env, "MASTER_PORT"),
-                     job_id=job, agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
+    return LaunchEnv(
+        rank=rank,
+        world_size=size,
+        launcher=launcher,
+        local_rank=local,
+        master_addr=env.get("MASTER_ADDR") or None,
+        master_port=_int(env, "MASTER_PORT"),
+        job_id=job,
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+    )
 
 
 # --- rendezvous --------------------------------------------------------------------------------------
@@ -125,12 +136,20 @@ def _open_store(launch: LaunchEnv, output: Path, attempt_id: Optional[str], time
     td = datetime.timedelta(seconds=timeout)
     if launch.master_addr and launch.master_port:
         is_master = launch.rank == 0 and not launch.agent_store
-        return dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=is_master,
-                             timeout=td, wait_for_workers=False)
+        return dist.TCPStore(
+            launch.master_addr,
+            launch.master_port,
+            launch.world_size,
+            is_master=is_master,
+            timeout=td,
+            wait_for_workers=False,
+        )
     key = attempt_id or launch.job_id
     if not key:
-        raise UcpError("no MASTER_ADDR/MASTER_PORT and no launcher job id in the environment: pass --attempt-id "
-                       "(the same on every process) so the processes can find each other")
+        raise UcpError(
+            "no MASTER_ADDR/MASTER_PORT and no launcher job id in the environment: pass --attempt-id "
+            "(the same on every process) so the processes can find each other"
+        )
     path = _rendezvous_file(output, key)
     if launch.rank == 0:
         store = dist.TCPStore("0.0.0.0", 0, launch.world_size, is_master=True, timeout=td, wait_for_workers=False)
@@ -147,8 +166,13 @@ def _open_store(launch: LaunchEnv, output: Path, attempt_id: Optional[str], time
             host, port, size = path.read_text().split()
             if int(size) != launch.world_size:
                 raise UcpError(f"{path}: published for world size {size}, this process has {launch.world_size}")
-            store = dist.TCPStore(host, int(port), launch.world_size, is_master=False,
-                                  timeout=datetime.timedelta(seconds=min(30.0, timeout)))  # a stale file fails fast
+            store = dist.TCPStore(
+                host,
+                int(port),
+                launch.world_size,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=min(30.0, timeout)),
+            )  # a stale file fails fast
             store.set_timeout(td)
             return store
         except (OSError, ValueError, RuntimeError) as exc:  # not there yet, half-written, stale, refused
@@ -177,10 +201,12 @@ class DistributedConvertResult:
 
     def summary(self) -> str:
         hosts = len({s.get("host") for s in self.shares})
-        return (f"converted {self.local.tag if self.local else '?'} with {self.world_size} processes on {hosts} "
-                f"host(s): {sum(int(s.get('params', 0)) for s in self.shares)} params, "
-                f"{self.bytes_written / 1e9:.2f} GB in {self.seconds:.2f}s, committed by rank {self.committed_by} "
-                f"-> {self.output}")
+        return (
+            f"converted {self.local.tag if self.local else '?'} with {self.world_size} processes on {hosts} "
+            f"host(s): {sum(int(s.get('params', 0)) for s in self.shares)} params, "
+            f"{self.bytes_written / 1e9:.2f} GB in {self.seconds:.2f}s, committed by rank {self.committed_by} "
+            f"-> {self.output}"
+        )
 
 
 def _exit_code(exc: BaseException) -> int:
@@ -189,8 +215,9 @@ def _exit_code(exc: BaseException) -> int:
     return 2 if isinstance(exc, UcpError) else 1
 
 
-def convert_distributed(options: Any, launch: Optional[LaunchEnv] = None,
-                        timeout: float = DEFAULT_TIMEOUT_S) -> DistributedConvertResult:
+def convert_distributed(
+    options: Any, launch: Optional[LaunchEnv] = None, timeout: float = DEFAULT_TIMEOUT_S
+) -> DistributedConvertResult:
     """Run this process's share of a conversion launched on ``launch.world_size`` processes.
 
     ``options`` is a :class:`~megatron_ucp.convert.execute.ConvertOptions`; its share fields are replaced by
@@ -199,11 +226,12 @@ def convert_distributed(options: Any, launch: Optional[LaunchEnv] = None,
     """
     import torch.distributed as dist
 
-
     launch = launch or detect_launch()
     if launch is None:
-        raise UcpError("--distributed: no launcher environment found (RANK/WORLD_SIZE from torchrun, PMI_RANK/"
-                       "PMI_SIZE or PALS_RANKID from mpiexec, OMPI_COMM_WORLD_* or SLURM_PROCID/SLURM_NTASKS)")
+        raise UcpError(
+            "--distributed: no launcher environment found (RANK/WORLD_SIZE from torchrun, PMI_RANK/"
+            "PMI_SIZE or PALS_RANKID from mpiexec, OMPI_COMM_WORLD_* or SLURM_PROCID/SLURM_NTASKS)"
+        )
     t0 = time.perf_counter()
     output = Path(options.output) if options.output is not None else None
     if output is None:
@@ -211,8 +239,13 @@ def convert_distributed(options: Any, launch: Optional[LaunchEnv] = None,
     output = output.absolute()
     store = _open_store(launch, output, options.attempt_id, timeout)
     prefix = dist.PrefixStore("megatron-ucp", store)
-    dist.init_process_group("gloo", store=prefix, rank=launch.rank, world_size=launch.world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo",
+        store=prefix,
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
     try:
         if launch.rank == 0 and not (launch.master_addr and launch.master_port):
             try:
@@ -222,8 +255,15 @@ def convert_distributed(options: Any, launch: Optional[LaunchEnv] = None,
         box = [options.attempt_id or (f"dist-{uuid.uuid4().hex[:12]}" if launch.rank == 0 else None)]
         dist.broadcast_object_list(box, src=0)
         attempt = box[0]
-        log.info("rank %d/%d (%s): converting share %d of %d, attempt %s", launch.rank, launch.world_size,
-                 launch.launcher, launch.rank, launch.world_size, attempt)
+        log.info(
+            "rank %d/%d (%s): converting share %d of %d, attempt %s",
+            launch.rank,
+            launch.world_size,
+            launch.launcher,
+            launch.rank,
+            launch.world_size,
+            attempt,
+        )
 
         failed = threading.Event()
         stop_watch = threading.Event()
@@ -247,13 +287,24 @@ def convert_distributed(options: Any, launch: Optional[LaunchEnv] = None,
             if user_progress is not None:
                 user_progress(done, total)
 
-        mine = replace(options, output=output, share_index=launch.rank, share_count=launch.world_size,
-                       attempt_id=attempt, on_progress=on_progress)
+        mine = replace(
+            options,
+            output=output,
+            share_index=launch.rank,
+            share_count=launch.world_size,
+            attempt_id=attempt,
+            on_progress=on_progress,
+        )
         local, info = None, {"rank": launch.rank, "host": socket.gethostname(), "ok": True}
         try:
             local = convert(mine)
-            info.update(committed=local.committed, params=local.params, bytes=local.bytes_written,
-                        seconds=round(local.seconds, 3), skipped=local.skipped)
+            info.update(
+                committed=local.committed,
+                params=local.params,
+                bytes=local.bytes_written,
+                seconds=round(local.seconds, 3),
+                skipped=local.skipped,
+            )
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
             aborted = isinstance(exc, _Aborted)
             info.update(ok=False, aborted=aborted, code=_exit_code(exc), error=f"{type(exc).__name__}: {exc}")
@@ -272,20 +323,35 @@ def convert_distributed(options: Any, launch: Optional[LaunchEnv] = None,
         bad = [s for s in shares if not s["ok"]]
         committed = [s["rank"] for s in shares if s.get("committed")]
         if not bad and not committed and not any(s.get("skipped") for s in shares):
-            bad = [{"rank": -1, "code": 2, "error": "every share finished but none committed (the shares' done "
-                    "markers were not visible to the last one: a file system without coherent metadata?)"}]
+            bad = [
+                {
+                    "rank": -1,
+                    "code": 2,
+                    "error": "every share finished but none committed (the shares' done "
+                    "markers were not visible to the last one: a file system without coherent metadata?)",
+                }
+            ]
         if bad:
             if launch.rank == 0:
                 shutil.rmtree(staging_path(output), ignore_errors=True)
             dist.barrier()
             causes = [s for s in bad if not s.get("aborted")] or bad
             msg = "; ".join(f"rank {s['rank']}: {s['error']}" for s in causes[:4])
-            raise DistributedConvertError(f"distributed conversion of {output.name} failed on "
-                                          f"{len(causes)} of {launch.world_size} processes: {msg}",
-                                          exit_code=max(int(s.get("code", 2)) for s in causes), subject=output)
-        return DistributedConvertResult(rank=launch.rank, world_size=launch.world_size, output=output,
-                                        committed_by=committed[0] if committed else None, local=local,
-                                        shares=shares, seconds=time.perf_counter() - t0)
+            raise DistributedConvertError(
+                f"distributed conversion of {output.name} failed on "
+                f"{len(causes)} of {launch.world_size} processes: {msg}",
+                exit_code=max(int(s.get("code", 2)) for s in causes),
+                subject=output,
+            )
+        return DistributedConvertResult(
+            rank=launch.rank,
+            world_size=launch.world_size,
+            output=output,
+            committed_by=committed[0] if committed else None,
+            local=local,
+            shares=shares,
+            seconds=time.perf_counter() - t0,
+        )
     finally:
         try:
             dist.destroy_process_group()
@@ -305,5 +371,12 @@ def launch_summary(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
 
 
 def result_json(result: DistributedConvertResult) -> str:
-    return json.dumps({"output": str(result.output), "world_size": result.world_size,
-                       "committed_by": result.committed_by, "shares": result.shares}, indent=1)
+    return json.dumps(
+        {
+            "output": str(result.output),
+            "world_size": result.world_size,
+            "committed_by": result.committed_by,
+            "shares": result.shares,
+        },
+        indent=1,
+    )

@@ -17,6 +17,7 @@ Size: :func:`convert` is one sequence (resolve, check the output's placement, pl
 commit, repair what an interrupted run left), and the functions here are its steps; writing the
 state files is :mod:`megatron_ucp.convert.writer`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,13 +33,29 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from tqdm import tqdm
 
-from megatron_ucp.convert.universal import (COMPLETE, STALE, Staging, inspect_staging, list_zero_folder,
-                                            move_latest_universal, source_identity, stale_reason, universal_state,
-                                            write_latest_universal)
-from megatron_ucp.convert.writer import Chunk, RankFileCache, Writer, save_file, torch_save_forced, write_chunk
-from megatron_ucp.deepspeed.reader import (CheckpointFiles, CheckpointMeta, ResolvedCheckpoint, find_checkpoint_files,
-                                           human_bytes, read_checkpoint, resolve_checkpoint)
 from megatron_ucp.convert.replicas import ReplicaDrift, compare_replicas
+from megatron_ucp.convert.universal import (
+    COMPLETE,
+    STALE,
+    Staging,
+    inspect_staging,
+    list_zero_folder,
+    move_latest_universal,
+    source_identity,
+    stale_reason,
+    universal_state,
+    write_latest_universal,
+)
+from megatron_ucp.convert.writer import Chunk, RankFileCache, Writer, save_file, torch_save_forced, write_chunk
+from megatron_ucp.deepspeed.reader import (
+    CheckpointFiles,
+    CheckpointMeta,
+    ResolvedCheckpoint,
+    find_checkpoint_files,
+    human_bytes,
+    read_checkpoint,
+    resolve_checkpoint,
+)
 from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, PlanError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity, osio
@@ -118,8 +135,16 @@ def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
             recorded = meta.tp_layouts(sorted(names)) if meta.tp_layouts_known() else None
             return build_plan(meta.model.param_groups, meta.layouts, rules, tp_layouts=recorded)
         layouts = meta.tp_layouts(sorted(names))
-        coordinates = [CoordinateInput(pp=c.pp, tp=c.tp, param_groups=tuple(tuple(g) for g in c.model.param_groups),
-                                       ranks=c.layouts, first_file=c.first_file) for c in meta.coordinates]
+        coordinates = [
+            CoordinateInput(
+                pp=c.pp,
+                tp=c.tp,
+                param_groups=tuple(tuple(g) for g in c.model.param_groups),
+                ranks=c.layouts,
+                first_file=c.first_file,
+            )
+            for c in meta.coordinates
+        ]
         return build_model_parallel_plan(coordinates, meta.tp, meta.pp, layouts, rules)
     except PlanError as exc:
         raise CheckpointFormatError(f"{meta.files.tag_dir}: {exc}", subject=meta.files.tag_dir) from exc
@@ -133,9 +158,11 @@ def _group_steps(meta: CheckpointMeta, plan: ConversionPlan, cache: RankFileCach
         value = first.step(g.index)
         for r in range(1, len(meta.steps)):
             if meta.steps[r][g.index] != meta.steps[0][g.index]:
-                raise CheckpointFormatError(f"{meta.files.rank_files[r]}: optimizer step {meta.steps[r][g.index]} of "
-                                            f"param group {g.index} differs from rank 0's {meta.steps[0][g.index]}",
-                                            subject=meta.files.rank_files[r])
+                raise CheckpointFormatError(
+                    f"{meta.files.rank_files[r]}: optimizer step {meta.steps[r][g.index]} of "
+                    f"param group {g.index} differs from rank 0's {meta.steps[0][g.index]}",
+                    subject=meta.files.rank_files[r],
+                )
         steps.append(value)
     return tuple(steps)
 
@@ -155,9 +182,11 @@ def _frozen_params(meta: CheckpointMeta, plan: ConversionPlan) -> dict[str, RawT
             continue
         out[name] = tensor
     if out and meta.model_parallel:
-        raise UnsupportedError(f"{meta.files.model_states}: frozen parameters ({sorted(out)[:3]}) in a "
-                               f"{meta.describe()} checkpoint: their TP slices are not merged yet",
-                               subject=meta.files.model_states)
+        raise UnsupportedError(
+            f"{meta.files.model_states}: frozen parameters ({sorted(out)[:3]}) in a "
+            f"{meta.describe()} checkpoint: their TP slices are not merged yet",
+            subject=meta.files.model_states,
+        )
     return out
 
 
@@ -176,16 +205,18 @@ def _copy_model_files(meta: CheckpointMeta, staging: Staging) -> list[Path]:
         except OSError as exc:  # the kernel copy reports the source's name even for a write failure
             if not os.access(src, os.R_OK):
                 raise UcpError(f"{src}: cannot read: {exc.strerror or exc}", subject=src) from exc
-            raise UcpError(f"{dest}: write failed while copying {src.name}: {exc.strerror or exc}",
-                           subject=dest) from exc
+            raise UcpError(
+                f"{dest}: write failed while copying {src.name}: {exc.strerror or exc}", subject=dest
+            ) from exc
         with open(dest, "rb") as fh:
             osio.start_writeback(fh.fileno())
         copies.append(dest)
     return copies
 
 
-def _write_common(staging: Staging, meta: CheckpointMeta, plan: ConversionPlan, cache: RankFileCache,
-                  model_files_copied: bool) -> list[str]:
+def _write_common(
+    staging: Staging, meta: CheckpointMeta, plan: ConversionPlan, cache: RankFileCache, model_files_copied: bool
+) -> list[str]:
     """optimizer_state.pt, the model-states file(s) unless already copied, and fp32 of frozen parameters."""
     common = cache.get(0).common_state()
     save_file(common, staging.path / F.UNIVERSAL_ZERO_DIR / F.UNIVERSAL_OPTIMIZER_STATE_FILE)
@@ -210,22 +241,27 @@ def _as_fp32(tensor: RawTensor) -> Any:
 def check_complete(folder: Path, plan: ConversionPlan, frozen: Iterable[str] = ()) -> None:
     """Every planned parameter has exactly its state files (and step), and nothing else is there."""
     zero = Path(folder) / F.UNIVERSAL_ZERO_DIR
-    expected = {p.name: {f"{s}.pt" for s in plan.groups[p.group].states}
-                | ({f"{F.STEP_STATE}.pt"} if plan.groups[p.group].has_step else set()) for p in plan.params}
+    expected = {
+        p.name: {f"{s}.pt" for s in plan.groups[p.group].states}
+        | ({f"{F.STEP_STATE}.pt"} if plan.groups[p.group].has_step else set())
+        for p in plan.params
+    }
     for name in frozen:
         expected[name] = {f"{F.FP32_STATE}.pt"}
     found = {name: set(files) for name, files in list_zero_folder(zero).items()}
     missing = sorted(set(expected) - set(found))
     if missing:
-        raise CheckpointFormatError(f"{zero}: no folder for parameters {missing[:5]}{'...' if len(missing) > 5 else ''}",
-                                    subject=zero)
+        raise CheckpointFormatError(
+            f"{zero}: no folder for parameters {missing[:5]}{'...' if len(missing) > 5 else ''}", subject=zero
+        )
     extra = sorted(set(found) - set(expected))
     if extra:
         raise CheckpointFormatError(f"{zero}: unexpected parameter folders {extra[:5]}", subject=zero)
     for name, files in expected.items():
         if found[name] != files:
-            raise CheckpointFormatError(f"{zero / name}: has {sorted(found[name])}, expected {sorted(files)}",
-                                        subject=zero / name)
+            raise CheckpointFormatError(
+                f"{zero / name}: has {sorted(found[name])}, expected {sorted(files)}", subject=zero / name
+            )
 
 
 def _latest_applies(ck: ResolvedCheckpoint, output: Path, options: ConvertOptions) -> bool:
@@ -271,10 +307,13 @@ def check_torch_loadable(files: CheckpointFiles) -> None:
     for path in files_copied_as_they_are(files):
         problems = structure_problems(path)
         if problems:
-            raise CheckpointFormatError(f"{path}: damaged ({problems[0]}"
-                                        + (f"; {len(problems) - 1} more" if len(problems) > 1 else "")
-                                        + "): torch.load, which DeepSpeed's loader uses, rejects it; the universal "
-                                        "folder would carry it", subject=path)
+            raise CheckpointFormatError(
+                f"{path}: damaged ({problems[0]}"
+                + (f"; {len(problems) - 1} more" if len(problems) > 1 else "")
+                + "): torch.load, which DeepSpeed's loader uses, rejects it; the universal "
+                "folder would carry it",
+                subject=path,
+            )
 
 
 def _refuse_what_torch_refuses(check: TorchReaderCheck, folder: Path, sources: list[Path]) -> None:
@@ -284,8 +323,11 @@ def _refuse_what_torch_refuses(check: TorchReaderCheck, folder: Path, sources: l
     copied = {folder / src.name: src for src in sources}
     for path, reason in sorted(check.refused(written).items()):
         name = copied.get(Path(path), Path(path))
-        raise CheckpointFormatError(f"{name}: damaged (torch's zip reader: {reason}): torch.load, which DeepSpeed's "
-                                    "loader uses, rejects it; the universal folder would carry it", subject=name)
+        raise CheckpointFormatError(
+            f"{name}: damaged (torch's zip reader: {reason}): torch.load, which DeepSpeed's "
+            "loader uses, rejects it; the universal folder would carry it",
+            subject=name,
+        )
 
 
 def _merged_sums(plan: ConversionPlan, shares: Sequence[dict]) -> Optional[dict]:
@@ -300,27 +342,54 @@ def _merged_sums(plan: ConversionPlan, shares: Sequence[dict]) -> Optional[dict]
     return {"algorithm": integrity.ALGORITHM, "files": {k: files[k] for k in sorted(wanted)}}
 
 
-def _manifest(meta: CheckpointMeta, ck: ResolvedCheckpoint, plan: ConversionPlan, frozen: Sequence[str],
-              shares: Sequence[dict], seconds: float, identity: dict, drift: Sequence[ReplicaDrift] = ()) -> dict:
+def _manifest(
+    meta: CheckpointMeta,
+    ck: ResolvedCheckpoint,
+    plan: ConversionPlan,
+    frozen: Sequence[str],
+    shares: Sequence[dict],
+    seconds: float,
+    identity: dict,
+    drift: Sequence[ReplicaDrift] = (),
+) -> dict:
     sums = _merged_sums(plan, shares)
-    parallel = {"tp": meta.tp, "pp": meta.pp, "dp": meta.dp,
-                "layouts_recorded": meta.tp_layout_record() is not None}
+    parallel = {"tp": meta.tp, "pp": meta.pp, "dp": meta.dp, "layouts_recorded": meta.tp_layout_record() is not None}
     return {
         "format": F.MANIFEST_FORMAT,
         "version": F.MANIFEST_VERSION,
         "tool": f"megatron-ucp {__version__}",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": socket.gethostname(),
-        "source": {"tag": ck.tag, "path": str(meta.files.tag_dir.resolve()), "dp": meta.dp, "optimizer": meta.kind,
-                   "ds_version": meta.ds_version, "zero_stage": meta.zero_stage,
-                   "saved_with_megatron_ucp": meta.saved_with_ucp},
+        "source": {
+            "tag": ck.tag,
+            "path": str(meta.files.tag_dir.resolve()),
+            "dp": meta.dp,
+            "optimizer": meta.kind,
+            "ds_version": meta.ds_version,
+            "zero_stage": meta.zero_stage,
+            "saved_with_megatron_ucp": meta.saved_with_ucp,
+        },
         "source_files": identity,
         "plan_fingerprint": plan.fingerprint(),
-        "groups": [{"index": g.index, "numel": g.geometry.numel, "partition_size": g.geometry.partition_size,
-                    "states": list(g.states), "step": g.has_step} for g in plan.groups],
-        "params": {p.name: {"group": p.group, "shape": list(p.out_shape), "source_shape": list(p.shape),
-                            **({"tp_layout": p.tp_layout} if p.tp_layout else {})}
-                   for p in plan.params},
+        "groups": [
+            {
+                "index": g.index,
+                "numel": g.geometry.numel,
+                "partition_size": g.geometry.partition_size,
+                "states": list(g.states),
+                "step": g.has_step,
+            }
+            for g in plan.groups
+        ],
+        "params": {
+            p.name: {
+                "group": p.group,
+                "shape": list(p.out_shape),
+                "source_shape": list(p.shape),
+                **({"tp_layout": p.tp_layout} if p.tp_layout else {}),
+            }
+            for p in plan.params
+        },
         "parallel": parallel,
         **({"replica_drift": [d.to_record() for d in drift]} if drift else {}),
         "frozen_params": list(frozen),
@@ -342,8 +411,10 @@ def convert(options: ConvertOptions) -> ConvertResult:
     pointer = ck.root / F.LATEST_UNIVERSAL if ck.root is not None else None
     pointer_kind = special_kind(pointer) if pointer is not None and _latest_applies(ck, output, options) else None
     if pointer_kind is not None:
-        raise UcpError(f"{pointer}: is {pointer_kind}, not a tag file; remove it (or pass --no-latest) "
-                       "before converting", subject=pointer)
+        raise UcpError(
+            f"{pointer}: is {pointer_kind}, not a tag file; remove it (or pass --no-latest) before converting",
+            subject=pointer,
+        )
     files = find_checkpoint_files(ck.tag_dir)
     identity = source_identity(files.identity_files())  # before reading: what this converts
     state = universal_state(output)
@@ -355,13 +426,27 @@ def convert(options: ConvertOptions) -> ConvertResult:
         raise OutputExistsError(f"{output}: exists but is stale: {stale}; pass --force to reconvert it", subject=output)
     if state != "absent" and not force:
         if state == COMPLETE and options.share_count > 1:
-            return ConvertResult(output=output, tag=ck.tag, committed=False, params=0, states=0, bytes_written=0,
-                                 seconds=0.0, source_dp=0, optimizer="", share_index=options.share_index,
-                                 share_count=options.share_count, skipped=True,
-                                 summary=f"{output} is already complete")
+            return ConvertResult(
+                output=output,
+                tag=ck.tag,
+                committed=False,
+                params=0,
+                states=0,
+                bytes_written=0,
+                seconds=0.0,
+                source_dp=0,
+                optimizer="",
+                share_index=options.share_index,
+                share_count=options.share_count,
+                skipped=True,
+                summary=f"{output} is already complete",
+            )
         repaired = _repair_interrupted(ck, output, options) if state == COMPLETE else []
-        raise OutputExistsError(f"{output}: already exists ({state}{'; ' + '; '.join(repaired) if repaired else ''}); "
-                                "pass --force to replace it", subject=output)
+        raise OutputExistsError(
+            f"{output}: already exists ({state}{'; ' + '; '.join(repaired) if repaired else ''}); "
+            "pass --force to replace it",
+            subject=output,
+        )
     if not output.parent.is_dir():
         raise UcpError(f"{output.parent}: output's parent folder does not exist", subject=output.parent)
     if not os.access(output.parent, os.W_OK):
@@ -377,8 +462,16 @@ def convert(options: ConvertOptions) -> ConvertResult:
         reader_check.cancel()
 
 
-def _convert_checked(ck: ResolvedCheckpoint, files: CheckpointFiles, options: ConvertOptions, output: Path,
-                     force: bool, identity: dict, t0: float, reader_check: TorchReaderCheck) -> ConvertResult:
+def _convert_checked(
+    ck: ResolvedCheckpoint,
+    files: CheckpointFiles,
+    options: ConvertOptions,
+    output: Path,
+    force: bool,
+    identity: dict,
+    t0: float,
+    reader_check: TorchReaderCheck,
+) -> ConvertResult:
     """:func:`convert` once the source passed its checks: plan, write this share, commit if last."""
     cache = RankFileCache(list(files.rank_files))
     meta = read_checkpoint(ck.tag_dir, rank_files=[cache.get(r) for r in range(len(files.rank_files))])
@@ -386,17 +479,41 @@ def _convert_checked(ck: ResolvedCheckpoint, files: CheckpointFiles, options: Co
     steps = _group_steps(meta, plan, cache)
     mine = share_of(plan, options.share_index, options.share_count)
     try:
-        staging = Staging(output, plan.fingerprint(), options.share_index, options.share_count, options.attempt_id,
-                          options.stale_after).open()
+        staging = Staging(
+            output,
+            plan.fingerprint(),
+            options.share_index,
+            options.share_count,
+            options.attempt_id,
+            options.stale_after,
+        ).open()
     except OSError as exc:
-        raise UcpError(f"{exc.filename or output.parent}: cannot create the staging folder: {exc.strerror}",
-                       subject=output) from exc
-    log.info("converting %s (%s, %s, DeepSpeed %s): %d params, share %d/%d -> %s", ck.tag_dir, meta.describe(), meta.kind,
-             meta.ds_version, len(mine), options.share_index + 1, options.share_count, output)
+        raise UcpError(
+            f"{exc.filename or output.parent}: cannot create the staging folder: {exc.strerror}", subject=output
+        ) from exc
+    log.info(
+        "converting %s (%s, %s, DeepSpeed %s): %d params, share %d/%d -> %s",
+        ck.tag_dir,
+        meta.describe(),
+        meta.kind,
+        meta.ds_version,
+        len(mine),
+        options.share_index + 1,
+        options.share_count,
+        output,
+    )
     try:
         written, sums = _write_params(mine, plan, steps, meta, staging, options, cache)
-        staging.mark_share_done({"share": options.share_index, "params": len(mine), "bytes": written,
-                                 "host": socket.gethostname(), "pid": os.getpid(), "checksums": sums})
+        staging.mark_share_done(
+            {
+                "share": options.share_index,
+                "params": len(mine),
+                "bytes": written,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "checksums": sums,
+            }
+        )
         committed = False
         if staging.claim_commit():
             frozen = _write_common(staging, meta, plan, cache, model_files_copied=options.share_count == 1)
@@ -429,14 +546,27 @@ def _convert_checked(ck: ResolvedCheckpoint, files: CheckpointFiles, options: Co
 
     seconds = time.perf_counter() - t0
     n_states = sum(len(plan.groups[p.group].states) for p in mine)
-    summary = (f"{'converted' if committed else 'wrote share of'} {ck.tag} ({meta.describe()}, {meta.kind}, DeepSpeed "
-               f"{meta.ds_version}): {len(mine)} params, {n_states} state tensors, {human_bytes(written)} in "
-               f"{seconds:.2f}s ({human_bytes(written / max(seconds, 1e-9))}/s) -> {output}"
-               + ("" if committed else f" [share {options.share_index + 1}/{options.share_count}; commit by the last]"))
+    summary = (
+        f"{'converted' if committed else 'wrote share of'} {ck.tag} ({meta.describe()}, {meta.kind}, DeepSpeed "
+        f"{meta.ds_version}): {len(mine)} params, {n_states} state tensors, {human_bytes(written)} in "
+        f"{seconds:.2f}s ({human_bytes(written / max(seconds, 1e-9))}/s) -> {output}"
+        + ("" if committed else f" [share {options.share_index + 1}/{options.share_count}; commit by the last]")
+    )
     log.debug(summary)
-    return ConvertResult(output=output, tag=ck.tag, committed=committed, params=len(mine), states=n_states,
-                         bytes_written=written, seconds=seconds, source_dp=meta.dp, optimizer=meta.kind,
-                         share_index=options.share_index, share_count=options.share_count, summary=summary)
+    return ConvertResult(
+        output=output,
+        tag=ck.tag,
+        committed=committed,
+        params=len(mine),
+        states=n_states,
+        bytes_written=written,
+        seconds=seconds,
+        source_dp=meta.dp,
+        optimizer=meta.kind,
+        share_index=options.share_index,
+        share_count=options.share_count,
+        summary=summary,
+    )
 
 
 def _abandon(staging: Staging, options: ConvertOptions, exc: BaseException) -> None:
@@ -448,8 +578,15 @@ def _abandon(staging: Staging, options: ConvertOptions, exc: BaseException) -> N
         staging.close()
 
 
-def _write_params(mine: Sequence[ParamPlan], plan: ConversionPlan, steps: tuple, meta: CheckpointMeta,
-                  staging: Staging, options: ConvertOptions, cache: RankFileCache) -> tuple[int, dict]:
+def _write_params(
+    mine: Sequence[ParamPlan],
+    plan: ConversionPlan,
+    steps: tuple,
+    meta: CheckpointMeta,
+    staging: Staging,
+    options: ConvertOptions,
+    cache: RankFileCache,
+) -> tuple[int, dict]:
     """Write this share's parameters with ``options.workers`` threads over contiguous, byte-balanced chunks;
     return the bytes written and the state files' checksums (:attr:`Writer.sums`).
 
@@ -465,16 +602,25 @@ def _write_params(mine: Sequence[ParamPlan], plan: ConversionPlan, steps: tuple,
     workers = max(1, min(options.workers, len(mine)))
     parts = 1 if workers == 1 else workers * 4
     zero_dir = str(staging.path / F.UNIVERSAL_ZERO_DIR)
-    chunks = [Chunk(params=tuple(ps), groups=plan.groups, steps=steps, zero_dir=zero_dir)
-              for ps in split_by_bytes(mine, parts, per_group) if ps]
+    chunks = [
+        Chunk(params=tuple(ps), groups=plan.groups, steps=steps, zero_dir=zero_dir)
+        for ps in split_by_bytes(mine, parts, per_group)
+        if ps
+    ]
     writer = Writer(cache, fast=not torch_save_forced())
     prefetch = [meta.files.model_states] if options.share_count == 1 else []  # the committer copies it
     prefetch += [meta.files.rank_files[r] for r in sorted({i.rank for p in mine for i in p.items})]
     threading.Thread(target=osio.read_ahead, args=(prefetch,), name="ucp-readahead", daemon=True).start()
     if not writer.fast:
         log.info("writing with torch.save (MEGATRON_UCP_TORCH_SAVE=1)")
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {meta.files.tag_dir.name}",
-               disable=not options.progress, leave=False)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc=f"convert {meta.files.tag_dir.name}",
+        disable=not options.progress,
+        leave=False,
+    )
     written = 0
     done = 0
     lock = threading.Lock()

@@ -5,6 +5,7 @@ Works from metadata alone: the model-states file's ``param_shapes`` and each ran
 read), or just a list of group sizes and a DP size (``--group-numels``), which is how the
 AuroraGPT-7B DP=768 case is answered without a checkpoint at hand.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -15,8 +16,13 @@ from megatron_ucp.convert.execute import plan_checkpoint
 from megatron_ucp.convert.universal import universal_state
 from megatron_ucp.deepspeed.reader import read_checkpoint, resolve_checkpoint
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.plan.geometry import (GroupGeometry, PaddingStyle, StripCrash, stock_converter_crashes,
-                                        stock_loader_crash_ranks)
+from megatron_ucp.plan.geometry import (
+    GroupGeometry,
+    PaddingStyle,
+    StripCrash,
+    stock_converter_crashes,
+    stock_loader_crash_ranks,
+)
 
 
 @dataclass
@@ -77,36 +83,75 @@ def _ranges(values: Sequence[int]) -> str:
     return ", ".join(out) if out else "none"
 
 
-def inspect_geometry(groups: Sequence[GroupGeometry], style: PaddingStyle, target_dps: Sequence[int], *,
-                     source: str = "<metadata>", ds_version: str = "?", optimizer: str = "?",
-                     zero_stage: Optional[int] = None, saved_with_ucp: bool = False,
-                     has_uc_info: Optional[bool] = None, param_counts: Optional[Sequence[int]] = None,
-                     recorded: Optional[Sequence[Sequence[Optional[int]]]] = None) -> InspectReport:
+def inspect_geometry(
+    groups: Sequence[GroupGeometry],
+    style: PaddingStyle,
+    target_dps: Sequence[int],
+    *,
+    source: str = "<metadata>",
+    ds_version: str = "?",
+    optimizer: str = "?",
+    zero_stage: Optional[int] = None,
+    saved_with_ucp: bool = False,
+    has_uc_info: Optional[bool] = None,
+    param_counts: Optional[Sequence[int]] = None,
+    recorded: Optional[Sequence[Sequence[Optional[int]]]] = None,
+) -> InspectReport:
     """Pure: the report for given group sizes at a DP size, with recorded paddings when known."""
     dp = groups[0].dp if groups else 0
     if recorded is not None:  # what the files really say beats what the version would have written
-        crashes = [StripCrash(group=g, rank=r, padding=pad, state_numel=geo.partition_size)
-                   for g, geo in enumerate(groups) for r, pad in enumerate(recorded[g])
-                   if pad is not None and pad > geo.partition_size]
+        crashes = [
+            StripCrash(group=g, rank=r, padding=pad, state_numel=geo.partition_size)
+            for g, geo in enumerate(groups)
+            for r, pad in enumerate(recorded[g])
+            if pad is not None and pad > geo.partition_size
+        ]
     else:
         crashes = stock_converter_crashes(groups, style)
-    reports = [GroupReport(index=g, params=param_counts[g] if param_counts else None, numel=geo.numel,
-                           padded_numel=geo.padded_numel, partition_size=geo.partition_size,
-                           total_padding=geo.total_padding, padding_only_ranks=geo.padding_only_ranks(),
-                           recorded_paddings=list(recorded[g]) if recorded is not None else None)
-               for g, geo in enumerate(groups)]
+    reports = [
+        GroupReport(
+            index=g,
+            params=param_counts[g] if param_counts else None,
+            numel=geo.numel,
+            padded_numel=geo.padded_numel,
+            partition_size=geo.partition_size,
+            total_padding=geo.total_padding,
+            padding_only_ranks=geo.padding_only_ranks(),
+            recorded_paddings=list(recorded[g]) if recorded is not None else None,
+        )
+        for g, geo in enumerate(groups)
+    ]
     loader = [d for d in target_dps if stock_loader_crash_ranks(groups, d)]
     notes = []
     if has_uc_info is False:
-        notes.append("no universal_checkpoint_info in the client state: stock ds_to_universal refuses it unless "
-                     "--inject_missing_state is given (megatron-ucp does not need it)")
-    return InspectReport(source=source, dp=dp, ds_version=ds_version, optimizer=optimizer, zero_stage=zero_stage,
-                         padding_style=style.value, saved_with_megatron_ucp=saved_with_ucp,
-                         has_universal_checkpoint_info=has_uc_info, groups=reports,
-                         stock_converter_crashes=[{"group": c.group, "rank": c.rank, "padding": c.padding,
-                                                   "partition_size": c.state_numel, "raw_length": c.raw_length}
-                                                  for c in crashes],
-                         target_dps=list(target_dps), stock_loader_crash_dps=loader, notes=notes)
+        notes.append(
+            "no universal_checkpoint_info in the client state: stock ds_to_universal refuses it unless "
+            "--inject_missing_state is given (megatron-ucp does not need it)"
+        )
+    return InspectReport(
+        source=source,
+        dp=dp,
+        ds_version=ds_version,
+        optimizer=optimizer,
+        zero_stage=zero_stage,
+        padding_style=style.value,
+        saved_with_megatron_ucp=saved_with_ucp,
+        has_universal_checkpoint_info=has_uc_info,
+        groups=reports,
+        stock_converter_crashes=[
+            {
+                "group": c.group,
+                "rank": c.rank,
+                "padding": c.padding,
+                "partition_size": c.state_numel,
+                "raw_length": c.raw_length,
+            }
+            for c in crashes
+        ],
+        target_dps=list(target_dps),
+        stock_loader_crash_dps=loader,
+        notes=notes,
+    )
 
 
 def inspect_checkpoint(path: Path, tag: Optional[str], target_dps: Sequence[int]) -> InspectReport:
@@ -124,22 +169,41 @@ def inspect_checkpoint(path: Path, tag: Optional[str], target_dps: Sequence[int]
             pad = c.layouts[0].groups[g].param_alignment_padding
             groups.append(GroupGeometry(numel=numel, dp=meta.dp, padded_numel=numel + pad))
         recorded = [[lay.groups[g].recorded_padding for lay in c.layouts] for g in range(len(groups))]
-        reports.append(inspect_geometry(groups, meta.padding_style, target_dps, source=str(ck.tag_dir),
-                                        ds_version=meta.ds_version, optimizer=meta.kind, zero_stage=meta.zero_stage,
-                                        saved_with_ucp=meta.saved_with_ucp,
-                                        has_uc_info=meta.model.universal_checkpoint_info is not None,
-                                        param_counts=[len(s) for s in c.model.param_groups], recorded=recorded))
+        reports.append(
+            inspect_geometry(
+                groups,
+                meta.padding_style,
+                target_dps,
+                source=str(ck.tag_dir),
+                ds_version=meta.ds_version,
+                optimizer=meta.kind,
+                zero_stage=meta.zero_stage,
+                saved_with_ucp=meta.saved_with_ucp,
+                has_uc_info=meta.model.universal_checkpoint_info is not None,
+                param_counts=[len(s) for s in c.model.param_groups],
+                recorded=recorded,
+            )
+        )
     report = reports[0]
     if meta.model_parallel:
         report.parallel = {"tp": meta.tp, "pp": meta.pp, "dp": meta.dp}
-        report.coordinates = [{"pp": c.pp, "tp": c.tp, "file": c.model.path.name,
-                               "params": sum(len(g) for g in c.model.param_groups),
-                               "groups": [asdict(g) for g in r.groups],
-                               "stock_converter_crashes": r.stock_converter_crashes,
-                               "stock_loader_crash_dps": r.stock_loader_crash_dps}
-                              for c, r in zip(meta.coordinates, reports)]
-        report.stock_converter_crashes = [dict(crash, pp=c.pp, tp=c.tp) for c, r in zip(meta.coordinates, reports)
-                                          for crash in r.stock_converter_crashes]
+        report.coordinates = [
+            {
+                "pp": c.pp,
+                "tp": c.tp,
+                "file": c.model.path.name,
+                "params": sum(len(g) for g in c.model.param_groups),
+                "groups": [asdict(g) for g in r.groups],
+                "stock_converter_crashes": r.stock_converter_crashes,
+                "stock_loader_crash_dps": r.stock_loader_crash_dps,
+            }
+            for c, r in zip(meta.coordinates, reports)
+        ]
+        report.stock_converter_crashes = [
+            dict(crash, pp=c.pp, tp=c.tp)
+            for c, r in zip(meta.coordinates, reports)
+            for crash in r.stock_converter_crashes
+        ]
         report.stock_loader_crash_dps = sorted({d for r in reports for d in r.stock_loader_crash_dps})
     for p in plan.params:
         if p.tp_layout:
@@ -151,14 +215,17 @@ def inspect_checkpoint(path: Path, tag: Optional[str], target_dps: Sequence[int]
 
 
 def format_report(r: InspectReport) -> str:
-    lines = [f"checkpoint:       {r.source}",
-             f"DP size:          {r.dp}" if r.parallel is None else
-             f"layout:           TP={r.parallel['tp']} x PP={r.parallel['pp']} x DP={r.dp} "
-             f"({len(r.coordinates)} model-parallel coordinates, each with its own ZeRO geometry)",
-             f"DeepSpeed:        {r.ds_version}",
-             f"optimizer:        {r.optimizer}" + (f" (ZeRO stage {r.zero_stage})" if r.zero_stage else ""),
-             f"group_paddings:   {r.padding_style}" + (" (saved with megatron-ucp: true lengths recorded)"
-                                                       if r.saved_with_megatron_ucp else "")]
+    lines = [
+        f"checkpoint:       {r.source}",
+        f"DP size:          {r.dp}"
+        if r.parallel is None
+        else f"layout:           TP={r.parallel['tp']} x PP={r.parallel['pp']} x DP={r.dp} "
+        f"({len(r.coordinates)} model-parallel coordinates, each with its own ZeRO geometry)",
+        f"DeepSpeed:        {r.ds_version}",
+        f"optimizer:        {r.optimizer}" + (f" (ZeRO stage {r.zero_stage})" if r.zero_stage else ""),
+        f"group_paddings:   {r.padding_style}"
+        + (" (saved with megatron-ucp: true lengths recorded)" if r.saved_with_megatron_ucp else ""),
+    ]
     if r.universal_twin:
         lines.append(f"universal twin:   {r.universal_twin}")
     if r.tp_layouts:
@@ -170,21 +237,31 @@ def format_report(r: InspectReport) -> str:
         lines.append("groups of coordinate (pp 0, tp 0):")
     for g in r.groups:
         extra = f", {g.params} params" if g.params is not None else ""
-        lines.append(f"group {g.index}: N={g.numel:,}{extra}; partition {g.partition_size:,}; alignment padding "
-                     f"{g.total_padding:,}" + (f" (> partition: spans {len(g.padding_only_ranks)} rank(s))"
-                                                if g.total_padding > g.partition_size else ""))
+        lines.append(
+            f"group {g.index}: N={g.numel:,}{extra}; partition {g.partition_size:,}; alignment padding "
+            f"{g.total_padding:,}"
+            + (
+                f" (> partition: spans {len(g.padding_only_ranks)} rank(s))"
+                if g.total_padding > g.partition_size
+                else ""
+            )
+        )
         lines.append(f"  ranks holding only padding: {_ranges(g.padding_only_ranks)}")
     if r.stock_converter_crashes:
         c = r.stock_converter_crashes[0]
-        lines.append(f"stock ds_to_universal: CRASHES (narrow(): length must be non-negative) - group {c['group']} "
-                     f"rank {c['rank']}: recorded padding {c['padding']} > partition {c['partition_size']} "
-                     f"(raw length {c['raw_length']}); megatron-ucp convert handles it")
+        lines.append(
+            f"stock ds_to_universal: CRASHES (narrow(): length must be non-negative) - group {c['group']} "
+            f"rank {c['rank']}: recorded padding {c['padding']} > partition {c['partition_size']} "
+            f"(raw length {c['raw_length']}); megatron-ucp convert handles it"
+        )
     else:
         lines.append("stock ds_to_universal: ok (paddings within partitions)")
     lo, hi = (min(r.target_dps), max(r.target_dps)) if r.target_dps else (0, 0)
     crash = r.stock_loader_crash_dps
-    lines.append(f"stock universal loader (load_universal) over DP {lo}..{hi}: crashes (IndexError, all-padding "
-                 f"ranks) at {len(crash)} of {len(r.target_dps)} sizes: {_ranges(crash)}"
-                 + (f"; including this DP ({r.dp})" if r.dp in crash else ""))
+    lines.append(
+        f"stock universal loader (load_universal) over DP {lo}..{hi}: crashes (IndexError, all-padding "
+        f"ranks) at {len(crash)} of {len(r.target_dps)} sizes: {_ranges(crash)}"
+        + (f"; including this DP ({r.dp})" if r.dp in crash else "")
+    )
     lines.extend(f"note: {n}" for n in r.notes)
     return "\n".join(lines)

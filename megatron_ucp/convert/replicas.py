@@ -7,6 +7,7 @@ converter keeps TP rank 0's copy, as stock does, and reports each drifted state 
 many elements differ and by how much at most, so the user can judge. Reads the copies' bytes
 (small parameters) through the plan's items; NumPy, no torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,12 +31,20 @@ class ReplicaDrift:
     max_abs_diff: float
 
     def describe(self) -> str:
-        return (f"{self.param} state {self.state!r}: copy {self.copy} differs from the kept copy (TP rank 0) in "
-                f"{self.differing} of {self.numel} elements, max |diff| {self.max_abs_diff:.3g}; kept TP rank 0's")
+        return (
+            f"{self.param} state {self.state!r}: copy {self.copy} differs from the kept copy (TP rank 0) in "
+            f"{self.differing} of {self.numel} elements, max |diff| {self.max_abs_diff:.3g}; kept TP rank 0's"
+        )
 
     def to_record(self) -> dict:
-        return {"param": self.param, "state": self.state, "copy": self.copy, "differing": self.differing,
-                "numel": self.numel, "max_abs_diff": self.max_abs_diff}
+        return {
+            "param": self.param,
+            "state": self.state,
+            "copy": self.copy,
+            "differing": self.differing,
+            "numel": self.numel,
+            "max_abs_diff": self.max_abs_diff,
+        }
 
 
 def _values(p: ParamPlan, state: str, items, cache: RankFileCache) -> np.ndarray:
@@ -62,6 +71,14 @@ def compare_replicas(plan: ConversionPlan, cache: RankFileCache) -> list[Replica
                 if other.tobytes() == kept.tobytes():
                     continue
                 diff = np.abs(other.astype(np.float64) - kept.astype(np.float64))
-                out.append(ReplicaDrift(p.name, state, copy, int(np.count_nonzero(other != kept)), int(kept.size),
-                                        float(np.nanmax(diff)) if diff.size else 0.0))
+                out.append(
+                    ReplicaDrift(
+                        p.name,
+                        state,
+                        copy,
+                        int(np.count_nonzero(other != kept)),
+                        int(kept.size),
+                        float(np.nanmax(diff)) if diff.size else 0.0,
+                    )
+                )
     return out

@@ -7,6 +7,7 @@ staging folder into place. ``latest_universal`` is replaced afterwards by write-
 So a folder named ``<tag>_universal`` with our manifest is finished by construction, and anything
 interrupted is only ever a staging folder, recognisably stale once its heartbeats stop.
 """
+
 from __future__ import annotations
 
 import errno
@@ -60,8 +61,12 @@ def read_manifest(folder: Path) -> Optional[dict]:
     if not isinstance(data, dict) or data.get("format") != F.MANIFEST_FORMAT:
         raise CheckpointFormatError(f"{path}: not a megatron-ucp manifest", subject=path)
     if int(data.get("version", 0)) > F.MANIFEST_VERSION:
-        log.warning("%s: manifest version %s is newer than this megatron-ucp (%s); reading known fields only",
-                    path, data.get("version"), F.MANIFEST_VERSION)
+        log.warning(
+            "%s: manifest version %s is newer than this megatron-ucp (%s); reading known fields only",
+            path,
+            data.get("version"),
+            F.MANIFEST_VERSION,
+        )
     return data
 
 
@@ -79,7 +84,8 @@ def source_identity(files: Iterable[Path]) -> dict[str, list[int]]:
 def stale_reason(folder: Path, source_tag_dir: Path, current: Optional[dict[str, list[int]]] = None) -> Optional[str]:
     """Why the complete folder ``folder`` is not the conversion of ``source_tag_dir`` as it is now,
     or None when it is. A manifest from before source binding (no ``source_files``) is judged by
-    modification times alone (:func:`_newer_than_manifest`). ``current`` is the source's :func:`source_identity` when the caller already took it."""
+    modification times alone (:func:`_newer_than_manifest`). ``current`` is the source's :func:`source_identity`
+    when the caller already took it."""
 
     try:
         manifest = read_manifest(folder)
@@ -113,8 +119,9 @@ def _newer_than_manifest(folder: Path, source_tag_dir: Path, current: dict[str, 
     written = (Path(folder) / F.MANIFEST_FILE).stat().st_mtime_ns
     newer = sorted(name for name, (_, mtime) in current.items() if mtime > written)
     if newer:
-        return (f"{Path(source_tag_dir) / newer[0]} was modified after the conversion (re-saved?)"
-                + (f", and {len(newer) - 1} more" if len(newer) > 1 else ""))
+        return f"{Path(source_tag_dir) / newer[0]} was modified after the conversion (re-saved?)" + (
+            f", and {len(newer) - 1} more" if len(newer) > 1 else ""
+        )
     return None
 
 
@@ -224,8 +231,11 @@ def inspect_staging(output: Path) -> Optional[StagingInfo]:
             done.append(int(f.name.split("-", 1)[0]))
         except ValueError:
             continue
-    failed = tuple(sorted(f.read_text(errors="replace").strip()
-                          for f in (path / "shares").glob("*.failed"))) if (path / "shares").is_dir() else ()
+    failed = (
+        tuple(sorted(f.read_text(errors="replace").strip() for f in (path / "shares").glob("*.failed")))
+        if (path / "shares").is_dir()
+        else ()
+    )
     now = time.time()
     ages = []
     host = socket.gethostname()
@@ -238,10 +248,15 @@ def inspect_staging(output: Path) -> Optional[StagingInfo]:
         if hb_host == host and not osio.pid_alive(int(hb_pid)):
             continue  # its process is gone: a dead heartbeat whatever its age
         ages.append(age)
-    return StagingInfo(path=path, attempt_id=str(attempt.get("attempt_id", "")),
-                       fingerprint=str(attempt.get("fingerprint", "")),
-                       share_count=int(attempt.get("share_count", 1) or 1), shares_done=tuple(sorted(done)),
-                       heartbeat_age=min(ages) if ages else None, failed=failed)
+    return StagingInfo(
+        path=path,
+        attempt_id=str(attempt.get("attempt_id", "")),
+        fingerprint=str(attempt.get("fingerprint", "")),
+        share_count=int(attempt.get("share_count", 1) or 1),
+        shares_done=tuple(sorted(done)),
+        heartbeat_age=min(ages) if ages else None,
+        failed=failed,
+    )
 
 
 class Staging:
@@ -252,8 +267,15 @@ class Staging:
     :meth:`commit`. :meth:`close` stops the heartbeat; :meth:`discard` removes the folder.
     """
 
-    def __init__(self, output: Path, fingerprint: str, share_index: int = 0, share_count: int = 1,
-                 attempt_id: Optional[str] = None, stale_after: float = 60.0):
+    def __init__(
+        self,
+        output: Path,
+        fingerprint: str,
+        share_index: int = 0,
+        share_count: int = 1,
+        attempt_id: Optional[str] = None,
+        stale_after: float = 60.0,
+    ):
         self.output = Path(output)
         self.path = staging_path(self.output)
         self.fingerprint = fingerprint
@@ -272,17 +294,25 @@ class Staging:
         for _ in range(5):
             info = inspect_staging(self.output)
             if info is not None:
-                joinable = (info.attempt_id == self.attempt_id and info.fingerprint == self.fingerprint
-                            and info.share_count == self.share_count)
+                joinable = (
+                    info.attempt_id == self.attempt_id
+                    and info.fingerprint == self.fingerprint
+                    and info.share_count == self.share_count
+                )
                 if joinable:
                     break
                 if info.is_live(self.stale_after):
                     raise ConversionInProgress(
                         f"{info.path}: another conversion of {self.output.name} is running (heartbeat "
                         f"{info.heartbeat_age:.0f}s ago); wait for it, or remove the folder if it is dead",
-                        subject=info.path)
-                log.warning("removing stale staging folder %s (attempt %s, shares done %s)", info.path,
-                            info.attempt_id or "?", list(info.shares_done))
+                        subject=info.path,
+                    )
+                log.warning(
+                    "removing stale staging folder %s (attempt %s, shares done %s)",
+                    info.path,
+                    info.attempt_id or "?",
+                    list(info.shares_done),
+                )
                 shutil.rmtree(info.path, ignore_errors=True)
             if self._create():
                 break
@@ -290,9 +320,17 @@ class Staging:
             (self.path / sub).mkdir(parents=True, exist_ok=True)
         attempt_file = self.path / "attempt.json"
         if not attempt_file.exists():
-            write_text_atomic(attempt_file, json.dumps({
-                "attempt_id": self.attempt_id, "fingerprint": self.fingerprint, "share_count": self.share_count,
-                "created": time.time()}))
+            write_text_atomic(
+                attempt_file,
+                json.dumps(
+                    {
+                        "attempt_id": self.attempt_id,
+                        "fingerprint": self.fingerprint,
+                        "share_count": self.share_count,
+                        "created": time.time(),
+                    }
+                ),
+            )
         self._beat()
         self._thread = threading.Thread(target=self._run_heartbeat, name="ucp-heartbeat", daemon=True)
         self._thread.start()
@@ -304,9 +342,17 @@ class Staging:
         try:
             for sub in ("zero", "shares", "heartbeats"):
                 (tmp / sub).mkdir(parents=True, exist_ok=True)
-            write_text_atomic(tmp / "attempt.json", json.dumps({
-                "attempt_id": self.attempt_id, "fingerprint": self.fingerprint, "share_count": self.share_count,
-                "created": time.time()}))
+            write_text_atomic(
+                tmp / "attempt.json",
+                json.dumps(
+                    {
+                        "attempt_id": self.attempt_id,
+                        "fingerprint": self.fingerprint,
+                        "share_count": self.share_count,
+                        "created": time.time(),
+                    }
+                ),
+            )
             (tmp / "heartbeats" / self._heartbeat.name).write_text(f"{socket.gethostname()} {os.getpid()}\n")
             try:
                 os.rename(tmp, self.path)
@@ -339,13 +385,14 @@ class Staging:
             pass
 
     def mark_share_done(self, summary: dict[str, Any]) -> None:
-        write_text_atomic(self.path / "shares" / f"{self.share_index}-of-{self.share_count}.done",
-                          json.dumps(summary))
+        write_text_atomic(self.path / "shares" / f"{self.share_index}-of-{self.share_count}.done", json.dumps(summary))
 
     def mark_share_failed(self, reason: str) -> None:
         try:
-            write_text_atomic(self.path / "shares" / f"{self.share_index}-of-{self.share_count}.failed",
-                              f"share {self.share_index}: {reason}")
+            write_text_atomic(
+                self.path / "shares" / f"{self.share_index}-of-{self.share_count}.failed",
+                f"share {self.share_index}: {reason}",
+            )
         except OSError:
             pass
 
@@ -386,8 +433,9 @@ class Staging:
         if not self.output.exists():
             os.rename(self.path, self.output)
         elif not force:
-            raise OutputExistsError(f"{self.output}: appeared while converting; pass --force to replace it",
-                                    subject=self.output)
+            raise OutputExistsError(
+                f"{self.output}: appeared while converting; pass --force to replace it", subject=self.output
+            )
         elif osio.exchange(self.path, self.output):  # one atomic swap: the old folder is now at self.path
             old = self.path
         else:  # two renames: a moment with no folder at self.output

@@ -8,6 +8,7 @@ With the source tag folder the conversion plan is rebuilt from the source's meta
 state tensor is compared with the concatenation of its fragments, element for element and dtype.
 Problems are collected and reported together, each naming the parameter and file.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,11 +22,11 @@ from tqdm import tqdm
 
 from megatron_ucp.convert.execute import plan_checkpoint
 from megatron_ucp.convert.universal import list_zero_folder, read_manifest
-from megatron_ucp.format.integrity import recorded_checksums
 from megatron_ucp.convert.writer import RankFileCache, assemble_torch
 from megatron_ucp.deepspeed.reader import load_torch_file, read_checkpoint, read_model_states, resolve_checkpoint
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.format.integrity import recorded_checksums
 from megatron_ucp.plan.accounting import checksum
 from megatron_ucp.plan.conversion import ParamPlan, ParamSpec
 
@@ -72,8 +73,10 @@ class VerifyReport:
         if self.checksummed:
             what += f", {self.checksummed} state files match the manifest's checksums"
         if self.ok:
-            return (f"OK: {self.folder} is {what}: {self.params} params, {self.state_files} state files, "
-                    f"{self.elements} elements")
+            return (
+                f"OK: {self.folder} is {what}: {self.params} params, {self.state_files} state files, "
+                f"{self.elements} elements"
+            )
         return f"FAILED: {self.folder}: {len(self.problems)} problem(s); first: {self.problems[0]}"
 
 
@@ -91,21 +94,27 @@ def _check_sum(path: Path, record: Any, tensor: torch.Tensor, rows: Any, algorit
         return f"{path}: {tensor.numel()} elements, the manifest recorded {record.get('numel')} (truncated or replaced)"
     if checksum(tensor, 0, algorithm) != int(record.get("sum", -1)):
         return f"{path}: checksum differs from the manifest's: the data changed after the conversion (bit rot?)"
-    if "rows_sum" in record and (not torch.is_tensor(rows) or rows.numel() != int(record.get("rows_numel", -1))
-                                 or checksum(rows, tensor.numel(), algorithm) != int(record["rows_sum"])):
+    if "rows_sum" in record and (
+        not torch.is_tensor(rows)
+        or rows.numel() != int(record.get("rows_numel", -1))
+        or checksum(rows, tensor.numel(), algorithm) != int(record["rows_sum"])
+    ):
         return f"{path}: '{F.VOCAB_PADDED_ROWS}' differs from the manifest's checksum"
     return None
 
 
-def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | str] = None,
-                     progress: bool = False) -> VerifyReport:
+def verify_universal(
+    folder: os.PathLike | str, source: Optional[os.PathLike | str] = None, progress: bool = False
+) -> VerifyReport:
     folder = Path(folder)
     report = VerifyReport(folder=folder)
     zero = folder / F.UNIVERSAL_ZERO_DIR
     model_file = folder / F.MODEL_STATES_FILE
     if not zero.is_dir() or not model_file.is_file():
-        raise CheckpointFormatError(f"{folder}: not a universal checkpoint (needs {F.MODEL_STATES_FILE} and "
-                                    f"{F.UNIVERSAL_ZERO_DIR}/)", subject=folder)
+        raise CheckpointFormatError(
+            f"{folder}: not a universal checkpoint (needs {F.MODEL_STATES_FILE} and {F.UNIVERSAL_ZERO_DIR}/)",
+            subject=folder,
+        )
     if not (zero / F.UNIVERSAL_OPTIMIZER_STATE_FILE).is_file():
         report.problems.append(f"{zero / F.UNIVERSAL_OPTIMIZER_STATE_FILE}: missing")
     report.manifest = read_manifest(folder)
@@ -114,8 +123,10 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
     uc_info = model.universal_checkpoint_info
     expected_states = None
     if report.manifest is not None:
-        expected_states = {int(g["index"]): set(g["states"]) | ({F.STEP_STATE} if g.get("step") else set())
-                           for g in report.manifest.get("groups", [])}
+        expected_states = {
+            int(g["index"]): set(g["states"]) | ({F.STEP_STATE} if g.get("step") else set())
+            for g in report.manifest.get("groups", [])
+        }
     param_groups = _whole_parameters(report.manifest) or model.param_groups
     listed = {p.name for group in param_groups for p in group}
     frozen = set((report.manifest or {}).get("frozen_params", []))
@@ -163,14 +174,18 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
                     elif value != group_step:
                         report.problems.append(f"{path}: step {value} differs from {group_step} in the same group")
                     if plan is not None:
-                        differing = [r for r, rank_steps in enumerate(steps)
-                                     if rank_steps[spec.group] is not None and rank_steps[spec.group] != value]
+                        differing = [
+                            r
+                            for r, rank_steps in enumerate(steps)
+                            if rank_steps[spec.group] is not None and rank_steps[spec.group] != value
+                        ]
                         if differing:
                             r = differing[0]
-                            report.problems.append(f"{path}: step {value}, source rank {r} "
-                                                   f"({meta.files.rank_files[r].name}) has {steps[r][spec.group]}"
-                                                   + (f" (and {len(differing) - 1} more rank(s))"
-                                                      if len(differing) > 1 else ""))
+                            report.problems.append(
+                                f"{path}: step {value}, source rank {r} "
+                                f"({meta.files.rank_files[r].name}) has {steps[r][spec.group]}"
+                                + (f" (and {len(differing) - 1} more rank(s))" if len(differing) > 1 else "")
+                            )
                     continue
                 tensor = entry.get(F.PARAM) if isinstance(entry, dict) else None
                 if not torch.is_tensor(tensor):
@@ -182,8 +197,13 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
                     continue
                 report.elements += tensor.numel()
                 if sums is not None and spec.name not in frozen:
-                    problem = _check_sum(path, sums.files.get(f"{spec.name}/{state}"), tensor,
-                                         entry.get(F.VOCAB_PADDED_ROWS), sums.algorithm)
+                    problem = _check_sum(
+                        path,
+                        sums.files.get(f"{spec.name}/{state}"),
+                        tensor,
+                        entry.get(F.VOCAB_PADDED_ROWS),
+                        sums.algorithm,
+                    )
                     if problem:
                         report.problems.append(problem)
                     else:
@@ -194,19 +214,28 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
                         report.problems.append(f"{path}: state {state!r} is not in the source")
                         continue
                     want_tensor, want_rows = assemble_torch(p, state, cache)
-                    for problem in (_compare(path, f"'{F.PARAM}'", want_tensor, tensor),
-                                    None if want_rows is None else _compare(
-                                        path, f"'{F.VOCAB_PADDED_ROWS}' (the padded vocabulary rows)", want_rows,
-                                        entry.get(F.VOCAB_PADDED_ROWS))):
+                    for problem in (
+                        _compare(path, f"'{F.PARAM}'", want_tensor, tensor),
+                        None
+                        if want_rows is None
+                        else _compare(
+                            path,
+                            f"'{F.VOCAB_PADDED_ROWS}' (the padded vocabulary rows)",
+                            want_rows,
+                            entry.get(F.VOCAB_PADDED_ROWS),
+                        ),
+                    ):
                         if problem:
                             report.problems.append(problem)
                 elif F.VOCAB_PADDED_ROWS in entry:
                     rows = entry[F.VOCAB_PADDED_ROWS]
                     want_shape = (spec.shape[0] - tensor.shape[0], *spec.shape[1:]) if spec.shape else ()
                     if not torch.is_tensor(rows) or tuple(rows.shape) != tuple(want_shape):
-                        report.problems.append(f"{path}: '{F.VOCAB_PADDED_ROWS}' of shape "
-                                               f"{tuple(rows.shape) if torch.is_tensor(rows) else type(rows).__name__},"
-                                               f" expected {tuple(want_shape)}")
+                        report.problems.append(
+                            f"{path}: '{F.VOCAB_PADDED_ROWS}' of shape "
+                            f"{tuple(rows.shape) if torch.is_tensor(rows) else type(rows).__name__},"
+                            f" expected {tuple(want_shape)}"
+                        )
     for key in sorted(sums.files if sums is not None else ()):
         if not (zero / f"{key}.pt").is_file():
             report.problems.append(f"{zero / (key + '.pt')}: missing (the manifest recorded its checksum)")
@@ -215,7 +244,9 @@ def verify_universal(folder: os.PathLike | str, source: Optional[os.PathLike | s
             for p_name in g.param_names:
                 for state in g.states:
                     if not (zero / p_name / f"{state}.pt").is_file():
-                        report.problems.append(f"{zero / p_name / (state + '.pt')}: missing (source has state {state!r})")
+                        report.problems.append(
+                            f"{zero / p_name / (state + '.pt')}: missing (source has state {state!r})"
+                        )
     log.debug(report.summary())
     return report
 
@@ -228,5 +259,7 @@ def _whole_parameters(manifest: Optional[dict]) -> Optional[list[list[ParamSpec]
         return None
     groups: dict[int, list[ParamSpec]] = {}
     for name, info in manifest["params"].items():
-        groups.setdefault(int(info["group"]), []).append(ParamSpec(name, int(info["group"]), tuple(info["source_shape"])))
+        groups.setdefault(int(info["group"]), []).append(
+            ParamSpec(name, int(info["group"]), tuple(info["source_shape"]))
+        )
     return [groups[g] for g in sorted(groups)]

@@ -7,6 +7,7 @@ without assembling the tensor), computing the manifest checksum as the bytes pas
 ``torch.save`` of the assembled tensor (:func:`assemble_torch`) for what the direct writer
 refuses. Files are fsynced together at the end (:meth:`Writer.make_durable`).
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,13 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity, osio
 from megatron_ucp.format.lightpickle import PICKLE_MODULE, needs_light_pickler
 from megatron_ucp.format.rawtensor import RawTensor, torch_tensors_from_raw
-from megatron_ucp.format.torchfile import (FastWriterUnsupported, TensorSpec, save_object, tensor_bytes,
-                                           write_tensors_file)
+from megatron_ucp.format.torchfile import (
+    FastWriterUnsupported,
+    TensorSpec,
+    save_object,
+    tensor_bytes,
+    write_tensors_file,
+)
 from megatron_ucp.plan.conversion import CopyItem, GroupPlan, ParamPlan
 
 
@@ -42,8 +48,9 @@ class RankFileCache:
 
     def __init__(self, paths: Sequence[Path], capacity: Optional[int] = None):
         self.paths = list(paths)
-        self.capacity = capacity if capacity is not None else max(16, min(len(self.paths), 4096,
-                                                                           _descriptors_for(len(self.paths))))
+        self.capacity = (
+            capacity if capacity is not None else max(16, min(len(self.paths), 4096, _descriptors_for(len(self.paths))))
+        )
         self._open: OrderedDict[int, RankFile] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -127,12 +134,17 @@ def universal_entry(p: ParamPlan, tensor: Any, padded_rows: Any = None) -> dict:
     return entry
 
 
-def state_fragments(p: ParamPlan, state: str, cache: RankFileCache,
-                    items: Optional[Sequence[CopyItem]] = None) -> list[RawTensor]:
+def state_fragments(
+    p: ParamPlan, state: str, cache: RankFileCache, items: Optional[Sequence[CopyItem]] = None
+) -> list[RawTensor]:
     """The source fragments of one state of one parameter, in ``items`` order (default: all of
     ``p.items``; views, no copy)."""
-    return [cache.get(item.rank).state_tensor(p.group if item.group is None else item.group, state)
-            .narrow(0, item.src_offset, item.length) for item in (p.items if items is None else items)]
+    return [
+        cache.get(item.rank)
+        .state_tensor(p.group if item.group is None else item.group, state)
+        .narrow(0, item.src_offset, item.length)
+        for item in (p.items if items is None else items)
+    ]
 
 
 def assemble_items_torch(items: Sequence[CopyItem], shape: Sequence[int], parts: Sequence[RawTensor]) -> Any:
@@ -152,8 +164,9 @@ def assemble_torch(p: ParamPlan, state: str, cache: RankFileCache) -> tuple[Any,
     kept = assemble_items_torch(p.kept_items, p.out_shape, state_fragments(p, state, cache, p.kept_items))
     if p.padded_rows_shape is None:
         return kept, None
-    rows = assemble_items_torch(p.padded_rows_items, p.padded_rows_shape,
-                                state_fragments(p, state, cache, p.padded_rows_items))
+    rows = assemble_items_torch(
+        p.padded_rows_items, p.padded_rows_shape, state_fragments(p, state, cache, p.padded_rows_items)
+    )
     return kept, rows
 
 
@@ -191,8 +204,13 @@ class Writer:
         folder = Path(zero_dir) / p.name
         folder.mkdir(parents=True, exist_ok=True)
         kept_items, rows_items = p.kept_items, p.padded_rows_items
-        sources = {state: (state_fragments(p, state, self.cache, kept_items),
-                           state_fragments(p, state, self.cache, rows_items)) for state in group.states}
+        sources = {
+            state: (
+                state_fragments(p, state, self.cache, kept_items),
+                state_fragments(p, state, self.cache, rows_items),
+            )
+            for state in group.states
+        }
         for kept, rows in sources.values():  # readahead for this parameter (cold caches)
             for t in (*kept, *rows):
                 if t.storage.mapped:
@@ -235,7 +253,8 @@ class Writer:
             pieces = [[t.bytes_view() for t in kept]] + ([[t.bytes_view() for t in rows]] if rows_spec else [])
             kept_numel = sum(t.numel() for t in kept)
             sums = [integrity.StreamingSum(dtype.itemsize)] + (
-                [integrity.StreamingSum(dtype.itemsize, kept_numel)] if rows_spec else [])
+                [integrity.StreamingSum(dtype.itemsize, kept_numel)] if rows_spec else []
+            )
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
                 try:
@@ -251,8 +270,11 @@ class Writer:
                 raise UcpError(f"{path}: write failed: {exc.strerror or exc}", subject=path) from exc
         # what the direct writer refuses: assembled in memory, torch.save
         tensor = assemble_items_torch(p.kept_items, p.out_shape, kept)
-        padded = (assemble_items_torch(p.padded_rows_items, p.padded_rows_shape, rows)
-                  if p.padded_rows_shape is not None else None)
+        padded = (
+            assemble_items_torch(p.padded_rows_items, p.padded_rows_shape, rows)
+            if p.padded_rows_shape is not None
+            else None
+        )
         sums = [integrity.StreamingSum(tensor.element_size())]
         sums[0].update(tensor_bytes(tensor))
         if padded is not None:

@@ -11,6 +11,7 @@ states). Files are loaded memory-mapped and without torch (:func:`load_raw`: ten
 converter reads each fragment's bytes exactly once when it copies them, and a conversion does not
 pay torch's import. Every problem raises :class:`CheckpointFormatError` naming the file.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from megatron_ucp.deepspeed.versions import (BF16_LAST_RANK_PADDING_UNTIL, ZERO_PER_RANK_PADDING_SINCE,
-                                             check_file_version)
+from megatron_ucp.deepspeed.versions import (
+    BF16_LAST_RANK_PADDING_UNTIL,
+    ZERO_PER_RANK_PADDING_SINCE,
+    check_file_version,
+)
 from megatron_ucp.errors import CheckpointFormatError, PlanError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import PICKLE_MODULE
@@ -32,8 +36,16 @@ from megatron_ucp.format.torchload import load as load_without_torch
 from megatron_ucp.plan.conversion import Fragment, ParamSpec, RankGroupLayout, RankLayout
 from megatron_ucp.plan.geometry import PaddingStyle
 from megatron_ucp.plan.parallel_layout import ParallelLayout
-from megatron_ucp.plan.tensor_parallel import (TP_LAYOUT_KEY, MegatronPatterns, SavedRecord, TpLayout, layouts_known,
-                                               merge_layout_records, resolve_layouts, tp_pp_of_states)
+from megatron_ucp.plan.tensor_parallel import (
+    TP_LAYOUT_KEY,
+    MegatronPatterns,
+    SavedRecord,
+    TpLayout,
+    layouts_known,
+    merge_layout_records,
+    resolve_layouts,
+    tp_pp_of_states,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +95,9 @@ def resolve_checkpoint(path: os.PathLike | str, tag: Optional[str] = None) -> Re
         return ResolvedCheckpoint(root=root, tag=p.name, tag_dir=p)
     raise CheckpointFormatError(
         f"{p}: not a DeepSpeed checkpoint: no '{F.LATEST}' file (checkpoint root) and no "
-        f"{F.MODEL_STATES_FILE} / *_optim_states.pt files (tag folder)", subject=p)
+        f"{F.MODEL_STATES_FILE} / *_optim_states.pt files (tag folder)",
+        subject=p,
+    )
 
 
 def _explain_missing_tag(tag_dir: Path, message: str) -> None:
@@ -124,7 +138,7 @@ class CheckpointFiles:
 
     def coordinate_files(self, mp: int) -> tuple[Path, ...]:
         """The rank files of one model-parallel rank, index = DP rank."""
-        return self.rank_files[mp * self.dp:(mp + 1) * self.dp]
+        return self.rank_files[mp * self.dp : (mp + 1) * self.dp]
 
 
 def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
@@ -137,37 +151,55 @@ def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
     names = sorted(os.listdir(tag_dir))
     model_files = [n for n in names if F.MODEL_FILE_RE.match(n)]
     if any(F.MODEL_FILE_RE.match(n).group("pp") for n in model_files):
-        raise UnsupportedError(f"{tag_dir}: per-stage model files (mp_rank_XX_YYY_model_states.pt, the "
-                               "pipe-engine layout of very old DeepSpeed) are not supported", subject=tag_dir)
+        raise UnsupportedError(
+            f"{tag_dir}: per-stage model files (mp_rank_XX_YYY_model_states.pt, the "
+            "pipe-engine layout of very old DeepSpeed) are not supported",
+            subject=tag_dir,
+        )
     optim = [(n, F.OPTIM_FILE_RE.match(n)) for n in names]
     optim = [(n, m) for n, m in optim if m]
     if F.MODEL_STATES_FILE not in names:
         if optim:
-            raise CheckpointFormatError(f"{tag_dir}: {F.MODEL_STATES_FILE} is missing (optimizer files present)",
-                                        subject=tag_dir / F.MODEL_STATES_FILE)
-        raise CheckpointFormatError(f"{tag_dir}: not a DeepSpeed checkpoint tag folder (no {F.MODEL_STATES_FILE}, "
-                                    "no *_optim_states.pt)", subject=tag_dir)
+            raise CheckpointFormatError(
+                f"{tag_dir}: {F.MODEL_STATES_FILE} is missing (optimizer files present)",
+                subject=tag_dir / F.MODEL_STATES_FILE,
+            )
+        raise CheckpointFormatError(
+            f"{tag_dir}: not a DeepSpeed checkpoint tag folder (no {F.MODEL_STATES_FILE}, no *_optim_states.pt)",
+            subject=tag_dir,
+        )
     if not optim:
-        raise CheckpointFormatError(f"{tag_dir}: no ZeRO optimizer-state files (*zero_pp_rank_*_optim_states.pt); "
-                                    "only ZeRO stage 1/2 checkpoints can be converted", subject=tag_dir)
+        raise CheckpointFormatError(
+            f"{tag_dir}: no ZeRO optimizer-state files (*zero_pp_rank_*_optim_states.pt); "
+            "only ZeRO stage 1/2 checkpoints can be converted",
+            subject=tag_dir,
+        )
     prefixes = {m.group("prefix") or "" for _, m in optim}
     if len(prefixes) > 1:
-        raise CheckpointFormatError(f"{tag_dir}: mixed optimizer-file prefixes {sorted(prefixes)} "
-                                    "(bf16_ and plain files from different runs?)", subject=tag_dir)
+        raise CheckpointFormatError(
+            f"{tag_dir}: mixed optimizer-file prefixes {sorted(prefixes)} (bf16_ and plain files from different runs?)",
+            subject=tag_dir,
+        )
     model_mp = {int(F.MODEL_FILE_RE.match(n).group("mp")): n for n in model_files}
     optim_mp = sorted({int(m.group("mp")) for _, m in optim})
     mps = sorted(set(model_mp) | set(optim_mp))
     if mps != list(range(len(mps))):
-        raise CheckpointFormatError(f"{tag_dir}: model-parallel ranks {mps} are not 0..{len(mps) - 1}: files of "
-                                    "some ranks are missing", subject=tag_dir)
+        raise CheckpointFormatError(
+            f"{tag_dir}: model-parallel ranks {mps} are not 0..{len(mps) - 1}: files of some ranks are missing",
+            subject=tag_dir,
+        )
     for mp in mps:
         if mp not in model_mp:
             name = f"mp_rank_{mp:02d}_model_states.pt"
-            raise CheckpointFormatError(f"{tag_dir}: {name} is missing (optimizer files of model-parallel rank {mp} "
-                                        "present)", subject=tag_dir / name)
+            raise CheckpointFormatError(
+                f"{tag_dir}: {name} is missing (optimizer files of model-parallel rank {mp} present)",
+                subject=tag_dir / name,
+            )
         if mp not in optim_mp:
-            raise CheckpointFormatError(f"{tag_dir}: no optimizer-state files of model-parallel rank {mp} "
-                                        f"(*_mp_rank_{mp:02d}_optim_states.pt)", subject=tag_dir)
+            raise CheckpointFormatError(
+                f"{tag_dir}: no optimizer-state files of model-parallel rank {mp} (*_mp_rank_{mp:02d}_optim_states.pt)",
+                subject=tag_dir,
+            )
     rank_files: list[Path] = []
     dp_sizes = {}
     for mp in mps:
@@ -177,8 +209,11 @@ def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
                 continue
             dp_rank = int(m.group("dp"))
             if dp_rank in by_rank:  # DeepSpeed writes exactly one name per rank: ambiguity is an error
-                raise CheckpointFormatError(f"{tag_dir}: two files claim DP rank {dp_rank}: {by_rank[dp_rank]} and "
-                                            f"{n}; remove the one DeepSpeed did not write", subject=tag_dir / n)
+                raise CheckpointFormatError(
+                    f"{tag_dir}: two files claim DP rank {dp_rank}: {by_rank[dp_rank]} and "
+                    f"{n}; remove the one DeepSpeed did not write",
+                    subject=tag_dir / n,
+                )
             by_rank[dp_rank] = n
             kind = special_kind(tag_dir / n)
             if kind is not None:
@@ -186,16 +221,26 @@ def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
         missing = sorted(set(range(max(by_rank) + 1)) - set(by_rank))
         if missing:
             where = f" of model-parallel rank {mp}" if len(mps) > 1 else ""
-            raise CheckpointFormatError(f"{tag_dir}: optimizer-state files for DP ranks {missing}{where} are missing "
-                                        f"(found ranks 0..{max(by_rank)})", subject=tag_dir)
+            raise CheckpointFormatError(
+                f"{tag_dir}: optimizer-state files for DP ranks {missing}{where} are missing "
+                f"(found ranks 0..{max(by_rank)})",
+                subject=tag_dir,
+            )
         dp_sizes[mp] = len(by_rank)
         rank_files += [tag_dir / by_rank[r] for r in range(len(by_rank))]
     if len(set(dp_sizes.values())) > 1:
-        raise CheckpointFormatError(f"{tag_dir}: model-parallel ranks hold different numbers of DP rank files "
-                                    f"({dp_sizes}): files missing or mixed from different runs", subject=tag_dir)
-    files = CheckpointFiles(tag_dir=tag_dir, model_states=tag_dir / F.MODEL_STATES_FILE, rank_files=tuple(rank_files),
-                            model_files=tuple(tag_dir / model_mp[mp] for mp in mps),
-                            layer_files=tuple(tag_dir / n for n in names if F.LAYER_FILE_RE.match(n)))
+        raise CheckpointFormatError(
+            f"{tag_dir}: model-parallel ranks hold different numbers of DP rank files "
+            f"({dp_sizes}): files missing or mixed from different runs",
+            subject=tag_dir,
+        )
+    files = CheckpointFiles(
+        tag_dir=tag_dir,
+        model_states=tag_dir / F.MODEL_STATES_FILE,
+        rank_files=tuple(rank_files),
+        model_files=tuple(tag_dir / model_mp[mp] for mp in mps),
+        layer_files=tuple(tag_dir / n for n in names if F.LAYER_FILE_RE.match(n)),
+    )
     for path in (*files.model_files, *files.layer_files):  # copied into the output as they are: never a FIFO
         kind = special_kind(path)
         if kind is not None:
@@ -233,8 +278,9 @@ def load_torch_file(path: Path, mmap: bool = True) -> Any:
     except CheckpointFormatError:
         raise
     except Exception as exc:  # torch raises RuntimeError/EOFError/UnpicklingError/... for damaged files
-        raise CheckpointFormatError(f"{path}: unreadable torch file (truncated or corrupt?): "
-                                    f"{type(exc).__name__}: {exc}", subject=path) from exc
+        raise CheckpointFormatError(
+            f"{path}: unreadable torch file (truncated or corrupt?): {type(exc).__name__}: {exc}", subject=path
+        ) from exc
 
 
 def load_raw(path: Path, damage: Optional[list[str]] = None, random_access: bool = False) -> Any:
@@ -270,21 +316,29 @@ class RankFile:
         damage: list[str] = []
         raw = load_raw(self.path, damage)
         if damage:
-            log.warning("%s: damaged zip structure (%s): torch.load would reject it, so a native DeepSpeed load of "
-                        "this tag fails; megatron-ucp reads its records directly and is not affected", self.path,
-                        damage[0])
+            log.warning(
+                "%s: damaged zip structure (%s): torch.load would reject it, so a native DeepSpeed load of "
+                "this tag fails; megatron-ucp reads its records directly and is not affected",
+                self.path,
+                damage[0],
+            )
         if not isinstance(raw, dict) or not isinstance(raw.get(F.OPTIMIZER_STATE_DICT), dict):
-            raise CheckpointFormatError(f"{self.path}: no '{F.OPTIMIZER_STATE_DICT}' dict: not a ZeRO optimizer-state "
-                                        "file", subject=self.path)
+            raise CheckpointFormatError(
+                f"{self.path}: no '{F.OPTIMIZER_STATE_DICT}' dict: not a ZeRO optimizer-state file", subject=self.path
+            )
         self.raw = raw
         self.sd: dict = raw[F.OPTIMIZER_STATE_DICT]
         for key in (F.PARAM_SLICE_MAPPINGS, F.SINGLE_PARTITION_OF_FP32_GROUPS, F.BASE_OPTIMIZER_STATE):
             if key not in self.sd:
                 if "fp32_flat_groups" in self.sd:
-                    raise UnsupportedError(f"{self.path}: ZeRO stage 3 checkpoint; only stages 1 and 2 are supported",
-                                           subject=self.path)
-                raise CheckpointFormatError(f"{self.path}: optimizer state lacks '{key}' (DeepSpeed too old to "
-                                            "record it, or not a ZeRO-1/2 file)", subject=self.path)
+                    raise UnsupportedError(
+                        f"{self.path}: ZeRO stage 3 checkpoint; only stages 1 and 2 are supported", subject=self.path
+                    )
+                raise CheckpointFormatError(
+                    f"{self.path}: optimizer state lacks '{key}' (DeepSpeed too old to "
+                    "record it, or not a ZeRO-1/2 file)",
+                    subject=self.path,
+                )
         self.ds_version = str(self.sd.get(F.DS_VERSION) or raw.get(F.DS_VERSION) or "")
         if not self.ds_version:
             raise CheckpointFormatError(f"{self.path}: no ds_version recorded", subject=self.path)
@@ -312,8 +366,9 @@ class RankFile:
                 for s in out:
                     s.setdefault(F.STEP_STATE, step)
             return out
-        raise CheckpointFormatError(f"{self.path}: unrecognised base_optimizer_state layout ({type(base).__name__})",
-                                    subject=self.path)
+        raise CheckpointFormatError(
+            f"{self.path}: unrecognised base_optimizer_state layout ({type(base).__name__})", subject=self.path
+        )
 
     def state_names(self, g: int) -> list[str]:
         """Sharded states of group ``g``, discovered from the data (``fp32`` plus the optimizer's)."""
@@ -322,9 +377,11 @@ class RankFile:
             if key == F.STEP_STATE:
                 continue
             if not _is_state_tensor(value):
-                raise UnsupportedError(f"{self.path}: optimizer state {key!r} of param group {g} is not a per-element "
-                                       f"tensor ({type(value).__name__}); the universal format has no place for it",
-                                       subject=self.path)
+                raise UnsupportedError(
+                    f"{self.path}: optimizer state {key!r} of param group {g} is not a per-element "
+                    f"tensor ({type(value).__name__}); the universal format has no place for it",
+                    subject=self.path,
+                )
             names.append(str(key))
         return names
 
@@ -335,8 +392,10 @@ class RankFile:
         else:
             t = self._group_states[g][state]
         if not isinstance(t, RawTensor) or not t.is_contiguous():
-            raise CheckpointFormatError(f"{self.path}: state {state!r} of param group {g} is not a contiguous tensor "
-                                        f"({t!r:.80})", subject=self.path)
+            raise CheckpointFormatError(
+                f"{self.path}: state {state!r} of param group {g} is not a contiguous tensor ({t!r:.80})",
+                subject=self.path,
+            )
         return t.reshape(-1)
 
     def step(self, g: int) -> Any:
@@ -364,15 +423,20 @@ class RankFile:
                 try:
                     frags.append(Fragment(name=str(name), start=int(addr.start), numel=int(addr.numel)))
                 except AttributeError as exc:
-                    raise CheckpointFormatError(f"{self.path}: param_slice_mappings entry for {name!r} has no "
-                                                "start/numel", subject=self.path) from exc
+                    raise CheckpointFormatError(
+                        f"{self.path}: param_slice_mappings entry for {name!r} has no start/numel", subject=self.path
+                    ) from exc
             lengths = tuple((s, int(self.state_tensor(g, s).numel())) for s in self.state_names(g))
-            groups.append(RankGroupLayout(
-                fragments=tuple(frags), state_lengths=lengths,
-                recorded_padding=paddings[g] if paddings is not None and g < len(paddings) else None,
-                recorded_true_length=int(true_lengths[g]) if true_lengths is not None else None,
-                param_alignment_padding=int(sum(align[g])) if align is not None and g < len(align) else 0,
-                has_step=self.step(g) is not None))
+            groups.append(
+                RankGroupLayout(
+                    fragments=tuple(frags),
+                    state_lengths=lengths,
+                    recorded_padding=paddings[g] if paddings is not None and g < len(paddings) else None,
+                    recorded_true_length=int(true_lengths[g]) if true_lengths is not None else None,
+                    param_alignment_padding=int(sum(align[g])) if align is not None and g < len(align) else 0,
+                    has_step=self.step(g) is not None,
+                )
+            )
         return RankLayout(rank=self.dp_rank, groups=tuple(groups), source=str(self.path))
 
     def common_state(self) -> dict:
@@ -399,7 +463,6 @@ class ModelStates:
         cfg = self.raw.get(F.DS_CONFIG)
         return cfg if isinstance(cfg, dict) else {}
 
-
     def parallel_dimensions(self, model_parallel: int) -> tuple[int, int]:
         """(TP, PP) of the run that saved this file (:func:`parallel_dimensions`)."""
         return parallel_dimensions(self.raw, self.path, model_parallel)
@@ -416,7 +479,9 @@ class ModelStates:
             original_vocab_size=info.get(F.ORIGINAL_VOCAB_SIZE),
             replicated_patterns=listed(F.TP_REPLICATED_PARAMETER_PATTERNS),
             row_parallel_patterns=listed(F.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS),
-            two_sub_param_patterns=listed(F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0), saved_tp=saved_tp)
+            two_sub_param_patterns=listed(F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0),
+            saved_tp=saved_tp,
+        )
 
     @property
     def tp_layout_record(self) -> Optional[dict]:
@@ -439,13 +504,18 @@ def parallel_dimensions(raw: dict, path: Path, model_parallel: int) -> tuple[int
     if recorded is None:
         if model_parallel == 1:
             return 1, 1
-        raise CheckpointFormatError(f"{path}: {model_parallel} model-parallel ranks, but neither "
-                                    f"{F.CHECKPOINT_PARALLEL_DIMENSIONS!r} nor Megatron's args say how they "
-                                    "divide into TP and PP", subject=path)
+        raise CheckpointFormatError(
+            f"{path}: {model_parallel} model-parallel ranks, but neither "
+            f"{F.CHECKPOINT_PARALLEL_DIMENSIONS!r} nor Megatron's args say how they "
+            "divide into TP and PP",
+            subject=path,
+        )
     tp, pp = recorded
     if tp * pp != model_parallel:
-        raise CheckpointFormatError(f"{path}: records TP={tp} x PP={pp}, but the folder holds "
-                                    f"{model_parallel} model-parallel ranks' files", subject=path)
+        raise CheckpointFormatError(
+            f"{path}: records TP={tp} x PP={pp}, but the folder holds {model_parallel} model-parallel ranks' files",
+            subject=path,
+        )
     return tp, pp
 
 
@@ -475,9 +545,11 @@ def _check_shapes_against_module(path: Path, groups: Sequence[Sequence[ParamSpec
         for spec in group:
             shape = getattr(saved.get(spec.name), "shape", None)
             if shape is not None and tuple(int(d) for d in shape) != spec.shape:
-                raise CheckpointFormatError(f"{path}: param_shapes gives {spec.name!r} the shape {spec.shape}, but the "
-                                            f"saved module holds it as {tuple(int(d) for d in shape)}",
-                                            subject=path)
+                raise CheckpointFormatError(
+                    f"{path}: param_shapes gives {spec.name!r} the shape {spec.shape}, but the "
+                    f"saved module holds it as {tuple(int(d) for d in shape)}",
+                    subject=path,
+                )
 
 
 def model_states_path(tag_dir: Path) -> Optional[Path]:
@@ -544,13 +616,19 @@ def read_model_states(path: Path) -> ModelStates:
         raise CheckpointFormatError(f"{path}: no '{F.PARAM_SHAPES}' (not saved by a ZeRO engine?)", subject=path)
     groups = []
     for g, group in enumerate(shapes):
-        groups.append([ParamSpec(name=str(name), group=g, shape=tuple(int(d) for d in shape))
-                       for name, shape in group.items()])
+        groups.append(
+            [ParamSpec(name=str(name), group=g, shape=tuple(int(d) for d in shape)) for name, shape in group.items()]
+        )
     _check_shapes_against_module(path, groups, raw.get("module"))
     dp = raw.get(F.DP_WORLD_SIZE)
-    return ModelStates(path=path, raw=raw, param_groups=groups, dp_world_size=int(dp) if dp is not None else None,
-                       ds_version=str(raw.get(F.DS_VERSION, "")),
-                       universal_checkpoint_info=raw.get(F.UNIVERSAL_CHECKPOINT_INFO))
+    return ModelStates(
+        path=path,
+        raw=raw,
+        param_groups=groups,
+        dp_world_size=int(dp) if dp is not None else None,
+        ds_version=str(raw.get(F.DS_VERSION, "")),
+        universal_checkpoint_info=raw.get(F.UNIVERSAL_CHECKPOINT_INFO),
+    )
 
 
 def padding_style(kind: str, ds_version: str, saved_with_ucp: bool) -> PaddingStyle:
@@ -615,9 +693,16 @@ class CheckpointMeta:
         """The save hook's TP-layout records of every model-states file, merged and cross-checked
         (:func:`~megatron_ucp.plan.tensor_parallel.merge_layout_records`); None when saved without it."""
         coordinates = self.coordinates or (CoordinateMeta(0, 0, 0, self.model, tuple(self.layouts), 0),)
-        saved = [SavedRecord(source=f"{c.model.path} (pipeline stage {c.pp}, TP rank {c.tp})" if self.model_parallel
-                             else str(c.model.path), record=c.model.tp_layout_record, params=c.model.param_names())
-                 for c in coordinates]
+        saved = [
+            SavedRecord(
+                source=f"{c.model.path} (pipeline stage {c.pp}, TP rank {c.tp})"
+                if self.model_parallel
+                else str(c.model.path),
+                record=c.model.tp_layout_record,
+                params=c.model.param_names(),
+            )
+            for c in coordinates
+        ]
         try:
             return merge_layout_records(saved)
         except PlanError as exc:
@@ -627,8 +712,9 @@ class CheckpointMeta:
         """Each parameter's TP layout: recorded by megatron-ucp's save hook (every stage's file), else
         Megatron's patterns."""
         try:
-            return resolve_layouts(names, self.tp_layout_record(), self.model.patterns(self.tp),
-                                   str(self.files.tag_dir))
+            return resolve_layouts(
+                names, self.tp_layout_record(), self.model.patterns(self.tp), str(self.files.tag_dir)
+            )
         except PlanError as exc:
             raise CheckpointFormatError(str(exc), subject=self.files.tag_dir) from exc
 
@@ -649,9 +735,11 @@ def _check_state_dtypes(rf: "RankFile", seen: dict[tuple[int, str], tuple[str, P
             dtype = rf.state_tensor(g, state).dtype.name
             first = seen.setdefault((g, state), (dtype, rf.path))
             if first[0] != dtype:
-                raise CheckpointFormatError(f"{rf.path}: state {state!r} of param group {g} is {dtype}, but "
-                                            f"{first[1].name} holds it as {first[0]}: files from different runs?",
-                                            subject=rf.path)
+                raise CheckpointFormatError(
+                    f"{rf.path}: state {state!r} of param group {g} is {dtype}, but "
+                    f"{first[1].name} holds it as {first[0]}: files from different runs?",
+                    subject=rf.path,
+                )
 
 
 def read_checkpoint(tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = None) -> CheckpointMeta:
@@ -666,13 +754,19 @@ def read_checkpoint(tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = No
     coordinates = []
     for mp, model in enumerate(models):
         if model.dp_world_size is not None and model.dp_world_size != dp:
-            raise CheckpointFormatError(f"{model.path} records dp_world_size={model.dp_world_size} but the folder has "
-                                        f"{dp} optimizer-state files per model-parallel rank: missing or extra rank "
-                                        "files?", subject=files.tag_dir)
+            raise CheckpointFormatError(
+                f"{model.path} records dp_world_size={model.dp_world_size} but the folder has "
+                f"{dp} optimizer-state files per model-parallel rank: missing or extra rank "
+                "files?",
+                subject=files.tag_dir,
+            )
         recorded_mp = model.raw.get(F.MP_WORLD_SIZE)
         if recorded_mp is not None and int(recorded_mp) != len(models):
-            raise CheckpointFormatError(f"{model.path} records mp_world_size={recorded_mp} but the folder holds "
-                                        f"{len(models)} model-states files", subject=model.path)
+            raise CheckpointFormatError(
+                f"{model.path} records mp_world_size={recorded_mp} but the folder holds "
+                f"{len(models)} model-states files",
+                subject=model.path,
+            )
         first = layout.rank_file_index(mp, 0)
         for r, path in enumerate(files.coordinate_files(mp)):
             index = first + r
@@ -687,32 +781,53 @@ def read_checkpoint(tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = No
             _check_state_dtypes(rf, dtypes)
             del rf
         pp_rank, tp_rank = layout.coordinates_of(mp)
-        coordinates.append(CoordinateMeta(mp=mp, pp=pp_rank, tp=tp_rank, model=model,
-                                          layouts=tuple(layouts[first:]), first_file=first))
+        coordinates.append(
+            CoordinateMeta(mp=mp, pp=pp_rank, tp=tp_rank, model=model, layouts=tuple(layouts[first:]), first_file=first)
+        )
     if len(kinds) > 1 or len(versions) > 1 or len(stages) > 1:
-        raise CheckpointFormatError(f"{files.tag_dir}: rank files disagree (optimizers {sorted(kinds)}, DeepSpeed "
-                                    f"{sorted(versions)}): files from different runs mixed?", subject=files.tag_dir)
+        raise CheckpointFormatError(
+            f"{files.tag_dir}: rank files disagree (optimizers {sorted(kinds)}, DeepSpeed "
+            f"{sorted(versions)}): files from different runs mixed?",
+            subject=files.tag_dir,
+        )
     stage = stages.pop()
     if stage is not None and int(stage) > 2:
-        raise UnsupportedError(f"{files.tag_dir}: ZeRO stage {int(stage)}; only stages 1 and 2 are supported",
-                               subject=files.tag_dir)
-    return CheckpointMeta(files=files, model=models[0], layouts=layouts, kind=kinds.pop(), ds_version=versions.pop(),
-                          saved_with_ucp=all(ucp), zero_stage=int(stage) if stage is not None else None,
-                          steps=steps, dp=dp, tp=tp, pp=pp, coordinates=tuple(coordinates))
+        raise UnsupportedError(
+            f"{files.tag_dir}: ZeRO stage {int(stage)}; only stages 1 and 2 are supported", subject=files.tag_dir
+        )
+    return CheckpointMeta(
+        files=files,
+        model=models[0],
+        layouts=layouts,
+        kind=kinds.pop(),
+        ds_version=versions.pop(),
+        saved_with_ucp=all(ucp),
+        zero_stage=int(stage) if stage is not None else None,
+        steps=steps,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        coordinates=tuple(coordinates),
+    )
 
 
 def _check_rank_file(rf: "RankFile", path: Path, r: int, dp: int) -> None:
     """A rank file's own record of its DP size and rank agrees with where the folder puts it."""
     if rf.partition_counts is not None and any(c != dp for c in rf.partition_counts):
-        raise CheckpointFormatError(f"{path}: written at DP={rf.partition_counts[0]} but the folder holds {dp} rank "
-                                    "files: files of different DP sizes mixed?", subject=path)
+        raise CheckpointFormatError(
+            f"{path}: written at DP={rf.partition_counts[0]} but the folder holds {dp} rank "
+            "files: files of different DP sizes mixed?",
+            subject=path,
+        )
     info = rf.sd.get(F.ZERO_PARTITION_INFO)
     if isinstance(info, dict) and info.get("dp_size") not in (None, dp):
-        raise CheckpointFormatError(f"{path}: records dp_size={info.get('dp_size')}, folder holds {dp} rank files",
-                                    subject=path)
+        raise CheckpointFormatError(
+            f"{path}: records dp_size={info.get('dp_size')}, folder holds {dp} rank files", subject=path
+        )
     if isinstance(info, dict) and info.get("dp_rank") not in (None, r):
-        raise CheckpointFormatError(f"{path}: records dp_rank={info.get('dp_rank')} but is named as rank {r}",
-                                    subject=path)
+        raise CheckpointFormatError(
+            f"{path}: records dp_rank={info.get('dp_rank')} but is named as rank {r}", subject=path
+        )
 
 
 def human_bytes(n: float) -> str:

@@ -11,6 +11,7 @@ package reaches DeepSpeed's runtime only through this module: :func:`replace` an
 DeepSpeed release is one entry in ``versions.INTERNALS`` and one matrix entry; a moved internal is
 one edit here; ZeRO-3 is one more :class:`OptimizerLayout` (docs/EXTENDING.md).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -84,8 +85,13 @@ SURFACE: tuple[Internal, ...] = (
     Internal(BWC, "bwc_pipeline_parallel_world_size", C, "PP size of the live model from its mpu"),
     # async trigger (integration/async_trigger.py)
     Internal(ENGINE, "save_checkpoint", R, "queues the background conversion once the save is committed"),
-    Internal(ENGINE, "_commit_decoupled_checkpoint", R, "decoupled checkpoint engines commit here, not in save",
-             when=lambda facts: facts.decoupled_commit),
+    Internal(
+        ENGINE,
+        "_commit_decoupled_checkpoint",
+        R,
+        "decoupled checkpoint engines commit here, not in save",
+        when=lambda facts: facts.decoupled_commit,
+    ),
     # device placement (integration/collectives.py, integration/run.py)
     Internal(ACCELERATOR, "get_accelerator", C, "the device collectives and the reseed run on"),
 )
@@ -132,12 +138,17 @@ def check_surface(version: Optional[str] = None) -> int:
         for sub in subclasses:
             cls = _safe_resolve(sub)
             if cls is not None and name in cls.__dict__:
-                missing.append(f"{sub.rpartition(':')[2]} overrides {name} (the hook replaces the shared "
-                               f"{base.rpartition(':')[2]} implementation)")
+                missing.append(
+                    f"{sub.rpartition(':')[2]} overrides {name} (the hook replaces the shared "
+                    f"{base.rpartition(':')[2]} implementation)"
+                )
     if missing:
-        raise UnsupportedError(f"DeepSpeed {version} lacks what the megatron-ucp hooks rely on: "
-                               + "; ".join(missing) + ". Install a supported DeepSpeed or apply the diffs in patches/",
-                               subject=str(missing[0]))
+        raise UnsupportedError(
+            f"DeepSpeed {version} lacks what the megatron-ucp hooks rely on: "
+            + "; ".join(missing)
+            + ". Install a supported DeepSpeed or apply the diffs in patches/",
+            subject=str(missing[0]),
+        )
     return checked
 
 
@@ -203,6 +214,7 @@ def scoped_replace(owner: str, name: str, make: Callable[[Any], Any], stack: boo
 # typed accessors
 # ------------------------------------------------------------------------------------------------
 
+
 def accelerator() -> Any:
     return resolve(ACCELERATOR).get_accelerator()
 
@@ -262,14 +274,17 @@ def _instance(obj: Any, name: str) -> Any:
     try:
         return getattr(obj, name)
     except AttributeError:
-        raise UnsupportedError(f"DeepSpeed {installed_deepspeed_version()}: {type(obj).__name__} has no {name!r}, "
-                               "which megatron-ucp relies on; DeepSpeed internals changed",
-                               subject=f"{type(obj).__name__}.{name}") from None
+        raise UnsupportedError(
+            f"DeepSpeed {installed_deepspeed_version()}: {type(obj).__name__} has no {name!r}, "
+            "which megatron-ucp relies on; DeepSpeed internals changed",
+            subject=f"{type(obj).__name__}.{name}",
+        ) from None
 
 
 # ------------------------------------------------------------------------------------------------
 # optimizer layouts: one per ZeRO optimizer class
 # ------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class OptimizerLayout:
@@ -311,18 +326,31 @@ class OptimizerLayout:
         """Each group's real element count, and the count with the padding the class adds between
         parameters (what its flat buffer holds before the DP alignment)."""
         numels = [sum(p.numel() for p in group) for group in self.groups(optimizer)]
-        paddings = (getattr(optimizer, self.round_robin_padding, None) if self.round_robin_padding else None) \
-            or [[0]] * len(numels)
+        paddings = (getattr(optimizer, self.round_robin_padding, None) if self.round_robin_padding else None) or [
+            [0]
+        ] * len(numels)
         return numels, [n + sum(pad) for n, pad in zip(numels, paddings)]
 
 
 OPTIMIZER_LAYOUTS = (
-    OptimizerLayout(BF16, stages=(1,), lp_groups="bf16_groups", lp_flat="bf16_groups_flat",
-                    lp_partitions="bf16_partitioned_groups", hp_partitions="fp32_groups_flat_partition"),
-    OptimizerLayout(ZERO, stages=(1, 2), lp_groups="bit16_groups", lp_flat="bit16_groups_flat",
-                    lp_partitions="parallel_partitioned_bit16_groups",
-                    hp_partitions="single_partition_of_fp32_groups", round_robin_padding="round_robin_bit16_padding",
-                    recorded_paddings="groups_padding"),
+    OptimizerLayout(
+        BF16,
+        stages=(1,),
+        lp_groups="bf16_groups",
+        lp_flat="bf16_groups_flat",
+        lp_partitions="bf16_partitioned_groups",
+        hp_partitions="fp32_groups_flat_partition",
+    ),
+    OptimizerLayout(
+        ZERO,
+        stages=(1, 2),
+        lp_groups="bit16_groups",
+        lp_flat="bit16_groups_flat",
+        lp_partitions="parallel_partitioned_bit16_groups",
+        hp_partitions="single_partition_of_fp32_groups",
+        round_robin_padding="round_robin_bit16_padding",
+        recorded_paddings="groups_padding",
+    ),
 )
 ELASTIC_STAGES = tuple(sorted({s for layout in OPTIMIZER_LAYOUTS for s in layout.stages}))
 """ZeRO stages some optimizer layout handles: what the hooks save, convert and load."""

@@ -4,6 +4,7 @@ Hooks patch named functions of DeepSpeed; they are written against specific vers
 any other one loudly rather than misbehave. Checkpoint *files* are read by their recorded
 ``ds_version``; the on-disk ZeRO-1/2 layout has been stable across the range below.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,7 @@ from packaging.version import Version
 from megatron_ucp.errors import UnsupportedError
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Internals:
@@ -65,14 +67,20 @@ class Internals:
 INTERNALS = {
     "0.16.2": Internals(decoupled_commit=False, ships_compression=True),
     "0.16.9": Internals(decoupled_commit=False, ships_compression=True),
-    "0.17.6": Internals(decoupled_commit=True, ships_compression=True, bf16_optimizer_selected=False,
-                        zero_trains_padding_only_rank=False),
-    "0.18.9": Internals(decoupled_commit=True, ships_compression=True, bf16_dp_invariant=False,
-                        zero_trains_with_torch_2_13=False),
+    "0.17.6": Internals(
+        decoupled_commit=True,
+        ships_compression=True,
+        bf16_optimizer_selected=False,
+        zero_trains_padding_only_rank=False,
+    ),
+    "0.18.9": Internals(
+        decoupled_commit=True, ships_compression=True, bf16_dp_invariant=False, zero_trains_with_torch_2_13=False
+    ),
     "0.19.5": Internals(decoupled_commit=True, ships_compression=True),
     "0.19.8": Internals(decoupled_commit=True, ships_compression=False),
 }
 HOOKS_TESTED_DEEPSPEED = tuple(INTERNALS)
+
 
 @dataclass(frozen=True)
 class SavedFiles:
@@ -94,19 +102,45 @@ class SavedFiles:
 
 
 SAVED_FILES = {
-    "0.16.2": SavedFiles(zero_per_rank_padding=False, param_alignment_paddings=False, parallel_dimensions=False,
-                         sparse_tensor_module_names=True),
-    "0.16.9": SavedFiles(zero_per_rank_padding=True, param_alignment_paddings=False, parallel_dimensions=False,
-                         sparse_tensor_module_names=True),
-    "0.17.6": SavedFiles(zero_per_rank_padding=True, param_alignment_paddings=False, parallel_dimensions=False,
-                         sparse_tensor_module_names=True),
-    "0.18.9": SavedFiles(zero_per_rank_padding=True, param_alignment_paddings=False, parallel_dimensions=False,
-                         sparse_tensor_module_names=True),
-    "0.19.5": SavedFiles(zero_per_rank_padding=True, param_alignment_paddings=False, parallel_dimensions=True,
-                         sparse_tensor_module_names=True, universal_checkpoint_version=0.3),
-    "0.19.8": SavedFiles(zero_per_rank_padding=True, param_alignment_paddings=True, parallel_dimensions=True,
-                         sparse_tensor_module_names=False, universal_checkpoint_version=0.4,
-                         recovery_scripts=("zero_to_fp32.py", "zero_to_torch.py")),
+    "0.16.2": SavedFiles(
+        zero_per_rank_padding=False,
+        param_alignment_paddings=False,
+        parallel_dimensions=False,
+        sparse_tensor_module_names=True,
+    ),
+    "0.16.9": SavedFiles(
+        zero_per_rank_padding=True,
+        param_alignment_paddings=False,
+        parallel_dimensions=False,
+        sparse_tensor_module_names=True,
+    ),
+    "0.17.6": SavedFiles(
+        zero_per_rank_padding=True,
+        param_alignment_paddings=False,
+        parallel_dimensions=False,
+        sparse_tensor_module_names=True,
+    ),
+    "0.18.9": SavedFiles(
+        zero_per_rank_padding=True,
+        param_alignment_paddings=False,
+        parallel_dimensions=False,
+        sparse_tensor_module_names=True,
+    ),
+    "0.19.5": SavedFiles(
+        zero_per_rank_padding=True,
+        param_alignment_paddings=False,
+        parallel_dimensions=True,
+        sparse_tensor_module_names=True,
+        universal_checkpoint_version=0.3,
+    ),
+    "0.19.8": SavedFiles(
+        zero_per_rank_padding=True,
+        param_alignment_paddings=True,
+        parallel_dimensions=True,
+        sparse_tensor_module_names=False,
+        universal_checkpoint_version=0.4,
+        recovery_scripts=("zero_to_fp32.py", "zero_to_torch.py"),
+    ),
 }
 
 
@@ -114,8 +148,10 @@ def saved_files(version: str) -> SavedFiles:
     """How release ``version`` lays out its files; only the tested releases (a guess would be a lie)."""
     facts = SAVED_FILES.get(version)
     if facts is None:
-        raise UnsupportedError(f"DeepSpeed {version}: no record of how it writes checkpoints; known releases "
-                               f"{', '.join(SAVED_FILES)}", subject=version)
+        raise UnsupportedError(
+            f"DeepSpeed {version}: no record of how it writes checkpoints; known releases {', '.join(SAVED_FILES)}",
+            subject=version,
+        )
     return facts
 
 
@@ -150,10 +186,12 @@ def check_hooks_supported(allow_untested: bool = False) -> str:
     base = Version(found).base_version
     if base in HOOKS_TESTED_DEEPSPEED:
         return found
-    message = (f"megatron-ucp hooks were written and tested for DeepSpeed {', '.join(HOOKS_TESTED_DEEPSPEED)}, "
-               f"but DeepSpeed {found} is installed. Its internals may differ; refusing to patch them. "
-               "Install a supported DeepSpeed, apply the diffs in patches/ instead, or pass "
-               "allow_untested_deepspeed=True (MEGATRON_UCP_ALLOW_UNTESTED_DEEPSPEED=1) at your own risk.")
+    message = (
+        f"megatron-ucp hooks were written and tested for DeepSpeed {', '.join(HOOKS_TESTED_DEEPSPEED)}, "
+        f"but DeepSpeed {found} is installed. Its internals may differ; refusing to patch them. "
+        "Install a supported DeepSpeed, apply the diffs in patches/ instead, or pass "
+        "allow_untested_deepspeed=True (MEGATRON_UCP_ALLOW_UNTESTED_DEEPSPEED=1) at your own risk."
+    )
     if not allow_untested:
         raise UnsupportedError(message, subject=found)
     log.warning("UNTESTED DEEPSPEED: %s", message)
@@ -171,5 +209,6 @@ def check_file_version(ds_version: str, path: str) -> Version:
         raise UnsupportedError(
             f"{path}: written by DeepSpeed {ds_version}, outside the versions this converter knows "
             f"({FILES_MIN_DEEPSPEED} .. {FILES_MAX_DEEPSPEED}); refusing rather than guessing its layout.",
-            subject=path)
+            subject=path,
+        )
     return parsed

@@ -4,6 +4,7 @@ Kept in one place so that the reader, the writer, the hooks and the upstream pat
 patches/ agree on spelling. DeepSpeed's own names are restated (not imported) so that reading a
 checkpoint does not depend on the installed DeepSpeed's constants module.
 """
+
 from __future__ import annotations
 
 import re

@@ -28,6 +28,7 @@ sign-bit flips at odd-indexed float32 elements of one state added ``2**63 + 2**6
 written with it are still checked with it (:func:`fragment_sum`'s ``algorithm``). Pure: numpy only
 (the converter does not import torch).
 """
+
 from __future__ import annotations
 
 import logging
@@ -107,7 +108,7 @@ def _period_sum(values: np.ndarray, offset: int) -> int:
         while pos < n:
             q, r = divmod(offset + pos, PERIOD)
             m = min(PERIOD - r, n - pos)
-            np.multiply(values[pos:pos + m], _TABLE[r:r + m], out=buf[:m], dtype=np.uint64)
+            np.multiply(values[pos : pos + m], _TABLE[r : r + m], out=buf[:m], dtype=np.uint64)
             piece = int(buf[:m].sum(dtype=np.uint64)) + int(_TABLE_PREFIX[r + m] - _TABLE_PREFIX[r])
             total += piece * (2 * q + 1)
             pos += m
@@ -132,7 +133,7 @@ def _word_sum(values: np.ndarray, offset: int) -> int:
         lanes = sum(1 << (bits * lane) for lane in range(per_word)) & MASK  # the "+ 1" of a whole word
         with np.errstate(over="ignore"):
             for start in range(0, body_words, _WORDS_PER_CHUNK):
-                chunk = words[start:start + _WORDS_PER_CHUNK]
+                chunk = words[start : start + _WORDS_PER_CHUNK]
                 m = chunk.size
                 base = first + start
                 # sum_k (v_k + lanes) * (W_k + 2*base), W_k = 2k + 1, sum_k W_k = m*m

@@ -17,6 +17,7 @@ conversion's fixed cost, and more on a shared file system. :data:`PICKLE_MODULE`
   ``torch.save`` (any stand-in created in this process), and a stand-in given to the standard
   pickler fails loudly rather than writing something else.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -98,8 +99,13 @@ class StandIn:
         return self._ucp_int()
 
     def _ucp_key(self) -> tuple:
-        return (self._ucp_module, self._ucp_name, self.__dict__.get("_ucp_how"),
-                repr(self.__dict__.get("_ucp_args", ())), repr(self.__dict__.get("_ucp_state")))
+        return (
+            self._ucp_module,
+            self._ucp_name,
+            self.__dict__.get("_ucp_how"),
+            repr(self.__dict__.get("_ucp_args", ())),
+            repr(self.__dict__.get("_ucp_state")),
+        )
 
     def __eq__(self, other: Any) -> bool:
         if isinstance(other, StandIn):
@@ -128,8 +134,9 @@ def stand_in_class(module: str, name: str) -> type:
     with _LOCK:
         cls = _CLASSES.get(key)
         if cls is None:
-            cls = type(name, (StandIn,), {"_ucp_module": module, "_ucp_name": name, "__module__": module,
-                                          "__qualname__": name})
+            cls = type(
+                name, (StandIn,), {"_ucp_module": module, "_ucp_name": name, "__module__": module, "__qualname__": name}
+            )
             _CLASSES[key] = cls
     return cls
 
@@ -181,8 +188,9 @@ class Pickler(pickle._Pickler):  # the Python pickler: its save_global can be ta
                 self.save(obj._ucp_name)
                 self.write(pickle.STACK_GLOBAL)
             else:
-                self.write(pickle.GLOBAL + obj._ucp_module.encode("utf-8") + b"\n"
-                           + obj._ucp_name.encode("utf-8") + b"\n")
+                self.write(
+                    pickle.GLOBAL + obj._ucp_module.encode("utf-8") + b"\n" + obj._ucp_name.encode("utf-8") + b"\n"
+                )
             self.memoize(obj)
             return
         super().save_global(obj, name)

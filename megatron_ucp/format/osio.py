@@ -15,6 +15,7 @@
 * :func:`exchange`: ``renameat2(RENAME_EXCHANGE)`` swaps two paths atomically, so replacing a
   committed folder (``convert --force``) never leaves a moment with no folder at that path.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -10,6 +10,7 @@ Three rules, each a class of defect found by adversarial runs:
 * an output folder may not be, contain or lie inside a source folder, however the paths are spelled
   (symlinks, ``..``, ``.``): ``--force`` replaces the output, so this is what keeps a source safe.
 """
+
 from __future__ import annotations
 
 import errno
@@ -21,8 +22,13 @@ from typing import BinaryIO, Iterable, Optional
 from megatron_ucp.errors import CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+)
 MAX_TAG_FILE_BYTES = 4096
 """A tag file holds one folder name; anything longer is not one."""
 
@@ -62,8 +68,9 @@ def open_checkpoint_file(path: os.PathLike | str) -> BinaryIO:
         raise
     except OSError as exc:
         kind = "a symlink loop" if exc.errno == errno.ELOOP else None
-        raise CheckpointFormatError(f"{path}: {'is ' + kind if kind else 'cannot read: ' + str(exc.strerror)}",
-                                    subject=path) from exc
+        raise CheckpointFormatError(
+            f"{path}: {'is ' + kind if kind else 'cannot read: ' + str(exc.strerror)}", subject=path
+        ) from exc
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -82,8 +89,11 @@ def normalize_tag(tag: str, where: str) -> str:
     if not name:
         raise CheckpointFormatError(f"{where}: empty tag name", subject=where)
     if "/" in name or name in (".", "..") or "\0" in name:
-        raise CheckpointFormatError(f"{where}: {tag!r} is not a tag name (a folder directly under the checkpoint "
-                                    "root; paths and '..' are not followed)", subject=where)
+        raise CheckpointFormatError(
+            f"{where}: {tag!r} is not a tag name (a folder directly under the checkpoint "
+            "root; paths and '..' are not followed)",
+            subject=where,
+        )
     return name
 
 
@@ -96,8 +106,9 @@ def read_tag_file(path: Path) -> Optional[str]:
     path = Path(path)
     kind = special_kind(path)
     if kind is not None:
-        raise CheckpointFormatError(f"{path}: is {kind}, not a file holding a tag name; remove or replace it",
-                                    subject=path)
+        raise CheckpointFormatError(
+            f"{path}: is {kind}, not a file holding a tag name; remove or replace it", subject=path
+        )
     try:  # the shared opener: also refuses a file replaced by a FIFO between the check and the open
         with open_checkpoint_file(path) as fh:
             data = fh.read(MAX_TAG_FILE_BYTES + 1)
@@ -110,8 +121,11 @@ def read_tag_file(path: Path) -> Optional[str]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise CheckpointFormatError(f"{path}: not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); "
-                                    "it should hold a tag name such as global_step100", subject=path) from None
+        raise CheckpointFormatError(
+            f"{path}: not UTF-8 text (byte {exc.start}: {data[exc.start : exc.start + 1]!r}); "
+            "it should hold a tag name such as global_step100",
+            subject=path,
+        ) from None
     if not text.strip():
         raise CheckpointFormatError(f"{path}: empty; pass --tag", subject=path)
     return normalize_tag(text, str(path))
@@ -160,8 +174,12 @@ def check_output_placement(output: Path, sources: Iterable[Path]) -> None:
         src = _real(source)
         if _within(out, src):
             what = "is" if out == src else "lies inside"
-            raise UcpError(f"{output}: {what} the source {source}; the output must be a folder of its own "
-                           "(default: <root>/<tag>_universal)", subject=output)
+            raise UcpError(
+                f"{output}: {what} the source {source}; the output must be a folder of its own "
+                "(default: <root>/<tag>_universal)",
+                subject=output,
+            )
         if _within(src, out):
-            raise UcpError(f"{output}: contains the source {source}; replacing it would delete the source",
-                           subject=output)
+            raise UcpError(
+                f"{output}: contains the source {source}; replacing it would delete the source", subject=output
+            )

@@ -9,6 +9,7 @@ bytes (usually a private memory mapping of the rank file, so nothing is read unt
 :meth:`RawTensor.to_torch` makes a real tensor over the same bytes where torch is wanted
 (verification, the rare ``torch.save`` fallbacks).
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,16 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-__all__ = ["DType", "DTYPES", "DTYPE_BY_STORAGE", "Storage", "RawTensor", "from_torch", "raw_tensors_from_torch",
-           "torch_tensors_from_raw"]
+__all__ = [
+    "DType",
+    "DTYPES",
+    "DTYPE_BY_STORAGE",
+    "Storage",
+    "RawTensor",
+    "from_torch",
+    "raw_tensors_from_torch",
+    "torch_tensors_from_raw",
+]
 
 
 @dataclass(frozen=True)
@@ -34,18 +43,21 @@ class DType:
         return f"torch.{self.name}"
 
 
-DTYPES: dict[str, DType] = {d.name: d for d in (
-    DType("float32", 4, "FloatStorage", "f"),
-    DType("float64", 8, "DoubleStorage", "d"),
-    DType("float16", 2, "HalfStorage", "e"),
-    DType("bfloat16", 2, "BFloat16Storage"),
-    DType("int64", 8, "LongStorage", "q"),
-    DType("int32", 4, "IntStorage", "i"),
-    DType("int16", 2, "ShortStorage", "h"),
-    DType("int8", 1, "CharStorage", "b"),
-    DType("uint8", 1, "ByteStorage", "B"),
-    DType("bool", 1, "BoolStorage", "?"),
-)}
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in (
+        DType("float32", 4, "FloatStorage", "f"),
+        DType("float64", 8, "DoubleStorage", "d"),
+        DType("float16", 2, "HalfStorage", "e"),
+        DType("bfloat16", 2, "BFloat16Storage"),
+        DType("int64", 8, "LongStorage", "q"),
+        DType("int32", 4, "IntStorage", "i"),
+        DType("int16", 2, "ShortStorage", "h"),
+        DType("int8", 1, "CharStorage", "b"),
+        DType("uint8", 1, "ByteStorage", "B"),
+        DType("bool", 1, "BoolStorage", "?"),
+    )
+}
 DTYPE_BY_STORAGE: dict[str, DType] = {d.storage: d for d in DTYPES.values()}
 UNTYPED_STORAGE = "UntypedStorage"
 """torch.UntypedStorage records hold bytes (uint8)."""
@@ -78,8 +90,9 @@ class RawTensor:
 
     __slots__ = ("storage", "offset", "shape", "stride_", "requires_grad")
 
-    def __init__(self, storage: Storage, offset: int, shape: Sequence[int], stride: Sequence[int],
-                 requires_grad: bool = False):
+    def __init__(
+        self, storage: Storage, offset: int, shape: Sequence[int], stride: Sequence[int], requires_grad: bool = False
+    ):
         self.storage = storage
         self.offset = int(offset)
         self.shape = tuple(int(d) for d in shape)
@@ -88,8 +101,10 @@ class RawTensor:
         if len(self.shape) != len(self.stride_):
             raise ValueError(f"shape {self.shape} and stride {self.stride_} differ in length")
         if self.numel() and self.offset + self._span() > storage.numel:
-            raise ValueError(f"view (offset {self.offset}, shape {self.shape}, stride {self.stride_}) runs past its "
-                             f"storage of {storage.numel} elements")
+            raise ValueError(
+                f"view (offset {self.offset}, shape {self.shape}, stride {self.stride_}) runs past its "
+                f"storage of {storage.numel} elements"
+            )
 
     # --- the torch.Tensor vocabulary the converter uses --------------------------------------
     @property
@@ -146,7 +161,7 @@ class RawTensor:
         if not self.is_contiguous():
             raise ValueError("bytes_view needs a contiguous tensor")
         start = self.offset * self.dtype.itemsize
-        return self.storage.data[start:start + self.nbytes]
+        return self.storage.data[start : start + self.nbytes]
 
     def item(self) -> Any:
         if self.numel() != 1:
@@ -204,8 +219,7 @@ def from_torch(t: Any, key: str = "0") -> RawTensor:
     numel = storage.nbytes() // dtype.itemsize
     base = torch.empty(0, dtype=t.dtype).set_(storage, 0, (numel,), (1,))
     data = memoryview(base.view(torch.uint8).numpy()) if numel else memoryview(b"")
-    raw = Storage(key=key, dtype=dtype, numel=numel, data=data, address=storage.data_ptr() if numel else 0,
-                  owner=base)
+    raw = Storage(key=key, dtype=dtype, numel=numel, data=data, address=storage.data_ptr() if numel else 0, owner=base)
     return RawTensor(raw, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.requires_grad)
 
 

@@ -19,6 +19,7 @@ tests prove it against the installed torch: :func:`matches_torch_save`), except 
 reads the format. Files of 4 GB or more (zip64 record fields) and empty tensors are refused
 (:class:`FastWriterUnsupported`): callers fall back to ``torch.save``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -47,8 +48,8 @@ _ZIP32_LIMIT = 0xFFFFFFFF - (1 << 16)
 _PROTOCOL = 2
 """torch.save's pickle protocol."""
 
-_LFH = struct.Struct("<IHHHHHIIIHH")       # local file header
-_DD = struct.Struct("<IIII")               # data descriptor (crc, sizes)
+_LFH = struct.Struct("<IHHHHHIIIHH")  # local file header
+_DD = struct.Struct("<IIII")  # data descriptor (crc, sizes)
 _CDH = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory header
 _EOCD64 = struct.Struct("<IQHHIIQQQQ")
 _EOCD64_LOCATOR = struct.Struct("<IIQI")
@@ -117,8 +118,10 @@ class _TorchPickler(_LightPickler):
             raise FastWriterUnsupported("a torch.Tensor (torch.save writes those)")
         else:
             return NotImplemented
-        return (stand_in_class(*_REBUILD_TENSOR),
-                (record, 0, obj.shape, contiguous_stride(obj.shape), False, collections.OrderedDict()))
+        return (
+            stand_in_class(*_REBUILD_TENSOR),
+            (record, 0, obj.shape, contiguous_stride(obj.shape), False, collections.OrderedDict()),
+        )
 
     def _add(self, dtype: DType, numel: int, data: Optional[memoryview]) -> _StorageRecord:
         record = _StorageRecord(str(len(self.storages)), dtype, numel, data)
@@ -205,13 +208,18 @@ class _Archive:
         return _DD.pack(0x08074B50, crc, size, size)
 
     def directory(self) -> bytes:
-        cd = b"".join(_CDH.pack(0x02014B50, 0, 0, _FLAGS, 0, 0, 0, crc, size, size, len(name), 0, 0, 0, 0, 0, offset)
-                      + name for name, offset, crc, size in self.records)
+        cd = b"".join(
+            _CDH.pack(0x02014B50, 0, 0, _FLAGS, 0, 0, 0, crc, size, size, len(name), 0, 0, 0, 0, 0, offset) + name
+            for name, offset, crc, size in self.records
+        )
         cd_offset, n = self.cursor, len(self.records)
         eocd64_offset = cd_offset + len(cd)
-        return (cd + _EOCD64.pack(0x06064B50, 44, 0x031E, 0x002D, 0, 0, n, n, len(cd), cd_offset)
-                + _EOCD64_LOCATOR.pack(0x07064B50, 0, eocd64_offset, 1)
-                + _EOCD.pack(0x06054B50, 0, 0, n, n, len(cd), cd_offset, 0))
+        return (
+            cd
+            + _EOCD64.pack(0x06064B50, 44, 0x031E, 0x002D, 0, 0, n, n, len(cd), cd_offset)
+            + _EOCD64_LOCATOR.pack(0x07064B50, 0, eocd64_offset, 1)
+            + _EOCD.pack(0x06054B50, 0, 0, n, n, len(cd), cd_offset, 0)
+        )
 
 
 def _write_all(fd: int, data: Any) -> None:
@@ -222,9 +230,10 @@ def _write_all(fd: int, data: Any) -> None:
 
 
 def _serialization_id(pkl: bytes, crcs: Sequence[int], size: int) -> bytes:
-    digest = hashlib.blake2b(pkl + b"".join(struct.pack("<I", c) for c in crcs) + struct.pack("<Q", size),
-                             digest_size=16).digest()
-    return f"{int.from_bytes(digest, 'little') % 10 ** 40:040d}".encode()
+    digest = hashlib.blake2b(
+        pkl + b"".join(struct.pack("<I", c) for c in crcs) + struct.pack("<Q", size), digest_size=16
+    ).digest()
+    return f"{int.from_bytes(digest, 'little') % 10**40:040d}".encode()
 
 
 def _check_sizes(path: Path, records: Sequence[_StorageRecord], pkl: bytes) -> None:
@@ -235,14 +244,26 @@ def _check_sizes(path: Path, records: Sequence[_StorageRecord], pkl: bytes) -> N
         raise FastWriterUnsupported(f"{path}: empty tensor")
 
 
-def _write_file(path: Path, pkl: bytes, storages: Sequence[Sequence[memoryview]], fd: Optional[int], crc: bool,
-                serialization_id: Optional[bytes], observers: Optional[Sequence[Callable[[memoryview], None]]] = None
-                ) -> int:
+def _write_file(
+    path: Path,
+    pkl: bytes,
+    storages: Sequence[Sequence[memoryview]],
+    fd: Optional[int],
+    crc: bool,
+    serialization_id: Optional[bytes],
+    observers: Optional[Sequence[Callable[[memoryview], None]]] = None,
+) -> int:
     """The records of a torch file, in torch.save's order; storage ``i``'s bytes are ``storages[i]``.
     ``observers[i]`` sees storage ``i``'s bytes chunk by chunk, in order, while they are in the CPU cache."""
     arc = _Archive(archive_name(path), crc)
-    head = b"".join((arc.small("data.pkl", pkl), arc.small(".format_version", b"1"),
-                     arc.small(".storage_alignment", str(ALIGNMENT).encode()), arc.small("byteorder", b"little")))
+    head = b"".join(
+        (
+            arc.small("data.pkl", pkl),
+            arc.small(".format_version", b"1"),
+            arc.small(".storage_alignment", str(ALIGNMENT).encode()),
+            arc.small("byteorder", b"little"),
+        )
+    )
     own = fd is None
     if own:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -255,7 +276,7 @@ def _write_file(path: Path, pkl: bytes, storages: Sequence[Sequence[memoryview]]
             observe = observers[key] if observers is not None else None
             for piece in pieces:
                 for start in range(0, len(piece), _CHUNK):
-                    part = piece[start:start + _CHUNK]
+                    part = piece[start : start + _CHUNK]
                     if crc:
                         value = zlib.crc32(part, value)
                     if observe is not None:
@@ -276,8 +297,15 @@ def _write_file(path: Path, pkl: bytes, storages: Sequence[Sequence[memoryview]]
     return arc.cursor + len(directory)
 
 
-def write_tensor_file(path: os.PathLike | str, entry: dict, pieces: Iterable[Any], *, fd: Optional[int] = None,
-                      crc: bool = True, serialization_id: Optional[bytes] = None) -> int:
+def write_tensor_file(
+    path: os.PathLike | str,
+    entry: dict,
+    pieces: Iterable[Any],
+    *,
+    fd: Optional[int] = None,
+    crc: bool = True,
+    serialization_id: Optional[bytes] = None,
+) -> int:
     """Write ``torch.save(entry, path)`` where the entry's one :class:`TensorSpec` holds ``pieces`` in order.
 
     ``pieces`` are buffers (memoryviews of mapped rank-file bytes); their total length must be the
@@ -287,9 +315,16 @@ def write_tensor_file(path: os.PathLike | str, entry: dict, pieces: Iterable[Any
     return write_tensors_file(path, entry, [pieces], fd=fd, crc=crc, serialization_id=serialization_id)
 
 
-def write_tensors_file(path: os.PathLike | str, entry: dict, pieces: Sequence[Iterable[Any]], *,
-                       fd: Optional[int] = None, crc: bool = True, serialization_id: Optional[bytes] = None,
-                       observers: Optional[Sequence[Callable[[memoryview], None]]] = None) -> int:
+def write_tensors_file(
+    path: os.PathLike | str,
+    entry: dict,
+    pieces: Sequence[Iterable[Any]],
+    *,
+    fd: Optional[int] = None,
+    crc: bool = True,
+    serialization_id: Optional[bytes] = None,
+    observers: Optional[Sequence[Callable[[memoryview], None]]] = None,
+) -> int:
     """:func:`write_tensor_file` for an entry with several :class:`TensorSpec` values: ``pieces[i]``
     holds the bytes of the i-th one in the entry's order (the order ``torch.save`` writes them);
     ``observers[i]``, when given, is called with those bytes chunk by chunk as they are written."""
@@ -302,8 +337,9 @@ def write_tensors_file(path: os.PathLike | str, entry: dict, pieces: Sequence[It
         parts = [memoryview(p).cast("B") for p in parts]
         size = sum(len(p) for p in parts)
         if size != spec.nbytes:
-            raise ValueError(f"{path}: pieces hold {size} bytes, the tensor {spec.shape} {spec.dtype} needs "
-                             f"{spec.nbytes}")
+            raise ValueError(
+                f"{path}: pieces hold {size} bytes, the tensor {spec.shape} {spec.dtype} needs {spec.nbytes}"
+            )
         views.append(parts)
     if observers is not None and len(observers) != len(views):
         raise ValueError(f"{len(observers)} observers for {len(views)} tensors")
@@ -351,13 +387,16 @@ def matches_torch_save() -> bool:
     """Whether this module writes the installed torch's ``torch.save`` bytes (imports torch)."""
     import torch
 
-
     g = torch.Generator().manual_seed(0)
     a = torch.randn(5, 7, generator=g)
     b = torch.randn(129, generator=g)
     c = torch.randn(3, 64, generator=g).to(torch.bfloat16)
-    samples = [("fp32.pt", {"param": a, "cat_dim": 0}), ("exp_avg_sq.pt", {"param": b, "cat_dim": 0, "vocab_tensor": True}),
-               ("exp_avg.pt", {"param": c, "cat_dim": 1, "param_n_sub_params": 2}), ("step.pt", torch.tensor(7.0))]
+    samples = [
+        ("fp32.pt", {"param": a, "cat_dim": 0}),
+        ("exp_avg_sq.pt", {"param": b, "cat_dim": 0, "vocab_tensor": True}),
+        ("exp_avg.pt", {"param": c, "cat_dim": 1, "param_n_sub_params": 2}),
+        ("step.pt", torch.tensor(7.0)),
+    ]
     with tempfile.TemporaryDirectory(prefix="megatron-ucp-selfcheck-") as tmp:
         for i, (name, obj) in enumerate(samples):
             ref, ours = Path(tmp) / f"ref{i}" / name, Path(tmp) / f"ours{i}" / name

@@ -14,6 +14,7 @@ devices (as stand-ins that pickle back to the same global). Classes of ``deepspe
 tensors, backward hooks), the legacy non-zip format, big-endian files and compressed records
 raise :class:`TorchNeeded`: the caller then uses ``torch.load``, which is always right.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -64,8 +65,15 @@ class _StorageType:
         self.dtype = DTYPES["uint8"] if name == UNTYPED_STORAGE else DTYPE_BY_STORAGE[name]
 
 
-def _rebuild_tensor_v2(storage: Storage, storage_offset: int, size: Any, stride: Any, requires_grad: bool = False,
-                       backward_hooks: Any = None, metadata: Any = None) -> RawTensor:
+def _rebuild_tensor_v2(
+    storage: Storage,
+    storage_offset: int,
+    size: Any,
+    stride: Any,
+    requires_grad: bool = False,
+    backward_hooks: Any = None,
+    metadata: Any = None,
+) -> RawTensor:
     if backward_hooks:
         raise TorchNeeded("a tensor with backward hooks")
     if metadata:
@@ -132,12 +140,17 @@ def _record_problems(info: zipfile.ZipInfo, head: bytes, name: bytes) -> list[st
         problems.append(f"{info.filename}: the local header names it {name!r}")
     if method != info.compress_type:
         problems.append(f"{info.filename}: compression method {method} locally, {info.compress_type} in the directory")
-    if not flags & 0x08 and 0xFFFFFFFF not in (csize, usize) and (crc, csize, usize) != (
-            info.CRC, info.compress_size, info.file_size):
+    if (
+        not flags & 0x08
+        and 0xFFFFFFFF not in (csize, usize)
+        and (crc, csize, usize) != (info.CRC, info.compress_size, info.file_size)
+    ):
         problems.append(f"{info.filename}: local header and central directory disagree on CRC or size")
     if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
-        problems.append(f"{info.filename}: stored record with {info.compress_size} bytes on disk but "
-                        f"{info.file_size} in the directory")
+        problems.append(
+            f"{info.filename}: stored record with {info.compress_size} bytes on disk but "
+            f"{info.file_size} in the directory"
+        )
     return problems
 
 
@@ -145,7 +158,7 @@ def _read_local_header(fd: int, info: zipfile.ZipInfo) -> tuple[bytes, bytes]:
     """(fixed local header, the name bytes after it), in one ``pread``."""
     name_len = len(info.orig_filename.encode("utf-8"))
     data = os.pread(fd, _LFH.size + name_len, info.header_offset)
-    return data[:_LFH.size], data[_LFH.size:]
+    return data[: _LFH.size], data[_LFH.size :]
 
 
 class _Archive:
@@ -174,14 +187,20 @@ class _Archive:
             pickles = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
             if len(pickles) != 1:
                 raise TorchNeeded(f"{len(pickles)} data.pkl records")
-            self.prefix = pickles[0].filename[:-len("data.pkl")]
+            self.prefix = pickles[0].filename[: -len("data.pkl")]
             fd = fh.fileno()
             size = os.fstat(fd).st_size
-            self.spans = {i.filename[len(self.prefix):]: self._span(fd, i, size)
-                          for i in infos if i.filename.startswith(self.prefix)}
-            self.small = {name: self._read(fd, name) for name in self.spans
-                          if name in ("data.pkl", "byteorder") or (name.startswith("data/")
-                                                                   and self.spans[name][1] < mmap.PAGESIZE)}
+            self.spans = {
+                i.filename[len(self.prefix) :]: self._span(fd, i, size)
+                for i in infos
+                if i.filename.startswith(self.prefix)
+            }
+            self.small = {
+                name: self._read(fd, name)
+                for name in self.spans
+                if name in ("data.pkl", "byteorder")
+                or (name.startswith("data/") and self.spans[name][1] < mmap.PAGESIZE)
+            }
             self.map = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # private, like torch's mmap load
         anchor = ctypes.c_char.from_buffer(self.map)
         self.address = ctypes.addressof(anchor)
@@ -220,9 +239,15 @@ class _Archive:
         small = self.small.get(f"data/{key}")
         if small is not None:  # a writable copy, as torch.load's tensors are writable
             return Storage(key=key, dtype=dtype, numel=numel, data=memoryview(bytearray(small[:nbytes])), address=0)
-        data = memoryview(self.map)[start:start + nbytes]
-        return Storage(key=key, dtype=dtype, numel=numel, data=data, address=self.address + start,
-                       region=(self.address, self.address + len(self.map)))
+        data = memoryview(self.map)[start : start + nbytes]
+        return Storage(
+            key=key,
+            dtype=dtype,
+            numel=numel,
+            data=data,
+            address=self.address + start,
+            region=(self.address, self.address + len(self.map)),
+        )
 
 
 def load(path: os.PathLike | str, damage: list[str] | None = None, random_access: bool = False) -> Any:
@@ -241,7 +266,6 @@ def load(path: os.PathLike | str, damage: list[str] | None = None, random_access
         raise zipfile.BadZipFile(f"{path}: no data.pkl record")
     unpickler = _Unpickler(io.BytesIO(archive.small["data.pkl"]), archive)
     return unpickler.load()
-
 
 
 def structure_problems(path: os.PathLike | str) -> list[str]:
@@ -272,7 +296,6 @@ def structure_problems(path: os.PathLike | str) -> list[str]:
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
         problems.append(f"not a readable zip archive ({exc})")
     return problems
-
 
 
 _REFUSAL_TAIL = ". This is an internal miniz error"
@@ -324,8 +347,12 @@ class TorchReaderCheck:
 
         self._proc = None
         if "torch" not in sys.modules:
-            self._proc = subprocess.Popen([sys.executable, "-c", _READER_CHILD], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _READER_CHILD],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
 
     def refused(self, paths: "list[os.PathLike | str]", timeout: float = 600.0) -> dict[str, str]:
         """Path -> torch's reason, for each of ``paths`` torch's reader refuses (once per check)."""
@@ -339,8 +366,10 @@ class TorchReaderCheck:
         out, err = self._proc.communicate("".join(p + "\n" for p in names).encode(), timeout=timeout)
         if self._proc.returncode != 0:
             tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            raise RuntimeError(f"torch's zip reader could not be run over {len(names)} file(s) "
-                               f"(exit {self._proc.returncode}): {tail[0]}")
+            raise RuntimeError(
+                f"torch's zip reader could not be run over {len(names)} file(s) "
+                f"(exit {self._proc.returncode}): {tail[0]}"
+            )
         return json.loads(out.decode())
 
     def cancel(self) -> None:

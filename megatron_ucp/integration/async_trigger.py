@@ -24,6 +24,7 @@ inside the job allocation; if it does not, it says so, and ``megatron-ucp status
 handler does not wait (a crashing job should end now); the detached converter goes on while the
 node lives.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -46,8 +47,14 @@ from megatron_ucp.deepspeed.versions import internals
 log = logging.getLogger(__name__)
 
 
-_state: dict[str, Any] = {"config": None, "launched": {}, "timings": [], "warned": set(), "crashed": False,
-                          "excepthook": None}
+_state: dict[str, Any] = {
+    "config": None,
+    "launched": {},
+    "timings": [],
+    "warned": set(),
+    "crashed": False,
+    "excepthook": None,
+}
 
 
 def wanted(config: UcpConfig) -> bool:
@@ -59,8 +66,9 @@ def install(patches: Any, config: UcpConfig) -> None:
     install checked the surface."""
     surface.replace(patches, surface.ENGINE, "save_checkpoint", lambda original: _wrap_save(original, config))
     if internals().decoupled_commit:  # before 0.17 every checkpoint engine commits inside save_checkpoint
-        surface.replace(patches, surface.ENGINE, "_commit_decoupled_checkpoint",
-                        lambda original: _wrap_decoupled(original, config))
+        surface.replace(
+            patches, surface.ENGINE, "_commit_decoupled_checkpoint", lambda original: _wrap_decoupled(original, config)
+        )
     _state.update(config=config, launched={}, warned=set(), crashed=False)
     atexit.register(_at_exit)
     if _state["excepthook"] is None:
@@ -128,44 +136,70 @@ def _after_commit(engine: Any, save_dir: str, tag: str, config: UcpConfig) -> No
     """Queue the conversion on each node's launcher; never raises (training goes on regardless)."""
     import torch.distributed as dist
 
-
     t0 = time.perf_counter()
     try:
         stage = surface.zero_stage(engine)
         if stage not in surface.ELASTIC_STAGES:
-            _warn_once("stage", "megatron-ucp: async conversion skipped: ZeRO stage %s (only stages %s convert)",
-                       stage, " and ".join(map(str, surface.ELASTIC_STAGES)))
+            _warn_once(
+                "stage",
+                "megatron-ucp: async conversion skipped: ZeRO stage %s (only stages %s convert)",
+                stage,
+                " and ".join(map(str, surface.ELASTIC_STAGES)),
+            )
             return
         if surface.node_local_storage(engine):
-            _warn_once("local", "megatron-ucp: async conversion skipped: checkpoint.use_node_local_storage puts "
-                                "each node's files on its own disk; conversion needs them on one shared filesystem")
+            _warn_once(
+                "local",
+                "megatron-ucp: async conversion skipped: checkpoint.use_node_local_storage puts "
+                "each node's files on its own disk; conversion needs them on one shared filesystem",
+            )
             return
         rank, world = dist.get_rank(), dist.get_world_size()
-        where = B.node_assignment(rank, world, launchenv.local_rank(os.environ), launchenv.local_size(os.environ),
-                                  config.ranks_per_node)
+        where = B.node_assignment(
+            rank, world, launchenv.local_rank(os.environ), launchenv.local_size(os.environ), config.ranks_per_node
+        )
         if where.note and rank == 0:
             _warn_once("nodes", "megatron-ucp: %s", where.note)
         if not where.launcher:
             return
         root = Path(save_dir).resolve()
-        settings = ConverterSettings(workers=config.converter_workers, threads=config.converter_threads,
-                                     keep_last=config.keep_last, job_id=ConverterSettings.job_id_from_env())
+        settings = ConverterSettings(
+            workers=config.converter_workers,
+            threads=config.converter_threads,
+            keep_last=config.keep_last,
+            job_id=ConverterSettings.job_id_from_env(),
+        )
         result = trigger(root, tag, where.node, where.nodes, settings, report=rank == 0)
         tags = _state["launched"].setdefault((str(root), where.node), [])
         if tag not in tags:
             tags.append(tag)
         if rank == 0:
             for event in result.events:
-                level = logging.INFO if event.kind in (B.EventKind.COMPLETE, B.EventKind.REMOVED,
-                                                       B.EventKind.CLEANED) else logging.WARNING
+                level = (
+                    logging.INFO
+                    if event.kind in (B.EventKind.COMPLETE, B.EventKind.REMOVED, B.EventKind.CLEANED)
+                    else logging.WARNING
+                )
                 log.log(level, "megatron-ucp: background conversion: %s", event.line())
-            log.info("megatron-ucp: %s queued for background conversion on %d node(s) (active: %s, pending: %s%s)",
-                     tag, where.nodes, result.active or "-", result.pending or "-",
-                     f", converter pid {result.spawned} started" if result.spawned else "")
+            log.info(
+                "megatron-ucp: %s queued for background conversion on %d node(s) (active: %s, pending: %s%s)",
+                tag,
+                where.nodes,
+                result.active or "-",
+                result.pending or "-",
+                f", converter pid {result.spawned} started" if result.spawned else "",
+            )
     except Exception as exc:  # loud, harmless
-        log.error("megatron-ucp: could not queue the background conversion of %s in %s: %s: %s. Training continues; "
-                  "convert it later with: megatron-ucp convert %s --tag %s", tag, save_dir, type(exc).__name__, exc,
-                  save_dir, tag)
+        log.error(
+            "megatron-ucp: could not queue the background conversion of %s in %s: %s: %s. Training continues; "
+            "convert it later with: megatron-ucp convert %s --tag %s",
+            tag,
+            save_dir,
+            type(exc).__name__,
+            exc,
+            save_dir,
+            tag,
+        )
     finally:
         _state["timings"].append(time.perf_counter() - t0)
 
@@ -190,15 +224,25 @@ def wait_at_end_of_run() -> None:
         try:
             owed = unfinished(Path(root), tags)
             if owed and wait > 0:
-                log.warning("megatron-ucp: waiting up to %ds for the background conversion of %s (node %d)",
-                            max(0, int(deadline - time.monotonic())), ", ".join(owed), node)
+                log.warning(
+                    "megatron-ucp: waiting up to %ds for the background conversion of %s (node %d)",
+                    max(0, int(deadline - time.monotonic())),
+                    ", ".join(owed),
+                    node,
+                )
             done = wait_for_converter(Path(root), node, max(0.0, deadline - time.monotonic()))
             owed = unfinished(Path(root), tags)
             if owed:
-                log.warning("megatron-ucp: background conversion of %s in %s did not finish before exit (%s). "
-                            "`megatron-ucp status %s` shows it; `megatron-ucp convert %s --tag %s` completes it.",
-                            ", ".join(owed), root, "converter still running, detached" if not done else
-                            "converter stopped", root, root, owed[-1])
+                log.warning(
+                    "megatron-ucp: background conversion of %s in %s did not finish before exit (%s). "
+                    "`megatron-ucp status %s` shows it; `megatron-ucp convert %s --tag %s` completes it.",
+                    ", ".join(owed),
+                    root,
+                    "converter still running, detached" if not done else "converter stopped",
+                    root,
+                    root,
+                    owed[-1],
+                )
             elif node == 0:
                 log.info("megatron-ucp: background conversions in %s finished (last saved: %s)", root, tags[-1])
         except Exception as exc:

@@ -6,6 +6,7 @@ that rank fails, every rank raises the same error instead of some waiting foreve
 (:func:`decide_on_first`). Collectives go through ``torch.distributed`` itself and the
 accelerator's device (gloo/CPU, ccl/XPU, nccl/CUDA).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -10,7 +10,8 @@ the install's :class:`~megatron_ucp.deepspeed.surface.PatchSet`, so ``uninstall(
     route ``auto`` or ``reshard``: DeepSpeed loads the module and the training state from the tag
     without optimizer states, then every rank copies its new partitions straight out of the old rank
     files (:mod:`megatron_ucp.integration.native_reshard`): no conversion, nothing written. Otherwise
-    (a TP/PP change, or route ``universal``): the universal twin ``<tag>_universal`` is loaded in universal mode (the engine's ``load_universal`` flag is set
+    (a TP/PP change, or route ``universal``): the universal twin ``<tag>_universal`` is loaded in universal mode
+    (the engine's ``load_universal`` flag is set
     for the call and restored afterwards), converting it first when it is missing (one converter
     per node, all ranks waiting). Universal loads (this route or the explicit
     ``{"checkpoint": {"load_universal": true}}``) then restore what DeepSpeed skips (module buffers,
@@ -26,6 +27,7 @@ the install's :class:`~megatron_ucp.deepspeed.surface.PatchSet`, so ``uninstall(
     checksums (:mod:`megatron_ucp.plan.accounting`) that every element of every file landed exactly
     once, and that no state the live optimizer keeps was left unrestored.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -81,8 +83,9 @@ def install(patches: Any, config: UcpConfig) -> None:
     """Patch the engine's load entry point and the ZeRO-1/2 universal loader (the install checked the
     whole surface they rely on)."""
     surface.replace(patches, surface.ENGINE, "load_checkpoint", lambda original: _engine_load(original, config))
-    surface.replace(patches, surface.ZERO_BASE, surface.OPTIMIZER_LOADER,
-                    lambda original: _optimizer_load(original, config))
+    surface.replace(
+        patches, surface.ZERO_BASE, surface.OPTIMIZER_LOADER, lambda original: _optimizer_load(original, config)
+    )
     _make_logs_visible()
 
 
@@ -131,14 +134,16 @@ def on_uninstall() -> None:
 # engine: decide, convert, load, finish
 # ================================================================================================
 
+
 def _elastic_engine(engine: Any) -> bool:
     """An optimizer class at a ZeRO stage some :data:`~megatron_ucp.deepspeed.surface.OPTIMIZER_LAYOUTS`
     entry handles: the engines this hook handles."""
     return surface.engine_layout(engine) is not None
 
 
-def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_optimizer_states: bool,
-                       config: UcpConfig) -> tuple[ResumeDecision, Optional[str], bool]:
+def _gather_and_decide(
+    engine: Any, load_dir: str, tag: Optional[str], loads_optimizer_states: bool, config: UcpConfig
+) -> tuple[ResumeDecision, Optional[str], bool]:
     """Rank-0 side: read the facts from disk and decide. Returns (decision, native tag, tag from latest)."""
 
     live = current_layout(engine)
@@ -146,8 +151,15 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
     lag = lagging_universal_pointer(Path(load_dir)) if universal_flag and tag is None else None
     follow_latest = lag is not None
     if lag is not None and lag[1] is not None:
-        log.warning("megatron-ucp: %s names %s but %s names %s: following %s (loading %s)", F.LATEST, lag[0],
-                    F.LATEST_UNIVERSAL, lag[1], F.LATEST, F.universal_tag(lag[0]))
+        log.warning(
+            "megatron-ucp: %s names %s but %s names %s: following %s (loading %s)",
+            F.LATEST,
+            lag[0],
+            F.LATEST_UNIVERSAL,
+            lag[1],
+            F.LATEST,
+            F.universal_tag(lag[0]),
+        )
     if universal_flag and not follow_latest:
         return decide_resume(requested_tag=tag, saved=None, live=live, load_universal=True), tag, False
     # Without --universal-checkpoint, or with it (the runner adds it on a TP/PP change) when
@@ -172,39 +184,59 @@ def _gather_and_decide(engine: Any, load_dir: str, tag: Optional[str], loads_opt
         twin_dir = Path(load_dir) / F.universal_tag(resolved)
         twin = universal_state(twin_dir, tag_dir)
         staging = staging_path(twin_dir).exists()
-    decision = decide_resume(requested_tag=resolved, saved=saved_as, live=live,
-                             load_universal=False, twin_state=twin, tag_is_universal=tag_is_universal,
-                             loads_optimizer_states=loads_optimizer_states, staging_present=staging,
-                             universal_of_latest=follow_latest, resume_route=config.resume_route,
-                             names_match=names_match)
+    decision = decide_resume(
+        requested_tag=resolved,
+        saved=saved_as,
+        live=live,
+        load_universal=False,
+        twin_state=twin,
+        tag_is_universal=tag_is_universal,
+        loads_optimizer_states=loads_optimizer_states,
+        staging_present=staging,
+        universal_of_latest=follow_latest,
+        resume_route=config.resume_route,
+        names_match=names_match,
+    )
     return decision, resolved, from_latest
 
 
 def _live_param_names(engine: Any) -> frozenset[str]:
     """This rank's optimized parameter names (rank 0 is model-parallel rank 0, as the model states compared)."""
     optimizer = engine.optimizer
-    return frozenset(optimizer.param_names[lp] for group in surface.layout_of(optimizer).groups(optimizer) for lp in group)
-
+    return frozenset(
+        optimizer.param_names[lp] for group in surface.layout_of(optimizer).groups(optimizer) for lp in group
+    )
 
 
 def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..., Any]:
     @functools.wraps(original)
-    def load_checkpoint(self: Any, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn: Optional[Callable] = None) -> Any:
-        kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
-                      load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                      custom_load_fn=custom_load_fn)
+    def load_checkpoint(
+        self: Any,
+        load_dir: str,
+        tag: Optional[str] = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Optional[Callable] = None,
+    ) -> Any:
+        kwargs = dict(
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            custom_load_fn=custom_load_fn,
+        )
         if not _elastic_engine(self):
             return original(self, load_dir, tag, **kwargs)
 
-        outcome = decide_on_first(lambda: _gather_and_decide(self, load_dir, tag,
-                                                             load_optimizer_states and not load_module_only, config))
+        outcome = decide_on_first(
+            lambda: _gather_and_decide(self, load_dir, tag, load_optimizer_states and not load_module_only, config)
+        )
         if isinstance(outcome, Failure):
             if is_first():
                 log.error("megatron-ucp: deciding how to load %s failed: %s", load_dir, outcome.message)
-            raise UcpError(f"megatron-ucp could not decide how to load {load_dir}: {outcome.message}",
-                           subject=load_dir)
+            raise UcpError(f"megatron-ucp could not decide how to load {load_dir}: {outcome.message}", subject=load_dir)
         decision, native_tag, from_latest = outcome
         if decision.route is Route.NATIVE:
             if decision.checkpoint_dp is not None and is_first():
@@ -218,10 +250,12 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
         if decision.route is Route.RESHARD:
             return _reshard_load(self, original, load_dir, decision, kwargs, config)
         if decision.convert and surface.node_local_storage(self):
-            raise UnsupportedError(f"{decision.message}, but checkpoint.use_node_local_storage keeps each node's "
-                                   "files on its own disk; converting needs them on one shared filesystem. Convert "
-                                   "with `megatron-ucp convert` where all rank files are, then load again.",
-                                   subject=load_dir)
+            raise UnsupportedError(
+                f"{decision.message}, but checkpoint.use_node_local_storage keeps each node's "
+                "files on its own disk; converting needs them on one shared filesystem. Convert "
+                "with `megatron-ucp convert` where all rank files are, then load again.",
+                subject=load_dir,
+            )
         if decision.convert:
             convert_synchronously(Path(load_dir), native_tag, decision, from_latest, config)
 
@@ -238,8 +272,9 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
     return load_checkpoint
 
 
-def _reshard_load(engine: Any, original: Callable[..., Any], load_dir: str, decision: ResumeDecision, kwargs: dict,
-                  config: UcpConfig) -> Any:
+def _reshard_load(
+    engine: Any, original: Callable[..., Any], load_dir: str, decision: ResumeDecision, kwargs: dict, config: UcpConfig
+) -> Any:
     """Route RESHARD: DeepSpeed's own load of everything but the optimizer states (module, scheduler,
     counters, client state: each rank reads its model-states file once, not twice as DeepSpeed's
     state-dict loader does), then the partitions from the old rank files, the bf16 weights checked
@@ -253,8 +288,11 @@ def _reshard_load(engine: Any, original: Callable[..., Any], load_dir: str, deci
     own = Path(surface.own_optimizer_file(engine, load_dir, tag)).name
     found = re.search(r"_mp_rank_(\d+)_optim_states\.pt$", own)
     if found is None:
-        raise UnsupportedError(f"this DeepSpeed names its optimizer files {own!r}; the native reshard does not know "
-                               "the pattern (use --ucp-resume-route universal)", subject=own)
+        raise UnsupportedError(
+            f"this DeepSpeed names its optimizer files {own!r}; the native reshard does not know "
+            "the pattern (use --ucp-resume-route universal)",
+            subject=own,
+        )
     mp_rank, bf16 = int(found.group(1)), own.startswith("bf16_")
 
     def rank_file(dp_rank: int) -> Path:
@@ -262,8 +300,10 @@ def _reshard_load(engine: Any, original: Callable[..., Any], load_dir: str, deci
 
     report = load_native_partitions(engine.optimizer, Path(load_path), rank_file)
     if refresh_lp_params(engine.optimizer) and is_first():
-        log.info("megatron-ucp: the loaded bf16 weights differ from the rounded fp32 masters; refreshed them from "
-                 "the masters (as a universal load does)")
+        log.info(
+            "megatron-ucp: the loaded bf16 weights differ from the rounded fp32 masters; refreshed them from "
+            "the masters (as a universal load does)"
+        )
     _finish_load(engine, Path(load_path), report, int(decision.checkpoint_dp), kwargs, config, restore_module=False)
     return result
 
@@ -281,9 +321,12 @@ def _check_model_states_loadable(load_dir: Path, tag: Optional[str]) -> None:
         return  # DeepSpeed reports a missing tag or file in its own words
     problems = structure_problems(path) or [p for p in (torch_reader_problem(path),) if p]
     if problems:
-        raise CheckpointFormatError(f"{path}: damaged ({problems[0]}); torch.load cannot read it. Reconvert: "
-                                    f"megatron-ucp convert {load_dir} --tag {tag.removesuffix(F.UNIVERSAL_SUFFIX)} "
-                                    "--force", subject=path)
+        raise CheckpointFormatError(
+            f"{path}: damaged ({problems[0]}); torch.load cannot read it. Reconvert: "
+            f"megatron-ucp convert {load_dir} --tag {tag.removesuffix(F.UNIVERSAL_SUFFIX)} "
+            "--force",
+            subject=path,
+        )
 
 
 @contextlib.contextmanager
@@ -300,8 +343,7 @@ def _universal_mode(engine: Any) -> Iterator[None]:
         cfg.load_universal_checkpoint = before
 
 
-def _finish_universal_load(engine: Any, result: Any, decision: ResumeDecision, kwargs: dict,
-                           config: UcpConfig) -> None:
+def _finish_universal_load(engine: Any, result: Any, decision: ResumeDecision, kwargs: dict, config: UcpConfig) -> None:
     """After DeepSpeed's universal load: what it skips, the training state, the batch, one summary."""
 
     load_path = result[0] if isinstance(result, tuple) else None
@@ -314,14 +356,28 @@ def _finish_universal_load(engine: Any, result: Any, decision: ResumeDecision, k
     folder = Path(load_path).parent
     dp_from = engine.loaded_checkpoint_dp_world_size
     if report is None:
-        report = AccountingReport(0, 0, (), 0, dp_from, int(engine.seq_dp_world_size)).with_more([Problem(
-            ProblemKind.TRAINING_STATE, None, None,
-            f"the optimizer did not load {folder / F.UNIVERSAL_ZERO_DIR}: no tensors were restored")])
+        report = AccountingReport(0, 0, (), 0, dp_from, int(engine.seq_dp_world_size)).with_more(
+            [
+                Problem(
+                    ProblemKind.TRAINING_STATE,
+                    None,
+                    None,
+                    f"the optimizer did not load {folder / F.UNIVERSAL_ZERO_DIR}: no tensors were restored",
+                )
+            ]
+        )
     _finish_load(engine, Path(load_path), report, dp_from, kwargs, config, restore_module=True)
 
 
-def _finish_load(engine: Any, load_path: Path, report: AccountingReport, dp_from: Optional[int], kwargs: dict,
-                 config: UcpConfig, restore_module: bool) -> None:
+def _finish_load(
+    engine: Any,
+    load_path: Path,
+    report: AccountingReport,
+    dp_from: Optional[int],
+    kwargs: dict,
+    config: UcpConfig,
+    restore_module: bool,
+) -> None:
     """The training state and the batch checked, module tensors DeepSpeed skipped restored (universal
     mode), one summary line; enforced as ``config.strict`` says."""
     folder = load_path.parent
@@ -370,5 +426,3 @@ def _optimizer_load(original: Callable[..., Any], config: UcpConfig) -> Callable
             report.enforce(config.strict, log, verbose=is_first(self.dp_process_group))
 
     return load_hp_checkpoint_state_from_checkpoint_dir
-
-

@@ -7,6 +7,7 @@ exactly what was there. Hook modules are
 listed in ``HOOK_MODULES``; each exposes ``wanted(config) -> bool`` and
 ``install(patches, config) -> None``. Installing twice with the same config is a no-op.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -69,8 +70,12 @@ def install(config: Optional[UcpConfig] = None, **overrides: Any) -> UcpConfig:
             patches.undo()
             raise
         _state.update(patches=patches, config=config, modules=installed)
-        log.info("megatron-ucp hooks installed on DeepSpeed %s (%d patches: %s)", version, len(patches),
-                 ", ".join(m.__name__.rsplit(".", 1)[-1] for m in installed))
+        log.info(
+            "megatron-ucp hooks installed on DeepSpeed %s (%d patches: %s)",
+            version,
+            len(patches),
+            ", ".join(m.__name__.rsplit(".", 1)[-1] for m in installed),
+        )
         return config
 
 

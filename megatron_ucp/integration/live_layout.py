@@ -7,6 +7,7 @@ from Megatron's per-parameter ``tensor_model_parallel`` / ``partition_dim`` attr
 describe the model being loaded into (the checkpoint's layout is the converter's business). The save
 hook records the same attributes (:func:`tp_layout_record`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,7 +51,8 @@ def live_tp_layout(lp: Any, entry: Any, tp: int, file_shape: tuple[int, ...]) ->
 
 
 def tp_layout_record(named_parameters: Any) -> Optional[dict[str, dict]]:
-    """Each parameter's TP layout as the save hook records it (:data:`~megatron_ucp.plan.tensor_parallel.TP_LAYOUT_KEY`).
+    """Each parameter's TP layout as the save hook records it
+    (:data:`~megatron_ucp.plan.tensor_parallel.TP_LAYOUT_KEY`).
 
     From Megatron's ``tensor_model_parallel`` / ``partition_dim`` attributes, which it sets at every
     TP size, TP=1 included: what Megatron's ``universal_checkpoint_info`` only says at TP > 1. None
@@ -71,4 +73,6 @@ def current_layout(engine: Any) -> ParallelLayout:
     """The running engine's layout: TP and PP from its ``mpu`` (Megatron's, or the pipeline grid), DP
     from the engine (its sequence-data-parallel size: the ranks that share one optimizer partition)."""
     mpu = getattr(engine, "mpu", None)
-    return ParallelLayout(tp=surface.tp_size_and_rank(mpu)[0], pp=surface.pp_size(mpu), dp=int(engine.seq_dp_world_size))
+    return ParallelLayout(
+        tp=surface.tp_size_and_rank(mpu)[0], pp=surface.pp_size(mpu), dp=int(engine.seq_dp_world_size)
+    )

@@ -4,6 +4,7 @@
 The replacement goes through :func:`megatron_ucp.deepspeed.surface.scoped_replace` and is undone when
 the load returns or raises.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,8 @@ def one_model_states_file_per_rank(engine: Any, always: bool = False) -> Iterato
     At another TP or PP size the folder holds another number of those files than the engine has
     model-parallel ranks, and DeepSpeed's state-dict loader then merges or splits the module weights
     Megatron-style (for inference; it asserts ``key: attention.dense.weight is not found`` on this
-    fork's names) or, given one file, asserts that the count differs from the saved mp_world_size. In universal mode the module is not loaded from those files
+    fork's names) or, given one file, asserts that the count differs from the saved mp_world_size. In universal
+    mode the module is not loaded from those files
     (weights come from the fp32 masters), only the client state, which every file holds alike.
     ``always``: also at the saved TP/PP size (the native reshard), where DeepSpeed's loader would read
     the same file twice on every rank (``check_ckpt_list`` loads the first file whole to compare
@@ -33,8 +35,11 @@ def one_model_states_file_per_rank(engine: Any, always: bool = False) -> Iterato
     def make(original: Any) -> Any:
         def get_sd_loader(ckpt_list: Any, *args: Any, **kwargs: Any) -> Any:
             if isinstance(ckpt_list, list) and ckpt_list and (always or len(ckpt_list) != want):
-                return ClientStateLoader(list(ckpt_list), kwargs.get("checkpoint_engine", args[0] if args else None),
-                                         check_count=always and len(ckpt_list) == want)
+                return ClientStateLoader(
+                    list(ckpt_list),
+                    kwargs.get("checkpoint_engine", args[0] if args else None),
+                    check_count=always and len(ckpt_list) == want,
+                )
             return original.__func__(ckpt_list, *args, **kwargs)
 
         return staticmethod(get_sd_loader)
@@ -60,6 +65,9 @@ class ClientStateLoader:
             states = load_torch_file(Path(path), mmap=False)
         saved = states.get("mp_world_size") if isinstance(states, dict) else None
         if self.check_count and saved is not None and saved != len(self.ckpt_list):
-            raise CheckpointFormatError(f"{path}: saved with mp_world_size {saved}, but its folder holds "
-                                        f"{len(self.ckpt_list)} model-states files", subject=path)
+            raise CheckpointFormatError(
+                f"{path}: saved with mp_world_size {saved}, but its folder holds "
+                f"{len(self.ckpt_list)} model-states files",
+                subject=path,
+            )
         return path, states, None

@@ -22,6 +22,7 @@ Call order (collective over the optimizer's DP group, every rank calls it):
    (:mod:`megatron_ucp.plan.accounting`) proves every real element placed exactly once (and, with
    the record, unchanged since the save).
 """
+
 from __future__ import annotations
 
 import logging
@@ -85,7 +86,7 @@ class SavedFacts:
 def _tag_rank_files(folder: Path, like: Path) -> list[str]:
     """The optimizer files of ``like``'s model-parallel rank in the tag folder (any DP index)."""
     head, _, tail = like.name.partition("_pp_rank_")
-    suffix = tail[tail.index("_mp_rank_"):]
+    suffix = tail[tail.index("_mp_rank_") :]
     return sorted(p.name for p in folder.iterdir() if p.name.startswith(head + "_pp_rank_") and p.name.endswith(suffix))
 
 
@@ -93,27 +94,36 @@ def read_facts(model_states: Path, rank_file: RankFile) -> SavedFacts:
     """Step 1 (first rank): the facts, checked for the old files' presence and DP size."""
     states = load_torch_file(model_states, mmap=True)
     if not isinstance(states, dict) or not isinstance(states.get(F.PARAM_SHAPES), list):
-        raise CheckpointFormatError(f"{model_states}: no param_shapes (not a ZeRO-1/2 model-states file)",
-                                    subject=model_states)
+        raise CheckpointFormatError(
+            f"{model_states}: no param_shapes (not a ZeRO-1/2 model-states file)", subject=model_states
+        )
     dp_from = states.get(F.DP_WORLD_SIZE)
     if not isinstance(dp_from, int) or dp_from < 1:
         raise CheckpointFormatError(f"{model_states}: no valid dp_world_size ({dp_from!r})", subject=model_states)
     expected = [rank_file(r) for r in range(dp_from)]
     missing = [p for p in expected if not p.is_file()]
     if missing:
-        raise CheckpointFormatError(f"{missing[0]}: missing ({len(missing)} of the {dp_from} rank files the model "
-                                    f"states' DP={dp_from} needs)", subject=missing[0])
+        raise CheckpointFormatError(
+            f"{missing[0]}: missing ({len(missing)} of the {dp_from} rank files the model states' DP={dp_from} needs)",
+            subject=missing[0],
+        )
     present = _tag_rank_files(model_states.parent, expected[0])
     if len(present) != dp_from:
-        raise CheckpointFormatError(f"{model_states.parent}: {len(present)} rank files of this model-parallel rank "
-                                    f"({expected[0].name} ...), but the model states say DP={dp_from}: files of "
-                                    "another save in the same folder?", subject=model_states.parent)
+        raise CheckpointFormatError(
+            f"{model_states.parent}: {len(present)} rank files of this model-parallel rank "
+            f"({expected[0].name} ...), but the model states say DP={dp_from}: files of "
+            "another save in the same folder?",
+            subject=model_states.parent,
+        )
     first = _optimizer_state(expected[0])  # its tensors are located, not read (nor read ahead)
     record = first.get(F.ZERO_PARTITION_CHECKSUMS)
     algorithm = record.get("algorithm") if isinstance(record, dict) else None
     if algorithm is not None and algorithm not in integrity.KNOWN_ALGORITHMS:
-        raise CheckpointFormatError(f"{expected[0]}: partition checksums of unknown algorithm {algorithm!r} "
-                                    f"(known: {', '.join(integrity.KNOWN_ALGORITHMS)})", subject=expected[0])
+        raise CheckpointFormatError(
+            f"{expected[0]}: partition checksums of unknown algorithm {algorithm!r} "
+            f"(known: {', '.join(integrity.KNOWN_ALGORITHMS)})",
+            subject=expected[0],
+        )
     base = first[F.BASE_OPTIMIZER_STATE]
     groups = base.get("param_groups") or []
     per_group = [base["state"].get(g, {}) for g in range(len(groups))]
@@ -122,9 +132,12 @@ def read_facts(model_states: Path, rank_file: RankFile) -> SavedFacts:
         shapes=[[(name, tuple(shape)) for name, shape in group.items()] for group in states[F.PARAM_SHAPES]],
         global_state={k: v for k, v in first.items() if k not in _PARTITIONS},
         param_groups=[{k: v for k, v in group.items() if k != "params"} for group in groups],
-        states=[tuple(k for k, v in sorted(s.items()) if isinstance(v, RawTensor) and k != F.STEP_STATE)
-                for s in per_group],
-        steps=[_in_memory(s.get(F.STEP_STATE)) for s in per_group], algorithm=algorithm)
+        states=[
+            tuple(k for k, v in sorted(s.items()) if isinstance(v, RawTensor) and k != F.STEP_STATE) for s in per_group
+        ],
+        steps=[_in_memory(s.get(F.STEP_STATE)) for s in per_group],
+        algorithm=algorithm,
+    )
 
 
 def _in_memory(value: Any) -> Any:
@@ -136,20 +149,33 @@ def _optimizer_state(path: Path) -> dict:
     """The optimizer dict of an old rank file, its tensors located but not read (readahead off)."""
     sd = load_raw(path, random_access=True)
     optim = sd.get(F.OPTIMIZER_STATE_DICT) if isinstance(sd, dict) else None
-    if not isinstance(optim, dict) or not isinstance(optim.get(F.BASE_OPTIMIZER_STATE), dict) \
-            or not isinstance(optim.get(F.SINGLE_PARTITION_OF_FP32_GROUPS), list):
-        raise CheckpointFormatError(f"{path}: not a ZeRO-1/2 optimizer file (no {F.OPTIMIZER_STATE_DICT} with "
-                                    f"{F.BASE_OPTIMIZER_STATE} and {F.SINGLE_PARTITION_OF_FP32_GROUPS})", subject=path)
+    if (
+        not isinstance(optim, dict)
+        or not isinstance(optim.get(F.BASE_OPTIMIZER_STATE), dict)
+        or not isinstance(optim.get(F.SINGLE_PARTITION_OF_FP32_GROUPS), list)
+    ):
+        raise CheckpointFormatError(
+            f"{path}: not a ZeRO-1/2 optimizer file (no {F.OPTIMIZER_STATE_DICT} with "
+            f"{F.BASE_OPTIMIZER_STATE} and {F.SINGLE_PARTITION_OF_FP32_GROUPS})",
+            subject=path,
+        )
     return optim
 
 
-def check_live_model(facts: SavedFacts, names: list[list[str]], shapes: list[list[tuple[int, ...]]],
-                     flat_sizes: list[int], dp_to: int, where: Path) -> list[GroupGeometry]:
+def check_live_model(
+    facts: SavedFacts,
+    names: list[list[str]],
+    shapes: list[list[tuple[int, ...]]],
+    flat_sizes: list[int],
+    dp_to: int,
+    where: Path,
+) -> list[GroupGeometry]:
     """Step 2: the live groups are the saved ones (order, names, shapes), partitioned as the plan
     expects at ``dp_to``. Returns the saved groups' geometries. Raises naming the first difference."""
     if len(names) != len(facts.shapes):
-        raise UcpError(f"{where}: the checkpoint has {len(facts.shapes)} param groups, the optimizer {len(names)}",
-                       subject=where)
+        raise UcpError(
+            f"{where}: the checkpoint has {len(facts.shapes)} param groups, the optimizer {len(names)}", subject=where
+        )
     geos = []
     for g, (saved, live_names, live_shapes, flat) in enumerate(zip(facts.shapes, names, shapes, flat_sizes)):
         live = list(zip(live_names, live_shapes))
@@ -157,13 +183,19 @@ def check_live_model(facts: SavedFacts, names: list[list[str]], shapes: list[lis
             at = next((i for i, (a, b) in enumerate(zip(saved, live)) if a != b), min(len(saved), len(live)))
             theirs = saved[at] if at < len(saved) else "nothing"
             ours = live[at] if at < len(live) else "nothing"
-            raise UcpError(f"{where}: param group {g} differs from the model at position {at}: the checkpoint has "
-                           f"{theirs}, the model {ours} ({len(saved)} vs {len(live)} parameters)", subject=where)
+            raise UcpError(
+                f"{where}: param group {g} differs from the model at position {at}: the checkpoint has "
+                f"{theirs}, the model {ours} ({len(saved)} vs {len(live)} parameters)",
+                subject=where,
+            )
         numel = sum(int(torch.Size(shape).numel()) for _, shape in saved)
         geo = GroupGeometry(numel=numel, dp=facts.dp_from)
         if at_dp([geo], dp_to)[0].partition_size != flat:
-            raise UcpError(f"{where}: param group {g} ({numel} elements) has a {flat}-element partition at DP={dp_to}; "
-                           "the plan expects ZeRO's alignment padding only (per-parameter padding?)", subject=where)
+            raise UcpError(
+                f"{where}: param group {g} ({numel} elements) has a {flat}-element partition at DP={dp_to}; "
+                "the plan expects ZeRO's alignment padding only (per-parameter padding?)",
+                subject=where,
+            )
         geos.append(geo)
     return geos
 
@@ -201,8 +233,11 @@ class Source:
         while done < len(view):
             got = os.preadv(self.handle.fileno(), [view[done:]], offset + done)
             if got <= 0:
-                raise CheckpointFormatError(f"{self.path}: ends at byte {offset + done}, inside the partition being "
-                                            "read (changed while loading?)", subject=self.path)
+                raise CheckpointFormatError(
+                    f"{self.path}: ends at byte {offset + done}, inside the partition being "
+                    "read (changed while loading?)",
+                    subject=self.path,
+                )
             done += got
         if buffer is not dest:
             dest.copy_(buffer)
@@ -213,16 +248,17 @@ class Source:
             self.handle = None
 
 
-def open_source(path: Path, rank: int, facts: SavedFacts, geos: list[GroupGeometry],
-                 reads: list[list[Read]]) -> Source:
+def open_source(path: Path, rank: int, facts: SavedFacts, geos: list[GroupGeometry], reads: list[list[Read]]) -> Source:
     """Open one old file (metadata only: tensors are located, not read) and check it can give what the
     plan reads from it, before anything is copied."""
     optim = _optimizer_state(path)
     count = optim.get(F.PARTITION_COUNT)
     counts = count if isinstance(count, (list, tuple)) else [count]
     if any(c != facts.dp_from for c in counts):
-        raise CheckpointFormatError(f"{path}: saved at DP={counts[0]}, the model states say DP={facts.dp_from} "
-                                    "(a rank file of another save?)", subject=path)
+        raise CheckpointFormatError(
+            f"{path}: saved at DP={counts[0]}, the model states say DP={facts.dp_from} (a rank file of another save?)",
+            subject=path,
+        )
     fp32 = optim[F.SINGLE_PARTITION_OF_FP32_GROUPS]
     states = [optim[F.BASE_OPTIMIZER_STATE].get("state", {}).get(g, {}) for g in range(len(geos))]
     if len(fp32) != len(geos):
@@ -231,37 +267,52 @@ def open_source(path: Path, rank: int, facts: SavedFacts, geos: list[GroupGeomet
         need = max((r.source_offset + r.length for r in reads[g] if r.source_rank == rank), default=0)
         if not _flat_fp32(fp32[g]) or fp32[g].numel() < need:
             held = fp32[g].numel() if isinstance(fp32[g], RawTensor) else None
-            raise CheckpointFormatError(f"{path}: param group {g}'s fp32 partition holds {held} float32 elements, "
-                                        f"its first {need} are needed (truncated?)", subject=path)
+            raise CheckpointFormatError(
+                f"{path}: param group {g}'s fp32 partition holds {held} float32 elements, "
+                f"its first {need} are needed (truncated?)",
+                subject=path,
+            )
         for state in facts.states[g]:
             t = states[g].get(state)
             if not _flat_fp32(t) or t.numel() != geo.partition_size:
-                raise CheckpointFormatError(f"{path}: param group {g}'s {state!r} has "
-                                            f"{t.numel() if isinstance(t, RawTensor) else t!r} elements, not the "
-                                            f"{geo.partition_size} float32 of a DP={facts.dp_from} partition",
-                                            subject=path)
+                raise CheckpointFormatError(
+                    f"{path}: param group {g}'s {state!r} has "
+                    f"{t.numel() if isinstance(t, RawTensor) else t!r} elements, not the "
+                    f"{geo.partition_size} float32 of a DP={facts.dp_from} partition",
+                    subject=path,
+                )
         if not _same(states[g].get(F.STEP_STATE), facts.steps[g]):
-            raise CheckpointFormatError(f"{path}: param group {g} is at step {states[g].get(F.STEP_STATE)!r}, old rank "
-                                        f"0 at {facts.steps[g]!r} (a rank file of another save?)", subject=path)
+            raise CheckpointFormatError(
+                f"{path}: param group {g} is at step {states[g].get(F.STEP_STATE)!r}, old rank "
+                f"0 at {facts.steps[g]!r} (a rank file of another save?)",
+                subject=path,
+            )
     return Source(path, fp32, states, _recorded_sums(path, optim, facts, geos, rank))
 
 
-def _recorded_sums(path: Path, optim: dict, facts: SavedFacts, geos: list[GroupGeometry], rank: int
-                   ) -> Optional[list[dict[str, Any]]]:
+def _recorded_sums(
+    path: Path, optim: dict, facts: SavedFacts, geos: list[GroupGeometry], rank: int
+) -> Optional[list[dict[str, Any]]]:
     """The file's partition checksums, checked to be complete; None when rank 0's file has none."""
     if facts.algorithm is None:
         return None
     record = optim.get(F.ZERO_PARTITION_CHECKSUMS)
     groups = record.get("groups") if isinstance(record, dict) else None
     if not isinstance(groups, list) or record.get("algorithm") != facts.algorithm or len(groups) != len(geos):
-        raise CheckpointFormatError(f"{path}: no {facts.algorithm} partition checksums for {len(geos)} groups, "
-                                    "although old rank 0's file has them (a rank file of another save?)", subject=path)
+        raise CheckpointFormatError(
+            f"{path}: no {facts.algorithm} partition checksums for {len(geos)} groups, "
+            "although old rank 0's file has them (a rank file of another save?)",
+            subject=path,
+        )
     for g, geo in enumerate(geos):
         for state in (F.FP32_STATE, *facts.states[g]):
             entry = groups[g].get(state) if isinstance(groups[g], dict) else None
             if not isinstance(entry, (list, tuple)) or len(entry) != 2 or entry[0] != geo.true_length(rank):
-                raise CheckpointFormatError(f"{path}: param group {g}'s recorded checksum of {state!r} is {entry!r}, "
-                                            f"not [{geo.true_length(rank)}, <sum>]", subject=path)
+                raise CheckpointFormatError(
+                    f"{path}: param group {g}'s recorded checksum of {state!r} is {entry!r}, "
+                    f"not [{geo.true_length(rank)}, <sum>]",
+                    subject=path,
+                )
     return groups
 
 
@@ -271,10 +322,12 @@ def _flat_fp32(t: Any) -> bool:
 
 def _same(a: Any, b: Any) -> bool:
     """Two steps (tensors of either kind, or numbers) equal."""
+
     def value(x: Any) -> Any:
         if isinstance(x, RawTensor) or torch.is_tensor(x):
             return float(x) if x.numel() == 1 else ("tensor", tuple(x.shape))
         return x
+
     return value(a) == value(b)
 
 
@@ -287,9 +340,16 @@ def reshard_ledger(facts: SavedFacts) -> Ledger:
     return Ledger.from_listing({_row_name(g): (F.FP32_STATE, *states) for g, states in enumerate(facts.states)})
 
 
-def copy_partitions(facts: SavedFacts, geos: list[GroupGeometry], reads: list[list[Read]],
-                    sources: dict[int, Source], rank: int, targets: list[dict[str, torch.Tensor]], ledger: Ledger,
-                    table: torch.Tensor) -> float:
+def copy_partitions(
+    facts: SavedFacts,
+    geos: list[GroupGeometry],
+    reads: list[list[Read]],
+    sources: dict[int, Source],
+    rank: int,
+    targets: list[dict[str, torch.Tensor]],
+    ledger: Ledger,
+    table: torch.Tensor,
+) -> float:
     """Step 3 on one rank: copy the planned ranges of every state into ``targets`` (per group, state ->
     this rank's flat partition, zeroed: padding stays zero) and enter both sides in ``table``.
     Returns the seconds spent on the ledger. No collective: the caller all-reduces ``table``."""
@@ -332,9 +392,14 @@ def load_native_partitions(optimizer: Any, model_states: Path, rank_file: RankFi
     lp_groups = lp_groups_of(optimizer)
     base = optimizer.optimizer
     flats = [g["params"][0] for g in base.param_groups]
-    geos = check_live_model(facts, [[optimizer.param_names[lp] for lp in lps] for lps in lp_groups],
-                            [[tuple(lp.shape) for lp in lps] for lps in lp_groups], [f.numel() for f in flats],
-                            dp_to, model_states.parent)
+    geos = check_live_model(
+        facts,
+        [[optimizer.param_names[lp] for lp in lps] for lps in lp_groups],
+        [[tuple(lp.shape) for lp in lps] for lps in lp_groups],
+        [f.numel() for f in flats],
+        dp_to,
+        model_states.parent,
+    )
     reads = reshard_reads(geos, dp_to, rank)
 
     sources: dict[int, Source] = {}
@@ -349,8 +414,10 @@ def load_native_partitions(optimizer: Any, model_states: Path, rank_file: RankFi
     if error is not None:
         raise error
     if failed:
-        raise CheckpointFormatError(f"cannot reshard {model_states.parent}: {failed} rank(s) found a bad rank file; "
-                                    "see their log", subject=model_states.parent)
+        raise CheckpointFormatError(
+            f"cannot reshard {model_states.parent}: {failed} rank(s) found a bad rank file; see their log",
+            subject=model_states.parent,
+        )
 
     ledger = reshard_ledger(facts)
     table = ledger.new_table(device="cpu")
@@ -380,8 +447,9 @@ def load_native_partitions(optimizer: Any, model_states: Path, rank_file: RankFi
     for g in range(len(geos)):
         expected = expected_state_keys(base, g)
         keys = set(facts.states[g]) | ({F.STEP_STATE} if facts.steps[g] is not None else set())
-        problems += check_optimizer_states(g, [name for name, _ in facts.shapes[g]], expected, keys,
-                                           type(base).__name__)
+        problems += check_optimizer_states(
+            g, [name for name, _ in facts.shapes[g]], expected, keys, type(base).__name__
+        )
     n_params = sum(len(group_shapes) for group_shapes in facts.shapes)
     n_states = sum(len(shapes) * (1 + len(states)) for shapes, states in zip(facts.shapes, facts.states))
     _, _, elements, names = ledger_totals(ledger, totals)
@@ -389,11 +457,24 @@ def load_native_partitions(optimizer: Any, model_states: Path, rank_file: RankFi
         names = (*names, F.STEP_STATE)
     load = time.perf_counter() - t_start - accounting - collective
     seconds = (("load", round(load, 4)), ("accounting", round(accounting, 4)), ("collective", round(collective, 4)))
-    checked = ("checked against the save's partition checksums" if facts.algorithm else
-               "rank files without partition checksums (not saved through the hooks): copies checked for "
-               "placement, not against the save")
-    return AccountingReport(n_params, n_states, names, elements, facts.dp_from, dp_to, tuple(problems),
-                            (checked,), seconds=seconds, route="native reshard")
+    checked = (
+        "checked against the save's partition checksums"
+        if facts.algorithm
+        else "rank files without partition checksums (not saved through the hooks): copies checked for "
+        "placement, not against the save"
+    )
+    return AccountingReport(
+        n_params,
+        n_states,
+        names,
+        elements,
+        facts.dp_from,
+        dp_to,
+        tuple(problems),
+        (checked,),
+        seconds=seconds,
+        route="native reshard",
+    )
 
 
 def refresh_lp_params(optimizer: Any) -> bool:

@@ -5,11 +5,13 @@ DeepSpeedZeroOptimizer (installed by :mod:`megatron_ucp.integration.elastic_load
 :func:`load_universal_partitions`: the group's first rank lists ``zero/`` and reads the manifest's
 checksums once, everyone learns them; each rank restores the global optimizer state, then per
 param group (:func:`_load_group`) copies only its fragments of fp32 and of every optimizer state
-out of the memory-mapped files (:class:`~megatron_ucp.integration.state_layout.StateLayout`), hashes what landed, and adds the file's
+out of the memory-mapped files (:class:`~megatron_ucp.integration.state_layout.StateLayout`), hashes what landed,
+and adds the file's
 recorded count and checksum when it owns the parameter's first element; one all-reduce of the
 ledger (:mod:`megatron_ucp.plan.accounting`) closes the account, and the live optimizer's state
 names are checked against what was restored.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -66,7 +68,9 @@ def lp_groups_of(optimizer: Any) -> list[list[Any]]:
 
 def _state_listing(zero_dir: Path) -> dict[str, tuple[str, ...]]:
     """Parameter folder -> its state files (names without ``.pt``)."""
-    return {name: tuple(f[:-3] for f in files if f.endswith(".pt")) for name, files in list_zero_folder(zero_dir).items()}
+    return {
+        name: tuple(f[:-3] for f in files if f.endswith(".pt")) for name, files in list_zero_folder(zero_dir).items()
+    }
 
 
 class _Clock:
@@ -92,13 +96,17 @@ class _FolderFacts:
     sums: Optional[RecordedChecksums]
 
 
-def _recorded_source(sums: RecordedChecksums, name: str, state: str, layout: StateLayout, path: Path
-                     ) -> tuple[int, int]:
+def _recorded_source(
+    sums: RecordedChecksums, name: str, state: str, layout: StateLayout, path: Path
+) -> tuple[int, int]:
     """(elements, checksum) the manifest says the file holds, for what this layout restores."""
     record = sums.files.get(f"{name}/{state}")
     if not isinstance(record, dict) or "numel" not in record or "sum" not in record:
-        raise CheckpointFormatError(f"{path}: not in the manifest's checksums although the folder has them "
-                                    "(a file added after the conversion?)", subject=path)
+        raise CheckpointFormatError(
+            f"{path}: not in the manifest's checksums although the folder has them "
+            "(a file added after the conversion?)",
+            subject=path,
+        )
     count, value = int(record["numel"]), int(record["sum"])
     if layout.rows_cut:  # the manifest sums every kept row; the restored ones are hashed here (a few rows)
         rows = layout.pieces[1]
@@ -180,7 +188,9 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     optimized = {n for group_names in names for n in group_names}
     frozen = set(optimizer.param_names.values()) - optimized
 
-    facts = decide_on_first(lambda: _FolderFacts(_state_listing(zero_dir), recorded_checksums(read_manifest(checkpoint_dir))), group)
+    facts = decide_on_first(
+        lambda: _FolderFacts(_state_listing(zero_dir), recorded_checksums(read_manifest(checkpoint_dir))), group
+    )
     if isinstance(facts, Failure):
         raise CheckpointFormatError(f"cannot read {zero_dir}: {facts.message}", subject=zero_dir)
     listing, sums = facts.listing, facts.sums
@@ -190,17 +200,25 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
         optimized = {mapping.get(n, n) for n in optimized}
         frozen = {mapping.get(n, n) for n in frozen}
     if sums is None and is_first(group):
-        log.info("megatron-ucp: %s has no checksums in %s (stock's folder, or converted by an older megatron-ucp): "
-                 "accounting checks against the files themselves, which reads each parameter in full on one rank "
-                 "(slower; `megatron-ucp convert --force` records them)", checkpoint_dir, F.MANIFEST_FILE)
+        log.info(
+            "megatron-ucp: %s has no checksums in %s (stock's folder, or converted by an older megatron-ucp): "
+            "accounting checks against the files themselves, which reads each parameter in full on one rank "
+            "(slower; `megatron-ucp convert --force` records them)",
+            checkpoint_dir,
+            F.MANIFEST_FILE,
+        )
     if model_parallel and count_across(1 if frozen else 0):  # rows must agree on every rank of the world
-        raise UnsupportedError(f"{zero_dir}: frozen parameters in a model with TP or PP > 1 are not supported yet "
-                               "(their state is restored per TP slice by no one)", subject=zero_dir)
+        raise UnsupportedError(
+            f"{zero_dir}: frozen parameters in a model with TP or PP > 1 are not supported yet "
+            "(their state is restored per TP slice by no one)",
+            subject=zero_dir,
+        )
     # Frozen parameters' folders are the engine hook's to restore (they are not in the optimizer).
     # Across pipeline stages every rank keeps every row; a file no stage consumed is then reported.
     accountable = {k: v for k, v in listing.items() if k in optimized}
-    ledger = Ledger.from_listing({k: v for k, v in listing.items() if k not in frozen} if model_parallel
-                                 else accountable)
+    ledger = Ledger.from_listing(
+        {k: v for k, v in listing.items() if k not in frozen} if model_parallel else accountable
+    )
     table = ledger.new_table(device="cpu")
     failure: Optional[BaseException] = None
     dp_from: Optional[int] = None
@@ -214,9 +232,15 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
         dp_from = _source_dp(optim_sd)
         loaded_groups = optim_sd.get(F.PARAM_GROUPS) or []
         if len(loaded_groups) != len(base.param_groups):
-            problems.append(Problem(ProblemKind.PARAM_GROUPS, None, None,
-                                    f"the checkpoint has {len(loaded_groups)} param groups, the optimizer "
-                                    f"{len(base.param_groups)}: hyperparameters not restored"))
+            problems.append(
+                Problem(
+                    ProblemKind.PARAM_GROUPS,
+                    None,
+                    None,
+                    f"the checkpoint has {len(loaded_groups)} param groups, the optimizer "
+                    f"{len(base.param_groups)}: hyperparameters not restored",
+                )
+            )
             loaded_groups = [None] * len(base.param_groups)
         for i, (param_group, lps) in enumerate(zip(base.param_groups, lp_groups)):
             restored_keys.append(_load_group(context, param_group, lps, names[i], group_states[i]))
@@ -244,8 +268,9 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
 
     with clock:
         # other stages' folders are not extra: the ledger proves some rank consumed each of them
-        problems += check_folders(names, accountable if model_parallel
-                                  else {k: v for k, v in listing.items() if k not in frozen})
+        problems += check_folders(
+            names, accountable if model_parallel else {k: v for k, v in listing.items() if k not in frozen}
+        )
         problems += check_ledger(ledger, totals)
         for i, keys in enumerate(restored_keys):
             expected = expected_state_keys(base, i)
@@ -255,8 +280,7 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
         n_params, n_files, elements, state_names = ledger_totals(ledger, totals)
     load = time.perf_counter() - t_start - clock.seconds - collective
     seconds = (("load", round(load, 4)), ("accounting", round(clock.seconds, 4)), ("collective", round(collective, 4)))
-    return AccountingReport(n_params, n_files, state_names, elements, dp_from, dp_to, tuple(problems),
-                            seconds=seconds)
+    return AccountingReport(n_params, n_files, state_names, elements, dp_from, dp_to, tuple(problems), seconds=seconds)
 
 
 def _start_missing_states_fresh(base: torch.optim.Optimizer, index: int, missing: Iterable[str]) -> None:
@@ -293,8 +317,9 @@ class _LoadContext:
     tensor_parallel: TpPlace
 
 
-def _load_group(context: _LoadContext, param_group: dict, lps: list, names: list[str],
-                states: tuple[str, ...]) -> set[str]:
+def _load_group(
+    context: _LoadContext, param_group: dict, lps: list, names: list[str], states: tuple[str, ...]
+) -> set[str]:
     """Fill one param group's flat fp32 partition and optimizer states on this rank; return the keys set.
 
     A rank whose partition of the group is all padding reads no fragment but still gets every state
@@ -335,15 +360,22 @@ def _load_group(context: _LoadContext, param_group: dict, lps: list, names: list
                 entry = load_torch_file(path, mmap=True)
                 full = tensor_of(entry, path)
                 if full.dtype != torch.float32:  # fp32 masters and Adam states: a bf16 file would load silently
-                    raise CheckpointFormatError(f"{path}: {full.dtype} tensor; universal optimizer states are "
-                                                "float32", subject=path)
+                    raise CheckpointFormatError(
+                        f"{path}: {full.dtype} tensor; universal optimizer states are float32", subject=path
+                    )
                 tp_layout = live_tp_layout(lp, entry, tensor_parallel.size, tuple(full.shape))
                 whole = full_shape(tuple(lp.shape), tp_layout, tensor_parallel.size)
                 layout = state_layout(full, entry, whole, name, state, path)
-                runs = runs_between(slice_runs(whole, tp_layout, tensor_parallel.size, tensor_parallel.rank, name),
-                                    lp_address.start, lp_address.numel)
-                target = (mapping.get_hp_fragment() if state == F.FP32_STATE
-                          else buffers[state].narrow(0, hp_address.start, hp_address.numel))
+                runs = runs_between(
+                    slice_runs(whole, tp_layout, tensor_parallel.size, tensor_parallel.rank, name),
+                    lp_address.start,
+                    lp_address.numel,
+                )
+                target = (
+                    mapping.get_hp_fragment()
+                    if state == F.FP32_STATE
+                    else buffers[state].narrow(0, hp_address.start, hp_address.numel)
+                )
                 fragment = gather(layout, runs)
                 target.copy_(fragment)
                 table[row, Column.CONSUMERS] += 1
@@ -356,8 +388,11 @@ def _load_group(context: _LoadContext, param_group: dict, lps: list, names: list
                             add_sum(table, row, True, checksum(target.narrow(0, at, real), run.full_offset, algorithm))
                         at += run.length
                     if any(run.full_offset == 0 for run in runs):
-                        count, value = ((layout.held, layout.source_sum()) if sums is None
-                                        else _recorded_source(sums, name, state, layout, path))
+                        count, value = (
+                            (layout.held, layout.source_sum())
+                            if sums is None
+                            else _recorded_source(sums, name, state, layout, path)
+                        )
                         table[row, Column.SOURCE_COUNT] += count
                         add_sum(table, row, False, value)
 
@@ -365,8 +400,9 @@ def _load_group(context: _LoadContext, param_group: dict, lps: list, names: list
     return set(buffers) | ({F.STEP_STATE} if group_step is not None else set())
 
 
-def install_group_state(optimizer: Any, flat: torch.Tensor, lps: list, buffers: dict[str, torch.Tensor],
-                        step: Any) -> None:
+def install_group_state(
+    optimizer: Any, flat: torch.Tensor, lps: list, buffers: dict[str, torch.Tensor], step: Any
+) -> None:
     """Make ``buffers`` (flat, partition-sized) and ``step`` the base optimizer's state of one group, and
     point each parameter's optimizer fragments at them (what DeepSpeed's ``_link_hp_params`` does)."""
     state_dict = optimizer.optimizer.state[flat]

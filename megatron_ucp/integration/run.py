@@ -20,6 +20,7 @@ Call order in :func:`main`:
 The pure parts (argv and environment parsing, the DP-change plan) take values and return values;
 the I/O parts (reading the checkpoint, installing, running) are thin and come last in this file.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -77,6 +78,7 @@ log = logging.getLogger("megatron_ucp.integration.run")  # not __name__: "__main
 # argv: separate the runner's options from the script's (pure)
 # ================================================================================================
 
+
 @dataclass(frozen=True)
 class Target:
     """What to run: a script path (``kind='path'``) or a module (``kind='module'``, from ``-m``)."""
@@ -95,8 +97,9 @@ class SplitArgv:
     help: bool = False
 
 
-def _take_option(argv: Sequence[str], i: int, table: Mapping[str, tuple[OptionSpec, Optional[bool]]]
-                 ) -> tuple[tuple[str, str], int]:
+def _take_option(
+    argv: Sequence[str], i: int, table: Mapping[str, tuple[OptionSpec, Optional[bool]]]
+) -> tuple[tuple[str, str], int]:
     """Parse the ``--ucp-*`` token at ``argv[i]``: ((field, raw value), next index)."""
     token = argv[i]
     name, eq, inline = token.partition("=")
@@ -143,8 +146,11 @@ def split_argv(argv: Sequence[str]) -> SplitArgv:
                 i += 2
                 continue
             if token.startswith("-"):
-                raise UcpError(f"unexpected {token!r} before the script; usage: python -m megatron_ucp.run "
-                               "[--ucp-OPTION ...] SCRIPT [script args]", subject=token)
+                raise UcpError(
+                    f"unexpected {token!r} before the script; usage: python -m megatron_ucp.run "
+                    "[--ucp-OPTION ...] SCRIPT [script args]",
+                    subject=token,
+                )
             target = Target("path", token)
             i += 1
             continue
@@ -156,6 +162,7 @@ def split_argv(argv: Sequence[str]) -> SplitArgv:
 # ================================================================================================
 # I/O: read the checkpoint, log, install, run
 # ================================================================================================
+
 
 def read_checkpoint_facts(margs: MegatronArgs) -> Optional[CheckpointFacts]:
     """Read the tag the script will load and its model states (mapped: no weight bytes read).
@@ -242,8 +249,13 @@ def _reseeding(base_seed: int) -> Callable[[Any], Any]:
                 seed = derived_seed(base_seed, iteration, rank)
                 apply_seed(seed)
                 if rank == 0:
-                    log.info("megatron-ucp run: re-seeded RNG after the load: rank r uses sha256(seed=%d, "
-                             "iteration=%d, r) (rank 0: %d)", base_seed, iteration, seed)
+                    log.info(
+                        "megatron-ucp run: re-seeded RNG after the load: rank r uses sha256(seed=%d, "
+                        "iteration=%d, r) (rank 0: %d)",
+                        base_seed,
+                        iteration,
+                        seed,
+                    )
             return result
 
         return load_checkpoint
@@ -322,16 +334,22 @@ def usage() -> str:
             word = NONE_WORD.get(spec.name, "none")
             name = f"{spec.option} {'N|' + word if spec.kind == 'optint' else 'N' if spec.kind == 'int' else 'VALUE'}"
         default = defaults[spec.name]
-        shown = ("on" if default else "off") if spec.kind == "bool" else (
-            NONE_WORD.get(spec.name, "none") if default is None else default)
+        shown = (
+            ("on" if default else "off")
+            if spec.kind == "bool"
+            else (NONE_WORD.get(spec.name, "none") if default is None else default)
+        )
         lines.append(f"  {name}")
         lines.append(f"      {spec.help} ({spec.env}; default {shown})")
-    lines += ["", "MEGATRON_UCP_LOG_LEVEL sets megatron-ucp's log level on rank 0 (default INFO).",
-              "",
-              "helper for train_scripts/train_aGPT_7B_ucp.sh:",
-              "  python -m megatron_ucp.run --ucp-alcf-batch-env CKPT_DIR",
-              "      prints GLOBAL_BATCH=... and GRAD_ACC_STEPS=... that keep the checkpoint's global batch at",
-              "      WORLD_SIZE (reads helpers.sh's MICRO_BATCH, TP, PP, SP, GLOBAL_BATCH, GRAD_ACC_STEPS)"]
+    lines += [
+        "",
+        "MEGATRON_UCP_LOG_LEVEL sets megatron-ucp's log level on rank 0 (default INFO).",
+        "",
+        "helper for train_scripts/train_aGPT_7B_ucp.sh:",
+        "  python -m megatron_ucp.run --ucp-alcf-batch-env CKPT_DIR",
+        "      prints GLOBAL_BATCH=... and GRAD_ACC_STEPS=... that keep the checkpoint's global batch at",
+        "      WORLD_SIZE (reads helpers.sh's MICRO_BATCH, TP, PP, SP, GLOBAL_BATCH, GRAD_ACC_STEPS)",
+    ]
     return "\n".join(lines)
 
 
@@ -344,6 +362,7 @@ def _alcf_batch_env_main(args: Sequence[str], env: Mapping[str, str]) -> int:
         print("usage: python -m megatron_ucp.run --ucp-alcf-batch-env CKPT_DIR", file=sys.stderr)
         return 2
     try:
+
         def num(name: str, default: Optional[int]) -> Optional[int]:
             text = env.get(name, "").strip()
             return int_or_none(text, name) if text else default
@@ -353,8 +372,9 @@ def _alcf_batch_env_main(args: Sequence[str], env: Mapping[str, str]) -> int:
         if world is None:
             raise UcpError("WORLD_SIZE is not set", subject="WORLD_SIZE")
         mp = (num("TP", 1) or 1) * (num("PP", 1) or 1) * (num("SP", 1) or 1)
-        result = alcf_batch_env(facts, world, num("MICRO_BATCH", 1) or 1, mp, num("GLOBAL_BATCH", None),
-                                num("GRAD_ACC_STEPS", None))
+        result = alcf_batch_env(
+            facts, world, num("MICRO_BATCH", 1) or 1, mp, num("GLOBAL_BATCH", None), num("GRAD_ACC_STEPS", None)
+        )
     except Exception as exc:
         print(f"megatron-ucp: cannot read the checkpoint in {args[0]}: {exc}", file=sys.stderr)
         return 0  # the launch goes on with helpers.sh's defaults
@@ -391,8 +411,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             facts = read_checkpoint_facts(margs)
         except Exception as exc:  # the script's own load reports a broken checkpoint in its own words
-            log.warning("megatron-ucp run: could not read the checkpoint in --load %s: %s: %s", margs.load,
-                        type(exc).__name__, exc)
+            log.warning(
+                "megatron-ucp run: could not read the checkpoint in --load %s: %s: %s",
+                margs.load,
+                type(exc).__name__,
+                exc,
+            )
             facts = None
         plan = plan_launch(margs, facts, detect_world_size(env), config, settings)
     except UcpError as exc:
@@ -407,12 +431,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for line in plan.warnings:
         log.warning("megatron-ucp run: WARNING: %s", line)
     if settings.dry_run:
-        print(json.dumps({"target": dataclasses.asdict(split.target), "argv": final_args,
-                          "config": dataclasses.asdict(config), "runner": dataclasses.asdict(settings),
-                          "dp_from": plan.dp_from, "dp_to": plan.dp_to, "reseed_base": plan.reseed_base,
-                          "notes": list(plan.notes), "warnings": list(plan.warnings)}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "target": dataclasses.asdict(split.target),
+                    "argv": final_args,
+                    "config": dataclasses.asdict(config),
+                    "runner": dataclasses.asdict(settings),
+                    "dp_from": plan.dp_from,
+                    "dp_to": plan.dp_to,
+                    "reseed_base": plan.reseed_base,
+                    "notes": list(plan.notes),
+                    "warnings": list(plan.warnings),
+                },
+                indent=1,
+            )
+        )
         return 0
-
 
     os.environ.update(config_env(config))
     try:

@@ -5,11 +5,13 @@ rank saves carries, next to ``group_paddings``, ``group_true_lengths`` and ``zer
 (DP size, rank, alignment, group numels, partition sizes): what a converter needs to check the
 file on its own, and ``zero_partition_checksums``: a checksum of the real elements of every flat
 partition it saves (fp32 and each optimizer state), taken on the tensors in memory, against which
-a native reshard checks what it copied. BF16_Optimizer's ``group_paddings`` (last-rank-only in stock DeepSpeed, wrong once
+a native reshard checks what it copied. BF16_Optimizer's ``group_paddings`` (last-rank-only in stock DeepSpeed,
+wrong once
 the padding exceeds a partition) is replaced by the per-rank value, so that stock
 ``ds_to_universal`` converts plugin-saved checkpoints too. The optimizer's own attributes are not
 touched; only the returned dict differs. ``patches/`` carries the same change as an upstream diff.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,12 +51,22 @@ def _record(layout: OptimizerLayout) -> Callable[[Any], dict[str, Any]]:
     def record_of(optimizer: Any) -> dict[str, Any]:
         numels, padded = layout.padded_numels(optimizer)
         sizes, ranks = _dp_of(optimizer)
-        record = partition_record(numels, padded, [f.numel() for f in layout.flats(optimizer)], sizes, ranks,
-                                  optimizer.nccl_start_alignment_factor)
+        record = partition_record(
+            numels,
+            padded,
+            [f.numel() for f in layout.flats(optimizer)],
+            sizes,
+            ranks,
+            optimizer.nccl_start_alignment_factor,
+        )
         recorded = list(getattr(optimizer, layout.recorded_paddings, []) if layout.recorded_paddings else [])
         if recorded and recorded != record[F.GROUP_PADDINGS]:
-            log.warning("%s group_paddings %s differ from the geometry's %s; saving the latter", layout.class_name,
-                        recorded, record[F.GROUP_PADDINGS])
+            log.warning(
+                "%s group_paddings %s differ from the geometry's %s; saving the latter",
+                layout.class_name,
+                recorded,
+                record[F.GROUP_PADDINGS],
+            )
         flats = layout.masters(optimizer)
         return {**record, **partition_checksums(flats, _base_states(optimizer, flats), record)}
 
@@ -69,18 +81,25 @@ def _wrap(record: Any) -> Any:
             try:
                 sd.update(record(self))
             except AttributeError as exc:
-                raise UnsupportedError(f"megatron-ucp save hook: {type(self).__name__} lacks an attribute it relies "
-                                       f"on ({exc}); DeepSpeed internals changed") from exc
+                raise UnsupportedError(
+                    f"megatron-ucp save hook: {type(self).__name__} lacks an attribute it relies "
+                    f"on ({exc}); DeepSpeed internals changed"
+                ) from exc
             return sd
+
         return state_dict
+
     return make
 
 
 def _record_tp_layout(original: Any) -> Any:
     """The model states also carry each parameter's TP layout (:func:`tp_layout_record`), so that a
     TP=1 checkpoint is converted with the right ``cat_dim`` and reshards correctly to TP > 1."""
+
     @functools.wraps(original)
-    def _save_checkpoint(self: Any, save_dir: Any, tag: Any, client_state: Any = None, *args: Any, **kwargs: Any) -> Any:
+    def _save_checkpoint(
+        self: Any, save_dir: Any, tag: Any, client_state: Any = None, *args: Any, **kwargs: Any
+    ) -> Any:
         state = dict(client_state or {})
         names = getattr(self, "param_names", None)
         if TP_LAYOUT_KEY not in state and isinstance(names, dict):
@@ -88,6 +107,7 @@ def _record_tp_layout(original: Any) -> Any:
             if record is not None:
                 state[TP_LAYOUT_KEY] = record
         return original(self, save_dir, tag, state, *args, **kwargs)
+
     return _save_checkpoint
 
 

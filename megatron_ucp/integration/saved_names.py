@@ -1,4 +1,5 @@
 """The checkpoint's parameter names against the live model's, when the other GPT model class saved it."""
+
 from __future__ import annotations
 
 import logging
@@ -22,10 +23,16 @@ def saved_names(optimizer: Any, listing: dict[str, tuple[str, ...]], group: Any)
     try:
         mapping = name_map(live, listing)
     except PlanError as exc:
-        raise CheckpointFormatError(f"the checkpoint's parameter names do not match the model's, and no name map "
-                                    f"applies: {exc}", subject=str(exc)) from exc
+        raise CheckpointFormatError(
+            f"the checkpoint's parameter names do not match the model's, and no name map applies: {exc}",
+            subject=str(exc),
+        ) from exc
     if mapping is not None and is_first(group):
         kinds = ("GPTModelPipe", "GPTModel") if is_pipeline_names(listing) else ("GPTModel", "GPTModelPipe")
-        log.info("megatron-ucp: the checkpoint was saved by %s, the model is %s: %d parameter names mapped "
-                 "(e.g. %s <- %s)", *kinds, len(mapping), *next(iter(sorted(mapping.items()))))
+        log.info(
+            "megatron-ucp: the checkpoint was saved by %s, the model is %s: %d parameter names mapped (e.g. %s <- %s)",
+            *kinds,
+            len(mapping),
+            *next(iter(sorted(mapping.items()))),
+        )
     return mapping

@@ -4,6 +4,7 @@ The loader (:mod:`megatron_ucp.integration.partition_load`) cuts each rank's fra
 memory-mapped file through a :class:`StateLayout`: the file's tensor, then the padded vocabulary
 rows megatron-ucp's converter kept beside it, then zeros; and it hashes exactly what it restored.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,11 @@ class StateLayout:
                 part = piece.narrow(0, lo - pos, hi - lo)
                 if part.device.type == "cpu":  # a mapped file: read this slice, not the readahead around it
                     base = piece.data_ptr()
-                    osio.read_only_this(part.data_ptr(), part.numel() * part.element_size(),
-                                        (base, base + piece.numel() * piece.element_size()))
+                    osio.read_only_this(
+                        part.data_ptr(),
+                        part.numel() * part.element_size(),
+                        (base, base + piece.numel() * piece.element_size()),
+                    )
                 parts.append(part)
             pos += piece.numel()
         got = sum(t.numel() for t in parts)
@@ -74,8 +78,9 @@ def tensor_of(entry: Any, path: Path) -> torch.Tensor:
     return tensor
 
 
-def state_layout(full: torch.Tensor, entry: Any, shape: tuple[int, ...], name: str, state: str,
-                 path: Path) -> StateLayout:
+def state_layout(
+    full: torch.Tensor, entry: Any, shape: tuple[int, ...], name: str, state: str, path: Path
+) -> StateLayout:
     """The file's tensor as the flat layout of the whole live parameter of ``shape`` (all TP slices).
 
     Vocabulary tensors trimmed to ``original_vocab_size`` get their padded rows back from
@@ -88,20 +93,37 @@ def state_layout(full: torch.Tensor, entry: Any, shape: tuple[int, ...], name: s
     if tuple(full.shape) == shape:
         return StateLayout((full.reshape(-1),), full.numel(), numel)
     is_vocab = isinstance(entry, dict) and entry.get(F.VOCAB_TENSOR, False)
-    if (is_vocab and full.dim() == len(shape) and full.dim() >= 1 and full.shape[0] <= shape[0]
-            and tuple(full.shape[1:]) == shape[1:]):
+    if (
+        is_vocab
+        and full.dim() == len(shape)
+        and full.dim() >= 1
+        and full.shape[0] <= shape[0]
+        and tuple(full.shape[1:]) == shape[1:]
+    ):
         rows = entry.get(F.VOCAB_PADDED_ROWS)
         room = shape[0] - full.shape[0]
-        if torch.is_tensor(rows) and rows.dim() == len(shape) and tuple(rows.shape[1:]) == shape[1:] and \
-                room > 0 and rows.shape[0] > 0:
+        if (
+            torch.is_tensor(rows)
+            and rows.dim() == len(shape)
+            and tuple(rows.shape[1:]) == shape[1:]
+            and room > 0
+            and rows.shape[0] > 0
+        ):
             kept = rows.narrow(0, 0, min(room, rows.shape[0]))
             kept = kept if kept.dtype == full.dtype else kept.to(full.dtype)
-            return StateLayout((full.reshape(-1), kept.reshape(-1)), full.numel() + kept.numel(), numel,
-                               rows_cut=kept.shape[0] < rows.shape[0])
+            return StateLayout(
+                (full.reshape(-1), kept.reshape(-1)),
+                full.numel() + kept.numel(),
+                numel,
+                rows_cut=kept.shape[0] < rows.shape[0],
+            )
         return StateLayout((full.reshape(-1),), full.numel(), numel)
-    raise CheckpointFormatError(f"{path}: parameter {name!r} state {state!r} has shape {tuple(full.shape)}, the model's "
-                                f"whole parameter (all TP slices) is {shape}: a different model, or a TP layout "
-                                "the checkpoint does not record", subject=name)
+    raise CheckpointFormatError(
+        f"{path}: parameter {name!r} state {state!r} has shape {tuple(full.shape)}, the model's "
+        f"whole parameter (all TP slices) is {shape}: a different model, or a TP layout "
+        "the checkpoint does not record",
+        subject=name,
+    )
 
 
 def gather(layout: StateLayout, runs: tuple[Run, ...]) -> torch.Tensor:

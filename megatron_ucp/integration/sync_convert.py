@@ -4,6 +4,7 @@ One converter per node (:func:`~megatron_ucp.background.queue.node_assignment` p
 share; when another live converter (the asynchronous one) already owns the twin, it waits for that
 one instead. Every rank then checks the twin is complete before anyone loads it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,9 @@ from megatron_ucp.plan.resume import ResumeDecision
 log = logging.getLogger(__name__)
 
 
-def convert_synchronously(load_dir: Path, native_tag: Optional[str], decision: ResumeDecision, from_latest: bool,
-                           config: UcpConfig) -> None:
+def convert_synchronously(
+    load_dir: Path, native_tag: Optional[str], decision: ResumeDecision, from_latest: bool, config: UcpConfig
+) -> None:
     """Convert the native tag to its universal twin while every rank waits (one converter per node)."""
 
     dist = comm()
@@ -34,7 +36,9 @@ def convert_synchronously(load_dir: Path, native_tag: Optional[str], decision: R
         raise UcpError("internal: a conversion needs a native tag", subject=decision)
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    where = node_assignment(rank, world, launchenv.local_rank(os.environ), launchenv.local_size(os.environ), config.ranks_per_node)
+    where = node_assignment(
+        rank, world, launchenv.local_rank(os.environ), launchenv.local_size(os.environ), config.ranks_per_node
+    )
     share = (where.node, where.nodes) if where.launcher else None
     attempt = broadcast_from_first(f"elastic-load-{uuid.uuid4().hex}" if rank == 0 else None)
     twin = load_dir / decision.tag
@@ -50,22 +54,35 @@ def convert_synchronously(load_dir: Path, native_tag: Optional[str], decision: R
     if error is not None:
         raise error
     if failures:
-        raise UcpError(f"converting {native_tag} to {decision.tag} failed on {failures} rank(s); see their log",
-                       subject=twin)
+        raise UcpError(
+            f"converting {native_tag} to {decision.tag} failed on {failures} rank(s); see their log", subject=twin
+        )
     if universal_state(twin) != COMPLETE:
-        raise UcpError(f"{twin}: conversion reported success but the folder is not complete on rank {rank} "
-                       "(is the checkpoint directory shared by every node?)", subject=twin)
+        raise UcpError(
+            f"{twin}: conversion reported success but the folder is not complete on rank {rank} "
+            "(is the checkpoint directory shared by every node?)",
+            subject=twin,
+        )
     if rank == 0:
         log.info("megatron-ucp: converted %s -> %s in %.1fs", native_tag, decision.tag, time.perf_counter() - t0)
 
 
-def _convert_or_wait(source: Path, twin: Path, share: tuple[int, int], attempt: str, from_latest: bool,
-                     config: UcpConfig) -> None:
+def _convert_or_wait(
+    source: Path, twin: Path, share: tuple[int, int], attempt: str, from_latest: bool, config: UcpConfig
+) -> None:
     """Run this rank's share; if another live converter (e.g. the async one) owns it, wait for it."""
 
-    options = ConvertOptions(source=source, output=twin, workers=config.converter_workers, replace_stale=True,
-                             update_latest=from_latest,
-                             share_index=share[0], share_count=share[1], attempt_id=attempt, progress=False)
+    options = ConvertOptions(
+        source=source,
+        output=twin,
+        workers=config.converter_workers,
+        replace_stale=True,
+        update_latest=from_latest,
+        share_index=share[0],
+        share_count=share[1],
+        attempt_id=attempt,
+        progress=False,
+    )
     for _ in range(2):
         try:
             convert(options)

@@ -6,6 +6,7 @@ checkpoint holds, listing what it never held), and :func:`check_training_state` 
 iteration, sample counters and learning-rate schedule with the checkpoint's, so that one summary
 line says what was and was not restored.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,35 +21,63 @@ from megatron_ucp.plan.names import counterpart_names
 from megatron_ucp.plan.resume import restored_global_samples
 
 
-def check_training_state(engine: Any, states: dict, ckpt_batch: Optional[int], current_batch: int,
-                          load_lr_scheduler_states: bool) -> tuple[list[Problem], list[str]]:
+def check_training_state(
+    engine: Any, states: dict, ckpt_batch: Optional[int], current_batch: int, load_lr_scheduler_states: bool
+) -> tuple[list[Problem], list[str]]:
     """DeepSpeed restores these in universal mode; check it did, and fix global_samples' fallback."""
     problems: list[Problem] = []
     extras: list[str] = []
     for key in ("global_steps", "skipped_steps"):
         if key not in states:
-            problems.append(Problem(ProblemKind.TRAINING_STATE, None, key, "missing from the checkpoint's model states"))
+            problems.append(
+                Problem(ProblemKind.TRAINING_STATE, None, key, "missing from the checkpoint's model states")
+            )
         elif getattr(engine, key) != states[key]:
-            problems.append(Problem(ProblemKind.TRAINING_STATE, None, key,
-                                    f"engine has {getattr(engine, key)}, checkpoint {states[key]}"))
+            problems.append(
+                Problem(
+                    ProblemKind.TRAINING_STATE,
+                    None,
+                    key,
+                    f"engine has {getattr(engine, key)}, checkpoint {states[key]}",
+                )
+            )
     samples = restored_global_samples(states, ckpt_batch, current_batch)
     if samples is not None and states.get("global_samples") is None:
         engine.global_samples = samples  # DeepSpeed used steps x the *current* batch
     if samples is not None and engine.global_samples != samples:
-        problems.append(Problem(ProblemKind.TRAINING_STATE, None, "global_samples",
-                                f"engine has {engine.global_samples}, checkpoint {samples}"))
-    extras.append(f"global_steps={engine.global_steps} global_samples={engine.global_samples} "
-                  f"skipped_steps={engine.skipped_steps}")
+        problems.append(
+            Problem(
+                ProblemKind.TRAINING_STATE,
+                None,
+                "global_samples",
+                f"engine has {engine.global_samples}, checkpoint {samples}",
+            )
+        )
+    extras.append(
+        f"global_steps={engine.global_steps} global_samples={engine.global_samples} "
+        f"skipped_steps={engine.skipped_steps}"
+    )
     saved = states.get("lr_scheduler")
     scheduler = engine.lr_scheduler
     if scheduler is not None and load_lr_scheduler_states:
         if saved is None:
-            problems.append(Problem(ProblemKind.TRAINING_STATE, None, "lr_scheduler",
-                                    "the engine has an LR scheduler but the checkpoint saved none: it would "
-                                    "restart its schedule"))
+            problems.append(
+                Problem(
+                    ProblemKind.TRAINING_STATE,
+                    None,
+                    "lr_scheduler",
+                    "the engine has an LR scheduler but the checkpoint saved none: it would restart its schedule",
+                )
+            )
         elif scheduler.state_dict() != saved:
-            problems.append(Problem(ProblemKind.TRAINING_STATE, None, "lr_scheduler",
-                                    f"scheduler state {scheduler.state_dict()} differs from the checkpoint's {saved}"))
+            problems.append(
+                Problem(
+                    ProblemKind.TRAINING_STATE,
+                    None,
+                    "lr_scheduler",
+                    f"scheduler state {scheduler.state_dict()} differs from the checkpoint's {saved}",
+                )
+            )
         else:
             extras.append("lr scheduler restored")
     elif saved is not None and scheduler is None:
@@ -81,7 +110,7 @@ def saved_module_tensors(folder: Path, states: dict) -> dict[str, Any]:
         return saved
     for path in sorted(folder.glob("layer_*-model_00-model_states.pt")):
         if F.LAYER_FILE_RE.match(path.name):
-            index = int(path.name.split("-")[0][len("layer_"):])
+            index = int(path.name.split("-")[0][len("layer_") :])
             saved.update({f"{index}.{k}": v for k, v in flatten_module_states(load_torch_file(path)).items()})
     return saved
 
@@ -91,8 +120,9 @@ def _saved_parameter_names(folder: Path) -> list[str]:
     return sorted(p.name for p in zero.iterdir() if p.is_dir()) if zero.is_dir() else []
 
 
-def restore_module_tensors(module: torch.nn.Module, optimized: set[str], folder: Path,
-                           states: dict) -> tuple[list[Problem], list[str]]:
+def restore_module_tensors(
+    module: torch.nn.Module, optimized: set[str], folder: Path, states: dict
+) -> tuple[list[Problem], list[str]]:
     """Buffers and frozen parameters: universal mode skips the module state dict, so restore them here.
 
     ``optimized``: names of the parameters the optimizer restored. Frozen parameters (the others)
@@ -128,9 +158,14 @@ def restore_module_tensors(module: torch.nn.Module, optimized: set[str], folder:
             else:
                 source = saved.get(name)
             if not torch.is_tensor(source) or tuple(source.shape) != tuple(param.shape):
-                problems.append(Problem(ProblemKind.MODULE_TENSOR, name, F.FP32_STATE,
-                                        "frozen parameter not found (or of another shape) in zero/ and in the "
-                                        "model states"))
+                problems.append(
+                    Problem(
+                        ProblemKind.MODULE_TENSOR,
+                        name,
+                        F.FP32_STATE,
+                        "frozen parameter not found (or of another shape) in zero/ and in the model states",
+                    )
+                )
                 continue
             param.copy_(source)
             restored_frozen += 1
@@ -140,22 +175,35 @@ def restore_module_tensors(module: torch.nn.Module, optimized: set[str], folder:
                 if writes is not None and name not in writes:
                     never_held.append(name)
                 else:
-                    problems.append(Problem(ProblemKind.MODULE_TENSOR, name, "buffer",
-                                            f"persistent buffer missing from {folder.name}'s module states, although "
-                                            "the model's save writes it: it would keep the value the model was "
-                                            "built with"))
+                    problems.append(
+                        Problem(
+                            ProblemKind.MODULE_TENSOR,
+                            name,
+                            "buffer",
+                            f"persistent buffer missing from {folder.name}'s module states, although "
+                            "the model's save writes it: it would keep the value the model was "
+                            "built with",
+                        )
+                    )
                 continue
             source = saved[name]
             if not torch.is_tensor(source) or tuple(source.shape) != tuple(target.shape):
                 shape = tuple(source.shape) if torch.is_tensor(source) else type(source).__name__
-                problems.append(Problem(ProblemKind.MODULE_TENSOR, name, "buffer",
-                                        f"{folder.name}'s model states hold it as {shape}, the model's buffer is "
-                                        f"{tuple(target.shape)}"))
+                problems.append(
+                    Problem(
+                        ProblemKind.MODULE_TENSOR,
+                        name,
+                        "buffer",
+                        f"{folder.name}'s model states hold it as {shape}, the model's buffer is {tuple(target.shape)}",
+                    )
+                )
                 continue
             target.copy_(source)
             restored_buffers += 1
     extras = [f"{restored_buffers} buffers, {restored_frozen} frozen params restored"] if (buffers or frozen) else []
     if never_held:
-        extras.append(f"{len(never_held)} persistent buffer(s) Megatron's save never writes, left as the model built "
-                      "them: " + ", ".join(never_held))
+        extras.append(
+            f"{len(never_held)} persistent buffer(s) Megatron's save never writes, left as the model built "
+            "them: " + ", ".join(never_held)
+        )
     return problems, extras

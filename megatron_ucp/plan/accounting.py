@@ -17,6 +17,7 @@ It is additive over fragments at any offsets, so ranks each hash their own piece
 independent of reduction order and device. Everything here is pure: no I/O, no
 ``torch.distributed``; the hook does the reading and the collective.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,6 +64,7 @@ def combine(sums: Iterable[int]) -> int:
 # ------------------------------------------------------------------------------------------------
 # problems and the report
 # ------------------------------------------------------------------------------------------------
+
 
 class ProblemKind(enum.Enum):
     MISSING_FOLDER = "parameter without a folder in the checkpoint"
@@ -121,16 +123,23 @@ class AccountingReport:
     route: str = "universal load"
     """``universal load`` (from a universal folder) or ``native reshard`` (from the saved rank files)."""
 
-    def with_more(self, problems: Sequence[Problem] = (), extras: Sequence[str] = (),
-                  dp_from: Optional[int] = None) -> "AccountingReport":
-        return dataclasses.replace(self, dp_from=self.dp_from if dp_from is None else dp_from,
-                                   problems=self.problems + tuple(problems), extras=self.extras + tuple(extras))
+    def with_more(
+        self, problems: Sequence[Problem] = (), extras: Sequence[str] = (), dp_from: Optional[int] = None
+    ) -> "AccountingReport":
+        return dataclasses.replace(
+            self,
+            dp_from=self.dp_from if dp_from is None else dp_from,
+            problems=self.problems + tuple(problems),
+            extras=self.extras + tuple(extras),
+        )
 
     def summary_line(self) -> str:
         dp_from = "?" if self.dp_from is None else str(self.dp_from)
         verdict = "every element placed exactly once" if not self.problems else f"{len(self.problems)} PROBLEM(S)"
-        line = (f"megatron-ucp {self.route}: {self.params} params, {self.state_files} state tensors "
-                f"({', '.join(self.state_names)}), {self.elements} elements, DP {dp_from} -> {self.dp_to}: {verdict}")
+        line = (
+            f"megatron-ucp {self.route}: {self.params} params, {self.state_files} state tensors "
+            f"({', '.join(self.state_names)}), {self.elements} elements, DP {dp_from} -> {self.dp_to}: {verdict}"
+        )
         if self.extras:
             line += "; " + "; ".join(self.extras)
         return line
@@ -147,7 +156,9 @@ class AccountingReport:
                 f"{'universal checkpoint load' if self.route == 'universal load' else self.route} is incomplete "
                 f"({len(self.problems)} problem(s)):\n  {shown}{more}\n"
                 "Fix or reconvert the checkpoint; pass strict=False (MEGATRON_UCP_STRICT=0) only for a "
-                "deliberate partial load.", subject=list(self.problems))
+                "deliberate partial load.",
+                subject=list(self.problems),
+            )
         if not verbose:
             return
         for problem in self.problems:
@@ -158,6 +169,7 @@ class AccountingReport:
 # ------------------------------------------------------------------------------------------------
 # folder-level checks
 # ------------------------------------------------------------------------------------------------
+
 
 def _state_counts(names: Sequence[str], listing: Mapping[str, Sequence[str]]) -> dict[str, int]:
     counts: dict[str, int] = {}
@@ -190,35 +202,60 @@ def check_folders(groups: Sequence[Sequence[str]], listing: Mapping[str, Sequenc
     problems: list[Problem] = []
     live = {name for names in groups for name in names}
     for name in sorted(set(listing) - live):
-        problems.append(Problem(ProblemKind.EXTRA_FOLDER, name, None,
-                                f"zero/{name}/ holds {sorted(listing[name])} but the model has no optimized "
-                                "parameter of that name"))
+        problems.append(
+            Problem(
+                ProblemKind.EXTRA_FOLDER,
+                name,
+                None,
+                f"zero/{name}/ holds {sorted(listing[name])} but the model has no optimized parameter of that name",
+            )
+        )
     group_states = group_tensor_states(groups, listing)
     for names, states in zip(groups, group_states):
         group_has_step = any(F.STEP_STATE in listing.get(n, ()) for n in names)
         known = {F.FP32_STATE, F.STEP_STATE, *states}
         for name in names:
             if name not in listing:
-                problems.append(Problem(ProblemKind.MISSING_FOLDER, name, None,
-                                        f"no zero/{name}/ folder: its weights and optimizer states would stay "
-                                        "at their initial values"))
+                problems.append(
+                    Problem(
+                        ProblemKind.MISSING_FOLDER,
+                        name,
+                        None,
+                        f"no zero/{name}/ folder: its weights and optimizer states would stay at their initial values",
+                    )
+                )
                 continue
             have = set(listing[name])
             wanted = [F.FP32_STATE, *states] + ([F.STEP_STATE] if group_has_step else [])
             for state in wanted:
                 if state not in have:
-                    problems.append(Problem(ProblemKind.MISSING_STATE_FILE, name, state,
-                                            f"zero/{name}/{state}.pt is missing (other parameters of its "
-                                            "param group have it)"))
+                    problems.append(
+                        Problem(
+                            ProblemKind.MISSING_STATE_FILE,
+                            name,
+                            state,
+                            f"zero/{name}/{state}.pt is missing (other parameters of its param group have it)",
+                        )
+                    )
             for state in sorted(have - known):
-                problems.append(Problem(ProblemKind.STRAY_STATE_FILE, name, state,
-                                        f"zero/{name}/{state}.pt: most parameters of its param group have no "
-                                        f"{state!r} state"))
+                problems.append(
+                    Problem(
+                        ProblemKind.STRAY_STATE_FILE,
+                        name,
+                        state,
+                        f"zero/{name}/{state}.pt: most parameters of its param group have no {state!r} state",
+                    )
+                )
     return problems
 
 
-def check_optimizer_states(group_index: int, group_params: Sequence[str], expected: Optional[frozenset[str]],
-                           restored: Iterable[str], optimizer_name: str) -> list[Problem]:
+def check_optimizer_states(
+    group_index: int,
+    group_params: Sequence[str],
+    expected: Optional[frozenset[str]],
+    restored: Iterable[str],
+    optimizer_name: str,
+) -> list[Problem]:
     """States the live optimizer would use vs the states the load restored, for one param group.
 
     ``expected`` is None when the optimizer's states could not be discovered: nothing to check.
@@ -229,20 +266,33 @@ def check_optimizer_states(group_index: int, group_params: Sequence[str], expect
     example = group_params[0] if group_params else None
     problems = []
     for state in sorted(expected - restored):
-        problems.append(Problem(ProblemKind.NOT_RESTORED, example, state,
-                                f"{optimizer_name} keeps {state!r} for param group {group_index} "
-                                f"({len(group_params)} parameters) and would create it lazily at its first "
-                                f"step, but the checkpoint has no {state}.pt for it"))
+        problems.append(
+            Problem(
+                ProblemKind.NOT_RESTORED,
+                example,
+                state,
+                f"{optimizer_name} keeps {state!r} for param group {group_index} "
+                f"({len(group_params)} parameters) and would create it lazily at its first "
+                f"step, but the checkpoint has no {state}.pt for it",
+            )
+        )
     for state in sorted(restored - expected):
-        problems.append(Problem(ProblemKind.UNUSED_STATE, example, state,
-                                f"the checkpoint has {state!r} for param group {group_index} but "
-                                f"{optimizer_name} does not keep such a state; it would be ignored"))
+        problems.append(
+            Problem(
+                ProblemKind.UNUSED_STATE,
+                example,
+                state,
+                f"the checkpoint has {state!r} for param group {group_index} but "
+                f"{optimizer_name} does not keep such a state; it would be ignored",
+            )
+        )
     return problems
 
 
 # ------------------------------------------------------------------------------------------------
 # the ledger: one row per (parameter, state) file, summed across ranks
 # ------------------------------------------------------------------------------------------------
+
 
 class Column(enum.IntEnum):
     CONSUMERS = 0
@@ -260,16 +310,19 @@ class Column(enum.IntEnum):
 def add_sum(table: torch.Tensor, row: int, loaded: bool, value: int) -> None:
     """Add a checksum to a row as two 32-bit halves (see :func:`megatron_ucp.format.integrity.split`)."""
     high, low = integrity.split(value)
-    hi_col, lo_col = ((Column.LOADED_SUM_HI, Column.LOADED_SUM_LO) if loaded
-                      else (Column.SOURCE_SUM_HI, Column.SOURCE_SUM_LO))
+    hi_col, lo_col = (
+        (Column.LOADED_SUM_HI, Column.LOADED_SUM_LO) if loaded else (Column.SOURCE_SUM_HI, Column.SOURCE_SUM_LO)
+    )
     table[row, hi_col] += high
     table[row, lo_col] += low
 
 
 def row_sums(values: Sequence[int]) -> tuple[int, int]:
     """(loaded, source) checksums of one all-reduced row."""
-    return (integrity.join(values[Column.LOADED_SUM_HI], values[Column.LOADED_SUM_LO]),
-            integrity.join(values[Column.SOURCE_SUM_HI], values[Column.SOURCE_SUM_LO]))
+    return (
+        integrity.join(values[Column.LOADED_SUM_HI], values[Column.LOADED_SUM_LO]),
+        integrity.join(values[Column.SOURCE_SUM_HI], values[Column.SOURCE_SUM_LO]),
+    )
 
 
 @dataclass(frozen=True)
@@ -296,30 +349,51 @@ def universal_file(param: str, state: str) -> str:
     return f"zero/{param}/{state}.pt"
 
 
-def check_ledger(ledger: Ledger, totals: torch.Tensor,
-                 source: Callable[[str, str], str] = universal_file) -> list[Problem]:
+def check_ledger(
+    ledger: Ledger, totals: torch.Tensor, source: Callable[[str, str], str] = universal_file
+) -> list[Problem]:
     """Problems in the all-reduced table: unconsumed files, miscounted or misplaced elements.
     ``source(param, state)`` names what a row stands for (a universal folder's state file by default)."""
     table = totals.detach().cpu().tolist()
     problems = []
     for (param, state), row in zip(ledger.rows, table):
         if row[Column.CONSUMERS] == 0:
-            problems.append(Problem(ProblemKind.UNCONSUMED, param, state, f"{source(param, state)} was read by no rank"))
+            problems.append(
+                Problem(ProblemKind.UNCONSUMED, param, state, f"{source(param, state)} was read by no rank")
+            )
             continue
         if state == F.STEP_STATE:
             if row[Column.STEP_MISMATCH]:
-                problems.append(Problem(ProblemKind.STEP_MISMATCH, param, state,
-                                        f"{source(param, state)} differs from the step of its param group "
-                                        f"({row[Column.STEP_MISMATCH]} rank(s) saw the difference)"))
+                problems.append(
+                    Problem(
+                        ProblemKind.STEP_MISMATCH,
+                        param,
+                        state,
+                        f"{source(param, state)} differs from the step of its param group "
+                        f"({row[Column.STEP_MISMATCH]} rank(s) saw the difference)",
+                    )
+                )
             continue
         if row[Column.LOADED_COUNT] != row[Column.SOURCE_COUNT]:
-            problems.append(Problem(ProblemKind.COUNT_MISMATCH, param, state,
-                                    f"{source(param, state)}: the checkpoint holds {row[Column.SOURCE_COUNT]} "
-                                    f"elements, the ranks wrote {row[Column.LOADED_COUNT]}"))
+            problems.append(
+                Problem(
+                    ProblemKind.COUNT_MISMATCH,
+                    param,
+                    state,
+                    f"{source(param, state)}: the checkpoint holds {row[Column.SOURCE_COUNT]} "
+                    f"elements, the ranks wrote {row[Column.LOADED_COUNT]}",
+                )
+            )
         elif row_sums(row)[0] != row_sums(row)[1]:
-            problems.append(Problem(ProblemKind.CHECKSUM_MISMATCH, param, state,
-                                    f"{source(param, state)}: the fragments written into the ranks do not "
-                                    "reassemble it (an element landed in the wrong place or changed)"))
+            problems.append(
+                Problem(
+                    ProblemKind.CHECKSUM_MISMATCH,
+                    param,
+                    state,
+                    f"{source(param, state)}: the fragments written into the ranks do not "
+                    "reassemble it (an element landed in the wrong place or changed)",
+                )
+            )
     return problems
 
 

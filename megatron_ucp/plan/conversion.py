@@ -11,6 +11,7 @@ Nothing here trusts ``group_paddings``: the mappings are the authority, the form
 Size: the plan's value types and the checks that state their invariants are one vocabulary; the
 checks are most of it, and each sits next to the type it guards.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -190,8 +191,11 @@ class ConversionPlan:
     def fingerprint(self) -> str:
         """Stable identity of the plan, so cooperating converters can tell they do the same job."""
         if not self._fingerprint:
-            key = (self.dp, self.groups, self.params) if not self.partitions else \
-                (self.dp, self.groups, self.params, self.partitions, self.tp, self.pp)
+            key = (
+                (self.dp, self.groups, self.params)
+                if not self.partitions
+                else (self.dp, self.groups, self.params, self.partitions, self.tp, self.pp)
+            )
             h = hashlib.sha256(repr(key).encode())
             object.__setattr__(self, "_fingerprint", h.hexdigest()[:16])
         return self._fingerprint
@@ -211,10 +215,13 @@ def _fail(source: str, message: str) -> CheckpointFormatError:
     return CheckpointFormatError(f"{source}: {message}", subject=source)
 
 
-def build_plan(param_groups: Sequence[Sequence[ParamSpec]], ranks: Sequence[RankLayout],
-               rules: MegatronPatterns = MegatronPatterns(),
-               alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR,
-               tp_layouts: Optional[Mapping[str, TpLayout]] = None) -> ConversionPlan:
+def build_plan(
+    param_groups: Sequence[Sequence[ParamSpec]],
+    ranks: Sequence[RankLayout],
+    rules: MegatronPatterns = MegatronPatterns(),
+    alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR,
+    tp_layouts: Optional[Mapping[str, TpLayout]] = None,
+) -> ConversionPlan:
     """Derive geometry from the model's parameter shapes and the rank files, check, and plan.
 
     ``param_groups`` lists, per optimizer param group, the parameters DeepSpeed partitioned
@@ -229,8 +236,9 @@ def build_plan(param_groups: Sequence[Sequence[ParamSpec]], ranks: Sequence[Rank
         raise PlanError(f"rank files must cover DP ranks 0..{dp - 1} exactly once, got {[r.rank for r in ranks]}")
     for layout in ranks:
         if len(layout.groups) != len(param_groups):
-            raise _fail(layout.source, f"has {len(layout.groups)} param groups, the model states list "
-                        f"{len(param_groups)}")
+            raise _fail(
+                layout.source, f"has {len(layout.groups)} param groups, the model states list {len(param_groups)}"
+            )
 
     group_plans = []
     param_plans: list[ParamPlan] = []
@@ -238,17 +246,22 @@ def build_plan(param_groups: Sequence[Sequence[ParamSpec]], ranks: Sequence[Rank
         layouts = [r.groups[g] for r in ranks]
         internal_padding = {lay.param_alignment_padding for lay in layouts}
         if len(internal_padding) != 1:
-            raise PlanError(f"param group {g}: rank files disagree on per-parameter alignment padding "
-                            f"({sorted(internal_padding)})")
+            raise PlanError(
+                f"param group {g}: rank files disagree on per-parameter alignment padding ({sorted(internal_padding)})"
+            )
         numel = sum(s.numel for s in specs)
-        geo = GroupGeometry(numel=numel, dp=dp, padded_numel=numel + internal_padding.pop(),
-                            alignment_factor=alignment_factor)
+        geo = GroupGeometry(
+            numel=numel, dp=dp, padded_numel=numel + internal_padding.pop(), alignment_factor=alignment_factor
+        )
         states = _check_states(g, ranks, geo)
         has_step = {lay.has_step for lay in layouts}
         if len(has_step) != 1:
             raise PlanError(f"param group {g}: some rank files store an optimizer step and some do not")
-        group_plans.append(GroupPlan(index=g, geometry=geo, states=states,
-                                     has_step=has_step.pop(), param_names=tuple(s.name for s in specs)))
+        group_plans.append(
+            GroupPlan(
+                index=g, geometry=geo, states=states, has_step=has_step.pop(), param_names=tuple(s.name for s in specs)
+            )
+        )
         param_plans.extend(_plan_group(g, specs, ranks, geo, states, rules, tp_layouts))
 
     plan = ConversionPlan(dp=dp, groups=tuple(group_plans), params=tuple(param_plans))
@@ -262,24 +275,39 @@ def _check_states(g: int, ranks: Sequence[RankLayout], geo: GroupGeometry) -> tu
     for layout in ranks:
         lay = layout.groups[g]
         if set(lay.state_names) != set(first):
-            raise _fail(layout.source, f"param group {g} stores states {sorted(lay.state_names)}, "
-                        f"rank 0 stores {sorted(first)}: files from different runs?")
+            raise _fail(
+                layout.source,
+                f"param group {g} stores states {sorted(lay.state_names)}, "
+                f"rank 0 stores {sorted(first)}: files from different runs?",
+            )
         for name, length in lay.state_lengths:
             if length > geo.partition_size:
-                raise _fail(layout.source, f"state {name!r} of param group {g} has {length} elements, more than "
-                            f"the partition size {geo.partition_size} implied by the model's parameter shapes "
-                            f"at DP={geo.dp}: files of a different DP size or model?")
+                raise _fail(
+                    layout.source,
+                    f"state {name!r} of param group {g} has {length} elements, more than "
+                    f"the partition size {geo.partition_size} implied by the model's parameter shapes "
+                    f"at DP={geo.dp}: files of a different DP size or model?",
+                )
         if lay.recorded_true_length is not None and lay.recorded_true_length != geo.true_length(layout.rank):
-            raise _fail(layout.source, f"records true length {lay.recorded_true_length} for param group {g}, "
-                        f"geometry gives {geo.true_length(layout.rank)} (N={geo.numel}, DP={geo.dp})")
+            raise _fail(
+                layout.source,
+                f"records true length {lay.recorded_true_length} for param group {g}, "
+                f"geometry gives {geo.true_length(layout.rank)} (N={geo.numel}, DP={geo.dp})",
+            )
     ordered = ["fp32"] if "fp32" in first else []
     ordered += sorted(s for s in first if s != "fp32")
     return tuple(ordered)
 
 
-def _plan_group(g: int, specs: Sequence[ParamSpec], ranks: Sequence[RankLayout], geo: GroupGeometry,
-                states: Sequence[str], rules: MegatronPatterns,
-                tp_layouts: Optional[Mapping[str, TpLayout]] = None) -> list[ParamPlan]:
+def _plan_group(
+    g: int,
+    specs: Sequence[ParamSpec],
+    ranks: Sequence[RankLayout],
+    geo: GroupGeometry,
+    states: Sequence[str],
+    rules: MegatronPatterns,
+    tp_layouts: Optional[Mapping[str, TpLayout]] = None,
+) -> list[ParamPlan]:
     s = geo.partition_size
     by_name = {spec.name: spec for spec in specs}
     if len(by_name) != len(specs):
@@ -290,17 +318,26 @@ def _plan_group(g: int, specs: Sequence[ParamSpec], ranks: Sequence[RankLayout],
         spans = []
         for frag in lay.fragments:
             if frag.name not in by_name:
-                raise _fail(layout.source, f"param_slice_mappings of group {g} names {frag.name!r}, which is not a "
-                            "parameter of that group in the model states")
+                raise _fail(
+                    layout.source,
+                    f"param_slice_mappings of group {g} names {frag.name!r}, which is not a "
+                    "parameter of that group in the model states",
+                )
             if frag.numel <= 0 or frag.start < 0 or frag.start + frag.numel > s:
-                raise _fail(layout.source, f"fragment of {frag.name!r} at [{frag.start}, {frag.start + frag.numel}) "
-                            f"lies outside the partition [0, {s}) of group {g}")
+                raise _fail(
+                    layout.source,
+                    f"fragment of {frag.name!r} at [{frag.start}, {frag.start + frag.numel}) "
+                    f"lies outside the partition [0, {s}) of group {g}",
+                )
             for state in states:
                 have = lay.state_length(state)
                 if frag.start + frag.numel > have:
-                    raise _fail(layout.source, f"state {state!r} of group {g} holds {have} elements but the "
-                                f"fragment of {frag.name!r} needs [{frag.start}, {frag.start + frag.numel}): "
-                                "truncated file?")
+                    raise _fail(
+                        layout.source,
+                        f"state {state!r} of group {g} holds {have} elements but the "
+                        f"fragment of {frag.name!r} needs [{frag.start}, {frag.start + frag.numel}): "
+                        "truncated file?",
+                    )
             spans.append((frag.start, frag.start + frag.numel, frag.name))
             pieces[frag.name].append((layout.rank, frag.start, frag.numel))
         spans.sort()
@@ -314,33 +351,47 @@ def _plan_group(g: int, specs: Sequence[ParamSpec], ranks: Sequence[RankLayout],
         if geo.padded_numel == geo.numel:
             covered = sum(b - a for a, b, _ in spans)
             if covered != true_len:
-                raise _fail(layout.source, f"fragments of group {g} cover {covered} of the {true_len} real elements "
-                            "of this partition: param_slice_mappings incomplete?")
+                raise _fail(
+                    layout.source,
+                    f"fragments of group {g} cover {covered} of the {true_len} real elements "
+                    "of this partition: param_slice_mappings incomplete?",
+                )
 
     plans = []
     for spec in specs:
         frags = sorted(pieces[spec.name])
         total = sum(n for _, _, n in frags)
         if total != spec.numel:
-            raise PlanError(f"parameter {spec.name!r} (group {g}, shape {tuple(spec.shape)}) has {total} of its "
-                            f"{spec.numel} elements in the rank files' param_slice_mappings")
+            raise PlanError(
+                f"parameter {spec.name!r} (group {g}, shape {tuple(spec.shape)}) has {total} of its "
+                f"{spec.numel} elements in the rank files' param_slice_mappings"
+            )
         items = []
         flat_offset = frags[0][0] * s + frags[0][1] if frags else 0
         dst = 0
         for rank, start, n in frags:
             if rank * s + start != flat_offset + dst:
-                raise PlanError(f"parameter {spec.name!r} is not contiguous in the flat buffer of group {g}: "
-                                f"fragment on rank {rank} starts at {rank * s + start}, expected {flat_offset + dst}")
+                raise PlanError(
+                    f"parameter {spec.name!r} is not contiguous in the flat buffer of group {g}: "
+                    f"fragment on rank {rank} starts at {rank * s + start}, expected {flat_offset + dst}"
+                )
             items.append(CopyItem(rank=rank, src_offset=start, dst_offset=dst, length=n))
             dst += n
-        plans.append(shape_output(spec, flat_offset, tuple(items), rules,
-                                   tp_layouts.get(spec.name) if tp_layouts else None))
+        plans.append(
+            shape_output(spec, flat_offset, tuple(items), rules, tp_layouts.get(spec.name) if tp_layouts else None)
+        )
     plans.sort(key=lambda p: p.flat_offset)
     return plans
 
 
-def shape_output(spec: ParamSpec, flat_offset: int, items: tuple[CopyItem, ...], rules: MegatronPatterns,
-                  layout: Optional[TpLayout] = None, replicas: tuple[tuple[CopyItem, ...], ...] = ()) -> ParamPlan:
+def shape_output(
+    spec: ParamSpec,
+    flat_offset: int,
+    items: tuple[CopyItem, ...],
+    rules: MegatronPatterns,
+    layout: Optional[TpLayout] = None,
+    replicas: tuple[tuple[CopyItem, ...], ...] = (),
+) -> ParamPlan:
     """Apply vocabulary trimming and record the cat_dim / sub-parameter keys DeepSpeed's loader reads:
     from the parameter's TP layout when known (recorded at save, or a model-parallel checkpoint's
     patterns), else from Megatron's patterns as DeepSpeed reads them."""
@@ -348,8 +399,10 @@ def shape_output(spec: ParamSpec, flat_offset: int, items: tuple[CopyItem, ...],
     vocab = False
     if rules.original_vocab_size is not None and rules.is_vocabulary(spec.name):
         if not out_shape or rules.original_vocab_size > out_shape[0]:
-            raise PlanError(f"original_vocab_size {rules.original_vocab_size} exceeds the first dimension of "
-                            f"vocabulary parameter {spec.name!r} {out_shape}")
+            raise PlanError(
+                f"original_vocab_size {rules.original_vocab_size} exceeds the first dimension of "
+                f"vocabulary parameter {spec.name!r} {out_shape}"
+            )
         out_shape = (rules.original_vocab_size, *out_shape[1:])
         vocab = True
     if layout is not None:
@@ -357,10 +410,19 @@ def shape_output(spec: ParamSpec, flat_offset: int, items: tuple[CopyItem, ...],
     else:
         cat_dim = 1 if rules.is_row_parallel(spec.name) else 0
         n_sub = 2 if rules.has_two_sub_params(spec.name) else 1
-    return ParamPlan(name=spec.name, group=spec.group, shape=tuple(spec.shape), out_shape=out_shape,
-                     flat_offset=flat_offset, items=items, cat_dim=cat_dim if n_sub == 1 else 0,
-                     vocab_tensor=vocab, n_sub_params=n_sub, replicas=replicas,
-                     tp_layout=layout.describe() if layout is not None else None)
+    return ParamPlan(
+        name=spec.name,
+        group=spec.group,
+        shape=tuple(spec.shape),
+        out_shape=out_shape,
+        flat_offset=flat_offset,
+        items=items,
+        cat_dim=cat_dim if n_sub == 1 else 0,
+        vocab_tensor=vocab,
+        n_sub_params=n_sub,
+        replicas=replicas,
+        tp_layout=layout.describe() if layout is not None else None,
+    )
 
 
 def check_plan(plan: ConversionPlan) -> None:
@@ -386,16 +448,18 @@ def check_plan(plan: ConversionPlan) -> None:
                     raise PlanError(f"{label!r}: empty copy item {item}")
                 if item.dst_offset != cursor:
                     kind = "gap" if item.dst_offset > cursor else "overlap"
-                    raise PlanError(f"{label!r}: {kind} in output coverage at element {cursor} (next item at "
-                                    f"{item.dst_offset})")
+                    raise PlanError(
+                        f"{label!r}: {kind} in output coverage at element {cursor} (next item at {item.dst_offset})"
+                    )
                 if not 0 <= item.rank < plan.files:
-                    raise PlanError(f"{label!r}: copy item {item} outside the rank files (file {item.rank} of {plan.files})")
+                    raise PlanError(
+                        f"{label!r}: copy item {item} outside the rank files (file {item.rank} of {plan.files})"
+                    )
                 s = plan.partition_size(group, item.rank)
                 if item.src_offset < 0 or item.src_offset + item.length > s:
                     raise PlanError(f"{label!r}: copy item {item} outside rank partitions of size {s} at DP={plan.dp}")
                 cursor += item.length
-                reads.setdefault((group, item.rank), []).append((item.src_offset, item.src_offset + item.length,
-                                                                 label))
+                reads.setdefault((group, item.rank), []).append((item.src_offset, item.src_offset + item.length, label))
             if cursor != p.numel:
                 raise PlanError(f"{label!r}: items cover {cursor} of its {p.numel} elements")
         if p.out_numel > p.numel:
@@ -411,7 +475,9 @@ def check_plan(plan: ConversionPlan) -> None:
             raise PlanError(f"param group {group.index}: parameters not planned: {sorted(missing)}")
 
 
-def split_by_bytes(params: Sequence[ParamPlan], parts: int, states_per_group: Mapping[int, int]) -> list[list[ParamPlan]]:
+def split_by_bytes(
+    params: Sequence[ParamPlan], parts: int, states_per_group: Mapping[int, int]
+) -> list[list[ParamPlan]]:
     """Cut the (flat-ordered) parameters into ``parts`` contiguous runs of near-equal output bytes.
 
     Contiguous runs keep each worker on a contiguous range of rank files. Deterministic: every
@@ -439,12 +505,16 @@ def share_of(plan: ConversionPlan, share_index: int, share_count: int) -> list[P
     return split_by_bytes(plan.params, share_count, per_group)[share_index]
 
 
-def synthesize_layouts(param_groups: Sequence[Sequence[ParamSpec]], dp: int,
-                       states: Sequence[str] = ("fp32", "exp_avg", "exp_avg_sq"),
-                       alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR, param_alignment: int = 1,
-                       flat_orders: Optional[Sequence[Sequence[str]]] = None,
-                       recorded_style: Optional[PaddingStyle] = None,
-                       fp32_cut_style: Optional[PaddingStyle] = None) -> list[RankLayout]:
+def synthesize_layouts(
+    param_groups: Sequence[Sequence[ParamSpec]],
+    dp: int,
+    states: Sequence[str] = ("fp32", "exp_avg", "exp_avg_sq"),
+    alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR,
+    param_alignment: int = 1,
+    flat_orders: Optional[Sequence[Sequence[str]]] = None,
+    recorded_style: Optional[PaddingStyle] = None,
+    fp32_cut_style: Optional[PaddingStyle] = None,
+) -> list[RankLayout]:
     """The rank layouts DeepSpeed writes for these parameters at ``dp``.
 
     ``param_alignment`` pads every parameter but the last to a multiple (DeepSpeedZeroOptimizer's
@@ -477,11 +547,17 @@ def synthesize_layouts(param_groups: Sequence[Sequence[ParamSpec]], dp: int,
                 if a < b:
                     frags[r].append(Fragment(spec.name, a - r * s, b - a))
         for r in range(dp):
-            fp32 = s if fp32_cut_style is None else len(range(s)[:s - geo.recorded_padding(r, fp32_cut_style)])
-            per_rank[r].append(RankGroupLayout(
-                fragments=tuple(frags[r]),
-                state_lengths=tuple((st, fp32 if st == "fp32" else s) for st in states),
-                recorded_padding=geo.padding(r) if recorded_style is None else geo.recorded_padding(r, recorded_style),
-                recorded_true_length=geo.true_length(r) if recorded_style is None else None,
-                param_alignment_padding=offset - numel, has_step=True))
+            fp32 = s if fp32_cut_style is None else len(range(s)[: s - geo.recorded_padding(r, fp32_cut_style)])
+            per_rank[r].append(
+                RankGroupLayout(
+                    fragments=tuple(frags[r]),
+                    state_lengths=tuple((st, fp32 if st == "fp32" else s) for st in states),
+                    recorded_padding=geo.padding(r)
+                    if recorded_style is None
+                    else geo.recorded_padding(r, recorded_style),
+                    recorded_true_length=geo.true_length(r) if recorded_style is None else None,
+                    param_alignment_padding=offset - numel,
+                    has_step=True,
+                )
+            )
     return [RankLayout(rank=r, groups=tuple(per_rank[r]), source=f"<synthetic rank {r}>") for r in range(dp)]

@@ -8,6 +8,7 @@ whose true length is 0 holds only padding. This module answers, from numbers alo
 those are and whether stock DeepSpeed's converter or universal loader would crash -- which is
 what ``megatron-ucp inspect`` reports for a DP=768 AuroraGPT-7B checkpoint without reading a tensor.
 """
+
 from __future__ import annotations
 
 import enum
@@ -129,8 +130,10 @@ def stock_converter_crashes(groups: Sequence[GroupGeometry], style: PaddingStyle
 
 def at_dp(groups: Sequence[GroupGeometry], dp: int) -> list[GroupGeometry]:
     """The same groups re-partitioned for another DP size (per-parameter padding is DP-independent)."""
-    return [GroupGeometry(numel=g.numel, dp=dp, padded_numel=g.padded_numel, alignment_factor=g.alignment_factor)
-            for g in groups]
+    return [
+        GroupGeometry(numel=g.numel, dp=dp, padded_numel=g.padded_numel, alignment_factor=g.alignment_factor)
+        for g in groups
+    ]
 
 
 def stock_loader_crash_ranks(groups: Sequence[GroupGeometry], target_dp: int) -> dict[int, list[int]]:

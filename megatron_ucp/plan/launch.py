@@ -7,6 +7,7 @@ does not pin one, and replace per-rank RNG states (which cannot be mapped across
 deterministic re-seed (:func:`derived_seed`) after the load. :func:`alcf_batch_env` is the same
 decision for the AuroraGPT wrapper's environment variables. Every branch is tested in milliseconds.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,7 +50,7 @@ def _last_value(args: Sequence[str], name: str) -> Optional[str]:
         if token == name and i + 1 < len(args):
             found = args[i + 1]
         elif token.startswith(name + "="):
-            found = token[len(name) + 1:]
+            found = token[len(name) + 1 :]
     return found
 
 
@@ -127,8 +128,13 @@ class LaunchPlan:
         return self.dp_from is not None and self.dp_to is not None and self.dp_from != self.dp_to
 
 
-def plan_launch(margs: MegatronArgs, facts: Optional[CheckpointFacts], world_size: Optional[int],
-                config: UcpConfig, settings: RunnerSettings) -> LaunchPlan:
+def plan_launch(
+    margs: MegatronArgs,
+    facts: Optional[CheckpointFacts],
+    world_size: Optional[int],
+    config: UcpConfig,
+    settings: RunnerSettings,
+) -> LaunchPlan:
     """Decide what a resume at this world size needs (pure: values in, a plan out)."""
     if margs.load is None:
         return LaunchPlan(notes=("no --load: nothing to resume",))
@@ -138,9 +144,12 @@ def plan_launch(margs: MegatronArgs, facts: Optional[CheckpointFacts], world_siz
     if margs.finetune:
         return LaunchPlan(notes=(f"--finetune: {where} is loaded without optimizer or RNG states; nothing to adapt",))
     if world_size is None:
-        return LaunchPlan(warnings=(
-            "cannot tell this job's world size (none of " + ", ".join(launchenv.WORLD_SIZE) + " is set): "
-            "a DP change cannot be detected before the launch; the hooks still detect it at load time",))
+        return LaunchPlan(
+            warnings=(
+                "cannot tell this job's world size (none of " + ", ".join(launchenv.WORLD_SIZE) + " is set): "
+                "a DP change cannot be detected before the launch; the hooks still detect it at load time",
+            )
+        )
     mp = margs.tensor_parallel * margs.pipeline_parallel * margs.sequence_parallel
     if world_size % mp:
         return LaunchPlan(warnings=(f"world size {world_size} is not divisible by TP x PP x SP = {mp}",))
@@ -152,73 +161,109 @@ def plan_launch(margs: MegatronArgs, facts: Optional[CheckpointFacts], world_siz
     now = (margs.tensor_parallel, margs.pipeline_parallel, dp_to)
     if saved == now:
         at = f"({dp_to})" if saved[:2] == (1, 1) else f"(TP={now[0]}, PP={now[1]}, DP={dp_to})"
-        return LaunchPlan(notes=(f"resuming {where} at the DP size it was saved at {at}",),
-                          dp_from=dp_from, dp_to=dp_to)
+        return LaunchPlan(
+            notes=(f"resuming {where} at the DP size it was saved at {at}",), dp_from=dp_from, dp_to=dp_to
+        )
 
-    notes = [f"{ParallelLayout(*saved).describe_change(ParallelLayout(*now))}: {where} was saved at TP={saved[0]} x PP={saved[1]} x DP={dp_from}, "
-             f"this job runs at TP={now[0]} x PP={now[1]} x DP={dp_to}" if saved[:2] != now[:2] else
-             f"DP change: {where} was saved at DP={dp_from}, this job runs at DP={dp_to}"]
+    change = ParallelLayout(*saved).describe_change(ParallelLayout(*now))
+    notes = [
+        f"{change}: {where} was saved at TP={saved[0]} x PP={saved[1]} x DP={dp_from}, "
+        f"this job runs at TP={now[0]} x PP={now[1]} x DP={dp_to}"
+        if saved[:2] != now[:2]
+        else f"DP change: {where} was saved at DP={dp_from}, this job runs at DP={dp_to}"
+    ]
     warnings: list[str] = []
     extra: list[str] = []
     if saved[:2] != now[:2] and not margs.universal_checkpoint:
         # Megatron compares TP, PP and the padded vocabulary with the checkpoint's unless this is set
         extra.append("--universal-checkpoint")
-        notes.append("TP/PP change: adding --universal-checkpoint (Megatron then accepts the new TP/PP and padded "
-                     f"vocabulary; megatron-ucp loads the universal twin of {facts.tag}, converting it first when "
-                     "it does not exist)")
+        notes.append(
+            "TP/PP change: adding --universal-checkpoint (Megatron then accepts the new TP/PP and padded "
+            f"vocabulary; megatron-ucp loads the universal twin of {facts.tag}, converting it first when "
+            "it does not exist)"
+        )
     elif margs.universal_checkpoint:
-        notes.append(f"--universal-checkpoint given: loading the universal twin of {facts.tag} (the tag in latest) "
-                     "with megatron-ucp's loader, converting it first when latest_universal does not name it")
+        notes.append(
+            f"--universal-checkpoint given: loading the universal twin of {facts.tag} (the tag in latest) "
+            "with megatron-ucp's loader, converting it first when latest_universal does not name it"
+        )
     elif config.elastic_resume:
-        notes.append(f"the elastic-resume hook loads the universal twin of {facts.tag} (converting it first if it "
-                     "does not exist yet): resume route universal" if config.resume_route == "universal" else
-                     f"the elastic-resume hook reshards {facts.tag} from its native rank files (resume route "
-                     f"{config.resume_route}; no conversion)")
+        notes.append(
+            f"the elastic-resume hook loads the universal twin of {facts.tag} (converting it first if it "
+            "does not exist yet): resume route universal"
+            if config.resume_route == "universal"
+            else f"the elastic-resume hook reshards {facts.tag} from its native rank files (resume route "
+            f"{config.resume_route}; no conversion)"
+        )
     elif not margs.no_load_optim:
-        warnings.append("elastic resume is off and --universal-checkpoint is not given: DeepSpeed will refuse to "
-                        f"load ZeRO optimizer states saved at DP={dp_from} into DP={dp_to}")
+        warnings.append(
+            "elastic resume is off and --universal-checkpoint is not given: DeepSpeed will refuse to "
+            f"load ZeRO optimizer states saved at DP={dp_from} into DP={dp_to}"
+        )
 
     ckpt_batch = facts.global_batch_size
     micro = margs.micro_batch_size or facts.micro_batch_size
     if margs.global_batch_size is not None:
         if ckpt_batch is not None and margs.global_batch_size != ckpt_batch:
-            warnings.append(f"global batch {margs.global_batch_size} (pinned by --global-batch-size) differs from the "
-                            f"checkpoint's {ckpt_batch}: the LR schedule and sample counts continue with the new batch")
+            warnings.append(
+                f"global batch {margs.global_batch_size} (pinned by --global-batch-size) differs from the "
+                f"checkpoint's {ckpt_batch}: the LR schedule and sample counts continue with the new batch"
+            )
         else:
             notes.append(f"global batch {margs.global_batch_size} pinned by --global-batch-size")
     elif not settings.keep_global_batch:
-        notes.append("keep_global_batch is off: the script's default global batch applies "
-                     "(Megatron: micro batch x DP x gradient accumulation)")
+        notes.append(
+            "keep_global_batch is off: the script's default global batch applies "
+            "(Megatron: micro batch x DP x gradient accumulation)"
+        )
     elif ckpt_batch is None:
-        warnings.append(f"{where} does not record its global batch: the script's default applies, which "
-                        "changes with the DP size")
+        warnings.append(
+            f"{where} does not record its global batch: the script's default applies, which changes with the DP size"
+        )
     elif micro and ckpt_batch % (micro * dp_to):
-        warnings.append(f"cannot keep the checkpoint's global batch {ckpt_batch} at DP={dp_to}: it is not a multiple "
-                        f"of micro batch {micro} x DP {dp_to}; the script's default applies "
-                        "(pin --global-batch-size to choose one)")
+        warnings.append(
+            f"cannot keep the checkpoint's global batch {ckpt_batch} at DP={dp_to}: it is not a multiple "
+            f"of micro batch {micro} x DP {dp_to}; the script's default applies "
+            "(pin --global-batch-size to choose one)"
+        )
     else:
         extra += ["--global-batch-size", str(ckpt_batch)]
-        how = f" (gradient accumulation {ckpt_batch // (micro * dp_to)} x micro batch {micro} x DP {dp_to})" \
-            if micro else ""
-        notes.append(f"keeping the checkpoint's global batch {ckpt_batch}{how}: adding --global-batch-size "
-                     f"{ckpt_batch} (the command line did not pin one)")
+        how = (
+            f" (gradient accumulation {ckpt_batch // (micro * dp_to)} x micro batch {micro} x DP {dp_to})"
+            if micro
+            else ""
+        )
+        notes.append(
+            f"keeping the checkpoint's global batch {ckpt_batch}{how}: adding --global-batch-size "
+            f"{ckpt_batch} (the command line did not pin one)"
+        )
 
     reseed = None
     if margs.no_load_rng:
         notes.append("--no-load-rng given: RNG states are not loaded")
     elif not settings.reseed:
-        warnings.append(f"reseed is off: the script will load RNG states saved per rank at DP={dp_from} "
-                        f"into DP={dp_to} ranks (Megatron indexes them by DP rank)")
+        warnings.append(
+            f"reseed is off: the script will load RNG states saved per rank at DP={dp_from} "
+            f"into DP={dp_to} ranks (Megatron indexes them by DP rank)"
+        )
     else:
         extra.append("--no-load-rng")
         reseed = margs.seed if margs.seed is not None else MEGATRON_DEFAULT_SEED
-        notes.append(f"RNG states saved per rank at {saved} cannot be mapped to (TP, PP, DP) {now}: adding "
-                     if saved[:2] != now[:2] else
-                     f"RNG states saved per rank at DP={dp_from} cannot be mapped to DP={dp_to}: adding "
-                     f"--no-load-rng; after the load every rank re-seeds deterministically from "
-                     f"sha256(seed={reseed}, iteration, rank)")
-    return LaunchPlan(extra_args=tuple(extra), notes=tuple(notes), warnings=tuple(warnings),
-                      dp_from=dp_from, dp_to=dp_to, reseed_base=reseed)
+        notes.append(
+            f"RNG states saved per rank at {saved} cannot be mapped to (TP, PP, DP) {now}: adding "
+            if saved[:2] != now[:2]
+            else f"RNG states saved per rank at DP={dp_from} cannot be mapped to DP={dp_to}: adding "
+            f"--no-load-rng; after the load every rank re-seeds deterministically from "
+            f"sha256(seed={reseed}, iteration, rank)"
+        )
+    return LaunchPlan(
+        extra_args=tuple(extra),
+        notes=tuple(notes),
+        warnings=tuple(warnings),
+        dp_from=dp_from,
+        dp_to=dp_to,
+        reseed_base=reseed,
+    )
 
 
 @dataclass(frozen=True)
@@ -229,8 +274,14 @@ class BatchEnv:
     messages: tuple[str, ...] = ()
 
 
-def alcf_batch_env(facts: Optional[CheckpointFacts], world_size: int, micro_batch: int, mp_size: int,
-                   user_global_batch: Optional[int], user_grad_acc_steps: Optional[int]) -> BatchEnv:
+def alcf_batch_env(
+    facts: Optional[CheckpointFacts],
+    world_size: int,
+    micro_batch: int,
+    mp_size: int,
+    user_global_batch: Optional[int],
+    user_grad_acc_steps: Optional[int],
+) -> BatchEnv:
     """GLOBAL_BATCH and GRAD_ACC_STEPS for helpers.sh (pure).
 
     train_aGPT_7B.sh always passes ``--global-batch-size=$GLOBAL_BATCH``, where GLOBAL_BATCH
@@ -251,16 +302,28 @@ def alcf_batch_env(facts: Optional[CheckpointFacts], world_size: int, micro_batc
     if ckpt is None:
         return BatchEnv(messages=(f"{where} does not record its global batch: helpers.sh's default applies",))
     if ckpt % (micro_batch * dp):
-        return BatchEnv(messages=(f"cannot keep the checkpoint's global batch {ckpt} at DP={dp}: not a multiple of "
-                                  f"MICRO_BATCH {micro_batch} x DP {dp}; helpers.sh's default applies "
-                                  "(set GLOBAL_BATCH to choose)",))
+        return BatchEnv(
+            messages=(
+                f"cannot keep the checkpoint's global batch {ckpt} at DP={dp}: not a multiple of "
+                f"MICRO_BATCH {micro_batch} x DP {dp}; helpers.sh's default applies "
+                "(set GLOBAL_BATCH to choose)",
+            )
+        )
     gas = ckpt // (micro_batch * dp)
     if user_grad_acc_steps is not None and user_grad_acc_steps != gas:
-        return BatchEnv(messages=(f"GRAD_ACC_STEPS={user_grad_acc_steps} set by you: keeping the checkpoint's global "
-                                  f"batch {ckpt} at DP={dp} needs {gas}; left as it is",))
-    return BatchEnv(assignments=(("GLOBAL_BATCH", ckpt), ("GRAD_ACC_STEPS", gas)),
-                    messages=(f"keeping the global batch {ckpt} of {where} (saved at DP={facts.dp_world_size}): "
-                              f"GLOBAL_BATCH={ckpt} GRAD_ACC_STEPS={gas} at DP={dp} x MICRO_BATCH={micro_batch}",))
+        return BatchEnv(
+            messages=(
+                f"GRAD_ACC_STEPS={user_grad_acc_steps} set by you: keeping the checkpoint's global "
+                f"batch {ckpt} at DP={dp} needs {gas}; left as it is",
+            )
+        )
+    return BatchEnv(
+        assignments=(("GLOBAL_BATCH", ckpt), ("GRAD_ACC_STEPS", gas)),
+        messages=(
+            f"keeping the global batch {ckpt} of {where} (saved at DP={facts.dp_world_size}): "
+            f"GLOBAL_BATCH={ckpt} GRAD_ACC_STEPS={gas} at DP={dp} x MICRO_BATCH={micro_batch}",
+        ),
+    )
 
 
 def derived_seed(base_seed: int, iteration: int, rank: int) -> int:
@@ -294,6 +357,13 @@ def facts_from_model_states(load_dir: str, tag: str, states: Mapping[str, Any]) 
         micro = micro if isinstance(micro, int) else None
     iteration = states.get("iteration")
     tp, pp = tp_pp_of_states(states) or (1, 1)
-    return CheckpointFacts(load_dir=load_dir, tag=tag, dp_world_size=dp, global_batch_size=gb,
-                           micro_batch_size=micro, iteration=int(iteration) if isinstance(iteration, int) else None,
-                           tp=tp, pp=pp)
+    return CheckpointFacts(
+        load_dir=load_dir,
+        tag=tag,
+        dp_world_size=dp,
+        global_batch_size=gb,
+        micro_batch_size=micro,
+        iteration=int(iteration) if isinstance(iteration, int) else None,
+        tp=tp,
+        pp=pp,
+    )

@@ -7,10 +7,12 @@ records in ``param_shapes``, in declaration order, in Megatron's two param group
 the matrices; no weight decay: the RMSNorm weights), and each parameter's TP split as Megatron's
 ``tensor_model_parallel`` / ``partition_dim`` attributes give it. With a :class:`PipeStage`, the
 same for one stage of the pipeline model ``GPTModelPipe`` (any PP): its layer list, DeepSpeed's
-``type:transformer`` split of it (:mod:`~megatron_ucp.plan.pipeline_stages`) and its names. The synthetic-checkpoint writer
+``type:transformer`` split of it (:mod:`~megatron_ucp.plan.pipeline_stages`) and its names. The
+synthetic-checkpoint writer
 and the metadata-only scale tools use it; a real save of the same shape is the proof
 (``tests/system/test_synthetic_checkpoint.py``, ``tests/integration``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -79,14 +81,22 @@ class LlamaShape:
         object.__setattr__(self, "kv_heads", kv)
         if self.original_vocab is None:
             object.__setattr__(self, "original_vocab", self.vocab)
-        sizes = {"layers": self.layers, "hidden": self.hidden, "ffn": self.ffn, "heads": self.heads,
-                 "kv_heads": kv, "vocab": self.vocab}
+        sizes = {
+            "layers": self.layers,
+            "hidden": self.hidden,
+            "ffn": self.ffn,
+            "heads": self.heads,
+            "kv_heads": kv,
+            "vocab": self.vocab,
+        }
         bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
         if bad:
             raise PlanError(f"llama shape: sizes must be positive integers, got {bad}")
         if self.hidden % self.heads or self.heads % kv:
-            raise PlanError(f"llama shape: hidden {self.hidden} must divide into {self.heads} heads, and the heads "
-                            f"into {kv} key-value groups")
+            raise PlanError(
+                f"llama shape: hidden {self.hidden} must divide into {self.heads} heads, and the heads "
+                f"into {kv} key-value groups"
+            )
         if not 0 < self.original_vocab <= self.vocab:
             raise PlanError(f"llama shape: original vocabulary {self.original_vocab} must be in 1..{self.vocab}")
 
@@ -125,12 +135,14 @@ class LlamaShape:
         """One transformer layer's parameters, local names in declaration order."""
         h = self.hidden
         column, row, replicated = TpLayout(dim=0), TpLayout(dim=1), TpLayout(replicated=True)
-        return {"input_layernorm.weight": ((h,), replicated),
-                "self_attention.query_key_value.weight": ((self.qkv_rows, h), column),
-                "self_attention.dense.weight": ((h, h), row),
-                "post_attention_layernorm.weight": ((h,), replicated),
-                "mlp.dense_h_to_4h.weight": (((2 if self.swiglu else 1) * self.ffn, h), column),
-                "mlp.dense_4h_to_h.weight": ((h, self.ffn), row)}
+        return {
+            "input_layernorm.weight": ((h,), replicated),
+            "self_attention.query_key_value.weight": ((self.qkv_rows, h), column),
+            "self_attention.dense.weight": ((h, h), row),
+            "post_attention_layernorm.weight": ((h,), replicated),
+            "mlp.dense_h_to_4h.weight": (((2 if self.swiglu else 1) * self.ffn, h), column),
+            "mlp.dense_4h_to_h.weight": ((h, self.ffn), row),
+        }
 
     def _declared(self, stage: Optional[PipeStage] = None) -> _Declared:
         if stage is not None:
@@ -165,7 +177,7 @@ class LlamaShape:
         if stage.pp > self.layers:
             raise PlanError(f"PP={stage.pp} stages for {self.layers} transformer layers: a stage would hold none")
         cuts = balanced_cuts([int(layer.transformer) for layer in layers], stage.pp)
-        return layers[cuts[stage.index]:cuts[stage.index + 1]]
+        return layers[cuts[stage.index] : cuts[stage.index + 1]]
 
     def _stage_declared(self, stage: PipeStage) -> _Declared:
         layers = self.stage_layers(stage)

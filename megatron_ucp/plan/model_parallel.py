@@ -12,14 +12,25 @@ stage of a tied parameter) becomes a replica the converter compares with it. The
 checked like any other (:func:`~megatron_ucp.plan.conversion.check_plan`: every element exactly
 once, every read inside its file's partition).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from megatron_ucp.errors import PlanError
-from megatron_ucp.plan.conversion import (ConversionPlan, CopyItem, GroupPlan, MegatronPatterns, ParamPlan, ParamSpec,
-                                          RankLayout, shape_output, build_plan, check_plan)
+from megatron_ucp.plan.conversion import (
+    ConversionPlan,
+    CopyItem,
+    GroupPlan,
+    MegatronPatterns,
+    ParamPlan,
+    ParamSpec,
+    RankLayout,
+    build_plan,
+    check_plan,
+    shape_output,
+)
 from megatron_ucp.plan.geometry import NCCL_START_ALIGNMENT_FACTOR
 from megatron_ucp.plan.tensor_parallel import TpLayout, full_shape, runs_between, slice_runs
 
@@ -41,14 +52,26 @@ def _global_items(slice_plan: ParamPlan, first_file: int, runs) -> list[CopyItem
     out = []
     for item in slice_plan.items:
         for run in runs_between(runs, item.dst_offset, item.length):
-            out.append(CopyItem(rank=first_file + item.rank, src_offset=item.src_offset + run.slice_offset - item.dst_offset,
-                                dst_offset=run.full_offset, length=run.length, group=slice_plan.group))
+            out.append(
+                CopyItem(
+                    rank=first_file + item.rank,
+                    src_offset=item.src_offset + run.slice_offset - item.dst_offset,
+                    dst_offset=run.full_offset,
+                    length=run.length,
+                    group=slice_plan.group,
+                )
+            )
     return sorted(out, key=lambda i: i.dst_offset)
 
 
-def build_model_parallel_plan(coordinates: Sequence[CoordinateInput], tp: int, pp: int,
-                              layouts: Mapping[str, TpLayout], rules: MegatronPatterns = MegatronPatterns(),
-                              alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR) -> ConversionPlan:
+def build_model_parallel_plan(
+    coordinates: Sequence[CoordinateInput],
+    tp: int,
+    pp: int,
+    layouts: Mapping[str, TpLayout],
+    rules: MegatronPatterns = MegatronPatterns(),
+    alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR,
+) -> ConversionPlan:
     """Plan every coordinate, then merge TP slices and pipeline stages into whole parameters."""
     by_coord = {(c.pp, c.tp): c for c in coordinates}
     if sorted(by_coord) != [(p, t) for p in range(pp) for t in range(tp)]:
@@ -56,7 +79,9 @@ def build_model_parallel_plan(coordinates: Sequence[CoordinateInput], tp: int, p
     dps = {len(c.ranks) for c in coordinates}
     if len(dps) != 1:
         raise PlanError(f"coordinates have different DP sizes {sorted(dps)}")
-    plans = {key: build_plan(c.param_groups, c.ranks, MegatronPatterns(), alignment_factor) for key, c in by_coord.items()}
+    plans = {
+        key: build_plan(c.param_groups, c.ranks, MegatronPatterns(), alignment_factor) for key, c in by_coord.items()
+    }
     n_groups = {len(p.groups) for p in plans.values()}
     if len(n_groups) != 1:
         raise PlanError(f"pipeline stages / TP ranks have different numbers of param groups {sorted(n_groups)}")
@@ -70,8 +95,10 @@ def build_model_parallel_plan(coordinates: Sequence[CoordinateInput], tp: int, p
         for t in range(1, tp):
             names = {sp.name for sp in plans[(p_index, t)].params}
             if names != names0:
-                raise PlanError(f"pipeline stage {p_index}: TP rank {t} holds parameters {sorted(names ^ names0)[:4]} "
-                                "that TP rank 0 does not (or the reverse)")
+                raise PlanError(
+                    f"pipeline stage {p_index}: TP rank {t} holds parameters {sorted(names ^ names0)[:4]} "
+                    "that TP rank 0 does not (or the reverse)"
+                )
 
     merged: list[ParamPlan] = []
     for name, stages in stages_of.items():
@@ -97,8 +124,9 @@ def build_model_parallel_plan(coordinates: Sequence[CoordinateInput], tp: int, p
             spec_shape, group = whole, slices[0].group
             if layout.replicated:
                 for t, sp in enumerate(slices):
-                    copies.append(tuple(_global_items(sp, by_coord[(stage, t)].first_file,
-                                                      slice_runs(whole, layout, 1, 0, name))))
+                    copies.append(
+                        tuple(_global_items(sp, by_coord[(stage, t)].first_file, slice_runs(whole, layout, 1, 0, name)))
+                    )
             else:
                 items: list[CopyItem] = []
                 for t, sp in enumerate(slices):
@@ -117,18 +145,27 @@ def build_model_parallel_plan(coordinates: Sequence[CoordinateInput], tp: int, p
         if len(steps) != 1:
             raise PlanError(f"param group {g}: some coordinates store an optimizer step and some do not")
         names = tuple(p.name for p in merged if p.group == g)
-        groups.append(GroupPlan(index=g, geometry=first.groups[g].geometry, states=first.groups[g].states,
-                                has_step=first.groups[g].has_step, param_names=names))
+        groups.append(
+            GroupPlan(
+                index=g,
+                geometry=first.groups[g].geometry,
+                states=first.groups[g].states,
+                has_step=first.groups[g].has_step,
+                param_names=names,
+            )
+        )
     files = sorted((c.first_file, c) for c in coordinates)
     partitions: list[tuple[int, ...]] = []
     for first_file, c in files:
         if first_file != len(partitions):
-            raise PlanError(f"rank files of coordinate (pp={c.pp}, tp={c.tp}) start at {first_file}, "
-                            f"expected {len(partitions)}")
+            raise PlanError(
+                f"rank files of coordinate (pp={c.pp}, tp={c.tp}) start at {first_file}, expected {len(partitions)}"
+            )
         sizes = tuple(g.geometry.partition_size for g in plans[(c.pp, c.tp)].groups)
         partitions += [sizes] * len(c.ranks)
     merged.sort(key=lambda p: (p.group, min(i.rank for i in p.items) if p.items else 0, p.name))
-    plan = ConversionPlan(dp=dps.pop(), groups=tuple(groups), params=tuple(merged), partitions=tuple(partitions),
-                          tp=tp, pp=pp)
+    plan = ConversionPlan(
+        dp=dps.pop(), groups=tuple(groups), params=tuple(merged), partitions=tuple(partitions), tp=tp, pp=pp
+    )
     check_plan(plan)
     return plan

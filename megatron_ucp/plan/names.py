@@ -7,6 +7,7 @@ the output head as layers of their own. A checkpoint saved by one model is loade
 through :func:`name_map`, which puts both sides in one canonical form (embedding, layer ``i``,
 final norm, output head) and pairs them, or says which names it cannot pair.
 """
+
 from __future__ import annotations
 
 import re
@@ -14,8 +15,10 @@ from typing import Iterable, Optional
 
 from megatron_ucp.errors import PlanError
 
-_NONPIPE = re.compile(r"^language_model\.(?:(?P<emb>embedding)\.(?P<emb_rest>.+)|encoder\.layers\.(?P<layer>\d+)\."
-                      r"(?P<layer_rest>.+)|encoder\.final_layernorm\.(?P<norm_rest>.+)|output_layer\.(?P<out_rest>.+))$")
+_NONPIPE = re.compile(
+    r"^language_model\.(?:(?P<emb>embedding)\.(?P<emb_rest>.+)|encoder\.layers\.(?P<layer>\d+)\."
+    r"(?P<layer_rest>.+)|encoder\.final_layernorm\.(?P<norm_rest>.+)|output_layer\.(?P<out_rest>.+))$"
+)
 _PIPE = re.compile(r"^(?P<index>\d+)\.(?P<rest>.+)$")
 _TIED = "tied_modules.embed."
 _EMBEDDING_ATTRS = ("word_embeddings.", "position_embeddings.", "tokentype_embeddings.")
@@ -49,18 +52,25 @@ def _canonical_nonpipe(names: Iterable[str]) -> dict[str, Canonical]:
 
 def _canonical_pipe(names: Iterable[str]) -> dict[str, Canonical]:
     names = list(names)
-    layers = sorted({int(_PIPE.match(n).group("index")) for n in names
-                     if _PIPE.match(n) and _PIPE.match(n).group("rest").startswith(_LAYER_ATTRS)})
+    layers = sorted(
+        {
+            int(_PIPE.match(n).group("index"))
+            for n in names
+            if _PIPE.match(n) and _PIPE.match(n).group("rest").startswith(_LAYER_ATTRS)
+        }
+    )
     if not layers:
         raise PlanError("no transformer layer among the pipeline model's parameter names")
     first, last = layers[0], layers[-1]
     if layers != list(range(first, last + 1)):
-        raise PlanError(f"the pipeline model's transformer layers are not consecutive ({layers[:6]}...): the names "
-                        "of one pipeline stage only?")
+        raise PlanError(
+            f"the pipeline model's transformer layers are not consecutive ({layers[:6]}...): the names "
+            "of one pipeline stage only?"
+        )
     out = {}
     for name in names:
         if name.startswith(_TIED):
-            out[name] = ("embedding", name[len(_TIED):])
+            out[name] = ("embedding", name[len(_TIED) :])
             continue
         m = _PIPE.match(name)
         if m is None:
@@ -71,7 +81,7 @@ def _canonical_pipe(names: Iterable[str]) -> dict[str, Canonical]:
         elif first <= index <= last:
             out[name] = ("layer", index - first, rest)
         elif rest.startswith("lm_head."):
-            out[name] = ("output", rest[len("lm_head."):])
+            out[name] = ("output", rest[len("lm_head.") :])
         elif index > last and "." not in rest:
             out[name] = ("final_norm", rest)
         else:
@@ -97,8 +107,9 @@ def _canonical_where_known(params: Iterable[str], others: Iterable[str]) -> dict
     return out
 
 
-def counterpart_names(names: Iterable[str], live_params: Iterable[str], saved_params: Iterable[str],
-                      saved: Iterable[str]) -> dict[str, str]:
+def counterpart_names(
+    names: Iterable[str], live_params: Iterable[str], saved_params: Iterable[str], saved: Iterable[str]
+) -> dict[str, str]:
     """Live module tensors (buffers) -> the name the other GPT model class saved the same tensor
     under, for the names both schemes know; the parameter names of each side fix its scheme (and
     the pipeline model's first layer index)."""
@@ -125,8 +136,9 @@ def name_map(live: Iterable[str], saved: Iterable[str]) -> Optional[dict[str, st
         else:
             unpaired.append(name)
     if unpaired:
-        raise PlanError(f"live parameters without a saved counterpart: {unpaired[:5]}"
-                        f"{' ...' if len(unpaired) > 5 else ''}")
+        raise PlanError(
+            f"live parameters without a saved counterpart: {unpaired[:5]}{' ...' if len(unpaired) > 5 else ''}"
+        )
     extra = sorted(set(saved) - set(out.values()))
     if extra:
         raise PlanError(f"saved parameters without a live counterpart: {extra[:5]}{' ...' if len(extra) > 5 else ''}")

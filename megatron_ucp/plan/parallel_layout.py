@@ -8,6 +8,7 @@ synthetic writer, the resume decision and both loaders ask this value. ``ep`` (e
 is the axis a mixture-of-experts checkpoint would add; nothing reads or writes one yet, so any value
 but 1 is refused rather than misnumbered (docs/EXTENDING.md). Pure: no I/O.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -70,8 +71,11 @@ class ParallelLayout:
 
     def describe_change(self, to: "ParallelLayout") -> str:
         """``DP changed 768 -> 512`` / ``TP changed 1 -> 2, DP changed 4 -> 2``; or ``layout unchanged (...)``."""
-        parts = [f"{axis.upper()} changed {getattr(self, axis)} -> {getattr(to, axis)}" for axis in AXES
-                 if getattr(self, axis) != getattr(to, axis)]
+        parts = [
+            f"{axis.upper()} changed {getattr(self, axis)} -> {getattr(to, axis)}"
+            for axis in AXES
+            if getattr(self, axis) != getattr(to, axis)
+        ]
         return ", ".join(parts) if parts else f"layout unchanged (TP={to.tp}, PP={to.pp}, DP={to.dp})"
 
     @staticmethod

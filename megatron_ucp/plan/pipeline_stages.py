@@ -10,6 +10,7 @@ for every layer count and stage count a llama model takes). A stage's layers dec
 (``layer_XX-model_YY-model_states.pt``) and its parameters' names, so the synthetic writer needs
 exactly DeepSpeed's split, not merely a balanced one.
 """
+
 from __future__ import annotations
 
 import math

@@ -10,6 +10,7 @@ plans only its own (a few entries, whatever DP is), so planning does not grow wi
 Padding is never read: a new rank's padding tail (and an all-padding rank's whole partition) is
 zero-filled, as DeepSpeed's own buffers are.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,10 @@ class Read:
 def partition_reads(old: GroupGeometry, new: GroupGeometry, rank: int) -> list[Read]:
     """The pieces of new rank ``rank``'s real elements, in order, each inside one old partition."""
     if (old.numel, old.padded_numel) != (new.numel, new.padded_numel):
-        raise PlanError(f"the group holds {old.numel} elements ({old.padded_numel} with per-parameter padding) in "
-                        f"the checkpoint and {new.numel} ({new.padded_numel}) in this job: not the same model")
+        raise PlanError(
+            f"the group holds {old.numel} elements ({old.padded_numel} with per-parameter padding) in "
+            f"the checkpoint and {new.numel} ({new.padded_numel}) in this job: not the same model"
+        )
     start = new.partition_start(rank)
     stop = start + new.true_length(rank)
     size = old.partition_size

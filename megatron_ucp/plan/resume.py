@@ -10,6 +10,7 @@ Call order in the hook: :func:`decide_resume` -> (convert, one converter per nod
 :func:`megatron_ucp.background.queue.node_assignment` picks) -> load -> :func:`check_global_batch` and
 :func:`restored_global_samples`.
 """
+
 from __future__ import annotations
 
 import enum
@@ -36,8 +37,6 @@ class Route(enum.Enum):
     RESHARD = "native-reshard"
     """DP changed (TP and PP not): each rank copies its new partitions straight out of the native rank
     files (:mod:`megatron_ucp.plan.reshard`); no conversion, no second copy on disk."""
-
-
 
 
 class TwinState(str, enum.Enum):
@@ -81,11 +80,20 @@ class ResumeDecision:
         return self.checkpoint_dp is not None and self.checkpoint_dp != self.current_dp
 
 
-def decide_resume(*, requested_tag: Optional[str], saved: Optional[ParallelLayout], live: ParallelLayout,
-                  load_universal: bool, twin_state: TwinState | str = TwinState.ABSENT,
-                  tag_is_universal: bool = False, loads_optimizer_states: bool = True,
-                  staging_present: bool = False, universal_of_latest: bool = False,
-                  resume_route: str = "auto", names_match: bool = True) -> ResumeDecision:
+def decide_resume(
+    *,
+    requested_tag: Optional[str],
+    saved: Optional[ParallelLayout],
+    live: ParallelLayout,
+    load_universal: bool,
+    twin_state: TwinState | str = TwinState.ABSENT,
+    tag_is_universal: bool = False,
+    loads_optimizer_states: bool = True,
+    staging_present: bool = False,
+    universal_of_latest: bool = False,
+    resume_route: str = "auto",
+    names_match: bool = True,
+) -> ResumeDecision:
     """Decide how to load ``requested_tag`` (already resolved from ``latest`` when it was None).
 
     ``saved`` is the layout the tag's model states record (None when the tag or its model states are
@@ -102,61 +110,112 @@ def decide_resume(*, requested_tag: Optional[str], saved: Optional[ParallelLayou
     """
     checkpoint_dp, current_dp = (saved.dp if saved is not None else None), live.dp
     if resume_route not in RESUME_ROUTES:
-        raise UcpError(f"resume route must be one of {', '.join(RESUME_ROUTES)}, got {resume_route!r}",
-                       subject=resume_route)
+        raise UcpError(
+            f"resume route must be one of {', '.join(RESUME_ROUTES)}, got {resume_route!r}", subject=resume_route
+        )
     twin = TwinState(twin_state.value if isinstance(twin_state, TwinState) else twin_state)
     if load_universal:
         shown = requested_tag if requested_tag is not None else f"the tag in {F.LATEST_UNIVERSAL}"
-        return ResumeDecision(Route.EXPLICIT_UNIVERSAL, requested_tag, checkpoint_dp, current_dp,
-                              f"load_universal is set: loading {shown} in universal mode at DP={current_dp}")
+        return ResumeDecision(
+            Route.EXPLICIT_UNIVERSAL,
+            requested_tag,
+            checkpoint_dp,
+            current_dp,
+            f"load_universal is set: loading {shown} in universal mode at DP={current_dp}",
+        )
     if requested_tag is None or checkpoint_dp is None:
-        return ResumeDecision(Route.NATIVE, requested_tag, checkpoint_dp, current_dp,
-                              "no readable checkpoint DP size: native DeepSpeed load")
+        return ResumeDecision(
+            Route.NATIVE,
+            requested_tag,
+            checkpoint_dp,
+            current_dp,
+            "no readable checkpoint DP size: native DeepSpeed load",
+        )
     if tag_is_universal:
-        return ResumeDecision(Route.EXPLICIT_UNIVERSAL, requested_tag, checkpoint_dp, current_dp,
-                              f"{requested_tag} is a universal checkpoint (saved at DP={checkpoint_dp}): "
-                              f"loading it in universal mode at DP={current_dp}")
+        return ResumeDecision(
+            Route.EXPLICIT_UNIVERSAL,
+            requested_tag,
+            checkpoint_dp,
+            current_dp,
+            f"{requested_tag} is a universal checkpoint (saved at DP={checkpoint_dp}): "
+            f"loading it in universal mode at DP={current_dp}",
+        )
     mp_changed = saved.model_axes() != live.model_axes()
     if checkpoint_dp == current_dp and not mp_changed and not universal_of_latest:
-        unchanged = (f"DP unchanged ({current_dp})" if live.model_parallel == 1 else
-                     f"layout unchanged (TP={live.tp}, PP={live.pp}, DP={current_dp})")
-        return ResumeDecision(Route.NATIVE, requested_tag, checkpoint_dp, current_dp,
-                              f"{unchanged}: native load of {requested_tag}")
+        unchanged = (
+            f"DP unchanged ({current_dp})"
+            if live.model_parallel == 1
+            else f"layout unchanged (TP={live.tp}, PP={live.pp}, DP={current_dp})"
+        )
+        return ResumeDecision(
+            Route.NATIVE, requested_tag, checkpoint_dp, current_dp, f"{unchanged}: native load of {requested_tag}"
+        )
     if not loads_optimizer_states and not mp_changed and not universal_of_latest:
-        return ResumeDecision(Route.NATIVE, requested_tag, checkpoint_dp, current_dp,
-                              f"DP changed {checkpoint_dp} -> {current_dp} but no optimizer states are loaded: "
-                              f"native load of {requested_tag} (fp32 master weights rebuilt from bf16 weights)")
+        return ResumeDecision(
+            Route.NATIVE,
+            requested_tag,
+            checkpoint_dp,
+            current_dp,
+            f"DP changed {checkpoint_dp} -> {current_dp} but no optimizer states are loaded: "
+            f"native load of {requested_tag} (fp32 master weights rebuilt from bf16 weights)",
+        )
     target = F.universal_tag(requested_tag)
     changed = saved.describe_change(live)
     if not mp_changed and not universal_of_latest and resume_route != "universal" and names_match:
         how = "" if resume_route == "reshard" else " (resume route auto)"
-        return ResumeDecision(Route.RESHARD, requested_tag, checkpoint_dp, current_dp,
-                              f"{changed}: resharding {requested_tag} from its native rank files{how}, no conversion")
+        return ResumeDecision(
+            Route.RESHARD,
+            requested_tag,
+            checkpoint_dp,
+            current_dp,
+            f"{changed}: resharding {requested_tag} from its native rank files{how}, no conversion",
+        )
     if universal_of_latest and checkpoint_dp == current_dp and not mp_changed:
         changed = f"load_universal is set ({changed})"
     elif mp_changed and resume_route == "reshard":
-        changed += " (resume route reshard: the native files reshard DP only; a TP/PP change goes through the " \
-                   "universal folder)"
+        changed += (
+            " (resume route reshard: the native files reshard DP only; a TP/PP change goes through the "
+            "universal folder)"
+        )
     elif not names_match and resume_route != "universal":
-        changed += (" (the saved parameter names are not the model's, as when GPTModelPipe and GPTModel trade "
-                    "places: the universal route maps them)")
+        changed += (
+            " (the saved parameter names are not the model's, as when GPTModelPipe and GPTModel trade "
+            "places: the universal route maps them)"
+        )
     if twin is TwinState.COMPLETE:
-        return ResumeDecision(Route.UNIVERSAL_EXISTING, target, checkpoint_dp, current_dp,
-                              f"{changed}: loading {target}")
+        return ResumeDecision(
+            Route.UNIVERSAL_EXISTING, target, checkpoint_dp, current_dp, f"{changed}: loading {target}"
+        )
     if twin is TwinState.FOREIGN:
         return ResumeDecision(
-            Route.UNIVERSAL_EXISTING, target, checkpoint_dp, current_dp,
+            Route.UNIVERSAL_EXISTING,
+            target,
+            checkpoint_dp,
+            current_dp,
             f"{changed}: loading {target} (not written by megatron-ucp; strict accounting checks it is complete)",
-            warning=(f"{target} has no megatron-ucp manifest (stock ds_to_universal output, or an unfinished "
-                     "conversion). Loading it anyway; the accounting after the load fails on any missing tensor. "
-                     f"Delete it to have megatron-ucp convert {requested_tag} itself."))
+            warning=(
+                f"{target} has no megatron-ucp manifest (stock ds_to_universal output, or an unfinished "
+                "conversion). Loading it anyway; the accounting after the load fails on any missing tensor. "
+                f"Delete it to have megatron-ucp convert {requested_tag} itself."
+            ),
+        )
     if twin is TwinState.STALE:
-        return ResumeDecision(Route.CONVERT_THEN_UNIVERSAL, target, checkpoint_dp, current_dp,
-                              f"{changed}: {target} was converted from an earlier save of {requested_tag}; "
-                              f"reconverting {requested_tag} now, then loading {target}")
+        return ResumeDecision(
+            Route.CONVERT_THEN_UNIVERSAL,
+            target,
+            checkpoint_dp,
+            current_dp,
+            f"{changed}: {target} was converted from an earlier save of {requested_tag}; "
+            f"reconverting {requested_tag} now, then loading {target}",
+        )
     note = " (replacing a stale or unfinished staging folder)" if staging_present else ""
-    return ResumeDecision(Route.CONVERT_THEN_UNIVERSAL, target, checkpoint_dp, current_dp,
-                          f"{changed}: no {target} yet, converting {requested_tag} now{note}, then loading {target}")
+    return ResumeDecision(
+        Route.CONVERT_THEN_UNIVERSAL,
+        target,
+        checkpoint_dp,
+        current_dp,
+        f"{changed}: no {target} yet, converting {requested_tag} now{note}, then loading {target}",
+    )
 
 
 def checkpoint_global_batch(ds_config: Optional[Mapping[str, Any]], checkpoint_dp: Optional[int]) -> Optional[int]:
@@ -177,8 +236,9 @@ def checkpoint_global_batch(ds_config: Optional[Mapping[str, Any]], checkpoint_d
     return None
 
 
-def check_global_batch(checkpoint_batch: Optional[int], current_batch: int, checkpoint_dp: Optional[int],
-                       current_dp: int) -> Optional[str]:
+def check_global_batch(
+    checkpoint_batch: Optional[int], current_batch: int, checkpoint_dp: Optional[int], current_dp: int
+) -> Optional[str]:
     """A loud warning when the global batch differs from the checkpoint's, else None.
 
     The LR schedule and consumed-sample counters assume the global batch; DeepSpeed derives
@@ -186,14 +246,17 @@ def check_global_batch(checkpoint_batch: Optional[int], current_batch: int, chec
     """
     if checkpoint_batch is None or checkpoint_batch == current_batch:
         return None
-    return (f"GLOBAL BATCH CHANGED on resume: the checkpoint was trained with a global batch of {checkpoint_batch} "
-            f"(DP={checkpoint_dp}), this run uses {current_batch} (DP={current_dp}). The LR schedule and "
-            "consumed-sample counts assume the old batch; set train_batch_size to "
-            f"{checkpoint_batch} to continue the same run.")
+    return (
+        f"GLOBAL BATCH CHANGED on resume: the checkpoint was trained with a global batch of {checkpoint_batch} "
+        f"(DP={checkpoint_dp}), this run uses {current_batch} (DP={current_dp}). The LR schedule and "
+        "consumed-sample counts assume the old batch; set train_batch_size to "
+        f"{checkpoint_batch} to continue the same run."
+    )
 
 
-def restored_global_samples(checkpoint: Mapping[str, Any], checkpoint_batch: Optional[int],
-                            current_batch: int) -> Optional[int]:
+def restored_global_samples(
+    checkpoint: Mapping[str, Any], checkpoint_batch: Optional[int], current_batch: int
+) -> Optional[int]:
     """``global_samples`` to restore: the recorded one, else steps x the checkpoint's own batch.
 
     DeepSpeed falls back to steps x the *current* batch, wrong after a batch change.

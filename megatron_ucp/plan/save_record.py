@@ -4,6 +4,7 @@ The hook (``integration/save_recording``) calls it with the live optimizer's siz
 synthetic-checkpoint writer (``synthetic/``) with a model shape's. One function, so that a
 synthetic checkpoint "with our save record" carries exactly what a hooked save carries.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -15,21 +16,32 @@ from megatron_ucp.plan.accounting import checksum
 from megatron_ucp.plan.geometry import NCCL_START_ALIGNMENT_FACTOR, GroupGeometry
 
 
-def partition_record(group_numels: Sequence[int], padded_group_numels: Sequence[int],
-                     flat_numels: Sequence[int], dp_sizes: Sequence[int], dp_ranks: Sequence[int],
-                     alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR) -> dict[str, Any]:
+def partition_record(
+    group_numels: Sequence[int],
+    padded_group_numels: Sequence[int],
+    flat_numels: Sequence[int],
+    dp_sizes: Sequence[int],
+    dp_ranks: Sequence[int],
+    alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR,
+) -> dict[str, Any]:
     """The keys added to a rank's optimizer state dict. Pure; checks DeepSpeed's flat sizes."""
     if len(set(dp_sizes)) != 1 or len(set(dp_ranks)) != 1:
-        raise UnsupportedError(f"param groups with different data-parallel groups (sizes {list(dp_sizes)}) "
-                               "are not supported (MoE expert groups?)")
+        raise UnsupportedError(
+            f"param groups with different data-parallel groups (sizes {list(dp_sizes)}) "
+            "are not supported (MoE expert groups?)"
+        )
     dp, rank = dp_sizes[0], dp_ranks[0]
-    geos = [GroupGeometry(numel=n, dp=dp, padded_numel=pn, alignment_factor=alignment_factor)
-            for n, pn in zip(group_numels, padded_group_numels)]
+    geos = [
+        GroupGeometry(numel=n, dp=dp, padded_numel=pn, alignment_factor=alignment_factor)
+        for n, pn in zip(group_numels, padded_group_numels)
+    ]
     for g, (geo, flat) in enumerate(zip(geos, flat_numels)):
         if geo.padded_total != flat:
-            raise UnsupportedError(f"param group {g}: DeepSpeed's flat buffer has {flat} elements, the known geometry "
-                                   f"gives {geo.padded_total} (N={geo.numel}, DP={dp}); this DeepSpeed partitions "
-                                   "differently from what megatron-ucp understands")
+            raise UnsupportedError(
+                f"param group {g}: DeepSpeed's flat buffer has {flat} elements, the known geometry "
+                f"gives {geo.padded_total} (N={geo.numel}, DP={dp}); this DeepSpeed partitions "
+                "differently from what megatron-ucp understands"
+            )
     return {
         F.GROUP_PADDINGS: [geo.padding(rank) for geo in geos],
         F.GROUP_TRUE_LENGTHS: [geo.true_length(rank) for geo in geos],
@@ -54,7 +66,13 @@ def partition_checksums(fp32: list[Any], states: list[dict[str, Any]], record: d
     for g, (master, state) in enumerate(zip(fp32, states)):
         size, real = info["partition_sizes"][g], record[F.GROUP_TRUE_LENGTHS][g]
         start = info["dp_rank"] * size
-        tensors = {F.FP32_STATE: master, **{k: v for k, v in sorted(state.items())
-                                            if hasattr(v, "numel") and k != F.STEP_STATE and v.numel() == size}}
+        tensors = {
+            F.FP32_STATE: master,
+            **{
+                k: v
+                for k, v in sorted(state.items())
+                if hasattr(v, "numel") and k != F.STEP_STATE and v.numel() == size
+            },
+        }
         groups.append({k: [real, checksum(t.reshape(-1)[:real], start)] for k, t in tensors.items()})
     return {F.ZERO_PARTITION_CHECKSUMS: {"algorithm": integrity.ALGORITHM, "groups": groups}}

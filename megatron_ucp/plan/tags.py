@@ -4,6 +4,7 @@ One rule for every place that orders checkpoints: the background queue and reten
 rows, and the ``latest_universal`` policy (a conversion of an older tag never moves the pointer
 back). Pure.
 """
+
 from __future__ import annotations
 
 import re
@@ -16,7 +17,7 @@ _STEP_RE = re.compile(r"(\d+)(?!.*\d)")
 
 def tag_step(tag: str) -> Optional[int]:
     """The last number in a tag (global_step1200 -> 1200), None when it has none."""
-    m = _STEP_RE.search(tag[:-len("_universal")] if tag.endswith("_universal") else tag)
+    m = _STEP_RE.search(tag[: -len("_universal")] if tag.endswith("_universal") else tag)
     return int(m.group(1)) if m else None
 
 

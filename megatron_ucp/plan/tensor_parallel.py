@@ -14,6 +14,7 @@ The layout comes from, best first: what megatron-ucp's save hook recorded from t
 size), else Megatron's ``universal_checkpoint_info`` patterns (:func:`layout_from_patterns`), which
 carry the replicated and row-parallel patterns only when the checkpoint was saved at TP > 1.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,13 +60,21 @@ class TpLayout:
             raise PlanError(f"invalid TP layout {self}: sub-parameters are stacked and split on dim 0")
 
     def to_record(self) -> dict:
-        return {"replicated": self.replicated, "partition_dim": self.dim, "sub_params": self.sub_params,
-                "vocab": self.vocab}
+        return {
+            "replicated": self.replicated,
+            "partition_dim": self.dim,
+            "sub_params": self.sub_params,
+            "vocab": self.vocab,
+        }
 
     @classmethod
     def from_record(cls, record: Mapping) -> "TpLayout":
-        return cls(replicated=bool(record.get("replicated", False)), dim=int(record.get("partition_dim", 0)),
-                   sub_params=int(record.get("sub_params", 1)), vocab=bool(record.get("vocab", False)))
+        return cls(
+            replicated=bool(record.get("replicated", False)),
+            dim=int(record.get("partition_dim", 0)),
+            sub_params=int(record.get("sub_params", 1)),
+            vocab=bool(record.get("vocab", False)),
+        )
 
     def describe(self) -> str:
         if self.replicated:
@@ -133,8 +142,8 @@ def slice_runs(full: Sequence[int], layout: TpLayout, tp: int, rank: int, name: 
         piece = sub // tp
         runs = [Run(k * piece, k * sub + rank * piece, piece) for k in range(layout.sub_params)]
         return _merged(runs)
-    outer = math.prod(full[:layout.dim])
-    inner = math.prod(full[layout.dim + 1:])
+    outer = math.prod(full[: layout.dim])
+    inner = math.prod(full[layout.dim + 1 :])
     width = shape[layout.dim] * inner
     stride = full[layout.dim] * inner
     return _merged(Run(o * width, o * stride + rank * width, width) for o in range(outer))
@@ -145,8 +154,11 @@ def _merged(runs: Iterable[Run]) -> tuple[Run, ...]:
     for run in runs:
         if run.length <= 0:
             continue
-        if out and out[-1].slice_offset + out[-1].length == run.slice_offset and \
-                out[-1].full_offset + out[-1].length == run.full_offset:
+        if (
+            out
+            and out[-1].slice_offset + out[-1].length == run.slice_offset
+            and out[-1].full_offset + out[-1].length == run.full_offset
+        ):
             last = out.pop()
             run = Run(last.slice_offset, last.full_offset, last.length + run.length)
         out.append(run)
@@ -210,8 +222,9 @@ def layout_from_patterns(name: str, rules: MegatronPatterns) -> TpLayout:
     return TpLayout(dim=1 if rules.is_row_parallel(name) else 0, vocab=vocab)
 
 
-def resolve_layouts(names: Iterable[str], recorded: Optional[Mapping[str, Mapping]], rules: MegatronPatterns,
-                    source: str) -> dict[str, TpLayout]:
+def resolve_layouts(
+    names: Iterable[str], recorded: Optional[Mapping[str, Mapping]], rules: MegatronPatterns, source: str
+) -> dict[str, TpLayout]:
     """Each parameter's layout: recorded by the save hook when the checkpoint has it, else from the
     patterns. Without a record, a checkpoint saved at TP=1 has no replicated or row-parallel
     patterns: its layouts are only right for TP=1, and :func:`layouts_known` says so."""
@@ -230,8 +243,10 @@ def resolve_layouts(names: Iterable[str], recorded: Optional[Mapping[str, Mappin
     if recorded:
         missing = sorted(set(out) - set(recorded))
         if missing:
-            raise PlanError(f"{source}: records the TP layout of some parameters but not of {missing[:5]}"
-                            f"{' ...' if len(missing) > 5 else ''}")
+            raise PlanError(
+                f"{source}: records the TP layout of some parameters but not of {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}"
+            )
     return out
 
 
@@ -262,20 +277,26 @@ def merge_layout_records(saved: Sequence[SavedRecord]) -> Optional[dict[str, Map
         return None
     if len(with_record) != len(saved):
         bare = [s.source for s in saved if s.record is None]
-        raise PlanError(f"{bare[0]}: has no TP-layout record ({TP_LAYOUT_KEY!r}) while {with_record[0].source} "
-                        "has one: model-states files of different saves mixed?")
+        raise PlanError(
+            f"{bare[0]}: has no TP-layout record ({TP_LAYOUT_KEY!r}) while {with_record[0].source} "
+            "has one: model-states files of different saves mixed?"
+        )
     merged: dict[str, Mapping] = {}
     first_seen: dict[str, str] = {}
     for s in with_record:
         missing = sorted(set(s.params) - set(s.record))
         if missing:
-            raise PlanError(f"{s.source}: records the TP layout of some of its parameters but not of "
-                            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            raise PlanError(
+                f"{s.source}: records the TP layout of some of its parameters but not of "
+                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            )
         for name in s.params:
             layout = TpLayout.from_record(s.record[name])
             if name in merged and TpLayout.from_record(merged[name]) != layout:
-                raise PlanError(f"{s.source}: records {name!r} as {layout.describe()}, but {first_seen[name]} "
-                                f"records it as {TpLayout.from_record(merged[name]).describe()}")
+                raise PlanError(
+                    f"{s.source}: records {name!r} as {layout.describe()}, but {first_seen[name]} "
+                    f"records it as {TpLayout.from_record(merged[name]).describe()}"
+                )
             merged.setdefault(name, s.record[name])
             first_seen.setdefault(name, s.source)
     return merged

@@ -6,11 +6,16 @@ partitions and DeepSpeed's bookkeeping, exactly as ``BF16_Optimizer.state_dict``
 it), :func:`model_states` (``mp_rank_XX_model_states.pt``: the engine's dict, then the client
 state Megatron-DeepSpeed adds) and, for the pipeline model, :func:`layer_files` (``layer_XX-model_YY-
 model_states.pt``: one per layer of a stage, as ``PipelineModule.save_state_dict`` writes them).
-A model-parallel rank ``mp`` is DeepSpeed's: ``stage * TP + tp_rank``. DeepSpeed's own objects (``fragment_address``, ``LossScaler``,
-``ZeroStageEnum``) are lightpickle stand-ins pickled as DeepSpeed pickles them, so the files load
-with DeepSpeed's classes and nothing here imports DeepSpeed: any release's files are written from
-any environment. Where a release differs, :class:`~megatron_ucp.deepspeed.versions.SavedFiles` says how.
+A model-parallel rank is numbered as DeepSpeed numbers it (:class:`~megatron_ucp.plan.parallel_layout.
+ParallelLayout`). DeepSpeed's own objects (``fragment_address``, ``LossScaler``, ``ZeroStageEnum``)
+are lightpickle stand-ins pickled as DeepSpeed pickles them, so the files load with DeepSpeed's
+classes and nothing here imports DeepSpeed: any release's files are written from any environment.
+Where a release differs, :class:`~megatron_ucp.deepspeed.versions.SavedFiles` says how.
+
+Size: the three file kinds share the spec's values (:func:`state_range`) and the weights the
+model states and layer files both hold; split, each part would re-derive them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +34,8 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import stand_in_class
 from megatron_ucp.plan.conversion import ParamSpec, RankGroupLayout, RankLayout, synthesize_layouts
 from megatron_ucp.plan.geometry import GroupGeometry, PaddingStyle
-from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.llama_shapes import NO_WEIGHT_DECAY, ROTARY_BUFFER, TIED_EMBEDDING, LlamaShape, PipeStage
+from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.save_record import partition_checksums, partition_record
 from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
 from megatron_ucp.synthetic.values import flat_range
@@ -75,8 +80,10 @@ class SyntheticSpec:
         if self.optimizer not in OPTIMIZERS:
             raise PlanError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.zero_stage not in (1, 2) or (self.optimizer == "bf16" and self.zero_stage != 1):
-            raise PlanError(f"ZeRO stage {self.zero_stage} with {OPTIMIZERS[self.optimizer]}: BF16_Optimizer is "
-                            "stage 1 only, DeepSpeedZeroOptimizer stage 1 or 2")
+            raise PlanError(
+                f"ZeRO stage {self.zero_stage} with {OPTIMIZERS[self.optimizer]}: BF16_Optimizer is "
+                "stage 1 only, DeepSpeedZeroOptimizer stage 1 or 2"
+            )
         if self.flavour not in FLAVOURS:
             raise PlanError(f"flavour must be one of {FLAVOURS}, got {self.flavour!r}")
         if self.dp < 1 or self.iteration < 1:
@@ -111,7 +118,9 @@ class SyntheticSpec:
         return self.layout.model_parallel
 
     def layout_text(self) -> str:
-        model = f"GPTModelPipe, PP={self.pp}" if self.pipeline else "GPTModel" if self.flavour == "megatron" else "plain"
+        model = (
+            f"GPTModelPipe, PP={self.pp}" if self.pipeline else "GPTModel" if self.flavour == "megatron" else "plain"
+        )
         return f"TP={self.tp}, DP={self.dp}, {model}"
 
     def stage(self, mp_rank: int) -> Optional[PipeStage]:
@@ -132,10 +141,15 @@ class SyntheticSpec:
         return PaddingStyle.LAST_RANK_ONLY
 
     def ds_config(self) -> dict[str, Any]:
-        config: dict[str, Any] = {"train_batch_size": self.global_batch,
-                                  "train_micro_batch_size_per_gpu": self.micro_batch, "steps_per_print": 1000,
-                                  "gradient_clipping": 1.0, "zero_optimization": {"stage": self.zero_stage},
-                                  "bf16": {"enabled": True}, "wall_clock_breakdown": False}
+        config: dict[str, Any] = {
+            "train_batch_size": self.global_batch,
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "steps_per_print": 1000,
+            "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": self.zero_stage},
+            "bf16": {"enabled": True},
+            "wall_clock_breakdown": False,
+        }
         if self.optimizer == "bf16":
             config["data_types"] = {"grad_accum_dtype": "fp32"}
         return config
@@ -170,12 +184,24 @@ def state_range(spec: SyntheticSpec, mp_rank: int, group: int, state: str, start
 
 # ---- rank files ------------------------------------------------------------------------------
 def _param_group(spec: SyntheticSpec, group: int) -> dict[str, Any]:
-    adam = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-08, "weight_decay": 0.1 if group == 0 else 0.0,
-            "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
-            "fused": None}
+    adam = {
+        "lr": 3e-4,
+        "betas": (0.9, 0.95),
+        "eps": 1e-08,
+        "weight_decay": 0.1 if group == 0 else 0.0,
+        "amsgrad": False,
+        "maximize": False,
+        "foreach": None,
+        "capturable": False,
+        "differentiable": False,
+        "fused": None,
+    }
     if spec.flavour == "megatron":  # Megatron's get_param_groups, then torch Adam (weight decay coupled)
-        head = {"name": "wd_no_scale_lr" if group == 0 else "no_wd_no_scale_lr",
-                "wd_mult": 1.0 if group == 0 else 0.0, "lr_mult": 1.0}
+        head = {
+            "name": "wd_no_scale_lr" if group == 0 else "no_wd_no_scale_lr",
+            "wd_mult": 1.0 if group == 0 else 0.0,
+            "lr_mult": 1.0,
+        }
         return {**head, **adam, "decoupled_weight_decay": False, "params": [group]}
     return {**adam, "decoupled_weight_decay": True, "params": [group]}
 
@@ -185,9 +211,12 @@ def rank_layouts(spec: SyntheticSpec, mp_rank: int = 0) -> list[RankLayout]:
     """Every DP rank's file as the reader sees it (fragments, stored lengths, recorded paddings),
     from metadata alone: :func:`~megatron_ucp.plan.conversion.synthesize_layouts` with this release's
     paddings. The writer takes ``param_slice_mappings`` from it; the 7B/768 plan needs nothing else."""
-    return synthesize_layouts(spec.groups(mp_rank), spec.dp,
-                              recorded_style=None if spec.record else spec.padding_style(),
-                              fp32_cut_style=spec.padding_style() if spec.optimizer == "zero" else None)
+    return synthesize_layouts(
+        spec.groups(mp_rank),
+        spec.dp,
+        recorded_style=None if spec.record else spec.padding_style(),
+        fp32_cut_style=spec.padding_style() if spec.optimizer == "zero" else None,
+    )
 
 
 def _slice_mappings(layout: RankGroupLayout) -> "collections.OrderedDict[str, Any]":
@@ -215,9 +244,12 @@ def rank_file_state(spec: SyntheticSpec, mp_rank: int, dp_rank: int) -> dict[str
         masters.append(master)
         # DeepSpeedZeroOptimizer cuts its recorded padding off the fp32 partition (Python slice
         # semantics: a padding larger than the partition leaves a wrong, positive length).
-        fp32.append(master[:size - padding] if spec.optimizer == "zero" else master)
-        states[g] = {"step": torch.tensor(float(spec.iteration)), "exp_avg": part("exp_avg"),
-                     "exp_avg_sq": part("exp_avg_sq")}
+        fp32.append(master[: size - padding] if spec.optimizer == "zero" else master)
+        states[g] = {
+            "step": torch.tensor(float(spec.iteration)),
+            "exp_avg": part("exp_avg"),
+            "exp_avg_sq": part("exp_avg_sq"),
+        }
         mappings.append(_slice_mappings(layout.groups[g]))
         recorded.append(padding)
     base = {"state": states, "param_groups": [_param_group(spec, g) for g in range(len(geos))]}
@@ -232,11 +264,17 @@ def rank_file_state(spec: SyntheticSpec, mp_rank: int, dp_rank: int) -> dict[str
     sd[F.GROUP_PADDINGS] = recorded
     if spec.optimizer == "zero" and spec.files.param_alignment_paddings:
         sd[F.PARAM_ALIGNMENT_PADDINGS] = [[0] * len(g) for g in groups]
-    sd.update({F.PARTITION_COUNT: [spec.dp] * len(geos), F.DS_VERSION: spec.ds_version,
-               F.PARAM_SLICE_MAPPINGS: mappings})
+    sd.update(
+        {F.PARTITION_COUNT: [spec.dp] * len(geos), F.DS_VERSION: spec.ds_version, F.PARAM_SLICE_MAPPINGS: mappings}
+    )
     if spec.record:
-        record = partition_record([geo.numel for geo in geos], [geo.numel for geo in geos],
-                                  [geo.padded_total for geo in geos], [spec.dp] * len(geos), [dp_rank] * len(geos))
+        record = partition_record(
+            [geo.numel for geo in geos],
+            [geo.numel for geo in geos],
+            [geo.padded_total for geo in geos],
+            [spec.dp] * len(geos),
+            [dp_rank] * len(geos),
+        )
         sd.update(record)
         sd.update(partition_checksums(masters, [states[g] for g in range(len(geos))], record))
     return {F.OPTIMIZER_STATE_DICT: sd, F.DS_CONFIG: spec.ds_config(), F.DS_VERSION: spec.ds_version}
@@ -255,7 +293,7 @@ def bf16_weights(spec: SyntheticSpec, mp_rank: int) -> dict[str, torch.Tensor]:
             flat[lo:hi] = state_range(spec, mp_rank, g, "fp32", lo, hi).to(torch.bfloat16)
         offset = 0
         for p in params:
-            out[p.name] = flat[offset:offset + p.numel].view(p.shape)
+            out[p.name] = flat[offset : offset + p.numel].view(p.shape)
             offset += p.numel
     return out
 
@@ -264,8 +302,9 @@ def layer_file_name(layer: int, tp_rank: int) -> str:
     return f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
 
 
-def layer_files(spec: SyntheticSpec, mp_rank: int,
-                weights: Optional[dict[str, torch.Tensor]] = None) -> dict[str, "collections.OrderedDict[str, Any]"]:
+def layer_files(
+    spec: SyntheticSpec, mp_rank: int, weights: Optional[dict[str, torch.Tensor]] = None
+) -> dict[str, "collections.OrderedDict[str, Any]"]:
     """The pipeline model's per-layer files of one stage and TP rank (written by DP rank 0): each
     layer's own ``state_dict`` with its tensors cloned, for every layer that is a module (the tied
     embedding's second use is a function around the first, and saves nothing)."""
@@ -279,7 +318,8 @@ def layer_files(spec: SyntheticSpec, mp_rank: int,
             continue
         prefix = TIED_EMBEDDING if layer.tied else f"{layer.index}."
         out[layer_file_name(layer.index, tp_rank)] = collections.OrderedDict(
-            (k, weights[prefix + k].clone()) for k in layer.params)
+            (k, weights[prefix + k].clone()) for k in layer.params
+        )
     return out
 
 
@@ -291,9 +331,14 @@ def _module(spec: SyntheticSpec, weights: Optional[dict[str, torch.Tensor]]) -> 
         return collections.OrderedDict((n, weights[n]) for n in declared)
     # Megatron's state_dict_for_save_checkpoint: nested by submodule, the encoder's keys flat
     prefix = "language_model.encoder."
-    lm: dict[str, Any] = {"embedding": {"word_embeddings": collections.OrderedDict(
-        weight=weights["language_model.embedding.word_embeddings.weight"])}}
-    lm["encoder"] = collections.OrderedDict((n[len(prefix):], weights[n]) for n in declared if n.startswith(prefix))
+    lm: dict[str, Any] = {
+        "embedding": {
+            "word_embeddings": collections.OrderedDict(
+                weight=weights["language_model.embedding.word_embeddings.weight"]
+            )
+        }
+    }
+    lm["encoder"] = collections.OrderedDict((n[len(prefix) :], weights[n]) for n in declared if n.startswith(prefix))
     if not spec.shape.tied:
         lm["output_layer"] = collections.OrderedDict(weight=weights["language_model.output_layer.weight"])
     return {"language_model": lm}
@@ -301,18 +346,40 @@ def _module(spec: SyntheticSpec, weights: Optional[dict[str, torch.Tensor]]) -> 
 
 def _megatron_args(spec: SyntheticSpec) -> argparse.Namespace:
     s = spec.shape
-    pipeline = {"pipeline_model_parallel_size": spec.pp, "no_pipeline_parallel": not spec.pipeline,
-                "ds_pipeline_enabled": spec.pipeline}
+    pipeline = {
+        "pipeline_model_parallel_size": spec.pp,
+        "no_pipeline_parallel": not spec.pipeline,
+        "ds_pipeline_enabled": spec.pipeline,
+    }
     return argparse.Namespace(
-        num_layers=s.layers, hidden_size=s.hidden, ffn_hidden_size=s.ffn, num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads, padded_vocab_size=s.vocab, swiglu=s.swiglu,
-        untie_embeddings_and_output_weights=not s.tied, normalization="rmsnorm", add_bias_linear=False,
-        add_position_embedding=False, use_rotary_position_embeddings=True, seq_length=spec.seq_length,
-        tensor_model_parallel_size=spec.tp, **pipeline, data_parallel_size=spec.dp,
-        world_size=spec.dp * spec.mp_size, rank=0,
-        micro_batch_size=spec.micro_batch, global_batch_size=spec.global_batch, iteration=spec.iteration,
-        consumed_train_samples=spec.iteration * spec.global_batch, consumed_valid_samples=0,
-        deepspeed=True, bf16=True, fp16=False, zero_stage=spec.zero_stage)
+        num_layers=s.layers,
+        hidden_size=s.hidden,
+        ffn_hidden_size=s.ffn,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        padded_vocab_size=s.vocab,
+        swiglu=s.swiglu,
+        untie_embeddings_and_output_weights=not s.tied,
+        normalization="rmsnorm",
+        add_bias_linear=False,
+        add_position_embedding=False,
+        use_rotary_position_embeddings=True,
+        seq_length=spec.seq_length,
+        tensor_model_parallel_size=spec.tp,
+        **pipeline,
+        data_parallel_size=spec.dp,
+        world_size=spec.dp * spec.mp_size,
+        rank=0,
+        micro_batch_size=spec.micro_batch,
+        global_batch_size=spec.global_batch,
+        iteration=spec.iteration,
+        consumed_train_samples=spec.iteration * spec.global_batch,
+        consumed_valid_samples=0,
+        deepspeed=True,
+        bf16=True,
+        fp16=False,
+        zero_stage=spec.zero_stage,
+    )
 
 
 def _megatron_args_of(spec: SyntheticSpec, mp_rank: int) -> argparse.Namespace:
@@ -326,45 +393,76 @@ def _megatron_args_of(spec: SyntheticSpec, mp_rank: int) -> argparse.Namespace:
 def _rng_state(seed: int) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(seed)
     state = gen.get_state()
-    return [{"random_rng_state": random.Random(seed).getstate(),
-             "np_rng_state": np.random.RandomState(seed).get_state(),
-             "torch_rng_state": state, "cuda_rng_state": state.clone(),
-             "rng_tracker_states": {"model-parallel-rng": state.clone()}}]
+    return [
+        {
+            "random_rng_state": random.Random(seed).getstate(),
+            "np_rng_state": np.random.RandomState(seed).get_state(),
+            "torch_rng_state": state,
+            "cuda_rng_state": state.clone(),
+            "rng_tracker_states": {"model-parallel-rng": state.clone()},
+        }
+    ]
 
 
 def _universal_info(spec: SyntheticSpec) -> dict[str, Any]:
     """Megatron-DeepSpeed's ``universal_checkpoint_info``: its name patterns are the model class's."""
     s = spec.shape
-    info: dict[str, Any] = {F.UNIVERSAL_CHECKPOINT_VERSION_KEY: spec.files.universal_checkpoint_version,
-                            F.ORIGINAL_VOCAB_SIZE: s.original_vocab, "padded_vocab_size": s.vocab}
+    info: dict[str, Any] = {
+        F.UNIVERSAL_CHECKPOINT_VERSION_KEY: spec.files.universal_checkpoint_version,
+        F.ORIGINAL_VOCAB_SIZE: s.original_vocab,
+        "padded_vocab_size": s.vocab,
+    }
     if spec.pipeline:
         tied = [TIED_EMBEDDING + "word_embeddings.weight"]
-        info[F.VOCABULARY_PARAMETER_PATTERNS] = tied if s.tied else [r"\d+.word_embeddings.weight",
-                                                                     r"\d+.lm_head.weight"]
+        info[F.VOCABULARY_PARAMETER_PATTERNS] = (
+            tied if s.tied else [r"\d+.word_embeddings.weight", r"\d+.lm_head.weight"]
+        )
         info[F.PIPELINE_REPLICATED_PARAMETER_PATTERNS] = tied if s.tied else []
         layers, final_norm = "", r"\d+.weight"
     else:
-        info[F.VOCABULARY_PARAMETER_PATTERNS] = (["language_model.embedding.word_embeddings.weight"]
-                                                 + ([] if s.tied else ["language_model.output_layer.weight"]))
+        info[F.VOCABULARY_PARAMETER_PATTERNS] = ["language_model.embedding.word_embeddings.weight"] + (
+            [] if s.tied else ["language_model.output_layer.weight"]
+        )
         layers, final_norm = "language_model.encoder.layers.", "language_model.encoder.final_layernorm.weight"
     if spec.tp > 1:
-        info[F.TP_REPLICATED_PARAMETER_PATTERNS] = [layers + r"\d+.input_layernorm.weight",
-                                                    layers + r"\d+.post_attention_layernorm.weight", final_norm]
-        info[F.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] = [layers + r"\d+.mlp.dense_4h_to_h.weight",
-                                                           layers + r"\d+.self_attention.dense.weight"]
+        info[F.TP_REPLICATED_PARAMETER_PATTERNS] = [
+            layers + r"\d+.input_layernorm.weight",
+            layers + r"\d+.post_attention_layernorm.weight",
+            final_norm,
+        ]
+        info[F.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS] = [
+            layers + r"\d+.mlp.dense_4h_to_h.weight",
+            layers + r"\d+.self_attention.dense.weight",
+        ]
     info[F.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0] = [layers + r"\d+.mlp.dense_h_to_4h.weight"] if s.swiglu else []
     return info
 
 
 def _megatron_client_state(spec: SyntheticSpec, mp_rank: int) -> dict[str, Any]:
-    lr = {"max_lr": 3e-4, "lr_warmup_steps": 2000, "lr_warmup_tokens": None, "num_steps": spec.iteration,
-          "num_tokens": spec.iteration * spec.global_batch * spec.seq_length, "lr_decay_style": "cosine",
-          "lr_decay_steps": 10 ** 6, "lr_decay_tokens": None, "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1,
-          "wd_incr_style": "constant", "wd_incr_steps": 10 ** 6}
-    return {"lr_scheduler": lr, F.UNIVERSAL_CHECKPOINT_INFO: _universal_info(spec),
-            "args": _megatron_args_of(spec, mp_rank),
-            "checkpoint_version": 3.0, "iteration": spec.iteration,
-            "tokens": spec.iteration * spec.global_batch * spec.seq_length, "rng_state": _rng_state(spec.seed)}
+    lr = {
+        "max_lr": 3e-4,
+        "lr_warmup_steps": 2000,
+        "lr_warmup_tokens": None,
+        "num_steps": spec.iteration,
+        "num_tokens": spec.iteration * spec.global_batch * spec.seq_length,
+        "lr_decay_style": "cosine",
+        "lr_decay_steps": 10**6,
+        "lr_decay_tokens": None,
+        "min_lr": 3e-5,
+        "start_wd": 0.1,
+        "end_wd": 0.1,
+        "wd_incr_style": "constant",
+        "wd_incr_steps": 10**6,
+    }
+    return {
+        "lr_scheduler": lr,
+        F.UNIVERSAL_CHECKPOINT_INFO: _universal_info(spec),
+        "args": _megatron_args_of(spec, mp_rank),
+        "checkpoint_version": 3.0,
+        "iteration": spec.iteration,
+        "tokens": spec.iteration * spec.global_batch * spec.seq_length,
+        "rng_state": _rng_state(spec.seed),
+    }
 
 
 def model_states(spec: SyntheticSpec, mp_rank: int, weights: Optional[dict[str, torch.Tensor]] = None) -> dict:
@@ -377,22 +475,34 @@ def model_states(spec: SyntheticSpec, mp_rank: int, weights: Optional[dict[str, 
         "module": _module(spec, weights),
         "buffer_names": [ROTARY_BUFFER] if spec.flavour == "megatron" and not spec.pipeline else [],
         "optimizer": None,
-        F.PARAM_SHAPES: [collections.OrderedDict((p.name, torch.Size(p.shape)) for p in g)
-                         for g in spec.groups(mp_rank)],
+        F.PARAM_SHAPES: [
+            collections.OrderedDict((p.name, torch.Size(p.shape)) for p in g) for g in spec.groups(mp_rank)
+        ],
         # ZeRO-2 (partitioned gradients) saves the frozen parameters' shapes and fragments: none here
-        "frozen_param_shapes": frozen, "shared_params": {}, "frozen_param_fragments": frozen,
+        "frozen_param_shapes": frozen,
+        "shared_params": {},
+        "frozen_param_fragments": frozen,
         "lr_scheduler": client.pop("lr_scheduler", {"last_batch_iteration": spec.iteration - 1}),
-        "data_sampler": None, "random_ltd": None}
+        "data_sampler": None,
+        "random_ltd": None,
+    }
     if files.sparse_tensor_module_names:
         state["sparse_tensor_module_names"] = set()
-    state.update({"skipped_steps": 0, "global_steps": spec.iteration,
-                  "global_samples": spec.iteration * spec.global_batch, F.DP_WORLD_SIZE: spec.dp,
-                  F.MP_WORLD_SIZE: spec.mp_size})
+    state.update(
+        {
+            "skipped_steps": 0,
+            "global_steps": spec.iteration,
+            "global_samples": spec.iteration * spec.global_batch,
+            F.DP_WORLD_SIZE: spec.dp,
+            F.MP_WORLD_SIZE: spec.mp_size,
+        }
+    )
     if files.parallel_dimensions:
         state[F.CHECKPOINT_PARALLEL_DIMENSIONS] = {"pp_degree": spec.pp, "tp_degree": spec.tp}
     state.update({F.DS_CONFIG: spec.ds_config(), F.DS_VERSION: spec.ds_version})
     state.update(client)
     if spec.record and spec.flavour == "megatron":
-        state[TP_LAYOUT_KEY] = {name: layout.to_record()
-                                for name, layout in spec.shape.tp_layouts(spec.stage(mp_rank)).items()}
+        state[TP_LAYOUT_KEY] = {
+            name: layout.to_record() for name, layout in spec.shape.tp_layouts(spec.stage(mp_rank)).items()
+        }
     return state

@@ -9,6 +9,7 @@ conversions are byte-identical), a rank's partition is made without the rest, an
 rebuild any parameter independently. Padding (from the group's real length on) is zero, as in
 DeepSpeed's buffers, where Adam leaves the zero-initialised padding at zero.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,6 +41,6 @@ def flat_range(seed: int, buffer: str, state: str, start: int, stop: int, real: 
         index = pos // BLOCK
         lo = pos - index * BLOCK
         hi = min(BLOCK, end - index * BLOCK)
-        out[pos - start: pos - start + hi - lo] = _block(seed, buffer, state, index)[lo:hi]
+        out[pos - start : pos - start + hi - lo] = _block(seed, buffer, state, index)[lo:hi]
         pos += hi - lo
     return out

@@ -6,6 +6,7 @@ are replaced last, by rename. A half-written synthetic checkpoint is never taken
 Files are saved with ``torch.save`` and :data:`~megatron_ucp.format.lightpickle.PICKLE_MODULE`
 (DeepSpeed's objects as stand-ins), as DeepSpeed saves them.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -68,23 +69,29 @@ def _recovery_scripts(spec: SyntheticSpec, root: Path) -> None:
             shutil.copyfile(where / name, root / name)
 
 
-def write_checkpoint(root: os.PathLike | str, spec: SyntheticSpec, progress: bool = True,
-                     rank_files: Optional[range] = None) -> Written:
+def write_checkpoint(
+    root: os.PathLike | str, spec: SyntheticSpec, progress: bool = True, rank_files: Optional[range] = None
+) -> Written:
     """Write ``root/<spec.tag>`` and point ``latest`` at it. ``rank_files`` (DP ranks) limits the
     optimizer files written (a partial folder for metadata-only work; ``latest`` is then not moved)."""
     root = Path(root)
     tag_dir = root / spec.tag
     if tag_dir.exists():
-        raise UcpError(f"{tag_dir}: already exists; the synthetic writer does not overwrite checkpoints",
-                       subject=str(tag_dir))
+        raise UcpError(
+            f"{tag_dir}: already exists; the synthetic writer does not overwrite checkpoints", subject=str(tag_dir)
+        )
     staging = root / f".{spec.tag}{STAGING_SUFFIX}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     ranks = range(spec.dp) if rank_files is None else rank_files
     started = time.perf_counter()
     total = files = 0
-    bar = tqdm(total=spec.mp_size * (len(ranks) + 1), unit="file", disable=not progress,
-               desc=f"synthetic {spec.tag} ({spec.layout_text()})")
+    bar = tqdm(
+        total=spec.mp_size * (len(ranks) + 1),
+        unit="file",
+        disable=not progress,
+        desc=f"synthetic {spec.tag} ({spec.layout_text()})",
+    )
     try:
         for mp_rank in range(spec.mp_size):
             weights = bf16_weights(spec, mp_rank)
@@ -112,7 +119,15 @@ def write_checkpoint(root: os.PathLike | str, spec: SyntheticSpec, progress: boo
             _replace_text(root / "latest_checkpointed_iteration.txt", str(spec.iteration))
         _replace_text(root / F.LATEST, spec.tag)
     seconds = time.perf_counter() - started
-    log.info("synthetic checkpoint %s: %d files, %.2f GB in %.1f s (%s, %s, DeepSpeed %s files%s)",
-             tag_dir, files, total / 1e9, seconds, spec.optimizer, spec.layout_text(), spec.ds_version,
-             ", with megatron-ucp's save record" if spec.record else "")
+    log.info(
+        "synthetic checkpoint %s: %d files, %.2f GB in %.1f s (%s, %s, DeepSpeed %s files%s)",
+        tag_dir,
+        files,
+        total / 1e9,
+        seconds,
+        spec.optimizer,
+        spec.layout_text(),
+        spec.ds_version,
+        ", with megatron-ucp's save record" if spec.record else "",
+    )
     return Written(tag_dir=tag_dir, files=files, bytes=total, seconds=seconds)

@@ -19,6 +19,7 @@ The model and run size come from helpers.sh's own variables (``NLAYERS``, ``HIDD
 ``TRAIN_ITERS``, ``DATA_FILE_LIST``, ``TOKENIZER_TYPE=NullTokenizer``, ``BE=gloo``); the one
 argument given to the script is ``--vocab-size`` for the NullTokenizer.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,9 @@ PBS_AUX = Path("/var/spool/pbs/aux")
 
 
 def ezpz_utils(snapshot_dir: Optional[Path] = None) -> Path:
-    ezpz = snapshot_dir or Path(os.environ.get("EZPZ_DIR", "") or
-                                Path(os.environ["MEGATRON_DEEPSPEED_DIR"]).parent / "ezpz")
+    ezpz = snapshot_dir or Path(
+        os.environ.get("EZPZ_DIR", "") or Path(os.environ["MEGATRON_DEEPSPEED_DIR"]).parent / "ezpz"
+    )
     path = ezpz / "src" / "ezpz" / "bin" / "utils.sh"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: ezpz's utils.sh (set EZPZ_DIR to the ezpz snapshot)")
@@ -88,33 +90,60 @@ class AlcfJob:
 
     def env(self, ranks: int) -> dict[str, str]:
         env = rank_env()
-        env.update({
-            "PATH": os.pathsep.join([str(self.folder / "bin"), env["PATH"]]),
-            "UCP_TEST_EZPZ_UTILS": str(ezpz_utils()),
-            "UCP_TEST_JOBID": self.jobid,
-            "UCP_TEST_RANKS": str(ranks),
-            "PBS_JOBID": self.jobid,
-            "PBS_NODEFILE": str(PBS_AUX / self.jobid),
-            "PBS_O_WORKDIR": str(self.checkout.root),
-            "USER": env.get("USER", "root") or "root",
-            # helpers.sh's own knobs: a tiny llama on the CPU, 6 iterations, saves every 3
-            "NGPU_PER_HOST": str(ranks), "TP": "1", "BE": "gloo", "DTYPE": "bf16", "ZERO_STAGE": "1", "OPT": "adamw",
-            "NLAYERS": "2", "HIDDEN": "64", "HEADS": "4", "NUM_KV_HEAD": "2", "FFN_HIDDEN_SIZE": "128", "SEQ": "32",
-            "MICRO_BATCH": "1", "TRAIN_ITERS": "6", "SAVE_INTERVAL": "3", "EVAL_INTERVAL": "1000", "EVAL_ITERS": "1",
-            "NO_TENSORBOARD": "1", "NO_FLASH_ATTN": "1", "TOKENIZER_TYPE": "NullTokenizer",
-            "DATA_FILE_LIST": str(self.folder / "data-file-list.txt"), "CKPT_DIR": str(self.ckpt),
-            "UCP": "1", "PYTHON": sys.executable,
-        })
+        env.update(
+            {
+                "PATH": os.pathsep.join([str(self.folder / "bin"), env["PATH"]]),
+                "UCP_TEST_EZPZ_UTILS": str(ezpz_utils()),
+                "UCP_TEST_JOBID": self.jobid,
+                "UCP_TEST_RANKS": str(ranks),
+                "PBS_JOBID": self.jobid,
+                "PBS_NODEFILE": str(PBS_AUX / self.jobid),
+                "PBS_O_WORKDIR": str(self.checkout.root),
+                "USER": env.get("USER", "root") or "root",
+                # helpers.sh's own knobs: a tiny llama on the CPU, 6 iterations, saves every 3
+                "NGPU_PER_HOST": str(ranks),
+                "TP": "1",
+                "BE": "gloo",
+                "DTYPE": "bf16",
+                "ZERO_STAGE": "1",
+                "OPT": "adamw",
+                "NLAYERS": "2",
+                "HIDDEN": "64",
+                "HEADS": "4",
+                "NUM_KV_HEAD": "2",
+                "FFN_HIDDEN_SIZE": "128",
+                "SEQ": "32",
+                "MICRO_BATCH": "1",
+                "TRAIN_ITERS": "6",
+                "SAVE_INTERVAL": "3",
+                "EVAL_INTERVAL": "1000",
+                "EVAL_ITERS": "1",
+                "NO_TENSORBOARD": "1",
+                "NO_FLASH_ATTN": "1",
+                "TOKENIZER_TYPE": "NullTokenizer",
+                "DATA_FILE_LIST": str(self.folder / "data-file-list.txt"),
+                "CKPT_DIR": str(self.ckpt),
+                "UCP": "1",
+                "PYTHON": sys.executable,
+            }
+        )
         return env
 
-    def run(self, ranks: int, extra_env: Optional[dict[str, str]] = None, timeout: float = 420
-            ) -> tuple[str, dict[int, float]]:
+    def run(
+        self, ranks: int, extra_env: Optional[dict[str, str]] = None, timeout: float = 420
+    ) -> tuple[str, dict[int, float]]:
         """Launch the wrapper; returns (its whole output, Megatron's loss per iteration)."""
         env = self.env(ranks)
         env.update(extra_env or {})
-        proc = subprocess.run(["bash", str(WRAPPER), "--vocab-size", str(CORPUS_TOKENS)], cwd=self.checkout.root,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                              timeout=timeout)
+        proc = subprocess.run(
+            ["bash", str(WRAPPER), "--vocab-size", str(CORPUS_TOKENS)],
+            cwd=self.checkout.root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            timeout=timeout,
+        )
         log = proc.stdout.decode(errors="replace")
         (self.folder / f"wrapper-{ranks}-ranks-{len(list(self.folder.glob('wrapper-*.log')))}.log").write_text(log)
         return log, parse_losses(log)

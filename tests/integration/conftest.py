@@ -5,6 +5,7 @@ Unset, these tests skip with that reason; with ``MEGATRON_UCP_REQUIRE_INTEGRATIO
 Makefile's matrix whenever the snapshot is there) a skip is a failure instead, so CI cannot pass
 without having run them.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.mds import (SNAPSHOT_ENV, Checkout, deepspeed_version, prepare_checkout,
-                                   script_imports_unedited, snapshot_dir)
+from tests.integration.mds import (
+    SNAPSHOT_ENV,
+    Checkout,
+    deepspeed_version,
+    prepare_checkout,
+    script_imports_unedited,
+    snapshot_dir,
+)
 
 REQUIRE_ENV = "MEGATRON_UCP_REQUIRE_INTEGRATION"
 CACHE_ENV = "MEGATRON_UCP_MDS_CACHE"
@@ -36,8 +43,10 @@ def mds_checkout(tmp_path_factory: pytest.TempPathFactory) -> Checkout:
         _cannot_run(f"{SNAPSHOT_ENV}={snapshot} holds no pretrain_gpt_alcf.py")
     version = deepspeed_version()
     if not script_imports_unedited(version):
-        _cannot_run(f"DeepSpeed {version} no longer ships deepspeed.compression.compress, which "
-                    "Megatron-DeepSpeed's megatron/training.py imports: the script cannot start unedited")
+        _cannot_run(
+            f"DeepSpeed {version} no longer ships deepspeed.compression.compress, which "
+            "Megatron-DeepSpeed's megatron/training.py imports: the script cannot start unedited"
+        )
     cache = os.environ.get(CACHE_ENV, "").strip()
     if not cache:
         return prepare_checkout(tmp_path_factory.mktemp("mds"), snapshot)

@@ -23,6 +23,7 @@ DeepSpeed's optional shared-memory kernel from being JIT-built; see there), ``DS
 Makefile's version matrix puts one release on ``PYTHONPATH``); the launcher is torchrun (or, for
 the wrapper test, ``ezpz launch`` through ``ALCF/helpers.sh``).
 """
+
 from __future__ import annotations
 
 import json
@@ -42,10 +43,12 @@ SNAPSHOT_ENV = "MEGATRON_DEEPSPEED_DIR"
 SITE_DIR = Path(__file__).resolve().parent / "site"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _KNN_IMPORT = "from megatron.model.vision.knn_monitor import compute_feature_bank\n"
-_KNN_GUARDED = ("try:  # megatron-ucp test copy: torchvision does not load here (environment edit)\n"
-                "    from megatron.model.vision.knn_monitor import compute_feature_bank\n"
-                "except ImportError:\n"
-                "    compute_feature_bank = None\n")
+_KNN_GUARDED = (
+    "try:  # megatron-ucp test copy: torchvision does not load here (environment edit)\n"
+    "    from megatron.model.vision.knn_monitor import compute_feature_bank\n"
+    "except ImportError:\n"
+    "    compute_feature_bank = None\n"
+)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _EXCEPTION_LINE = re.compile(r"(^|\]: |\s)[A-Za-z_.]*(Error|Exception|Interrupt)\b: ")
 _LOSS = re.compile(r"iteration=\s*(\d+)/\s*\d+ \|.*?\| lm loss=([0-9.eE+-]+) \|")
@@ -114,10 +117,27 @@ def prepare_checkout(dest: Path, snapshot: Optional[Path] = None) -> Checkout:
     data = dest / "data"
     data.mkdir()
     _write_corpus(data / "corpus.jsonl")
-    subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(data / "corpus.jsonl"),
-                    "--output-prefix", str(data / "corpus"), "--tokenizer-type", "NullTokenizer",
-                    "--vocab-size", str(CORPUS_TOKENS), "--append-eod", "--workers", "1"],
-                   cwd=root, env=env, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "tools/preprocess_data.py",
+            "--input",
+            str(data / "corpus.jsonl"),
+            "--output-prefix",
+            str(data / "corpus"),
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            str(CORPUS_TOKENS),
+            "--append-eod",
+            "--workers",
+            "1",
+        ],
+        cwd=root,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     co = Checkout(root=root, data_prefix=data / "corpus_text_document")
     warm_index_cache(co, dest / "warm-up")
     return co
@@ -137,16 +157,18 @@ def warm_index_cache(co: Checkout, folder: Path) -> None:
 def rank_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     """Environment of every process of a Megatron run (see the module docstring)."""
     env = dict(os.environ)
-    env.update({
-        "DS_ACCELERATOR": "cpu",
-        "WANDB_MODE": "disabled",
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "GLOO_SOCKET_IFNAME": "lo",
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
-        "PYTHONPATH": os.pathsep.join([str(SITE_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
-    })
+    env.update(
+        {
+            "DS_ACCELERATOR": "cpu",
+            "WANDB_MODE": "disabled",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+            "PYTHONPATH": os.pathsep.join([str(SITE_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])),
+        }
+    )
     env.update(extra or {})
     return env
 
@@ -166,26 +188,46 @@ class MdsModel:
     pipeline model, both the first and the last stage then hold ``tied_modules.embed``)."""
 
     def args(self) -> list[str]:
-        return ["--num-layers", str(self.layers), "--hidden-size", str(self.hidden),
-                "--num-attention-heads", str(self.heads), "--num-key-value-heads", str(self.kv_heads),
-                "--ffn-hidden-size", str(self.ffn), "--seq-length", str(self.seq),
-                "--max-position-embeddings", str(2 * self.seq),
-                "--swiglu", "--hidden-dropout", "0", "--attention-dropout", "0", "--normalization", "rmsnorm",
-                "--disable-bias-linear", "--no-query-key-layer-scaling", "--use-rotary-position-embeddings",
-                *(["--untie-embeddings-and-output-weights"] if self.untied else [])]
+        return [
+            "--num-layers",
+            str(self.layers),
+            "--hidden-size",
+            str(self.hidden),
+            "--num-attention-heads",
+            str(self.heads),
+            "--num-key-value-heads",
+            str(self.kv_heads),
+            "--ffn-hidden-size",
+            str(self.ffn),
+            "--seq-length",
+            str(self.seq),
+            "--max-position-embeddings",
+            str(2 * self.seq),
+            "--swiglu",
+            "--hidden-dropout",
+            "0",
+            "--attention-dropout",
+            "0",
+            "--normalization",
+            "rmsnorm",
+            "--disable-bias-linear",
+            "--no-query-key-layer-scaling",
+            "--use-rotary-position-embeddings",
+            *(["--untie-embeddings-and-output-weights"] if self.untied else []),
+        ]
 
 
 @dataclass
 class MdsRun:
     """One launch of pretrain_gpt_alcf.py: ``nproc`` ranks, DP = ``nproc / (tp * pp)``.
 
-``pipeline=False`` builds the non-pipeline ``GPTModel`` (``--no-pipeline-parallel``, AuroraGPT's
-choice; PP must be 1), ``True`` the pipeline model ``GPTModelPipe`` (PP >= 1).
+    ``pipeline=False`` builds the non-pipeline ``GPTModel`` (``--no-pipeline-parallel``, AuroraGPT's
+    choice; PP must be 1), ``True`` the pipeline model ``GPTModelPipe`` (PP >= 1).
 
-    ``optimizer="bf16"``: BF16_Optimizer (DeepSpeed config with ``data_types.grad_accum_dtype:
-    fp32``); ``"zero"``: DeepSpeedZeroOptimizer (the ALCF default at PP=1). ``route``: ``runner``
-    (``-m megatron_ucp.run``), ``plain`` (the script alone) or ``script`` (the given entry
-    script, e.g. a patched copy).
+        ``optimizer="bf16"``: BF16_Optimizer (DeepSpeed config with ``data_types.grad_accum_dtype:
+        fp32``); ``"zero"``: DeepSpeedZeroOptimizer (the ALCF default at PP=1). ``route``: ``runner``
+        (``-m megatron_ucp.run``), ``plain`` (the script alone) or ``script`` (the given entry
+        script, e.g. a patched copy).
     """
 
     nproc: int
@@ -245,19 +287,70 @@ def _free_port() -> int:
 def megatron_args(co: Checkout, run: MdsRun, config_path: Path) -> list[str]:
     return [
         *run.model.args(),
-        "--micro-batch-size", str(run.micro_batch), "--global-batch-size", str(run.global_batch),
-        "--train-iters", str(run.train_iters), "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
-        "--lr-warmup-iters", "1", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
-        "--clip-grad", "1.0", "--optimizer", "adam", "--seed", "1234",
-        "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
-        "--no-gradient-accumulation-fusion", "--bf16", "--accumulate-allreduce-grads-in-fp32",
-        "--deepspeed", "--deepspeed_config", str(config_path), "--zero-stage", str(run.zero_stage),
+        "--micro-batch-size",
+        str(run.micro_batch),
+        "--global-batch-size",
+        str(run.global_batch),
+        "--train-iters",
+        str(run.train_iters),
+        "--lr",
+        "1e-3",
+        "--min-lr",
+        "1e-4",
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        "1",
+        "--weight-decay",
+        "0.1",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.95",
+        "--clip-grad",
+        "1.0",
+        "--optimizer",
+        "adam",
+        "--seed",
+        "1234",
+        "--no-bias-gelu-fusion",
+        "--no-bias-dropout-fusion",
+        "--no-masked-softmax-fusion",
+        "--no-gradient-accumulation-fusion",
+        "--bf16",
+        "--accumulate-allreduce-grads-in-fp32",
+        "--deepspeed",
+        "--deepspeed_config",
+        str(config_path),
+        "--zero-stage",
+        str(run.zero_stage),
         *([] if run.pipeline else ["--no-pipeline-parallel"]),
-        "--tensor-model-parallel-size", str(run.tp), "--pipeline-model-parallel-size", str(run.pp),
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(CORPUS_TOKENS),
-        "--data-path", str(co.data_prefix), "--split", "990,10,0",
-        "--distributed-backend", "gloo", "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "0",
-        "--save", str(run.ckpt), "--load", str(run.ckpt), "--save-interval", str(run.save_interval),
+        "--tensor-model-parallel-size",
+        str(run.tp),
+        "--pipeline-model-parallel-size",
+        str(run.pp),
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(CORPUS_TOKENS),
+        "--data-path",
+        str(co.data_prefix),
+        "--split",
+        "990,10,0",
+        "--distributed-backend",
+        "gloo",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "100000",
+        "--eval-iters",
+        "0",
+        "--save",
+        str(run.ckpt),
+        "--load",
+        str(run.ckpt),
+        "--save-interval",
+        str(run.save_interval),
         *run.extra_args,
     ]
 
@@ -272,8 +365,17 @@ def run_mds(co: Checkout, run: MdsRun) -> MdsResult:
     run.ckpt.parent.mkdir(parents=True, exist_ok=True)
     config_path = run.ckpt.parent / f"{run.ckpt.name}-ds-config-{run.optimizer}-{run.global_batch}.json"
     config_path.write_text(json.dumps(ds_config(run)))
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(run.nproc),
-                "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(run.nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+    ]
     if run.route == "runner":
         target = ["-m", "megatron_ucp.integration.run", str(co.entry)]
     elif run.route == "plain":
@@ -285,17 +387,27 @@ def run_mds(co: Checkout, run: MdsRun) -> MdsResult:
         raise ValueError(f"unknown route {run.route!r}")
     cmd = [*launcher, *target, *megatron_args(co, run, config_path)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=co.root, env=rank_env(run.env), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=run.timeout)
+    proc = subprocess.run(
+        cmd,
+        cwd=co.root,
+        env=rank_env(run.env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        timeout=run.timeout,
+    )
     log = _ANSI.sub("", proc.stdout.decode(errors="replace"))
     log_path = run.ckpt.parent / f"{run.ckpt.name}-run-{time.strftime('%H%M%S')}.log"
     log_path.write_text(log)
-    result = MdsResult(returncode=proc.returncode, log=log, losses=parse_losses(log),
-                       wall_s=time.perf_counter() - start)
+    result = MdsResult(
+        returncode=proc.returncode, log=log, losses=parse_losses(log), wall_s=time.perf_counter() - start
+    )
     if proc.returncode != 0 and not run.expect_failure:
-        raise RuntimeError(f"Megatron-DeepSpeed run failed (exit {proc.returncode}, nproc={run.nproc}, "
-                           f"optimizer={run.optimizer}, route={run.route}; full log {log_path}):\n"
-                           f"{failure_excerpt(log)}")
+        raise RuntimeError(
+            f"Megatron-DeepSpeed run failed (exit {proc.returncode}, nproc={run.nproc}, "
+            f"optimizer={run.optimizer}, route={run.route}; full log {log_path}):\n"
+            f"{failure_excerpt(log)}"
+        )
     return result
 
 

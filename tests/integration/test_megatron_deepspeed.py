@@ -14,6 +14,7 @@ noise; a dropped padded-vocabulary row moves them by ~1e-2). A second model is s
 DP=4 one rank's share of the norm weights is all padding: saved there, and loaded back at DP=4
 from the universal folder, where stock DeepSpeed dies with IndexError.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -24,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ucp.format import dsformat as F
 from megatron_ucp.convert.universal import read_manifest, universal_state
 from megatron_ucp.convert.verify import verify_universal
+from megatron_ucp.format import dsformat as F
 from tests.integration.mds import MdsModel, MdsResult, MdsRun, point_latest_at, run_mds
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -40,8 +41,18 @@ holds only padding."""
 
 def _train(co, folder: Path, optimizer: str, model: MdsModel = MdsModel()) -> tuple[Path, MdsResult]:
     root = folder / "ckpt"
-    res = run_mds(co, MdsRun(nproc=4, ckpt=root, optimizer=optimizer, model=model, train_iters=6,
-                             save_interval=3, extra_args=["--ucp-async-convert"]))
+    res = run_mds(
+        co,
+        MdsRun(
+            nproc=4,
+            ckpt=root,
+            optimizer=optimizer,
+            model=model,
+            train_iters=6,
+            save_interval=3,
+            extra_args=["--ucp-async-convert"],
+        ),
+    )
     return root, res
 
 
@@ -98,8 +109,10 @@ def test_training_saves_and_converts_in_the_background(trained):
         assert report.ok, report.problems[:5]
     assert (root / F.LATEST_UNIVERSAL).read_text() == "global_step6_universal"
     # Megatron's vocabulary: 257 real rows of 384; the padded rows are kept beside the trimmed tensor
-    entry = torch.load(root / "global_step3_universal" / "zero" / "language_model.output_layer.weight" / "exp_avg.pt",
-                       weights_only=False)
+    entry = torch.load(
+        root / "global_step3_universal" / "zero" / "language_model.output_layer.weight" / "exp_avg.pt",
+        weights_only=False,
+    )
     assert entry[F.PARAM].shape[0] == 257 and entry[F.VOCAB_PADDED_ROWS].shape[0] == 384 - 257
 
 
@@ -118,10 +131,27 @@ def test_synthetic_writer_matches_the_training_save(trained, tmp_path):
 
     optimizer, root, _ = trained
     m = MdsModel()
-    shape = LlamaShape(layers=m.layers, hidden=m.hidden, ffn=m.ffn, heads=m.heads, kv_heads=m.kv_heads, vocab=384,
-                       original_vocab=CORPUS_TOKENS + 1, tied=not m.untied)
-    spec = SyntheticSpec(shape=shape, dp=4, optimizer=optimizer, record=True, ds_version=deepspeed.__version__,
-                         iteration=3, micro_batch=1, grad_accumulation=3, seq_length=m.seq)
+    shape = LlamaShape(
+        layers=m.layers,
+        hidden=m.hidden,
+        ffn=m.ffn,
+        heads=m.heads,
+        kv_heads=m.kv_heads,
+        vocab=384,
+        original_vocab=CORPUS_TOKENS + 1,
+        tied=not m.untied,
+    )
+    spec = SyntheticSpec(
+        shape=shape,
+        dp=4,
+        optimizer=optimizer,
+        record=True,
+        ds_version=deepspeed.__version__,
+        iteration=3,
+        micro_batch=1,
+        grad_accumulation=3,
+        seq_length=m.seq,
+    )
     written = write_checkpoint(tmp_path / "synthetic", spec, progress=False)
     diffs = folder_differences(root / "global_step3", written.tag_dir)
     assert not diffs, "\n".join(diffs[:40])
@@ -132,10 +162,21 @@ def test_synthetic_writer_matches_the_training_save(trained, tmp_path):
 
 def _dp3(mds_checkout, mds_runs, optimizer: str, root: Path, route: str) -> MdsResult:
     """The iteration-3 checkpoint resumed at DP=3 through the runner, no flag but the resume route."""
+
     def resume(folder: Path) -> MdsResult:
         ckpt = _restart_copy(root, folder / "ckpt")
-        return run_mds(mds_checkout, MdsRun(nproc=3, ckpt=ckpt, optimizer=optimizer, train_iters=6,
-                                            save_interval=100, extra_args=["--ucp-resume-route", route]))
+        return run_mds(
+            mds_checkout,
+            MdsRun(
+                nproc=3,
+                ckpt=ckpt,
+                optimizer=optimizer,
+                train_iters=6,
+                save_interval=100,
+                extra_args=["--ucp-resume-route", route],
+            ),
+        )
+
     return mds_runs.get(f"dp3-{route}-{optimizer}", resume)
 
 
@@ -171,15 +212,27 @@ def test_resume_at_dp2_with_universal_checkpoint_flag(trained, mds_checkout, mds
     def resume(folder: Path) -> MdsResult:
         ckpt = _restart_copy(root, folder / "ckpt")
         if optimizer == "bf16":
-            run = MdsRun(nproc=2, ckpt=ckpt, optimizer=optimizer, save_interval=100,
-                         extra_args=["--universal-checkpoint"])
+            run = MdsRun(
+                nproc=2, ckpt=ckpt, optimizer=optimizer, save_interval=100, extra_args=["--universal-checkpoint"]
+            )
         else:
             patched = mds_checkout.root / "pretrain_gpt_alcf_ucp_patched.py"
             if not patched.exists():
-                subprocess.run(["patch", "-p1", "-o", str(patched), "pretrain_gpt_alcf.py", str(PATCH)],
-                               cwd=mds_checkout.root, check=True, capture_output=True)
-            run = MdsRun(nproc=2, ckpt=ckpt, optimizer=optimizer, save_interval=100, route="script",
-                         entry=patched, extra_args=["--universal-checkpoint", "--no-load-rng"])
+                subprocess.run(
+                    ["patch", "-p1", "-o", str(patched), "pretrain_gpt_alcf.py", str(PATCH)],
+                    cwd=mds_checkout.root,
+                    check=True,
+                    capture_output=True,
+                )
+            run = MdsRun(
+                nproc=2,
+                ckpt=ckpt,
+                optimizer=optimizer,
+                save_interval=100,
+                route="script",
+                entry=patched,
+                extra_args=["--universal-checkpoint", "--no-load-rng"],
+            )
         return run_mds(mds_checkout, run)
 
     res = mds_runs.get(f"dp2-{optimizer}", resume)
@@ -191,14 +244,27 @@ def test_padding_only_rank_saved_and_loaded(mds_checkout, mds_runs):
     """Rank 3 of 4 holds only padding of the norm group: stock ds_to_universal dies converting it
     (BF16_Optimizer) and stock load_universal dies loading it back at DP=4; megatron-ucp does both."""
     root, reference = mds_runs.get("train-pad", lambda f: _train(mds_checkout, f, "bf16", PADDING_MODEL))
-    inspected = subprocess.run([sys.executable, "-m", "megatron_ucp.cli", "inspect", str(root), "--tag", "global_step3",
-                                "--json"], capture_output=True, text=True, check=True)
+    inspected = subprocess.run(
+        [sys.executable, "-m", "megatron_ucp.cli", "inspect", str(root), "--tag", "global_step3", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert '"padding_only_ranks"' in inspected.stdout or "padding" in inspected.stdout
 
     def resume(folder: Path) -> MdsResult:
         ckpt = _restart_copy(root, folder / "ckpt")
-        return run_mds(mds_checkout, MdsRun(nproc=4, ckpt=ckpt, optimizer="bf16", model=PADDING_MODEL,
-                                            save_interval=100, extra_args=["--universal-checkpoint"]))
+        return run_mds(
+            mds_checkout,
+            MdsRun(
+                nproc=4,
+                ckpt=ckpt,
+                optimizer="bf16",
+                model=PADDING_MODEL,
+                save_interval=100,
+                extra_args=["--universal-checkpoint"],
+            ),
+        )
 
     res = mds_runs.get("pad-dp4-universal", resume)
     assert_accounted(res)

@@ -7,6 +7,7 @@ slices Megatron saved in its model states (Megatron's own slicing, independent o
 Resumes: TP=2 at DP 2 -> 1 continues the uninterrupted curve; TP 2 -> 1 through the runner loads with
 every element accounted for, where stock DeepSpeed's universal load stops on the model-states count.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ from megatron_ucp.convert.execute import ConvertOptions, convert
 from megatron_ucp.convert.verify import verify_universal
 from megatron_ucp.deepspeed.reader import flatten_module_states
 from tests.integration.mds import MdsModel, MdsRun, rank_env, run_mds
+
 
 @dataclass(frozen=True)
 class Training:
@@ -65,23 +67,61 @@ def _train(mds_checkout, mds_runs, name: str):
     t = TRAININGS[name]
 
     def make(folder: Path):
-        return run_mds(mds_checkout, MdsRun(
-            nproc=t.nproc, ckpt=folder / "ckpt", tp=t.tp, pp=t.pp, pipeline=t.pipeline, train_iters=6,
-            save_interval=2, route="runner" if t.hooked else "plain", optimizer=t.optimizer, zero_stage=t.zero_stage,
-            model=MdsModel(untied=t.untied), extra_args=(*SAME_PADDING, *(("--ucp-async-convert",) if t.hooked else ()))))
+        return run_mds(
+            mds_checkout,
+            MdsRun(
+                nproc=t.nproc,
+                ckpt=folder / "ckpt",
+                tp=t.tp,
+                pp=t.pp,
+                pipeline=t.pipeline,
+                train_iters=6,
+                save_interval=2,
+                route="runner" if t.hooked else "plain",
+                optimizer=t.optimizer,
+                zero_stage=t.zero_stage,
+                model=MdsModel(untied=t.untied),
+                extra_args=(*SAME_PADDING, *(("--ucp-async-convert",) if t.hooked else ())),
+            ),
+        )
+
     result = mds_runs.get(f"train-{name}", make)
     return mds_runs.base / f"train-{name}" / "ckpt", result
 
 
-def _resume(mds_checkout, mds_runs, name: str, dest: Path, nproc: int, tp: int = 1, pp: int = 1,
-            pipeline: bool = False, extra_args=SAME_PADDING, **kw):
+def _resume(
+    mds_checkout,
+    mds_runs,
+    name: str,
+    dest: Path,
+    nproc: int,
+    tp: int = 1,
+    pp: int = 1,
+    pipeline: bool = False,
+    extra_args=SAME_PADDING,
+    **kw,
+):
     """Restart ``name``'s training from iteration 4 through the runner, no flag, at another layout."""
     root, full = _train(mds_checkout, mds_runs, name)
     t = TRAININGS[name]
     ckpt = _resume_copy(root, dest)
-    res = run_mds(mds_checkout, MdsRun(nproc=nproc, ckpt=ckpt, tp=tp, pp=pp, pipeline=pipeline, train_iters=6,
-                                       save_interval=2, optimizer=t.optimizer, zero_stage=t.zero_stage,
-                                       model=MdsModel(untied=t.untied), extra_args=extra_args, **kw))
+    res = run_mds(
+        mds_checkout,
+        MdsRun(
+            nproc=nproc,
+            ckpt=ckpt,
+            tp=tp,
+            pp=pp,
+            pipeline=pipeline,
+            train_iters=6,
+            save_interval=2,
+            optimizer=t.optimizer,
+            zero_stage=t.zero_stage,
+            model=MdsModel(untied=t.untied),
+            extra_args=extra_args,
+            **kw,
+        ),
+    )
     return ckpt, res, full
 
 
@@ -100,9 +140,25 @@ def _assert_continues(res, full, *said: str, optimizer: str = "bf16") -> None:
 
 
 def _stock_convert(tag_dir: Path, out: Path) -> None:
-    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
-                    "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                   env=rank_env(), check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(tag_dir),
+            "--output_folder",
+            str(out),
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ],
+        env=rank_env(),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp2zero", "tp2zero2", "pp2", "pp2-zero", "tied-pp2", "tp2pp2"])
@@ -122,12 +178,31 @@ def test_synthetic_writer_matches_a_model_parallel_save(mds_checkout, mds_runs, 
     root, _ = _train(mds_checkout, mds_runs, name)
     t, m = TRAININGS[name], MdsModel()
     dp = t.nproc // (t.tp * t.pp)
-    shape = LlamaShape(layers=m.layers, hidden=m.hidden, ffn=m.ffn, heads=m.heads, kv_heads=m.kv_heads, vocab=512,
-                       original_vocab=CORPUS_TOKENS + 1, tied=not t.untied)
-    spec = SyntheticSpec(shape=shape, dp=dp, tp=t.tp, pp=t.pp, pipeline=t.pipeline, optimizer=t.optimizer,
-                         zero_stage=t.zero_stage, record=t.hooked,
-                         ds_version=deepspeed.__version__, iteration=4, micro_batch=1, grad_accumulation=12 // dp,
-                         seq_length=m.seq)
+    shape = LlamaShape(
+        layers=m.layers,
+        hidden=m.hidden,
+        ffn=m.ffn,
+        heads=m.heads,
+        kv_heads=m.kv_heads,
+        vocab=512,
+        original_vocab=CORPUS_TOKENS + 1,
+        tied=not t.untied,
+    )
+    spec = SyntheticSpec(
+        shape=shape,
+        dp=dp,
+        tp=t.tp,
+        pp=t.pp,
+        pipeline=t.pipeline,
+        optimizer=t.optimizer,
+        zero_stage=t.zero_stage,
+        record=t.hooked,
+        ds_version=deepspeed.__version__,
+        iteration=4,
+        micro_batch=1,
+        grad_accumulation=12 // dp,
+        seq_length=m.seq,
+    )
     written = write_checkpoint(tmp_path / "synthetic", spec, progress=False)
     diffs = folder_differences(root / "global_step4", written.tag_dir)
     assert not diffs, "\n".join(diffs[:40])
@@ -152,8 +227,12 @@ def test_model_parallel_checkpoint_converts_bit_exact_like_stock(mds_checkout, m
     assert res.committed
     manifest = json.loads((ours / "ucp_manifest.json").read_text())
     t = TRAININGS[name]
-    assert manifest["parallel"] == {"tp": t.tp, "pp": t.pp, "dp": t.nproc // (t.tp * t.pp),
-                                    "layouts_recorded": t.hooked}
+    assert manifest["parallel"] == {
+        "tp": t.tp,
+        "pp": t.pp,
+        "dp": t.nproc // (t.tp * t.pp),
+        "layouts_recorded": t.hooked,
+    }
     checked = verify_universal(ours, source=tag_dir)  # whole parameters, bit for bit against the rank files
     assert checked.ok and checked.params == len(manifest["params"]), checked.problems
     stock = tmp_path / "stock"
@@ -172,8 +251,9 @@ def test_model_parallel_checkpoint_converts_bit_exact_like_stock(mds_checkout, m
                 assert a.get(key) == b.get(key), (f, key)
             compared += 1
     assert compared == 3 * len(manifest["params"])  # fp32, exp_avg, exp_avg_sq of every parameter
-    assert sorted(p.name for p in (ours / "zero").iterdir() if p.is_dir()) == \
-        sorted(p.name for p in (stock / "zero").iterdir() if p.is_dir())
+    assert sorted(p.name for p in (ours / "zero").iterdir() if p.is_dir()) == sorted(
+        p.name for p in (stock / "zero").iterdir() if p.is_dir()
+    )
 
 
 def test_tp_merge_matches_megatrons_own_slices(mds_checkout, mds_runs, tmp_path):
@@ -182,8 +262,10 @@ def test_tp_merge_matches_megatrons_own_slices(mds_checkout, mds_runs, tmp_path)
     tag_dir = root / "global_step6"
     out = tmp_path / "u"
     convert(ConvertOptions(source=tag_dir, output=out, progress=False, update_latest=False))
-    slices = [flatten_module_states(torch.load(tag_dir / f"mp_rank_{t:02d}_model_states.pt",
-                                               weights_only=False)["module"]) for t in range(2)]
+    slices = [
+        flatten_module_states(torch.load(tag_dir / f"mp_rank_{t:02d}_model_states.pt", weights_only=False)["module"])
+        for t in range(2)
+    ]
     manifest = json.loads((out / "ucp_manifest.json").read_text())
     checked = set()
     for name, info in manifest["params"].items():
@@ -209,33 +291,48 @@ def test_tp_merge_matches_megatrons_own_slices(mds_checkout, mds_runs, tmp_path)
     assert {"replicated", "split dim 0", "split dim 1"} <= checked
 
 
-@pytest.mark.parametrize("name, route", [("tp2", "auto"), ("tp2", "universal"), ("tp2zero", "auto"),
-                                         ("tp2zero2", "auto")])
+@pytest.mark.parametrize(
+    "name, route", [("tp2", "auto"), ("tp2", "universal"), ("tp2zero", "auto"), ("tp2zero2", "auto")]
+)
 def test_tp2_resumed_at_dp1_continues_the_uninterrupted_curve(mds_checkout, mds_runs, tmp_path, name, route):
     """TP=2 kept, DP 2 -> 1: BF16_Optimizer, DeepSpeedZeroOptimizer at ZeRO-1 (saved without the hooks) and
     ZeRO-2. With no flag each TP coordinate reshards its own native files; with ``--ucp-resume-route
     universal`` the same move goes through the universal twin, to the same losses."""
     t = TRAININGS[name]
-    ckpt, res, full = _resume(mds_checkout, mds_runs, name, tmp_path / "ckpt", nproc=2, tp=2,
-                              extra_args=(*SAME_PADDING, "--ucp-resume-route", route))
+    ckpt, res, full = _resume(
+        mds_checkout,
+        mds_runs,
+        name,
+        tmp_path / "ckpt",
+        nproc=2,
+        tp=2,
+        extra_args=(*SAME_PADDING, "--ucp-resume-route", route),
+    )
     if route == "universal":
         manifest = json.loads((ckpt / "global_step4_universal" / "ucp_manifest.json").read_text())
-        assert manifest["source"]["optimizer"] == ("DeepSpeedZeroOptimizer" if t.optimizer == "zero"
-                                                   else "BF16_Optimizer")
+        assert manifest["source"]["optimizer"] == (
+            "DeepSpeedZeroOptimizer" if t.optimizer == "zero" else "BF16_Optimizer"
+        )
         if t.optimizer == "zero":  # BF16_Optimizer's files record no stage
             assert manifest["source"]["zero_stage"] == t.zero_stage
         _assert_continues(res, full, "DP changed 2 -> 1", "megatron-ucp universal load:")
         return
     assert not any("converting" in line for line in res.ucp_lines()), res.ucp_lines()
-    _assert_continues(res, full, "DP changed 2 -> 1: resharding global_step4 from its native rank files",
-                      "megatron-ucp native reshard:", optimizer=t.optimizer)
+    _assert_continues(
+        res,
+        full,
+        "DP changed 2 -> 1: resharding global_step4 from its native rank files",
+        "megatron-ucp native reshard:",
+        optimizer=t.optimizer,
+    )
 
 
 def test_tp2_checkpoint_resumed_at_tp1_where_stock_cannot_load(mds_checkout, mds_runs, tmp_path):
     root, full = _train(mds_checkout, mds_runs, "tp2")
     ours = _resume_copy(root, tmp_path / "ours")
-    res = run_mds(mds_checkout, MdsRun(nproc=2, ckpt=ours, tp=1, train_iters=6, save_interval=2,
-                                       extra_args=SAME_PADDING))
+    res = run_mds(
+        mds_checkout, MdsRun(nproc=2, ckpt=ours, tp=1, train_iters=6, save_interval=2, extra_args=SAME_PADDING)
+    )
     lines = res.ucp_lines()
     assert any("run: TP changed 2 -> 1" in line for line in lines)
     assert any("adding --universal-checkpoint" in line for line in lines)
@@ -244,9 +341,19 @@ def test_tp2_checkpoint_resumed_at_tp1_where_stock_cannot_load(mds_checkout, mds
     stock = _resume_copy(root, tmp_path / "stock")
     _stock_convert(stock / "global_step4", stock / "global_step4_universal")
     (stock / "latest_universal").write_text("global_step4_universal")
-    failed = run_mds(mds_checkout, MdsRun(nproc=2, ckpt=stock, tp=1, train_iters=6, save_interval=2,
-                                          route="plain", extra_args=(*SAME_PADDING, "--universal-checkpoint"),
-                                          expect_failure=True))
+    failed = run_mds(
+        mds_checkout,
+        MdsRun(
+            nproc=2,
+            ckpt=stock,
+            tp=1,
+            train_iters=6,
+            save_interval=2,
+            route="plain",
+            extra_args=(*SAME_PADDING, "--universal-checkpoint"),
+            expect_failure=True,
+        ),
+    )
     assert failed.returncode != 0
     # its state-dict loader merges the two mp_rank files Megatron-style and asserts on this fork's names
     assert "key: attention.dense.weight is not found in the checkpoint" in failed.log
@@ -269,13 +376,16 @@ def test_a_smaller_padded_vocabulary_keeps_every_row_both_sides_have(mds_checkou
     zeroed_dir = _resume_copy(root, tmp_path / "zeroed")  # stock's conversion: no padded rows kept
     _stock_convert(zeroed_dir / "global_step4", zeroed_dir / "global_step4_universal")
     (zeroed_dir / "latest_universal").write_text("global_step4_universal")
-    zeroed = run_mds(mds_checkout, MdsRun(nproc=2, ckpt=zeroed_dir, tp=1, train_iters=6, save_interval=2,
-                                          extra_args=default))
+    zeroed = run_mds(
+        mds_checkout, MdsRun(nproc=2, ckpt=zeroed_dir, tp=1, train_iters=6, save_interval=2, extra_args=default)
+    )
     hidden, kept_rows, states, vocab_tensors = 64, 384 - 257, 3, 2  # fp32, exp_avg, exp_avg_sq; embedding, output
     assert _placed_elements(res) - _placed_elements(zeroed) == kept_rows * hidden * states * vocab_tensors
     ours, stock_rows = (abs(r.losses[5] - full.losses[5]) for r in (res, zeroed))
-    print(f"padded vocabulary 512 -> 384: |loss - uninterrupted| at iteration 5: ours {ours:.4f}, "
-          f"stock's zeroed rows {stock_rows:.4f}")
+    print(
+        f"padded vocabulary 512 -> 384: |loss - uninterrupted| at iteration 5: ours {ours:.4f}, "
+        f"stock's zeroed rows {stock_rows:.4f}"
+    )
     assert ours < stock_rows
 
 
@@ -305,7 +415,8 @@ def _perturb(tag: Path, name: str, file_glob: str, amount: float = 0.5) -> None:
 
 
 def test_drifted_tp_replicas_are_reported_with_numbers(mds_checkout, mds_runs, tmp_path, caplog):
-    """A layer norm that differs between TP ranks: stock asserts, megatron-ucp keeps TP rank 0's and says by how much."""
+    """A layer norm that differs between TP ranks: stock asserts, megatron-ucp keeps TP rank 0's and says by how
+    much."""
     root, _ = _train(mds_checkout, mds_runs, "tp2")
     tag = tmp_path / "global_step4"
     subprocess.run(["cp", "-a", str(root / "global_step4"), str(tag)], check=True)
@@ -315,8 +426,16 @@ def test_drifted_tp_replicas_are_reported_with_numbers(mds_checkout, mds_runs, t
     with caplog.at_level("WARNING"):
         convert(ConvertOptions(source=tag, output=out, progress=False, update_latest=False))
     drift = json.loads((out / "ucp_manifest.json").read_text())["replica_drift"]
-    assert drift == [{"param": name, "state": "fp32", "copy": 1, "differing": 3, "numel": 64,
-                      "max_abs_diff": pytest.approx(0.5, abs=1e-6)}]
+    assert drift == [
+        {
+            "param": name,
+            "state": "fp32",
+            "copy": 1,
+            "differing": 3,
+            "numel": 64,
+            "max_abs_diff": pytest.approx(0.5, abs=1e-6),
+        }
+    ]
     assert any(name in r.message and "3 of 64 elements" in r.message for r in caplog.records)
     clean = tmp_path / "clean"
     convert(ConvertOptions(source=root / "global_step4", output=clean, progress=False, update_latest=False))
@@ -335,7 +454,9 @@ def _resume_copy(root: Path, dest: Path, tag: str = "global_step4") -> Path:
     subprocess.run(["cp", "-a", str(root), str(dest)], check=True)
     (dest / "latest").write_text(tag)
     subprocess.run(["rm", "-rf", str(dest / f"{tag}_universal")], check=True)
-    twins = sorted(dest.glob("global_step*_universal"), key=lambda p: int(p.name[len("global_step"):-len("_universal")]))
+    twins = sorted(
+        dest.glob("global_step*_universal"), key=lambda p: int(p.name[len("global_step") : -len("_universal")])
+    )
     if twins:
         (dest / "latest_universal").write_text(twins[-1].name)
     return dest
@@ -357,8 +478,18 @@ def test_tp1_checkpoint_resumed_at_tp2_continues_the_curve(mds_checkout, mds_run
     # a TP=2 load would cut it on the wrong dimension, and every element count would still agree
     assert torch.load(stock / "global_step4_universal" / "zero" / dense / "fp32.pt", weights_only=False)["cat_dim"] == 0
     (stock / "latest_universal").write_text("global_step4_universal")
-    silent = run_mds(mds_checkout, MdsRun(nproc=2, ckpt=stock, tp=2, train_iters=6, save_interval=2, route="plain",
-                                          extra_args=(*SAME_PADDING, "--universal-checkpoint")))
+    silent = run_mds(
+        mds_checkout,
+        MdsRun(
+            nproc=2,
+            ckpt=stock,
+            tp=2,
+            train_iters=6,
+            save_interval=2,
+            route="plain",
+            extra_args=(*SAME_PADDING, "--universal-checkpoint"),
+        ),
+    )
     # stock loads without a word and trains on: 1e-2 off the curve (the row-parallel weights cut on dim 0)
     assert abs(silent.losses[5] - full.losses[5]) > 20 * abs(res.losses[5] - full.losses[5])
     assert abs(silent.losses[5] - full.losses[5]) > 1e-3
@@ -373,10 +504,23 @@ def test_nonpipeline_pp1_resumed_as_pipeline_pp2(mds_checkout, mds_runs, tmp_pat
     stock = _resume_copy(root, tmp_path / "stock")
     _stock_convert(stock / "global_step4", stock / "global_step4_universal")
     (stock / "latest_universal").write_text("global_step4_universal")
-    failed = run_mds(mds_checkout, MdsRun(nproc=4, ckpt=stock, pp=2, pipeline=True, train_iters=6, save_interval=2,
-                                          route="plain", extra_args=(*SAME_PADDING, "--universal-checkpoint"),
-                                          expect_failure=True))
-    assert failed.returncode != 0 and "No such file or directory" in failed.log and "word_embeddings.weight" in failed.log
+    failed = run_mds(
+        mds_checkout,
+        MdsRun(
+            nproc=4,
+            ckpt=stock,
+            pp=2,
+            pipeline=True,
+            train_iters=6,
+            save_interval=2,
+            route="plain",
+            extra_args=(*SAME_PADDING, "--universal-checkpoint"),
+            expect_failure=True,
+        ),
+    )
+    assert (
+        failed.returncode != 0 and "No such file or directory" in failed.log and "word_embeddings.weight" in failed.log
+    )
 
 
 @pytest.mark.parametrize("saved, resumed", [("pipe-pp1", False), ("tp1", True)], ids=["pipe-to-gpt", "gpt-to-pipe"])
@@ -410,8 +554,13 @@ def test_pp2_hooked_converted_in_the_background_and_resumed_at_dp1(mds_checkout,
         report = verify_universal(twin, source=root / tag)
         assert report.ok, report.problems[:5]
     _, res, full = _resume(mds_checkout, mds_runs, name, tmp_path / "ckpt", nproc=2, pp=2, pipeline=True)
-    _assert_continues(res, full, "DP changed 2 -> 1: resharding global_step4 from its native rank files",
-                      "megatron-ucp native reshard:", optimizer=optimizer)
+    _assert_continues(
+        res,
+        full,
+        "DP changed 2 -> 1: resharding global_step4 from its native rank files",
+        "megatron-ucp native reshard:",
+        optimizer=optimizer,
+    )
 
 
 def test_pipeline_pp2_resumed_as_pipeline_pp1(mds_checkout, mds_runs, tmp_path):
@@ -424,15 +573,20 @@ def test_pipeline_pp2_resumed_as_pipeline_pp1(mds_checkout, mds_runs, tmp_path):
 def test_pipeline_tp2_pp2_resumed_as_nonpipeline_tp2_pp1(mds_checkout, mds_runs, tmp_path):
     """(2, 2, 1) GPTModelPipe -> (2, 1, 2) GPTModel: PP 2 -> 1 and back to AuroraGPT's model class, TP kept."""
     _, res, full = _resume(mds_checkout, mds_runs, "tp2pp2", tmp_path / "ckpt", nproc=4, tp=2)
-    _assert_continues(res, full, "run: PP changed 2 -> 1, DP changed 1 -> 2",
-                      "saved by GPTModelPipe, the model is GPTModel")
+    _assert_continues(
+        res, full, "run: PP changed 2 -> 1, DP changed 1 -> 2", "saved by GPTModelPipe, the model is GPTModel"
+    )
 
 
 def test_tp_and_pp_changed_in_one_resume(mds_checkout, mds_runs, tmp_path):
     """(2, 2, 1) GPTModelPipe -> (1, 1, 4) GPTModel: AuroraGPT's layout from a 3D checkpoint."""
     _, res, full = _resume(mds_checkout, mds_runs, "tp2pp2", tmp_path / "ckpt", nproc=4)
-    _assert_continues(res, full, "run: TP changed 2 -> 1, PP changed 2 -> 1, DP changed 1 -> 4",
-                      "saved by GPTModelPipe, the model is GPTModel")
+    _assert_continues(
+        res,
+        full,
+        "run: TP changed 2 -> 1, PP changed 2 -> 1, DP changed 1 -> 4",
+        "saved by GPTModelPipe, the model is GPTModel",
+    )
 
 
 TIED = "tied_modules.embed.word_embeddings.weight"
@@ -455,8 +609,16 @@ def test_tied_embeddings_across_pipeline_stages(mds_checkout, mds_runs, tmp_path
     assert [(d["param"], d["state"], d["differing"]) for d in drift] == [(TIED, "fp32", 3)]
     assert drift[0]["max_abs_diff"] == pytest.approx(0.25, abs=1e-6)
 
-    ckpt, res, full = _resume(mds_checkout, mds_runs, "tied-pp2", tmp_path / "ckpt", nproc=2, pp=2, pipeline=True,
-                              extra_args=(*SAME_PADDING, "--ucp-resume-route", "universal"))
+    ckpt, res, full = _resume(
+        mds_checkout,
+        mds_runs,
+        "tied-pp2",
+        tmp_path / "ckpt",
+        nproc=2,
+        pp=2,
+        pipeline=True,
+        extra_args=(*SAME_PADDING, "--ucp-resume-route", "universal"),
+    )
     _assert_continues(res, full, "DP changed 2 -> 1")
     loaded = json.loads((ckpt / "global_step4_universal" / "ucp_manifest.json").read_text())["params"]
     once_each = sum(math.prod(p["source_shape"]) for p in loaded.values())

@@ -4,6 +4,7 @@
 vocabulary 32000, untied output layer, RMSNorm without biases. Two param groups as Megatron builds
 them: weight decay (matrices) and no weight decay (the 65 RMSNorm weights: N = 65 * 4096 = 266,240).
 """
+
 from __future__ import annotations
 
 from megatron_ucp.plan.conversion import ParamSpec

@@ -3,6 +3,7 @@
 Returns the step-2 checkpoint of the shared default run (``steps=4, save_at=(2, 4)``), so tests that
 use it and tests that use the fixture train each distinct configuration only once per session.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -20,8 +21,9 @@ class BuiltCheckpoint:
     """state_step2.pt: DeepSpeed's own gathered full fp32 + optimizer states at the step-2 save."""
 
 
-def built_checkpoint(optimizer: str, dp: int, uc_info: bool = False, plugin: bool = False,
-                     zero_stage: int = 1) -> BuiltCheckpoint:
+def built_checkpoint(
+    optimizer: str, dp: int, uc_info: bool = False, plugin: bool = False, zero_stage: int = 1
+) -> BuiltCheckpoint:
     fields = {"uc_info": uc_info, "plugin": plugin, "zero_stage": zero_stage}
     defaults = {"uc_info": False, "plugin": False, "zero_stage": 1}
     ck = session_cache()(optimizer=optimizer, dp=dp, **{k: v for k, v in fields.items() if v != defaults[k]})

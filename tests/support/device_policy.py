@@ -4,24 +4,32 @@
 what the recording accelerator (``tests/support/device_recorder.py``) saw a real run do.
 Each listed place says why the host is right there.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 HOST_ON_PURPOSE = {
     ("deepspeed/reader.py", "load_torch_file"): "checkpoint files are read into host memory (mapped)",
-    ("integration/native_reshard.py", "load_native_partitions"):
-        "the ledger is filled on the host, moved to device() for the one all-reduce",
-    ("integration/partition_load.py", "load_universal_partitions"):
-        "the ledger is filled on the host, moved to device() for the one all-reduce",
+    (
+        "integration/native_reshard.py",
+        "load_native_partitions",
+    ): "the ledger is filled on the host, moved to device() for the one all-reduce",
+    (
+        "integration/partition_load.py",
+        "load_universal_partitions",
+    ): "the ledger is filled on the host, moved to device() for the one all-reduce",
     ("plan/accounting.py", "new_table"): "default of the host-side ledger table",
     ("format/torchfile.py", "persistent_id"): "torch's own record of where a saved storage lived",
     ("background/trigger.py", "converter_env"): "the background converter process is CPU-only by design",
 }
 
 BACKEND_ON_PURPOSE = {
-    ("convert/distributed.py", "convert_distributed", "'gloo'"):
-        "the offline converter's own process group: host files, host tensors, no engine",
+    (
+        "convert/distributed.py",
+        "convert_distributed",
+        "'gloo'",
+    ): "the offline converter's own process group: host files, host tensors, no engine",
 }
 
 

@@ -13,6 +13,7 @@ frame, the device it places on (``device=``, ``.to(device)``), and wrappers arou
 (``tests/support/device_policy.py``): placements on the accelerator's device, or on the host at the
 listed places; collectives only on tensors placed through the accelerator, on groups the job made.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,16 @@ from torch.overrides import TorchFunctionMode
 MARKED = "cpu:0"
 """How the recording accelerator spells its device to megatron-ucp."""
 PACKAGE = "megatron_ucp"
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "reduce", "all_to_all_single")
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce",
+    "all_to_all_single",
+)
 GROUP_MAKERS = ("new_group", "init_process_group")
 
 
@@ -45,7 +54,7 @@ def _ours(frame: Any) -> bool:
 def _where(frame: Any) -> dict[str, Any]:
     path = Path(frame.f_code.co_filename)
     parts = path.parts
-    rel = "/".join(parts[len(parts) - 1 - parts[::-1].index(PACKAGE) + 1:]) if PACKAGE in parts else path.name
+    rel = "/".join(parts[len(parts) - 1 - parts[::-1].index(PACKAGE) + 1 :]) if PACKAGE in parts else path.name
     return {"file": rel, "function": frame.f_code.co_name, "line": frame.f_lineno}
 
 
@@ -61,8 +70,13 @@ def _placement(func: Any, args: tuple, kwargs: dict) -> "Any | None":
 
 
 def _spell(device: Any) -> str:
-    return str(device) if isinstance(device, str) else f"{device.type}:{device.index}" if device.index is not None \
+    return (
+        str(device)
+        if isinstance(device, str)
+        else f"{device.type}:{device.index}"
+        if device.index is not None
         else device.type
+    )
 
 
 class Recorder:
@@ -81,8 +95,13 @@ class Recorder:
 
     def collective(self, frame: Any, name: str, args: tuple, kwargs: dict) -> None:
         tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
-        self.note("collective", frame, name=name, tensors=len(tensors),
-                  through_accelerator=all(id(t) in self._placed for t in tensors))
+        self.note(
+            "collective",
+            frame,
+            name=name,
+            tensors=len(tensors),
+            through_accelerator=all(id(t) in self._placed for t in tensors),
+        )
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,8 +157,12 @@ def _wrap_distributed(recorder: Recorder) -> None:
         if hasattr(dist, name):
             wrap(name, recorder.collective)
     for name in GROUP_MAKERS:
-        wrap(name, lambda frame, name, args, kwargs: recorder.note("group", frame, name=name,
-                                                                   backend=str(kwargs.get("backend"))))
+        wrap(
+            name,
+            lambda frame, name, args, kwargs: recorder.note(
+                "group", frame, name=name, backend=str(kwargs.get("backend"))
+            ),
+        )
 
 
 def install() -> Recorder:

@@ -5,6 +5,7 @@ tests that look at it: :class:`ElasticRuns` caches them by name. The source chec
 from the harness's session cache (``ds_checkpoint``: DP=4, 4 steps, saved at steps 2 and 4, full
 dumps), shared with the other test files; this module only ever writes into private copies.
 """
+
 from __future__ import annotations
 
 import re
@@ -92,8 +93,7 @@ def resume(dp: int, optimizer: str, load_dir: Path, folder: Path, **fields: Any)
     """A plugin run that loads ``load_dir`` at ``dp`` ranks and trains to step 4, dumping after the load."""
     fields.setdefault("steps", 4)
     fields.setdefault("timeout", 600)
-    spec = TrainSpec(dp=dp, optimizer=optimizer, load_dir=load_dir, dump_dir=folder / "dumps", plugin=True,
-                     **fields)
+    spec = TrainSpec(dp=dp, optimizer=optimizer, load_dir=load_dir, dump_dir=folder / "dumps", plugin=True, **fields)
     return run_training(spec)
 
 
@@ -108,7 +108,7 @@ def flip_a_data_bit(path: Path) -> None:
     data = bytearray(path.read_bytes())
     with zipfile.ZipFile(path) as archive:
         info = next(i for i in archive.infolist() if "/data/" in i.filename)
-    name_len, extra_len = struct.unpack("<HH", bytes(data[info.header_offset + 26:info.header_offset + 30]))
+    name_len, extra_len = struct.unpack("<HH", bytes(data[info.header_offset + 26 : info.header_offset + 30]))
     data[info.header_offset + 30 + name_len + extra_len + 5] ^= 0x10
     path.write_bytes(bytes(data))
 

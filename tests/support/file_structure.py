@@ -5,6 +5,7 @@ storage a tensor views, ints and bools, DeepSpeed objects' pickled arguments and
 what a run decides (floats: learning rates, losses, RNG tuples). Loaded with lightpickle, so
 DeepSpeed's objects compare by how they were pickled, not by which DeepSpeed is installed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,16 @@ def describe(obj: Any, path: str = "", out: Optional[dict[str, Any]] = None, val
             for i, x in enumerate(obj):
                 describe(x, f"{path}[{i}]", out, values)
     elif isinstance(obj, StandIn):
-        out[path] = ("deepspeed", type(obj)._ucp_module, type(obj)._ucp_name, obj.__dict__.get("_ucp_how"),
-                     repr(obj.__dict__.get("_ucp_args")) if values else None,
-                     sorted((obj.__dict__.get("_ucp_state") or {}).keys()) if isinstance(
-                         obj.__dict__.get("_ucp_state"), dict) else None)
+        out[path] = (
+            "deepspeed",
+            type(obj)._ucp_module,
+            type(obj)._ucp_name,
+            obj.__dict__.get("_ucp_how"),
+            repr(obj.__dict__.get("_ucp_args")) if values else None,
+            sorted((obj.__dict__.get("_ucp_state") or {}).keys())
+            if isinstance(obj.__dict__.get("_ucp_state"), dict)
+            else None,
+        )
     elif isinstance(obj, argparse.Namespace):
         out[path] = ("Namespace",)
     elif isinstance(obj, (bool, int, str)) or obj is None:
@@ -70,8 +77,9 @@ def differences(real: dict[str, Any], synthetic: dict[str, Any], ignore: Iterabl
     return lines
 
 
-def folder_differences(real_tag: Path, synthetic_tag: Path, ignore: Iterable[str] = (),
-                       drop: Iterable[str] = ()) -> list[str]:
+def folder_differences(
+    real_tag: Path, synthetic_tag: Path, ignore: Iterable[str] = (), drop: Iterable[str] = ()
+) -> list[str]:
     """File names, then every file's description, of two tag folders. ``drop``: top-level keys
     removed from both before comparing (a client state one side has and the other cannot)."""
     names_real = sorted(p.name for p in real_tag.iterdir())

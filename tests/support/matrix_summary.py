@@ -7,13 +7,13 @@ lines just above that closing line say so and how to run them: a green `make tes
 proves much less, and one skipped test among hundreds is easy to miss.
 Exit status: 0, or 1 when a run failed or no test ran at all.
 """
+
 from __future__ import annotations
 
 import os
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
-
 
 MDS_RESULTS_PREFIX = "megatron-deepspeed-"
 """The Makefile names the JUnit file of each run against the real Megatron-DeepSpeed so."""
@@ -25,9 +25,11 @@ def not_run_note(expected: str) -> str:
         why = f"a checkout is at {where}, but no run against it left results (stopped before them?)"
     else:
         why = f"no checkout at {where} (pretrain_gpt_alcf.py not found)"
-    return (f"\n!!! The tests against the real Megatron-DeepSpeed did NOT run: {why}.\n"
-            "!!! To run them: MEGATRON_DEEPSPEED_DIR=/path/to/Megatron-DeepSpeed EZPZ_DIR=/path/to/ezpz make test\n"
-            "!!! (argonne-lcf/Megatron-DeepSpeed and saforem2/ezpz; see tests/integration/mds.py)")
+    return (
+        f"\n!!! The tests against the real Megatron-DeepSpeed did NOT run: {why}.\n"
+        "!!! To run them: MEGATRON_DEEPSPEED_DIR=/path/to/Megatron-DeepSpeed EZPZ_DIR=/path/to/ezpz make test\n"
+        "!!! (argonne-lcf/Megatron-DeepSpeed and saforem2/ezpz; see tests/integration/mds.py)"
+    )
 
 
 def counts(path: Path) -> tuple[int, int, int]:

@@ -6,6 +6,7 @@ outputs that are, contain or lie inside the source however spelled; tags with a 
 pointing out of the root; two files claiming one DP rank; tag files that are not UTF-8, that are
 FIFOs or directories; rank files that are FIFOs.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,8 +24,14 @@ RANK1 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
 
 def cli(*args: str, cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_ucp.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_ucp.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def digest(folder: Path) -> dict[str, str]:
@@ -53,15 +60,23 @@ def refused(proc: subprocess.CompletedProcess, *words: str) -> str:
 
 # ---- 1. an output that is, contains or lies inside the source -----------------------------------
 
-@pytest.mark.parametrize("spelling", ["tag", "root", "parent", "tag-via-dotdot", "tag-via-symlink", "inside-tag",
-                                      "root-via-dot"])
+
+@pytest.mark.parametrize(
+    "spelling", ["tag", "root", "parent", "tag-via-dotdot", "tag-via-symlink", "inside-tag", "root-via-dot"]
+)
 def test_force_never_replaces_or_writes_into_a_source(root: Path, spelling: str, tmp_path: Path):
     before = digest(root)
     link = tmp_path / "link-to-tag"
     link.symlink_to(root / TAG)
-    output = {"tag": root / TAG, "root": root, "parent": root.parent,
-              "tag-via-dotdot": root / TAG / ".." / TAG, "tag-via-symlink": link,
-              "inside-tag": root / TAG / "uni", "root-via-dot": root / "."}[spelling]
+    output = {
+        "tag": root / TAG,
+        "root": root,
+        "parent": root.parent,
+        "tag-via-dotdot": root / TAG / ".." / TAG,
+        "tag-via-symlink": link,
+        "inside-tag": root / TAG / "uni",
+        "root-via-dot": root / ".",
+    }[spelling]
     proc = cli("convert", str(root), "--tag", TAG, "--output", str(output), "--force")
     refused(proc, "source")
     assert digest(root) == before
@@ -85,6 +100,7 @@ def test_output_that_is_an_existing_file_is_refused_up_front(root: Path, tmp_pat
 
 
 # ---- 2. tags: trailing slash normalised, paths out of the root refused ------------------------
+
 
 def test_trailing_slash_tag_converts_to_the_usual_place(root: Path):
     proc = cli("convert", str(root), "--tag", TAG + "/")
@@ -112,15 +128,20 @@ def test_latest_pointing_out_of_the_root_is_refused(root: Path, tmp_path: Path, 
 
 # ---- 3. two files claiming one DP rank --------------------------------------------------------
 
-@pytest.mark.parametrize("impostor", ["bf16_zero_pp_rank_1_mp_rank_0_optim_states.pt",
-                                      "bf16_zero_pp_rank_01_mp_rank_00_optim_states.pt"])
+
+@pytest.mark.parametrize(
+    "impostor", ["bf16_zero_pp_rank_1_mp_rank_0_optim_states.pt", "bf16_zero_pp_rank_01_mp_rank_00_optim_states.pt"]
+)
 def test_two_files_for_one_rank_are_an_error_naming_both(root: Path, impostor: str):
     assert cli("convert", str(root)).returncode == 0  # a good twin, made before the impostor arrived
     uni = root / f"{TAG}_universal"
     before = digest(uni)
     (root / TAG / impostor).write_bytes((root / TAG / RANK1).read_bytes())
-    for command in (["convert", str(root), "--force"], ["inspect", str(root)],
-                    ["verify", str(uni), "--source", str(root)]):
+    for command in (
+        ["convert", str(root), "--force"],
+        ["inspect", str(root)],
+        ["verify", str(uni), "--source", str(root)],
+    ):
         proc = cli(*command)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert "two files claim DP rank 1" in proc.stderr and impostor in proc.stderr and RANK1 in proc.stderr
@@ -128,6 +149,7 @@ def test_two_files_for_one_rank_are_an_error_naming_both(root: Path, impostor: s
 
 
 # ---- 4/5. tag files that are not text, or not files -------------------------------------------
+
 
 def test_latest_that_is_not_utf8_is_named(root: Path):
     (root / F.LATEST).write_bytes(b"global_step\xff\xfe2")
@@ -247,6 +269,7 @@ def test_tag_folder_that_is_not_a_folder_says_what_it_is(root: Path, kind: str, 
 
 # ---- 6/7. shape and dtype are part of "accounted for" -----------------------------------------
 
+
 def _rewrite(path: Path, change) -> None:
     import torch
 
@@ -292,9 +315,12 @@ def test_verify_reports_a_transposed_state_instead_of_crashing(root: Path):
 
     assert cli("convert", str(root)).returncode == 0
     uni = root / f"{TAG}_universal"
-    victim = next(p for p in (uni / "zero").rglob("fp32.pt")
-                  if torch.load(p, weights_only=False)["param"].dim() == 2
-                  and len(set(torch.load(p, weights_only=False)["param"].shape)) == 2)
+    victim = next(
+        p
+        for p in (uni / "zero").rglob("fp32.pt")
+        if torch.load(p, weights_only=False)["param"].dim() == 2
+        and len(set(torch.load(p, weights_only=False)["param"].shape)) == 2
+    )
     _rewrite(victim, lambda e: e.__setitem__("param", e["param"].t().contiguous()))
     proc = cli("verify", str(uni), "--source", str(root))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout, proc.stdout + proc.stderr
@@ -303,10 +329,11 @@ def test_verify_reports_a_transposed_state_instead_of_crashing(root: Path):
 
 # ---- 9. a universal twin is bound to the exact files it came from ----------------------------
 
+
 def test_a_twin_made_from_an_earlier_save_is_stale_everywhere(root: Path):
     from megatron_ucp.convert.execute import ConvertOptions, convert
-    from megatron_ucp.plan.resume import Route, TwinState, decide_resume
     from megatron_ucp.convert.universal import read_manifest, universal_state
+    from megatron_ucp.plan.resume import Route, TwinState, decide_resume
 
     assert cli("convert", str(root)).returncode == 0
     uni = root / f"{TAG}_universal"
@@ -325,8 +352,14 @@ def test_a_twin_made_from_an_earlier_save_is_stale_everywhere(root: Path):
     status = cli("status", str(root))
     assert status.returncode == 0 and "stale" in status.stdout, status.stdout
 
-    decision = decide_resume(requested_tag=TAG, checkpoint_dp=4, current_dp=3, load_universal=False,
-                             twin_state=TwinState.STALE, resume_route="universal")
+    decision = decide_resume(
+        requested_tag=TAG,
+        checkpoint_dp=4,
+        current_dp=3,
+        load_universal=False,
+        twin_state=TwinState.STALE,
+        resume_route="universal",
+    )
     assert decision.route is Route.CONVERT_THEN_UNIVERSAL and "earlier save" in decision.message
 
     result = convert(ConvertOptions(source=root, replace_stale=True, progress=False))  # what async and resume do
@@ -359,6 +392,7 @@ def test_a_twin_from_before_source_binding_is_judged_by_modification_times(root:
 
 # ---- inspect runs the plan checks convert runs ---------------------------------------------------
 
+
 def test_inspect_refuses_what_convert_refuses(root: Path):
     def shift_a_fragment(sd) -> None:
         mappings = sd["optimizer_state_dict"]["param_slice_mappings"][0]
@@ -390,6 +424,7 @@ def test_verify_source_compares_every_ranks_step(root: Path):
 
 # ---- 8. what the converter copies must load where it will be loaded ----------------------------
 
+
 def _damage_directory_entry(path: Path, record_suffix: bytes, field: int, delta: int) -> None:
     """Add ``delta`` to a 4-byte field of the central-directory entry whose name ends with the suffix."""
     import struct
@@ -400,7 +435,7 @@ def _damage_directory_entry(path: Path, record_suffix: bytes, field: int, delta:
         i = data.find(b"PK\x01\x02", i)
         assert i >= 0, record_suffix
         n = struct.unpack_from("<H", data, i + 28)[0]
-        if bytes(data[i + 46:i + 46 + n]).endswith(record_suffix):
+        if bytes(data[i + 46 : i + 46 + n]).endswith(record_suffix):
             struct.pack_into("<I", data, i + field, struct.unpack_from("<I", data, i + field)[0] + delta)
             break
         i += 4
@@ -439,6 +474,7 @@ def test_one_truncated_manifest_does_not_hide_the_root(root: Path):
 
 # ---- interrupted runs are repaired by the next convert, without --force ------------------------
 
+
 def test_next_convert_cleans_a_killed_force_run_and_restores_latest_universal(root: Path):
     assert cli("convert", str(root)).returncode == 0
     uni = root / f"{TAG}_universal"
@@ -467,8 +503,13 @@ def test_an_output_write_failure_names_the_output_not_the_source(root: Path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
 
     before = digest(root)
-    proc = subprocess.run([sys.executable, "-m", "megatron_ucp.cli", "convert", str(root), "--no-progress"],
-                          capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ucp.cli", "convert", str(root), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit,
+    )
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"{TAG}_universal" in last and f"/{TAG}/" not in last, last
@@ -485,14 +526,14 @@ def test_latest_universal_that_is_a_directory_is_refused_up_front(root: Path):
 
 # ---- a background converter stopped by SIGTERM says so ------------------------------------------
 
+
 def test_sigtermed_background_converter_records_an_event(root: Path, monkeypatch):
     import signal
     import time
 
-    from megatron_ucp.faults import PAUSE_ENV as FAULT_PAUSE_ENV
-    from megatron_ucp.background.store import ConverterSettings
+    from megatron_ucp.background.store import EVENTS_LOG, ConverterSettings, ucp_dir
     from megatron_ucp.background.trigger import trigger
-    from megatron_ucp.background.store import EVENTS_LOG, ucp_dir
+    from megatron_ucp.faults import PAUSE_ENV as FAULT_PAUSE_ENV
 
     monkeypatch.setenv(FAULT_PAUSE_ENV, f"{TAG}:30:0")  # the converter sleeps after its first parameter
     result = trigger(root, TAG, 0, 1, ConverterSettings(workers=1))
@@ -517,18 +558,18 @@ def test_a_converter_killed_right_after_it_started_is_not_shown_in_progress(root
     import time
 
     from megatron_ucp.background import queue as B
-    from megatron_ucp.faults import PAUSE_ENV as FAULT_PAUSE_ENV
-    from megatron_ucp.background.store import ConverterSettings
-    from megatron_ucp.background.trigger import trigger
-    from megatron_ucp.background.store import job_facts, read_queue, read_registrations
     from megatron_ucp.background.status import UniversalStatus, root_status
+    from megatron_ucp.background.store import ConverterSettings, job_facts, read_queue, read_registrations
+    from megatron_ucp.background.trigger import trigger
+    from megatron_ucp.faults import PAUSE_ENV as FAULT_PAUSE_ENV
 
     monkeypatch.setenv(FAULT_PAUSE_ENV, f"{TAG}:30:0")
     result = trigger(root, TAG, 0, 1, ConverterSettings(workers=1))
     assert result.spawned, result
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (read_registrations(root).get(0) is None
-                                           or read_registrations(root)[0].phase != "converting"):
+    while time.monotonic() < deadline and (
+        read_registrations(root).get(0) is None or read_registrations(root)[0].phase != "converting"
+    ):
         time.sleep(0.1)
     os.kill(result.spawned, signal.SIGKILL)
     try:
@@ -546,22 +587,26 @@ def test_a_converter_killed_right_after_it_started_is_not_shown_in_progress(root
 
 # ---- integrity: checksums recorded once by the converter, checked by verify and the loader -------
 
+
 @pytest.mark.parametrize("writer", ["direct", "torch.save"])
 def test_the_manifest_records_every_state_files_checksum(root: Path, writer: str, monkeypatch):
     import torch
 
-    from megatron_ucp.plan.accounting import checksum
     from megatron_ucp.convert.execute import ConvertOptions, convert
-    from megatron_ucp.format.integrity import ALGORITHM
     from megatron_ucp.convert.universal import read_manifest
+    from megatron_ucp.format.integrity import ALGORITHM
+    from megatron_ucp.plan.accounting import checksum
 
     if writer == "torch.save":
         monkeypatch.setenv("MEGATRON_UCP_TORCH_SAVE", "1")
     uni = convert(ConvertOptions(source=root, progress=False, workers=2)).output
     sums = read_manifest(uni)["checksums"]
     assert sums["algorithm"] == ALGORITHM
-    files = sorted(p for p in (uni / F.UNIVERSAL_ZERO_DIR).rglob("*.pt")
-                   if p.name not in (f"{F.STEP_STATE}.pt", F.UNIVERSAL_OPTIMIZER_STATE_FILE))
+    files = sorted(
+        p
+        for p in (uni / F.UNIVERSAL_ZERO_DIR).rglob("*.pt")
+        if p.name not in (f"{F.STEP_STATE}.pt", F.UNIVERSAL_OPTIMIZER_STATE_FILE)
+    )
     assert sorted(sums["files"]) == [str(p.relative_to(uni / F.UNIVERSAL_ZERO_DIR))[:-3] for p in files]
     rows_seen = 0
     for path in files:

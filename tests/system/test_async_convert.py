@@ -16,6 +16,7 @@ a minute on the test machines:
 A copy of the root right after the run (``snapshot``) keeps the killed state for the assertions
 while the recovery tests write into the live root.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,15 +31,14 @@ from pathlib import Path
 import pytest
 
 from megatron_ucp.background import queue as B
-from megatron_ucp.format import dsformat as F
-from megatron_ucp.faults import PAUSE_ENV as FAULT_PAUSE_ENV
-from megatron_ucp.background.store import ConverterSettings
-from megatron_ucp.background.trigger import trigger, wait_for_converter
-from megatron_ucp.background.store import read_queue, read_registrations, ucp_dir
-from megatron_ucp.cli import main as cli_main
 from megatron_ucp.background.status import UniversalStatus, root_status
+from megatron_ucp.background.store import ConverterSettings, read_queue, read_registrations, ucp_dir
+from megatron_ucp.background.trigger import trigger, wait_for_converter
+from megatron_ucp.cli import main as cli_main
 from megatron_ucp.convert.universal import COMPLETE, inspect_staging, staging_path, universal_state
 from megatron_ucp.convert.verify import verify_universal
+from megatron_ucp.faults import PAUSE_ENV as FAULT_PAUSE_ENV
+from megatron_ucp.format import dsformat as F
 from tests.support.dsharness import TrainResult, TrainSpec, run_training
 
 pytestmark = pytest.mark.slow
@@ -71,10 +71,18 @@ def _kill_converters(root: Path) -> None:
 def run(tmp_path_factory: pytest.TempPathFactory) -> AsyncRun:
     tmp = tmp_path_factory.mktemp("async")
     root, dumps = tmp / "ckpt", tmp / "dumps"
-    spec = TrainSpec(dp=4, optimizer="bf16", steps=3, save_dir=root, save_at=(1, 2, 3), dump_dir=dumps, plugin=True,
-                     plugin_kwargs={"async_convert": True, "ranks_per_node": 2, "keep_last": 1,
-                                    "converter_exit_wait": 150},
-                     env={FAULT_PAUSE_ENV: f"global_step1:{STEP1_PAUSE_S}:1,{KILL_TAG}:300:0"}, timeout=400)
+    spec = TrainSpec(
+        dp=4,
+        optimizer="bf16",
+        steps=3,
+        save_dir=root,
+        save_at=(1, 2, 3),
+        dump_dir=dumps,
+        plugin=True,
+        plugin_kwargs={"async_convert": True, "ranks_per_node": 2, "keep_last": 1, "converter_exit_wait": 150},
+        env={FAULT_PAUSE_ENV: f"global_step1:{STEP1_PAUSE_S}:1,{KILL_TAG}:300:0"},
+        timeout=400,
+    )
     box: dict = {}
     thread = threading.Thread(target=lambda: box.setdefault("result", run_training(spec)), daemon=True)
     thread.start()
@@ -204,8 +212,9 @@ def test_the_converters_path_never_shadows_deepspeed(tmp_path):
 
     env = converter_env(ConverterSettings())
     code = "import deepspeed, megatron_ucp; print(deepspeed.__file__); print(megatron_ucp.__file__)"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     ds_file, ucp_file = proc.stdout.split()[-2:]
     assert Path(ds_file) == Path(deepspeed.__file__), ds_file

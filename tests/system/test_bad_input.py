@@ -3,6 +3,7 @@
 For every case: the source files are byte-for-byte unchanged, ``latest_universal`` is unchanged,
 and no output or staging folder is left that could be taken for a finished conversion.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,16 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ucp.format import dsformat as F
 from megatron_ucp.cli import main
+from megatron_ucp.format import dsformat as F
 
 pytestmark = pytest.mark.slow
 TAG = "global_step4"
 
 
 def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture
@@ -53,8 +57,10 @@ def test_missing_rank_file(root, capsys):
 
 
 def test_extra_rank_file(root, capsys):
-    shutil.copy(root / TAG / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt",
-                root / TAG / "bf16_zero_pp_rank_4_mp_rank_00_optim_states.pt")
+    shutil.copy(
+        root / TAG / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt",
+        root / TAG / "bf16_zero_pp_rank_4_mp_rank_00_optim_states.pt",
+    )
     convert_fails(root, capsys, expect="dp_world_size=4 but the folder has 5", names=F.MODEL_STATES_FILE)
 
 
@@ -151,11 +157,14 @@ def test_unwritable_output(root, capsys, tmp_path):
 def test_disk_full_mid_write(root):
     """A per-file size limit (RLIMIT_FSIZE) makes writes fail part-way, as a full disk would."""
     before = snapshot(root)
-    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (1200, 1200)); "
-            "from megatron_ucp.cli import main; sys.exit(main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", code, "convert", str(root), "--no-progress"],
-                          capture_output=True, text=True, timeout=300)
+    code = (
+        "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1200, 1200)); "
+        "from megatron_ucp.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "convert", str(root), "--no-progress"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 2, proc.stderr
     assert "write failed" in proc.stderr and "File too large" in proc.stderr and "_universal" in proc.stderr
     assert snapshot(root) == before

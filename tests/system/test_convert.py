@@ -4,6 +4,7 @@ The oracle is independent of our plan: the harness dumps every parameter's full 
 optimizer states gathered by DeepSpeed itself (safe_get_full_fp32_param / safe_get_full_optimizer_state)
 at save time; each universal tensor must equal it bit for bit.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -13,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ucp.format import dsformat as F
 from megatron_ucp.convert.execute import ConvertOptions, convert
-from megatron_ucp.deepspeed.reader import RankFile, find_checkpoint_files
 from megatron_ucp.convert.universal import read_manifest
 from megatron_ucp.convert.verify import verify_universal
+from megatron_ucp.deepspeed.reader import RankFile, find_checkpoint_files
+from megatron_ucp.format import dsformat as F
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,7 @@ def assert_matches_dump(universal: Path, dump: dict, vocab_rows: dict | None = N
                 assert got.get(F.VOCAB_TENSOR) is True
                 # nothing lost: the padded rows sit beside the trimmed tensor, bit for bit
                 rows = got[F.VOCAB_PADDED_ROWS]
-                assert rows.dtype == value.dtype and torch.equal(rows, value[vocab_rows[name]:]), (name, state)
+                assert rows.dtype == value.dtype and torch.equal(rows, value[vocab_rows[name] :]), (name, state)
             else:
                 assert F.VOCAB_PADDED_ROWS not in got
             assert tensor.dtype == want.dtype and tensor.shape == want.shape, (name, state)
@@ -71,8 +72,12 @@ def test_vocabulary_rows_are_trimmed_and_padded_rows_kept_when_megatron_info_pre
     dump = torch.load(ck.dump("state_step4"), weights_only=False)
     info = torch.load(root / "global_step4" / F.MODEL_STATES_FILE, weights_only=False)[F.UNIVERSAL_CHECKPOINT_INFO]
     import re
-    vocab_params = {n: info[F.ORIGINAL_VOCAB_SIZE] for n in dump
-                    if any(re.match(p, n) for p in info[F.VOCABULARY_PARAMETER_PATTERNS])}
+
+    vocab_params = {
+        n: info[F.ORIGINAL_VOCAB_SIZE]
+        for n in dump
+        if any(re.match(p, n) for p in info[F.VOCABULARY_PARAMETER_PATTERNS])
+    }
     assert vocab_params, "harness model should expose a vocabulary parameter"
     assert_matches_dump(result.output, dump, vocab_rows=vocab_params)
     assert verify_universal(result.output, source=root).ok
@@ -83,14 +88,28 @@ def test_identical_to_stock_converter_where_stock_works(tmp_path, ds_checkpoint)
     root = ds_checkpoint(optimizer="zero", dp=4).copy_to(tmp_path / "ck")
     ours = convert(ConvertOptions(source=root, progress=False)).output
     stock = tmp_path / "stock"
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           str(root / "global_step4"), "--output_folder", str(stock), "--inject_missing_state"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(root / "global_step4"),
+            "--output_folder",
+            str(stock),
+            "--inject_missing_state",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     for folder in sorted((stock / "zero").iterdir()):
         if folder.is_file():
             continue
-        assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in (ours / "zero" / folder.name).iterdir())
+        assert sorted(p.name for p in folder.iterdir()) == sorted(
+            p.name for p in (ours / "zero" / folder.name).iterdir()
+        )
         for f in folder.iterdir():
             a = torch.load(f, weights_only=False)
             b = torch.load(ours / "zero" / folder.name / f.name, weights_only=False)
@@ -112,11 +131,17 @@ def test_workers_and_shares_give_the_same_bytes(tmp_path, ds_checkpoint):
     root = ds_checkpoint(optimizer="bf16", dp=4).copy_to(tmp_path / "ck")
     single = convert(ConvertOptions(source=root, output=tmp_path / "single", progress=False)).output
     multi = convert(ConvertOptions(source=root, output=tmp_path / "multi", workers=2, progress=False)).output
-    first = convert(ConvertOptions(source=root, output=tmp_path / "shared", share_index=1, share_count=2,
-                                   attempt_id="job-1", progress=False))
+    first = convert(
+        ConvertOptions(
+            source=root, output=tmp_path / "shared", share_index=1, share_count=2, attempt_id="job-1", progress=False
+        )
+    )
     assert not first.committed and not (tmp_path / "shared").exists()
-    second = convert(ConvertOptions(source=root, output=tmp_path / "shared", share_index=0, share_count=2,
-                                    attempt_id="job-1", progress=False))
+    second = convert(
+        ConvertOptions(
+            source=root, output=tmp_path / "shared", share_index=0, share_count=2, attempt_id="job-1", progress=False
+        )
+    )
     assert second.committed and first.params + second.params == len(read_manifest(single)["params"])
     for other in (multi, tmp_path / "shared"):
         for f in sorted((single / "zero").rglob("*.pt")):
@@ -143,9 +168,21 @@ def test_save_hook_records_true_lengths_and_stock_converter_then_works(tmp_path,
         assert info["group_numels"][1] == 9 and info["partition_sizes"][1] == 4
         norms.append((sd[F.GROUP_TRUE_LENGTHS][1], sd[F.GROUP_PADDINGS][1]))
     assert norms == [(4, 0), (4, 0), (1, 3), (0, 4)]
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                           str(root / "global_step4"), "--output_folder", str(tmp_path / "stock"),
-                           "--inject_missing_state"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(root / "global_step4"),
+            "--output_folder",
+            str(tmp_path / "stock"),
+            "--inject_missing_state",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     ours = convert(ConvertOptions(source=root, progress=False))
     assert verify_universal(ours.output, source=root).ok
@@ -182,8 +219,12 @@ def test_legacy_deepspeed_0_16_2_checkpoints(optimizer, tmp_path, legacy_fixture
     vocab = {}
     if info:  # Megatron-style info in the fixture: vocabulary rows are trimmed, as stock does
         import re
-        vocab = {n: info[F.ORIGINAL_VOCAB_SIZE] for n in reference
-                 if any(re.match(p, n) for p in info[F.VOCABULARY_PARAMETER_PATTERNS])}
+
+        vocab = {
+            n: info[F.ORIGINAL_VOCAB_SIZE]
+            for n in reference
+            if any(re.match(p, n) for p in info[F.VOCABULARY_PARAMETER_PATTERNS])
+        }
         assert vocab
     assert_matches_dump(result.output, reference, vocab_rows=vocab)
     assert verify_universal(result.output, source=root).ok

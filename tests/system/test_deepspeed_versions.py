@@ -8,6 +8,7 @@
   release's optimizers (both classes, ZeRO stages 1 and 2), and the converter turns the result
   into a universal folder equal, bit for bit, to DeepSpeed's own gathered states.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ucp.format import dsformat as F
 from megatron_ucp.convert.execute import ConvertOptions, convert
-from megatron_ucp.deepspeed.reader import RankFile, find_checkpoint_files
 from megatron_ucp.convert.verify import verify_universal
+from megatron_ucp.deepspeed.reader import RankFile, find_checkpoint_files
 from megatron_ucp.deepspeed.versions import HOOKS_TESTED_DEEPSPEED, installed_deepspeed_version, internals
+from megatron_ucp.format import dsformat as F
 
 
 def test_installed_release_is_a_tested_one_and_its_internals_are_as_recorded():
@@ -47,8 +48,11 @@ def test_the_surface_table_resolves_and_install_replaces_only_what_it_lists(monk
     megatron_ucp.uninstall()
     try:
         megatron_ucp.install(async_convert=True)  # every hook module
-        patched = {(e.owner, e.name) for e in surface.SURFACE
-                   if hasattr(getattr(surface.resolve(e.owner), e.name, None), "__megatron_ucp_original__")}
+        patched = {
+            (e.owner, e.name)
+            for e in surface.SURFACE
+            if hasattr(getattr(surface.resolve(e.owner), e.name, None), "__megatron_ucp_original__")
+        }
     finally:
         megatron_ucp.uninstall()
     # get_sd_loader is replaced for one load only (surface.scoped_replace), never by the install
@@ -57,8 +61,9 @@ def test_the_surface_table_resolves_and_install_replaces_only_what_it_lists(monk
     monkeypatch.setattr(surface, "SURFACE", (*surface.SURFACE, gone))
     with pytest.raises(UnsupportedError, match=r"DeepSpeedEngine\._no_such_internal \(a test's missing internal\)"):
         megatron_ucp.install()
-    assert megatron_ucp.active_config() is None and not hasattr(surface.resolve(surface.ENGINE).load_checkpoint,
-                                                                "__megatron_ucp_original__")
+    assert megatron_ucp.active_config() is None and not hasattr(
+        surface.resolve(surface.ENGINE).load_checkpoint, "__megatron_ucp_original__"
+    )
 
 
 # Norm group of the harness model: N=9 elements. At DP=4 (S=4) rank 3 holds only padding; at DP=2
@@ -80,16 +85,18 @@ def _stock_failure(optimizer: str, dp: int) -> tuple[str, str] | None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer,stage,dp", [("bf16", 1, 4), ("zero", 1, 4), ("zero", 2, 4), ("zero", 1, 2)])
-def test_save_hook_records_and_conversion_is_bit_exact(ds_checkpoint, tmp_path: Path, optimizer: str, stage: int,
-                                                      dp: int):
+def test_save_hook_records_and_conversion_is_bit_exact(
+    ds_checkpoint, tmp_path: Path, optimizer: str, stage: int, dp: int
+):
     stock = _stock_failure(optimizer, dp)
     if stock is not None:
         # This release cannot train the case with stock DeepSpeed (versions.Internals): show that it is
         # so, with stock DeepSpeed alone, rather than pretend the hooks were exercised.
         from tests.support.dsharness import TrainSpec, run_training
 
-        res = run_training(TrainSpec(dp=dp, optimizer=optimizer, zero_stage=stage, steps=1, global_batch=12,
-                                     expect_failure=True))
+        res = run_training(
+            TrainSpec(dp=dp, optimizer=optimizer, zero_stage=stage, steps=1, global_batch=12, expect_failure=True)
+        )
         seen = res.optimizer_class if stock[0] == "FP16_UnfusedOptimizer" else res.log
         assert stock[0] in (seen or ""), (stock[1], res.returncode, res.log[-2000:])
         return
@@ -117,8 +124,9 @@ def test_save_hook_records_and_conversion_is_bit_exact(ds_checkpoint, tmp_path: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer,stage,dp", [("bf16", 1, 4), ("zero", 1, 4), ("zero", 2, 4), ("zero", 1, 2)])
-def test_synthetic_writer_writes_what_this_release_saves(ds_checkpoint, tmp_path: Path, optimizer: str, stage: int,
-                                                         dp: int):
+def test_synthetic_writer_writes_what_this_release_saves(
+    ds_checkpoint, tmp_path: Path, optimizer: str, stage: int, dp: int
+):
     """The synthetic writer's files for this release equal the hooked save above, key for key (the
     same runs: nothing trains twice); tests/system/test_synthetic_checkpoint.py says how they compare."""
     from tests.system.test_synthetic_checkpoint import assert_same_files, harness_spec
@@ -126,5 +134,6 @@ def test_synthetic_writer_writes_what_this_release_saves(ds_checkpoint, tmp_path
     if _stock_failure(optimizer, dp) is not None:
         pytest.skip("this release cannot train the case (shown by the test above)")
     ck = ds_checkpoint(optimizer=optimizer, dp=dp, plugin=True, zero_stage=stage)
-    assert_same_files(ck.tag_dir(2), harness_spec(optimizer, stage, True, installed_deepspeed_version(), dp=dp),
-                      tmp_path)
+    assert_same_files(
+        ck.tag_dir(2), harness_spec(optimizer, stage, True, installed_deepspeed_version(), dp=dp), tmp_path
+    )

@@ -15,6 +15,7 @@ run with no conversion step and, except where the explicit flag is the point, no
 After each load the full fp32 and optimizer states equal the source's bit for bit, and the losses
 of the continued steps equal the uninterrupted run's (tolerance for bf16 reduction order only).
 """
+
 from __future__ import annotations
 
 import re
@@ -24,13 +25,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ucp.format import dsformat as F
 from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.integrity import LEGACY_ALGORITHM
 from tests.support.dsharness import TrainResult, TrainSpec, run_training
 from tests.support.dsharness.stock import stock_ds_to_universal
-from tests.support.elastic_support import (ElasticRuns, assert_losses_continue, assert_same_state, flip_a_data_bit,
-                                   private_copy, resume, rewrite_manifest_checksums, summary_lines, ucp_lines)
+from tests.support.elastic_support import (
+    ElasticRuns,
+    assert_losses_continue,
+    assert_same_state,
+    flip_a_data_bit,
+    private_copy,
+    resume,
+    rewrite_manifest_checksums,
+    summary_lines,
+    ucp_lines,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -39,9 +49,11 @@ CLASSES = {"bf16": "BF16_Optimizer", "zero": "DeepSpeedZeroOptimizer"}
 UNIVERSAL = {"resume_route": "universal"}
 """Every load here takes the universal route (a DP change reshards the native files by default:
 tests/system/test_native_reshard.py)."""
-NORMS = ("language_model.encoder.layers.0.input_layernorm.weight",
-         "language_model.encoder.layers.0.post_attention_layernorm.weight",
-         "language_model.encoder.final_layernorm.weight")
+NORMS = (
+    "language_model.encoder.layers.0.input_layernorm.weight",
+    "language_model.encoder.layers.0.post_attention_layernorm.weight",
+    "language_model.encoder.final_layernorm.weight",
+)
 QKV = "language_model.encoder.layers.0.self_attention.query_key_value.weight"
 
 
@@ -60,9 +72,12 @@ def _source(ds_checkpoint, runs: ElasticRuns, opt: str):
 
 def _dp2(ds_checkpoint, runs: ElasticRuns, opt: str) -> TrainResult:
     ck, root = _source(ds_checkpoint, runs, opt)
-    return runs.get(f"{opt}-dp2", lambda f: resume(2, opt, root, f, load_tag="global_step2", save_dir=f / "ckpt",
-                                                   plugin_kwargs=UNIVERSAL,
-                                                   save_at=(3,)))
+    return runs.get(
+        f"{opt}-dp2",
+        lambda f: resume(
+            2, opt, root, f, load_tag="global_step2", save_dir=f / "ckpt", plugin_kwargs=UNIVERSAL, save_at=(3,)
+        ),
+    )
 
 
 def _dp3(ds_checkpoint, runs: ElasticRuns, opt: str) -> TrainResult:
@@ -74,9 +89,9 @@ def _dp3(ds_checkpoint, runs: ElasticRuns, opt: str) -> TrainResult:
 def _stock_converts(opt: str) -> bool:
     """Stock ds_to_universal converts DeepSpeedZeroOptimizer checkpoints written with per-rank paddings
     (DeepSpeed 0.16.4 on); BF16_Optimizer ones (last-rank-only paddings, every version) never here."""
+    import deepspeed
     from packaging.version import Version
 
-    import deepspeed
     from megatron_ucp.deepspeed.versions import ZERO_PER_RANK_PADDING_SINCE
 
     return opt == "zero" and Version(Version(deepspeed.__version__).base_version) >= ZERO_PER_RANK_PADDING_SINCE
@@ -105,8 +120,9 @@ def _scale_up(ds_checkpoint, runs: ElasticRuns, opt: str) -> TrainResult:
     dp2 = _dp2(ds_checkpoint, runs, opt)
     saved_at_2 = Path(dp2.dumps["state_step3"]).parent.parent / "ckpt"
     kwargs = {**UNIVERSAL, **({"ranks_per_node": 2} if opt == "zero" else {})}
-    return runs.get(f"{opt}-up", lambda f: resume(4, opt, private_copy(saved_at_2, f / "ckpt"), f,
-                                                  plugin_kwargs=kwargs))
+    return runs.get(
+        f"{opt}-up", lambda f: resume(4, opt, private_copy(saved_at_2, f / "ckpt"), f, plugin_kwargs=kwargs)
+    )
 
 
 RESUMES = {2: _dp2, 3: _dp3, 4: _dp4}
@@ -115,6 +131,7 @@ RESUMES = {2: _dp2, 3: _dp3, 4: _dp4}
 # ------------------------------------------------------------------------------------------------
 # bit-exact state and continuous loss at every DP size
 # ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 @pytest.mark.parametrize("dp", [2, 3, 4])
@@ -140,7 +157,8 @@ def test_scale_up_from_2_to_4(ds_checkpoint, runs, opt: str) -> None:
     up = _scale_up(ds_checkpoint, runs, opt)
     assert up.loaded_step == 3 and up.steps == [4]
     assert "DP changed 2 -> 4: no global_step3_universal yet, converting global_step3 now" in "\n".join(
-        ucp_lines(up.log))
+        ucp_lines(up.log)
+    )
     assert_same_state(dp2.dumps["state_step3"], up.dumps["state_step3_loaded"])
     assert_losses_continue(up, ck.loss_at)
     assert "DP 2 -> 4" in summary_lines(up.log)[0]
@@ -155,12 +173,15 @@ def test_scale_up_from_2_to_4(ds_checkpoint, runs, opt: str) -> None:
 # automatic mode, the explicit route, all-padding ranks, training state
 # ------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 def test_dp_change_converts_by_itself_then_reuses_the_twin(ds_checkpoint, runs, opt: str) -> None:
     _, root = _source(ds_checkpoint, runs, opt)
     first = "\n".join(ucp_lines(_dp2(ds_checkpoint, runs, opt).log))
-    assert ("DP changed 4 -> 2: no global_step2_universal yet, converting global_step2 now, then loading "
-            "global_step2_universal") in first
+    assert (
+        "DP changed 4 -> 2: no global_step2_universal yet, converting global_step2 now, then loading "
+        "global_step2_universal"
+    ) in first
     assert (root / "global_step2_universal" / "ucp_manifest.json").is_file()
     # an explicitly requested tag does not move latest_universal
     assert not (root / "latest_universal").exists()
@@ -224,9 +245,23 @@ def _damaged(ds_checkpoint, runs: ElasticRuns) -> Path:
 def _strict_run(ds_checkpoint, runs: ElasticRuns, strict: bool) -> TrainResult:
     """DP=1 loads of the damaged twin; the non-strict one also halves the global batch (12 -> 6)."""
     damaged = _damaged(ds_checkpoint, runs)
-    return runs.get(f"damaged-strict{int(strict)}", lambda f: run_training(TrainSpec(
-        dp=1, optimizer="bf16", steps=3, load_dir=damaged, load_tag="global_step2", plugin=True,
-        plugin_kwargs={"strict": strict, **UNIVERSAL}, expect_failure=strict, global_batch=12 if strict else 6, timeout=600)))
+    return runs.get(
+        f"damaged-strict{int(strict)}",
+        lambda f: run_training(
+            TrainSpec(
+                dp=1,
+                optimizer="bf16",
+                steps=3,
+                load_dir=damaged,
+                load_tag="global_step2",
+                plugin=True,
+                plugin_kwargs={"strict": strict, **UNIVERSAL},
+                expect_failure=strict,
+                global_batch=12 if strict else 6,
+                timeout=600,
+            )
+        ),
+    )
 
 
 @pytest.mark.parametrize("what", ["missing state file", "extra folder", "lazily created state"])
@@ -263,11 +298,12 @@ def test_changed_global_batch_is_warned_about_loudly(ds_checkpoint, runs) -> Non
 # install / uninstall (in-process, no training)
 # ------------------------------------------------------------------------------------------------
 
+
 def test_install_patches_both_load_paths_and_uninstall_restores_them(monkeypatch) -> None:
-    import megatron_ucp
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
     from deepspeed.runtime.engine import DeepSpeedEngine
 
+    import megatron_ucp
     from megatron_ucp.errors import UnsupportedError
 
     before = (DeepSpeedEngine.load_checkpoint, ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir)
@@ -299,8 +335,7 @@ def test_padded_vocabulary_rows_survive_the_round_trip(ds_checkpoint, runs) -> N
     the saved one, and the accounting counts them."""
     ck = ds_checkpoint("bf16", 4, uc_info=True)
     root = runs.get("vocab-root", lambda f: private_copy(ck.root, f / "ckpt"))
-    res = runs.get("vocab-dp2", lambda f: resume(2, "bf16", root, f, load_tag="global_step2",
-                                                 plugin_kwargs=UNIVERSAL))
+    res = runs.get("vocab-dp2", lambda f: resume(2, "bf16", root, f, load_tag="global_step2", plugin_kwargs=UNIVERSAL))
     saved = torch.load(ck.dump("state_step2"), weights_only=False)
     assert_same_state(ck.dump("state_step2"), res.dumps["state_step2_loaded"])
     entry = torch.load(root / "global_step2_universal" / "zero" / EMBEDDING / "fp32.pt", weights_only=False)
@@ -316,8 +351,8 @@ def test_layout_restores_kept_rows_and_zero_fills_without_them() -> None:
     smaller of the saved and the new padded size; a folder without them (stock's) zero-fills them
     and does not count them. Any fragment, also one straddling the kept rows, is cut out without
     building the whole tensor."""
-    from megatron_ucp.plan.accounting import checksum
     from megatron_ucp.integration.state_layout import state_layout as _layout
+    from megatron_ucp.plan.accounting import checksum
 
     def whole(layout):
         return layout.narrow(0, layout.numel)
@@ -373,8 +408,12 @@ def test_buffers_and_frozen_parameters_are_restored(tmp_path: Path) -> None:
         def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
             return {k: v for k, v in self.state_dict(prefix=prefix, keep_vars=keep_vars).items() if k != "running"}
 
-    problems, extras = restore_module_tensors(MegatronNet(), {"trained.weight", "trained.bias"}, tmp_path,
-                                              {"module": {"other_frozen": torch.tensor([5.0, 6.0])}})
+    problems, extras = restore_module_tensors(
+        MegatronNet(),
+        {"trained.weight", "trained.bias"},
+        tmp_path,
+        {"module": {"other_frozen": torch.tensor([5.0, 6.0])}},
+    )
     assert problems == [] and any("Megatron's save never writes" in e and "running" in e for e in extras)
 
     # Held, but of another shape: an error naming it.
@@ -385,8 +424,8 @@ def test_buffers_and_frozen_parameters_are_restored(tmp_path: Path) -> None:
 
 def test_megatron_nested_module_states_are_flattened(tmp_path: Path) -> None:
     """Megatron-DeepSpeed saves ``state_dict_for_save_checkpoint``: dicts of dicts."""
-    from megatron_ucp.integration.training_state import restore_module_tensors
     from megatron_ucp.deepspeed.reader import flatten_module_states
+    from megatron_ucp.integration.training_state import restore_module_tensors
 
     class Inner(torch.nn.Module):
         def __init__(self) -> None:
@@ -432,8 +471,10 @@ def test_buffers_saved_by_the_pipeline_model_reach_the_non_pipeline_one(tmp_path
             self.language_model.encoder = Encoder()
 
     for index in (2, 3):  # pipeline layers 2 and 3 are transformer layers 0 and 1
-        torch.save({"mlp.weight": torch.zeros(2, 2), "window": torch.full((3,), float(index))},
-                   tmp_path / f"layer_{index:02d}-model_00-model_states.pt")
+        torch.save(
+            {"mlp.weight": torch.zeros(2, 2), "window": torch.full((3,), float(index))},
+            tmp_path / f"layer_{index:02d}-model_00-model_states.pt",
+        )
         (tmp_path / "zero" / f"{index}.mlp.weight").mkdir(parents=True)
     net = Gpt()
     optimized = {n for n, _ in net.named_parameters()}
@@ -442,8 +483,9 @@ def test_buffers_saved_by_the_pipeline_model_reach_the_non_pipeline_one(tmp_path
     assert [layer.window.tolist() for layer in net.language_model.encoder.layers] == [[2.0] * 3, [3.0] * 3]
 
 
-@pytest.mark.parametrize("damage", ["transposed fp32", "truncated model states", "bit rot in exp_avg",
-                                    "bit rot in exp_avg, v2 manifest"])
+@pytest.mark.parametrize(
+    "damage", ["transposed fp32", "truncated model states", "bit rot in exp_avg", "bit rot in exp_avg, v2 manifest"]
+)
 def test_a_damaged_universal_folder_is_refused_naming_the_file(ds_checkpoint, runs, damage: str) -> None:
     """A universal fp32.pt replaced by its transpose (same element count) must not load as if it were
     the parameter; a truncated model-states file is named, not reported as a raw zip error; one flipped
@@ -467,8 +509,19 @@ def test_a_damaged_universal_folder_is_refused_naming_the_file(ds_checkpoint, ru
         else:
             victim = uni / F.MODEL_STATES_FILE
             victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-        res = run_training(TrainSpec(dp=2, optimizer="bf16", steps=3, load_dir=copy, load_tag="global_step2",
-                                     plugin=True, plugin_kwargs=UNIVERSAL, expect_failure=True, timeout=600))
+        res = run_training(
+            TrainSpec(
+                dp=2,
+                optimizer="bf16",
+                steps=3,
+                load_dir=copy,
+                load_tag="global_step2",
+                plugin=True,
+                plugin_kwargs=UNIVERSAL,
+                expect_failure=True,
+                timeout=600,
+            )
+        )
         return res, victim
 
     res, victim = runs.get(f"damaged-{damage}", make)

@@ -1,5 +1,6 @@
 """The test harness itself: model and data invariants (fast), what real DeepSpeed writes for each
 optimizer class (the facts the converter relies on), and that a same-DP resume is exact."""
+
 from __future__ import annotations
 
 import stat
@@ -8,8 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.dsharness import (TrainSpec, build_model, global_batch_tokens, param_group_names, rank_batch,
-                             run_training, tiny_model_param_groups)
+from tests.support.dsharness import (
+    TrainSpec,
+    build_model,
+    global_batch_tokens,
+    param_group_names,
+    rank_batch,
+    run_training,
+    tiny_model_param_groups,
+)
 from tests.support.dsharness.checkpoints import Geometry, group_numels, model_states_file, rank_file
 
 MEGATRON_NAMES = [
@@ -27,6 +35,7 @@ NORMS = [n for n in MEGATRON_NAMES if n.endswith("layernorm.weight")]
 
 
 # --- fast: no DeepSpeed -------------------------------------------------------------------------
+
 
 def test_model_has_megatron_names_and_groups() -> None:
     model = build_model()
@@ -55,12 +64,17 @@ def test_data_does_not_depend_on_dp(dp: int) -> None:
 
 
 def test_spec_validation_and_json_round_trip(tmp_path: Path) -> None:
-    spec = TrainSpec(dp=3, optimizer="zero", zero_stage=2, save_dir=str(tmp_path), save_at=[2],
-                     extra_config={"a": 1})
+    spec = TrainSpec(dp=3, optimizer="zero", zero_stage=2, save_dir=str(tmp_path), save_at=[2], extra_config={"a": 1})
     assert spec.save_dir == tmp_path and spec.save_at == (2,)
     assert TrainSpec.from_json(spec.to_json()) == spec
-    for bad in (dict(optimizer="adam"), dict(optimizer="bf16", zero_stage=2), dict(dp=5),
-                dict(save_at=(2,)), dict(load_universal=True), dict(zero_stage=3)):
+    for bad in (
+        dict(optimizer="adam"),
+        dict(optimizer="bf16", zero_stage=2),
+        dict(dp=5),
+        dict(save_at=(2,)),
+        dict(load_universal=True),
+        dict(zero_stage=3),
+    ):
         with pytest.raises(ValueError):
             TrainSpec(**bad)
 
@@ -84,9 +98,12 @@ def test_launcher_kills_on_timeout(tmp_path: Path) -> None:
 
 # --- real DeepSpeed runs (cached per session) ----------------------------------------------------
 
+
 def _rank_files(tag_dir: Path) -> list[dict]:
-    return [torch.load(rank_file(tag_dir, r), map_location="cpu", weights_only=False)["optimizer_state_dict"]
-            for r in range(4)]
+    return [
+        torch.load(rank_file(tag_dir, r), map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        for r in range(4)
+    ]
 
 
 @pytest.mark.slow
@@ -95,7 +112,7 @@ def test_checkpoint_files_and_dumps(ds_checkpoint, optimizer: str, cls: str) -> 
     ck = ds_checkpoint(optimizer, 4)
     res = ck.result
     assert res.optimizer_class == cls and res.ds_version == "0.19.8"
-    assert res.steps == [1, 2, 3, 4] and len(res.losses) == 4 and all(l == l for l in res.losses)
+    assert res.steps == [1, 2, 3, 4] and len(res.losses) == 4 and all(x == x for x in res.losses)
     assert (ck.root / "latest").read_text().strip() == "global_step4"
     for step in (2, 4):
         tag = ck.tag_dir(step)
@@ -110,10 +127,18 @@ def test_checkpoint_files_and_dumps(ds_checkpoint, optimizer: str, cls: str) -> 
         assert [[t.numel() for t in o["single_partition_of_fp32_groups"]] for o in osds] == [[124, 4]] * 4
     else:
         assert [o["group_paddings"] for o in osds] == [[0, 0], [0, 0], [0, 3], [4, 4]]
-        assert [[t.numel() for t in o["single_partition_of_fp32_groups"]] for o in osds] == \
-            [[124, 4], [124, 4], [124, 1], [120, 0]]
-    assert [sorted(o["param_slice_mappings"][1]) for o in osds] == \
-        [sorted(NORMS[:2]), sorted(NORMS[1:]), [NORMS[2]], []]
+        assert [[t.numel() for t in o["single_partition_of_fp32_groups"]] for o in osds] == [
+            [124, 4],
+            [124, 4],
+            [124, 1],
+            [120, 0],
+        ]
+    assert [sorted(o["param_slice_mappings"][1]) for o in osds] == [
+        sorted(NORMS[:2]),
+        sorted(NORMS[1:]),
+        [NORMS[2]],
+        [],
+    ]
 
     # Dumps: the full per-parameter states are the concatenation of the ranks' true fragments.
     full = torch.load(ck.dump("state_step2"))
@@ -138,8 +163,11 @@ def test_checkpoint_files_and_dumps(ds_checkpoint, optimizer: str, cls: str) -> 
 @pytest.mark.parametrize("optimizer", ["bf16", "zero"])
 def test_resume_same_dp_is_exact(ds_checkpoint, optimizer: str, tmp_path: Path) -> None:
     ck = ds_checkpoint(optimizer, 4)
-    res = run_training(TrainSpec(dp=4, optimizer=optimizer, steps=4, load_dir=ck.root, load_tag="global_step2",
-                                 dump_dir=tmp_path / "dumps"))
+    res = run_training(
+        TrainSpec(
+            dp=4, optimizer=optimizer, steps=4, load_dir=ck.root, load_tag="global_step2", dump_dir=tmp_path / "dumps"
+        )
+    )
     assert res.loaded_step == 2 and res.steps == [3, 4]
     assert res.losses == [ck.loss_at(3), ck.loss_at(4)]  # same DP, same reduction order: bit-exact
     saved, loaded = torch.load(ck.dump("state_step2")), torch.load(res.dumps["state_step2_loaded"])
@@ -154,18 +182,18 @@ def test_resume_same_dp_is_exact(ds_checkpoint, optimizer: str, tmp_path: Path) 
 
 @pytest.mark.slow
 def test_zero_stage2_runs(tmp_path: Path) -> None:
-    res = run_training(TrainSpec(dp=2, optimizer="zero", zero_stage=2, steps=2, save_dir=tmp_path / "ck",
-                                 save_at=(2,)))
+    res = run_training(TrainSpec(dp=2, optimizer="zero", zero_stage=2, steps=2, save_dir=tmp_path / "ck", save_at=(2,)))
     assert res.optimizer_class == "DeepSpeedZeroOptimizer"
     osd = torch.load(rank_file(tmp_path / "ck" / "global_step2", 1), weights_only=False)["optimizer_state_dict"]
     assert osd["zero_stage"] == 2
 
 
-
 # --- committed DeepSpeed 0.16.2 fixtures (no DeepSpeed run) ---------------------------------------
 
-@pytest.mark.parametrize("name,cls", [("bf16_optimizer", "BF16_Optimizer"),
-                                      ("zero_optimizer", "DeepSpeedZeroOptimizer")])
+
+@pytest.mark.parametrize(
+    "name,cls", [("bf16_optimizer", "BF16_Optimizer"), ("zero_optimizer", "DeepSpeedZeroOptimizer")]
+)
 def test_legacy_fixture_is_consistent(legacy_fixture, name: str, cls: str) -> None:
     """The 0.16.2 files show the legacy defects, and the reference equals their real fragments."""
     fx = legacy_fixture(name)

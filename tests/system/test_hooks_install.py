@@ -1,4 +1,5 @@
 """install()/uninstall(): idempotent, fully reversible, and refusing unknown DeepSpeed versions."""
+
 from __future__ import annotations
 
 import logging
@@ -10,9 +11,9 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 import megatron_ucp
-from megatron_ucp.format import dsformat as F
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.errors import UcpError, UnsupportedError
+from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.install import PatchSet
 from megatron_ucp.plan.save_record import partition_record
 
@@ -76,7 +77,7 @@ def test_patchset_refuses_double_patching():
             return 1
 
     patches = PatchSet()
-    patches.replace(Target, "f", lambda orig: (lambda self: orig(self) + 1))
+    patches.replace(Target, "f", lambda orig: lambda self: orig(self) + 1)
     assert Target().f() == 2
     with pytest.raises(RuntimeError):
         patches.replace(Target, "f", lambda orig: orig)
@@ -88,9 +89,15 @@ def test_partition_record_for_the_design_example():
     rec = [partition_record([100, 9], [100, 9], [104, 16], [4, 4], [r, r]) for r in range(4)]
     assert [r[F.GROUP_TRUE_LENGTHS][1] for r in rec] == [4, 4, 1, 0]
     assert [r[F.GROUP_PADDINGS][1] for r in rec] == [0, 0, 3, 4]
-    assert rec[3][F.ZERO_PARTITION_INFO] == {"version": 1, "dp_size": 4, "dp_rank": 3, "alignment": 8,
-                                             "group_numels": [100, 9], "padded_group_numels": [100, 9],
-                                             "partition_sizes": [26, 4]}
+    assert rec[3][F.ZERO_PARTITION_INFO] == {
+        "version": 1,
+        "dp_size": 4,
+        "dp_rank": 3,
+        "alignment": 8,
+        "group_numels": [100, 9],
+        "padded_group_numels": [100, 9],
+        "partition_sizes": [26, 4],
+    }
     with pytest.raises(UnsupportedError, match="flat buffer"):
         partition_record([100], [100], [200], [4], [0])
 
@@ -101,13 +108,16 @@ def test_no_module_imports_ipex():
     import subprocess
     import sys
 
-    names = [m.name for m in pkgutil.walk_packages(megatron_ucp.__path__, "megatron_ucp.")
-             if not m.name.endswith("__main__")]  # running a command is not importing it
-    code = ("import importlib, sys\n"
-            f"for name in {names!r}:\n    importlib.import_module(name)\n"
-            "megatron_ucp = sys.modules['megatron_ucp']\nmegatron_ucp.install()\n"
-            "bad = [m for m in sys.modules if m.startswith(('intel_extension_for_pytorch', 'oneccl'))]\n"
-            "assert not bad, bad\nprint(len(sys.modules))\n")
+    names = [
+        m.name for m in pkgutil.walk_packages(megatron_ucp.__path__, "megatron_ucp.") if not m.name.endswith("__main__")
+    ]  # running a command is not importing it
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n    importlib.import_module(name)\n"
+        "megatron_ucp = sys.modules['megatron_ucp']\nmegatron_ucp.install()\n"
+        "bad = [m for m in sys.modules if m.startswith(('intel_extension_for_pytorch', 'oneccl'))]\n"
+        "assert not bad, bad\nprint(len(sys.modules))\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != IMPORT_IPEX}  # not the torch 2.8 runs' own preload
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -124,18 +134,22 @@ def test_decision_lines_survive_a_library_configuring_the_root_logger():
     import subprocess
     import sys
 
-    code = ("import logging, os\n"
-            "logging.basicConfig(format='ROOT %(message)s')\n"
-            "import megatron_ucp\n"
-            "megatron_ucp.install()\n"
-            "logging.getLogger('megatron_ucp.integration.elastic_load').info('decided')\n"
-            "megatron_ucp.uninstall()\n"
-            "print('level', logging.getLogger('megatron_ucp').level, len(logging.getLogger('megatron_ucp').handlers))\n")
+    code = (
+        "import logging, os\n"
+        "logging.basicConfig(format='ROOT %(message)s')\n"
+        "import megatron_ucp\n"
+        "megatron_ucp.install()\n"
+        "logging.getLogger('megatron_ucp.integration.elastic_load').info('decided')\n"
+        "megatron_ucp.uninstall()\n"
+        "print('level', logging.getLogger('megatron_ucp').level, len(logging.getLogger('megatron_ucp').handlers))\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != IMPORT_IPEX}
-    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                           env={**env, "RANK": "0"})
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                           env={**env, "RANK": "5"})
+    first = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**env, "RANK": "0"}
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**env, "RANK": "5"}
+    )
     assert first.returncode == 0 and other.returncode == 0, first.stderr[-2000:] + other.stderr[-2000:]
     assert "ROOT decided" in first.stderr and "decided" not in other.stderr, first.stderr[-2000:]
     assert "level 0 0" in first.stdout and "level 0 0" in other.stdout

@@ -2,13 +2,15 @@
 
 Source: the harness's session checkpoint of each optimizer class (DP=4, saved at step 2; at DP=4 the
 no-weight-decay group's rank 3 holds only padding). DP 4 -> 3 and 4 -> 2 (and 4 -> 6, where the new
-rank 5 holds only padding of that group) with no flag and no conversion: each rank's flat fp32 partition and every optimizer state equal (``torch.equal``) what the
+rank 5 holds only padding of that group) with no flag and no conversion: each rank's flat fp32 partition and every
+optimizer state equal (``torch.equal``) what the
 universal route gives the same rank, DeepSpeed's own ``safe_get_full_*`` agree with the partitions,
 the losses continue the uninterrupted run, no ``_universal`` folder is written, and each old byte is
 read by one rank. Both routes run under a recording accelerator that spells its device ``cpu:0`` to
 megatron-ucp: every placement and collective of the hooks goes through it (or to the host at a listed
 place). Bad rank files stop every rank before anything is copied, naming the file.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +22,15 @@ import torch
 
 from tests.support.device_policy import device_violations
 from tests.support.device_recorder import MARKED
-from tests.support.elastic_support import (ElasticRuns, assert_losses_continue, assert_same_state, private_copy,
-                                           resume, summary_lines, ucp_lines)
+from tests.support.elastic_support import (
+    ElasticRuns,
+    assert_losses_continue,
+    assert_same_state,
+    private_copy,
+    resume,
+    summary_lines,
+    ucp_lines,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -45,19 +54,30 @@ def _run(ds_checkpoint, runs: ElasticRuns, case: str, dp: int, route: str):
 
     def make(folder: Path):
         root = private_copy(ck.root, folder / "ckpt")
-        return resume(dp, opt, root, folder, load_tag="global_step2", plugin_kwargs={"resume_route": route},
-                      env={"UCP_HARNESS_RECORD_DEVICES": "1"}, **stage)
+        return resume(
+            dp,
+            opt,
+            root,
+            folder,
+            load_tag="global_step2",
+            plugin_kwargs={"resume_route": route},
+            env={"UCP_HARNESS_RECORD_DEVICES": "1"},
+            **stage,
+        )
 
     return ck, runs.get(f"{case}-{dp}-{route}", make)
 
 
 def _partitions(res, rank: int, suffix: str = "_loaded") -> dict:
-    return torch.load(Path(res.dumps[f"state_step{res.loaded_step}{suffix}"]).parent /
-                      f"rank{rank}_step{res.loaded_step}{suffix}.pt", weights_only=False)
+    return torch.load(
+        Path(res.dumps[f"state_step{res.loaded_step}{suffix}"]).parent / f"rank{rank}_step{res.loaded_step}{suffix}.pt",
+        weights_only=False,
+    )
 
 
-@pytest.mark.parametrize("case, dp", [("bf16", 3), ("bf16", 2), ("zero", 3), ("zero", 2), ("zero2-hooked", 3),
-                                     ("bf16", 6)])
+@pytest.mark.parametrize(
+    "case, dp", [("bf16", 3), ("bf16", 2), ("zero", 3), ("zero", 2), ("zero2-hooked", 3), ("bf16", 6)]
+)
 def test_reshard_equals_the_universal_route_rank_by_rank(ds_checkpoint, runs, case: str, dp: int) -> None:
     ck, native = _run(ds_checkpoint, runs, case, dp, "auto")
     _, universal = _run(ds_checkpoint, runs, case, dp, "universal")
@@ -111,6 +131,7 @@ def _assert_devices_through_the_accelerator(res, dp: int) -> None:
 # bad input: found before anything is copied, one error naming the file (no DeepSpeed launch needed)
 # ------------------------------------------------------------------------------------------------
 
+
 def _synthetic(tmp_path: Path, dp: int = 4, iteration: int = 2):
     from megatron_ucp.plan.llama_shapes import LlamaShape
     from megatron_ucp.synthetic.content import SyntheticSpec
@@ -130,8 +151,9 @@ def _facts_and_plan(spec, tag, rank_file, dp_to: int = 3, rank: int = 0):
     facts = read_facts(tag / "mp_rank_00_model_states.pt", rank_file)
     groups = spec.groups()
     flats = [at_dp([GroupGeometry(sum(p.numel for p in g), spec.dp)], dp_to)[0].partition_size for g in groups]
-    geos = check_live_model(facts, [[p.name for p in g] for g in groups], [[p.shape for p in g] for g in groups],
-                            flats, dp_to, tag)
+    geos = check_live_model(
+        facts, [[p.name for p in g] for g in groups], [[p.shape for p in g] for g in groups], flats, dp_to, tag
+    )
     return facts, geos, reshard_reads(geos, dp_to, rank)
 
 
@@ -190,8 +212,18 @@ def test_a_damaged_rank_file_stops_every_rank_before_the_copy(ds_checkpoint, tmp
     victim = root / "global_step2" / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt"
     victim.write_bytes(victim.read_bytes()[:4096])
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
-    res = run_training(TrainSpec(dp=3, optimizer="bf16", steps=3, load_dir=root, load_tag="global_step2", plugin=True,
-                                 expect_failure=True, timeout=600))
+    res = run_training(
+        TrainSpec(
+            dp=3,
+            optimizer="bf16",
+            steps=3,
+            load_dir=root,
+            load_tag="global_step2",
+            plugin=True,
+            expect_failure=True,
+            timeout=600,
+        )
+    )
     assert res.returncode != 0 and res.losses == [], res.log[-3000:]
     assert f"{victim}: unreadable torch file" in res.log, res.log[-3000:]
     assert "found a bad rank file" in res.log  # the ranks that read only good files stopped too
@@ -213,12 +245,24 @@ def test_a_flipped_bit_in_a_hooked_save_is_caught_by_its_recorded_checksums(ds_c
     data = bytearray(victim.read_bytes())
     with zipfile.ZipFile(victim) as archive:  # the first partition-sized tensor record
         info = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 64)
-    name_len, extra_len = int.from_bytes(data[info.header_offset + 26:info.header_offset + 28], "little"), \
-        int.from_bytes(data[info.header_offset + 28:info.header_offset + 30], "little")
+    name_len, extra_len = (
+        int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little"),
+        int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little"),
+    )
     data[info.header_offset + 30 + name_len + extra_len + 5] ^= 0x10
     victim.write_bytes(bytes(data))
-    res = run_training(TrainSpec(dp=3, optimizer="bf16", steps=3, load_dir=root, load_tag="global_step2", plugin=True,
-                                 expect_failure=True, timeout=600))
+    res = run_training(
+        TrainSpec(
+            dp=3,
+            optimizer="bf16",
+            steps=3,
+            load_dir=root,
+            load_tag="global_step2",
+            plugin=True,
+            expect_failure=True,
+            timeout=600,
+        )
+    )
     assert res.returncode != 0 and res.losses == [], res.log[-3000:]
     assert "native reshard is incomplete" in res.log and "do not reassemble it" in res.log, res.log[-3000:]
 
@@ -228,8 +272,13 @@ def test_at_dp_768_sampled_ranks_copy_the_saved_values_and_the_ledger_closes(tmp
     and 1536 planned and copied by the hook's own code (``copy_partitions``), one process playing
     each: first, middle, last real and an all-padding rank equal the synthetic values bit for bit;
     over every rank of 384 and of 1536 the ledger (against the recorded partition checksums) closes."""
-    from megatron_ucp.integration.native_reshard import (check_live_model, copy_partitions, open_source, read_facts,
-                                                         reshard_ledger)
+    from megatron_ucp.integration.native_reshard import (
+        check_live_model,
+        copy_partitions,
+        open_source,
+        read_facts,
+        reshard_ledger,
+    )
     from megatron_ucp.plan.accounting import check_ledger
     from megatron_ucp.plan.geometry import at_dp
     from megatron_ucp.plan.llama_shapes import LlamaShape
@@ -256,10 +305,14 @@ def test_at_dp_768_sampled_ranks_copy_the_saved_values_and_the_ledger_closes(tmp
         table = ledger.new_table()
         for rank in ranks:
             reads = reshard_reads(geos, world, rank)
-            sources = {r: opened.get(r) or opened.setdefault(r, open_source(rank_file(r), r, facts, geos, reads))
-                       for r in source_ranks(reads)}
-            targets = [{state: torch.zeros(geo.partition_size) for state in ("fp32", *facts.states[g])}
-                       for g, geo in enumerate(geos_new)]
+            sources = {
+                r: opened.get(r) or opened.setdefault(r, open_source(rank_file(r), r, facts, geos, reads))
+                for r in source_ranks(reads)
+            }
+            targets = [
+                {state: torch.zeros(geo.partition_size) for state in ("fp32", *facts.states[g])}
+                for g, geo in enumerate(geos_new)
+            ]
             copy_partitions(facts, geos, reads, sources, rank, targets, ledger, table)
             if everyone and rank not in (0, world // 2, last_real, world - 1):
                 continue

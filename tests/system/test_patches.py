@@ -9,6 +9,7 @@ N = 9, alignment 8, padded 16, partition 4: rank 2 holds 1 real element, rank 3 
   stock save         group_paddings of that group [0, 0, 0, 7] -> stock ds_to_universal: narrow() crash
   stock load_universal at DP=4                                  -> IndexError on ranks 2 and 3
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,13 +33,15 @@ REPO = Path(__file__).resolve().parents[2]
 PATCHES = REPO / "patches"
 DS_PATCH_DIR = PATCHES / "deepspeed-0.19.8"
 MEGATRON_PATCH = PATCHES / "megatron-deepspeed" / "0001-install-megatron-ucp.patch"
-MEGATRON_SNAPSHOT = Path(os.environ.get("MEGATRON_DEEPSPEED_DIR", "") or
-                         REPO.parent / "shared" / "third_party" / "megatron-deepspeed")
+MEGATRON_SNAPSHOT = Path(
+    os.environ.get("MEGATRON_DEEPSPEED_DIR", "") or REPO.parent / "shared" / "third_party" / "megatron-deepspeed"
+)
 PATCHED_FOR = "0.19.8"
 NORM_GROUP = 1  # harness: group 0 = weight decay, group 1 = the 3 norm weights
 
 
 # ---- helpers: patches ------------------------------------------------------------------------------
+
 
 def ds_patches() -> list[Path]:
     return sorted(DS_PATCH_DIR.glob("[0-9][0-9][0-9][0-9]-*.patch"))
@@ -65,8 +68,9 @@ def git_apply(root: Path, patch: Path, *flags: str) -> subprocess.CompletedProce
         pytest.skip("git is not installed: cannot apply patches (git apply)")
     # root is never inside a work tree of ours, but make sure git does not look above it.
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(root.parent))
-    return subprocess.run(["git", "apply", "-p1", *flags, str(patch)], cwd=root, env=env,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        ["git", "apply", "-p1", *flags, str(patch)], cwd=root, env=env, capture_output=True, text=True
+    )
 
 
 def copy_files(dest: Path, rel_paths: list[str]) -> Path:
@@ -120,6 +124,7 @@ def patched_deepspeed_root() -> Path:
 
 # ---- helpers: runs and checkpoints -------------------------------------------------------------------
 
+
 def child_env(deepspeed_root: Optional[Path]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_UCP")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -131,11 +136,23 @@ def child_env(deepspeed_root: Optional[Path]) -> dict[str, str]:
 
 def ds_to_universal(tag_dir: Path, output: Path, deepspeed_root: Optional[Path]) -> subprocess.CompletedProcess:
     """DeepSpeed's own converter, from the patched copy or (deepspeed_root=None) the installed package."""
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
-           "--output_folder", str(output), "--inject_missing_state", "--num_extract_workers", "1",
-           "--num_merge_workers", "1"]
-    return subprocess.run(cmd, env=child_env(deepspeed_root), cwd=tag_dir.parent, capture_output=True, text=True,
-                          timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(tag_dir),
+        "--output_folder",
+        str(output),
+        "--inject_missing_state",
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+    ]
+    return subprocess.run(
+        cmd, env=child_env(deepspeed_root), cwd=tag_dir.parent, capture_output=True, text=True, timeout=600
+    )
 
 
 def train(deepspeed_root: Optional[Path], **kwargs):
@@ -144,14 +161,12 @@ def train(deepspeed_root: Optional[Path], **kwargs):
 
     env = {}
     if deepspeed_root is not None:
-        env = {"PYTHONPATH": str(deepspeed_root),
-               "TORCH_EXTENSIONS_DIR": str(deepspeed_root / "torch_extensions")}
+        env = {"PYTHONPATH": str(deepspeed_root), "TORCH_EXTENSIONS_DIR": str(deepspeed_root / "torch_extensions")}
     return run_training(TrainSpec(dp=4, env=env, **kwargs))
 
 
 def rank_files(tag_dir: Path) -> list[Path]:
-    files = {int(m["dp"]): tag_dir / name for name in os.listdir(tag_dir)
-             if (m := F.OPTIM_FILE_RE.match(name))}
+    files = {int(m["dp"]): tag_dir / name for name in os.listdir(tag_dir) if (m := F.OPTIM_FILE_RE.match(name))}
     return [files[r] for r in sorted(files)]
 
 
@@ -182,8 +197,14 @@ def assert_records_geometry(tag_dir: Path, dp: int = 4) -> list[dict]:
         assert sd[F.GROUP_TRUE_LENGTHS] == list(trues), rank
         assert sd[F.GROUP_PADDINGS] == [s - t for s, t in zip(sizes, trues)], rank
         assert sd[F.ZERO_PARTITION_INFO] == {
-            "version": F.ZERO_PARTITION_INFO_VERSION, "dp_size": dp, "dp_rank": rank, "alignment": 2 * dp,
-            "group_numels": numels, "padded_group_numels": numels, "partition_sizes": list(sizes)}, rank
+            "version": F.ZERO_PARTITION_INFO_VERSION,
+            "dp_size": dp,
+            "dp_rank": rank,
+            "alignment": 2 * dp,
+            "group_numels": numels,
+            "padded_group_numels": numels,
+            "partition_sizes": list(sizes),
+        }, rank
     # the scenario this file is about: the norm group leaves rank 3 with padding only
     assert [sd[F.GROUP_TRUE_LENGTHS][NORM_GROUP] for sd in sds] == [4, 4, 1, 0]
     return sds
@@ -208,6 +229,7 @@ def same_value(a, b) -> bool:
 
 
 # ---- fast tests: the patch files themselves ----------------------------------------------------------
+
 
 def test_patch_set_is_complete_and_documented():
     names = [p.name for p in ds_patches()]
@@ -272,12 +294,15 @@ def test_megatron_patch_applies_to_pretrain_gpt_alcf(tmp_path):
 
 
 def _added_lines(patch: Path) -> str:
-    return "\n".join(line[1:] for line in patch.read_text().splitlines()
-                     if line.startswith("+") and not line.startswith("+++"))
+    return "\n".join(
+        line[1:] for line in patch.read_text().splitlines() if line.startswith("+") and not line.startswith("+++")
+    )
 
 
-@pytest.mark.parametrize("env_value,available,expect_install", [
-    (None, True, True), ("1", True, True), ("0", True, False), (None, False, False)])
+@pytest.mark.parametrize(
+    "env_value,available,expect_install",
+    [(None, True, True), ("1", True, True), ("0", True, False), (None, False, False)],
+)
 def test_megatron_patch_snippet_behaviour(monkeypatch, env_value, available, expect_install):
     """The lines the patch adds: install() when the package is there, unless MEGATRON_UCP=0;
     a missing package is not an error."""
@@ -303,8 +328,10 @@ def test_real_install_is_callable_without_arguments():
     import megatron_ucp
 
     sig = inspect.signature(megatron_ucp.install)
-    assert all(p.default is not inspect.Parameter.empty or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-               for p in sig.parameters.values())
+    assert all(
+        p.default is not inspect.Parameter.empty or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        for p in sig.parameters.values()
+    )
 
 
 # ---- slow tests: real DeepSpeed, CPU, gloo, 4 processes --------------------------------------------
@@ -386,8 +413,9 @@ def test_patched_converter_converts_stock_bf16_checkpoint(patched_ds, bf16_unive
     stock_tag = built_checkpoint(optimizer="bf16", dp=4).root / "global_step2"
     assert [optim_sd(f)[F.GROUP_PADDINGS][NORM_GROUP] for f in rank_files(stock_tag)] == [0, 0, 0, 7]
     unpatched = ds_to_universal(stock_tag, work / "stock_conv_unpatched" / "global_step2_universal", None)
-    assert unpatched.returncode != 0 and "narrow(): length must be non-negative" in unpatched.stderr, \
-        unpatched.stderr[-2000:]
+    assert unpatched.returncode != 0 and "narrow(): length must be non-negative" in unpatched.stderr, unpatched.stderr[
+        -2000:
+    ]
     out = work / "stock_conv_patched"
     patched = ds_to_universal(stock_tag, out / "global_step2_universal", patched_ds)
     assert patched.returncode == 0, patched.stderr[-4000:]
@@ -405,8 +433,16 @@ def test_patched_universal_load_with_padding_only_ranks_bf16(patched_ds, bf16_pa
     _, reference = bf16_patched
     root = work / "bf16_resumed"
     dumps = work / "bf16_resumed_dumps"
-    res = train(patched_ds, optimizer="bf16", steps=4, load_dir=bf16_universal, load_universal=True,
-                save_dir=root, save_at=(4,), dump_dir=dumps)
+    res = train(
+        patched_ds,
+        optimizer="bf16",
+        steps=4,
+        load_dir=bf16_universal,
+        load_universal=True,
+        save_dir=root,
+        save_at=(4,),
+        dump_dir=dumps,
+    )
     assert res.loaded_step == 2
     assert res.steps == [3, 4]
     assert res.losses == [reference.loss_at(3), reference.loss_at(4)]
@@ -431,8 +467,17 @@ def test_stock_universal_load_fails_with_padding_only_ranks(bf16_universal):
     """Control: without patch 4/4 the same load dies, so the test above tests something."""
     from tests.support.dsharness import TrainSpec, run_training
 
-    res = run_training(TrainSpec(dp=4, optimizer="bf16", steps=3, load_dir=bf16_universal, load_universal=True,
-                                 expect_failure=True, env={"PYTHONPATH": ""}))
+    res = run_training(
+        TrainSpec(
+            dp=4,
+            optimizer="bf16",
+            steps=3,
+            load_dir=bf16_universal,
+            load_universal=True,
+            expect_failure=True,
+            env={"PYTHONPATH": ""},
+        )
+    )
     assert res.returncode != 0
     assert "IndexError: list index out of range" in res.log and "steps[0]" in res.log, res.log[-3000:]
     rank3 = res.log.split("===== rank 3 ", 1)[-1]

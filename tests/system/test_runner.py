@@ -2,6 +2,7 @@
 as pure functions, then the runner driving the Megatron-DeepSpeed stand-in (megatron-core GPT +
 DeepSpeed ZeRO-1 bf16, CPU, gloo) through save, a DP change and resume, configured by ``--ucp-*``
 options in one run and by ``MEGATRON_UCP_*`` variables in another."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ucp import config as C
-from megatron_ucp.integration import run as R
-from megatron_ucp.plan import launch as L
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.errors import UcpError
+from megatron_ucp.integration import run as R
+from megatron_ucp.plan import launch as L
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = REPO / "train_scripts" / "megatron_standin" / "pretrain_gpt_standin.py"
@@ -32,13 +33,25 @@ STANDIN = REPO / "train_scripts" / "megatron_standin" / "pretrain_gpt_standin.py
 # argv
 # ================================================================================================
 
+
 def test_runner_options_are_removed_from_anywhere_in_argv():
-    split = R.split_argv(["--ucp-keep-last", "3", "train.py", "--num-layers", "2", "--ucp-async-convert",
-                          "--lr", "0.1", "--ucp-converter-workers=4", "--ucp-no-strict"])
+    split = R.split_argv(
+        [
+            "--ucp-keep-last",
+            "3",
+            "train.py",
+            "--num-layers",
+            "2",
+            "--ucp-async-convert",
+            "--lr",
+            "0.1",
+            "--ucp-converter-workers=4",
+            "--ucp-no-strict",
+        ]
+    )
     assert split.target == R.Target("path", "train.py")
     assert split.script_args == ("--num-layers", "2", "--lr", "0.1")
-    assert split.options == (("keep_last", "3"), ("async_convert", "1"), ("converter_workers", "4"),
-                             ("strict", "0"))
+    assert split.options == (("keep_last", "3"), ("async_convert", "1"), ("converter_workers", "4"), ("strict", "0"))
 
 
 def test_module_target_and_help():
@@ -50,13 +63,16 @@ def test_module_target_and_help():
     assert not after.help and after.script_args == ("--help",)
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--ucp-keep-lats", "3", "t.py"], "unknown runner option '--ucp-keep-lats'"),
-    (["t.py", "--ucp-keep-last"], "--ucp-keep-last needs a value"),
-    (["--lr", "1", "t.py"], "unexpected '--lr' before the script"),
-    (["-m"], "-m needs a module name"),
-    (["t.py", "--ucp-no-strict=1"], "takes no value"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--ucp-keep-lats", "3", "t.py"], "unknown runner option '--ucp-keep-lats'"),
+        (["t.py", "--ucp-keep-last"], "--ucp-keep-last needs a value"),
+        (["--lr", "1", "t.py"], "unexpected '--lr' before the script"),
+        (["-m"], "-m needs a module name"),
+        (["t.py", "--ucp-no-strict=1"], "takes no value"),
+    ],
+)
 def test_argv_errors_name_the_option(argv, match):
     with pytest.raises(UcpError, match=re.escape(match)):
         R.split_argv(argv)
@@ -77,10 +93,17 @@ def test_every_config_field_has_an_option_and_a_variable():
 # settings: options > environment > defaults
 # ================================================================================================
 
+
 def test_environment_variables_build_the_config():
-    env = {"MEGATRON_UCP_ASYNC_CONVERT": "yes", "MEGATRON_UCP_KEEP_LAST": "2", "MEGATRON_UCP_STRICT": "off",
-           "MEGATRON_UCP_CONVERTER_WORKERS": "8", "MEGATRON_UCP_RANKS_PER_NODE": "12",
-           "MEGATRON_UCP_KEEP_GLOBAL_BATCH": "0", "UNRELATED": "x"}
+    env = {
+        "MEGATRON_UCP_ASYNC_CONVERT": "yes",
+        "MEGATRON_UCP_KEEP_LAST": "2",
+        "MEGATRON_UCP_STRICT": "off",
+        "MEGATRON_UCP_CONVERTER_WORKERS": "8",
+        "MEGATRON_UCP_RANKS_PER_NODE": "12",
+        "MEGATRON_UCP_KEEP_GLOBAL_BATCH": "0",
+        "UNRELATED": "x",
+    }
     config, runner, lines = C.build_settings([], env)
     assert config == UcpConfig(async_convert=True, keep_last=2, strict=False, converter_workers=8, ranks_per_node=12)
     assert runner == C.RunnerSettings(keep_global_batch=False)
@@ -96,22 +119,31 @@ def test_options_win_over_environment():
     assert C.build_settings([("ranks_per_node", "auto")], {})[0].ranks_per_node is None
 
 
-@pytest.mark.parametrize("env, match", [
-    ({"MEGATRON_UCP_ASYNC_CONVERT": "maybe"}, "MEGATRON_UCP_ASYNC_CONVERT: expected one of"),
-    ({"MEGATRON_UCP_KEEP_LAST": "three"}, "MEGATRON_UCP_KEEP_LAST: expected an integer or 'all'"),
-    ({"MEGATRON_UCP_KEEP_LAST": "0"}, "keep_last must be >= 1"),
-    ({"MEGATRON_UCP_CONVERTER_WORKERS": "none"}, "expected an integer, got 'none'"),
-])
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"MEGATRON_UCP_ASYNC_CONVERT": "maybe"}, "MEGATRON_UCP_ASYNC_CONVERT: expected one of"),
+        ({"MEGATRON_UCP_KEEP_LAST": "three"}, "MEGATRON_UCP_KEEP_LAST: expected an integer or 'all'"),
+        ({"MEGATRON_UCP_KEEP_LAST": "0"}, "keep_last must be >= 1"),
+        ({"MEGATRON_UCP_CONVERTER_WORKERS": "none"}, "expected an integer, got 'none'"),
+    ],
+)
 def test_bad_values_raise_naming_the_variable(env, match):
     with pytest.raises(UcpError, match=re.escape(match)):
         C.build_settings([], env)
 
 
-@given(async_convert=st.booleans(), strict=st.booleans(), keep_last=st.one_of(st.none(), st.integers(1, 50)),
-       workers=st.integers(1, 64), rpn=st.one_of(st.none(), st.integers(1, 12)))
+@given(
+    async_convert=st.booleans(),
+    strict=st.booleans(),
+    keep_last=st.one_of(st.none(), st.integers(1, 50)),
+    workers=st.integers(1, 64),
+    rpn=st.one_of(st.none(), st.integers(1, 12)),
+)
 def test_config_env_round_trips(async_convert, strict, keep_last, workers, rpn):
-    config = UcpConfig(async_convert=async_convert, strict=strict, keep_last=keep_last, converter_workers=workers,
-                       ranks_per_node=rpn)
+    config = UcpConfig(
+        async_convert=async_convert, strict=strict, keep_last=keep_last, converter_workers=workers, ranks_per_node=rpn
+    )
     assert C.build_settings([], C.config_env(config))[0] == config
 
 
@@ -119,11 +151,32 @@ def test_config_env_round_trips(async_convert, strict, keep_last, workers, rpn):
 # Megatron argv, world size
 # ================================================================================================
 
+
 def test_megatron_args_follow_argparse_last_wins():
-    m = L.megatron_args(["--load", "/a", "--load=/b", "--global-batch-size=3072", "--micro-batch-size", "1",
-                         "--tensor-model-parallel-size=2", "--seed", "7", "--no-load-rng", "--universal-checkpoint"])
-    assert m == L.MegatronArgs(load="/b", global_batch_size=3072, micro_batch_size=1, tensor_parallel=2, seed=7,
-                               no_load_rng=True, universal_checkpoint=True)
+    m = L.megatron_args(
+        [
+            "--load",
+            "/a",
+            "--load=/b",
+            "--global-batch-size=3072",
+            "--micro-batch-size",
+            "1",
+            "--tensor-model-parallel-size=2",
+            "--seed",
+            "7",
+            "--no-load-rng",
+            "--universal-checkpoint",
+        ]
+    )
+    assert m == L.MegatronArgs(
+        load="/b",
+        global_batch_size=3072,
+        micro_batch_size=1,
+        tensor_parallel=2,
+        seed=7,
+        no_load_rng=True,
+        universal_checkpoint=True,
+    )
     with pytest.raises(UcpError, match="--global-batch-size 'x' is not an integer"):
         L.megatron_args(["--global-batch-size", "x"])
 
@@ -140,13 +193,15 @@ def test_world_size_and_local_size_from_launchers():
 # the DP-change plan (pure)
 # ================================================================================================
 
-FACTS = L.CheckpointFacts(load_dir="/ckpt", tag="global_step100", dp_world_size=768, global_batch_size=3072,
-                          micro_batch_size=1, iteration=100)
+FACTS = L.CheckpointFacts(
+    load_dir="/ckpt", tag="global_step100", dp_world_size=768, global_batch_size=3072, micro_batch_size=1, iteration=100
+)
 
 
 def plan(argv=(), facts=FACTS, world=384, config=UcpConfig(), settings=C.RunnerSettings()):
-    return L.plan_launch(L.megatron_args(["--load", "/ckpt", "--micro-batch-size", "1", *argv]), facts, world,
-                         config, settings)
+    return L.plan_launch(
+        L.megatron_args(["--load", "/ckpt", "--micro-batch-size", "1", *argv]), facts, world, config, settings
+    )
 
 
 def test_dp_change_keeps_the_global_batch_and_reseeds():
@@ -203,11 +258,15 @@ def test_tp_pp_changes_are_planned_like_dp_changes():
     tp = plan(["--tensor-model-parallel-size", "2"])
     assert tp.extra_args == ("--universal-checkpoint", "--global-batch-size", "3072", "--no-load-rng")
     assert tp.notes[0].startswith("TP changed 1 -> 2, DP changed 768 -> 192") and tp.reseed_base is not None
-    same = plan(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
-                facts=dataclasses.replace(FACTS, tp=2, pp=2, dp_world_size=96))
+    same = plan(
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+        facts=dataclasses.replace(FACTS, tp=2, pp=2, dp_world_size=96),
+    )
     assert same.extra_args == () and "(TP=2, PP=2, DP=96)" in same.notes[0]
-    pp_only = plan(["--pipeline-model-parallel-size", "2", "--universal-checkpoint"],
-                   facts=dataclasses.replace(FACTS, dp_world_size=192))
+    pp_only = plan(
+        ["--pipeline-model-parallel-size", "2", "--universal-checkpoint"],
+        facts=dataclasses.replace(FACTS, dp_world_size=192),
+    )
     assert pp_only.notes[0].startswith("PP changed 1 -> 2:") and "--universal-checkpoint" not in pp_only.extra_args
     states = {"dp_world_size": 4, "checkpoint_parallel_dimensions": {"tp_degree": 2, "pp_degree": 1}}
     assert (L.facts_from_model_states("/c", "t", states).tp, L.facts_from_model_states("/c", "t", states).pp) == (2, 1)
@@ -221,8 +280,14 @@ def test_elastic_off_without_universal_checkpoint_warns():
 
 
 @settings(max_examples=300, deadline=None)
-@given(dp_from=st.integers(1, 1024), dp_to=st.integers(1, 1024), micro=st.integers(1, 8),
-       batch=st.integers(1, 20000), pinned=st.booleans(), no_rng=st.booleans())
+@given(
+    dp_from=st.integers(1, 1024),
+    dp_to=st.integers(1, 1024),
+    micro=st.integers(1, 8),
+    batch=st.integers(1, 20000),
+    pinned=st.booleans(),
+    no_rng=st.booleans(),
+)
 def test_plan_properties(dp_from, dp_to, micro, batch, pinned, no_rng):
     facts = dataclasses.replace(FACTS, dp_world_size=dp_from, global_batch_size=batch, micro_batch_size=micro)
     argv = ["--load", "/ckpt", "--micro-batch-size", str(micro)]
@@ -243,7 +308,7 @@ def test_plan_properties(dp_from, dp_to, micro, batch, pinned, no_rng):
 
 def test_derived_seed_is_deterministic_and_distinct():
     seeds = {L.derived_seed(1234, 100, r) for r in range(768)}
-    assert len(seeds) == 768 and all(0 <= s < 2 ** 31 for s in seeds)
+    assert len(seeds) == 768 and all(0 <= s < 2**31 for s in seeds)
     assert L.derived_seed(1234, 100, 5) == L.derived_seed(1234, 100, 5) != L.derived_seed(1234, 101, 5)
 
 
@@ -260,6 +325,7 @@ def test_alcf_batch_env_for_train_aGPT_7B():
 # ================================================================================================
 # reading a checkpoint's model states (tolerant of classes that cannot be imported here)
 # ================================================================================================
+
 
 def _write_model_states(tmp_path: Path, dp: int = 4, batch: int = 16, micro: int = 1, with_args: bool = True) -> Path:
     import torch
@@ -278,8 +344,12 @@ def _write_model_states(tmp_path: Path, dp: int = 4, batch: int = 16, micro: int
     sys.modules[fake.__name__] = fake
     try:
         args = argparse.Namespace(global_batch_size=batch, micro_batch_size=micro, model_type=ModelType())
-        states = {"dp_world_size": dp, "iteration": 7, "module": {"w": torch.zeros(2)},
-                  "ds_config": {"train_batch_size": batch * 2, "train_micro_batch_size_per_gpu": micro}}
+        states = {
+            "dp_world_size": dp,
+            "iteration": 7,
+            "module": {"w": torch.zeros(2)},
+            "ds_config": {"train_batch_size": batch * 2, "train_micro_batch_size_per_gpu": micro},
+        }
         if with_args:
             states["args"] = args
         torch.save(states, root / "global_step7" / "mp_rank_00_model_states.pt")
@@ -302,7 +372,9 @@ def test_read_checkpoint_facts_prefers_megatron_args(tmp_path):
     assert R.read_checkpoint_facts(universal).tag == "global_step7"
     twin = root / "global_step7_universal"
     twin.mkdir()
-    (twin / "mp_rank_00_model_states.pt").write_bytes((root / "global_step7" / "mp_rank_00_model_states.pt").read_bytes())
+    (twin / "mp_rank_00_model_states.pt").write_bytes(
+        (root / "global_step7" / "mp_rank_00_model_states.pt").read_bytes()
+    )
     (root / "latest_universal").write_text("global_step7_universal")
     assert R.read_checkpoint_facts(universal).tag == "global_step7_universal"
 
@@ -318,8 +390,7 @@ def test_reading_the_checkpoint_imports_no_megatron_and_the_script_folder_comes_
     (root / "global_step2").mkdir(parents=True)
     (root / "latest").write_text("global_step2")
     args = argparse.Namespace(global_batch_size=8, micro_batch_size=1, model_type=ModelType.encoder_or_decoder)
-    torch.save({"dp_world_size": 2, "iteration": 2, "args": args},
-               root / "global_step2" / "mp_rank_00_model_states.pt")
+    torch.save({"dp_world_size": 2, "iteration": 2, "args": args}, root / "global_step2" / "mp_rank_00_model_states.pt")
     checkout = tmp_path / "Megatron-DeepSpeed"
     (checkout / "megatron").mkdir(parents=True)
     (checkout / "megatron" / "__init__.py").write_text("def get_args():\n    return 'the checkout'\n")
@@ -339,8 +410,13 @@ def test_reading_the_checkpoint_imports_no_megatron_and_the_script_folder_comes_
     shim_dir = tmp_path / "shim"
     shim_dir.mkdir()
     env = {**os.environ, "MEGATRON_UCP_ELASTIC_RESUME": "0", "MEGATRON_UCP_RECORD_TRUE_LENGTHS": "0"}
-    done = subprocess.run([sys.executable, "-m", "megatron_ucp.integration.run", str(script), "--load", str(root)], cwd=shim_dir,
-                          capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_ucp.integration.run", str(script), "--load", str(root)],
+        cwd=shim_dir,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "script sees the checkout" in done.stdout
 
@@ -354,6 +430,7 @@ def test_read_checkpoint_facts_falls_back_to_ds_config(tmp_path):
 # ================================================================================================
 # main(): dry run, help, MEGATRON_UCP=0, and a real install + run + uninstall in-process
 # ================================================================================================
+
 
 def test_dry_run_prints_the_final_command_line(tmp_path, monkeypatch, capsys):
     root = _write_model_states(tmp_path, dp=4, batch=12)
@@ -378,8 +455,9 @@ def test_help_lists_every_option_and_variable(capsys):
 
 
 def test_module_entry_point_and_cli_dispatch():
-    out = subprocess.run([sys.executable, "-m", "megatron_ucp.integration.run", "--help"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_ucp.integration.run", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and "--ucp-async-convert" in out.stdout
     from megatron_ucp.cli import main as cli_main
 
@@ -395,9 +473,11 @@ def test_usage_errors_exit_2(tmp_path, capsys):
 def test_switch_off_runs_the_script_untouched(tmp_path, monkeypatch):
     out = tmp_path / "seen.json"
     script = tmp_path / "train.py"
-    script.write_text("import json, sys, megatron_ucp\n"
-                      f"json.dump({{'argv': sys.argv[1:], 'installed': megatron_ucp.active_config() is not None,"
-                      f" 'name': __name__}}, open({str(out)!r}, 'w'))\n")
+    script.write_text(
+        "import json, sys, megatron_ucp\n"
+        f"json.dump({{'argv': sys.argv[1:], 'installed': megatron_ucp.active_config() is not None,"
+        f" 'name': __name__}}, open({str(out)!r}, 'w'))\n"
+    )
     monkeypatch.setenv("MEGATRON_UCP", "0")
     assert R.main([str(script), "--lr", "1", "--ucp-async-convert"]) == 0
     assert json.loads(out.read_text()) == {"argv": ["--lr", "1"], "installed": False, "name": "__main__"}
@@ -409,11 +489,13 @@ def test_main_installs_runs_and_uninstalls(tmp_path, monkeypatch):
 
     out = tmp_path / "seen.json"
     script = tmp_path / "train.py"
-    script.write_text("import json, sys, os, megatron_ucp\n"
-                      "c = megatron_ucp.active_config()\n"
-                      f"json.dump({{'argv': sys.argv, 'async': c.async_convert, 'keep_last': c.keep_last,"
-                      f" 'env': os.environ.get('MEGATRON_UCP_KEEP_LAST')}}, open({str(out)!r}, 'w'))\n"
-                      "sys.exit(3)\n")
+    script.write_text(
+        "import json, sys, os, megatron_ucp\n"
+        "c = megatron_ucp.active_config()\n"
+        f"json.dump({{'argv': sys.argv, 'async': c.async_convert, 'keep_last': c.keep_last,"
+        f" 'env': os.environ.get('MEGATRON_UCP_KEEP_LAST')}}, open({str(out)!r}, 'w'))\n"
+        "sys.exit(3)\n"
+    )
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("MEGATRON_UCP_KEEP_LAST", "4")
@@ -429,24 +511,62 @@ def test_main_installs_runs_and_uninstalls(tmp_path, monkeypatch):
 # the runner driving the stand-in: save at DP=2, resume at DP=3 (options) and DP=1 (environment)
 # ================================================================================================
 
-MODEL = ["--num-layers", "1", "--hidden-size", "3", "--num-attention-heads", "1", "--ffn-hidden-size", "16",
-         "--seq-length", "8", "--max-position-embeddings", "8", "--normalization", "rmsnorm",
-         "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--standin-vocab-size", "32", "--make-vocab-size-divisible-by", "32",
-         "--micro-batch-size", "1", "--lr", "0.05", "--bf16", "--deepspeed", "--zero-stage", "1",
-         "--train-iters", "4", "--standin-zero-optimizer", "BF16_Optimizer"]
+MODEL = [
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "3",
+    "--num-attention-heads",
+    "1",
+    "--ffn-hidden-size",
+    "16",
+    "--seq-length",
+    "8",
+    "--max-position-embeddings",
+    "8",
+    "--normalization",
+    "rmsnorm",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--standin-vocab-size",
+    "32",
+    "--make-vocab-size-divisible-by",
+    "32",
+    "--micro-batch-size",
+    "1",
+    "--lr",
+    "0.05",
+    "--bf16",
+    "--deepspeed",
+    "--zero-stage",
+    "1",
+    "--train-iters",
+    "4",
+    "--standin-zero-optimizer",
+    "BF16_Optimizer",
+]
 _LOSS = re.compile(r"iteration (\d+)/4 \| consumed samples (\d+) \| lm loss (\S+) .*\| dp (\d+)")
 
 
 def _launch(args, nprocs, tmp, name, env=None):
     from demo.launch import launch
 
-    result = launch(["-m", "megatron_ucp.integration.run", str(STANDIN), *MODEL, *args], nprocs, tmp / "logs", name=name,
-                    env=env, cwd=REPO, timeout=600)
+    result = launch(
+        ["-m", "megatron_ucp.integration.run", str(STANDIN), *MODEL, *args],
+        nprocs,
+        tmp / "logs",
+        name=name,
+        env=env,
+        cwd=REPO,
+        timeout=600,
+    )
     text = result.output(0)
     assert result.ok, f"{name} failed {result.returncodes}:\n{result.output(result.first_failure() or 0)[-5000:]}"
-    return text, {int(m.group(1)): (int(m.group(2)), float(m.group(3)), int(m.group(4)))
-                  for m in _LOSS.finditer(text)}
+    return text, {int(m.group(1)): (int(m.group(2)), float(m.group(3)), int(m.group(4))) for m in _LOSS.finditer(text)}
 
 
 def test_the_runner_waits_for_the_last_saves_conversion_when_the_script_ends(tmp_path):
@@ -457,9 +577,23 @@ def test_the_runner_waits_for_the_last_saves_conversion_when_the_script_ends(tmp
     from megatron_ucp.convert.universal import universal_state
     from megatron_ucp.faults import PAUSE_ENV
 
-    text, losses = _launch(["--standin-grad-acc-steps", "3", "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
-                            "--exit-interval", "2", "--ucp-async-convert"], 1, tmp_path, "save",
-                           env={PAUSE_ENV: "global_step2:8:0"})
+    text, losses = _launch(
+        [
+            "--standin-grad-acc-steps",
+            "3",
+            "--save",
+            str(tmp_path / "ckpt"),
+            "--save-interval",
+            "2",
+            "--exit-interval",
+            "2",
+            "--ucp-async-convert",
+        ],
+        1,
+        tmp_path,
+        "save",
+        env={PAUSE_ENV: "global_step2:8:0"},
+    )
     assert sorted(losses) == [1, 2]
     assert "waiting up to" in text and "background conversions in" in text and "finished" in text, text[-3000:]
     assert universal_state(tmp_path / "ckpt" / "global_step2_universal") == "complete"
@@ -469,8 +603,24 @@ def test_the_runner_waits_for_the_last_saves_conversion_when_the_script_ends(tmp
 def saved_at_dp2(tmp_path_factory):
     """Iterations 1-2 at DP=2 (global batch 6 = micro 1 x DP 2 x GAS 3), saved, then exit."""
     tmp = tmp_path_factory.mktemp("runner_dp2")
-    text, losses = _launch(["--standin-grad-acc-steps", "3", "--save", str(tmp / "ckpt"), "--save-interval", "2",
-                            "--exit-interval", "2", "--ucp-keep-last", "1", "--ucp-no-async-convert"], 2, tmp, "save")
+    text, losses = _launch(
+        [
+            "--standin-grad-acc-steps",
+            "3",
+            "--save",
+            str(tmp / "ckpt"),
+            "--save-interval",
+            "2",
+            "--exit-interval",
+            "2",
+            "--ucp-keep-last",
+            "1",
+            "--ucp-no-async-convert",
+        ],
+        2,
+        tmp,
+        "save",
+    )
     assert sorted(losses) == [1, 2] and losses[2][0] == 12 and losses[2][2] == 2
     assert "megatron-ucp run: setting keep_last=1 (from --ucp-keep-last)" in text
     assert (tmp / "ckpt" / "global_step2").is_dir()
@@ -480,9 +630,23 @@ def saved_at_dp2(tmp_path_factory):
 @pytest.mark.slow
 def test_resume_at_dp3_configured_by_options(saved_at_dp2, tmp_path):
     ckpt = saved_at_dp2 / "ckpt"
-    text, losses = _launch(["--load", str(ckpt), "--save", str(tmp_path / "out"), "--save-interval", "4",
-                            "--ucp-strict", "--ucp-converter-workers", "1", "--ucp-no-async-convert"],
-                           3, tmp_path, "resume3")
+    text, losses = _launch(
+        [
+            "--load",
+            str(ckpt),
+            "--save",
+            str(tmp_path / "out"),
+            "--save-interval",
+            "4",
+            "--ucp-strict",
+            "--ucp-converter-workers",
+            "1",
+            "--ucp-no-async-convert",
+        ],
+        3,
+        tmp_path,
+        "resume3",
+    )
     where = ckpt / "global_step2"
     assert f"megatron-ucp run: DP change: {where} was saved at DP=2, this job runs at DP=3" in text
     assert "keeping the checkpoint's global batch 6 (gradient accumulation 2 x micro batch 1 x DP 3)" in text
@@ -496,10 +660,16 @@ def test_resume_at_dp3_configured_by_options(saved_at_dp2, tmp_path):
 @pytest.mark.slow
 def test_resume_at_dp1_configured_by_environment(saved_at_dp2, tmp_path):
     ckpt = saved_at_dp2 / "ckpt"
-    env = {"MEGATRON_UCP_STRICT": "1", "MEGATRON_UCP_ASYNC_CONVERT": "0", "MEGATRON_UCP_KEEP_GLOBAL_BATCH": "1",
-           "MEGATRON_UCP_CONVERTER_THREADS": "1", "MEGATRON_UCP_KEEP_LAST": "2"}
-    text, losses = _launch(["--load", str(ckpt), "--load-tag", "global_step2", "--seed", "99"], 1, tmp_path,
-                           "resume1", env=env)
+    env = {
+        "MEGATRON_UCP_STRICT": "1",
+        "MEGATRON_UCP_ASYNC_CONVERT": "0",
+        "MEGATRON_UCP_KEEP_GLOBAL_BATCH": "1",
+        "MEGATRON_UCP_CONVERTER_THREADS": "1",
+        "MEGATRON_UCP_KEEP_LAST": "2",
+    }
+    text, losses = _launch(
+        ["--load", str(ckpt), "--load-tag", "global_step2", "--seed", "99"], 1, tmp_path, "resume1", env=env
+    )
     assert "megatron-ucp run: setting keep_last=2 (from MEGATRON_UCP_KEEP_LAST)" in text
     assert "keeping the checkpoint's global batch 6 (gradient accumulation 6 x micro batch 1 x DP 1)" in text
     assert "sha256(seed=99, iteration=2, r)" in text

@@ -16,6 +16,7 @@ exceeds the partition.
    in ``load_hp_checkpoint_state_from_checkpoint_dir`` (its list of per-fragment steps is empty).
    At a DP size without such a rank (DP=2 here) the same universal checkpoint loads.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -87,8 +88,9 @@ def test_ds_to_universal_converts_zero_optimizer_0_19_8(stock_universal_zero) ->
 def test_universal_load_crashes_on_all_padding_rank(stock_universal_zero, tmp_path: Path) -> None:
     ck, root, run = stock_universal_zero
     assert run.ok, run.log[-3000:]
-    res = run_training(TrainSpec(dp=4, optimizer="zero", steps=3, load_dir=root, load_universal=True,
-                                 expect_failure=True, timeout=240))
+    res = run_training(
+        TrainSpec(dp=4, optimizer="zero", steps=3, load_dir=root, load_universal=True, expect_failure=True, timeout=240)
+    )
     assert res.returncode != 0
     assert "IndexError: list index out of range" in res.log, res.log[-4000:]
     assert "load_hp_checkpoint_state_from_checkpoint_dir" in res.log
@@ -99,8 +101,17 @@ def test_universal_load_works_without_all_padding_rank(stock_universal_zero, tmp
     """DP=4 -> DP=2 through stock DeepSpeed: state restored bit for bit, loss curve continues."""
     ck, root, run = stock_universal_zero
     assert run.ok, run.log[-3000:]
-    res = run_training(TrainSpec(dp=2, optimizer="zero", steps=4, load_dir=root, load_universal=True,
-                                 dump_dir=tmp_path / "dumps", timeout=240))
+    res = run_training(
+        TrainSpec(
+            dp=2,
+            optimizer="zero",
+            steps=4,
+            load_dir=root,
+            load_universal=True,
+            dump_dir=tmp_path / "dumps",
+            timeout=240,
+        )
+    )
     assert res.loaded_step == 2 and res.steps == [3, 4]
     saved = torch.load(ck.dump("state_step2"))
     loaded = torch.load(res.dumps["state_step2_loaded"])

@@ -14,6 +14,7 @@
 * the pipeline stages are DeepSpeed's own ``type:transformer`` split (against
   ``deepspeed.runtime.utils.partition_balanced``, every layer count and stage count up to 48 x 8).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,8 +39,17 @@ with its DeepSpeed config (the MDS comparison in tests/integration holds ``ds_co
 
 
 def harness_spec(optimizer: str, stage: int, record: bool, ds_version: str, dp: int = 4, step: int = 2):
-    return SyntheticSpec(shape=HARNESS, dp=dp, optimizer=optimizer, zero_stage=stage, record=record,
-                         flavour="plain", iteration=step, ds_version=ds_version, micro_batch=12 // dp)
+    return SyntheticSpec(
+        shape=HARNESS,
+        dp=dp,
+        optimizer=optimizer,
+        zero_stage=stage,
+        record=record,
+        flavour="plain",
+        iteration=step,
+        ds_version=ds_version,
+        micro_batch=12 // dp,
+    )
 
 
 def assert_same_files(real_tag: Path, spec: SyntheticSpec, tmp_path: Path) -> None:
@@ -56,10 +66,12 @@ def test_synthetic_matches_deepspeed_0_16_2(name: str, tmp_path: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer,stage,plugin", [("bf16", 1, False), ("zero", 1, False), ("bf16", 1, True),
-                                                    ("zero", 2, True)])
-def test_synthetic_matches_the_installed_release(ds_checkpoint, tmp_path: Path, optimizer: str, stage: int,
-                                                 plugin: bool):
+@pytest.mark.parametrize(
+    "optimizer,stage,plugin", [("bf16", 1, False), ("zero", 1, False), ("bf16", 1, True), ("zero", 2, True)]
+)
+def test_synthetic_matches_the_installed_release(
+    ds_checkpoint, tmp_path: Path, optimizer: str, stage: int, plugin: bool
+):
     import deepspeed
 
     ck = ds_checkpoint(optimizer=optimizer, dp=4, plugin=plugin, **({"zero_stage": 2} if stage == 2 else {}))
@@ -84,7 +96,7 @@ def rebuild(tag_dir: Path, spec: SyntheticSpec, mp_rank: int = 0) -> dict[tuple[
             pieces = {"fp32": master, **{s: sd[F.BASE_OPTIMIZER_STATE]["state"][g][s] for s in states[1:]}}
             for state, t in pieces.items():
                 full = torch.zeros(size)
-                full[:min(t.numel(), size)] = t[:size]
+                full[: min(t.numel(), size)] = t[:size]
                 flats.setdefault((g, state), []).append(full)
     shapes = load(tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")[F.PARAM_SHAPES]
     out = {}
@@ -92,14 +104,15 @@ def rebuild(tag_dir: Path, spec: SyntheticSpec, mp_rank: int = 0) -> dict[tuple[
         for state in states:
             flat, offset = torch.cat(flats[(g, state)]), 0
             for name, shape in group.items():
-                out[(name, state)] = flat[offset:offset + shape.numel()].view(shape)
+                out[(name, state)] = flat[offset : offset + shape.numel()].view(shape)
                 offset += shape.numel()
     return out
 
 
 @pytest.mark.parametrize("optimizer,ds_version", [("bf16", "0.19.8"), ("zero", "0.16.2")])
-def test_conversion_of_a_synthetic_checkpoint_equals_an_independent_rebuild(tmp_path: Path, optimizer: str,
-                                                                             ds_version: str):
+def test_conversion_of_a_synthetic_checkpoint_equals_an_independent_rebuild(
+    tmp_path: Path, optimizer: str, ds_version: str
+):
     outputs = []
     for dp in (8, 768):
         spec = SyntheticSpec(shape=SMALL, dp=dp, optimizer=optimizer, ds_version=ds_version, iteration=7)
@@ -187,8 +200,27 @@ def test_pipeline_stages_are_deepspeeds_own_split():
 def test_synthesize_command_writes_once_and_refuses_what_it_cannot(tmp_path: Path, capsys):
     from megatron_ucp.cli import main
 
-    args = ["synthesize", str(tmp_path / "ck"), "--layers", "1", "--hidden", "8", "--ffn", "16", "--heads", "2",
-            "--vocab", "40", "--dp", "3", "--optimizer", "zero", "--ds-version", "0.16.2", "--no-progress"]
+    args = [
+        "synthesize",
+        str(tmp_path / "ck"),
+        "--layers",
+        "1",
+        "--hidden",
+        "8",
+        "--ffn",
+        "16",
+        "--heads",
+        "2",
+        "--vocab",
+        "40",
+        "--dp",
+        "3",
+        "--optimizer",
+        "zero",
+        "--ds-version",
+        "0.16.2",
+        "--no-progress",
+    ]
     assert main(args) == 0
     assert (tmp_path / "ck" / "latest").read_text() == "global_step100"
     assert len(list((tmp_path / "ck" / "global_step100").glob("*_optim_states.pt"))) == 3
@@ -199,9 +231,26 @@ def test_synthesize_command_writes_once_and_refuses_what_it_cannot(tmp_path: Pat
     assert not (tmp_path / "other").exists()
     assert main(["synthesize", str(tmp_path / "pipe"), *args[2:10], "--dp", "2", "--pp", "2", "--no-progress"]) == 2
     assert "PP=2 stages for 1 transformer layers" in capsys.readouterr().err
-    assert main(["synthesize", str(tmp_path / "pipe"), "--layers", "2", *args[4:10], "--dp", "2", "--pp", "2",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "synthesize",
+                str(tmp_path / "pipe"),
+                "--layers",
+                "2",
+                *args[4:10],
+                "--dp",
+                "2",
+                "--pp",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "GPTModelPipe, PP=2" in capsys.readouterr().out
     tag = tmp_path / "pipe" / "global_step100"
-    assert sorted(p.name for p in tag.glob("layer_*")) == [f"layer_0{i}-model_00-model_states.pt" for i in (1, 2, 3, 4, 5)]
+    assert sorted(p.name for p in tag.glob("layer_*")) == [
+        f"layer_0{i}-model_00-model_states.pt" for i in (1, 2, 3, 4, 5)
+    ]
     assert len(list(tag.glob("*_optim_states.pt"))) == 4

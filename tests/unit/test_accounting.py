@@ -1,4 +1,5 @@
 """The accounting checksum and report, without DeepSpeed or files (pure, milliseconds)."""
+
 from __future__ import annotations
 
 import logging
@@ -8,11 +9,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ucp.plan.accounting import (AccountingReport, Column, Ledger, Problem, ProblemKind, add_sum, check_folders,
-                                     check_ledger, check_optimizer_states, checksum, combine, group_tensor_states,
-                                     ledger_totals)
-from megatron_ucp.format.integrity import MASK
 from megatron_ucp.errors import AccountingError
+from megatron_ucp.format.integrity import MASK
+from megatron_ucp.plan.accounting import (
+    AccountingReport,
+    Column,
+    Ledger,
+    Problem,
+    ProblemKind,
+    add_sum,
+    check_folders,
+    check_ledger,
+    check_optimizer_states,
+    checksum,
+    combine,
+    group_tensor_states,
+    ledger_totals,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8]
 
@@ -128,7 +141,8 @@ def test_one_extra_state_file_is_a_stray_not_missing_everywhere_else():
     listing["b.weight"] = listing["b.weight"] + ("momentum_buffer",)
     problems = check_folders(groups, listing)
     assert [(p.kind, p.param, p.state) for p in problems] == [
-        (ProblemKind.STRAY_STATE_FILE, "b.weight", "momentum_buffer")]
+        (ProblemKind.STRAY_STATE_FILE, "b.weight", "momentum_buffer")
+    ]
     assert group_tensor_states(groups, listing) == [("exp_avg", "exp_avg_sq")]
 
 
@@ -152,7 +166,7 @@ def test_optimizer_states_lazy_and_unused():
 def _table(ledger: Ledger, full: dict[str, torch.Tensor], pieces: dict[str, list[tuple[int, int]]]) -> torch.Tensor:
     """Simulate the all-reduced table: each piece is one rank's fragment (start, length) of every state."""
     table = ledger.new_table()
-    for (param, state) in ledger.rows:
+    for param, state in ledger.rows:
         row = ledger.index(param, state)
         if state == "step":
             table[row, Column.CONSUMERS] = len(pieces[param])
@@ -161,7 +175,7 @@ def _table(ledger: Ledger, full: dict[str, torch.Tensor], pieces: dict[str, list
         for start, length in pieces[param]:
             table[row, Column.CONSUMERS] += 1
             table[row, Column.LOADED_COUNT] += length
-            add_sum(table, row, True, checksum(tensor[start:start + length], start))
+            add_sum(table, row, True, checksum(tensor[start : start + length], start))
         table[row, Column.SOURCE_COUNT] = tensor.numel()
         add_sum(table, row, False, checksum(tensor))
     return table
@@ -187,7 +201,8 @@ def test_ledger_accepts_an_exact_cover_and_reports_gaps_overlaps_and_strays():
     add_sum(shifted, row, True, checksum(full["n"][0:8], 0))
     add_sum(shifted, row, True, checksum(full["n"][0:1], 8))
     assert [(p.kind, p.param, p.state) for p in check_ledger(ledger, shifted)] == [
-        (ProblemKind.CHECKSUM_MISMATCH, "n", "fp32")]
+        (ProblemKind.CHECKSUM_MISMATCH, "n", "fp32")
+    ]
 
     unread = good.clone()
     unread[ledger.index("w", "exp_avg")] = 0
@@ -197,7 +212,9 @@ def test_ledger_accepts_an_exact_cover_and_reports_gaps_overlaps_and_strays():
 
 
 def test_report_raises_in_strict_mode_and_warns_otherwise(caplog):
-    problem = Problem(ProblemKind.MISSING_STATE_FILE, "b.weight", "exp_avg_sq", "zero/b.weight/exp_avg_sq.pt is missing")
+    problem = Problem(
+        ProblemKind.MISSING_STATE_FILE, "b.weight", "exp_avg_sq", "zero/b.weight/exp_avg_sq.pt is missing"
+    )
     report = AccountingReport(4, 12, ("fp32", "exp_avg", "exp_avg_sq", "step"), 100, 4, 2, (problem,))
     with pytest.raises(AccountingError) as info:
         report.enforce(strict=True, logger=logging.getLogger("t"))

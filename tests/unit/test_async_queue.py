@@ -1,8 +1,10 @@
-"""Pure tests of the background-conversion decisions (megatron_ucp.background.queue, megatron_ucp.background.status.classify).
+"""Pure tests of the background-conversion decisions (megatron_ucp.background.queue,
+megatron_ucp.background.status.classify).
 
 No processes, no DeepSpeed: queue transitions, liveness verdicts, node assignment, tag order,
 retention and the status precedence, walked through the interleavings that matter.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -10,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ucp.background import queue as B
-from megatron_ucp.plan import tags as T
-from megatron_ucp.errors import UcpError
 from megatron_ucp.background.status import TagFacts, UniversalStatus, classify
+from megatron_ucp.errors import UcpError
+from megatron_ucp.plan import tags as T
 
 ALIVE = B.JobFacts(universal_complete=False, staging_live=True, runners_live=False)
 NOTHING = B.JobFacts(universal_complete=False, staging_live=False, runners_live=False)
@@ -34,6 +36,7 @@ def _save(state: B.QueueState, tag: str, now: float, facts: B.JobFacts = NOTHING
 # ---------------------------------------------------------------------------------------------
 # queue
 # ---------------------------------------------------------------------------------------------
+
 
 def test_first_save_activates_at_once():
     state, job, events = _save(B.QueueState(), "global_step1", 100.0)
@@ -201,8 +204,10 @@ def test_random_interleavings_keep_invariants(ops):
 # nodes
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rank,expected", [(0, (0, 2, True)), (1, (0, 2, False)), (2, (1, 2, True)),
-                                           (3, (1, 2, False))])
+
+@pytest.mark.parametrize(
+    "rank,expected", [(0, (0, 2, True)), (1, (0, 2, False)), (2, (1, 2, True)), (3, (1, 2, False))]
+)
 def test_two_pretend_nodes_from_config(rank, expected):
     a = B.node_assignment(rank, 4, local_rank=rank, local_world=4, ranks_per_node=2)
     assert (a.node, a.nodes, a.launcher) == expected
@@ -217,8 +222,11 @@ def test_nodes_from_launcher_env():
 
 
 def test_nodes_fall_back_to_one_converter():
-    for args in [dict(local_rank=None, local_world=None), dict(local_rank=0, local_world=5),
-                 dict(local_rank=3, local_world=4)]:  # 4 ranks per node, but rank 2 says local 3
+    for args in [
+        dict(local_rank=None, local_world=None),
+        dict(local_rank=0, local_world=5),
+        dict(local_rank=3, local_world=4),
+    ]:  # 4 ranks per node, but rank 2 says local 3
         a = B.node_assignment(2, 8, **args)
         assert (a.node, a.nodes, a.launcher) == (0, 1, False) and a.note
         assert B.node_assignment(0, 8, **args).launcher
@@ -238,13 +246,17 @@ def test_one_launcher_per_node(per, nodes):
 # tag order, latest_universal, retention
 # ---------------------------------------------------------------------------------------------
 
+
 def test_tag_order_by_step_then_mtime():
     assert T.tag_step("global_step1200") == 1200 and T.tag_step("global_step1200_universal") == 1200
     assert T.tag_step("final") is None
     assert T.newer(("global_step10", 1.0), ("global_step9", 5.0))
     assert T.newer(("final", 5.0), ("global_step9", 1.0))
-    assert [t for t, _ in T.chronological([("global_step10", 1), ("global_step9", 2), ("global_step100", 0)])] == \
-        ["global_step9", "global_step10", "global_step100"]
+    assert [t for t, _ in T.chronological([("global_step10", 1), ("global_step9", 2), ("global_step100", 0)])] == [
+        "global_step9",
+        "global_step10",
+        "global_step100",
+    ]
     assert [t for t, _ in T.chronological([("b", 2), ("a", 1), ("global_step1", 3)])] == ["a", "b", "global_step1"]
 
 
@@ -257,10 +269,15 @@ def test_latest_universal_never_moves_back():
 def test_retention_keeps_newest_and_protected():
     folders = [(f"global_step{s}_universal", float(s)) for s in (1, 2, 3, 4, 5)]
     assert B.select_for_removal(folders, None, []) == []
-    assert B.select_for_removal(folders, 2, []) == ["global_step1_universal", "global_step2_universal",
-                                                    "global_step3_universal"]
-    assert B.select_for_removal(folders, 2, ["global_step1_universal"]) == ["global_step2_universal",
-                                                                             "global_step3_universal"]
+    assert B.select_for_removal(folders, 2, []) == [
+        "global_step1_universal",
+        "global_step2_universal",
+        "global_step3_universal",
+    ]
+    assert B.select_for_removal(folders, 2, ["global_step1_universal"]) == [
+        "global_step2_universal",
+        "global_step3_universal",
+    ]
     assert B.select_for_removal(folders, 10, []) == []
     with pytest.raises(UcpError):
         B.select_for_removal(folders, 0, [])
@@ -287,28 +304,36 @@ def test_log_names():
 # status precedence
 # ---------------------------------------------------------------------------------------------
 
+
 def _ev(kind: B.EventKind, log: str = None) -> B.Event:
     return B.Event(seq=1, time=0.0, tag="t", kind=kind, message=f"{kind.value} msg", log=log)
 
 
-@pytest.mark.parametrize("facts,expected", [
-    (TagFacts("t", "complete", staging=True, pending=True), UniversalStatus.COMPLETE),
-    (TagFacts("t", "foreign"), UniversalStatus.FOREIGN),
-    (TagFacts("t", "absent", staging=True, staging_live=True, progress=0.5, shares=(1, 2)),
-     UniversalStatus.IN_PROGRESS),
-    (TagFacts("t", "absent", active="running"), UniversalStatus.IN_PROGRESS),
-    (TagFacts("t", "absent", pending=True, last_event=_ev(B.EventKind.FAILED)), UniversalStatus.PENDING),
-    (TagFacts("t", "absent", staging=True, last_event=_ev(B.EventKind.FAILED, "/r/.ucp/x.log")),
-     UniversalStatus.FAILED),
-    (TagFacts("t", "absent", staging=True), UniversalStatus.INTERRUPTED),
-    (TagFacts("t", "absent", active="dead"), UniversalStatus.INTERRUPTED),
-    (TagFacts("t", "absent", last_event=_ev(B.EventKind.INTERRUPTED)), UniversalStatus.INTERRUPTED),
-    # its dead staging folder was cleaned up since: still a conversion that never finished, not "absent"
-    (TagFacts("t", "absent", last_event=_ev(B.EventKind.CLEANED)), UniversalStatus.INTERRUPTED),
-    (TagFacts("t", "absent", last_event=_ev(B.EventKind.SKIPPED)), UniversalStatus.SKIPPED),
-    (TagFacts("t", "absent", last_event=_ev(B.EventKind.REMOVED)), UniversalStatus.REMOVED),
-    (TagFacts("t", "absent"), UniversalStatus.ABSENT),
-])
+@pytest.mark.parametrize(
+    "facts,expected",
+    [
+        (TagFacts("t", "complete", staging=True, pending=True), UniversalStatus.COMPLETE),
+        (TagFacts("t", "foreign"), UniversalStatus.FOREIGN),
+        (
+            TagFacts("t", "absent", staging=True, staging_live=True, progress=0.5, shares=(1, 2)),
+            UniversalStatus.IN_PROGRESS,
+        ),
+        (TagFacts("t", "absent", active="running"), UniversalStatus.IN_PROGRESS),
+        (TagFacts("t", "absent", pending=True, last_event=_ev(B.EventKind.FAILED)), UniversalStatus.PENDING),
+        (
+            TagFacts("t", "absent", staging=True, last_event=_ev(B.EventKind.FAILED, "/r/.ucp/x.log")),
+            UniversalStatus.FAILED,
+        ),
+        (TagFacts("t", "absent", staging=True), UniversalStatus.INTERRUPTED),
+        (TagFacts("t", "absent", active="dead"), UniversalStatus.INTERRUPTED),
+        (TagFacts("t", "absent", last_event=_ev(B.EventKind.INTERRUPTED)), UniversalStatus.INTERRUPTED),
+        # its dead staging folder was cleaned up since: still a conversion that never finished, not "absent"
+        (TagFacts("t", "absent", last_event=_ev(B.EventKind.CLEANED)), UniversalStatus.INTERRUPTED),
+        (TagFacts("t", "absent", last_event=_ev(B.EventKind.SKIPPED)), UniversalStatus.SKIPPED),
+        (TagFacts("t", "absent", last_event=_ev(B.EventKind.REMOVED)), UniversalStatus.REMOVED),
+        (TagFacts("t", "absent"), UniversalStatus.ABSENT),
+    ],
+)
 def test_status_precedence(facts, expected):
     state, detail = classify(facts)
     assert state is expected

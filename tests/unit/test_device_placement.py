@@ -11,6 +11,7 @@ the offline converter's own CPU process group), each with why it is right there
 (``tests/support/device_policy.py``; the harness's recording accelerator checks a real run against the
 same list, ``tests/system/test_native_reshard.py``).
 """
+
 from __future__ import annotations
 
 import ast
@@ -21,6 +22,7 @@ from tests.support.device_policy import BACKEND_ON_PURPOSE, HOST_ON_PURPOSE
 
 PACKAGE = Path(megatron_ucp.__file__).parent
 ACCELERATOR_NAMES = {"cuda", "xpu", "nccl", "ccl", "xccl", "gloo", "hccl", "mps"}
+
 
 def _enclosing_functions(tree: ast.AST) -> dict[ast.AST, str]:
     owner: dict[ast.AST, str] = {}
@@ -85,12 +87,14 @@ def _is_device_type_check(finding: tuple[str, str, int, str]) -> bool:
 def test_the_scan_sees_what_it_forbids(tmp_path):
     """The scan itself: each forbidden form in a scratch module is reported."""
     scratch = PACKAGE / "_device_scan_probe.py"
-    scratch.write_text("import torch\n"
-                       "def f(t):\n"
-                       "    a = t.cuda()\n"
-                       "    b = torch.zeros(1, device='xpu:0')\n"
-                       "    c = t.to('cpu')\n"
-                       "    torch.distributed.init_process_group('nccl')\n")
+    scratch.write_text(
+        "import torch\n"
+        "def f(t):\n"
+        "    a = t.cuda()\n"
+        "    b = torch.zeros(1, device='xpu:0')\n"
+        "    c = t.to('cpu')\n"
+        "    torch.distributed.init_process_group('nccl')\n"
+    )
     try:
         found = {what for _, _, _, what in _findings(scratch)}
     finally:

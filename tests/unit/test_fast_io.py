@@ -1,5 +1,6 @@
 """The converter's hot-path pieces, without DeepSpeed runs: the direct torch-file writer, the
 DeepSpeed-free unpickler, and the page-release arithmetic."""
+
 from __future__ import annotations
 
 import pickle
@@ -10,23 +11,31 @@ import zipfile
 import pytest
 import torch
 
-from megatron_ucp.format import lightpickle
+from megatron_ucp.format import lightpickle, osio
+from megatron_ucp.format.torchfile import (
+    FastWriterUnsupported,
+    TensorSpec,
+    _serialization_id_of,
+    entry_pickle,
+    matches_torch_save,
+    tensor_bytes,
+    write_tensor_file,
+)
 
-from megatron_ucp.format import osio
-from megatron_ucp.format.torchfile import (TensorSpec, FastWriterUnsupported, _serialization_id_of, entry_pickle,
-                                    matches_torch_save, tensor_bytes, write_tensor_file)
 
-
-@pytest.mark.parametrize("dtype,shape,extra", [
-    (torch.float32, (7, 5), {"cat_dim": 0}),
-    (torch.float32, (1000,), {"cat_dim": 0, "vocab_tensor": True}),
-    (torch.bfloat16, (3, 64), {"cat_dim": 1, "param_n_sub_params": 2}),
-    (torch.float16, (2, 3, 4), {"cat_dim": 0}),
-    (torch.float32, (), {}),
-])
+@pytest.mark.parametrize(
+    "dtype,shape,extra",
+    [
+        (torch.float32, (7, 5), {"cat_dim": 0}),
+        (torch.float32, (1000,), {"cat_dim": 0, "vocab_tensor": True}),
+        (torch.bfloat16, (3, 64), {"cat_dim": 1, "param_n_sub_params": 2}),
+        (torch.float16, (2, 3, 4), {"cat_dim": 0}),
+        (torch.float32, (), {}),
+    ],
+)
 def test_direct_writer_reproduces_torch_save_bytes(tmp_path, dtype, shape, extra):
     assert matches_torch_save()
-    t = (torch.arange(max(1, torch.Size(shape).numel()), dtype=torch.float32) * 0.37 - 5)[:torch.Size(shape).numel()]
+    t = (torch.arange(max(1, torch.Size(shape).numel()), dtype=torch.float32) * 0.37 - 5)[: torch.Size(shape).numel()]
     t = t.to(dtype).reshape(shape).clone()  # its own storage, exactly its size (torch.save writes whole storages)
     (tmp_path / "ref").mkdir()
     (tmp_path / "ours").mkdir()
@@ -35,8 +44,9 @@ def test_direct_writer_reproduces_torch_save_bytes(tmp_path, dtype, shape, extra
     flat = t.reshape(-1)
     cut = flat.numel() // 3
     pieces = [tensor_bytes(flat[:cut]), tensor_bytes(flat[cut:])]  # two fragments, as from two ranks
-    size = write_tensor_file(ours, {"param": TensorSpec(dtype, shape), **extra}, pieces,
-                             serialization_id=_serialization_id_of(ref))
+    size = write_tensor_file(
+        ours, {"param": TensorSpec(dtype, shape), **extra}, pieces, serialization_id=_serialization_id_of(ref)
+    )
     assert ours.read_bytes() == ref.read_bytes() and size == ref.stat().st_size
     with zipfile.ZipFile(ours) as z:
         assert z.testzip() is None  # every CRC right
@@ -105,8 +115,12 @@ def test_stand_ins_load_without_the_package_and_pickle_back_identically(tmp_path
     monkeypatch.syspath_prepend(str(tmp_path))
     import fakeds.things as real
 
-    obj = {"stage": real.Stage.TWO, "maps": [{"w": real.Address(numel=5, start=3)}], "scaler": real.Scaler(),
-           "cls": real.Address}
+    obj = {
+        "stage": real.Stage.TWO,
+        "maps": [{"w": real.Address(numel=5, start=3)}],
+        "scaler": real.Scaler(),
+        "cls": real.Address,
+    }
     original = pickle.dumps(obj, protocol=2)
     monkeypatch.setattr(lightpickle, "_LIGHT_PREFIXES", ("fakeds",))
     for name in ("fakeds.things", "fakeds"):
@@ -129,6 +143,7 @@ def test_stand_ins_load_without_the_package_and_pickle_back_identically(tmp_path
 
     monkeypatch.setattr(lightpickle, "_LIGHT_PREFIXES", ())
     import fakeds.things as again  # noqa: F811
+
     back = pickle.loads(buf.getvalue())
     assert back["stage"] is again.Stage.TWO and back["maps"][0]["w"] == again.Address(numel=5, start=3)
     assert vars(back["scaler"]) == {"cur_scale": 1.0, "dynamic": False} and back["cls"] is again.Address
@@ -141,7 +156,7 @@ def test_done_with_never_leaves_the_mapping(monkeypatch):
     base = 1000 * window
     bounds = (base + 3 * page + 100, base + 9 * page - 7)  # tensors of one file, not page-aligned
     osio.done_with(base + 5 * page + 10, 20, bounds)
-    (start, end, advice), = calls
+    ((start, end, advice),) = calls
     assert advice == osio.MADV_DONTNEED
     assert start == base + 3 * page and end == base + 9 * page  # widened, then clipped to whole pages inside
     calls.clear()

@@ -1,4 +1,5 @@
 """The fault-injection seam: inert unless the tests' variable names this tag and node."""
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """Partition geometry and the stock-failure predictions, from numbers alone (no files, no DeepSpeed)."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,8 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ucp.errors import UcpError
-from megatron_ucp.plan.geometry import (GroupGeometry, PaddingStyle, dp_sizes_where_stock_loader_crashes, parse_dp_range,
-                                   stock_converter_crashes, stock_loader_crash_ranks)
+from megatron_ucp.plan.geometry import (
+    GroupGeometry,
+    PaddingStyle,
+    dp_sizes_where_stock_loader_crashes,
+    parse_dp_range,
+    stock_converter_crashes,
+    stock_loader_crash_ranks,
+)
 from tests.support.aurora_shapes import aurora_7b_param_groups
 
 

@@ -1,4 +1,5 @@
 """The manifest checksum (megatron_ucp.format.integrity), pure and fast: against its definition, element by element."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,7 +26,7 @@ def definition(values: np.ndarray, offset: int) -> int:
     for k, v in enumerate(values.tolist()):
         q, r = divmod(offset + k, 1 << 14)
         total += (v + 1) * ((_splitmix64(r) | 1) * (2 * q + 1))
-    return total % 2 ** 64
+    return total % 2**64
 
 
 def legacy_definition(values: np.ndarray, offset: int) -> int:
@@ -35,17 +36,22 @@ def legacy_definition(values: np.ndarray, offset: int) -> int:
     for k, v in enumerate(values.tolist()):
         i = offset + k
         total += (v + 1) * ((2 * (i // per_word) + 1) << (bits * (i % per_word)))
-    return total % 2 ** 64
+    return total % 2**64
 
 
 def _values(kind: str, n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    return rng.integers(0, 2 ** 63, size=n, dtype=np.uint64).astype(kind)
+    return rng.integers(0, 2**63, size=n, dtype=np.uint64).astype(kind)
 
 
 @settings(max_examples=150, deadline=None)
-@given(kind=st.sampled_from(KINDS), n=st.integers(0, 200), offset=st.integers(0, 10 ** 6), seed=st.integers(0, 999),
-       shift=st.integers(0, 7))
+@given(
+    kind=st.sampled_from(KINDS),
+    n=st.integers(0, 200),
+    offset=st.integers(0, 10**6),
+    seed=st.integers(0, 999),
+    shift=st.integers(0, 7),
+)
 def test_the_fast_sum_is_the_definition_at_any_offset_and_memory_alignment(kind, n, offset, seed, shift):
     values = _values(kind, n, seed)
     buf = np.zeros(values.nbytes + shift, np.uint8)  # start the data at an odd address too
@@ -74,8 +80,9 @@ def test_fragments_and_streamed_pieces_add_up_to_the_whole(kind, n, seed, data):
 def test_large_tensors_cross_the_chunking(algorithm):
     values = _values("<u4", 3 * (1 << 15) + 5, 1)
     half = values.size // 2 + 1
-    assert I.combine([I.fragment_sum(values[:half], 0, algorithm), I.fragment_sum(values[half:], half, algorithm)]) \
-        == I.fragment_sum(values, 0, algorithm)
+    assert I.combine(
+        [I.fragment_sum(values[:half], 0, algorithm), I.fragment_sum(values[half:], half, algorithm)]
+    ) == I.fragment_sum(values, 0, algorithm)
     assert I.fragment_sum(values[16380:16390], 16380) == definition(values[16380:16390], 16380)  # across a period
     assert I.fragment_sum(values[:70], (1 << 14) * 5 - 20) == definition(values[:70], (1 << 14) * 5 - 20)
 
@@ -111,10 +118,13 @@ def test_every_single_bit_flip_changes_it(kind, algorithm):
 
 def test_manifests_name_the_algorithm_and_old_ones_stay_checkable():
     files = {"w/fp32": {"numel": 3, "sum": 1}}
-    assert I.recorded_checksums({"checksums": {"algorithm": I.ALGORITHM, "files": files}}) == \
-        I.RecordedChecksums(I.ALGORITHM, files)
-    assert I.recorded_checksums({"checksums": {"algorithm": "ucp-wsum64-v2", "files": files}}).algorithm == \
-        I.LEGACY_ALGORITHM
+    assert I.recorded_checksums({"checksums": {"algorithm": I.ALGORITHM, "files": files}}) == I.RecordedChecksums(
+        I.ALGORITHM, files
+    )
+    assert (
+        I.recorded_checksums({"checksums": {"algorithm": "ucp-wsum64-v2", "files": files}}).algorithm
+        == I.LEGACY_ALGORITHM
+    )
     assert I.recorded_checksums({"checksums": {"algorithm": "crc99", "files": files}}) is None
     assert I.recorded_checksums({}) is None
     with pytest.raises(ValueError, match="unknown checksum algorithm"):

@@ -1,5 +1,6 @@
 """The package's layout holds: layers (import-linter contracts), no import cycle, no private name
 used across modules, no oversized module without a reason at its top (docs/ARCHITECTURE.md)."""
+
 from __future__ import annotations
 
 import ast
@@ -11,15 +12,16 @@ import grimp
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "megatron_ucp"
-MAX_LINES = 420
+MAX_LINES = 500
 SIZE_REASON = "Size:"
 """A module longer than MAX_LINES says at the top of its docstring why it is one module."""
 
 
 def test_the_import_linter_contracts_are_kept():
     lint = Path(sys.executable).parent / "lint-imports"
-    proc = subprocess.run([str(lint), "--config", str(REPO / "pyproject.toml")], capture_output=True, text=True,
-                          cwd=REPO, timeout=300)
+    proc = subprocess.run(
+        [str(lint), "--config", str(REPO / "pyproject.toml")], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "0 broken" in proc.stdout
 
@@ -64,8 +66,11 @@ def _cycles(graph: "grimp.ImportGraph", modules: set[str]) -> list[list[str]]:
 def test_no_import_cycle():
     graph = grimp.build_graph("megatron_ucp")
     # a package's __init__ importing its own submodules is how re-exports work, not a cycle
-    modules = {m for m in graph.modules if not (PACKAGE / m.split(".", 1)[-1].replace(".", "/")).is_dir()
-               or m == "megatron_ucp"}
+    modules = {
+        m
+        for m in graph.modules
+        if not (PACKAGE / m.split(".", 1)[-1].replace(".", "/")).is_dir() or m == "megatron_ucp"
+    }
     modules.discard("megatron_ucp")
     assert _cycles(graph, modules) == []
 
@@ -87,8 +92,13 @@ def _private_uses(path: Path) -> list[str]:
                 if name.name.startswith("megatron_ucp"):
                     aliases.add(name.asname or name.name.split(".")[0])
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                and isinstance(node.value, ast.Name) and node.value.id in aliases):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+        ):
             found.append(f"{path.relative_to(REPO)}:{node.lineno}: uses {node.value.id}.{node.attr}")
     return found
 

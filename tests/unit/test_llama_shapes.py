@@ -1,4 +1,5 @@
 """The llama shapes behind the synthetic writer and the metadata-only scale tools (pure)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,6 @@
-"""`make test`'s closing summary: counts over every run, and a loud note when the real Megatron-DeepSpeed did not run."""
+"""`make test`'s closing summary: counts over every run, and a loud note when the real Megatron-DeepSpeed did not
+run."""
+
 from __future__ import annotations
 
 import subprocess
@@ -9,13 +11,18 @@ SCRIPT = Path(__file__).resolve().parents[1] / "support" / "matrix_summary.py"
 
 
 def _junit(path: Path, tests: int, failures: int = 0, skipped: int = 0) -> None:
-    path.write_text(f'<testsuites><testsuite tests="{tests}" failures="{failures}" errors="0" '
-                    f'skipped="{skipped}"/></testsuites>')
+    path.write_text(
+        f'<testsuites><testsuite tests="{tests}" failures="{failures}" errors="0" skipped="{skipped}"/></testsuites>'
+    )
 
 
 def _summary(folder: Path) -> tuple[int, list[str]]:
-    done = subprocess.run([sys.executable, str(SCRIPT), str(folder)], capture_output=True, text=True,
-                          env={"MEGATRON_DEEPSPEED_DIR": "/nowhere/Megatron-DeepSpeed"})
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(folder)],
+        capture_output=True,
+        text=True,
+        env={"MEGATRON_DEEPSPEED_DIR": "/nowhere/Megatron-DeepSpeed"},
+    )
     return done.returncode, done.stdout.strip().splitlines()
 
 
@@ -42,6 +49,10 @@ def test_a_checkout_without_results_is_not_called_missing(tmp_path: Path) -> Non
     results = tmp_path / "results"
     results.mkdir()
     _junit(results / "deepspeed-0.19.8.xml", 2, failures=1)
-    done = subprocess.run([sys.executable, str(SCRIPT), str(results)], capture_output=True, text=True,
-                          env={"MEGATRON_DEEPSPEED_DIR": str(checkout)})
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(results)],
+        capture_output=True,
+        text=True,
+        env={"MEGATRON_DEEPSPEED_DIR": str(checkout)},
+    )
     assert done.returncode == 1 and f"a checkout is at {checkout}, but no run against it" in done.stdout

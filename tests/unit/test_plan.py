@@ -1,4 +1,5 @@
 """The conversion plan and its checks, over random geometries, from metadata alone (no files)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ucp.errors import CheckpointFormatError, PlanError
-from megatron_ucp.plan.conversion import (ConversionPlan, CopyItem, Fragment, ParamSpec, build_plan, check_plan,
-                               share_of, split_by_bytes, split_items, synthesize_layouts)
+from megatron_ucp.plan.conversion import (
+    ConversionPlan,
+    CopyItem,
+    Fragment,
+    ParamSpec,
+    build_plan,
+    check_plan,
+    share_of,
+    split_by_bytes,
+    split_items,
+    synthesize_layouts,
+)
+from megatron_ucp.plan.tensor_parallel import MegatronPatterns
 from tests.support.aurora_shapes import aurora_7b_param_groups
 
 
@@ -95,10 +107,17 @@ def test_aurora_7b_at_dp768_from_metadata():
 
 
 def test_vocab_trimming_and_cat_dim():
-    groups = [[ParamSpec("language_model.embedding.word_embeddings.weight", 0, (8, 3)),
-               ParamSpec("language_model.encoder.layers.0.self_attention.dense.weight", 0, (3, 3))]]
-    rules = MegatronPatterns(vocabulary_patterns=(r".*word_embeddings\.weight$",), original_vocab_size=5,
-                        row_parallel_patterns=(r".*dense\.weight$",))
+    groups = [
+        [
+            ParamSpec("language_model.embedding.word_embeddings.weight", 0, (8, 3)),
+            ParamSpec("language_model.encoder.layers.0.self_attention.dense.weight", 0, (3, 3)),
+        ]
+    ]
+    rules = MegatronPatterns(
+        vocabulary_patterns=(r".*word_embeddings\.weight$",),
+        original_vocab_size=5,
+        row_parallel_patterns=(r".*dense\.weight$",),
+    )
     plan = build_plan(groups, synthesize_layouts(groups, 4), rules)
     emb = plan.param("language_model.embedding.word_embeddings.weight")
     assert emb.out_shape == (5, 3) and emb.vocab_tensor and sum(i.length for i in emb.items) == 24
@@ -106,8 +125,10 @@ def test_vocab_trimming_and_cat_dim():
     assert sum(i.length for i in emb.kept_items) == 15 and emb.padded_rows_shape == (3, 3)
     rows = emb.padded_rows_items
     assert sum(i.length for i in rows) == 9 and rows[0].dst_offset == 0
+
     def elements(items):
         return sorted((i.rank, i.src_offset + j) for i in items for j in range(i.length))
+
     assert sorted(elements(emb.kept_items) + elements(rows)) == elements(emb.items)
     assert plan.param("language_model.encoder.layers.0.self_attention.dense.weight").cat_dim == 1
     with pytest.raises(PlanError):
@@ -123,8 +144,10 @@ def test_split_items_partitions_every_element(lengths, data):
     at = data.draw(st.integers(0, offset))
     head, tail = split_items(items, at)
     assert sum(i.length for i in head) == at and sum(i.length for i in tail) == offset - at
-    covered = sorted([(i.rank, i.src_offset + j) for i in head for j in range(i.length)]
-                     + [(i.rank, i.src_offset + j) for i in tail for j in range(i.length)])
+    covered = sorted(
+        [(i.rank, i.src_offset + j) for i in head for j in range(i.length)]
+        + [(i.rank, i.src_offset + j) for i in tail for j in range(i.length)]
+    )
     assert covered == sorted((i.rank, i.src_offset + j) for i in items for j in range(i.length))
     assert [i.dst_offset for i in tail][:1] in ([], [0])
 
@@ -141,16 +164,19 @@ def _corrupt(layouts, rank, group, fragments=None, **changes):
     return layouts
 
 
-@pytest.mark.parametrize("mutate,message", [
-    (lambda L: _corrupt(L, 1, 0, fragments=L[1].groups[0].fragments[:-1]), "elements"),
-    (lambda L: _corrupt(L, 0, 0, fragments=[Fragment("g0.p0", 0, 10), Fragment("g0.p0", 5, 10)]), "overlap"),
-    (lambda L: _corrupt(L, 0, 0, fragments=[*L[0].groups[0].fragments, Fragment("nope", 0, 1)]), "nope"),
-    (lambda L: _corrupt(L, 0, 0, fragments=[Fragment("g0.p0", 95, 50)]), "outside the partition"),
-    (lambda L: _corrupt(L, 2, 0, state_lengths=(("fp32", 3), ("exp_avg", 3), ("exp_avg_sq", 3))), "truncated"),
-    (lambda L: _corrupt(L, 1, 1, state_lengths=(("fp32", 3),)), "stores states"),
-    (lambda L: _corrupt(L, 3, 1, recorded_true_length=2), "true length"),
-    (lambda L: _corrupt(L, 0, 1, has_step=False), "step"),
-])
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda L: _corrupt(L, 1, 0, fragments=L[1].groups[0].fragments[:-1]), "elements"),
+        (lambda L: _corrupt(L, 0, 0, fragments=[Fragment("g0.p0", 0, 10), Fragment("g0.p0", 5, 10)]), "overlap"),
+        (lambda L: _corrupt(L, 0, 0, fragments=[*L[0].groups[0].fragments, Fragment("nope", 0, 1)]), "nope"),
+        (lambda L: _corrupt(L, 0, 0, fragments=[Fragment("g0.p0", 95, 50)]), "outside the partition"),
+        (lambda L: _corrupt(L, 2, 0, state_lengths=(("fp32", 3), ("exp_avg", 3), ("exp_avg_sq", 3))), "truncated"),
+        (lambda L: _corrupt(L, 1, 1, state_lengths=(("fp32", 3),)), "stores states"),
+        (lambda L: _corrupt(L, 3, 1, recorded_true_length=2), "true length"),
+        (lambda L: _corrupt(L, 0, 1, has_step=False), "step"),
+    ],
+)
 def test_inconsistent_metadata_is_refused(mutate, message):
     groups = groups_from_sizes([[96, 7, 300, 5], [3, 3, 3]])
     layouts = mutate(synthesize_layouts(groups, 4))

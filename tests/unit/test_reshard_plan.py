@@ -1,4 +1,5 @@
 """The read plan of a DP change from the native files (pure): every real element placed exactly once."""
+
 from __future__ import annotations
 
 import pytest

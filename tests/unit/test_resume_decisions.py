@@ -1,21 +1,33 @@
 """What load_checkpoint does when the DP size may have changed: pure decisions, no DeepSpeed."""
+
 from __future__ import annotations
 
 import pytest
 
 from megatron_ucp.errors import UcpError
 from megatron_ucp.plan.parallel_layout import ParallelLayout
-from megatron_ucp.plan.resume import (ResumeDecision, Route, TwinState, check_global_batch, checkpoint_global_batch,
-                                 decide_resume, restored_global_samples)
+from megatron_ucp.plan.resume import (
+    ResumeDecision,
+    Route,
+    TwinState,
+    check_global_batch,
+    checkpoint_global_batch,
+    decide_resume,
+    restored_global_samples,
+)
 
 
 def decide(checkpoint_dp=768, current_dp=512, checkpoint_mp=(1, 1), current_mp=(1, 1), **overrides) -> ResumeDecision:
     """The decision for a save at (TP, PP) ``checkpoint_mp`` x ``checkpoint_dp`` (None: no recorded DP)
     resumed at ``current_mp`` x ``current_dp``."""
-    args = dict(requested_tag="global_step95600", load_universal=False, twin_state=TwinState.ABSENT,
-                resume_route="universal",
-                saved=None if checkpoint_dp is None else ParallelLayout(*checkpoint_mp, dp=checkpoint_dp),
-                live=ParallelLayout(*current_mp, dp=current_dp))
+    args = dict(
+        requested_tag="global_step95600",
+        load_universal=False,
+        twin_state=TwinState.ABSENT,
+        resume_route="universal",
+        saved=None if checkpoint_dp is None else ParallelLayout(*checkpoint_mp, dp=checkpoint_dp),
+        live=ParallelLayout(*current_mp, dp=current_dp),
+    )
     args.update(overrides)
     return decide_resume(**args)
 
@@ -74,10 +86,16 @@ def test_dp_only_change_reshards_the_native_files_by_default():
     for twin in TwinState:  # a twin on disk changes nothing: the native files are read once, nothing converted
         d = decide(resume_route="auto", twin_state=twin)
         assert d.route is Route.RESHARD and d.tag == "global_step95600" and not d.universal and not d.convert
-        assert d.message == ("DP changed 768 -> 512: resharding global_step95600 from its native rank files "
-                             "(resume route auto), no conversion")
-    assert decide_resume(requested_tag="t", saved=ParallelLayout(dp=4), live=ParallelLayout(dp=3),
-                         load_universal=False).route is Route.RESHARD
+        assert d.message == (
+            "DP changed 768 -> 512: resharding global_step95600 from its native rank files "
+            "(resume route auto), no conversion"
+        )
+    assert (
+        decide_resume(
+            requested_tag="t", saved=ParallelLayout(dp=4), live=ParallelLayout(dp=3), load_universal=False
+        ).route
+        is Route.RESHARD
+    )
     explicit = decide(resume_route="reshard", checkpoint_mp=(2, 1), current_mp=(2, 1))
     assert explicit.route is Route.RESHARD and "(resume route" not in explicit.message
 

@@ -49,6 +49,7 @@ them the way Megatron-DeepSpeed's own ``megatron.core.mpu`` defines them.
 Stand-in-only options start with ``--standin-`` (vocabulary size instead of a tokenizer, and the
 choice between DeepSpeed's two ZeRO-1 bf16 optimizers when the DeepSpeed config is built inline).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,7 @@ import random
 import sys
 import time
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -77,10 +78,14 @@ CHECKPOINT_VERSION = 3.0
 # Arguments (Megatron names; stand-in-only options are prefixed --standin-)
 # ------------------------------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
     """Megatron-DeepSpeed's option names for everything the training path and checkpoints use."""
-    p = argparse.ArgumentParser(prog="pretrain_gpt_standin.py", allow_abbrev=False,
-                                description="CPU stand-in for Megatron-DeepSpeed's pretrain_gpt_alcf.py")
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt_standin.py",
+        allow_abbrev=False,
+        description="CPU stand-in for Megatron-DeepSpeed's pretrain_gpt_alcf.py",
+    )
     m = p.add_argument_group("model")
     m.add_argument("--num-layers", type=int, required=True)
     m.add_argument("--hidden-size", type=int, required=True)
@@ -145,23 +150,37 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-pipeline-parallel", action="store_true")
 
     s = p.add_argument_group("stand-in only (no Megatron equivalent)")
-    s.add_argument("--standin-vocab-size", type=int, default=128,
-                   help="vocabulary of the synthetic tokenizer (Megatron takes it from --tokenizer-type)")
-    s.add_argument("--standin-zero-optimizer", choices=(ZERO_OPTIMIZER, BF16_OPTIMIZER), default=ZERO_OPTIMIZER,
-                   help="inline DeepSpeed config only: BF16_Optimizer sets data_types.grad_accum_dtype=fp32 "
-                        "(DeepSpeed then picks BF16_Optimizer); DeepSpeedZeroOptimizer is the ALCF default at PP=1")
-    s.add_argument("--standin-grad-acc-steps", type=int, default=1,
-                   help="GAS for the default global batch when no DeepSpeed config file gives one")
+    s.add_argument(
+        "--standin-vocab-size",
+        type=int,
+        default=128,
+        help="vocabulary of the synthetic tokenizer (Megatron takes it from --tokenizer-type)",
+    )
+    s.add_argument(
+        "--standin-zero-optimizer",
+        choices=(ZERO_OPTIMIZER, BF16_OPTIMIZER),
+        default=ZERO_OPTIMIZER,
+        help="inline DeepSpeed config only: BF16_Optimizer sets data_types.grad_accum_dtype=fp32 "
+        "(DeepSpeed then picks BF16_Optimizer); DeepSpeedZeroOptimizer is the ALCF default at PP=1",
+    )
+    s.add_argument(
+        "--standin-grad-acc-steps",
+        type=int,
+        default=1,
+        help="GAS for the default global batch when no DeepSpeed config file gives one",
+    )
     return p
 
 
 def world_info() -> tuple[int, int, int]:
     """(rank, world size, local rank) from the launcher's environment, like ezpz.setup_torch."""
+
     def first(*names: str, default: int) -> int:
         for n in names:
             if os.environ.get(n, "").strip():
                 return int(os.environ[n])
         return default
+
     rank = first("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PALS_RANKID", "SLURM_PROCID", default=0)
     world = first("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", default=1)
     local = first("LOCAL_RANK", "PALS_LOCAL_RANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", default=0)
@@ -196,8 +215,10 @@ def validate_args(args: argparse.Namespace, world_size: int, ds_file_config: dic
         args.global_batch_size_was_default = False
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size % per_step:
-        raise SystemExit(f"global batch size ({args.global_batch_size}) is not divisible by micro batch size "
-                         f"({args.micro_batch_size}) times data parallel size ({args.data_parallel_size})")
+        raise SystemExit(
+            f"global batch size ({args.global_batch_size}) is not divisible by micro batch size "
+            f"({args.micro_batch_size}) times data parallel size ({args.data_parallel_size})"
+        )
     args.num_micro_batches = args.global_batch_size // per_step
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = int(math.ceil(args.standin_vocab_size / multiple) * multiple)
@@ -220,7 +241,7 @@ def build_ds_config(args: argparse.Namespace, file_config: dict) -> dict:
             "train_micro_batch_size_per_gpu": args.micro_batch_size,
             "gradient_accumulation_steps": args.num_micro_batches,
             "gradient_clipping": args.clip_grad,
-            "steps_per_print": 10 ** 9,
+            "steps_per_print": 10**9,
             "zero_allow_untested_optimizer": True,
             "zero_force_ds_cpu_optimizer": False,
             "wall_clock_breakdown": False,
@@ -238,6 +259,7 @@ def build_ds_config(args: argparse.Namespace, file_config: dict) -> dict:
 # ------------------------------------------------------------------------------------------------
 # CPU workarounds for megatron-core 0.16.1 (see module docstring)
 # ------------------------------------------------------------------------------------------------
+
 
 def apply_cpu_workarounds() -> None:
     """Make megatron-core's CUDA-only global buffer and RNG tracker usable on a CPU-only torch."""
@@ -267,8 +289,11 @@ def drop_te_extra_state(model: torch.nn.Module) -> int:
         if module.get_extra_state() is not None:
             continue  # a real extra state (Transformer Engine): keep it
         if cls not in swapped:
-            swapped[cls] = type(cls.__name__, (cls,), {"get_extra_state": base_get, "set_extra_state": base_set,
-                                                       "__module__": cls.__module__})
+            swapped[cls] = type(
+                cls.__name__,
+                (cls,),
+                {"get_extra_state": base_get, "set_extra_state": base_set, "__module__": cls.__module__},
+            )
         module.__class__ = swapped[cls]
         # megatron-core also registers a load pre-hook (a lambda in __init__) that inserts the key.
         owners = tuple(f"{k.__name__}.__init__." for k in cls.__mro__)
@@ -286,6 +311,7 @@ class MpuAdapter:
 
     def __init__(self) -> None:
         from megatron.core import parallel_state
+
         self._ps = parallel_state
 
     def __getattr__(self, name: str) -> Any:
@@ -308,6 +334,7 @@ class MpuAdapter:
 # Model, optimizer groups, LR scheduler
 # ------------------------------------------------------------------------------------------------
 
+
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     """megatron-core GPTModel with the local layer spec, configured from Megatron-style args."""
     import torch.nn.functional as F
@@ -318,25 +345,45 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     norm = "RMSNorm" if args.normalization == "rmsnorm" else "LayerNorm"
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_key_value_heads,
-        normalization=norm, layernorm_epsilon=args.layernorm_epsilon,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_key_value_heads,
+        normalization=norm,
+        layernorm_epsilon=args.layernorm_epsilon,
         add_bias_linear=not args.disable_bias_linear,
-        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        bf16=args.bf16, fp16=args.fp16, params_dtype=dtype,
-        use_cpu_initialization=True, perform_initialization=True,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False)
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=dtype,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+    )
     spec = get_gpt_layer_local_spec(normalization=norm)
     return GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
-        parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type="rope" if args.use_rotary_position_embeddings else "learned_absolute")
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="rope" if args.use_rotary_position_embeddings else "learned_absolute",
+    )
 
 
 def universal_checkpoint_info(args: argparse.Namespace) -> dict:
@@ -400,8 +447,14 @@ class ParamScheduler:
             group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
 
     def state_dict(self) -> dict:
-        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "num_steps": self.num_steps,
-                "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps, "decay_style": self.style}
+        return {
+            "max_lr": self.max_lr,
+            "min_lr": self.min_lr,
+            "num_steps": self.num_steps,
+            "warmup_steps": self.warmup_steps,
+            "decay_steps": self.decay_steps,
+            "decay_style": self.style,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.num_steps = int(state["num_steps"])
@@ -412,10 +465,11 @@ class ParamScheduler:
 # Deterministic synthetic data, indexed by global sample index
 # ------------------------------------------------------------------------------------------------
 
+
 def synthetic_sample(index: int, seed: int, vocab: int, seq_length: int) -> torch.Tensor:
     """``seq_length + 1`` tokens; mostly ``next = prev + stride`` (learnable), 20% random tokens.
     Depends only on (seed, index), so any DP layout sees the same sample at the same index."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + index) % (2 ** 62))
+    g = torch.Generator().manual_seed((seed * 1_000_003 + index) % (2**62))
     start = int(torch.randint(0, vocab, (1,), generator=g))
     stride = 1
     tokens = (start + stride * torch.arange(seq_length + 1)) % vocab
@@ -447,10 +501,12 @@ def get_batch(indices: list[int], args: argparse.Namespace) -> tuple[torch.Tenso
 # RNG state, checkpoint save/load (Megatron's checkpointing.py behaviour)
 # ------------------------------------------------------------------------------------------------
 
+
 def get_rng_state(args: argparse.Namespace) -> list[dict]:
     from deepspeed.accelerator import get_accelerator
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
     state = {
         "random_rng_state": random.getstate(),
         "np_rng_state": np.random.get_state(),
@@ -468,6 +524,7 @@ def get_rng_state(args: argparse.Namespace) -> list[dict]:
 
 def set_rng_state(state: dict) -> None:
     from deepspeed.accelerator import get_accelerator
+
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
@@ -479,6 +536,7 @@ def set_random_seed(seed: int, args: argparse.Namespace) -> None:
     """Megatron's _set_random_seed: + 100 x PP rank, + 10 x DP rank with --data-parallel-random-init."""
     from deepspeed.accelerator import get_accelerator
     from megatron.core import parallel_state
+
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     if args.data_parallel_random_init:
         seed += 10 * parallel_state.get_data_parallel_rank()
@@ -522,13 +580,19 @@ def check_checkpoint_args(ckpt: argparse.Namespace, args: argparse.Namespace) ->
 def load_checkpoint(engine: Any, scheduler: ParamScheduler, args: argparse.Namespace) -> int:
     """engine.load_checkpoint, then iteration, consumed samples and (unless --no-load-rng) RNG."""
     from megatron.core import parallel_state
+
     load_path, state = engine.load_checkpoint(
-        args.load, tag=args.load_tag,
+        args.load,
+        tag=args.load_tag,
         load_optimizer_states=not (args.finetune or args.no_load_optim),
-        load_lr_scheduler_states=not args.finetune, load_module_only=args.finetune)
+        load_lr_scheduler_states=not args.finetune,
+        load_module_only=args.finetune,
+    )
     if load_path is None:
-        log.info("WARNING: could not find the metadata file %s; will not load any checkpoints and will "
-                    "start from random", args.load)
+        log.info(
+            "WARNING: could not find the metadata file %s; will not load any checkpoints and will start from random",
+            args.load,
+        )
         return 0
     if args.finetune:
         engine.global_steps = 0
@@ -545,8 +609,10 @@ def load_checkpoint(engine: Any, scheduler: ParamScheduler, args: argparse.Names
             index = parallel_state.get_data_parallel_rank() if args.data_parallel_random_init else 0
             set_rng_state(states[index])
         except KeyError:
-            raise SystemExit(f"Unable to load rng state from checkpoint {load_path}. Specify --no-load-rng or "
-                             "--finetune to prevent attempting to load the rng state, exiting ...")
+            raise SystemExit(
+                f"Unable to load rng state from checkpoint {load_path}. Specify --no-load-rng or "
+                "--finetune to prevent attempting to load the rng state, exiting ..."
+            )
     torch.distributed.barrier()
     log.info("  successfully loaded checkpoint from %s at iteration %d", args.load, iteration)
     return iteration
@@ -556,12 +622,14 @@ def load_checkpoint(engine: Any, scheduler: ParamScheduler, args: argparse.Names
 # Training
 # ------------------------------------------------------------------------------------------------
 
+
 def setup_logging(rank: int) -> None:
     """The script owns its log: ``force`` replaces a root handler a library installed at import
     (intel-extension-for-pytorch calls ``logging.basicConfig``, which made this call a no-op)."""
     level = os.environ.get("LOG_LEVEL", "INFO").upper() if rank == 0 else "WARNING"
-    logging.basicConfig(level=level, stream=sys.stdout, format="[%(asctime)s][%(name)s] %(message)s",
-                        datefmt="%H:%M:%S", force=True)
+    logging.basicConfig(
+        level=level, stream=sys.stdout, format="[%(asctime)s][%(name)s] %(message)s", datefmt="%H:%M:%S", force=True
+    )
 
 
 def train(args: argparse.Namespace) -> int:
@@ -570,8 +638,9 @@ def train(args: argparse.Namespace) -> int:
     from megatron.core import parallel_state
 
     accelerator = get_accelerator()
-    backend = args.distributed_backend or ("gloo" if accelerator.device_name() == "cpu"
-                                           else accelerator.communication_backend_name())
+    backend = args.distributed_backend or (
+        "gloo" if accelerator.device_name() == "cpu" else accelerator.communication_backend_name()
+    )
     deepspeed.init_distributed(dist_backend=backend)
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     if accelerator.device_name() == "cpu":
@@ -583,16 +652,24 @@ def train(args: argparse.Namespace) -> int:
     drop_te_extra_state(model)
     groups = param_groups(model)
     opt_cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
-    optimizer = opt_cls(groups, lr=args.lr, weight_decay=args.weight_decay,
-                        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    optimizer = opt_cls(
+        groups, lr=args.lr, weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps
+    )
     scheduler = ParamScheduler(optimizer, args)
     engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, mpu=MpuAdapter(),
-        config=args.deepspeed_config_dict)
-    log.info("DeepSpeed %s: ZeRO stage %d, %s, DP=%d, global batch %d (micro %d x DP %d x GAS %d)",
-             deepspeed.__version__, engine.zero_optimization_stage(), type(engine.optimizer).__name__,
-             args.data_parallel_size, args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
-             args.num_micro_batches)
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, mpu=MpuAdapter(), config=args.deepspeed_config_dict
+    )
+    log.info(
+        "DeepSpeed %s: ZeRO stage %d, %s, DP=%d, global batch %d (micro %d x DP %d x GAS %d)",
+        deepspeed.__version__,
+        engine.zero_optimization_stage(),
+        type(engine.optimizer).__name__,
+        args.data_parallel_size,
+        args.global_batch_size,
+        args.micro_batch_size,
+        args.data_parallel_size,
+        args.num_micro_batches,
+    )
 
     iteration = load_checkpoint(engine, scheduler, args) if args.load else 0
     args.iteration = iteration
@@ -605,7 +682,8 @@ def train(args: argparse.Namespace) -> int:
         losses = []
         for micro_step in range(args.num_micro_batches):
             tokens, labels, loss_mask, mask, pos = get_batch(
-                micro_batch_indices(iteration, micro_step, dp_rank, args), args)
+                micro_batch_indices(iteration, micro_step, dp_rank, args), args
+            )
             per_token = engine(tokens, pos, mask, labels=labels)
             loss = torch.sum(per_token.float().view(-1) * loss_mask.view(-1)) / loss_mask.sum()
             engine.backward(loss)
@@ -621,9 +699,18 @@ def train(args: argparse.Namespace) -> int:
         if iteration % args.log_interval == 0:
             grad_norm = engine.get_global_grad_norm()
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-            log.info("iteration %d/%d | consumed samples %d | lm loss %.6E | grad norm %.6E | lr %.6E | dp %d | "
-                     "elapsed ms %.1f", iteration, args.train_iters, args.consumed_train_samples, mean, grad_norm,
-                     optimizer.param_groups[0]["lr"], args.data_parallel_size, 1e3 * (time.perf_counter() - start))
+            log.info(
+                "iteration %d/%d | consumed samples %d | lm loss %.6E | grad norm %.6E | lr %.6E | dp %d | "
+                "elapsed ms %.1f",
+                iteration,
+                args.train_iters,
+                args.consumed_train_samples,
+                mean,
+                grad_norm,
+                optimizer.param_groups[0]["lr"],
+                args.data_parallel_size,
+                1e3 * (time.perf_counter() - start),
+            )
         saved = False
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             save_checkpoint(iteration, engine, args)

@@ -6,6 +6,7 @@ DeepSpeed's CPU backend JIT-compiles its optional shared-memory all-reduce kerne
 about checkpoint contents, not CPU collective speed: this marks the op incompatible, so
 DeepSpeed takes its plain gloo path. Nothing in Megatron-DeepSpeed or DeepSpeed is edited.
 """
+
 import importlib.abc
 import importlib.util
 import sys

@@ -33,14 +33,30 @@ Session-cached checkpoints, the 0.16.2 fixtures and the geometry oracle:
 :mod:`tests.support.dsharness.checkpoints` (fixtures ``ds_checkpoint`` / ``legacy_fixture`` in
 ``tests/conftest.py``). Stock ``ds_to_universal``: :func:`tests.support.dsharness.stock.stock_ds_to_universal`.
 """
+
 from __future__ import annotations
 
 from .launch import REPO_ROOT, free_port, run_training
-from .model import (build_model, global_batch_tokens, original_vocab_size, param_group_names, rank_batch,
-                    tiny_model_param_groups)
+from .model import (
+    build_model,
+    global_batch_tokens,
+    original_vocab_size,
+    param_group_names,
+    rank_batch,
+    tiny_model_param_groups,
+)
 from .spec import TrainResult, TrainSpec
 
 __all__ = [
-    "TrainSpec", "TrainResult", "run_training", "tiny_model_param_groups", "param_group_names",
-    "build_model", "global_batch_tokens", "rank_batch", "original_vocab_size", "free_port", "REPO_ROOT",
+    "TrainSpec",
+    "TrainResult",
+    "run_training",
+    "tiny_model_param_groups",
+    "param_group_names",
+    "build_model",
+    "global_batch_tokens",
+    "rank_batch",
+    "original_vocab_size",
+    "free_port",
+    "REPO_ROOT",
 ]

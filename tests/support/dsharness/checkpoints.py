@@ -6,6 +6,7 @@ Cached checkpoints are shared by every test in the session: treat them as read-o
 :meth:`DsCheckpoint.copy_to` a private copy before writing anything next to them (a converter's
 default output, ``latest_universal``, ...).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -138,8 +139,7 @@ class CheckpointCache:
             folder = self.base / f"{optimizer}-dp{dp}-{digest}"
             if folder.exists():  # an earlier attempt at the same run failed part-way
                 shutil.rmtree(folder)
-            spec = TrainSpec(dp=dp, optimizer=optimizer, save_dir=folder / "ckpt", dump_dir=folder / "dumps",
-                             **fields)
+            spec = TrainSpec(dp=dp, optimizer=optimizer, save_dir=folder / "ckpt", dump_dir=folder / "dumps", **fields)
             folder.mkdir(parents=True)
             (folder / "spec.json").write_text(key)
             result = run_training(spec)

@@ -1,4 +1,5 @@
 """Launch ``spec.dp`` worker processes, watch them, collect their output into a ``TrainResult``."""
+
 from __future__ import annotations
 
 import hashlib
@@ -62,28 +63,32 @@ def child_env(python: str, extra: Optional[dict[str, str]] = None) -> dict[str, 
     env = dict(os.environ)
     env.update(extra or {})
     pythonpath = [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    env.update({
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(pythonpath),
-        "PATH": os.pathsep.join([str(Path(python).absolute().parent), env.get("PATH", "")]),
-    })
+    env.update(
+        {
+            "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(pythonpath),
+            "PATH": os.pathsep.join([str(Path(python).absolute().parent), env.get("PATH", "")]),
+        }
+    )
     env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir(python, env["PYTHONPATH"])))
     return env
 
 
 def _rank_env(spec: TrainSpec, rank: int, port: int) -> dict[str, str]:
     env = child_env(spec.python or sys.executable, spec.env)
-    env.update({
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": str(rank),
-        "WORLD_SIZE": str(spec.dp),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(spec.dp),
-    })
+    env.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(spec.dp),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(spec.dp),
+        }
+    )
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
 
@@ -100,10 +105,17 @@ def _launch_once(spec: TrainSpec, port: int) -> TrainResult:
             for rank in range(spec.dp):
                 handle = open(outputs[rank], "wb")
                 handles.append(handle)
-                procs.append(subprocess.Popen(
-                    [python, "-m", "tests.support.dsharness.worker", spec_json],
-                    cwd=REPO_ROOT, env=_rank_env(spec, rank, port), stdout=handle,
-                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [python, "-m", "tests.support.dsharness.worker", spec_json],
+                        cwd=REPO_ROOT,
+                        env=_rank_env(spec, rank, port),
+                        stdout=handle,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
             deadline = start + spec.timeout
             failed_at = None
             timed_out = False
@@ -142,7 +154,7 @@ def _launch_once(spec: TrainSpec, port: int) -> TrainResult:
     for line in logs[0].splitlines():
         if not line.startswith(MARKER):
             continue
-        record = json.loads(line[len(MARKER):])
+        record = json.loads(line[len(MARKER) :])
         kind = record.pop("kind")
         if kind == "step":
             steps.append(int(record["step"]))
@@ -160,9 +172,18 @@ def _launch_once(spec: TrainSpec, port: int) -> TrainResult:
     dumps: dict[str, Path] = {}
     if spec.dump_dir is not None and Path(spec.dump_dir).is_dir():
         dumps = {p.stem: p for p in sorted(Path(spec.dump_dir).glob("*.pt"))}
-    return TrainResult(losses=losses, steps=steps, returncode=returncode, log=log, dumps=dumps,
-                       optimizer_class=info.get("optimizer_class"), ds_version=info.get("ds_version"),
-                       loaded_step=info.get("loaded_step"), wall_s=round(wall, 3), info=info)
+    return TrainResult(
+        losses=losses,
+        steps=steps,
+        returncode=returncode,
+        log=log,
+        dumps=dumps,
+        optimizer_class=info.get("optimizer_class"),
+        ds_version=info.get("ds_version"),
+        loaded_step=info.get("loaded_step"),
+        wall_s=round(wall, 3),
+        info=info,
+    )
 
 
 def failure_tail(log: str, chars: int = _LOG_TAIL_CHARS) -> str:
@@ -172,8 +193,9 @@ def failure_tail(log: str, chars: int = _LOG_TAIL_CHARS) -> str:
     if not failing:
         return log[-chars:]
     per = max(chars // len(failing), 800)
-    return "\n".join("===== rank " + (s if len(s) <= per else s.split("\n", 1)[0] + "\n..." + s[-per:])
-                     for s in failing)
+    return "\n".join(
+        "===== rank " + (s if len(s) <= per else s.split("\n", 1)[0] + "\n..." + s[-per:]) for s in failing
+    )
 
 
 def run_training(spec: TrainSpec, attempts: int = 3) -> TrainResult:
@@ -188,6 +210,8 @@ def run_training(spec: TrainSpec, attempts: int = 3) -> TrainResult:
         if not port_clash or attempt == attempts - 1:
             break
     if result.returncode != 0 and not spec.expect_failure:
-        raise RuntimeError(f"DeepSpeed run failed (exit {result.returncode}, dp={spec.dp}, "
-                           f"optimizer={spec.optimizer}):\n{failure_tail(result.log)}")
+        raise RuntimeError(
+            f"DeepSpeed run failed (exit {result.returncode}, dp={spec.dp}, "
+            f"optimizer={spec.optimizer}):\n{failure_tail(result.log)}"
+        )
     return result

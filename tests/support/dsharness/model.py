@@ -21,6 +21,7 @@ norms), group 1 = no weight decay (the norm weights), each in declaration order.
 (hidden=3, num_layers=1) the no-weight-decay group is 3 norm weights of 3 elements: N = 9, so at
 DP=4 the padded length is 16, the partition 4, the padding 7 > 4 and ranks 2 and 3 hold only padding.
 """
+
 from __future__ import annotations
 
 import math
@@ -192,11 +193,12 @@ def global_batch_tokens(step: int, global_batch: int, seq: int, vocab: int, seed
     return torch.stack(rows)
 
 
-def rank_batch(step: int, rank: int, dp: int, global_batch: int, seq: int, vocab: int,
-               seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_batch(
+    step: int, rank: int, dp: int, global_batch: int, seq: int, vocab: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens, labels)`` of rank ``rank``: a contiguous slice of the global batch."""
     if global_batch % dp:
         raise ValueError(f"global_batch {global_batch} is not divisible by dp {dp}")
     micro = global_batch // dp
-    data = global_batch_tokens(step, global_batch, seq, vocab, seed)[rank * micro:(rank + 1) * micro]
+    data = global_batch_tokens(step, global_batch, seq, vocab, seed)[rank * micro : (rank + 1) * micro]
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()

@@ -1,4 +1,5 @@
 """``TrainSpec`` (what to run) and ``TrainResult`` (what came back); no DeepSpeed import here."""
+
 from __future__ import annotations
 
 import dataclasses

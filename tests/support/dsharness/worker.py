@@ -10,6 +10,7 @@ Rank 0 reports to the launcher through single stdout lines ``UCP_HARNESS <json>`
 ``step`` or ``done``), so that a run that dies half-way still yields the losses it produced.
 Written against the public DeepSpeed API only, so it runs under DeepSpeed 0.16.2 as well as 0.19.8.
 """
+
 from __future__ import annotations
 
 import gc
@@ -56,8 +57,12 @@ def ds_config(spec) -> dict:
         "zero_allow_untested_optimizer": True,
         "scheduler": {
             "type": "WarmupLR",
-            "params": {"warmup_min_lr": LR_MIN, "warmup_max_lr": LR_MAX,
-                       "warmup_num_steps": WARMUP_STEPS, "warmup_type": "linear"},
+            "params": {
+                "warmup_min_lr": LR_MIN,
+                "warmup_max_lr": LR_MAX,
+                "warmup_num_steps": WARMUP_STEPS,
+                "warmup_type": "linear",
+            },
         },
         "steps_per_print": 1_000_000,
         "wall_clock_breakdown": False,
@@ -130,16 +135,20 @@ class Rank:
         self.mark("init_distributed")
         model = build_model(vocab=spec.vocab, hidden=spec.hidden, num_layers=spec.num_layers, seed=spec.seed)
         self.group_names = param_group_names(model)
-        optimizer = torch.optim.AdamW(tiny_model_param_groups(model, WEIGHT_DECAY), lr=LR_MAX, betas=BETAS,
-                                      eps=1e-8)
+        optimizer = torch.optim.AdamW(tiny_model_param_groups(model, WEIGHT_DECAY), lr=LR_MAX, betas=BETAS, eps=1e-8)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(spec))
         self.mark("initialize")
         self.optimizer_class = type(self.engine.optimizer).__name__
         if self.rank == 0:
-            _report("info", optimizer_class=self.optimizer_class, ds_version=deepspeed.__version__,
-                    torch_version=torch.__version__, dp=self.world,
-                    base_optimizer_class=type(self.engine.optimizer.optimizer).__name__,
-                    group_names=self.group_names)
+            _report(
+                "info",
+                optimizer_class=self.optimizer_class,
+                ds_version=deepspeed.__version__,
+                torch_version=torch.__version__,
+                dp=self.world,
+                base_optimizer_class=type(self.engine.optimizer.optimizer).__name__,
+                group_names=self.group_names,
+            )
 
     # --- dumps ------------------------------------------------------------------------------------
     def _base(self):
@@ -252,10 +261,17 @@ class Rank:
         torch.save(rank_dump, out / f"rank{self.rank}_step{step}{suffix}.pt")
         if self.rank == 0:
             torch.save(full, out / f"state_step{step}{suffix}.pt")
-            summary = {verdict: sorted(k for k, v in safe_get.items() if v == verdict)
-                       for verdict in ("unavailable", "DIFFERS")}
-            _report("dump", name=f"state_step{step}{suffix}", state_keys=keys, safe_get_unavailable=
-                    summary["unavailable"], safe_get_differs=summary["DIFFERS"])
+            summary = {
+                verdict: sorted(k for k, v in safe_get.items() if v == verdict)
+                for verdict in ("unavailable", "DIFFERS")
+            }
+            _report(
+                "dump",
+                name=f"state_step{step}{suffix}",
+                state_keys=keys,
+                safe_get_unavailable=summary["unavailable"],
+                safe_get_differs=summary["DIFFERS"],
+            )
         self.dist.barrier()
 
     # --- run --------------------------------------------------------------------------------------
@@ -273,15 +289,25 @@ class Rank:
         self.mark("load")
         after = _process_io()
         report = getattr(self.engine, "megatron_ucp_load_report", None)
-        stats = {"rank": self.rank, "seconds": round(own, 4), "wall": round(wall, 4),
-                 **{k: after[k] - before[k] for k in ("read_bytes", "rchar")},
-                 "rss_before": before["rss"], "maxrss": after["maxrss"],
-                 "phases": dict(report.seconds) if report is not None else None}
+        stats = {
+            "rank": self.rank,
+            "seconds": round(own, 4),
+            "wall": round(wall, 4),
+            **{k: after[k] - before[k] for k in ("read_bytes", "rchar")},
+            "rss_before": before["rss"],
+            "maxrss": after["maxrss"],
+            "phases": dict(report.seconds) if report is not None else None,
+        }
         gathered: list = [None] * self.world
         self.dist.all_gather_object(gathered, stats)
         if self.rank == 0:
-            _report("info", loaded_step=self.engine.global_steps, loaded_path=str(path),
-                    loaded_client_state_keys=sorted((client_state or {}).keys()), load_stats=gathered)
+            _report(
+                "info",
+                loaded_step=self.engine.global_steps,
+                loaded_path=str(path),
+                loaded_client_state_keys=sorted((client_state or {}).keys()),
+                load_stats=gathered,
+            )
         self.dump("_loaded")
 
     def train(self) -> None:
@@ -290,8 +316,9 @@ class Rank:
 
         while engine.global_steps < spec.steps:
             index = engine.global_steps  # 0-based data step: the same samples at any DP size
-            tokens, labels = rank_batch(index, self.rank, self.world, spec.global_batch, spec.seq, spec.vocab,
-                                        spec.seed)
+            tokens, labels = rank_batch(
+                index, self.rank, self.world, spec.global_batch, spec.seq, spec.vocab, spec.seed
+            )
             loss = engine(tokens, labels)
             engine.backward(loss)
             engine.step()

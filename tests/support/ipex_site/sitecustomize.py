@@ -6,6 +6,7 @@ megatron-ucp's code runs (Megatron-DeepSpeed's ``megatron/model/__init__.py`` im
 Megatron-DeepSpeed's ranks, the background converters) then imports IPEX first. Without the variable
 it does nothing, so a test can check that megatron-ucp itself never imports IPEX.
 """
+
 import os
 
 if os.environ.get("MEGATRON_UCP_TEST_IMPORT_IPEX") == "1":
