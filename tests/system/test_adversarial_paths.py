@@ -333,6 +333,7 @@ def test_verify_reports_a_transposed_state_instead_of_crashing(root: Path):
 def test_a_twin_made_from_an_earlier_save_is_stale_everywhere(root: Path):
     from megatron_ucp.convert.execute import ConvertOptions, convert
     from megatron_ucp.convert.universal import read_manifest, universal_state
+    from megatron_ucp.plan.parallel_layout import ParallelLayout
     from megatron_ucp.plan.resume import Route, TwinState, decide_resume
 
     assert cli("convert", str(root)).returncode == 0
@@ -354,8 +355,8 @@ def test_a_twin_made_from_an_earlier_save_is_stale_everywhere(root: Path):
 
     decision = decide_resume(
         requested_tag=TAG,
-        checkpoint_dp=4,
-        current_dp=3,
+        saved=ParallelLayout(dp=4),
+        live=ParallelLayout(dp=3),
         load_universal=False,
         twin_state=TwinState.STALE,
         resume_route="universal",
