@@ -474,7 +474,7 @@ def _convert_checked(
 ) -> ConvertResult:
     """:func:`convert` once the source passed its checks: plan, write this share, commit if last."""
     cache = RankFileCache(list(files.rank_files))
-    meta = read_checkpoint(ck.tag_dir, rank_files=[cache.get(r) for r in range(len(files.rank_files))])
+    meta = read_checkpoint(ck.tag_dir, rank_files=[cache.get(r) for r in range(len(files.rank_files))], files=files)
     plan = plan_checkpoint(meta)
     steps = _group_steps(meta, plan, cache)
     mine = share_of(plan, options.share_index, options.share_count)

@@ -742,9 +742,13 @@ def _check_state_dtypes(rf: "RankFile", seen: dict[tuple[int, str], tuple[str, P
                 )
 
 
-def read_checkpoint(tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = None) -> CheckpointMeta:
-    """Read and cross-check the metadata of every file of a tag folder (every model-parallel rank)."""
-    files = find_checkpoint_files(Path(tag_dir))
+def read_checkpoint(
+    tag_dir: Path, rank_files: Optional[Sequence[RankFile]] = None, files: Optional[CheckpointFiles] = None
+) -> CheckpointMeta:
+    """Read and cross-check the metadata of every file of a tag folder (every model-parallel rank).
+
+    ``files``: the folder's listing when the caller already made it (the tag folder is listed once)."""
+    files = files if files is not None else find_checkpoint_files(Path(tag_dir))
     models = [read_model_states(path) for path in files.model_files]
     tp, pp = models[0].parallel_dimensions(len(models))
     dp = files.dp

@@ -50,7 +50,7 @@ from megatron_ucp.config import (
     spec_by_option,
 )
 from megatron_ucp.deepspeed import surface
-from megatron_ucp.deepspeed.reader import load_raw
+from megatron_ucp.deepspeed.reader import load_raw, model_states_path
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import stand_ins_for_unimportable
@@ -181,12 +181,9 @@ def read_checkpoint_facts(margs: MegatronArgs) -> Optional[CheckpointFacts]:
         tag = read_tag_file(root / (F.LATEST if lagging else checkpoint_tag_file(margs)))
         if tag is None:
             return None
-    path = root / tag / F.MODEL_STATES_FILE
-    if not path.is_file():
-        candidates = sorted((root / tag).glob("*_model_states.pt")) if (root / tag).is_dir() else []
-        if not candidates:
-            return None
-        path = candidates[0]
+    path = model_states_path(root / tag) if (root / tag).is_dir() else None
+    if path is None:
+        return None
     with stand_ins_for_unimportable():
         states = load_raw(path)
     if not isinstance(states, Mapping):
