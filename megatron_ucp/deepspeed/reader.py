@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from megatron_ucp.deepspeed.surface import ELASTIC_STAGES
 from megatron_ucp.deepspeed.versions import (
     BF16_LAST_RANK_PADDING_UNTIL,
     ZERO_PER_RANK_PADDING_SINCE,
@@ -795,9 +796,11 @@ def read_checkpoint(
             subject=files.tag_dir,
         )
     stage = stages.pop()
-    if stage is not None and int(stage) > 2:
+    if stage is not None and int(stage) > max(ELASTIC_STAGES):
         raise UnsupportedError(
-            f"{files.tag_dir}: ZeRO stage {int(stage)}; only stages 1 and 2 are supported", subject=files.tag_dir
+            f"{files.tag_dir}: ZeRO stage {int(stage)}; only stages {' and '.join(map(str, ELASTIC_STAGES))} are "
+            "supported",
+            subject=files.tag_dir,
         )
     return CheckpointMeta(
         files=files,

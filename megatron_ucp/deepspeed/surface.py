@@ -356,10 +356,14 @@ ELASTIC_STAGES = tuple(sorted({s for layout in OPTIMIZER_LAYOUTS for s in layout
 """ZeRO stages some optimizer layout handles: what the hooks save, convert and load."""
 
 
+def layout_named(class_name: str) -> Optional[OptimizerLayout]:
+    """The layout of the optimizer class of that name (as files record it); None for any other."""
+    return next((layout for layout in OPTIMIZER_LAYOUTS if layout.class_name == class_name), None)
+
+
 def layout_of(optimizer: Any) -> Optional[OptimizerLayout]:
     """The layout of this optimizer's class; None for a class the hooks leave to DeepSpeed."""
-    name = type(optimizer).__name__
-    return next((layout for layout in OPTIMIZER_LAYOUTS if layout.class_name == name), None)
+    return layout_named(type(optimizer).__name__)
 
 
 def engine_layout(engine: Any) -> Optional[OptimizerLayout]:

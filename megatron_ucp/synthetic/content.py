@@ -28,6 +28,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from megatron_ucp.deepspeed.surface import layout_named
 from megatron_ucp.deepspeed.versions import SavedFiles, saved_files
 from megatron_ucp.errors import PlanError
 from megatron_ucp.format import dsformat as F
@@ -79,7 +80,7 @@ class SyntheticSpec:
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise PlanError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
-        if self.zero_stage not in (1, 2) or (self.optimizer == "bf16" and self.zero_stage != 1):
+        if self.zero_stage not in layout_named(OPTIMIZERS[self.optimizer]).stages:
             raise PlanError(
                 f"ZeRO stage {self.zero_stage} with {OPTIMIZERS[self.optimizer]}: BF16_Optimizer is "
                 "stage 1 only, DeepSpeedZeroOptimizer stage 1 or 2"
