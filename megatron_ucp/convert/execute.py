@@ -1,8 +1,10 @@
 """Convert a ZeRO-1/2 checkpoint into DeepSpeed's universal layout, streaming and bit-exact.
 
-Call order: :func:`convert` resolves the source, reads metadata of every rank file (memory-mapped,
-no tensor bytes), builds and checks the :class:`~megatron_ucp.plan.conversion.ConversionPlan`, opens the
-staging sibling, then writes this share's parameters: each state file is written once, straight
+Call order, one step each: :func:`convert` reads the source's facts (``_read_source``: the tag
+resolved, its folder listed once, the output's state), checks the output (``_check_output``), reads
+the metadata of every rank file once (memory-mapped, no tensor bytes) and builds the checked
+:class:`~megatron_ucp.plan.conversion.ConversionPlan` (``_plan``), then opens the staging sibling and
+writes this share's parameters (``_write_and_commit``): each state file is written once, straight
 from the fragments in the memory-mapped rank files (:mod:`megatron_ucp.format.torchfile`: the bytes
 ``torch.save`` would write, without assembling the tensor first), and the pages read are released
 as soon as the file is written. Nothing on this path imports torch (files are read by
@@ -13,8 +15,8 @@ bytes between shares (e.g. one converter per node) and, inside a share, between 
 The last share to finish writes the common files, verifies completeness, and commits (see
 :mod:`megatron_ucp.convert.universal`).
 
-Size: :func:`convert` is one sequence (resolve, check the output's placement, plan, stage, write,
-commit, repair what an interrupted run left), and the functions here are its steps; writing the
+Size: :func:`convert` is one sequence (facts, output check, plan, stage, write, commit, repair what
+an interrupted run left), and the functions here are its steps; writing the
 state files is :mod:`megatron_ucp.convert.writer`.
 """
 
@@ -400,9 +402,39 @@ def _manifest(
     }
 
 
+@dataclass(frozen=True)
+class _Source:
+    """What :func:`convert` learns before reading any rank file's metadata, each fact read once: the
+    tag, its files (the folder listed once), their identity, the output and its state."""
+
+    ck: ResolvedCheckpoint
+    files: CheckpointFiles
+    identity: dict
+    output: Path
+    state: str
+    stale: Optional[str]
+
+
 def convert(options: ConvertOptions) -> ConvertResult:
-    """Convert one tag (or this share of it); see the module docstring for the sequence."""
+    """Convert one tag (or this share of it), a straight pipeline: the source's facts, the output's
+    check, the plan, then this share written and, by the last share, committed."""
     t0 = time.perf_counter()
+    source = _read_source(options)
+    force = _check_output(source, options)
+    if force is None:
+        return _already_complete(source, options)
+    check_torch_loadable(source.files)
+    reader_check = TorchReaderCheck()  # imports torch in a child while we convert
+    try:
+        meta, plan, cache = _plan(source)
+        return _write_and_commit(source, meta, plan, cache, options, force, t0, reader_check)
+    finally:
+        reader_check.cancel()
+
+
+def _read_source(options: ConvertOptions) -> _Source:
+    """Resolve the tag, refuse an output that would overwrite it or a ``latest_universal`` that is
+    not a file, list the tag folder, and take the output's state (stale when made from other files)."""
     ck = resolve_checkpoint(options.source, options.tag)
     output = Path(options.output) if options.output is not None else default_output(ck)
     check_output_placement(output, [ck.tag_dir])  # --force replaces the output: never a source
@@ -419,29 +451,22 @@ def convert(options: ConvertOptions) -> ConvertResult:
     identity = source_identity(files.identity_files())  # before reading: what this converts
     state = universal_state(output)
     stale = stale_reason(output, ck.tag_dir, current=identity) if state == COMPLETE else None
-    if stale is not None:
-        state = STALE
+    return _Source(ck, files, identity, output, STALE if stale is not None else state, stale)
+
+
+def _check_output(source: _Source, options: ConvertOptions) -> Optional[bool]:
+    """Whether the output is to be replaced (``force``), or None when another share already completed
+    it; raises when it exists and may not be replaced, or cannot be written."""
+    output, state = source.output, source.state
     force = options.force or (state == STALE and options.replace_stale)
     if state == STALE and not force:
-        raise OutputExistsError(f"{output}: exists but is stale: {stale}; pass --force to reconvert it", subject=output)
+        raise OutputExistsError(
+            f"{output}: exists but is stale: {source.stale}; pass --force to reconvert it", subject=output
+        )
     if state != "absent" and not force:
         if state == COMPLETE and options.share_count > 1:
-            return ConvertResult(
-                output=output,
-                tag=ck.tag,
-                committed=False,
-                params=0,
-                states=0,
-                bytes_written=0,
-                seconds=0.0,
-                source_dp=0,
-                optimizer="",
-                share_index=options.share_index,
-                share_count=options.share_count,
-                skipped=True,
-                summary=f"{output} is already complete",
-            )
-        repaired = _repair_interrupted(ck, output, options) if state == COMPLETE else []
+            return None
+        repaired = _repair_interrupted(source.ck, output, options) if state == COMPLETE else []
         raise OutputExistsError(
             f"{output}: already exists ({state}{'; ' + '; '.join(repaired) if repaired else ''}); "
             "pass --force to replace it",
@@ -451,31 +476,51 @@ def convert(options: ConvertOptions) -> ConvertResult:
         raise UcpError(f"{output.parent}: output's parent folder does not exist", subject=output.parent)
     if not os.access(output.parent, os.W_OK):
         raise UcpError(f"{output.parent}: not writable", subject=output.parent)
-
-    # Each rank file is opened (mapped, metadata unpickled) once: the metadata pass, the step check,
-    # the writers and the common state all use the same cached objects.
-    check_torch_loadable(files)
-    reader_check = TorchReaderCheck()  # imports torch in a child while we convert
-    try:
-        return _convert_checked(ck, files, options, output, force, identity, t0, reader_check)
-    finally:
-        reader_check.cancel()
+    return force
 
 
-def _convert_checked(
-    ck: ResolvedCheckpoint,
-    files: CheckpointFiles,
+def _already_complete(source: _Source, options: ConvertOptions) -> ConvertResult:
+    return ConvertResult(
+        output=source.output,
+        tag=source.ck.tag,
+        committed=False,
+        params=0,
+        states=0,
+        bytes_written=0,
+        seconds=0.0,
+        source_dp=0,
+        optimizer="",
+        share_index=options.share_index,
+        share_count=options.share_count,
+        skipped=True,
+        summary=f"{source.output} is already complete",
+    )
+
+
+def _plan(source: _Source) -> tuple[CheckpointMeta, ConversionPlan, RankFileCache]:
+    """Every rank file opened (mapped, metadata unpickled) once: the metadata pass, the step check, the
+    writers and the common state all use the same cached objects."""
+    files = source.files
+    cache = RankFileCache(list(files.rank_files))
+    meta = read_checkpoint(
+        source.ck.tag_dir, rank_files=[cache.get(r) for r in range(len(files.rank_files))], files=files
+    )
+    return meta, plan_checkpoint(meta), cache
+
+
+def _write_and_commit(
+    source: _Source,
+    meta: CheckpointMeta,
+    plan: ConversionPlan,
+    cache: RankFileCache,
     options: ConvertOptions,
-    output: Path,
     force: bool,
-    identity: dict,
     t0: float,
     reader_check: TorchReaderCheck,
 ) -> ConvertResult:
-    """:func:`convert` once the source passed its checks: plan, write this share, commit if last."""
-    cache = RankFileCache(list(files.rank_files))
-    meta = read_checkpoint(ck.tag_dir, rank_files=[cache.get(r) for r in range(len(files.rank_files))], files=files)
-    plan = plan_checkpoint(meta)
+    """This share's parameters written into the staging folder; the last share writes the common files,
+    checks the folder and commits it."""
+    ck, files, output, identity = source.ck, source.files, source.output, source.identity
     steps = _group_steps(meta, plan, cache)
     mine = share_of(plan, options.share_index, options.share_count)
     try:
