@@ -96,7 +96,7 @@ SURFACE: tuple[Internal, ...] = (
     Internal(ACCELERATOR, "get_accelerator", C, "the device collectives and the reseed run on"),
 )
 """Class and module attributes. Instance attributes (an optimizer's groups and partitions) are in
-:data:`OPTIMIZER_LAYOUTS` and checked on the first optimizer each hook meets."""
+:data:`OPTIMIZER_LAYOUTS` and :data:`OPTIMIZER_SHARED`, checked once per class by :func:`layout_of`."""
 
 SHARED = ((ZERO_BASE, OPTIMIZER_LOADER, (BF16, ZERO)),)
 """Replaced once on the base class: neither subclass may override it, or the replacement misses it."""
@@ -271,6 +271,7 @@ def pp_size(mpu: Any) -> int:
 
 
 def _instance(obj: Any, name: str) -> Any:
+    """``obj.name``, or an error naming the release and the attribute when DeepSpeed moved it."""
     try:
         return getattr(obj, name)
     except AttributeError:
@@ -279,6 +280,48 @@ def _instance(obj: Any, name: str) -> Any:
             "which megatron-ucp relies on; DeepSpeed internals changed",
             subject=f"{type(obj).__name__}.{name}",
         ) from None
+
+
+# ------------------------------------------------------------------------------------------------
+# instance attributes both ZeRO optimizer classes share
+# ------------------------------------------------------------------------------------------------
+
+OPTIMIZER_SHARED = (
+    ("dp_process_group", "the DP group the partitions are cut over"),
+    ("real_dp_process_group", "each parameter group's DP group (its size and this rank's place)"),
+    ("nccl_start_alignment_factor", "the alignment the flat buffer is padded to"),
+    ("param_names", "each live parameter's name, as the files name it"),
+    ("optimizer", "the wrapped torch optimizer (its param groups and per-flat state)"),
+)
+"""Attributes :class:`OptimizerLayout` does not name because every ZeRO optimizer class has them."""
+
+
+def dp_group(optimizer: Any) -> Any:
+    return _instance(optimizer, "dp_process_group")
+
+
+def group_dp_groups(optimizer: Any) -> list[Any]:
+    """One DP process group per parameter group."""
+    return _instance(optimizer, "real_dp_process_group")
+
+
+def alignment_factor(optimizer: Any) -> int:
+    return int(_instance(optimizer, "nccl_start_alignment_factor"))
+
+
+def param_names(owner: Any) -> dict[Any, str]:
+    """Live parameter -> name, from a ZeRO optimizer or the engine (both keep the same map)."""
+    return _instance(owner, "param_names")
+
+
+def base_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer a ZeRO optimizer wraps: one param group (one flat fp32 tensor) per group."""
+    return _instance(optimizer, "optimizer")
+
+
+def optimizer_mpu(optimizer: Any) -> Any:
+    """The model-parallel unit the optimizer was built with; None without model parallelism."""
+    return getattr(optimizer, "mpu", None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -361,9 +404,31 @@ def layout_named(class_name: str) -> Optional[OptimizerLayout]:
     return next((layout for layout in OPTIMIZER_LAYOUTS if layout.class_name == class_name), None)
 
 
+_CHECKED: set[type] = set()
+
+
 def layout_of(optimizer: Any) -> Optional[OptimizerLayout]:
-    """The layout of this optimizer's class; None for a class the hooks leave to DeepSpeed."""
-    return layout_named(type(optimizer).__name__)
+    """The layout of this optimizer's class; None for a class the hooks leave to DeepSpeed.
+
+    The first optimizer of each class is checked for every attribute its layout and
+    :data:`OPTIMIZER_SHARED` name, so that a release that moved one fails here, naming them all."""
+    layout = layout_named(type(optimizer).__name__)
+    if layout is not None and type(optimizer) not in _CHECKED:
+        _check_instance(optimizer, layout)
+        _CHECKED.add(type(optimizer))
+    return layout
+
+
+def _check_instance(optimizer: Any, layout: OptimizerLayout) -> None:
+    names = [layout.lp_groups, layout.lp_flat, layout.lp_partitions, layout.hp_partitions]
+    missing = [n for n in names + [n for n, _ in OPTIMIZER_SHARED] if not hasattr(optimizer, n)]
+    if missing:
+        raise UnsupportedError(
+            f"DeepSpeed {installed_deepspeed_version()}: {layout.class_name} has no "
+            + ", ".join(repr(n) for n in missing)
+            + ", which megatron-ucp relies on; DeepSpeed internals changed",
+            subject=f"{layout.class_name}.{missing[0]}",
+        )
 
 
 def engine_layout(engine: Any) -> Optional[OptimizerLayout]:

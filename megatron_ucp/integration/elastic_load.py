@@ -203,9 +203,8 @@ def _gather_and_decide(
 def _live_param_names(engine: Any) -> frozenset[str]:
     """This rank's optimized parameter names (rank 0 is model-parallel rank 0, as the model states compared)."""
     optimizer = engine.optimizer
-    return frozenset(
-        optimizer.param_names[lp] for group in surface.layout_of(optimizer).groups(optimizer) for lp in group
-    )
+    names = surface.param_names(optimizer)
+    return frozenset(names[lp] for group in surface.layout_of(optimizer).groups(optimizer) for lp in group)
 
 
 def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..., Any]:

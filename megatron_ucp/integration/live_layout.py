@@ -29,7 +29,7 @@ class TpPlace:
 
 def tensor_parallel_of(optimizer: Any) -> TpPlace:
     """TP size and rank from the optimizer's ``mpu`` (Megatron's, or DeepSpeed's pipeline grid)."""
-    return TpPlace(*surface.tp_size_and_rank(getattr(optimizer, "mpu", None)))
+    return TpPlace(*surface.tp_size_and_rank(surface.optimizer_mpu(optimizer)))
 
 
 def live_tp_layout(lp: Any, entry: Any, tp: int, file_shape: tuple[int, ...]) -> TpLayout:

@@ -384,17 +384,18 @@ def load_native_partitions(optimizer: Any, model_states: Path, rank_file: RankFi
     Returns the report (the same on every rank); enforcing it is the caller's."""
     t_start = time.perf_counter()
     dist = comm()
-    group = optimizer.dp_process_group
+    group = surface.dp_group(optimizer)
     dp_to, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
     facts = decide_on_first(lambda: read_facts(model_states, rank_file), group)
     if isinstance(facts, Failure):
         raise CheckpointFormatError(f"cannot reshard {model_states.parent}: {facts.message}", subject=model_states)
     lp_groups = lp_groups_of(optimizer)
-    base = optimizer.optimizer
+    live_names = surface.param_names(optimizer)
+    base = surface.base_optimizer(optimizer)
     flats = [g["params"][0] for g in base.param_groups]
     geos = check_live_model(
         facts,
-        [[optimizer.param_names[lp] for lp in lps] for lps in lp_groups],
+        [[live_names[lp] for lp in lps] for lps in lp_groups],
         [[tuple(lp.shape) for lp in lps] for lps in lp_groups],
         [f.numel() for f in flats],
         dp_to,
@@ -490,9 +491,9 @@ def refresh_lp_params(optimizer: Any) -> bool:
         stale = 0
         with torch.no_grad():
             for i, (parts, master) in enumerate(zip(layout.lp_partitions_of(optimizer), layout.masters(optimizer))):
-                mine = parts[dist.get_rank(group=optimizer.real_dp_process_group[i])]
+                mine = parts[dist.get_rank(group=surface.group_dp_groups(optimizer)[i])]
                 stale += int(not torch.equal(mine, master.to(mine.dtype)))
-    if count_across(stale, optimizer.dp_process_group):
+    if count_across(stale, surface.dp_group(optimizer)):
         optimizer.update_lp_params()
         return True
     return False

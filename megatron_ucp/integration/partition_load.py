@@ -173,7 +173,7 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     t_start = time.perf_counter()
     clock = _Clock()
     dist = comm()
-    dp_group = optimizer.dp_process_group
+    dp_group = surface.dp_group(optimizer)
     dp_to = dist.get_world_size(group=dp_group)
     tensor_parallel = tensor_parallel_of(optimizer)
     # With TP or PP every element of a file lands on the ranks of several DP groups (TP slices,
@@ -183,10 +183,11 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     group = None if model_parallel else dp_group
     zero_dir = checkpoint_dir / F.UNIVERSAL_ZERO_DIR
     lp_groups = lp_groups_of(optimizer)
-    base = optimizer.optimizer
-    names = [[optimizer.param_names[lp] for lp in lps] for lps in lp_groups]
+    base = surface.base_optimizer(optimizer)
+    live_names = surface.param_names(optimizer)
+    names = [[live_names[lp] for lp in lps] for lps in lp_groups]
     optimized = {n for group_names in names for n in group_names}
-    frozen = set(optimizer.param_names.values()) - optimized
+    frozen = set(live_names.values()) - optimized
 
     facts = decide_on_first(
         lambda: _FolderFacts(_state_listing(zero_dir), recorded_checksums(read_manifest(checkpoint_dir))), group
@@ -405,7 +406,7 @@ def install_group_state(
 ) -> None:
     """Make ``buffers`` (flat, partition-sized) and ``step`` the base optimizer's state of one group, and
     point each parameter's optimizer fragments at them (what DeepSpeed's ``_link_hp_params`` does)."""
-    state_dict = optimizer.optimizer.state[flat]
+    state_dict = surface.base_optimizer(optimizer).state[flat]
     for state, buffer in buffers.items():
         state_dict[state] = buffer
     if step is not None:

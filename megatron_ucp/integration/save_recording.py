@@ -37,12 +37,12 @@ def wanted(config: UcpConfig) -> bool:
 def _dp_of(optimizer: Any) -> tuple[list[int], list[int]]:
     import torch.distributed as dist
 
-    groups = optimizer.real_dp_process_group
+    groups = surface.group_dp_groups(optimizer)
     return [dist.get_world_size(group=pg) for pg in groups], [dist.get_rank(group=pg) for pg in groups]
 
 
 def _base_states(optimizer: Any, flats: list[Any]) -> list[dict[str, Any]]:
-    return [dict(optimizer.optimizer.state.get(flat, {})) for flat in flats]
+    return [dict(surface.base_optimizer(optimizer).state.get(flat, {})) for flat in flats]
 
 
 def _record(layout: OptimizerLayout) -> Callable[[Any], dict[str, Any]]:
@@ -57,7 +57,7 @@ def _record(layout: OptimizerLayout) -> Callable[[Any], dict[str, Any]]:
             [f.numel() for f in layout.flats(optimizer)],
             sizes,
             ranks,
-            optimizer.nccl_start_alignment_factor,
+            surface.alignment_factor(optimizer),
         )
         recorded = list(getattr(optimizer, layout.recorded_paddings, []) if layout.recorded_paddings else [])
         if recorded and recorded != record[F.GROUP_PADDINGS]:

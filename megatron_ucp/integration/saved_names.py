@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import CheckpointFormatError, PlanError
 from megatron_ucp.integration.collectives import count_across, gather_names, is_first
 from megatron_ucp.plan.names import is_pipeline_names, name_map
@@ -16,7 +17,7 @@ def saved_names(optimizer: Any, listing: dict[str, tuple[str, ...]], group: Any)
     """Live name -> saved folder name when the checkpoint was saved by the other GPT model class
     (``GPTModel`` <-> ``GPTModelPipe``, :mod:`megatron_ucp.plan.names`); None when names match.
     Collective over ``group``: the pipeline model's names are only complete across its stages."""
-    local = set(optimizer.param_names.values())
+    local = set(surface.param_names(optimizer).values())
     if not count_across(0 if local <= set(listing) else 1, group):
         return None
     live = gather_names(local, group)

@@ -64,3 +64,18 @@ def test_each_optimizer_class_has_one_layout_with_its_stages() -> None:
     assert surface.ELASTIC_STAGES == (1, 2)
     names = [(e.owner, e.name) for e in surface.SURFACE]
     assert len(names) == len(set(names)), "one entry per internal"
+
+
+def test_an_optimizer_missing_an_attribute_its_layout_names_is_refused_naming_all() -> None:
+    from megatron_ucp.errors import UnsupportedError
+
+    class BF16_Optimizer:  # noqa: N801 - the class name is what selects the layout
+        bf16_groups = bf16_groups_flat = fp32_groups_flat_partition = []
+        dp_process_group = real_dp_process_group = param_names = optimizer = None
+
+    with pytest.raises(UnsupportedError, match=r"'bf16_partitioned_groups', 'nccl_start_alignment_factor'"):
+        surface.layout_of(BF16_Optimizer())
+    BF16_Optimizer.bf16_partitioned_groups = []
+    BF16_Optimizer.nccl_start_alignment_factor = 2
+    assert surface.layout_of(BF16_Optimizer()) is surface.layout_named("BF16_Optimizer")
+    assert surface.alignment_factor(BF16_Optimizer()) == 2
