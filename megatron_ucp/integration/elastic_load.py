@@ -279,7 +279,7 @@ def _reshard_load(
     state-dict loader does), then the partitions from the old rank files, the bf16 weights checked
     against (or refreshed from) the masters as the universal route does, one summary."""
     tag = decision.tag
-    with one_model_states_file_per_rank(engine, always=True):  # each rank reads its model states once
+    with one_model_states_file_per_rank(engine, always=True) as read:  # each rank reads its model states once
         result = original(engine, load_dir, tag, **{**kwargs, "load_optimizer_states": False})
     load_path = result[0] if isinstance(result, tuple) else None
     if load_path is None:
@@ -297,13 +297,23 @@ def _reshard_load(
     def rank_file(dp_rank: int) -> Path:
         return Path(surface.rank_optimizer_file(engine, load_dir, tag, mp_rank, dp_rank, bf16))
 
-    report = load_native_partitions(engine.optimizer, Path(load_path), rank_file)
+    saved = read.of(Path(load_path))
+    report = load_native_partitions(engine.optimizer, Path(load_path), rank_file, saved)
     if refresh_lp_params(engine.optimizer) and is_first():
         log.info(
             "megatron-ucp: the loaded bf16 weights differ from the rounded fp32 masters; refreshed them from "
             "the masters (as a universal load does)"
         )
-    _finish_load(engine, Path(load_path), report, int(decision.checkpoint_dp), kwargs, config, restore_module=False)
+    _finish_load(
+        engine,
+        Path(load_path),
+        report,
+        int(decision.checkpoint_dp),
+        kwargs,
+        config,
+        restore_module=False,
+        states=saved,
+    )
     return result
 
 
@@ -376,14 +386,18 @@ def _finish_load(
     kwargs: dict,
     config: UcpConfig,
     restore_module: bool,
+    states: Optional[dict] = None,
 ) -> None:
     """The training state and the batch checked, module tensors DeepSpeed skipped restored (universal
-    mode), one summary line; enforced as ``config.strict`` says."""
+    mode), one summary line; enforced as ``config.strict`` says. ``states``: what the load already
+    read from ``load_path`` less the module (the reshard route); else the file is opened memory-mapped,
+    so that only the parts read here are paged in."""
     folder = load_path.parent
     dp_to = int(engine.seq_dp_world_size)
     problems: list[Problem] = []
     extras: list[str] = []
-    states = load_torch_file(load_path, mmap=True)
+    if states is None:
+        states = load_torch_file(load_path, mmap=True)
     if not isinstance(states, dict):
         raise CheckpointFormatError(f"{load_path}: not a DeepSpeed model-states dict", subject=load_path)
 

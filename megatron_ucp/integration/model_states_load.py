@@ -8,16 +8,31 @@ the load returns or raises.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.reader import load_torch_file
 from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.format import dsformat as F
+
+
+@dataclass
+class ClientStates:
+    """What this rank's loader read, less the module weights: what the checks after the load need
+    (counters, scheduler, config), so that they do not read the file a second time."""
+
+    path: Optional[Path] = None
+    states: Optional[dict] = None
+
+    def of(self, path: Path) -> Optional[dict]:
+        """The states read from ``path`` by this load; None when another file (or none) was read."""
+        return self.states if self.path is not None and self.path == Path(path) else None
 
 
 @contextlib.contextmanager
-def one_model_states_file_per_rank(engine: Any, always: bool = False) -> Iterator[None]:
+def one_model_states_file_per_rank(engine: Any, always: bool = False) -> Iterator[ClientStates]:
     """For one load: each rank reads one existing ``mp_rank_XX_model_states.pt`` as it is, once.
 
     At another TP or PP size the folder holds another number of those files than the engine has
@@ -29,8 +44,10 @@ def one_model_states_file_per_rank(engine: Any, always: bool = False) -> Iterato
     ``always``: also at the saved TP/PP size (the native reshard), where DeepSpeed's loader would read
     the same file twice on every rank (``check_ckpt_list`` loads the first file whole to compare
     its ``mp_world_size``): here each rank reads its own file once and the count is checked on it.
+    Yields what the replacement read, less the module weights (:class:`ClientStates`).
     """
     want = int(getattr(engine, "mp_world_size", 1) or 1)
+    read = ClientStates()
 
     def make(original: Any) -> Any:
         def get_sd_loader(ckpt_list: Any, *args: Any, **kwargs: Any) -> Any:
@@ -39,23 +56,27 @@ def one_model_states_file_per_rank(engine: Any, always: bool = False) -> Iterato
                     list(ckpt_list),
                     kwargs.get("checkpoint_engine", args[0] if args else None),
                     check_count=always and len(ckpt_list) == want,
+                    read=read,
                 )
             return original.__func__(ckpt_list, *args, **kwargs)
 
         return staticmethod(get_sd_loader)
 
     with surface.scoped_replace(surface.SD_LOADERS, "get_sd_loader", make):
-        yield
+        yield read
 
 
 class ClientStateLoader:
     """Stands in for DeepSpeed's state-dict loader in a universal load at another TP/PP size: one
     existing model-states file per rank, read as it is (nothing merged or split)."""
 
-    def __init__(self, ckpt_list: list, checkpoint_engine: Any, check_count: bool = False) -> None:
+    def __init__(
+        self, ckpt_list: list, checkpoint_engine: Any, check_count: bool = False, read: Optional[ClientStates] = None
+    ) -> None:
         self.ckpt_list = ckpt_list
         self.checkpoint_engine = checkpoint_engine
         self.check_count = check_count
+        self.read = read
 
     def load(self, mp_world_size: int, mp_rank: int, *args: Any, **kwargs: Any) -> tuple[str, Any, None]:
         path = self.ckpt_list[min(mp_rank * len(self.ckpt_list) // max(1, mp_world_size), len(self.ckpt_list) - 1)]
@@ -70,4 +91,7 @@ class ClientStateLoader:
                 f"{len(self.ckpt_list)} model-states files",
                 subject=path,
             )
+        if self.read is not None and isinstance(states, dict):
+            self.read.path = Path(path)
+            self.read.states = {k: v for k, v in states.items() if k != F.MODULE}
         return path, states, None

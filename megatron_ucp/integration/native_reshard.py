@@ -21,6 +21,9 @@ Call order (collective over the optimizer's DP group, every rank calls it):
    read at its flat position in the old files. One all-reduce of the ledger
    (:mod:`megatron_ucp.plan.accounting`) proves every real element placed exactly once (and, with
    the record, unchanged since the save).
+
+Size: the three steps are one collective protocol over the DP group (every rank must take each step
+in the same order, or the group hangs); split, each part would need the others' types and order.
 """
 
 from __future__ import annotations
@@ -90,9 +93,11 @@ def _tag_rank_files(folder: Path, like: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith(head + "_pp_rank_") and p.name.endswith(suffix))
 
 
-def read_facts(model_states: Path, rank_file: RankFile) -> SavedFacts:
-    """Step 1 (first rank): the facts, checked for the old files' presence and DP size."""
-    states = load_torch_file(model_states, mmap=True)
+def read_facts(model_states: Path, rank_file: RankFile, states: Optional[dict] = None) -> SavedFacts:
+    """Step 1 (first rank): the facts, checked for the old files' presence and DP size. ``states``:
+    the model states the load already read from ``model_states`` (else read here, memory-mapped)."""
+    if states is None:
+        states = load_torch_file(model_states, mmap=True)
     if not isinstance(states, dict) or not isinstance(states.get(F.PARAM_SHAPES), list):
         raise CheckpointFormatError(
             f"{model_states}: no param_shapes (not a ZeRO-1/2 model-states file)", subject=model_states
@@ -379,14 +384,17 @@ def copy_partitions(
     return accounting
 
 
-def load_native_partitions(optimizer: Any, model_states: Path, rank_file: RankFile) -> AccountingReport:
+def load_native_partitions(
+    optimizer: Any, model_states: Path, rank_file: RankFile, states: Optional[dict] = None
+) -> AccountingReport:
     """Load this rank's ZeRO-1/2 partitions from the native files of a save at another DP size.
-    Returns the report (the same on every rank); enforcing it is the caller's."""
+    ``states``: what the load already read from ``model_states`` (:func:`read_facts`). Returns the
+    report (the same on every rank); enforcing it is the caller's."""
     t_start = time.perf_counter()
     dist = comm()
     group = surface.dp_group(optimizer)
     dp_to, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-    facts = decide_on_first(lambda: read_facts(model_states, rank_file), group)
+    facts = decide_on_first(lambda: read_facts(model_states, rank_file, states), group)
     if isinstance(facts, Failure):
         raise CheckpointFormatError(f"cannot reshard {model_states.parent}: {facts.message}", subject=model_states)
     lp_groups = lp_groups_of(optimizer)

@@ -39,7 +39,7 @@ def device_violations(events: list[dict[str, Any]], accelerator: str) -> list[di
     through the accelerator; a process group made by the hooks."""
     bad = []
     for event in events:
-        where = (event["file"], event["function"])
+        where = (event.get("file"), event.get("function"))
         if event["kind"] == "place":
             host_here = event["device"] == "cpu" and where in HOST_ON_PURPOSE
             if event["device"] != accelerator and not host_here:

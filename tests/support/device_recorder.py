@@ -12,12 +12,16 @@ frame, the device it places on (``device=``, ``.to(device)``), and wrappers arou
 ``torch.distributed`` record every collective and group our code calls. What the records must show
 (``tests/support/device_policy.py``): placements on the accelerator's device, or on the host at the
 listed places; collectives only on tensors placed through the accelerator, on groups the job made.
+It also writes down every opening of a checkpoint's ``*_states.pt`` file for reading, by anyone (the
+native reshard promises each rank opens its model-states file once).
 """
 
 from __future__ import annotations
 
+import builtins
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -165,6 +169,42 @@ def _wrap_distributed(recorder: Recorder) -> None:
         )
 
 
+STATES_SUFFIX = "_states.pt"
+
+
+def _opener(frame: Any) -> str:
+    """The innermost megatron-ucp or DeepSpeed function on the stack (who asked for the file)."""
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] in (PACKAGE, "deepspeed"):
+            return f"{module}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+def _record_reads(recorder: Recorder) -> None:
+    """Note each opening of a ``*_states.pt`` file for reading (``open`` and ``os.open``)."""
+    original_open, original_os_open = builtins.open, os.open
+
+    def note(path: Any) -> None:
+        if isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(STATES_SUFFIX):
+            recorder.events.append({"kind": "read", "path": os.fspath(path), "by": _opener(sys._getframe(2))})
+
+    @functools.wraps(original_open)
+    def recording_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if not set(mode) & set("wax+"):
+            note(file)
+        return original_open(file, mode, *args, **kwargs)
+
+    @functools.wraps(original_os_open)
+    def recording_os_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> Any:
+        if flags & os.O_ACCMODE == os.O_RDONLY:
+            note(path)
+        return original_os_open(path, flags, *args, **kwargs)
+
+    builtins.open, os.open = recording_open, recording_os_open
+
+
 def install() -> Recorder:
     """Swap in the recording accelerator, wrap the collectives, enter the recording mode (for the
     rest of the process)."""
@@ -173,5 +213,6 @@ def install() -> Recorder:
     recorder = Recorder()
     set_accelerator(_recording_accelerator(type(get_accelerator()), recorder))
     _wrap_distributed(recorder)
+    _record_reads(recorder)
     _RecordingMode(recorder).__enter__()
     return recorder

@@ -112,6 +112,7 @@ def test_reshard_equals_the_universal_route_rank_by_rank(ds_checkpoint, runs, ca
     assert report["safe_get_differs"] == [] and report["safe_get_unavailable"] == theirs["safe_get_unavailable"]
     for res in (native, universal):
         _assert_devices_through_the_accelerator(res, dp)
+    _assert_model_states_opened_once(native, dp)
 
 
 def _assert_devices_through_the_accelerator(res, dp: int) -> None:
@@ -125,6 +126,18 @@ def _assert_devices_through_the_accelerator(res, dp: int) -> None:
         on_device = [e for e in events if e["kind"] == "collective" and e["tensors"]]
         assert asked and on_device, (rank, events)
         assert {e["name"] for e in on_device} == {"all_reduce"}, on_device
+
+
+def _assert_model_states_opened_once(res, dp: int) -> None:
+    """The reshard opens each rank's model-states file once, in DeepSpeed's load: the facts and the
+    training-state checks use what it read (tests/support/device_recorder.py notes every opening).
+    The first rank also reads the file's pickle, no tensor bytes, for the route decision before."""
+    for rank in range(dp):
+        events = json.loads((Path(res.dumps["state_step2_loaded"]).parent / f"devices_rank{rank}.json").read_text())
+        opened = [e["by"] for e in events if e["kind"] == "read" and e["path"].endswith("_model_states.pt")]
+        loads = [by for by in opened if by.startswith("deepspeed.")]
+        assert len(loads) == 1, (rank, opened)
+        assert len(opened) == 1 + (rank == 0), (rank, opened)
 
 
 # ------------------------------------------------------------------------------------------------
