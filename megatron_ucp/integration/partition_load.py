@@ -178,7 +178,9 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     tensor_parallel = tensor_parallel_of(optimizer)
     # With TP or PP every element of a file lands on the ranks of several DP groups (TP slices,
     # pipeline stages): the ledger is summed over the world, and each file is expected once per
-    # TP copy that holds it whole (replicated parameters) and once per stage that holds it.
+    # TP copy that holds it whole (replicated parameters) and once per stage that holds it. Decided
+    # from the optimizer's own DP group against the world, not from the mpu's axes: whatever groups
+    # the job made, a world larger than the group means copies of the files' elements elsewhere.
     model_parallel = dist.get_world_size() != dp_to
     group = None if model_parallel else dp_group
     zero_dir = checkpoint_dir / F.UNIVERSAL_ZERO_DIR
