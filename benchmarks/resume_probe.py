@@ -94,13 +94,8 @@ def exact_against_source(args, copied) -> bool:
 
 
 def native(args) -> int:
-    from megatron_ucp.integration.native_reshard import (
-        check_live_model,
-        copy_partitions,
-        open_source,
-        read_facts,
-        reshard_ledger,
-    )
+    from megatron_ucp.integration.native_reshard import check_live_model, copy_partitions, reshard_ledger
+    from megatron_ucp.integration.rank_files import open_source, read_facts
     from megatron_ucp.plan.geometry import at_dp
     from megatron_ucp.plan.reshard import reshard_reads, source_ranks
 
@@ -133,7 +128,7 @@ def native(args) -> int:
     targets = [
         {state: torch.zeros(geo.partition_size) for state in ("fp32", *facts.states[g])} for g, geo in enumerate(new)
     ]
-    ledger = reshard_ledger(facts)
+    ledger = reshard_ledger(facts, geos, rank_file)
     copy_partitions(facts, geos, reads, sources, args.rank, targets, ledger, ledger.new_table())
     t_load = time.perf_counter() - t2
     io = read_bytes() - io0

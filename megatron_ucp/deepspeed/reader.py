@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -581,6 +581,8 @@ class SavedLayout:
     """TP, PP and DP of the save; None when the file records no DP size."""
     param_names: frozenset[str]
     """The optimized parameters' names in that file (model-parallel rank 0's): the model class that saved it."""
+    states: Optional[dict] = field(default=None, compare=False, repr=False)
+    """The file's dict as read (tensors located, not read), for the reader's next questions."""
 
 
 def saved_layout(tag_dir: Path) -> Optional[SavedLayout]:
@@ -594,7 +596,41 @@ def saved_layout(tag_dir: Path) -> Optional[SavedLayout]:
     names = frozenset(str(n) for g in _param_shape_groups(raw) if isinstance(g, dict) for n in g)
     dp = raw.get(F.DP_WORLD_SIZE)
     tp, pp = parallel_dimensions(raw, path, max(1, len(files)))
-    return SavedLayout(ParallelLayout(tp=tp, pp=pp, dp=int(dp)) if dp is not None else None, names)
+    return SavedLayout(ParallelLayout(tp=tp, pp=pp, dp=int(dp)) if dp is not None else None, names, raw)
+
+
+def rank_file_count_problem(tag_dir: Path, dp: int) -> Optional[str]:
+    """Whether the folder holds the ``dp`` optimizer files of model-parallel rank 0 its model states
+    say; else which side is wrong (the files' own ``partition_count`` breaks the tie), in words.
+    None when they agree, or when the folder holds no ZeRO-1/2 optimizer files at all."""
+    found = {}
+    for path in Path(tag_dir).iterdir():
+        match = F.OPTIM_FILE_RE.match(path.name)
+        if match and int(match["mp"]) == 0:
+            found[int(match["dp"])] = path
+    if not found or sorted(found) == list(range(dp)):
+        return None
+    model = model_states_path(Path(tag_dir))
+    first = found[min(found)]
+    try:
+        raw = load_raw(first)
+        count = raw[F.OPTIMIZER_STATE_DICT].get(F.PARTITION_COUNT)
+        saved_at = int(count[0] if isinstance(count, (list, tuple)) else count)
+    except Exception:
+        saved_at = None
+    if saved_at == len(found) and sorted(found) == list(range(saved_at)):
+        return (
+            f"{model}: says DP={dp}, but the folder's {len(found)} rank files of model-parallel rank 0 were "
+            f"saved at DP={saved_at}: the model states of another save?"
+        )
+    extra = [found[r].name for r in sorted(found) if r >= dp]
+    missing = [r for r in range(dp) if r not in found]
+    detail = f"extra: {', '.join(extra[:3])}" if extra else f"missing DP ranks {missing[:5]}"
+    says = model.name if model is not None else "the model states"
+    return (
+        f"{tag_dir}: {len(found)} rank files of model-parallel rank 0 ({detail}), but {says} says DP={dp}: "
+        "files of another save in the folder?"
+    )
 
 
 def _model_states_dict(path: Path) -> dict:

@@ -58,7 +58,10 @@ class Internal:
 R, C = Use.REPLACE, Use.CALL
 SURFACE: tuple[Internal, ...] = (
     # save hook (integration/save_recording.py)
-    Internal(ENGINE, "_save_checkpoint", R, "adds each parameter's TP layout to the model states"),
+    Internal(
+        ENGINE, "_save_checkpoint", R, "adds each parameter's TP layout and the save's identity to the model states"
+    ),
+    Internal(ENGINE, "save_checkpoint", R, "agrees on the save's identity; queues the background conversion"),
     Internal(BF16, "state_dict", R, "records true lengths, the partition geometry and checksums"),
     Internal(ZERO, "state_dict", R, "records true lengths, the partition geometry and checksums"),
     # elastic load (integration/elastic_load.py and the loaders below it)
@@ -71,6 +74,7 @@ SURFACE: tuple[Internal, ...] = (
     Internal(ENGINE, "zero_optimization_stage", C, "which optimizer layout applies"),
     Internal(ENGINE, "train_batch_size", C, "the global batch, checked against the checkpoint's"),
     Internal(ENGINE, "_get_zero_ckpt_name", C, "this rank's optimizer file name as DeepSpeed spells it"),
+    Internal(ENGINE, "_get_ckpt_name", C, "this rank's model-states file name as DeepSpeed spells it"),
     Internal(ENGINE, "_get_rank_zero_ckpt_name", C, "an old rank's optimizer file name as DeepSpeed spells it"),
     Internal(ENGINE, "use_node_local_storage", C, "node-local files cannot be converted or resharded across nodes"),
     Internal(BF16, "_load_universal_checkpoint", C, "the universal load that calls our loader"),
@@ -84,7 +88,6 @@ SURFACE: tuple[Internal, ...] = (
     Internal(BWC, "bwc_tensor_model_parallel_rank", C, "this rank's TP place from the mpu"),
     Internal(BWC, "bwc_pipeline_parallel_world_size", C, "PP size of the live model from its mpu"),
     # async trigger (integration/async_trigger.py)
-    Internal(ENGINE, "save_checkpoint", R, "queues the background conversion once the save is committed"),
     Internal(
         ENGINE,
         "_commit_decoupled_checkpoint",
@@ -239,6 +242,10 @@ def engine_config(engine: Any) -> Any:
     return _instance(engine, "_config")
 
 
+def model_states_file(engine: Any, load_dir: str, tag: str) -> str:
+    return engine._get_ckpt_name(load_dir, tag)
+
+
 def own_optimizer_file(engine: Any, load_dir: str, tag: str) -> str:
     return engine._get_zero_ckpt_name(load_dir, tag)
 
@@ -303,6 +310,14 @@ def dp_group(optimizer: Any) -> Any:
 def group_dp_groups(optimizer: Any) -> list[Any]:
     """One DP process group per parameter group."""
     return _instance(optimizer, "real_dp_process_group")
+
+
+def group_dp_sizes(optimizer: Any) -> list[int]:
+    """Each parameter group's DP size (they differ where mixture-of-experts groups are partitioned over
+    the expert-data-parallel group)."""
+    import torch.distributed as dist
+
+    return [int(dist.get_world_size(group=pg)) for pg in group_dp_groups(optimizer)]
 
 
 def alignment_factor(optimizer: Any) -> int:

@@ -68,6 +68,14 @@ ZERO_PARTITION_CHECKSUMS = "zero_partition_checksums"
 checksum (``format.integrity``) of this rank's real elements of the fp32 partition and of every
 optimizer state, at their flat positions in the group, computed on the partitions in memory."""
 
+UCP_SAVE_RECORD = "ucp_save_record"
+"""megatron-ucp's identity of one save, written by the hooks (not by the diffs in patches/): in every
+rank's optimizer state dict ``{"version", "save_id", "dp_size", "dp_rank"}`` and, as client state, in
+every model-states file ``{"version", "save_id"}``. One ``save_id`` (random, agreed by every rank at
+the start of ``save_checkpoint``) binds the files of one save together: a file of another run or of
+another step, even of the same geometry, carries another."""
+UCP_SAVE_RECORD_VERSION = 1
+
 VOCAB_PADDED_ROWS = "ucp_padded_vocab_rows"
 """In a vocabulary parameter's state file, beside the ``param`` DeepSpeed trims to
 ``original_vocab_size``: the trimmed (padded) rows, so that a universal round trip loses nothing.

@@ -43,6 +43,7 @@ from megatron_ucp.background.trigger import trigger, unfinished, wait_for_conver
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.versions import internals
+from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,10 @@ def wanted(config: UcpConfig) -> bool:
 def install(patches: Any, config: UcpConfig) -> None:
     """Wrap the engine's save (and, on releases with decoupled checkpoint engines, its commit); the
     install checked the surface."""
-    surface.replace(patches, surface.ENGINE, "save_checkpoint", lambda original: _wrap_save(original, config))
+    # stacked: the save recording wraps save_checkpoint too (it installs first); undone in reverse order
+    surface.replace(
+        patches, surface.ENGINE, "save_checkpoint", lambda original: _wrap_save(original, config), stack=True
+    )
     if internals().decoupled_commit:  # before 0.17 every checkpoint engine commits inside save_checkpoint
         surface.replace(
             patches, surface.ENGINE, "_commit_decoupled_checkpoint", lambda original: _wrap_decoupled(original, config)
@@ -138,14 +142,9 @@ def _after_commit(engine: Any, save_dir: str, tag: str, config: UcpConfig) -> No
 
     t0 = time.perf_counter()
     try:
-        stage = surface.zero_stage(engine)
-        if stage not in surface.ELASTIC_STAGES:
-            _warn_once(
-                "stage",
-                "megatron-ucp: async conversion skipped: ZeRO stage %s (only stages %s convert)",
-                stage,
-                " and ".join(map(str, surface.ELASTIC_STAGES)),
-            )
+        reason = unhandled_reason(engine)
+        if reason is not None:
+            warn_once(reason, STOCK)
             return
         if surface.node_local_storage(engine):
             _warn_once(

@@ -10,7 +10,7 @@ accelerator's device (gloo/CPU, ccl/XPU, nccl/CUDA).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Optional, TypeVar
 
 import torch
 
@@ -84,3 +84,39 @@ def decide_on_first(decide: Callable[[], T], group: Any = None) -> "T | Failure"
         except Exception as exc:
             outcome = Failure(f"{type(exc).__name__}: {exc}")
     return broadcast_from_first(outcome, group)
+
+
+def raise_together(error: Optional[BaseException], what: str, subject: Any = None, group: Any = None) -> None:
+    """The cross-rank failure protocol after a step each rank did on its own: when any rank of the group
+    failed (``error``), every rank raises one error carrying the failing ranks' own messages (each names
+    its file), not "see their log". Collective: every rank calls it, failed or not; a small integer
+    all-reduce when nobody failed, and one gather of the messages when somebody did."""
+    if count_across(1 if error is not None else 0, group):
+        raise_gathered(error, what, subject, group)
+
+
+def raise_gathered(error: Optional[BaseException], what: str, subject: Any = None, group: Any = None) -> None:
+    """The second half of :func:`raise_together`, for callers that learned "somebody failed" from a
+    collective of their own: every rank calls it, and every rank raises the same error."""
+    dist = comm()
+    boxes: list[Any] = [None] * dist.get_world_size(group=group)
+    mine = None if error is None else (dist.get_rank(), type(error).__name__, str(error).strip())
+    dist.all_gather_object(boxes, mine, group=group)
+    reports = [box for box in boxes if box is not None]
+    messages = list(dict.fromkeys(message for _, _, message in reports))
+    shown = "\n  ".join(messages[:SHOWN_FAILURES])
+    more = f"\n  ... and {len(messages) - SHOWN_FAILURES} more" if len(messages) > SHOWN_FAILURES else ""
+    ranks = ", ".join(str(rank) for rank, _, _ in reports[:8]) + (" ..." if len(reports) > 8 else "")
+    kind = _error_class(reports[0][1])
+    raise kind(f"{what} failed on {len(reports)} rank(s) (global rank {ranks}):\n  {shown}{more}", subject=subject)
+
+
+SHOWN_FAILURES = 10
+
+
+def _error_class(name: str) -> type:
+    """The package's error class of that name (the failing rank's kind), else :class:`UcpError`."""
+    from megatron_ucp import errors
+
+    found = getattr(errors, name, None)
+    return found if isinstance(found, type) and issubclass(found, errors.UcpError) else errors.UcpError

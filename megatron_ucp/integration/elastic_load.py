@@ -34,23 +34,25 @@ import contextlib
 import contextvars
 import functools
 import logging
-import os
 import re
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.convert.universal import staging_path, universal_state
 from megatron_ucp.deepspeed import surface
-from megatron_ucp.deepspeed.reader import load_torch_file, saved_layout
+from megatron_ucp.deepspeed.reader import load_torch_file, rank_file_count_problem, saved_layout
 from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
 from megatron_ucp.format.torchload import structure_problems, torch_reader_problem
+from megatron_ucp.integration import log_visibility
 from megatron_ucp.integration.collectives import Failure, decide_on_first, is_first
+from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.live_layout import current_layout
 from megatron_ucp.integration.model_states_load import one_model_states_file_per_rank
-from megatron_ucp.integration.native_reshard import load_native_partitions, refresh_lp_params
+from megatron_ucp.integration.native_reshard import bind_save, load_native_partitions, refresh_lp_params, verify_loaded
 from megatron_ucp.integration.partition_load import load_universal_partitions
 from megatron_ucp.integration.sync_convert import convert_synchronously
 from megatron_ucp.integration.training_state import check_training_state, restore_module_tensors
@@ -86,48 +88,11 @@ def install(patches: Any, config: UcpConfig) -> None:
     surface.replace(
         patches, surface.ZERO_BASE, surface.OPTIMIZER_LOADER, lambda original: _optimizer_load(original, config)
     )
-    _make_logs_visible()
-
-
-_handler: Optional[logging.Handler] = None
-_level_set = False
-
-
-def _make_logs_visible() -> None:
-    """The decision and summary lines must reach the training log even when nobody configured logging
-    for megatron-ucp.
-
-    When the ``megatron_ucp`` logger has no level of its own, it gets INFO on the first rank (WARNING on
-    the others, so that 768 ranks do not repeat it): a root logger left at WARNING, or configured by a
-    library at import (intel-extension-for-pytorch calls ``logging.basicConfig``), would otherwise drop
-    them. A handler is added only when neither that logger nor the root logger has one (the lines then
-    go to the application's handlers in its format). An application that sets the ``megatron_ucp``
-    logger's level or handlers keeps full control. Undone by :func:`on_uninstall`.
-    """
-    global _handler, _level_set
-    pkg = logging.getLogger("megatron_ucp")
-    if pkg.level == logging.NOTSET:
-        pkg.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
-        _level_set = True
-    if _handler is not None or pkg.handlers or logging.getLogger().handlers:
-        return
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("[megatron-ucp] %(levelname)s %(message)s"))
-    pkg.addHandler(_handler)
-    pkg.propagate = False
+    log_visibility.make_visible()
 
 
 def on_uninstall() -> None:
-    """Remove the log handler and level :func:`_make_logs_visible` added, if any."""
-    global _handler, _level_set
-    pkg = logging.getLogger("megatron_ucp")
-    if _handler is not None:
-        pkg.removeHandler(_handler)
-        pkg.propagate = True
-        _handler = None
-    if _level_set:
-        pkg.setLevel(logging.NOTSET)
-        _level_set = False
+    log_visibility.restore()
 
 
 # ================================================================================================
@@ -137,14 +102,24 @@ def on_uninstall() -> None:
 
 def _elastic_engine(engine: Any) -> bool:
     """An optimizer class at a ZeRO stage some :data:`~megatron_ucp.deepspeed.surface.OPTIMIZER_LAYOUTS`
-    entry handles: the engines this hook handles."""
-    return surface.engine_layout(engine) is not None
+    entry handles, with every param group partitioned over the DP group: the engines this hook handles
+    (the others load as stock DeepSpeed does, with one warning)."""
+    reason = unhandled_reason(engine)
+    if reason is not None:
+        warn_once(reason, STOCK)
+    return reason is None
 
 
 def _gather_and_decide(
-    engine: Any, load_dir: str, tag: Optional[str], loads_optimizer_states: bool, config: UcpConfig
+    engine: Any,
+    load_dir: str,
+    tag: Optional[str],
+    loads_optimizer_states: bool,
+    config: UcpConfig,
+    seen: Optional[dict] = None,
 ) -> tuple[ResumeDecision, Optional[str], bool]:
-    """Rank-0 side: read the facts from disk and decide. Returns (decision, native tag, tag from latest)."""
+    """Rank-0 side: read the facts from disk and decide. Returns (decision, native tag, tag from latest).
+    ``seen`` receives the model states read for the decision (no weight bytes), for this rank's next steps."""
 
     live = current_layout(engine)
     universal_flag = bool(engine.load_universal_checkpoint())
@@ -176,11 +151,18 @@ def _gather_and_decide(
     staging = False
     if resolved is not None:
         tag_dir = Path(load_dir) / resolved
+        _check_tag_exists(Path(load_dir), tag_dir, from_latest)
         tag_is_universal = (tag_dir / F.UNIVERSAL_ZERO_DIR / F.UNIVERSAL_OPTIMIZER_STATE_FILE).is_file()
         saved = saved_layout(tag_dir) if tag_dir.is_dir() else None
         if saved is not None:
             saved_as = saved.layout
             names_match = saved.param_names == _live_param_names(engine)
+            if seen is not None:
+                seen["model_states"] = saved.states
+            if loads_optimizer_states and not tag_is_universal and saved_as is not None:
+                problem = rank_file_count_problem(tag_dir, saved_as.dp)
+                if problem is not None:
+                    raise CheckpointFormatError(problem, subject=tag_dir)
         twin_dir = Path(load_dir) / F.universal_tag(resolved)
         twin = universal_state(twin_dir, tag_dir)
         staging = staging_path(twin_dir).exists()
@@ -198,6 +180,18 @@ def _gather_and_decide(
         names_match=names_match,
     )
     return decision, resolved, from_latest
+
+
+def _check_tag_exists(load_dir: Path, tag_dir: Path, from_latest: bool) -> None:
+    """A tag to load that is not a folder is named (DeepSpeed asserts on an empty file list, naming nothing)."""
+    if tag_dir.is_dir():
+        return
+    what = "is missing" if not tag_dir.exists() and not tag_dir.is_symlink() else "is not a folder"
+    if from_latest:
+        raise CheckpointFormatError(
+            f"{load_dir / F.LATEST}: names {tag_dir.name!r}, but {tag_dir} {what}", subject=load_dir / F.LATEST
+        )
+    raise CheckpointFormatError(f"{tag_dir}: the tag to load {what}", subject=tag_dir)
 
 
 def _live_param_names(engine: Any) -> frozenset[str]:
@@ -229,25 +223,27 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
         if not _elastic_engine(self):
             return original(self, load_dir, tag, **kwargs)
 
-        outcome = decide_on_first(
-            lambda: _gather_and_decide(self, load_dir, tag, load_optimizer_states and not load_module_only, config)
-        )
+        seen: dict = {}  # the first rank's read of the model states, for the facts of a reshard or a restart
+        loads_states = load_optimizer_states and not load_module_only
+        outcome = decide_on_first(lambda: _gather_and_decide(self, load_dir, tag, loads_states, config, seen))
         if isinstance(outcome, Failure):
             if is_first():
                 log.error("megatron-ucp: deciding how to load %s failed: %s", load_dir, outcome.message)
             raise UcpError(f"megatron-ucp could not decide how to load {load_dir}: {outcome.message}", subject=load_dir)
         decision, native_tag, from_latest = outcome
         if decision.route is Route.NATIVE:
-            if decision.checkpoint_dp is not None and is_first():
+            if decision.checkpoint_dp is None or not loads_states:
+                return original(self, load_dir, tag, **kwargs)
+            if is_first():
                 log.info("megatron-ucp: %s", decision.message)
-            return original(self, load_dir, tag, **kwargs)
+            return _same_dp_load(self, original, load_dir, native_tag, kwargs, config, seen.get("model_states"))
 
         if is_first():
             log.info("megatron-ucp: %s", decision.message)
             if decision.warning:
                 log.warning("megatron-ucp: %s", decision.warning)
         if decision.route is Route.RESHARD:
-            return _reshard_load(self, original, load_dir, decision, kwargs, config)
+            return _reshard_load(self, original, load_dir, decision, kwargs, config, seen.get("model_states"))
         if decision.convert and surface.node_local_storage(self):
             raise UnsupportedError(
                 f"{decision.message}, but checkpoint.use_node_local_storage keeps each node's "
@@ -271,19 +267,8 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
     return load_checkpoint
 
 
-def _reshard_load(
-    engine: Any, original: Callable[..., Any], load_dir: str, decision: ResumeDecision, kwargs: dict, config: UcpConfig
-) -> Any:
-    """Route RESHARD: DeepSpeed's own load of everything but the optimizer states (module, scheduler,
-    counters, client state: each rank reads its model-states file once, not twice as DeepSpeed's
-    state-dict loader does), then the partitions from the old rank files, the bf16 weights checked
-    against (or refreshed from) the masters as the universal route does, one summary."""
-    tag = decision.tag
-    with one_model_states_file_per_rank(engine, always=True) as read:  # each rank reads its model states once
-        result = original(engine, load_dir, tag, **{**kwargs, "load_optimizer_states": False})
-    load_path = result[0] if isinstance(result, tuple) else None
-    if load_path is None:
-        return result  # DeepSpeed said why (no such tag)
+def _rank_file_namer(engine: Any, load_dir: str, tag: str) -> Callable[[int], Path]:
+    """Old DP rank -> its optimizer file for this rank's model-parallel coordinate, as DeepSpeed names it."""
     own = Path(surface.own_optimizer_file(engine, load_dir, tag)).name
     found = re.search(r"_mp_rank_(\d+)_optim_states\.pt$", own)
     if found is None:
@@ -297,12 +282,49 @@ def _reshard_load(
     def rank_file(dp_rank: int) -> Path:
         return Path(surface.rank_optimizer_file(engine, load_dir, tag, mp_rank, dp_rank, bf16))
 
+    return rank_file
+
+
+def _model_states_file(engine: Any, load_dir: str, tag: str) -> Path:
+    """This rank's model-states file, as DeepSpeed names it for this load."""
+    return Path(surface.model_states_file(engine, load_dir, tag))
+
+
+def _reshard_load(
+    engine: Any,
+    original: Callable[..., Any],
+    load_dir: str,
+    decision: ResumeDecision,
+    kwargs: dict,
+    config: UcpConfig,
+    seen_states: Optional[dict] = None,
+) -> Any:
+    """Route RESHARD: every old rank file bound to its position and its save before anything is loaded
+    (a folder whose files do not belong together stops every rank here, the engine untouched); then
+    DeepSpeed's own load of everything but the optimizer states (module, scheduler, counters, client
+    state: each rank reads its model-states file once, not twice as DeepSpeed's state-dict loader
+    does), then the partitions from the old rank files, the bf16 weights checked against them, one
+    summary."""
+    tag = decision.tag
+    rank_file = _rank_file_namer(engine, load_dir, tag)
+    model_states = _model_states_file(engine, load_dir, tag)
+    bound = bind_save(engine.optimizer, model_states, rank_file, seen_states if is_first() else None)
+    try:
+        with one_model_states_file_per_rank(engine, always=True) as read:  # each rank reads its model states once
+            result = original(engine, load_dir, tag, **{**kwargs, "load_optimizer_states": False})
+    except BaseException:
+        bound.close()
+        raise
+    load_path = result[0] if isinstance(result, tuple) else None
+    if load_path is None:
+        bound.close()
+        return result  # DeepSpeed said why (no such tag)
     saved = read.of(Path(load_path))
-    report = load_native_partitions(engine.optimizer, Path(load_path), rank_file, saved)
+    report = load_native_partitions(engine.optimizer, bound, strict=config.strict)
     if refresh_lp_params(engine.optimizer) and is_first():
         log.info(
-            "megatron-ucp: the loaded bf16 weights differ from the rounded fp32 masters; refreshed them from "
-            "the masters (as a universal load does)"
+            "megatron-ucp: the loaded bf16 weights are the fp32 masters rounded otherwise than to nearest "
+            "(or the masters won: strict=False); refreshed them from the masters (as a universal load does)"
         )
     _finish_load(
         engine,
@@ -314,6 +336,40 @@ def _reshard_load(
         restore_module=False,
         states=saved,
     )
+    return result
+
+
+def _same_dp_load(
+    engine: Any,
+    original: Callable[..., Any],
+    load_dir: str,
+    tag: Optional[str],
+    kwargs: dict,
+    config: UcpConfig,
+    seen_states: Optional[dict] = None,
+) -> Any:
+    """Route NATIVE at the saved DP size: the old rank files bound before DeepSpeed's own load (each rank
+    its own file, named when it is another position's or another save's), then DeepSpeed's load as it
+    is, then what it loaded checked (:func:`verify_loaded`)."""
+    if tag is None:
+        return original(engine, load_dir, tag, **kwargs)
+    rank_file = _rank_file_namer(engine, load_dir, tag)
+    model_states = _model_states_file(engine, load_dir, tag)
+    bound = bind_save(engine.optimizer, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
+    try:
+        result = original(engine, load_dir, tag, **kwargs)
+    except BaseException:
+        if bound is not None:
+            bound.close()
+        raise
+    if bound is None or not isinstance(result, tuple) or result[0] is None:
+        if bound is not None:
+            bound.close()
+        return result
+    t0 = time.perf_counter()
+    what = verify_loaded(engine.optimizer, bound, strict=config.strict)
+    if is_first():
+        log.info("megatron-ucp: %s loaded at DP %d: %s (%.3fs)", tag, bound.dp_to, what, time.perf_counter() - t0)
     return result
 
 

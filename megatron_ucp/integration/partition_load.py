@@ -26,11 +26,19 @@ import torch
 from megatron_ucp.convert.universal import list_zero_folder, read_manifest
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.reader import load_torch_file
-from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
+from megatron_ucp.errors import CheckpointFormatError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
 from megatron_ucp.format.integrity import RecordedChecksums, recorded_checksums
-from megatron_ucp.integration.collectives import Failure, comm, count_across, decide_on_first, device, is_first
+from megatron_ucp.integration.collectives import (
+    Failure,
+    comm,
+    count_across,
+    decide_on_first,
+    device,
+    is_first,
+    raise_gathered,
+)
 from megatron_ucp.integration.live_layout import TpPlace, live_tp_layout, tensor_parallel_of
 from megatron_ucp.integration.saved_names import saved_names
 from megatron_ucp.integration.state_layout import StateLayout, gather, state_layout, tensor_of
@@ -262,11 +270,8 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     dist.all_reduce(totals, group=group)
     totals = totals.cpu()
     collective = time.perf_counter() - t_wait
-    failed_ranks = int(totals[-1, 0])
-    if failure is not None:
-        raise failure
-    if failed_ranks:
-        raise UcpError(f"loading {zero_dir} failed on {failed_ranks} other rank(s); see their log", subject=zero_dir)
+    if int(totals[-1, 0]):
+        raise_gathered(failure, f"loading {zero_dir}", subject=zero_dir, group=group)
     totals = totals[:-1]
 
     with clock:

@@ -10,24 +10,41 @@ wrong once
 the padding exceeds a partition) is replaced by the per-rank value, so that stock
 ``ds_to_universal`` converts plugin-saved checkpoints too. The optimizer's own attributes are not
 touched; only the returned dict differs. ``patches/`` carries the same change as an upstream diff.
+
+Every save also gets an identity (:data:`~megatron_ucp.format.dsformat.UCP_SAVE_RECORD`): at the start
+of ``save_checkpoint`` the first rank draws a random ``save_id`` and broadcasts it (one small
+collective per save; ``save_checkpoint`` is collective already), and every rank's optimizer file and
+every model-states file of the save carry it, with the optimizer file's DP rank and size. A load then
+binds each file to its place and to its save (:mod:`megatron_ucp.plan.rank_binding`).
+
+A job whose optimizer the hooks cannot record (:func:`megatron_ucp.integration.handled.unhandled_reason`:
+mixture-of-experts groups, a layout without an :class:`OptimizerLayout`) saves exactly as stock
+DeepSpeed does, with one warning: the hooks never make a save fail.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
-from typing import Any, Callable
+import uuid
+from typing import Any, Callable, Optional
 
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.surface import OptimizerLayout
 from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.integration.collectives import broadcast_from_first, comm
+from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.live_layout import tp_layout_record
-from megatron_ucp.plan.save_record import partition_checksums, partition_record
+from megatron_ucp.plan.save_record import partition_checksums, partition_record, save_identity
 from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
 
 log = logging.getLogger(__name__)
+
+_SAVE_ID: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("megatron_ucp_save_id", default=None)
+"""The identity of the save in progress (set by ``save_checkpoint`` for its duration)."""
 
 
 def wanted(config: UcpConfig) -> bool:
@@ -68,7 +85,11 @@ def _record(layout: OptimizerLayout) -> Callable[[Any], dict[str, Any]]:
                 record[F.GROUP_PADDINGS],
             )
         flats = layout.masters(optimizer)
-        return {**record, **partition_checksums(flats, _base_states(optimizer, flats), record)}
+        out = {**record, **partition_checksums(flats, _base_states(optimizer, flats), record)}
+        save_id = _SAVE_ID.get()
+        if save_id is not None:
+            out.update(save_identity(save_id, sizes[0], ranks[0]))
+        return out
 
     return record_of
 
@@ -79,12 +100,16 @@ def _wrap(record: Any) -> Any:
         def state_dict(self: Any, *args: Any, **kwargs: Any) -> dict:
             sd = original(self, *args, **kwargs)
             try:
-                sd.update(record(self))
+                extra = record(self)
             except AttributeError as exc:
                 raise UnsupportedError(
                     f"megatron-ucp save hook: {type(self).__name__} lacks an attribute it relies "
                     f"on ({exc}); DeepSpeed internals changed"
                 ) from exc
+            except UnsupportedError as exc:  # a layout the record cannot describe: the stock dict
+                warn_once(str(exc), STOCK)
+                return sd
+            sd.update(extra)
             return sd
 
         return state_dict
@@ -101,6 +126,9 @@ def _record_tp_layout(original: Any) -> Any:
         self: Any, save_dir: Any, tag: Any, client_state: Any = None, *args: Any, **kwargs: Any
     ) -> Any:
         state = dict(client_state or {})
+        save_id = _SAVE_ID.get()
+        if save_id is not None:
+            state.update(save_identity(save_id))
         names = getattr(self, "param_names", None)
         if TP_LAYOUT_KEY not in state and isinstance(names, dict):
             record = tp_layout_record((names[p], p) for p in self.module.parameters() if p in names)
@@ -111,9 +139,37 @@ def _record_tp_layout(original: Any) -> Any:
     return _save_checkpoint
 
 
+def _identify_save(original: Any) -> Any:
+    """Around DeepSpeed's save: every rank agrees on one new save identity (a job the hooks do not
+    handle saves as stock does, with one warning)."""
+
+    @functools.wraps(original)
+    def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reason = unhandled_reason(self)
+        if reason is not None:
+            warn_once(reason, STOCK)
+            return original(self, *args, **kwargs)
+        token = _SAVE_ID.set(_new_save_id())
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _SAVE_ID.reset(token)
+
+    return save_checkpoint
+
+
+def _new_save_id() -> str:
+    """A random identity drawn by the first rank and broadcast to every rank of the job."""
+    dist = comm()
+    if not (dist.is_available() and dist.is_initialized()):
+        return uuid.uuid4().hex
+    return broadcast_from_first(uuid.uuid4().hex if dist.get_rank() == 0 else None)
+
+
 def install(patches: Any, config: UcpConfig) -> None:
     """Every optimizer layout's ``state_dict`` records, the engine's ``_save_checkpoint`` adds the TP layout
-    (the install checked the surface)."""
+    and the save's identity, ``save_checkpoint`` agrees on that identity (the install checked the surface)."""
+    surface.replace(patches, surface.ENGINE, "save_checkpoint", _identify_save)
     surface.replace(patches, surface.ENGINE, "_save_checkpoint", _record_tp_layout)
     for layout in surface.OPTIMIZER_LAYOUTS:
         surface.replace(patches, layout.owner, "state_dict", _wrap(_record(layout)))

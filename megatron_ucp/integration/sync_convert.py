@@ -20,7 +20,7 @@ from megatron_ucp.config import UcpConfig
 from megatron_ucp.convert.execute import ConvertOptions, convert
 from megatron_ucp.convert.universal import COMPLETE, ConversionInProgress, inspect_staging, universal_state
 from megatron_ucp.errors import OutputExistsError, UcpError
-from megatron_ucp.integration.collectives import broadcast_from_first, comm, count_across
+from megatron_ucp.integration.collectives import broadcast_from_first, comm, raise_together
 from megatron_ucp.plan.resume import ResumeDecision
 
 log = logging.getLogger(__name__)
@@ -50,13 +50,8 @@ def convert_synchronously(
         except Exception as exc:
             error = exc
             log.error("megatron-ucp: converting %s on rank %d failed: %s", native_tag, rank, exc)
-    failures = count_across(1 if error is not None else 0)  # also the barrier: every converter finished
-    if error is not None:
-        raise error
-    if failures:
-        raise UcpError(
-            f"converting {native_tag} to {decision.tag} failed on {failures} rank(s); see their log", subject=twin
-        )
+    # also the barrier: every converter finished
+    raise_together(error, f"converting {native_tag} to {decision.tag}", subject=twin)
     if universal_state(twin) != COMPLETE:
         raise UcpError(
             f"{twin}: conversion reported success but the folder is not complete on rank {rank} "

@@ -7,7 +7,7 @@ synthetic checkpoint "with our save record" carries exactly what a hooked save c
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
@@ -76,3 +76,12 @@ def partition_checksums(fp32: list[Any], states: list[dict[str, Any]], record: d
         }
         groups.append({k: [real, checksum(t.reshape(-1)[:real], start)] for k, t in tensors.items()})
     return {F.ZERO_PARTITION_CHECKSUMS: {"algorithm": integrity.ALGORITHM, "groups": groups}}
+
+
+def save_identity(save_id: str, dp_size: Optional[int] = None, dp_rank: Optional[int] = None) -> dict[str, Any]:
+    """:data:`~megatron_ucp.format.dsformat.UCP_SAVE_RECORD`: the save's identity, and in an optimizer
+    file the DP size and the rank that saved it."""
+    record: dict[str, Any] = {"version": F.UCP_SAVE_RECORD_VERSION, "save_id": save_id}
+    if dp_size is not None:
+        record.update(dp_size=int(dp_size), dp_rank=int(dp_rank if dp_rank is not None else -1))
+    return {F.UCP_SAVE_RECORD: record}

@@ -37,7 +37,7 @@ from megatron_ucp.plan.conversion import ParamSpec, RankGroupLayout, RankLayout,
 from megatron_ucp.plan.geometry import GroupGeometry, PaddingStyle
 from megatron_ucp.plan.llama_shapes import NO_WEIGHT_DECAY, ROTARY_BUFFER, TIED_EMBEDDING, LlamaShape, PipeStage
 from megatron_ucp.plan.parallel_layout import ParallelLayout
-from megatron_ucp.plan.save_record import partition_checksums, partition_record
+from megatron_ucp.plan.save_record import partition_checksums, partition_record, save_identity
 from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
 from megatron_ucp.synthetic.values import flat_range
 
@@ -104,6 +104,11 @@ class SyntheticSpec:
     @property
     def tag(self) -> str:
         return f"global_step{self.iteration}"
+
+    @property
+    def save_id(self) -> str:
+        """The identity a save "with our record" carries (reproducible, unlike a real save's random one)."""
+        return f"synthetic-{self.seed}-{self.iteration}"
 
     @property
     def global_batch(self) -> int:
@@ -278,6 +283,7 @@ def rank_file_state(spec: SyntheticSpec, mp_rank: int, dp_rank: int) -> dict[str
         )
         sd.update(record)
         sd.update(partition_checksums(masters, [states[g] for g in range(len(geos))], record))
+        sd.update(save_identity(spec.save_id, spec.dp, dp_rank))
     return {F.OPTIMIZER_STATE_DICT: sd, F.DS_CONFIG: spec.ds_config(), F.DS_VERSION: spec.ds_version}
 
 
@@ -502,6 +508,8 @@ def model_states(spec: SyntheticSpec, mp_rank: int, weights: Optional[dict[str, 
         state[F.CHECKPOINT_PARALLEL_DIMENSIONS] = {"pp_degree": spec.pp, "tp_degree": spec.tp}
     state.update({F.DS_CONFIG: spec.ds_config(), F.DS_VERSION: spec.ds_version})
     state.update(client)
+    if spec.record:
+        state.update(save_identity(spec.save_id))
     if spec.record and spec.flavour == "megatron":
         state[TP_LAYOUT_KEY] = {
             name: layout.to_record() for name, layout in spec.shape.tp_layouts(spec.stage(mp_rank)).items()

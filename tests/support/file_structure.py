@@ -57,9 +57,15 @@ def describe(obj: Any, path: str = "", out: Optional[dict[str, Any]] = None, val
     return out
 
 
-RUN_VALUES = ("/lr_scheduler/", "/rng_state", "/optimizer_state_dict/zero_partition_checksums/groups")
-"""Where a value is what the run did (schedule counters, RNG states, the checksums of its values):
-compared by kind, not value."""
+RUN_VALUES = (
+    "/lr_scheduler/",
+    "/rng_state",
+    "/optimizer_state_dict/zero_partition_checksums/groups",
+    "/ucp_save_record/save_id",
+    "/optimizer_state_dict/ucp_save_record/save_id",
+)
+"""Where a value is what the run did (schedule counters, RNG states, the checksums of its values, the
+save's random identity): compared by kind, not value."""
 
 
 def differences(real: dict[str, Any], synthetic: dict[str, Any], ignore: Iterable[str] = ()) -> list[str]:

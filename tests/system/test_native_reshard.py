@@ -8,13 +8,12 @@ universal route gives the same rank, DeepSpeed's own ``safe_get_full_*`` agree w
 the losses continue the uninterrupted run, no ``_universal`` folder is written, and each old byte is
 read by one rank. Both routes run under a recording accelerator that spells its device ``cpu:0`` to
 megatron-ucp: every placement and collective of the hooks goes through it (or to the host at a listed
-place). Bad rank files stop every rank before anything is copied, naming the file.
+place). Folders whose files do not belong together: tests/system/test_mixed_up_folders.py.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -140,158 +139,13 @@ def _assert_model_states_opened_once(res, dp: int) -> None:
         assert len(opened) == 1 + (rank == 0), (rank, opened)
 
 
-# ------------------------------------------------------------------------------------------------
-# bad input: found before anything is copied, one error naming the file (no DeepSpeed launch needed)
-# ------------------------------------------------------------------------------------------------
-
-
-def _synthetic(tmp_path: Path, dp: int = 4, iteration: int = 2):
-    from megatron_ucp.plan.llama_shapes import LlamaShape
-    from megatron_ucp.synthetic.content import SyntheticSpec
-    from megatron_ucp.synthetic.writer import write_checkpoint
-
-    shape = LlamaShape(layers=1, hidden=8, ffn=16, heads=2, vocab=40, original_vocab=37)
-    spec = SyntheticSpec(shape=shape, dp=dp, flavour="plain", iteration=iteration)
-    tag = write_checkpoint(tmp_path, spec, progress=False).tag_dir
-    return spec, tag, (lambda r: tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
-
-
-def _facts_and_plan(spec, tag, rank_file, dp_to: int = 3, rank: int = 0):
-    from megatron_ucp.integration.native_reshard import check_live_model, read_facts
-    from megatron_ucp.plan.geometry import GroupGeometry, at_dp
-    from megatron_ucp.plan.reshard import reshard_reads
-
-    facts = read_facts(tag / "mp_rank_00_model_states.pt", rank_file)
-    groups = spec.groups()
-    flats = [at_dp([GroupGeometry(sum(p.numel for p in g), spec.dp)], dp_to)[0].partition_size for g in groups]
-    geos = check_live_model(
-        facts, [[p.name for p in g] for g in groups], [[p.shape for p in g] for g in groups], flats, dp_to, tag
-    )
-    return facts, geos, reshard_reads(geos, dp_to, rank)
-
-
-def test_bad_rank_files_are_named_before_anything_is_copied(tmp_path: Path):
-    from megatron_ucp.errors import CheckpointFormatError, UcpError
-    from megatron_ucp.integration.native_reshard import check_live_model, open_source
-
-    spec, tag, rank_file = _synthetic(tmp_path / "a")
-    facts, geos, reads = _facts_and_plan(spec, tag, rank_file)
-    assert facts.dp_from == 4 and [r.source_rank for r in reads[0]] == [0, 1]
-    before = {p.name: p.read_bytes() for p in tag.iterdir()}
-    for r in (0, 1):
-        open_source(rank_file(r), r, facts, geos, reads)  # the good files pass
-
-    # truncated / damaged
-    victim = rank_file(1)
-    victim.write_bytes(before[victim.name][: len(before[victim.name]) // 2])
-    with pytest.raises(CheckpointFormatError, match=str(victim)):
-        open_source(victim, 1, facts, geos, reads)
-    victim.write_bytes(before[victim.name])
-    # another save (another step) and another DP size, copied into this folder under the right name
-    _, other, other_file = _synthetic(tmp_path / "b", iteration=5)
-    shutil.copyfile(other_file(1), victim)
-    with pytest.raises(CheckpointFormatError, match=rf"{victim}: param group 0 is at step .*another save"):
-        open_source(victim, 1, facts, geos, reads)
-    _, wide, wide_file = _synthetic(tmp_path / "c", dp=8)
-    shutil.copyfile(wide_file(1), victim)
-    with pytest.raises(CheckpointFormatError, match=rf"{victim}: saved at DP=8, the model states say DP=4"):
-        open_source(victim, 1, facts, geos, reads)
-    victim.write_bytes(before[victim.name])
-    # missing, and a leftover file of a save at a larger DP in the same folder
-    victim.rename(tmp_path / "away")
-    with pytest.raises(CheckpointFormatError, match=rf"{victim}: missing \(1 of the 4 rank files"):
-        _facts_and_plan(spec, tag, rank_file)
-    (tmp_path / "away").rename(victim)
-    shutil.copyfile(wide_file(4), rank_file(4))
-    with pytest.raises(CheckpointFormatError, match="5 rank files .* the model states say DP=4"):
-        _facts_and_plan(spec, tag, rank_file)
-    rank_file(4).unlink()
-    # another model: the first differing parameter named
-    groups = spec.groups()
-    names = [[p.name for p in g] for g in groups]
-    names[0][1] = "language_model.encoder.layers.0.self_attention.qkv.weight"
-    with pytest.raises(UcpError, match=r"param group 0 differs from the model at position 1"):
-        check_live_model(facts, names, [[p.shape for p in g] for g in groups], [0, 0], 3, tag)
-    assert {p.name: p.read_bytes() for p in tag.iterdir()} == before  # nothing on disk changed
-
-
-def test_a_damaged_rank_file_stops_every_rank_before_the_copy(ds_checkpoint, tmp_path: Path):
-    """One rank finds the damage; every rank stops (a collective vote before any copy), the job exits
-    non-zero naming the file, and nothing is written next to the checkpoint."""
-    from tests.support.dsharness import TrainSpec, run_training
-
-    ck = ds_checkpoint("bf16", 4)
-    root = private_copy(ck.root, tmp_path / "ckpt")
-    victim = root / "global_step2" / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt"
-    victim.write_bytes(victim.read_bytes()[:4096])
-    before = sorted(p.relative_to(root) for p in root.rglob("*"))
-    res = run_training(
-        TrainSpec(
-            dp=3,
-            optimizer="bf16",
-            steps=3,
-            load_dir=root,
-            load_tag="global_step2",
-            plugin=True,
-            expect_failure=True,
-            timeout=600,
-        )
-    )
-    assert res.returncode != 0 and res.losses == [], res.log[-3000:]
-    assert f"{victim}: unreadable torch file" in res.log, res.log[-3000:]
-    assert "found a bad rank file" in res.log  # the ranks that read only good files stopped too
-    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
-
-
-def test_a_flipped_bit_in_a_hooked_save_is_caught_by_its_recorded_checksums(ds_checkpoint, tmp_path: Path):
-    """Saved through the hooks, each rank file records its partitions' checksums: one bit flipped in a
-    tensor of an old rank file (torch.load still reads it) fails the reshard's ledger, naming the
-    group and state, on every rank (the clean hooked save reshards checked against them: the
-    ``zero2-hooked`` case above)."""
-    import zipfile
-
-    from tests.support.dsharness import TrainSpec, run_training
-
-    ck = ds_checkpoint("bf16", 4, plugin=True)
-    root = private_copy(ck.root, tmp_path / "ckpt")
-    victim = root / "global_step2" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    data = bytearray(victim.read_bytes())
-    with zipfile.ZipFile(victim) as archive:  # the first partition-sized tensor record
-        info = next(i for i in archive.infolist() if "/data/" in i.filename and i.file_size > 64)
-    name_len, extra_len = (
-        int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little"),
-        int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little"),
-    )
-    data[info.header_offset + 30 + name_len + extra_len + 5] ^= 0x10
-    victim.write_bytes(bytes(data))
-    res = run_training(
-        TrainSpec(
-            dp=3,
-            optimizer="bf16",
-            steps=3,
-            load_dir=root,
-            load_tag="global_step2",
-            plugin=True,
-            expect_failure=True,
-            timeout=600,
-        )
-    )
-    assert res.returncode != 0 and res.losses == [], res.log[-3000:]
-    assert "native reshard is incomplete" in res.log and "do not reassemble it" in res.log, res.log[-3000:]
-
-
 def test_at_dp_768_sampled_ranks_copy_the_saved_values_and_the_ledger_closes(tmp_path: Path):
     """DP 768 geometry on a synthetic hooked save (most old ranks all padding): ranks of 384, 767, 1024
     and 1536 planned and copied by the hook's own code (``copy_partitions``), one process playing
     each: first, middle, last real and an all-padding rank equal the synthetic values bit for bit;
     over every rank of 384 and of 1536 the ledger (against the recorded partition checksums) closes."""
-    from megatron_ucp.integration.native_reshard import (
-        check_live_model,
-        copy_partitions,
-        open_source,
-        read_facts,
-        reshard_ledger,
-    )
+    from megatron_ucp.integration.native_reshard import check_live_model, copy_partitions, reshard_ledger
+    from megatron_ucp.integration.rank_files import open_source, read_facts
     from megatron_ucp.plan.accounting import check_ledger
     from megatron_ucp.plan.geometry import at_dp
     from megatron_ucp.plan.llama_shapes import LlamaShape
@@ -314,7 +168,7 @@ def test_at_dp_768_sampled_ranks_copy_the_saved_values_and_the_ledger_closes(tmp
         last_real = max(r for r in range(world) if geos_new[1].true_length(r) > 0)
         everyone = world in (384, 1536)
         ranks = range(world) if everyone else sorted({0, world // 2, last_real, world - 1})
-        ledger = reshard_ledger(facts)
+        ledger = reshard_ledger(facts, geos, rank_file)
         table = ledger.new_table()
         for rank in ranks:
             reads = reshard_reads(geos, world, rank)

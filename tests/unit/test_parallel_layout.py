@@ -69,7 +69,7 @@ def test_each_optimizer_class_has_one_layout_with_its_stages() -> None:
 def test_an_optimizer_missing_an_attribute_its_layout_names_is_refused_naming_all() -> None:
     from megatron_ucp.errors import UnsupportedError
 
-    class BF16_Optimizer:  # noqa: N801 - the class name is what selects the layout
+    class BF16_Optimizer:  # the class name is what selects the layout
         bf16_groups = bf16_groups_flat = fp32_groups_flat_partition = []
         dp_process_group = real_dp_process_group = param_names = optimizer = None
 

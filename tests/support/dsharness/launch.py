@@ -162,6 +162,8 @@ def _launch_once(spec: TrainSpec, port: int) -> TrainResult:
             info.setdefault("lr", []).append(record["lr"])
         elif kind == "dump":
             info.setdefault("dumps", {})[record.pop("name")] = record
+        elif kind == "refusal":
+            info.setdefault("refusals", {})[record["name"]] = record["outcomes"]
         else:
             info.update(record)
 

@@ -51,6 +51,10 @@ class TrainSpec:
     """Interpreter for the ranks; None = the running one (``sys.executable``)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every rank (e.g. ``MEGATRON_UCP_*``)."""
+    refuse: list[dict[str, Any]] = field(default_factory=list)
+    """Loads tried before the real one, each expected to fail on every rank with one error (the hooks'
+    cross-rank protocol): ``{"name", "dir", "tag" (optional), "plugin_kwargs" (optional, reinstalls the
+    hooks with them for that attempt)}``. Rank 0 reports every rank's outcome (``TrainResult.refusals``)."""
 
     def __post_init__(self) -> None:
         for name in _PATH_FIELDS:
@@ -109,6 +113,11 @@ class TrainResult:
     wall_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
     """Everything rank 0 reported (timings, versions, client state keys after a load, ...)."""
+
+    @property
+    def refusals(self) -> dict[str, list[Any]]:
+        """Per ``TrainSpec.refuse`` name: every rank's ``[error class, message]`` (None: it loaded)."""
+        return self.info.get("refusals", {})
 
     @property
     def ok(self) -> bool:

@@ -275,8 +275,31 @@ class Rank:
         self.dist.barrier()
 
     # --- run --------------------------------------------------------------------------------------
+    def try_refusals(self) -> None:
+        """Each ``spec.refuse`` load, expected to fail alike on every rank before the real load."""
+        spec = self.spec
+        for attempt in spec.refuse:
+            if spec.plugin:
+                import megatron_ucp
+
+                megatron_ucp.install(**{**spec.plugin_kwargs, **attempt.get("plugin_kwargs", {})})
+            try:
+                self.engine.load_checkpoint(str(attempt["dir"]), tag=attempt.get("tag"))
+                outcome = None
+            except Exception as exc:
+                outcome = [type(exc).__name__, str(exc)]
+            gathered: list = [None] * self.world
+            self.dist.all_gather_object(gathered, outcome)
+            if self.rank == 0:
+                _report("refusal", name=attempt["name"], outcomes=gathered)
+        if spec.refuse and spec.plugin:
+            import megatron_ucp
+
+            megatron_ucp.install(**spec.plugin_kwargs)
+
     def load(self) -> None:
         spec = self.spec
+        self.try_refusals()
         before = _process_io()
         self.dist.barrier()
         t0 = time.perf_counter()

@@ -1,0 +1,56 @@
+"""Which live jobs the hooks handle, and the one warning for those they leave to DeepSpeed.
+
+A plugin must never turn a save or a load that works into one that fails. A job whose optimizer
+the hooks cannot describe yet (a ZeRO stage or optimizer class without an
+:class:`~megatron_ucp.deepspeed.surface.OptimizerLayout`; mixture-of-experts param groups, which
+DeepSpeed partitions over the expert-data-parallel group instead of the DP group) gets stock
+DeepSpeed's save, load and no background conversion, and one warning per process that says so
+(logged by the first rank only).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from megatron_ucp.deepspeed import surface
+
+log = logging.getLogger(__name__)
+
+_warned: set[str] = set()
+
+
+def unhandled_reason(engine: Any) -> Optional[str]:
+    """Why the hooks leave this engine to stock DeepSpeed, or None when they handle it."""
+    optimizer = getattr(engine, "optimizer", None)
+    layout = surface.engine_layout(engine)
+    if layout is None:
+        stage = surface.zero_stage(engine)
+        return f"{type(optimizer).__name__} at ZeRO stage {stage} is not one of the layouts megatron-ucp handles"
+    sizes = surface.group_dp_sizes(optimizer)
+    if len(set(sizes)) > 1:
+        return (
+            f"param groups partitioned over data-parallel groups of different sizes {sizes} "
+            "(mixture-of-experts expert groups) are not handled yet"
+        )
+    return None
+
+
+def warn_once(reason: str, consequence: str) -> None:
+    """Log ``reason: consequence`` once per process, on the first rank."""
+    key = f"{reason}\0{consequence}"
+    if key in _warned:
+        return
+    _warned.add(key)
+    if _first_rank():
+        log.warning("megatron-ucp: %s: %s", reason, consequence)
+
+
+def _first_rank() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+STOCK = "this job saves, loads and resumes as stock DeepSpeed does (no save record, no background conversion)"
+"""What a job the hooks leave alone gets."""

@@ -1,0 +1,381 @@
+"""The old rank files of a ZeRO-1/2 save, read for a resume: the save's facts, each file opened and
+bound to its DP position and to its save, one verdict on every rank.
+
+Call order (collective over the optimizer's DP group, every rank calls it):
+
+1. the group's first rank reads the facts once (:func:`read_facts`: the saved groups' names and
+   shapes, the old DP size, the save's identity, the old rank files present, old rank 0's
+   optimizer-level state) and broadcasts them;
+2. every rank opens the old files it will read, and the files that hold only padding that fall to
+   it (each file is checked by some rank), metadata only (:func:`inspect_file`), and checks each on
+   its own against what its position must hold (:func:`megatron_ucp.plan.rank_binding.file_problems`);
+3. every rank shares what it saw, small (:class:`~megatron_ucp.plan.rank_binding.FileFacts`), and
+   every rank reaches the same verdict on the whole set (one save identity, one optimizer step per
+   group, :func:`~megatron_ucp.plan.rank_binding.cross_check`): a problem anywhere stops every rank with
+   one error naming the file(s) at fault, before anything is copied (:func:`bind_rank_files`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from megatron_ucp.deepspeed.reader import load_raw
+from megatron_ucp.errors import CheckpointFormatError, UcpError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format import integrity
+from megatron_ucp.format.paths import open_checkpoint_file, special_kind
+from megatron_ucp.format.rawtensor import RawTensor
+from megatron_ucp.integration.collectives import comm
+from megatron_ucp.plan.geometry import GroupGeometry
+from megatron_ucp.plan.rank_binding import (
+    FileExpectation,
+    FileFacts,
+    cross_check,
+    expected_fragments,
+    file_problems,
+    recorded_sums,
+    save_record_of,
+)
+from megatron_ucp.plan.reshard import Read, reshard_reads
+
+log = logging.getLogger(__name__)
+
+_PARTITIONS = (F.BASE_OPTIMIZER_STATE, F.SINGLE_PARTITION_OF_FP32_GROUPS, F.PARAM_SLICE_MAPPINGS)
+"""The per-rank parts of an optimizer file; the rest (loss scaler, clip_grad, ds_version) is global."""
+RankFile = Callable[[int], Path]
+"""Old DP rank -> its optimizer file for this rank's model-parallel coordinate (the engine names it)."""
+SHOWN_PROBLEMS = 20
+
+
+@dataclass(frozen=True)
+class SavedFacts:
+    """What the DP group's first rank reads once and broadcasts."""
+
+    dp_from: int
+    shapes: list[list[tuple[str, tuple[int, ...]]]]
+    """``param_shapes``: each group's parameters, in flat order, with their shapes."""
+    global_state: dict
+    """Old rank 0's optimizer-level state (loss scaler, clip_grad, ds_version, ...)."""
+    param_groups: list[dict]
+    """The base optimizer's hyperparameters per group (``params`` left out)."""
+    states: list[tuple[str, ...]]
+    """Each group's tensor states in the files (``exp_avg``, ``exp_avg_sq``, ...)."""
+    steps: list[Any]
+    algorithm: Optional[str] = None
+    """The checksum algorithm of old rank 0's ``zero_partition_checksums``; None: saved without them."""
+    save_id: Optional[str] = None
+    """The save's identity in the model states (saved through the hooks); None: saved without it."""
+    model_states: str = ""
+
+
+def absent(path: Path) -> Optional[str]:
+    """Why ``path`` cannot be read as a rank file (missing, a FIFO, a directory, a symlink loop,
+    a dangling link), or None for a regular file."""
+    if path.is_file():
+        return None
+    kind = special_kind(path)
+    if kind is not None:
+        return f"is {kind}, not a rank file"
+    return "is a dangling symbolic link" if path.is_symlink() else "is missing"
+
+
+def _tag_rank_files(folder: Path, like: Path) -> list[str]:
+    """The optimizer files of ``like``'s model-parallel rank in the tag folder (any DP index)."""
+    head, _, tail = like.name.partition("_pp_rank_")
+    suffix = tail[tail.index("_mp_rank_") :]
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(head + "_pp_rank_") and p.name.endswith(suffix))
+
+
+def model_states_facts(model_states: Path, states: Optional[dict] = None) -> tuple[dict, int, Optional[str]]:
+    """The model-states dict (read without the weights' bytes unless given), its DP size and save identity."""
+    if states is None:
+        states = load_raw(model_states)
+    if not isinstance(states, dict) or not isinstance(states.get(F.PARAM_SHAPES), list):
+        raise CheckpointFormatError(
+            f"{model_states}: no param_shapes (not a ZeRO-1/2 model-states file)", subject=model_states
+        )
+    dp_from = states.get(F.DP_WORLD_SIZE)
+    if not isinstance(dp_from, int) or dp_from < 1:
+        raise CheckpointFormatError(f"{model_states}: no valid dp_world_size ({dp_from!r})", subject=model_states)
+    record = states.get(F.UCP_SAVE_RECORD)
+    save_id = record.get("save_id") if isinstance(record, dict) else None
+    return states, dp_from, str(save_id) if save_id is not None else None
+
+
+def read_facts(model_states: Path, rank_file: RankFile, states: Optional[dict] = None) -> SavedFacts:
+    """Step 1 (first rank): the facts, checked for the old files' presence and DP size. ``states``:
+    the model states already read from ``model_states`` (else read here, without the weights' bytes)."""
+    states, dp_from, save_id = model_states_facts(model_states, states)
+    expected = [rank_file(r) for r in range(dp_from)]
+    unreadable = [(p, why) for p in expected if (why := absent(p)) is not None]
+    if unreadable:
+        path, why = unreadable[0]
+        more = f" ({len(unreadable)} of the {dp_from} rank files the model states' DP={dp_from} needs are unreadable)"
+        raise CheckpointFormatError(f"{path}: {why}{more if len(unreadable) > 1 else ''}", subject=path)
+    present = _tag_rank_files(model_states.parent, expected[0])
+    if len(present) != dp_from:
+        extra = sorted(set(present) - {p.name for p in expected})
+        raise CheckpointFormatError(
+            f"{model_states.parent}: {len(present)} rank files of this model-parallel rank "
+            f"({', '.join(extra[:3]) or expected[0].name} ...), but the model states say DP={dp_from}: files of "
+            "another save in the same folder?",
+            subject=model_states.parent,
+        )
+    first = optimizer_state(expected[0])  # its tensors are located, not read (nor read ahead)
+    record = first.get(F.ZERO_PARTITION_CHECKSUMS)
+    algorithm = record.get("algorithm") if isinstance(record, dict) else None
+    if algorithm is not None and algorithm not in integrity.KNOWN_ALGORITHMS:
+        raise CheckpointFormatError(
+            f"{expected[0]}: partition checksums of unknown algorithm {algorithm!r} "
+            f"(known: {', '.join(integrity.KNOWN_ALGORITHMS)})",
+            subject=expected[0],
+        )
+    base = first[F.BASE_OPTIMIZER_STATE]
+    groups = base.get("param_groups") or []
+    per_group = [base["state"].get(g, {}) for g in range(len(groups))]
+    return SavedFacts(
+        dp_from=dp_from,
+        shapes=[[(name, tuple(shape)) for name, shape in group.items()] for group in states[F.PARAM_SHAPES]],
+        global_state={k: v for k, v in first.items() if k not in _PARTITIONS and k != F.UCP_SAVE_RECORD},
+        param_groups=[{k: v for k, v in group.items() if k != "params"} for group in groups],
+        states=[
+            tuple(k for k, v in sorted(s.items()) if isinstance(v, RawTensor) and k != F.STEP_STATE) for s in per_group
+        ],
+        steps=[_in_memory(s.get(F.STEP_STATE)) for s in per_group],
+        algorithm=algorithm,
+        save_id=save_id,
+        model_states=str(model_states),
+    )
+
+
+def _in_memory(value: Any) -> Any:
+    """A step as the optimizer keeps it: a torch tensor of its own (copied out of the file), or a number."""
+    return value.to_torch().clone() if isinstance(value, RawTensor) else value
+
+
+def _step_value(value: Any) -> Any:
+    """A step as a plain number (or its shape, for a non-scalar tensor), to compare across files."""
+    if isinstance(value, RawTensor) or torch.is_tensor(value):
+        return float(value) if value.numel() == 1 else ("tensor", tuple(value.shape))
+    return value
+
+
+def optimizer_state(path: Path) -> dict:
+    """The optimizer dict of an old rank file, its tensors located but not read (readahead off)."""
+    sd = load_raw(path, random_access=True)
+    optim = sd.get(F.OPTIMIZER_STATE_DICT) if isinstance(sd, dict) else None
+    if (
+        not isinstance(optim, dict)
+        or not isinstance(optim.get(F.BASE_OPTIMIZER_STATE), dict)
+        or not isinstance(optim.get(F.SINGLE_PARTITION_OF_FP32_GROUPS), list)
+    ):
+        raise CheckpointFormatError(
+            f"{path}: not a ZeRO-1/2 optimizer file (no {F.OPTIMIZER_STATE_DICT} with "
+            f"{F.BASE_OPTIMIZER_STATE} and {F.SINGLE_PARTITION_OF_FP32_GROUPS})",
+            subject=path,
+        )
+    return optim
+
+
+def expectation(
+    facts: SavedFacts, geos: Sequence[GroupGeometry], reads: Sequence[Sequence[Read]], position: int, fragments: bool
+) -> FileExpectation:
+    """What the file at ``position`` must hold; ``fragments``: check its ``param_slice_mappings``
+    (the groups' parameters lie in ``param_shapes`` order without padding between them)."""
+    return FileExpectation(
+        position=position,
+        dp=facts.dp_from,
+        partition_sizes=tuple(geo.partition_size for geo in geos),
+        states=tuple(facts.states),
+        needs=tuple(
+            max((r.source_offset + r.length for r in g if r.source_rank == position), default=0) for g in reads
+        ),
+        fragments=tuple(expected_fragments(facts.shapes[g], geo, position) for g, geo in enumerate(geos))
+        if fragments
+        else None,
+        true_lengths=tuple(geo.true_length(position) for geo in geos),
+        save_id=facts.save_id,
+    )
+
+
+@dataclass
+class Source:
+    """One old rank file: its fp32 partitions and optimizer states per group (where they lie in the
+    file), and the file, open, to read the planned ranges from."""
+
+    path: Path
+    fp32: list[RawTensor]
+    states: list[dict[str, Any]]
+    sums: Optional[Sequence[dict[str, Any]]] = None
+    """Per group, state -> (real elements, checksum) recorded at save (None: saved without them)."""
+    handle: Any = None
+
+    def read_into(self, tensor: RawTensor, start: int, dest: torch.Tensor) -> None:
+        """Elements ``[start, start + dest.numel())`` of ``tensor`` into ``dest``: ``preadv`` straight
+        into the destination's memory with the file's readahead off, so the kernel reads exactly
+        those bytes, in large requests (a copy out of a mapping either reads ahead around every
+        fault, 1.2x the bytes here, or with readahead off one page per fault, 5x slower)."""
+        length = dest.numel()
+        storage = tensor.storage
+        if storage.region is None:  # a small record already in memory, or a tensor torch mapped
+            dest.copy_(tensor.narrow(0, start, length).to_torch())
+            return
+        if self.handle is None:
+            self.handle = open_checkpoint_file(self.path)
+            if hasattr(os, "posix_fadvise"):  # no readahead past the ranges: each byte read by one rank
+                os.posix_fadvise(self.handle.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        offset = storage.address - storage.region[0] + (tensor.offset + start) * tensor.element_size()
+        buffer = dest if dest.device.type == "cpu" and dest.is_contiguous() else torch.empty(length, dtype=dest.dtype)
+        view = memoryview(buffer.detach().numpy()).cast("B")
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.handle.fileno(), [view[done:]], offset + done)
+            if got <= 0:
+                raise CheckpointFormatError(
+                    f"{self.path}: ends at byte {offset + done}, inside the partition being "
+                    "read (changed while loading?)",
+                    subject=self.path,
+                )
+            done += got
+        if buffer is not dest:
+            dest.copy_(buffer)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+def inspect_file(path: Path, facts: SavedFacts, exp: FileExpectation) -> tuple[Optional[Source], FileFacts]:
+    """Step 2 for one file: open it (metadata only: tensors are located, not read) and check it on its
+    own. Never raises for a bad file: what is wrong is in the returned facts (and no source)."""
+    try:
+        optim = optimizer_state(path)
+    except UcpError as exc:
+        return None, FileFacts(exp.position, str(path), problems=(str(exc),))
+    problems = file_problems(str(path), optim, exp)
+    base = optim[F.BASE_OPTIMIZER_STATE].get("state", {})
+    states = [base.get(g, {}) for g in range(len(exp.partition_sizes))]
+    record = save_record_of(optim)
+    sums = recorded_sums(optim, len(exp.partition_sizes)) if facts.algorithm is not None else None
+    problems += _sum_problems(str(path), optim, sums, facts, exp)
+    steps = tuple(_step_value(s.get(F.STEP_STATE)) if isinstance(s, dict) else None for s in states)
+    save_id = str(record.get("save_id")) if record is not None and record.get("save_id") is not None else None
+    file_facts = FileFacts(exp.position, str(path), steps, save_id, tuple(problems), sums)
+    if problems:
+        return None, file_facts
+    return Source(path, list(optim[F.SINGLE_PARTITION_OF_FP32_GROUPS]), states, sums), file_facts
+
+
+def _sum_problems(path: str, optim: dict, sums: Any, facts: SavedFacts, exp: FileExpectation) -> list[str]:
+    """A hooked save's partition checksums: present in every file, of the save's algorithm, one per
+    state with the position's real length."""
+    if facts.algorithm is None:
+        return []
+    record = optim.get(F.ZERO_PARTITION_CHECKSUMS)
+    if sums is None or not isinstance(record, dict) or record.get("algorithm") != facts.algorithm:
+        return [
+            f"{path}: no {facts.algorithm} partition checksums for {len(exp.partition_sizes)} groups, "
+            "although old rank 0's file has them (a rank file of another save?)"
+        ]
+    for g, real in enumerate(exp.true_lengths or ()):
+        for state in (F.FP32_STATE, *facts.states[g]):
+            entry = sums[g].get(state)
+            if entry is None or entry[0] != real:
+                return [f"{path}: param group {g}'s recorded checksum of {state!r} is {entry!r}, not [{real}, <sum>]"]
+    return []
+
+
+def open_source(path: Path, rank: int, facts: SavedFacts, geos: list[GroupGeometry], reads: list[list[Read]]) -> Source:
+    """One file opened and checked on its own, outside a job (tools, tests): raises on its first problem."""
+    source, file_facts = inspect_file(path, facts, expectation(facts, geos, reads, rank, fragments=True))
+    if source is None:
+        raise CheckpointFormatError(file_facts.problems[0], subject=path)
+    return source
+
+
+def bind_rank_files(
+    facts: SavedFacts,
+    geos: Sequence[GroupGeometry],
+    reads: Sequence[Sequence[Read]],
+    positions: Sequence[int],
+    rank_file: RankFile,
+    group: Any,
+    fragments: bool = True,
+) -> dict[int, Source]:
+    """Steps 2 and 3 (collective over ``group``): this rank opens ``positions`` (the files it reads,
+    and the padding-only ones that fall to it), every rank shares what it saw, and every rank
+    raises the same error when any file, or the set, is wrong. Returns the sources this rank reads."""
+    readers = {r.source_rank for g in reads for r in g}
+    mine: list[FileFacts] = []
+    sources: dict[int, Source] = {}
+    for position in positions:
+        exp = expectation(facts, geos, reads, position, fragments)
+        source, seen = inspect_file(rank_file(position), facts, exp)
+        mine.append(replace(seen, sums=None))
+        if source is not None and position in readers:
+            sources[position] = source
+    dist = comm()
+    everyone: list[Any] = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(everyone, mine, group=group)
+    problems = verdict(facts, [f for box in everyone for f in box])
+    if problems:
+        for source in sources.values():
+            source.close()
+        raise CheckpointFormatError(
+            binding_message(Path(facts.model_states).parent, problems), subject=_culprit(problems[0])
+        )
+    return sources
+
+
+def verdict(facts: SavedFacts, seen: Sequence[FileFacts]) -> list[str]:
+    """Every problem the files of a save have, on their own (by position) and together."""
+    problems = list(dict.fromkeys(p for f in sorted(seen, key=lambda f: f.position) for p in f.problems))
+    return problems + cross_check(facts.model_states, facts.save_id, seen)
+
+
+def bind_folder(model_states: Path, rank_file: RankFile) -> list[str]:
+    """Every rank file of a save bound to its position and to the save, in one process (tools, tests):
+    the problems a resume would name, or none."""
+    facts = read_facts(model_states, rank_file)
+    geos = [GroupGeometry(numel=sum(math.prod(s) for _, s in group), dp=facts.dp_from) for group in facts.shapes]
+    seen = []
+    for position in range(facts.dp_from):
+        reads = reshard_reads(geos, facts.dp_from, position)
+        source, file_facts = inspect_file(rank_file(position), facts, expectation(facts, geos, reads, position, True))
+        if source is not None:
+            source.close()
+        seen.append(file_facts)
+    return verdict(facts, seen)
+
+
+def binding_message(folder: Path, problems: Sequence[str], loaded: bool = False) -> str:
+    """One error for every rank; ``loaded``: DeepSpeed's own load had already run (the job must stop)."""
+    shown = "\n  ".join(problems[:SHOWN_PROBLEMS])
+    more = f"\n  ... and {len(problems) - SHOWN_PROBLEMS} more" if len(problems) > SHOWN_PROBLEMS else ""
+    state = "the engine is half-loaded: do not train on it" if loaded else "nothing was loaded"
+    return (
+        f"cannot resume from {folder}: its files do not belong together ({len(problems)} problem(s)); {state}:"
+        f"\n  {shown}{more}"
+    )
+
+
+def _culprit(problem: str) -> str:
+    return problem.split(": ", 1)[0]
+
+
+def checked_positions(
+    geos: Sequence[GroupGeometry], dp_from: int, dp_to: int, rank: int, reads: Sequence[Sequence[Read]]
+) -> list[int]:
+    """The old files this rank opens: those it reads, and those holding only padding whose position
+    falls to it (``position % dp_to``), so that every file of the save is checked by some rank."""
+    read = {r.source_rank for g in reads for r in g}
+    idle = [r for r in range(dp_from) if all(geo.true_length(r) == 0 for geo in geos) and r % dp_to == rank]
+    return sorted(read | set(idle))
