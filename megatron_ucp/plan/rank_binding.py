@@ -189,7 +189,8 @@ def _record_problems(path: str, optim: Mapping, exp: FileExpectation) -> list[st
     if record.get("dp_rank") != exp.position or record.get("dp_size") != exp.dp:
         problems.append(
             f"{path}: its save record says DP rank {record.get('dp_rank')} of {record.get('dp_size')}, the folder "
-            f"puts it at rank {exp.position} of {exp.dp}: a rank file of another position (swapped, or copied over this one?)"
+            f"puts it at rank {exp.position} of {exp.dp}: a rank file of another position (swapped, or copied "
+            "over this one?)"
         )
     lengths = optim.get(F.GROUP_TRUE_LENGTHS)
     if exp.true_lengths is not None and lengths is not None and tuple(lengths) != exp.true_lengths:
