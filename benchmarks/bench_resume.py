@@ -15,7 +15,12 @@ processes (CPU, gloo; the test harness ``tests/support/dsharness``) that build t
 * ``reshard``: the hooks given the native DP=8 tag (resume route ``auto``): each rank copies its
   partitions straight out of the native rank files, no universal folder at all;
 * ``native-same-dp``: stock DeepSpeed's own native load of the same model saved at the DP it
-  resumes at (``m100-dp4``): what a restart costs when nothing changes, the reshard's yardstick.
+  resumes at (``m100-dp4``): what a restart costs when nothing changes, the reshard's yardstick;
+* ``same-dp-checked`` and ``same-dp-unchecked``: the same model saved through the hooks at DP 4
+  (``m100-dp4-hooked``) restarted at DP 4, with the hooks (every rank file bound to its position and
+  its save before DeepSpeed's load; after it, the masters against the saved weights and every
+  partition against its recorded checksum) and without them (stock's load of the same files): what
+  the same-DP checks cost a restart.
 
 Per rank, the harness measures the time of ``load_checkpoint`` between two barriers (the slowest
 rank's is the load time), bytes through ``read`` calls and bytes read from storage
@@ -50,9 +55,12 @@ sys.path.insert(0, str(REPO_ROOT))
 import bench_convert as bc  # noqa: E402
 import make_checkpoint as mk  # noqa: E402
 
-ROUTES = ("stock", "ours", "ours-on-stock", "reshard", "native-same-dp")
+ROUTES = ("stock", "ours", "ours-on-stock", "reshard", "native-same-dp", "same-dp-checked", "same-dp-unchecked")
 SAME_DP = {"m100-dp8": "m100-dp4"}
 """The same model saved at the resumed DP size, per benchmark checkpoint."""
+SAME_DP_HOOKED = {"m100-dp8": "m100-dp4-hooked"}
+"""The same model saved through the hooks at the resumed DP size (the same-DP checks' cost)."""
+CHECKED = ("same-dp-checked", "same-dp-unchecked")
 UNIVERSAL = f"{mk.TAG}_universal"
 
 
@@ -92,8 +100,8 @@ def universal_state_bytes(folder: Path) -> int:
 def run_route(route: str, roots: dict[str, Path], spec: "mk.CkptSpec", dp: int, cache: str, scratch: Path) -> dict:
     from tests.support.dsharness import TrainSpec, run_training
 
-    if route == "native-same-dp":
-        root = mk.build(mk.SPECS[SAME_DP[spec.name]])
+    if route == "native-same-dp" or route in CHECKED:
+        root = mk.build(mk.SPECS[(SAME_DP_HOOKED if route in CHECKED else SAME_DP)[spec.name]])
         folder = root / mk.TAG
     else:
         root = roots["stock" if route in ("stock", "ours-on-stock") else "ours"]
@@ -103,7 +111,7 @@ def run_route(route: str, roots: dict[str, Path], spec: "mk.CkptSpec", dp: int, 
         bc.evict(root / mk.TAG)
     else:
         bc.warm(folder)
-    native = route in ("reshard", "native-same-dp")
+    native = route in ("reshard", "native-same-dp", *CHECKED)
     run = TrainSpec(
         dp=dp,
         optimizer="zero",
@@ -111,7 +119,7 @@ def run_route(route: str, roots: dict[str, Path], spec: "mk.CkptSpec", dp: int, 
         load_dir=root,
         load_tag=mk.TAG if native else UNIVERSAL,
         load_universal=not native,
-        plugin=route not in ("stock", "native-same-dp"),
+        plugin=route not in ("stock", "native-same-dp", "same-dp-unchecked"),
         global_batch=spec.dp,
         hidden=spec.hidden,
         num_layers=spec.num_layers,
@@ -124,7 +132,11 @@ def run_route(route: str, roots: dict[str, Path], spec: "mk.CkptSpec", dp: int, 
     if not res.ok or res.loaded_step != 1:
         raise RuntimeError(f"{route}: the load failed (exit {res.returncode}):\n{res.log[-4000:]}")
     stats = res.info["load_stats"]
-    if route not in ("stock", "native-same-dp"):
+    if route == "same-dp-checked":
+        checked = [line for line in res.log.splitlines() if "every partition checked against the save's" in line]
+        if not checked:
+            raise RuntimeError(f"{route}: the same-DP checks did not run:\n{res.log[-4000:]}")
+    elif route not in ("stock", "native-same-dp", "same-dp-unchecked"):
         kind = "native reshard" if route == "reshard" else "universal load"
         summary = [line for line in res.log.splitlines() if f"megatron-ucp {kind}:" in line]
         if not summary or "every element placed exactly once" not in summary[-1]:
@@ -139,7 +151,7 @@ def summarize(runs: list[dict], needed: int) -> dict:
         mine = [r for r in runs if r["route"] == route]
         if not mine:
             continue
-        ours = mine[0]["ranks"][0]["phases"] is not None
+        ours = mine[0]["ranks"][0].get("phases") is not None
         acct = [max(s["phases"]["accounting"] for s in r["ranks"]) for r in mine] if ours else []
         out[route] = {
             "load_s": statistics.median(r["load_s"] for r in mine),
@@ -159,6 +171,9 @@ def summarize(runs: list[dict], needed: int) -> dict:
             rep[route] / rep["native-same-dp"] for rep in by_rep.values() if route in rep and "native-same-dp" in rep
         ]
         out[route]["vs_same_dp"] = statistics.median(same) if same and route != "native-same-dp" else None
+        if route == "same-dp-checked":
+            checks = [rep[route] / rep["same-dp-unchecked"] for rep in by_rep.values() if set(CHECKED) <= set(rep)]
+            out[route]["vs_unchecked"] = statistics.median(checks) if checks else None
     return out
 
 
@@ -190,12 +205,16 @@ def markdown(result: dict, meta: dict) -> str:
         "ours-on-stock": "stock's universal (no checksums)",
         "reshard": "native DP=8 tag, no universal folder",
         "native-same-dp": "native DP=4 tag of the same model (stock load)",
+        "same-dp-checked": "native DP=4 tag saved through the hooks, loaded with them",
+        "same-dp-unchecked": "the same tag, stock load",
     }
     for route, row in result["routes"].items():
         acct = row["accounting_s"]
         vs = "-" if row["vs_stock"] is None else f"{row['vs_stock']:.2f}x"
-        if row.get("vs_same_dp") is not None:
+        if row.get("vs_same_dp") is not None and route not in CHECKED:
             vs += f" ({row['vs_same_dp']:.2f}x same-DP)"
+        if row.get("vs_unchecked") is not None:
+            vs += f" ({row['vs_unchecked']:.2f}x unchecked)"
         acct_s = "-" if acct is None else f"{acct:.2f}"
         acct_pct = "-" if acct is None else f"{100 * acct / row['load_s']:.0f}%"
         lines.append(

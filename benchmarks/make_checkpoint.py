@@ -40,6 +40,8 @@ class CkptSpec:
     hidden: int
     num_layers: int
     vocab: int
+    plugin: bool = False
+    """Saved through the megatron-ucp hooks (save record, partition checksums, save identity)."""
 
     @property
     def params(self) -> int:
@@ -59,8 +61,8 @@ class CkptSpec:
         )
 
 
-def _spec(name: str, dp: int, hidden: int, layers: int, vocab: int) -> CkptSpec:
-    return CkptSpec(name=name, dp=dp, hidden=hidden, num_layers=layers, vocab=vocab)
+def _spec(name: str, dp: int, hidden: int, layers: int, vocab: int, plugin: bool = False) -> CkptSpec:
+    return CkptSpec(name=name, dp=dp, hidden=hidden, num_layers=layers, vocab=vocab, plugin=plugin)
 
 
 #: The checkpoints the benchmark knows. ``m100-dp8`` is the headline (~100M params, 1.4 GB).
@@ -69,6 +71,7 @@ SPECS = {
     for s in (
         _spec("m100-dp8", 8, 768, 12, 10240),  # 100.6M params, ~1.4 GB
         _spec("m100-dp4", 4, 768, 12, 10240),  # the same model at DP 4: the resume benchmark's same-DP baseline
+        _spec("m100-dp4-hooked", 4, 768, 12, 10240, plugin=True),  # saved through the hooks: same-DP checks
         _spec("m25-dp8", 8, 512, 6, 8192),  # 27.3M params: DP series and model-size series
         _spec("m25-dp16", 16, 512, 6, 8192),
         _spec("m25-dp32", 32, 512, 6, 8192),
@@ -137,6 +140,7 @@ def build(spec: CkptSpec, timeout: float = 3600) -> Path:
             vocab=spec.vocab,
             seq=8,
             uc_info=True,
+            plugin=spec.plugin,
             timeout=timeout,
         )
     )

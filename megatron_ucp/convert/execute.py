@@ -63,6 +63,7 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity, osio
 from megatron_ucp.format.paths import check_output_placement, special_kind
 from megatron_ucp.format.rawtensor import RawTensor
+from megatron_ucp.format.torch_archive import unproven
 from megatron_ucp.format.torchload import TorchReaderCheck, structure_problems
 from megatron_ucp.plan.conversion import ConversionPlan, ParamPlan, build_plan, share_of, split_by_bytes
 from megatron_ucp.plan.model_parallel import CoordinateInput, build_model_parallel_plan
@@ -319,11 +320,14 @@ def check_torch_loadable(files: CheckpointFiles) -> None:
 
 
 def _refuse_what_torch_refuses(check: TorchReaderCheck, folder: Path, sources: list[Path]) -> None:
-    """Before the commit, every file the output holds opens with torch's own zip reader (whatever it
-    rejects): named by its source when it was copied as it is, else by its place in the output."""
+    """Before the commit, every file the output holds opens with torch's own zip reader: judged without
+    torch when it has ``torch.save``'s form (headers only: the files our writer wrote always do, unless
+    something damaged them since), by torch otherwise (whatever it rejects); named by its source when it
+    was copied as it is, else by its place in the output."""
     written = sorted(p for p in folder.rglob("*.pt") if p.is_file())
     copied = {folder / src.name: src for src in sources}
-    for path, reason in sorted(check.refused(written).items()):
+    judged = [path for path in written if unproven(path) is not None]
+    for path, reason in sorted(check.refused(judged).items()):
         name = copied.get(Path(path), Path(path))
         raise CheckpointFormatError(
             f"{name}: damaged (torch's zip reader: {reason}): torch.load, which DeepSpeed's "
@@ -424,7 +428,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
     if force is None:
         return _already_complete(source, options)
     check_torch_loadable(source.files)
-    reader_check = TorchReaderCheck()  # imports torch in a child while we convert
+    # torch's own reader only for copied files not in torch.save's form, started now to overlap the work
+    reader_check = TorchReaderCheck(start=any(unproven(p) for p in files_copied_as_they_are(source.files)))
     try:
         meta, plan, cache = _plan(source)
         return _write_and_commit(source, meta, plan, cache, options, force, t0, reader_check)

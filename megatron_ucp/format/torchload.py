@@ -293,8 +293,10 @@ def structure_problems(path: os.PathLike | str) -> list[str]:
                 start = info.header_offset + _LFH.size + _LFH.unpack(head)[9] + _LFH.unpack(head)[10]
                 if start + info.compress_size > size:
                     problems.append(f"{info.filename}: runs past the end of the file")
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        problems.append(f"not a readable zip archive ({exc})")
+    except CheckpointFormatError:
+        raise  # not a regular file: said in the opener's words
+    except Exception as exc:  # zipfile raises BadZipFile, ValueError, NotImplementedError, struct.error, ...
+        problems.append(f"not a readable zip archive ({type(exc).__name__}: {exc})")
     return problems
 
 
@@ -329,24 +331,30 @@ def torch_reader_problem(path: os.PathLike | str) -> str | None:
 
 
 class TorchReaderCheck:
-    """torch's own zip reader run over every file of an output, in a child started early.
+    """torch's own zip reader run over files of an output, in a child process.
 
-    A converter writes its state files with its own zip writer and copies model-states and layer
-    files as they are; DeepSpeed's loader opens all of them with ``torch.load``. A file our tolerant
-    reader reads but torch refuses would make a "complete" folder no load can open, so before the
-    commit torch itself opens each one (``PyTorchFileReader``: the directory only, ~0.1 ms a file),
-    which catches every kind of damage it rejects, not only the kinds known today. The child starts
-    with the conversion, so torch's import (about 2 s) overlaps the work and the converter itself
-    never imports torch; a process that has torch already (a test, the training job) asks it
-    directly. Paths must be regular files (:func:`~megatron_ucp.format.paths.open_checkpoint_file`'s
-    check): a FIFO would block.
+    A converter writes its state files with its own zip writer (byte-identical to ``torch.save``'s, by
+    test) and copies model-states and layer files as they are; DeepSpeed's loader opens all of them
+    with ``torch.load``. A copied file our tolerant reader reads but torch refuses would make a
+    "complete" folder no load can open. A copied file in exactly ``torch.save``'s form
+    (:func:`megatron_ucp.format.torch_archive.unproven` is None) needs no more; any other is opened by
+    torch itself before the commit (``PyTorchFileReader``: the directory and the version record),
+    which catches every kind of damage torch rejects, not only the kinds known today. ``start``: begin
+    importing torch now (about 2 s), to overlap the work, when the caller already knows it will ask;
+    else the child starts at the first question. The converter itself never imports torch; a process
+    that has torch already (a test, the training job) asks it directly. Paths must be regular files
+    (:func:`~megatron_ucp.format.paths.open_checkpoint_file`'s check): a FIFO would block.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, start: bool = True) -> None:
+        self._proc = None
+        if start:
+            self._start()
+
+    def _start(self) -> None:
         import subprocess
 
-        self._proc = None
-        if "torch" not in sys.modules:
+        if self._proc is None and "torch" not in sys.modules:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _READER_CHILD],
                 stdin=subprocess.PIPE,
@@ -359,6 +367,9 @@ class TorchReaderCheck:
         import json
 
         names = [os.fspath(p) for p in paths]
+        if not names:
+            return {}
+        self._start()
         if self._proc is None:
             return {p: why for p in names if (why := torch_reader_problem(p)) is not None}
         if any("\n" in p for p in names):

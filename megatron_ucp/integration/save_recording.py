@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 _SAVE_ID: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("megatron_ucp_save_id", default=None)
 """The identity of the save in progress (set by ``save_checkpoint`` for its duration)."""
+_STOCK_SAVE: contextvars.ContextVar[bool] = contextvars.ContextVar("megatron_ucp_stock_save", default=False)
+"""A save the hooks leave to stock DeepSpeed (said once, at its start): its state dicts stay stock."""
 
 
 def wanted(config: UcpConfig) -> bool:
@@ -99,6 +101,8 @@ def _wrap(record: Any) -> Any:
         @functools.wraps(original)
         def state_dict(self: Any, *args: Any, **kwargs: Any) -> dict:
             sd = original(self, *args, **kwargs)
+            if _STOCK_SAVE.get():
+                return sd
             try:
                 extra = record(self)
             except AttributeError as exc:
@@ -148,7 +152,11 @@ def _identify_save(original: Any) -> Any:
         reason = unhandled_reason(self)
         if reason is not None:
             warn_once(reason, STOCK)
-            return original(self, *args, **kwargs)
+            stock = _STOCK_SAVE.set(True)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _STOCK_SAVE.reset(stock)
         token = _SAVE_ID.set(_new_save_id())
         try:
             return original(self, *args, **kwargs)

@@ -303,3 +303,53 @@ def test_alcf_wrapper_fresh_then_resumed_on_fewer_ranks(mds_checkout, tmp_path):
             assert abs(resumed[step] - fresh[step]) <= WRAPPER_LOSS_TOLERANCE, (step, resumed, fresh)
     finally:
         job.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Mixture of experts: left to stock DeepSpeed, with one warning (the hooks never break the job)
+# ------------------------------------------------------------------------------------------------
+
+MOE_ARGS = ["--num-experts", "4", "--moe-expert-parallel-size", "2", "--create-moe-param-group"]
+MOE_ARGS += ["--disable-moe-token-dropping"]  # no token dropped: a resume continues the same curve
+
+
+def test_moe_job_trains_saves_and_resumes_as_stock_with_one_warning_bf16(mds_checkout, mds_runs):
+    """An MoE job (4 experts, EP 2, DP 4) through the runner with background conversion: DeepSpeed
+    partitions the expert groups over expert-DP, which the hooks do not handle yet. Each run gets one
+    warning and stock DeepSpeed's save and load: no save record, no conversion queued, the resume at
+    the same DP continues the curve. On releases whose MoE save of this fork dies inside DeepSpeed
+    (``versions.Internals.saves_fork_moe``), the test shows that it is DeepSpeed's own failure."""
+    from megatron_ucp.deepspeed.versions import internals
+
+    saves = internals().saves_fork_moe
+
+    def train(folder: Path) -> MdsResult:
+        run = MdsRun(nproc=4, ckpt=folder / "ckpt", train_iters=6, save_interval=3, expect_failure=not saves)
+        run.extra_args = ["--ucp-async-convert", *MOE_ARGS]
+        return run_mds(mds_checkout, run)
+
+    res = mds_runs.get("moe-train", train)
+    if not saves:
+        assert res.returncode != 0 and "'method' object is not iterable" in res.log, res.log[-4000:]
+        trace = res.log[: res.log.index("'method' object is not iterable")]
+        assert "_save_moe_checkpoint" in trace.splitlines()[-3] or "_save_moe_checkpoint" in trace[-2000:]
+        assert "megatron_ucp" not in trace[-1500:].split("_save_moe_checkpoint")[-1], trace[-2000:]
+        return
+    root = mds_runs.base / "moe-train" / "ckpt"
+    assert sorted(res.losses) == [1, 2, 3, 4, 5, 6], res.log[-3000:]
+    warned = [line for line in res.ucp_lines() if "mixture-of-experts" in line]
+    assert len(warned) == 1 and "as stock DeepSpeed does" in warned[0], res.ucp_lines()
+    assert sorted(p.name for p in (root / "global_step3").glob("expp_rank_*")), "no expert optimizer files"
+    assert not list(root.glob("*_universal")) and not (root / ".ucp").exists()
+    model = torch.load(root / "global_step3" / F.MODEL_STATES_FILE, map_location="cpu", weights_only=False)
+    assert F.UCP_SAVE_RECORD not in model  # a stock save
+
+    def resume(folder: Path) -> MdsResult:
+        ckpt = _restart_copy(root, folder / "ckpt")
+        run = MdsRun(nproc=4, ckpt=ckpt, train_iters=6, save_interval=100)
+        run.extra_args = [*MOE_ARGS]
+        return run_mds(mds_checkout, run)
+
+    resumed = mds_runs.get("moe-resume", resume)
+    assert len([line for line in resumed.ucp_lines() if "mixture-of-experts" in line]) == 1, resumed.ucp_lines()
+    assert_continues(resumed, res)

@@ -36,6 +36,10 @@ def test_installed_release_is_a_tested_one_and_its_internals_are_as_recorded():
 
     # DDP_BFLOAT16 appeared in 0.17; there it equals BFLOAT16, which sends bf16 + ZeRO-1 to FP16_UnfusedOptimizer
     assert (getattr(constants, "DDP_BFLOAT16", None) != constants.BFLOAT16) == facts.bf16_optimizer_selected
+    import inspect
+
+    moe_save = inspect.getsource(DeepSpeedEngine._save_moe_checkpoint)
+    assert ("dict(universal_checkpoint_info)" not in moe_save) == facts.saves_fork_moe
 
 
 def test_the_surface_table_resolves_and_install_replaces_only_what_it_lists(monkeypatch):
