@@ -84,11 +84,14 @@ def tree_rss(proc: psutil.Process) -> int:
     return total
 
 
-def run_measured(argv: list[str], env: Optional[dict] = None, log: Optional[Path] = None) -> dict:
-    """Run ``argv``; wall time, peak tree RSS; raise on failure with the log tail."""
+def run_measured(
+    argv: list[str], env: Optional[dict] = None, log: Optional[Path] = None, cwd: Optional[Path] = None
+) -> dict:
+    """Run ``argv`` (in ``cwd``, default the repository: ``python -m`` imports from there first); wall
+    time, peak tree RSS; raise on failure with the log tail."""
     out = open(log, "wb") if log else subprocess.DEVNULL
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd or REPO_ROOT)
     ps = psutil.Process(proc.pid)
     peak = 0
     while proc.poll() is None:

@@ -212,30 +212,32 @@ def test_model_states_that_torch_refuses_is_not_committed(root: Path, entries: t
     assert not (root / F.LATEST_UNIVERSAL).exists()
 
 
-def test_a_written_state_file_torch_refuses_is_not_committed(root: Path, monkeypatch):
-    """Every file of the output, not only those copied as they are, opens with torch's reader before
-    the commit: a state file damaged between its write and the commit is named, nothing is committed."""
+def test_a_copied_file_outside_torch_saves_form_is_judged_by_torch_itself(root: Path, monkeypatch):
+    """A copied model-states file that torch's reader opens but that is not in torch.save's exact form
+    (here: a zip comment) is handed to torch's own reader before the commit, and the conversion goes
+    through; in torch.save's form, torch is never asked (no child imports it)."""
     import struct
 
     from megatron_ucp.convert import execute
-    from megatron_ucp.errors import CheckpointFormatError
+    from megatron_ucp.format import torchload
 
-    compare = execute.compare_replicas
-    damaged = []
+    asked: list[list[str]] = []
+    refused = torchload.TorchReaderCheck.refused
 
-    def damage_one_written_file(plan, cache):  # runs in the commit block, just before torch's check
-        victim = sorted(Path(cache.paths[0]).parents[1].glob(f".{TAG}_universal*/zero/*/exp_avg.pt"))[0]
-        data = bytearray(victim.read_bytes())
-        struct.pack_into("<QQ", data, data.rfind(b"PK\x06\x06") + 24, 9, 9)
-        victim.write_bytes(bytes(data))
-        damaged.append(victim)
-        return compare(plan, cache)
+    def spy(self, paths, timeout=600.0):
+        asked.append([os.fspath(p) for p in paths])
+        return refused(self, paths, timeout)
 
-    monkeypatch.setattr(execute, "compare_replicas", damage_one_written_file)
-    with pytest.raises(CheckpointFormatError, match="torch's zip reader") as refused_:
-        execute.convert(execute.ConvertOptions(source=root, progress=False))
-    assert damaged and damaged[0].name in str(refused_.value) and damaged[0].parent.name in str(refused_.value)
-    assert not (root / F.universal_tag(TAG)).exists() and not (root / F.LATEST_UNIVERSAL).exists()
+    monkeypatch.setattr(torchload.TorchReaderCheck, "refused", spy)
+    execute.convert(execute.ConvertOptions(source=root, progress=False))
+    assert asked == [[]]  # torch.save's form: nothing for torch to judge
+    path = root / TAG / F.MODEL_STATES_FILE
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<H", data, len(data) - 2, 4)  # a 4-byte zip comment, which torch's reader accepts
+    path.write_bytes(bytes(data) + b"note")
+    asked.clear()
+    execute.convert(execute.ConvertOptions(source=root, progress=False, force=True))
+    assert [Path(p).name for p in asked[0]] == [F.MODEL_STATES_FILE]
 
 
 def test_status_reports_symlink_loops_in_its_table(root: Path):

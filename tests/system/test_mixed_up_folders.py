@@ -189,12 +189,13 @@ def _refused_alike(res, name: str, *named: Path, not_named: tuple[Path, ...] = (
     return message
 
 
-@pytest.fixture(scope="module")
-def sources(ds_checkpoint):
-    return {"stock": ds_checkpoint("bf16", 4), "hooked": ds_checkpoint("bf16", 4, plugin=True)}
+def _sources(ds_checkpoint, opt: str = "bf16") -> dict:
+    """The session's stock and hooked saves of one optimizer class at DP 4 (steps 2 and 4)."""
+    return {"stock": ds_checkpoint(opt, 4), "hooked": ds_checkpoint(opt, 4, plugin=True)}
 
 
-def test_a_dp_3_resume_refuses_every_mixed_up_folder_and_loads_the_good_one(ds_checkpoint, sources, tmp_path):
+def test_a_dp_3_resume_refuses_every_mixed_up_folder_and_loads_the_good_one(ds_checkpoint, tmp_path):
+    sources = _sources(ds_checkpoint)
     stock, hooked = sources["stock"].root, sources["hooked"].root
     narrow = ds_checkpoint("bf16", 2).root
     f: dict[str, Path] = {}
@@ -300,7 +301,10 @@ def test_a_dp_3_resume_refuses_every_mixed_up_folder_and_loads_the_good_one(ds_c
     assert_losses_continue(res, sources["hooked"].loss_at)
 
 
-def test_a_same_dp_restart_checks_what_the_save_recorded_and_names_the_file(sources, tmp_path):
+@pytest.mark.parametrize("opt", ["bf16", "zero"])
+def test_a_same_dp_restart_checks_what_the_save_recorded_and_names_the_file(ds_checkpoint, tmp_path, opt: str):
+    """Also on every release of the matrix (Makefile ELASTIC_TESTS), with the class stock trains there."""
+    sources = _sources(ds_checkpoint, opt)
     stock, hooked = sources["stock"].root, sources["hooked"].root
     f: dict[str, Path] = {}
 
@@ -318,7 +322,7 @@ def test_a_same_dp_restart_checks_what_the_save_recorded_and_names_the_file(sour
     good = _copy(hooked, tmp_path, "good")
     names = ["swapped", "hooked-rank2-of-step4", "changed-after-save", "stock-model-states-of-step4", "stock-clean"]
     refuse = [{"name": n, "dir": str(f[n]), "tag": TAG} for n in names]
-    res = resume(4, "bf16", good, tmp_path / "run", load_tag=TAG, refuse=refuse, timeout=900)
+    res = resume(4, opt, good, tmp_path / "run", load_tag=TAG, refuse=refuse, timeout=900)
 
     s = lambda name, r: rank_file(f[name] / TAG, r)  # noqa: E731
     _refused_alike(res, "swapped", s("swapped", 1), s("swapped", 2), not_named=(s("swapped", 0),))
