@@ -232,6 +232,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--cache", choices=("cold", "warm"), default="cold")
     ap.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES))
     ap.add_argument("--no-readme", action="store_true")
+    ap.add_argument("--results", help="results file stem (default resume-<cache>)")
     args = ap.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     spec = mk.SPECS[args.name]
@@ -271,7 +272,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "routes": summarize(runs, needed),
     }
     bc.RESULTS_DIR.mkdir(exist_ok=True)
-    stem = f"resume-{args.cache}"
+    stem = args.results or f"resume-{args.cache}"
     (bc.RESULTS_DIR / f"{stem}.json").write_text(json.dumps({"meta": meta, "result": result, "runs": runs}, indent=1))
     table = markdown(result, meta)
     (bc.RESULTS_DIR / f"{stem}.md").write_text(table)

@@ -369,7 +369,14 @@ def _same_dp_load(
     t0 = time.perf_counter()
     what = verify_loaded(engine.optimizer, bound, strict=config.strict)
     if is_first():
-        log.info("megatron-ucp: %s loaded at DP %d: %s (%.3fs)", tag, bound.dp_to, what, time.perf_counter() - t0)
+        log.info(
+            "megatron-ucp: %s loaded at DP %d: %s (%.3fs before DeepSpeed's load, %.3fs after)",
+            tag,
+            bound.dp_to,
+            what,
+            bound.seconds,
+            time.perf_counter() - t0,
+        )
     return result
 
 
