@@ -14,6 +14,7 @@ import logging
 from typing import Any, Optional
 
 from megatron_ucp.deepspeed import surface
+from megatron_ucp.errors import UcpError
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,10 @@ _warned: set[str] = set()
 def unhandled_reason(engine: Any) -> Optional[str]:
     """Why the hooks leave this engine to stock DeepSpeed, or None when they handle it."""
     optimizer = getattr(engine, "optimizer", None)
-    layout = surface.engine_layout(engine)
+    try:
+        layout = surface.engine_layout(engine)
+    except UcpError as exc:  # the optimizer lacks an attribute its layout names: DeepSpeed changed
+        return str(exc)
     if layout is None:
         stage = surface.zero_stage(engine)
         return f"{type(optimizer).__name__} at ZeRO stage {stage} is not one of the layouts megatron-ucp handles"
