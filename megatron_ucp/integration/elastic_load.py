@@ -34,7 +34,6 @@ import contextlib
 import contextvars
 import functools
 import logging
-import re
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -54,6 +53,7 @@ from megatron_ucp.integration.live_layout import current_layout
 from megatron_ucp.integration.model_states_load import one_model_states_file_per_rank
 from megatron_ucp.integration.native_reshard import bind_save, load_native_partitions, refresh_lp_params, verify_loaded
 from megatron_ucp.integration.partition_load import load_universal_partitions
+from megatron_ucp.integration.rank_files import engine_save_files
 from megatron_ucp.integration.sync_convert import convert_synchronously
 from megatron_ucp.integration.training_state import check_training_state, restore_module_tensors
 from megatron_ucp.plan.accounting import AccountingReport, Problem, ProblemKind
@@ -267,29 +267,6 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
     return load_checkpoint
 
 
-def _rank_file_namer(engine: Any, load_dir: str, tag: str) -> Callable[[int], Path]:
-    """Old DP rank -> its optimizer file for this rank's model-parallel coordinate, as DeepSpeed names it."""
-    own = Path(surface.own_optimizer_file(engine, load_dir, tag)).name
-    found = re.search(r"_mp_rank_(\d+)_optim_states\.pt$", own)
-    if found is None:
-        raise UnsupportedError(
-            f"this DeepSpeed names its optimizer files {own!r}; the native reshard does not know "
-            "the pattern (use --ucp-resume-route universal)",
-            subject=own,
-        )
-    mp_rank, bf16 = int(found.group(1)), own.startswith("bf16_")
-
-    def rank_file(dp_rank: int) -> Path:
-        return Path(surface.rank_optimizer_file(engine, load_dir, tag, mp_rank, dp_rank, bf16))
-
-    return rank_file
-
-
-def _model_states_file(engine: Any, load_dir: str, tag: str) -> Path:
-    """This rank's model-states file, as DeepSpeed names it for this load."""
-    return Path(surface.model_states_file(engine, load_dir, tag))
-
-
 def _reshard_load(
     engine: Any,
     original: Callable[..., Any],
@@ -306,8 +283,7 @@ def _reshard_load(
     does), then the partitions from the old rank files, the bf16 weights checked against them, one
     summary."""
     tag = decision.tag
-    rank_file = _rank_file_namer(engine, load_dir, tag)
-    model_states = _model_states_file(engine, load_dir, tag)
+    rank_file, model_states = engine_save_files(engine, load_dir, tag)
     bound = bind_save(engine.optimizer, model_states, rank_file, seen_states if is_first() else None)
     try:
         with one_model_states_file_per_rank(engine, always=True) as read:  # each rank reads its model states once
@@ -353,8 +329,7 @@ def _same_dp_load(
     is, then what it loaded checked (:func:`verify_loaded`)."""
     if tag is None:
         return original(engine, load_dir, tag, **kwargs)
-    rank_file = _rank_file_namer(engine, load_dir, tag)
-    model_states = _model_states_file(engine, load_dir, tag)
+    rank_file, model_states = engine_save_files(engine, load_dir, tag)
     bound = bind_save(engine.optimizer, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
     try:
         result = original(engine, load_dir, tag, **kwargs)

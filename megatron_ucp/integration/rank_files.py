@@ -20,14 +20,16 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.reader import load_raw
-from megatron_ucp.errors import CheckpointFormatError, UcpError
+from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
 from megatron_ucp.format.paths import open_checkpoint_file, special_kind
@@ -84,6 +86,25 @@ def absent(path: Path) -> Optional[str]:
     if kind is not None:
         return f"is {kind}, not a rank file"
     return "is a dangling symbolic link" if path.is_symlink() else "is missing"
+
+
+def engine_save_files(engine: Any, load_dir: str, tag: str) -> tuple[RankFile, Path]:
+    """How the engine names the files of a tag for this rank: old DP rank -> its optimizer file of this
+    rank's model-parallel coordinate, and this rank's model-states file."""
+    own = Path(surface.own_optimizer_file(engine, load_dir, tag)).name
+    found = re.search(r"_mp_rank_(\d+)_optim_states\.pt$", own)
+    if found is None:
+        raise UnsupportedError(
+            f"this DeepSpeed names its optimizer files {own!r}; the native reshard does not know "
+            "the pattern (use --ucp-resume-route universal)",
+            subject=own,
+        )
+    mp_rank, bf16 = int(found.group(1)), own.startswith("bf16_")
+
+    def rank_file(dp_rank: int) -> Path:
+        return Path(surface.rank_optimizer_file(engine, load_dir, tag, mp_rank, dp_rank, bf16))
+
+    return rank_file, Path(surface.model_states_file(engine, load_dir, tag))
 
 
 def _tag_rank_files(folder: Path, like: Path) -> list[str]:
