@@ -16,6 +16,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 from megatron_ucp.errors import UcpError
 
+MODULE_READS = ("distributed", "full")
+"""The ``module_read`` values: ``distributed`` rebuilds the module's weights from the fp32 masters each
+rank loads (one all-gather, no module bytes read) and reads what has no master as one 1/DP slice per
+rank; ``full`` lets every rank read the whole module from the model-states file, as DeepSpeed does."""
+
 RESUME_ROUTES = ("auto", "reshard", "universal")
 """The ``resume_route`` values: ``auto`` reshards the native files on a DP-only change and goes
 through the universal folder on a TP/PP change; ``reshard`` is ``auto`` said explicitly (a TP/PP
@@ -38,6 +43,9 @@ class UcpConfig:
     """How a DP change is loaded (:data:`RESUME_ROUTES`): ``auto``/``reshard``
     copy each rank's partitions straight from the native files (a TP/PP change still goes through the
     universal folder); ``universal`` always loads the universal twin, converting it when missing."""
+    module_read: str = "distributed"
+    """How a restart reads the module (:data:`MODULE_READS`): ``distributed`` (each byte once across the
+    job) or ``full`` (every rank the whole module, as DeepSpeed does)."""
 
     # --- background conversion (issue: async conversion) ---------------------------------------
     async_convert: bool = False
@@ -71,6 +79,8 @@ class UcpConfig:
             raise UcpError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         if self.resume_route not in RESUME_ROUTES:
             raise UcpError(f"resume_route must be auto, reshard or universal, got {self.resume_route!r}")
+        if self.module_read not in MODULE_READS:
+            raise UcpError(f"module_read must be {' or '.join(MODULE_READS)}, got {self.module_read!r}")
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "UcpConfig":
@@ -145,6 +155,9 @@ _HELP = {
     "strict": "fail a universal load that leaves any checkpoint tensor or optimizer state unaccounted for",
     "resume_route": "how a DP change loads: auto/reshard (straight from the native rank files; TP/PP changes go "
     "through the universal folder) or universal (always the universal twin, converted on demand)",
+    "module_read": "how a restart reads the module: distributed (weights rebuilt from the masters each rank "
+    "loads, the rest read as one 1/DP slice per rank: each byte once across the job) or full (every rank reads "
+    "the whole module, as DeepSpeed does)",
     "async_convert": "convert every saved tag to the universal layout in the background",
     "keep_last": "keep at most N universal folders per checkpoint root ('all': keep every one)",
     "converter_workers": "worker processes per converter (one converter per node)",

@@ -634,7 +634,7 @@ def rank_file_count_problem(tag_dir: Path, dp: int) -> Optional[str]:
 
 
 def _model_states_dict(path: Path) -> dict:
-    raw = load_raw(path)
+    raw = load_raw(path, random_access=True)  # the pickle only: no readahead into the weights after it
     if not isinstance(raw, dict):
         raise CheckpointFormatError(f"{path}: not a DeepSpeed model-states dict", subject=path)
     return raw

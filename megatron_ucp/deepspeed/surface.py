@@ -28,6 +28,7 @@ ZERO_BASE = "deepspeed.runtime.base_optimizer:ZeROOptimizer"
 BF16 = "deepspeed.runtime.bf16_optimizer:BF16_Optimizer"
 ZERO = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
 SD_LOADERS = "deepspeed.runtime.state_dict_factory:SDLoaderFactory"
+PIPE_MODULE = "deepspeed.runtime.pipe.module:PipelineModule"
 FRAGMENT = "deepspeed.utils.tensor_fragment:tensor_fragment"
 BWC = "deepspeed.utils.bwc"
 ACCELERATOR = "deepspeed.accelerator"
@@ -68,6 +69,14 @@ SURFACE: tuple[Internal, ...] = (
     Internal(ENGINE, "load_checkpoint", R, "decides the route of a load (same DP, reshard, universal)"),
     Internal(ZERO_BASE, OPTIMIZER_LOADER, R, "our universal loader for BF16_Optimizer and DeepSpeedZeroOptimizer"),
     Internal(SD_LOADERS, "get_sd_loader", R, "for one load: one model-states file per rank, read as it is"),
+    Internal(
+        ENGINE,
+        "load_module_state_dict",
+        R,
+        "for one load: the optimized weights left for the rebuild from the masters, the rest read once per job",
+    ),
+    Internal(ENGINE, "zero_load_from_fp32_weights", C, "whether a native load takes the masters from the files"),
+    Internal(PIPE_MODULE, "__init__", C, "a pipeline model loads its module from per-layer files"),
     Internal(ENGINE, "_load_checkpoint", C, "DeepSpeed's module + training-state load, called by load_checkpoint"),
     Internal(ENGINE, "_load_zero_checkpoint", C, "the optimizer load the native reshard stands in for"),
     Internal(ENGINE, "load_universal_checkpoint", C, "whether the job asked for a universal load"),
@@ -228,6 +237,20 @@ def zero_stage(engine: Any) -> Optional[int]:
         return int(engine.zero_optimization_stage())
     except Exception:
         return None
+
+
+def loads_fp32_masters(engine: Any) -> bool:
+    """A native load takes the fp32 masters from the rank files (else DeepSpeed derives them from the
+    module's weights: ``zero_optimization.load_from_fp32_weights: false``)."""
+    try:
+        return bool(engine.zero_load_from_fp32_weights())
+    except Exception:
+        return True
+
+
+def pipeline_module(engine: Any) -> bool:
+    """The engine's module is a pipeline model (it loads its weights from per-layer files)."""
+    return isinstance(getattr(engine, "module", None), resolve(PIPE_MODULE))
 
 
 def node_local_storage(engine: Any) -> bool:

@@ -26,6 +26,7 @@ __all__ = [
     "from_torch",
     "raw_tensors_from_torch",
     "torch_tensors_from_raw",
+    "torch_views_from_raw",
 ]
 
 
@@ -244,6 +245,12 @@ def raw_tensors_from_torch(obj: Any) -> Any:
     import torch
 
     return _map_leaves(obj, torch.is_tensor, lambda t: from_torch(t.detach()))
+
+
+def torch_views_from_raw(obj: Any) -> Any:
+    """:func:`torch_tensors_from_raw` without the copies: torch tensors over the same (mapped) bytes, read
+    only when used (imports torch)."""
+    return _map_leaves(obj, lambda v: isinstance(v, RawTensor), lambda t: t.to_torch())
 
 
 def torch_tensors_from_raw(obj: Any) -> Any:

@@ -34,7 +34,6 @@ import contextlib
 import contextvars
 import functools
 import logging
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -51,9 +50,8 @@ from megatron_ucp.integration.collectives import Failure, decide_on_first, is_fi
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.live_layout import current_layout
 from megatron_ucp.integration.model_states_load import one_model_states_file_per_rank
-from megatron_ucp.integration.native_reshard import bind_save, load_native_partitions, refresh_lp_params, verify_loaded
+from megatron_ucp.integration.native_routes import reshard_load, same_dp_load
 from megatron_ucp.integration.partition_load import load_universal_partitions
-from megatron_ucp.integration.rank_files import engine_save_files
 from megatron_ucp.integration.sync_convert import convert_synchronously
 from megatron_ucp.integration.training_state import check_training_state, restore_module_tensors
 from megatron_ucp.plan.accounting import AccountingReport, Problem, ProblemKind
@@ -236,14 +234,26 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
                 return original(self, load_dir, tag, **kwargs)
             if is_first():
                 log.info("megatron-ucp: %s", decision.message)
-            return _same_dp_load(self, original, load_dir, native_tag, kwargs, config, seen.get("model_states"))
+            return same_dp_load(self, original, load_dir, native_tag, kwargs, config, seen.get("model_states"))
 
         if is_first():
             log.info("megatron-ucp: %s", decision.message)
             if decision.warning:
                 log.warning("megatron-ucp: %s", decision.warning)
         if decision.route is Route.RESHARD:
-            return _reshard_load(self, original, load_dir, decision, kwargs, config, seen.get("model_states"))
+            outcome = reshard_load(self, original, load_dir, decision.tag, kwargs, config, seen.get("model_states"))
+            if outcome.report is not None:
+                _finish_load(
+                    self,
+                    outcome.load_path,
+                    outcome.report,
+                    int(decision.checkpoint_dp),
+                    kwargs,
+                    config,
+                    restore_module=False,
+                    states=outcome.states,
+                )
+            return outcome.result
         if decision.convert and surface.node_local_storage(self):
             raise UnsupportedError(
                 f"{decision.message}, but checkpoint.use_node_local_storage keeps each node's "
@@ -257,7 +267,7 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
         _check_model_states_loadable(Path(load_dir), decision.tag)
         token = _DEFER_ENFORCEMENT.set(True)
         try:
-            with _universal_mode(self):
+            with _universal_mode(self, lazy=config.module_read == "distributed"):
                 result = original(self, load_dir, decision.tag, **kwargs)
             _finish_universal_load(self, result, decision, kwargs, config)
         finally:
@@ -265,94 +275,6 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
         return result
 
     return load_checkpoint
-
-
-def _reshard_load(
-    engine: Any,
-    original: Callable[..., Any],
-    load_dir: str,
-    decision: ResumeDecision,
-    kwargs: dict,
-    config: UcpConfig,
-    seen_states: Optional[dict] = None,
-) -> Any:
-    """Route RESHARD: every old rank file bound to its position and its save before anything is loaded
-    (a folder whose files do not belong together stops every rank here, the engine untouched); then
-    DeepSpeed's own load of everything but the optimizer states (module, scheduler, counters, client
-    state: each rank reads its model-states file once, not twice as DeepSpeed's state-dict loader
-    does), then the partitions from the old rank files, the bf16 weights checked against them, one
-    summary."""
-    tag = decision.tag
-    rank_file, model_states = engine_save_files(engine, load_dir, tag)
-    bound = bind_save(engine.optimizer, model_states, rank_file, seen_states if is_first() else None)
-    try:
-        with one_model_states_file_per_rank(engine, always=True) as read:  # each rank reads its model states once
-            result = original(engine, load_dir, tag, **{**kwargs, "load_optimizer_states": False})
-    except BaseException:
-        bound.close()
-        raise
-    load_path = result[0] if isinstance(result, tuple) else None
-    if load_path is None:
-        bound.close()
-        return result  # DeepSpeed said why (no such tag)
-    saved = read.of(Path(load_path))
-    report = load_native_partitions(engine.optimizer, bound, strict=config.strict)
-    if refresh_lp_params(engine.optimizer) and is_first():
-        log.info(
-            "megatron-ucp: the loaded bf16 weights are the fp32 masters rounded otherwise than to nearest "
-            "(or the masters won: strict=False); refreshed them from the masters (as a universal load does)"
-        )
-    _finish_load(
-        engine,
-        Path(load_path),
-        report,
-        int(decision.checkpoint_dp),
-        kwargs,
-        config,
-        restore_module=False,
-        states=saved,
-    )
-    return result
-
-
-def _same_dp_load(
-    engine: Any,
-    original: Callable[..., Any],
-    load_dir: str,
-    tag: Optional[str],
-    kwargs: dict,
-    config: UcpConfig,
-    seen_states: Optional[dict] = None,
-) -> Any:
-    """Route NATIVE at the saved DP size: the old rank files bound before DeepSpeed's own load (each rank
-    its own file, named when it is another position's or another save's), then DeepSpeed's load as it
-    is, then what it loaded checked (:func:`verify_loaded`)."""
-    if tag is None:
-        return original(engine, load_dir, tag, **kwargs)
-    rank_file, model_states = engine_save_files(engine, load_dir, tag)
-    bound = bind_save(engine.optimizer, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
-    try:
-        result = original(engine, load_dir, tag, **kwargs)
-    except BaseException:
-        if bound is not None:
-            bound.close()
-        raise
-    if bound is None or not isinstance(result, tuple) or result[0] is None:
-        if bound is not None:
-            bound.close()
-        return result
-    t0 = time.perf_counter()
-    what = verify_loaded(engine.optimizer, bound, strict=config.strict)
-    if is_first():
-        log.info(
-            "megatron-ucp: %s loaded at DP %d: %s (%.3fs before DeepSpeed's load, %.3fs after)",
-            tag,
-            bound.dp_to,
-            what,
-            bound.seconds,
-            time.perf_counter() - t0,
-        )
-    return result
 
 
 def _check_model_states_loadable(load_dir: Path, tag: Optional[str]) -> None:
@@ -377,14 +299,15 @@ def _check_model_states_loadable(load_dir: Path, tag: Optional[str]) -> None:
 
 
 @contextlib.contextmanager
-def _universal_mode(engine: Any) -> Iterator[None]:
+def _universal_mode(engine: Any, lazy: bool = False) -> Iterator[None]:
     """Set the engine's ``load_universal`` flag for one load; restore it whatever happens. At another
-    TP/PP size each rank reads one model-states file as it is (:func:`one_model_states_file_per_rank`)."""
+    TP/PP size each rank reads one model-states file as it is (:func:`one_model_states_file_per_rank`);
+    ``lazy``: at any size, and only its pickle (universal mode loads no module weights from it)."""
     cfg = surface.engine_config(engine)
     before = cfg.load_universal_checkpoint
     cfg.load_universal_checkpoint = True
     try:
-        with one_model_states_file_per_rank(engine):
+        with one_model_states_file_per_rank(engine, always=lazy, lazy=lazy):
             yield
     finally:
         cfg.load_universal_checkpoint = before

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from megatron_ucp.deepspeed import surface
-from megatron_ucp.deepspeed.reader import load_torch_file
+from megatron_ucp.deepspeed.reader import load_raw, load_torch_file
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.format.rawtensor import torch_views_from_raw
 
 
 @dataclass
@@ -25,6 +26,8 @@ class ClientStates:
 
     path: Optional[Path] = None
     states: Optional[dict] = None
+    module: Any = None
+    """The module dict as read (mapped tensors when lazy: reading it in full touches every byte)."""
 
     def of(self, path: Path) -> Optional[dict]:
         """The states read from ``path`` by this load; None when another file (or none) was read."""
@@ -32,7 +35,7 @@ class ClientStates:
 
 
 @contextlib.contextmanager
-def one_model_states_file_per_rank(engine: Any, always: bool = False) -> Iterator[ClientStates]:
+def one_model_states_file_per_rank(engine: Any, always: bool = False, lazy: bool = False) -> Iterator[ClientStates]:
     """For one load: each rank reads one existing ``mp_rank_XX_model_states.pt`` as it is, once.
 
     At another TP or PP size the folder holds another number of those files than the engine has
@@ -44,7 +47,9 @@ def one_model_states_file_per_rank(engine: Any, always: bool = False) -> Iterato
     ``always``: also at the saved TP/PP size (the native reshard), where DeepSpeed's loader would read
     the same file twice on every rank (``check_ckpt_list`` loads the first file whole to compare
     its ``mp_world_size``): here each rank reads its own file once and the count is checked on it.
-    Yields what the replacement read, less the module weights (:class:`ClientStates`).
+    ``lazy``: the file is memory-mapped and only its pickle read; a tensor's bytes are read when
+    something uses it (:mod:`megatron_ucp.integration.module_read` reads each of them once across the
+    job). Yields what the replacement read, less the module weights (:class:`ClientStates`).
     """
     want = int(getattr(engine, "mp_world_size", 1) or 1)
     read = ClientStates()
@@ -57,6 +62,7 @@ def one_model_states_file_per_rank(engine: Any, always: bool = False) -> Iterato
                     kwargs.get("checkpoint_engine", args[0] if args else None),
                     check_count=always and len(ckpt_list) == want,
                     read=read,
+                    lazy=lazy,
                 )
             return original.__func__(ckpt_list, *args, **kwargs)
 
@@ -71,16 +77,26 @@ class ClientStateLoader:
     existing model-states file per rank, read as it is (nothing merged or split)."""
 
     def __init__(
-        self, ckpt_list: list, checkpoint_engine: Any, check_count: bool = False, read: Optional[ClientStates] = None
+        self,
+        ckpt_list: list,
+        checkpoint_engine: Any,
+        check_count: bool = False,
+        read: Optional[ClientStates] = None,
+        lazy: bool = False,
     ) -> None:
         self.ckpt_list = ckpt_list
         self.checkpoint_engine = checkpoint_engine
         self.check_count = check_count
         self.read = read
+        self.lazy = lazy
 
     def load(self, mp_world_size: int, mp_rank: int, *args: Any, **kwargs: Any) -> tuple[str, Any, None]:
         path = self.ckpt_list[min(mp_rank * len(self.ckpt_list) // max(1, mp_world_size), len(self.ckpt_list) - 1)]
-        if self.checkpoint_engine is not None:
+        if self.lazy:  # the pickle only: tensors mapped, read when used
+            # our own reader, readahead off: torch.load(mmap=True) advises the file sequential, after
+            # which the kernel reads it whole at the first exact read of a slice
+            states = torch_views_from_raw(load_raw(Path(path), random_access=True))
+        elif self.checkpoint_engine is not None:
             states = self.checkpoint_engine.load(path, map_location=lambda storage, loc: storage)
         else:
             states = load_torch_file(Path(path), mmap=False)
@@ -94,4 +110,5 @@ class ClientStateLoader:
         if self.read is not None and isinstance(states, dict):
             self.read.path = Path(path)
             self.read.states = {k: v for k, v in states.items() if k != F.MODULE}
+            self.read.module = states.get(F.MODULE)
         return path, states, None

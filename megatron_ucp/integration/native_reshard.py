@@ -34,7 +34,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -65,7 +65,7 @@ from megatron_ucp.plan.accounting import (
     ledger_totals,
 )
 from megatron_ucp.plan.geometry import GroupGeometry, at_dp
-from megatron_ucp.plan.rank_binding import WeightTally, blame_weights, bracket_misses
+from megatron_ucp.plan.rank_binding import FileFacts, WeightTally, blame_weights, bracket_misses
 from megatron_ucp.plan.reshard import Read, reshard_reads
 
 log = logging.getLogger(__name__)
@@ -194,6 +194,13 @@ class BoundSave:
     dp_to: int
     rank: int
     seconds: float
+    files: list[FileFacts]
+    """What every rank saw of every old file (the same on every rank)."""
+
+    def partition(self) -> tuple[list[int], list[int]]:
+        """This rank's partition start (flat position) and real length per group, at the new DP size."""
+        new = at_dp(self.geos, self.dp_to)
+        return [self.rank * g.partition_size for g in new], [g.true_length(self.rank) for g in new]
 
     def close(self) -> None:
         for source in self.sources.values():
@@ -234,14 +241,30 @@ def bind_save(
         raise
     reads = reshard_reads(geos, dp_to, rank)
     positions = checked_positions(geos, facts.dp_from, dp_to, rank, reads)
-    sources = bind_rank_files(facts, geos, reads, positions, rank_file, group)
-    return BoundSave(facts, geos, reads, sources, rank_file, dp_to, rank, time.perf_counter() - t0)
+    sources, files = bind_rank_files(facts, geos, reads, positions, rank_file, group)
+    return BoundSave(facts, geos, reads, sources, rank_file, dp_to, rank, time.perf_counter() - t0, files)
 
 
-def load_native_partitions(optimizer: Any, bound: BoundSave, strict: bool = True) -> AccountingReport:
+SavedSlice = Callable[[int], Optional[torch.Tensor]]
+"""Group -> this rank's real range of the saved weights, at its place in the new partition (the module
+DeepSpeed loaded, or the range read from the model-states file); None: not compared (saved through the
+hooks, whose records bind the files instead)."""
+
+
+def loaded_weights(optimizer: Any, bound: BoundSave) -> SavedSlice:
+    """The saved weights as DeepSpeed's own module load put them in this rank's partition."""
+    parts = [parts[bound.rank] for parts in surface.layout_of(optimizer).lp_partitions_of(optimizer)]
+    reals = bound.partition()[1]
+    return lambda g: parts[g][: reals[g]]
+
+
+def load_native_partitions(
+    optimizer: Any, bound: BoundSave, strict: bool = True, saved: Optional[SavedSlice] = None
+) -> AccountingReport:
     """Steps 3 and 4: this rank's partitions of a save at another DP size, from the files step 1 bound,
-    after DeepSpeed loaded the module. Returns the report (the same on every rank); enforcing it is
-    the caller's, except for saved weights that are not the masters rounded (raised here when ``strict``)."""
+    after DeepSpeed loaded the module (``saved``: where the saved weights are; default the loaded module).
+    Returns the report (the same on every rank); enforcing it is the caller's, except for saved weights
+    that are not the masters rounded (raised here when ``strict``)."""
     t_start = time.perf_counter()
     dist = comm()
     group = surface.dp_group(optimizer)
@@ -260,14 +283,15 @@ def load_native_partitions(optimizer: Any, bound: BoundSave, strict: bool = True
         accounting = copy_partitions(
             facts, geos, reads, sources, rank, targets, ledger, table, (F.FP32_STATE,), bound.rank_file
         )
-        lp_parts = [parts[rank] for parts in surface.layout_of(optimizer).lp_partitions_of(optimizer)]
+        saved = saved or loaded_weights(optimizer, bound)
         tally = torch.zeros((facts.dp_from, 2), dtype=torch.int64)
         with torch.no_grad():
             for g, group_reads in enumerate(reads):
-                for read in group_reads:
+                weights = saved(g)
+                for read in group_reads if weights is not None else ():
                     at = slice(read.target_offset, read.target_offset + read.length)
                     tally[read.source_rank, 0] += read.length
-                    tally[read.source_rank, 1] += bracket_misses(targets[g][F.FP32_STATE][at], lp_parts[g][at])
+                    tally[read.source_rank, 1] += bracket_misses(targets[g][F.FP32_STATE][at], weights[at])
         _judge_weights(facts, bound.rank_file, _summed(tally, group), group, strict)
         states = tuple(s for s in sorted({s for g in facts.states for s in g}))
         accounting += copy_partitions(
@@ -346,6 +370,15 @@ def _judge_weights(facts: SavedFacts, rank_file: RankFile, totals: list[list[int
     )
     if not problems:
         return
+    if facts.save_id is not None:  # the save's identity binds the files: weights of this save, not its masters
+        if comm().get_rank(group=group) == 0:
+            for problem in problems:
+                log.warning(
+                    "megatron-ucp: %s (the files are of one save, by its record: its weights were not its "
+                    "masters rounded when it was saved, or the file changed since)",
+                    problem,
+                )
+        return
     if strict:
         folder = Path(facts.model_states).parent
         raise CheckpointFormatError(
@@ -357,7 +390,7 @@ def _judge_weights(facts: SavedFacts, rank_file: RankFile, totals: list[list[int
             log.warning("megatron-ucp (strict=False, the fp32 masters win): %s", problem)
 
 
-def verify_loaded(optimizer: Any, bound: BoundSave, strict: bool = True) -> str:
+def verify_loaded(optimizer: Any, bound: BoundSave, strict: bool = True, saved: Optional[SavedSlice] = None) -> str:
     """After DeepSpeed's own load at the saved DP size (collective over the DP group): the masters it
     loaded against the weights it loaded, and, saved through the hooks, every partition against the
     checksum its file recorded. Raises the same error on every rank naming the file(s) (``strict``;
@@ -367,15 +400,17 @@ def verify_loaded(optimizer: Any, bound: BoundSave, strict: bool = True) -> str:
     facts, rank = bound.facts, bound.rank
     layout = surface.layout_of(optimizer)
     masters = layout.masters(optimizer)
-    lp_parts = [parts[rank] for parts in layout.lp_partitions_of(optimizer)]
+    saved = saved or loaded_weights(optimizer, bound)
     base = surface.base_optimizer(optimizer)
     tally = torch.zeros((facts.dp_from, 3), dtype=torch.int64)
     mine = bound.sources.get(rank)
     with torch.no_grad():
         for g, geo in enumerate(bound.geos):
             real = geo.true_length(rank)
-            tally[rank, 0] += real
-            tally[rank, 1] += bracket_misses(masters[g][:real], lp_parts[g][:real])
+            weights = saved(g)
+            if weights is not None:
+                tally[rank, 0] += real
+                tally[rank, 1] += bracket_misses(masters[g][:real], weights)
             if mine is None or mine.sums is None:
                 continue
             start = rank * geo.partition_size

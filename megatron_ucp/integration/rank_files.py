@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,7 +31,8 @@ from megatron_ucp.deepspeed.reader import load_raw
 from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
-from megatron_ucp.format.paths import open_checkpoint_file, special_kind
+from megatron_ucp.format.exact_read import RangeReader, file_offset
+from megatron_ucp.format.paths import special_kind
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.integration.collectives import comm
 from megatron_ucp.plan.geometry import GroupGeometry
@@ -117,7 +117,7 @@ def _tag_rank_files(folder: Path, like: Path) -> list[str]:
 def model_states_facts(model_states: Path, states: Optional[dict] = None) -> tuple[dict, int, Optional[str]]:
     """The model-states dict (read without the weights' bytes unless given), its DP size and save identity."""
     if states is None:
-        states = load_raw(model_states)
+        states = load_raw(model_states, random_access=True)
     if not isinstance(states, dict) or not isinstance(states.get(F.PARAM_SHAPES), list):
         raise CheckpointFormatError(
             f"{model_states}: no param_shapes (not a ZeRO-1/2 model-states file)", subject=model_states
@@ -229,49 +229,42 @@ def expectation(
 @dataclass
 class Source:
     """One old rank file: its fp32 partitions and optimizer states per group (where they lie in the
-    file), and the file, open, to read the planned ranges from."""
+    file), and the file, to read the planned ranges from (exactly those bytes)."""
 
     path: Path
     fp32: list[RawTensor]
     states: list[dict[str, Any]]
     sums: Optional[Sequence[dict[str, Any]]] = None
     """Per group, state -> (real elements, checksum) recorded at save (None: saved without them)."""
-    handle: Any = None
+    reader: Optional[RangeReader] = None
 
     def read_into(self, tensor: RawTensor, start: int, dest: torch.Tensor) -> None:
-        """Elements ``[start, start + dest.numel())`` of ``tensor`` into ``dest``: ``preadv`` straight
-        into the destination's memory with the file's readahead off, so the kernel reads exactly
-        those bytes, in large requests (a copy out of a mapping either reads ahead around every
-        fault, 1.2x the bytes here, or with readahead off one page per fault, 5x slower)."""
-        length = dest.numel()
-        storage = tensor.storage
-        if storage.region is None:  # a small record already in memory, or a tensor torch mapped
-            dest.copy_(tensor.narrow(0, start, length).to_torch())
-            return
-        if self.handle is None:
-            self.handle = open_checkpoint_file(self.path)
-            if hasattr(os, "posix_fadvise"):  # no readahead past the ranges: each byte read by one rank
-                os.posix_fadvise(self.handle.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-        offset = storage.address - storage.region[0] + (tensor.offset + start) * tensor.element_size()
-        buffer = dest if dest.device.type == "cpu" and dest.is_contiguous() else torch.empty(length, dtype=dest.dtype)
-        view = memoryview(buffer.detach().numpy()).cast("B")
-        done = 0
-        while done < len(view):
-            got = os.preadv(self.handle.fileno(), [view[done:]], offset + done)
-            if got <= 0:
-                raise CheckpointFormatError(
-                    f"{self.path}: ends at byte {offset + done}, inside the partition being "
-                    "read (changed while loading?)",
-                    subject=self.path,
-                )
-            done += got
-        if buffer is not dest:
-            dest.copy_(buffer)
+        """Elements ``[start, start + dest.numel())`` of ``tensor`` into ``dest``."""
+        read_tensor_range(self.reader_of(), tensor, start, dest)
+
+    def reader_of(self) -> RangeReader:
+        if self.reader is None:
+            self.reader = RangeReader(self.path)
+        return self.reader
 
     def close(self) -> None:
-        if self.handle is not None:
-            self.handle.close()
-            self.handle = None
+        if self.reader is not None:
+            self.reader.close()
+
+
+def read_tensor_range(reader: RangeReader, tensor: RawTensor, start: int, dest: torch.Tensor) -> None:
+    """Elements ``[start, start + dest.numel())`` of a (flat, contiguous) mapped tensor into ``dest``,
+    exactly those bytes (:class:`~megatron_ucp.format.exact_read.RangeReader`); a tensor already in
+    memory is copied."""
+    length = dest.numel()
+    offset = file_offset(tensor, start)
+    if offset is None:  # a small record already in memory, or a tensor torch mapped
+        dest.copy_(tensor.narrow(0, start, length).to_torch())
+        return
+    buffer = dest if dest.device.type == "cpu" and dest.is_contiguous() else torch.empty(length, dtype=dest.dtype)
+    reader.read(offset, memoryview(buffer.detach().view(torch.uint8).numpy()).cast("B"))
+    if buffer is not dest:
+        dest.copy_(buffer)
 
 
 def inspect_file(path: Path, facts: SavedFacts, exp: FileExpectation) -> tuple[Optional[Source], FileFacts]:
@@ -330,10 +323,11 @@ def bind_rank_files(
     rank_file: RankFile,
     group: Any,
     fragments: bool = True,
-) -> dict[int, Source]:
+) -> tuple[dict[int, Source], list[FileFacts]]:
     """Steps 2 and 3 (collective over ``group``): this rank opens ``positions`` (the files it reads,
     and the padding-only ones that fall to it), every rank shares what it saw, and every rank
-    raises the same error when any file, or the set, is wrong. Returns the sources this rank reads."""
+    raises the same error when any file, or the set, is wrong. Returns the sources this rank reads and
+    what every rank saw of every file (the same on every rank)."""
     readers = {r.source_rank for g in reads for r in g}
     mine: list[FileFacts] = []
     sources: dict[int, Source] = {}
@@ -346,14 +340,15 @@ def bind_rank_files(
     dist = comm()
     everyone: list[Any] = [None] * dist.get_world_size(group=group)
     dist.all_gather_object(everyone, mine, group=group)
-    problems = verdict(facts, [f for box in everyone for f in box])
+    seen = [f for box in everyone for f in box]
+    problems = verdict(facts, seen)
     if problems:
         for source in sources.values():
             source.close()
         raise CheckpointFormatError(
             binding_message(Path(facts.model_states).parent, problems), subject=_culprit(problems[0])
         )
-    return sources
+    return sources, seen
 
 
 def verdict(facts: SavedFacts, seen: Sequence[FileFacts]) -> list[str]:

@@ -54,7 +54,9 @@ class TrainSpec:
     refuse: list[dict[str, Any]] = field(default_factory=list)
     """Loads tried before the real one, each expected to fail on every rank with one error (the hooks'
     cross-rank protocol): ``{"name", "dir", "tag" (optional), "plugin_kwargs" (optional, reinstalls the
-    hooks with them for that attempt)}``. Rank 0 reports every rank's outcome (``TrainResult.refusals``)."""
+    hooks with them for that attempt), "digest" (optional: a load meant to work; its outcome is then
+    ``["loaded", <sha256 of the module's state dict>]``)}``. Rank 0 reports every rank's outcome
+    (``TrainResult.refusals``)."""
 
     def __post_init__(self) -> None:
         for name in _PATH_FIELDS:

@@ -1,0 +1,216 @@
+"""The two loads straight from the native rank files: a DP change (the reshard) and a same-DP restart.
+
+Both bind every old rank file to its position and its save before DeepSpeed's own load touches the
+engine (:func:`megatron_ucp.integration.native_reshard.bind_save`), then let DeepSpeed load what it
+loads, then finish: the reshard copies each rank's new partitions out of the old files, the same-DP
+restart checks what DeepSpeed loaded.
+
+With ``module_read = distributed`` (the default) neither reads the module's weights: DeepSpeed's
+model-states loader reads the pickle only and its module load takes only what has no master, read
+once across the DP group (:mod:`megatron_ucp.integration.module_read`); the weights are rebuilt from
+the loaded masters with one all-gather. A restart at the saved DP size must give exactly what
+DeepSpeed's own load gives, the saved weights: it rebuilds only when it has proven, on every rank,
+that the masters round to them (the save's recorded checksums, or each rank's 1/DP slice of the saved
+weights, read), else it reads the module in full, as DeepSpeed does, with one warning. A reshard
+always ends with the weights the masters round to (what the universal route gives), reading the 1/DP
+slice only to check, for a save without the hooks' record, that the files belong together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.deepspeed import surface
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.integration.collectives import is_first
+from megatron_ucp.integration.model_states_load import ClientStates, one_model_states_file_per_rank
+from megatron_ucp.integration.module_read import SavedWeights, module_from_masters, rebuild, rebuild_from_masters
+from megatron_ucp.integration.native_reshard import (
+    BoundSave,
+    SavedSlice,
+    bind_save,
+    load_native_partitions,
+    refresh_lp_params,
+    verify_loaded,
+)
+from megatron_ucp.integration.rank_files import engine_save_files
+from megatron_ucp.plan.accounting import AccountingReport
+
+log = logging.getLogger(__name__)
+
+REBUILT = "module weights rebuilt from the masters (one all-gather; of the module, only what has no master read)"
+
+
+def full_module_reason(engine: Any, config: UcpConfig, kwargs: dict) -> Optional[str]:
+    """Why this load reads the module as DeepSpeed does (every rank, whole); None: once across the job."""
+    if config.module_read != "distributed":
+        return f"module_read={config.module_read}"
+    if kwargs.get("load_module_only") or not kwargs.get("load_optimizer_states", True):
+        return "no optimizer states to rebuild the weights from"
+    if kwargs.get("custom_load_fn") is not None:
+        return "a custom module load function"
+    if surface.pipeline_module(engine):
+        return "a pipeline model loads its weights from per-layer files"
+    if not surface.loads_fp32_masters(engine):
+        return "zero_optimization.load_from_fp32_weights is off: DeepSpeed derives the masters from the weights"
+    return None
+
+
+def _module_reads(engine: Any, model_states: Path, distributed: bool) -> Any:
+    return module_from_masters(engine, model_states) if distributed else contextlib.nullcontext()
+
+
+def _saved_slices(optimizer: Any, bound: BoundSave, model_states: Path) -> SavedSlice:
+    """This rank's real range of the saved weights per group, read from the model-states file on first
+    use (1/DP of the weights)."""
+    weights = SavedWeights(model_states, bound.facts.shapes)
+    starts, reals = bound.partition()
+    dtypes = [parts[0].dtype for parts in surface.layout_of(optimizer).lp_partitions_of(optimizer)]
+    cache: dict[int, torch.Tensor] = {}
+
+    def saved(g: int) -> torch.Tensor:
+        if g not in cache:
+            cache[g] = torch.empty(reals[g], dtype=dtypes[g])
+            weights.read(g, starts[g], cache[g])
+        return cache[g]
+
+    saved.close = weights.close  # type: ignore[attr-defined]
+    return saved
+
+
+@dataclass
+class ReshardOutcome:
+    result: Any
+    load_path: Optional[Path] = None
+    report: Optional[AccountingReport] = None
+    states: Optional[dict] = None
+
+
+def reshard_load(
+    engine: Any,
+    original: Callable[..., Any],
+    load_dir: str,
+    tag: str,
+    kwargs: dict,
+    config: UcpConfig,
+    seen_states: Optional[dict] = None,
+) -> ReshardOutcome:
+    """Route RESHARD up to the report: files bound, DeepSpeed's load of everything but the optimizer
+    states (and, distributed, but the optimized weights), the partitions from the old rank files, the
+    weights the masters round to. The caller finishes (training state, summary)."""
+    rank_file, model_states = engine_save_files(engine, load_dir, tag)
+    why_full = full_module_reason(engine, config, kwargs)
+    distributed = why_full is None
+    bound = bind_save(engine.optimizer, model_states, rank_file, seen_states if is_first() else None)
+    try:
+        with (
+            one_model_states_file_per_rank(engine, always=True, lazy=distributed) as read,
+            _module_reads(engine, model_states, distributed),
+        ):
+            result = original(engine, load_dir, tag, **{**kwargs, "load_optimizer_states": False})
+    except BaseException:
+        bound.close()
+        raise
+    load_path = result[0] if isinstance(result, tuple) else None
+    if load_path is None:
+        bound.close()
+        return ReshardOutcome(result)  # DeepSpeed said why (no such tag)
+    saved = _saved_slices(engine.optimizer, bound, model_states) if distributed else None
+    try:
+        report = load_native_partitions(engine.optimizer, bound, strict=config.strict, saved=saved)
+    finally:
+        getattr(saved, "close", lambda: None)()
+    if distributed:
+        rebuild(engine.optimizer)  # the weights the masters round to, as the universal route gives
+        module = REBUILT
+    else:
+        refreshed = refresh_lp_params(engine.optimizer)
+        module = f"module read in full ({why_full})" + (
+            "; its weights were not the masters rounded to nearest: refreshed from the masters, as a universal "
+            "load does"
+            if refreshed
+            else ""
+        )
+    return ReshardOutcome(result, Path(load_path), report.with_more(extras=[module]), read.of(Path(load_path)))
+
+
+def same_dp_load(
+    engine: Any,
+    original: Callable[..., Any],
+    load_dir: str,
+    tag: Optional[str],
+    kwargs: dict,
+    config: UcpConfig,
+    seen_states: Optional[dict] = None,
+) -> Any:
+    """Route NATIVE at the saved DP size: the old rank files bound before DeepSpeed's own load (each rank
+    its own file, named when it is another position's or another save's), then DeepSpeed's load as it
+    is (distributed: without the optimized weights), then what it loaded checked
+    (:func:`~megatron_ucp.integration.native_reshard.verify_loaded`) and the weights rebuilt or read."""
+    if tag is None:
+        return original(engine, load_dir, tag, **kwargs)
+    rank_file, model_states = engine_save_files(engine, load_dir, tag)
+    bound = bind_save(engine.optimizer, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
+    distributed = bound is not None and full_module_reason(engine, config, kwargs) is None
+    try:
+        with (
+            one_model_states_file_per_rank(engine, always=True, lazy=True)
+            if distributed
+            else contextlib.nullcontext(ClientStates()) as read,
+            _module_reads(engine, model_states, distributed),
+        ):
+            result = original(engine, load_dir, tag, **kwargs)
+    except BaseException:
+        if bound is not None:
+            bound.close()
+        raise
+    if bound is None or not isinstance(result, tuple) or result[0] is None:
+        if bound is not None:
+            bound.close()
+        return result
+    t0 = time.perf_counter()
+    saved = _saved_slices(engine.optimizer, bound, model_states) if distributed else None
+    try:
+        what = verify_loaded(engine.optimizer, bound, strict=config.strict, saved=saved)
+        if distributed:
+            exact = rebuild_from_masters(engine.optimizer, bound.partition()[1], saved)
+            what += "; " + (
+                "module weights rebuilt from the masters (one all-gather), proven equal to the saved ones"
+                if exact
+                else _read_in_full(engine, read, model_states, kwargs)
+            )
+    finally:
+        getattr(saved, "close", lambda: None)()
+    if is_first():
+        log.info(
+            "megatron-ucp: %s loaded at DP %d: %s (%.3fs before DeepSpeed's load, %.3fs after)",
+            tag,
+            bound.dp_to,
+            what,
+            bound.seconds,
+            time.perf_counter() - t0,
+        )
+    return result
+
+
+def _read_in_full(engine: Any, read: ClientStates, model_states: Path, kwargs: dict) -> str:
+    """The saved weights are not the masters rounded to nearest somewhere: DeepSpeed's own module load,
+    every rank the whole module (collective decision: every rank is here)."""
+    if is_first():
+        log.warning(
+            "megatron-ucp: %s: the saved weights are not the fp32 masters rounded to nearest; reading the module "
+            "in full on every rank, as DeepSpeed does",
+            model_states,
+        )
+    engine.load_module_state_dict(
+        checkpoint={**(read.states or {}), F.MODULE: read.module}, strict=kwargs.get("load_module_strict", True)
+    )
+    return "module read in full: its saved weights are not the masters rounded to nearest"
