@@ -567,7 +567,7 @@ def recorded_dp(tag_dir: Path) -> Optional[int]:
     path = model_states_path(Path(tag_dir))
     if path is None:
         return None
-    states = load_raw(path)
+    states = load_raw(path, random_access=True)
     dp = states.get(F.DP_WORLD_SIZE) if isinstance(states, dict) else None
     return int(dp) if dp is not None else None
 

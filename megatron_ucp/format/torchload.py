@@ -202,6 +202,10 @@ class _Archive:
                 or (name.startswith("data/") and self.spans[name][1] < mmap.PAGESIZE)
             }
             self.map = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # private, like torch's mmap load
+            if random_access and hasattr(mmap, "MADV_RANDOM"):
+                # a fault on the mapping (a caller touching a small tensor: an RNG state) reads its page,
+                # not the readahead window after it (the fadvise above governs read calls only)
+                self.map.madvise(mmap.MADV_RANDOM)
         anchor = ctypes.c_char.from_buffer(self.map)
         self.address = ctypes.addressof(anchor)
         del anchor  # the address stays valid while the mapping is open (every view keeps it open)

@@ -40,16 +40,18 @@ from typing import Any, Callable, Iterator, Optional
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.convert.universal import staging_path, universal_state
 from megatron_ucp.deepspeed import surface
-from megatron_ucp.deepspeed.reader import load_torch_file, rank_file_count_problem, saved_layout
+from megatron_ucp.deepspeed.reader import load_raw, rank_file_count_problem, saved_layout
 from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
+from megatron_ucp.format.rawtensor import torch_views_from_raw
 from megatron_ucp.format.torchload import structure_problems, torch_reader_problem
 from megatron_ucp.integration import log_visibility
 from megatron_ucp.integration.collectives import Failure, decide_on_first, is_first
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.live_layout import current_layout
 from megatron_ucp.integration.model_states_load import one_model_states_file_per_rank
+from megatron_ucp.integration.module_read import with_the_rest_exchanged
 from megatron_ucp.integration.native_routes import reshard_load, same_dp_load
 from megatron_ucp.integration.partition_load import load_universal_partitions
 from megatron_ucp.integration.sync_convert import convert_synchronously
@@ -357,8 +359,8 @@ def _finish_load(
     dp_to = int(engine.seq_dp_world_size)
     problems: list[Problem] = []
     extras: list[str] = []
-    if states is None:
-        states = load_torch_file(load_path, mmap=True)
+    if states is None:  # the pickle only (our reader: readahead off), tensors read when used
+        states = torch_views_from_raw(load_raw(load_path, random_access=True))
     if not isinstance(states, dict):
         raise CheckpointFormatError(f"{load_path}: not a DeepSpeed model-states dict", subject=load_path)
 
@@ -374,7 +376,10 @@ def _finish_load(
         problems += p
         extras += e
     if restore_module:
-        p, e = restore_module_tensors(engine.module, set(_live_param_names(engine)), folder, states)
+        optimized = set(_live_param_names(engine))
+        if config.module_read == "distributed":  # what has no master, read once across the DP group
+            states = with_the_rest_exchanged(states, optimized, load_path, surface.dp_group(engine.optimizer))
+        p, e = restore_module_tensors(engine.module, optimized, folder, states)
         problems += p
         extras += e
     report = report.with_more(problems, extras, dp_from=dp_from)

@@ -141,6 +141,18 @@ def _read_the_rest(path: Path, names: list[str], group: Any) -> dict[str, torch.
     return out
 
 
+def with_the_rest_exchanged(states: dict, optimized: set[str], model_states: Path, group: Any) -> dict:
+    """The model-states dict with the module tensors that have no master (buffers, frozen parameters)
+    replaced by copies read once across the DP group (:func:`_read_the_rest`): what a universal load
+    restores from it then costs each rank 1/DP of those bytes. Collective over ``group``."""
+    saved = states.get(F.MODULE) if isinstance(states, dict) else None
+    if not isinstance(saved, dict):
+        return states
+    names = sorted(n for n, _ in _leaves(saved) if n not in optimized)
+    rest = _read_the_rest(model_states, names, group) if names else {}
+    return {**states, F.MODULE: _replaced(saved, rest)} if rest else states
+
+
 @contextlib.contextmanager
 def module_from_masters(engine: Any, model_states: Path) -> Iterator[None]:
     """For one load: DeepSpeed's ``load_module_state_dict`` leaves the optimized parameters as they are

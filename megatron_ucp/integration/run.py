@@ -185,7 +185,7 @@ def read_checkpoint_facts(margs: MegatronArgs) -> Optional[CheckpointFacts]:
     if path is None:
         return None
     with stand_ins_for_unimportable():
-        states = load_raw(path)
+        states = load_raw(path, random_access=True)  # the pickle only, no readahead into the weights
     if not isinstance(states, Mapping):
         raise UcpError(f"{path}: not a DeepSpeed model-states dict", subject=path)
     return facts_from_model_states(str(root), tag, states)

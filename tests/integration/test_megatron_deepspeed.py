@@ -357,3 +357,50 @@ def test_moe_job_trains_saves_and_resumes_as_stock_with_one_warning(mds_checkout
     resumed = mds_runs.get("moe-resume", resume)
     assert len([line for line in resumed.ucp_lines() if "mixture-of-experts" in line]) == 1, resumed.ucp_lines()
     assert_continues(resumed, res, optimizer="zero")
+
+
+# ------------------------------------------------------------------------------------------------
+# Each byte read once across the job: what every rank reads from storage when it restarts
+# ------------------------------------------------------------------------------------------------
+
+
+def _evicted_copies(root: Path, base: Path, ranks: int) -> Path:
+    """``base.rank<r>`` per rank, restarting from iteration 3, out of the page cache; returns ``base``."""
+    from tests.support.page_cache import evict
+
+    for r in range(ranks):
+        evict(_restart_copy(root, base.with_name(f"{base.name}.rank{r}")))
+    return base
+
+
+@pytest.mark.parametrize("dp", [3, 4], ids=["reshard", "same-dp"])
+def test_each_rank_reads_its_share_of_the_checkpoint(trained, mds_checkout, mds_runs, dp: int):
+    """Through the runner, each rank loading its own evicted copy (tests/integration/site): every rank reads
+    its share (its optimizer ranges, the model-states pickle and 1/DP of the saved weights, read exactly,
+    measured per file with ``mincore``), the job the checkpoint once, and the losses continue the
+    uninterrupted run."""
+    from tests.support.page_cache import resident_bytes
+
+    optimizer, root, reference = trained
+    tag = root / "global_step3"
+    files = sorted(p.name for p in tag.iterdir() if p.is_file() and p.name.endswith("_states.pt"))
+    checkpoint = sum((tag / name).stat().st_size for name in files)
+    module = (tag / F.MODEL_STATES_FILE).stat().st_size
+
+    def restart(folder: Path) -> MdsResult:
+        base = _evicted_copies(root, folder / "ckpt", dp)
+        run = MdsRun(nproc=dp, ckpt=base, optimizer=optimizer, save_interval=100)
+        run.env = {"UCP_TEST_PRIVATE_LOAD": "1"}
+        res = run_mds(mds_checkout, run)
+        copies = [base.with_name(f"{base.name}.rank{r}") / "global_step3" for r in range(dp)]
+        res.reads = [{name: resident_bytes(copy / name) for name in files} for copy in copies]
+        return res
+
+    res = mds_runs.get(f"reads-dp{dp}-{optimizer}", restart)
+    page = 4096
+    for rank, read in enumerate(res.reads):  # the model states: its pickle and zip directory, 1/DP of the weights
+        assert read[F.MODEL_STATES_FILE] <= module / dp + 16 * page, (rank, read, module)
+    total = sum(sum(read.values()) for read in res.reads)
+    assert total <= 1.05 * checkpoint + dp * len(files) * 2 * page, (total, checkpoint, res.reads)
+    assert any("rebuilt from the masters" in line for line in res.ucp_lines()), res.ucp_lines()
+    assert_continues(res, reference, optimizer=optimizer)

@@ -31,3 +31,14 @@ class _DisableShmComm(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _DisableShmComm())
+
+
+# Per-rank storage reads, exactly (tests/integration/test_megatron_deepspeed.py, the module-read test).
+# With UCP_TEST_PRIVATE_LOAD=1 every rank loads its own copy of the checkpoint (``--load X`` becomes
+# ``X.rank<RANK>``; the test made and evicted the copies), so what is in the page cache of a copy
+# afterwards is what that rank read (tests/support/page_cache.py), not its neighbours'.
+import os  # noqa: E402
+
+if os.environ.get("UCP_TEST_PRIVATE_LOAD") == "1" and "RANK" in os.environ and "--load" in sys.argv:  # ranks only
+    at = sys.argv.index("--load") + 1
+    sys.argv[at] = f"{sys.argv[at]}.rank{os.environ.get('RANK', '0')}"
