@@ -177,6 +177,7 @@ test-matrix: matrix
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_convert.py
 	$(BIN)/python benchmarks/bench_resume.py
+	$(BIN)/python benchmarks/bench_reads.py
 
 # Synthetic checkpoints at DP up to 768 (megatron_ucp.synthetic): conversion against DP and against
 # stock and the ALCF converter, and the AuroraGPT-7B plan from metadata. llama-1b needs ~25 GB of disk
