@@ -45,13 +45,15 @@ MDS_RUNTIME := regex pybind11 six sentencepiece rich wandb nltk 'transformers<5'
 # save hook + conversion for both optimizer classes (test_deepspeed_versions; where stock DeepSpeed
 # cannot train a case, it shows that instead), install/uninstall, and the elastic load (DP 4 -> 3 from
 # the native files, bit for bit against the universal route; a same-DP restart checked against what the
-# save recorded, mixed-up folders refused; the universal load at DP 4 with an all-padding rank) with a
-# class stock DeepSpeed trains there. The
+# save recorded, mixed-up folders refused; the module read once across the job and exactly what
+# DeepSpeed's own load gives; the universal load at DP 4 with an all-padding rank) with a class stock
+# DeepSpeed trains there. The
 # runner, the save hook, the async trigger and the elastic load also run under the real
 # Megatron-DeepSpeed on each release (mds_class).
 ELASTIC := tests/system/test_elastic_resume.py
 ELASTIC_TESTS = tests/system/test_native_reshard.py::test_reshard_equals_the_universal_route_rank_by_rank[$(1)-3] \
 	tests/system/test_mixed_up_folders.py::test_a_same_dp_restart_checks_what_the_save_recorded_and_names_the_file[$(1)] \
+	tests/system/test_module_read.py::test_a_restart_gives_exactly_what_deepspeeds_load_gives[$(1)] \
 	$(ELASTIC)::test_resume_restores_state_bit_for_bit_and_continues[4-$(1)] \
 	$(ELASTIC)::test_explicit_flag_loads_at_source_dp_with_an_all_padding_rank[$(1)]
 MATRIX_TESTS = tests/system/test_deepspeed_versions.py tests/system/test_hooks_install.py \

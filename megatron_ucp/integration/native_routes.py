@@ -83,7 +83,12 @@ def _saved_slices(optimizer: Any, bound: BoundSave, model_states: Path) -> Saved
         return cache[g]
 
     saved.close = weights.close  # type: ignore[attr-defined]
+    saved.bytes_read = lambda: weights.reader.bytes_read  # type: ignore[attr-defined]
     return saved
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
 
 
 @dataclass
@@ -130,7 +135,11 @@ def reshard_load(
         getattr(saved, "close", lambda: None)()
     if distributed:
         rebuild(engine.optimizer)  # the weights the masters round to, as the universal route gives
-        module = REBUILT
+        optimizer_bytes = sum(src.reader.bytes_read for src in bound.sources.values() if src.reader is not None)
+        module = (
+            f"{REBUILT}; rank {bound.rank} read {_mb(optimizer_bytes)} of the old rank files and "
+            f"{_mb(saved.bytes_read())} of the saved weights"
+        )
     else:
         refreshed = refresh_lp_params(engine.optimizer)
         module = f"module read in full ({why_full})" + (
@@ -183,7 +192,8 @@ def same_dp_load(
         if distributed:
             exact = rebuild_from_masters(engine.optimizer, bound.partition()[1], saved)
             what += "; " + (
-                "module weights rebuilt from the masters (one all-gather), proven equal to the saved ones"
+                "module weights rebuilt from the masters (one all-gather), proven equal to the saved ones "
+                f"(rank {bound.rank} read {_mb(saved.bytes_read())} of them, its 1/DP)"
                 if exact
                 else _read_in_full(engine, read, model_states, kwargs)
             )
