@@ -136,6 +136,7 @@ def native(args) -> int:
     exact = exact_against_source(args, copied)
     share = sum(4 * geo.partition_size * len(targets[g]) for g, geo in enumerate(new))
     real = sum(geo.true_length(args.rank) for geo in new)
+    module = module_part(args, tag, facts, new, targets) if args.module else {}
     print(
         json.dumps(
             {
@@ -152,10 +153,44 @@ def native(args) -> int:
                 "old_files": len(sources),
                 "peak_rss": peak_rss(),
                 "bit_exact": exact,
+                **module,
             }
         )
     )
-    return 0 if exact else 1
+    return 0 if exact and module.get("weights_exact", True) else 1
+
+
+def module_part(args, tag: Path, facts, new: list, targets: list) -> dict:
+    """What this rank reads of the model-states file with ``module_read = distributed``: its pickle (the
+    lazy loader) and its partition's range of the saved weights, compared with its masters rounded (the
+    proof a same-DP restart needs); bytes from storage, the weights' share."""
+    from megatron_ucp.deepspeed.reader import load_raw
+    from megatron_ucp.integration.module_read import SavedWeights
+
+    path = tag / F.MODEL_STATES_FILE
+    io0 = read_bytes()
+    load_raw(path, random_access=True)
+    pickle_io = read_bytes() - io0
+    io0 = read_bytes()
+    t0 = time.perf_counter()
+    weights = SavedWeights(path, facts.shapes)
+    exact = True
+    share = 0
+    for g, geo in enumerate(new):
+        real = geo.true_length(args.rank)
+        saved = torch.empty(real, dtype=torch.bfloat16)
+        weights.read(g, args.rank * geo.partition_size, saved)
+        exact = exact and torch.equal(saved, targets[g]["fp32"][:real].to(torch.bfloat16))
+        share += 2 * real
+    weights.close()
+    return {
+        "module_pickle_read_bytes": pickle_io,
+        "module_read_bytes": read_bytes() - io0,
+        "module_share_bytes": share,
+        "module_file_bytes": path.stat().st_size,
+        "module_seconds": time.perf_counter() - t0,
+        "weights_exact": exact,
+    }
 
 
 def main(argv=None) -> int:
@@ -166,6 +201,7 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--module", action="store_true", help="with --native: also the rank's part of the model states")
     args = ap.parse_args(argv)
     if args.native:
         return native(args)
