@@ -29,6 +29,7 @@ BF16 = "deepspeed.runtime.bf16_optimizer:BF16_Optimizer"
 ZERO = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
 SD_LOADERS = "deepspeed.runtime.state_dict_factory:SDLoaderFactory"
 PIPE_MODULE = "deepspeed.runtime.pipe.module:PipelineModule"
+PIPE_GRID = "deepspeed.runtime.pipe.topology:PipelineParallelGrid"
 FRAGMENT = "deepspeed.utils.tensor_fragment:tensor_fragment"
 BWC = "deepspeed.utils.bwc"
 ACCELERATOR = "deepspeed.accelerator"
@@ -76,7 +77,9 @@ SURFACE: tuple[Internal, ...] = (
         "for one load: the optimized weights left for the rebuild from the masters, the rest read once per job",
     ),
     Internal(ENGINE, "zero_load_from_fp32_weights", C, "whether a native load takes the masters from the files"),
-    Internal(PIPE_MODULE, "__init__", C, "a pipeline model loads its module from per-layer files"),
+    Internal(PIPE_MODULE, "ckpt_layer_path_list", C, "a pipeline model's layer files, which its layers load"),
+    Internal(PIPE_GRID, "get_slice_parallel_rank", C, "which of a layer's model-parallel files this rank loads"),
+    Internal(PIPE_GRID, "get_slice_parallel_world_size", C, "how many model-parallel files a layer has"),
     Internal(ENGINE, "_load_checkpoint", C, "DeepSpeed's module + training-state load, called by load_checkpoint"),
     Internal(ENGINE, "_load_zero_checkpoint", C, "the optimizer load the native reshard stands in for"),
     Internal(ENGINE, "load_universal_checkpoint", C, "whether the job asked for a universal load"),
@@ -251,6 +254,12 @@ def loads_fp32_masters(engine: Any) -> bool:
 def pipeline_module(engine: Any) -> bool:
     """The engine's module is a pipeline model (it loads its weights from per-layer files)."""
     return isinstance(getattr(engine, "module", None), resolve(PIPE_MODULE))
+
+
+def slice_parallel(module: Any) -> tuple[int, int]:
+    """A pipeline model's model-parallel (slice) rank and size: which of each layer's files it loads."""
+    grid = _instance(module, "_grid")
+    return int(grid.get_slice_parallel_rank()), int(grid.get_slice_parallel_world_size())
 
 
 def node_local_storage(engine: Any) -> bool:

@@ -10,13 +10,16 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.reader import load_raw, load_torch_file
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.rawtensor import torch_views_from_raw
+
+LayerHook = Callable[[Path, dict], dict]
+"""A pipeline model's layer file (path, its state dict as read) -> the state dict its layer loads."""
 
 
 @dataclass
@@ -35,7 +38,9 @@ class ClientStates:
 
 
 @contextlib.contextmanager
-def one_model_states_file_per_rank(engine: Any, always: bool = False, lazy: bool = False) -> Iterator[ClientStates]:
+def one_model_states_file_per_rank(
+    engine: Any, always: bool = False, lazy: bool = False, layer_hook: Optional[LayerHook] = None
+) -> Iterator[ClientStates]:
     """For one load: each rank reads one existing ``mp_rank_XX_model_states.pt`` as it is, once.
 
     At another TP or PP size the folder holds another number of those files than the engine has
@@ -49,7 +54,9 @@ def one_model_states_file_per_rank(engine: Any, always: bool = False, lazy: bool
     its ``mp_world_size``): here each rank reads its own file once and the count is checked on it.
     ``lazy``: the file is memory-mapped and only its pickle read; a tensor's bytes are read when
     something uses it (:mod:`megatron_ucp.integration.module_read` reads each of them once across the
-    job). Yields what the replacement read, less the module weights (:class:`ClientStates`).
+    job). ``layer_hook``: what a pipeline model's layer file (read lazily) gives its layer, by path (the
+    optimized weights left alone, the rest read once across the DP group). Yields what the replacement
+    read of the model-states file, less the module weights (:class:`ClientStates`).
     """
     want = int(getattr(engine, "mp_world_size", 1) or 1)
     read = ClientStates()
@@ -63,6 +70,7 @@ def one_model_states_file_per_rank(engine: Any, always: bool = False, lazy: bool
                     check_count=always and len(ckpt_list) == want,
                     read=read,
                     lazy=lazy,
+                    layer_hook=layer_hook,
                 )
             return original.__func__(ckpt_list, *args, **kwargs)
 
@@ -83,12 +91,14 @@ class ClientStateLoader:
         check_count: bool = False,
         read: Optional[ClientStates] = None,
         lazy: bool = False,
+        layer_hook: Optional[LayerHook] = None,
     ) -> None:
         self.ckpt_list = ckpt_list
         self.checkpoint_engine = checkpoint_engine
         self.check_count = check_count
         self.read = read
         self.lazy = lazy
+        self.layer_hook = layer_hook
 
     def load(self, mp_world_size: int, mp_rank: int, *args: Any, **kwargs: Any) -> tuple[str, Any, None]:
         path = self.ckpt_list[min(mp_rank * len(self.ckpt_list) // max(1, mp_world_size), len(self.ckpt_list) - 1)]
@@ -107,7 +117,10 @@ class ClientStateLoader:
                 f"{len(self.ckpt_list)} model-states files",
                 subject=path,
             )
-        if self.read is not None and isinstance(states, dict):
+        layer_file = F.LAYER_FILE_RE.match(Path(path).name) is not None
+        if layer_file and self.layer_hook is not None and isinstance(states, dict):
+            states = self.layer_hook(Path(path), states)
+        if self.read is not None and isinstance(states, dict) and not layer_file:
             self.read.path = Path(path)
             self.read.states = {k: v for k, v in states.items() if k != F.MODULE}
             self.read.module = states.get(F.MODULE)

@@ -44,14 +44,15 @@ log = logging.getLogger(__name__)
 
 
 class SavedWeights:
-    """The optimized weights a model-states file holds, by their place in each param group's flat
-    order (``param_shapes``): a range is read exactly (:class:`RangeReader`), never the whole module."""
+    """The optimized weights a save holds, by their place in each param group's flat order
+    (``param_shapes``): a range is read exactly (:class:`RangeReader`), never the whole module. ``sources``:
+    parameter name -> (file, its saved tensor, mapped): the model states' module, or for a pipeline model
+    its layer files (:func:`weight_sources`)."""
 
-    def __init__(self, path: Path, shapes: list[list[tuple[str, tuple[int, ...]]]], raw: Optional[dict] = None) -> None:
-        self.path = Path(path)
-        raw = raw if raw is not None else load_raw(self.path, random_access=True)
-        module = raw.get(F.MODULE) if isinstance(raw, dict) else None
-        self.tensors = {n: t for n, t in flatten_module_states(module).items() if isinstance(t, RawTensor)}
+    def __init__(
+        self, shapes: list[list[tuple[str, tuple[int, ...]]]], sources: dict[str, tuple[Path, RawTensor]]
+    ) -> None:
+        self.sources = sources
         self.places = []
         for group in shapes:
             offset, places = 0, []
@@ -60,7 +61,11 @@ class SavedWeights:
                 places.append((offset, n, name))
                 offset += n
             self.places.append(places)
-        self.reader = RangeReader(self.path)
+        self.readers: dict[Path, RangeReader] = {}
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(reader.bytes_read for reader in self.readers.values())
 
     def read(self, group: int, start: int, dest: torch.Tensor) -> None:
         """Elements ``[start, start + dest.numel())`` of the group's flat order into ``dest``."""
@@ -69,17 +74,55 @@ class SavedWeights:
             lo, hi = max(start, offset), min(stop, offset + n)
             if lo >= hi:
                 continue
-            saved = self.tensors.get(name)
+            path, saved = self.sources.get(name, (None, None))
             if saved is None or saved.numel() != n or not saved.is_contiguous():
                 raise CheckpointFormatError(
-                    f"{self.path}: holds no contiguous {n}-element weight {name!r} (the module lacks it, or it is "
-                    "of another shape)",
-                    subject=self.path,
+                    f"{path or 'the save'}: holds no contiguous {n}-element weight {name!r} (the module lacks it, or "
+                    "it is of another shape)",
+                    subject=path,
                 )
-            read_tensor_range(self.reader, saved.reshape(-1), lo - offset, dest.narrow(0, lo - start, hi - lo))
+            reader = self.readers.setdefault(path, RangeReader(path))
+            read_tensor_range(reader, saved.reshape(-1), lo - offset, dest.narrow(0, lo - start, hi - lo))
 
     def close(self) -> None:
-        self.reader.close()
+        for reader in self.readers.values():
+            reader.close()
+
+
+def weight_sources(engine: Any, model_states: Path) -> dict[str, tuple[Path, RawTensor]]:
+    """Each optimized parameter's saved tensor (mapped, not read) and its file, by the name the optimizer
+    files use: from the model states' module, or, for a pipeline model, from its stage's layer files,
+    matched to the live parameters by identity (a layer file's keys are the layer's own)."""
+    optimizer = engine.optimizer
+    names = surface.param_names(optimizer)
+    if not surface.pipeline_module(engine):
+        raw = load_raw(model_states, random_access=True)
+        module = raw.get(F.MODULE) if isinstance(raw, dict) else None
+        return {n: (model_states, t) for n, t in flatten_module_states(module).items() if isinstance(t, RawTensor)}
+    optimized = {id(lp): lp for group in surface.layout_of(optimizer).groups(optimizer) for lp in group}
+    out: dict[str, tuple[Path, RawTensor]] = {}
+    for path, layer in _layer_files(engine, model_states.parent):
+        raw = load_raw(path, random_access=True)
+        for key, live in layer.state_dict(keep_vars=True).items():
+            saved = raw.get(key) if isinstance(raw, dict) else None
+            if id(live) in optimized and isinstance(saved, RawTensor):
+                out[names[optimized[id(live)]]] = (path, saved)
+    return out
+
+
+def _layer_files(engine: Any, folder: Path) -> list[tuple[Path, Any]]:
+    """This rank's stage's layers with state, and the layer file of this model-parallel rank each loads."""
+    module = engine.module
+    out = []
+    for idx, layer in enumerate(module.forward_funcs):
+        if not hasattr(layer, "load_state_dict"):
+            continue
+        files = sorted(module.ckpt_layer_path_list(str(folder), idx))
+        if not files:
+            continue
+        rank, world = surface.slice_parallel(module)
+        out.append((Path(files[min(rank * len(files) // max(1, world), len(files) - 1)]), layer))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -104,12 +147,13 @@ def _replaced(nested: dict, values: dict[str, Any], prefix: str = "") -> dict:
     return out
 
 
-def _read_the_rest(path: Path, names: list[str], group: Any) -> dict[str, torch.Tensor]:
+def _read_the_rest(path: Path, names: list[str], group: Any, key: Optional[str] = F.MODULE) -> dict[str, torch.Tensor]:
     """The module tensors without a master, each byte read by one rank of ``group``: their bytes laid end
     to end, one slice per rank (read exactly), one all-gather. Every rank of the group holds the same
     file (one model-parallel coordinate), so every rank computes the same layout."""
     dist = comm()
-    raw = flatten_module_states(load_raw(path, random_access=True).get(F.MODULE))
+    raw = load_raw(path, random_access=True)
+    raw = flatten_module_states(raw.get(key) if key is not None else raw)
     pieces = []
     for name in names:
         tensor = raw.get(name)
@@ -151,6 +195,27 @@ def with_the_rest_exchanged(states: dict, optimized: set[str], model_states: Pat
     names = sorted(n for n, _ in _leaves(saved) if n not in optimized)
     rest = _read_the_rest(model_states, names, group) if names else {}
     return {**states, F.MODULE: _replaced(saved, rest)} if rest else states
+
+
+def layer_hook(engine: Any, folder: Path) -> Callable[[Path, dict], dict]:
+    """For a pipeline model's layer files (read lazily by the per-load state-dict loader): the layer gets
+    its optimized weights as they are (identity with the live tensors) and the rest read once across the
+    DP group. Collective when the rest is not empty (every rank of the group loads the same files)."""
+    optimizer = engine.optimizer
+    optimized = {id(lp) for group in surface.layout_of(optimizer).groups(optimizer) for lp in group}
+    group = surface.dp_group(optimizer)
+    layers = {path.name: layer for path, layer in _layer_files(engine, folder)}
+
+    def give(path: Path, states: dict) -> dict:
+        layer = layers.get(path.name)
+        if layer is None:
+            return states
+        own = {k: t.detach() for k, t in layer.state_dict(keep_vars=True).items() if id(t) in optimized}
+        names = sorted(k for k in states if k not in own)
+        rest = _read_the_rest(path, names, group, key=None) if names else {}
+        return {**states, **{k: v for k, v in own.items() if k in states}, **rest}
+
+    return give
 
 
 @contextlib.contextmanager

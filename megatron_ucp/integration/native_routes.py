@@ -32,7 +32,14 @@ from megatron_ucp.deepspeed import surface
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import is_first
 from megatron_ucp.integration.model_states_load import ClientStates, one_model_states_file_per_rank
-from megatron_ucp.integration.module_read import SavedWeights, module_from_masters, rebuild, rebuild_from_masters
+from megatron_ucp.integration.module_read import (
+    SavedWeights,
+    layer_hook,
+    module_from_masters,
+    rebuild,
+    rebuild_from_masters,
+    weight_sources,
+)
 from megatron_ucp.integration.native_reshard import (
     BoundSave,
     SavedSlice,
@@ -57,8 +64,6 @@ def full_module_reason(engine: Any, config: UcpConfig, kwargs: dict) -> Optional
         return "no optimizer states to rebuild the weights from"
     if kwargs.get("custom_load_fn") is not None:
         return "a custom module load function"
-    if surface.pipeline_module(engine):
-        return "a pipeline model loads its weights from per-layer files"
     if not surface.loads_fp32_masters(engine):
         return "zero_optimization.load_from_fp32_weights is off: DeepSpeed derives the masters from the weights"
     return None
@@ -68,10 +73,16 @@ def _module_reads(engine: Any, model_states: Path, distributed: bool) -> Any:
     return module_from_masters(engine, model_states) if distributed else contextlib.nullcontext()
 
 
-def _saved_slices(optimizer: Any, bound: BoundSave, model_states: Path) -> SavedSlice:
-    """This rank's real range of the saved weights per group, read from the model-states file on first
-    use (1/DP of the weights)."""
-    weights = SavedWeights(model_states, bound.facts.shapes)
+def _layers(engine: Any, model_states: Path, distributed: bool) -> Any:
+    """A pipeline model's layer files, read the same way (distributed), else None."""
+    return layer_hook(engine, model_states.parent) if distributed and surface.pipeline_module(engine) else None
+
+
+def _saved_slices(engine: Any, bound: BoundSave, model_states: Path) -> SavedSlice:
+    """This rank's real range of the saved weights per group, read from the model-states file (or the
+    pipeline model's layer files) on first use (1/DP of the weights)."""
+    optimizer = engine.optimizer
+    weights = SavedWeights(bound.facts.shapes, weight_sources(engine, model_states))
     starts, reals = bound.partition()
     dtypes = [parts[0].dtype for parts in surface.layout_of(optimizer).lp_partitions_of(optimizer)]
     cache: dict[int, torch.Tensor] = {}
@@ -83,7 +94,7 @@ def _saved_slices(optimizer: Any, bound: BoundSave, model_states: Path) -> Saved
         return cache[g]
 
     saved.close = weights.close  # type: ignore[attr-defined]
-    saved.bytes_read = lambda: weights.reader.bytes_read  # type: ignore[attr-defined]
+    saved.bytes_read = lambda: weights.bytes_read  # type: ignore[attr-defined]
     return saved
 
 
@@ -117,7 +128,9 @@ def reshard_load(
     bound = bind_save(engine.optimizer, model_states, rank_file, seen_states if is_first() else None)
     try:
         with (
-            one_model_states_file_per_rank(engine, always=True, lazy=distributed) as read,
+            one_model_states_file_per_rank(
+                engine, always=True, lazy=distributed, layer_hook=_layers(engine, model_states, distributed)
+            ) as read,
             _module_reads(engine, model_states, distributed),
         ):
             result = original(engine, load_dir, tag, **{**kwargs, "load_optimizer_states": False})
@@ -128,7 +141,7 @@ def reshard_load(
     if load_path is None:
         bound.close()
         return ReshardOutcome(result)  # DeepSpeed said why (no such tag)
-    saved = _saved_slices(engine.optimizer, bound, model_states) if distributed else None
+    saved = _saved_slices(engine, bound, model_states) if distributed else None
     try:
         report = load_native_partitions(engine.optimizer, bound, strict=config.strict, saved=saved)
     finally:
@@ -168,10 +181,13 @@ def same_dp_load(
         return original(engine, load_dir, tag, **kwargs)
     rank_file, model_states = engine_save_files(engine, load_dir, tag)
     bound = bind_save(engine.optimizer, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
-    distributed = bound is not None and full_module_reason(engine, config, kwargs) is None
+    why_full = full_module_reason(engine, config, kwargs)
+    distributed = bound is not None and why_full is None
     try:
         with (
-            one_model_states_file_per_rank(engine, always=True, lazy=True)
+            one_model_states_file_per_rank(
+                engine, always=True, lazy=True, layer_hook=_layers(engine, model_states, distributed)
+            )
             if distributed
             else contextlib.nullcontext(ClientStates()) as read,
             _module_reads(engine, model_states, distributed),
@@ -186,7 +202,7 @@ def same_dp_load(
             bound.close()
         return result
     t0 = time.perf_counter()
-    saved = _saved_slices(engine.optimizer, bound, model_states) if distributed else None
+    saved = _saved_slices(engine, bound, model_states) if distributed else None
     try:
         what = verify_loaded(engine.optimizer, bound, strict=config.strict, saved=saved)
         if distributed:
@@ -197,6 +213,8 @@ def same_dp_load(
                 if exact
                 else _read_in_full(engine, read, model_states, kwargs)
             )
+        else:
+            what += f"; module read in full ({why_full})"
     finally:
         getattr(saved, "close", lambda: None)()
     if is_first():

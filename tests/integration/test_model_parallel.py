@@ -624,3 +624,42 @@ def test_tied_embeddings_across_pipeline_stages(mds_checkout, mds_runs, tmp_path
     once_each = sum(math.prod(p["source_shape"]) for p in loaded.values())
     states = 3  # fp32, exp_avg, exp_avg_sq
     assert _placed_elements(res) == states * (once_each + math.prod(loaded[TIED]["source_shape"]))
+
+
+def test_pipeline_pp2_restart_reads_each_layer_file_once_per_dp_group(mds_checkout, mds_runs, tmp_path):
+    """GPTModelPipe at (TP 1, PP 2, DP 2) restarted at the same layout through the runner, every rank
+    loading its own evicted copy (tests/integration/site): each rank reads about half (1/DP) of the layer
+    files its stage loads (its range of the saved weights, the exactness check) and the pickles, not the
+    whole stage as DeepSpeed's pipeline load does; the losses continue."""
+    from tests.support.page_cache import evict, resident_bytes
+
+    root, full = _train(mds_checkout, mds_runs, "pp2")
+    base = tmp_path / "ckpt"
+    for r in range(4):
+        evict(_resume_copy(root, base.with_name(f"{base.name}.rank{r}")))
+    res = run_mds(
+        mds_checkout,
+        MdsRun(
+            nproc=4,
+            ckpt=base,
+            pp=2,
+            pipeline=True,
+            train_iters=6,
+            save_interval=100,
+            model=MdsModel(untied=True),
+            extra_args=SAME_PADDING,
+            env={"UCP_TEST_PRIVATE_LOAD": "1"},
+        ),
+    )
+    page = 4096
+    for r in range(4):
+        tag = base.with_name(f"{base.name}.rank{r}") / "global_step4"
+        layers = {p: resident_bytes(p) for p in tag.glob("layer_*-model_states.pt")}
+        touched = {p: n for p, n in layers.items() if n}
+        assert touched, (r, layers)
+        size = sum(p.stat().st_size for p in touched)
+        assert sum(touched.values()) <= size / 2 + 16 * page * len(touched), (r, touched, size)
+    lines = res.ucp_lines()
+    assert any("rebuilt from the masters (one all-gather), proven equal" in line for line in lines), lines
+    for it in (5, 6):
+        assert abs(res.losses[it] - full.losses[it]) < 2e-4, (it, res.losses, full.losses)
