@@ -23,13 +23,14 @@ state files is :mod:`megatron_ucp.convert.writer`.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -67,6 +68,7 @@ from megatron_ucp.format.torch_archive import unproven
 from megatron_ucp.format.torchload import TorchReaderCheck, structure_problems
 from megatron_ucp.plan.conversion import ConversionPlan, ParamPlan, build_plan, share_of, split_by_bytes
 from megatron_ucp.plan.model_parallel import CoordinateInput, build_model_parallel_plan
+from megatron_ucp.plan.stage3_plan import build_stage3_plan
 from megatron_ucp.version import __version__
 
 log = logging.getLogger(__name__)
@@ -130,12 +132,21 @@ def default_output(ck: ResolvedCheckpoint) -> Path:
 
 
 def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
-    """The plan of a DP-only checkpoint, or the merged per-coordinate plans of a TP/PP one."""
+    """The plan of a DP-only checkpoint, or the merged per-coordinate plans of a TP/PP one.
+
+    ZeRO-3 (per-parameter partitions, :func:`~megatron_ucp.plan.stage3_plan.build_stage3_plan`) keeps
+    vocabulary parameters whole: stock's stage-3 universal loader partitions the ``param`` tensor it
+    finds as the live parameter, padded rows included, and a trimmed one would land shifted."""
     rules = meta.model.patterns(meta.tp)
+    stage3 = meta.files.partitioned_weights
+    if stage3:
+        rules = replace(rules, original_vocab_size=None)
     names = {spec.name for c in meta.coordinates for group in c.model.param_groups for spec in group}
     try:
         if not meta.model_parallel:
             recorded = meta.tp_layouts(sorted(names)) if meta.tp_layouts_known() else None
+            if stage3:
+                return build_stage3_plan(meta.model.param_groups, meta.layouts, rules, tp_layouts=recorded)
             return build_plan(meta.model.param_groups, meta.layouts, rules, tp_layouts=recorded)
         layouts = meta.tp_layouts(sorted(names))
         coordinates = [
@@ -148,7 +159,8 @@ def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
             )
             for c in meta.coordinates
         ]
-        return build_model_parallel_plan(coordinates, meta.tp, meta.pp, layouts, rules)
+        planner = (lambda groups, ranks: build_stage3_plan(groups, ranks)) if stage3 else None
+        return build_model_parallel_plan(coordinates, meta.tp, meta.pp, layouts, rules, plan_coordinate=planner)
     except PlanError as exc:
         raise CheckpointFormatError(f"{meta.files.tag_dir}: {exc}", subject=meta.files.tag_dir) from exc
 
@@ -170,8 +182,10 @@ def _group_steps(meta: CheckpointMeta, plan: ConversionPlan, cache: RankFileCach
     return tuple(steps)
 
 
-def _frozen_params(meta: CheckpointMeta, plan: ConversionPlan) -> dict[str, RawTensor]:
+def _frozen_params(meta: CheckpointMeta, plan: ConversionPlan) -> dict[str, Any]:
     """Module parameters the optimizer does not hold (frozen): stock writes their fp32 too."""
+    if meta.files.partitioned_weights:
+        return _zero3_frozen_params(meta)
     module = meta.model.raw.get("module") or {}
     buffers = set(meta.model.raw.get("buffer_names") or ())
     planned = {p.name for p in plan.params}
@@ -193,15 +207,10 @@ def _frozen_params(meta: CheckpointMeta, plan: ConversionPlan) -> dict[str, RawT
     return out
 
 
-def _model_files(meta: CheckpointMeta) -> list[Path]:
-    """Every model-parallel rank's model states and the pipeline model's layer files (as stock copies them)."""
-    return [*meta.files.model_files, *meta.files.layer_files]
-
-
 def _copy_model_files(meta: CheckpointMeta, staging: Staging) -> list[Path]:
     """Copy the model-states file(s) into the output (kernel-side copy), writeback started, not fsynced."""
     copies = []
-    for src in _model_files(meta):
+    for src in meta.files.copied_files():
         dest = staging.path / src.name
         try:
             shutil.copyfile(src, dest)
@@ -234,8 +243,47 @@ def _write_common(
     return sorted(frozen)
 
 
-def _as_fp32(tensor: RawTensor) -> Any:
+def _zero3_frozen_params(meta: CheckpointMeta) -> dict[str, Any]:
+    """ZeRO-3 frozen parameters: every DP rank's model states hold its slice (``frozen_param_fragments``,
+    ``ceil(n / dp)`` elements with tail padding); the parameter is their real elements, in rank order."""
+    shapes = meta.model.raw.get("frozen_param_shapes") or {}
+    if not shapes:
+        return {}
+    if meta.model_parallel:
+        raise UnsupportedError(
+            f"{meta.files.model_states}: frozen parameters ({sorted(shapes)[:3]}) in a {meta.describe()} "
+            "ZeRO-3 checkpoint: their TP slices are not merged yet",
+            subject=meta.files.model_states,
+        )
+    import torch
+
+    from megatron_ucp.deepspeed.reader import load_raw
+    from megatron_ucp.plan.param_geometry import ParamPartition
+
+    fragments = [(path, (load_raw(path).get("frozen_param_fragments") or {})) for path in meta.files.zero3_model_files]
+    out = {}
+    for name, shape in shapes.items():
+        shape = tuple(int(d) for d in shape)
+        part = ParamPartition(math.prod(shape), meta.dp)
+        pieces = []
+        for r, (path, held) in enumerate(fragments):
+            frag = held.get(name)
+            if frag is None or frag.numel() != part.partition_size:
+                held_text = "no slice" if frag is None else f"{frag.numel()} elements"
+                raise CheckpointFormatError(
+                    f"{path}: frozen parameter {name!r} has {held_text}, expected {part.partition_size} "
+                    f"(ceil({part.numel}/{meta.dp}))",
+                    subject=path,
+                )
+            pieces.append(frag.reshape(-1).narrow(0, 0, part.true_length(r)).to_torch())
+        out[name] = torch.cat(pieces).float().view(shape)
+    return out
+
+
+def _as_fp32(tensor: Any) -> Any:
     """fp32 of a frozen parameter (a torch tensor when it must be converted: torch does the rounding)."""
+    if not isinstance(tensor, RawTensor):
+        return tensor
     if tensor.dtype.name == "float32" and tensor.is_contiguous():
         return tensor
     return tensor.to_torch().float().clone()
@@ -297,7 +345,7 @@ def _repair_interrupted(ck: ResolvedCheckpoint, output: Path, options: ConvertOp
 def files_copied_as_they_are(files: CheckpointFiles) -> list[Path]:
     """The model-states and layer files: the output holds them byte for byte, and DeepSpeed's loader
     opens them with ``torch.load``."""
-    return [*(files.model_files or (files.model_states,)), *files.layer_files]
+    return files.copied_files()
 
 
 def check_torch_loadable(files: CheckpointFiles) -> None:

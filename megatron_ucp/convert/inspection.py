@@ -15,7 +15,9 @@ from typing import Optional, Sequence
 from megatron_ucp.convert.execute import plan_checkpoint
 from megatron_ucp.convert.universal import universal_state
 from megatron_ucp.deepspeed.reader import read_checkpoint, resolve_checkpoint
+from megatron_ucp.deepspeed.versions import stage3_stock_behaviour
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.plan.conversion import ParamSpec
 from megatron_ucp.plan.geometry import (
     GroupGeometry,
     PaddingStyle,
@@ -23,6 +25,7 @@ from megatron_ucp.plan.geometry import (
     stock_converter_crashes,
     stock_loader_crash_ranks,
 )
+from megatron_ucp.plan.param_geometry import SubGroupGeometry, stock_stage3_problems
 
 
 @dataclass
@@ -59,6 +62,10 @@ class InspectReport:
     """Per model-parallel coordinate: its file, parameters and each group's geometry (TP/PP checkpoints)."""
     tp_layouts: dict[str, int] = field(default_factory=dict)
     """How many parameters TP divides each way (``split dim 1``, ``replicated``, ...)."""
+    sub_groups: list[dict] = field(default_factory=list)
+    """ZeRO-3: per optimizer sub-group, its size and the parameters with padding-only slices."""
+    stock_stage3: list[dict] = field(default_factory=list)
+    """ZeRO-3: what stock ``ds_to_universal`` of the release that saved it does wrong (empty: nothing)."""
 
     @property
     def stock_converter_fails(self) -> bool:
@@ -154,6 +161,53 @@ def inspect_geometry(
     )
 
 
+def inspect_stage3(
+    sub_groups: Sequence[Sequence[ParamSpec]], dp: int, ds_version: str, **facts: object
+) -> InspectReport:
+    """Pure: the report of a ZeRO-3 save (per-parameter partitions) from its sub-groups' shapes."""
+    geos = [SubGroupGeometry(tuple(s.numel for s in specs), dp) for specs in sub_groups]
+    rows = []
+    for specs, geo in zip(sub_groups, geos):
+        padded = geo.padding_only()
+        rows.append(
+            {
+                "params": len(specs),
+                "numel": geo.numel,
+                "partition_size": geo.partition_size,
+                "padding_only_params": len(padded),
+                "padding_only_example": (
+                    {"param": specs[padded[0][0]].name, "ranks": padded[0][1]} if padded else None
+                ),
+            }
+        )
+    reads_all, strips = stage3_stock_behaviour(ds_version)
+    problems = stock_stage3_problems(geos, reads_all, strips)
+    named = [
+        {
+            "sub_group": p.sub_group,
+            "param": sub_groups[p.sub_group][p.param].name if p.param >= 0 else None,
+            "what": p.what,
+        }
+        for p in problems
+    ]
+    return InspectReport(
+        source=str(facts.get("source", "<metadata>")),
+        dp=dp,
+        ds_version=ds_version,
+        optimizer=str(facts.get("optimizer", "?")),
+        zero_stage=3,
+        padding_style="per-parameter",
+        saved_with_megatron_ucp=bool(facts.get("saved_with_ucp", False)),
+        has_universal_checkpoint_info=facts.get("has_uc_info"),  # type: ignore[arg-type]
+        groups=[],
+        stock_converter_crashes=[],
+        target_dps=[],
+        stock_loader_crash_dps=[],
+        sub_groups=rows,
+        stock_stage3=named,
+    )
+
+
 def inspect_checkpoint(path: Path, tag: Optional[str], target_dps: Sequence[int]) -> InspectReport:
     ck = resolve_checkpoint(path, tag)
     meta = read_checkpoint(ck.tag_dir)
@@ -161,6 +215,21 @@ def inspect_checkpoint(path: Path, tag: Optional[str], target_dps: Sequence[int]
     # every element covered once, shapes against the mappings, TP slices against each other): a
     # checkpoint convert would refuse is refused here too, with the same message
     plan = plan_checkpoint(meta)
+    if meta.files.partitioned_weights:
+        report = inspect_stage3(
+            meta.model.param_groups,
+            meta.dp,
+            meta.ds_version,
+            source=str(ck.tag_dir),
+            optimizer=meta.kind,
+            saved_with_ucp=meta.saved_with_ucp,
+            has_uc_info=meta.model.universal_checkpoint_info is not None,
+        )
+        if meta.model_parallel:
+            report.parallel = {"tp": meta.tp, "pp": meta.pp, "dp": meta.dp}
+        twin = ck.tag_dir.parent / F.universal_tag(ck.tag)
+        report.universal_twin = f"{twin.name}: {universal_state(twin)}"
+        return report
     reports = []
     for c in meta.coordinates:  # each coordinate has its own geometry, so its own stock crashes
         groups = []
@@ -226,6 +295,8 @@ def format_report(r: InspectReport) -> str:
         f"group_paddings:   {r.padding_style}"
         + (" (saved with megatron-ucp: true lengths recorded)" if r.saved_with_megatron_ucp else ""),
     ]
+    if r.zero_stage == 3:
+        return "\n".join(lines[:-1] + _stage3_lines(r))
     if r.universal_twin:
         lines.append(f"universal twin:   {r.universal_twin}")
     if r.tp_layouts:
@@ -265,3 +336,31 @@ def format_report(r: InspectReport) -> str:
     )
     lines.extend(f"note: {n}" for n in r.notes)
     return "\n".join(lines)
+
+
+def _stage3_lines(r: InspectReport) -> list[str]:
+    """The ZeRO-3 part of the report: partitions per parameter, per sub-group."""
+    lines = ["partitions:       per parameter (ceil(n/DP) elements each, tail padding on the last ranks)"]
+    if r.universal_twin:
+        lines.append(f"universal twin:   {r.universal_twin}")
+    for g, row in enumerate(r.sub_groups):
+        lines.append(
+            f"sub-group {g}: N={row['numel']:,}, {row['params']} params; partition {row['partition_size']:,} per rank"
+        )
+        example = row["padding_only_example"]
+        if example:
+            lines.append(
+                f"  {row['padding_only_params']} param(s) with padding-only slices, e.g. {example['param']} on ranks "
+                f"{_ranges(example['ranks'])}"
+            )
+    if r.stock_stage3:
+        first = r.stock_stage3[0]
+        lines.append(
+            f"stock ds_to_universal (DeepSpeed {r.ds_version}): WRONG in {len(r.stock_stage3)} place(s), e.g. "
+            f"sub-group {first['sub_group']}{' ' + first['param'] if first['param'] else ''}: {first['what']}; "
+            "megatron-ucp convert reads every sub-group and strips every slice's padding"
+        )
+    else:
+        lines.append(f"stock ds_to_universal (DeepSpeed {r.ds_version}): ok")
+    lines.extend(f"note: {n}" for n in r.notes)
+    return lines

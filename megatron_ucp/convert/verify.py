@@ -110,9 +110,12 @@ def verify_universal(
     report = VerifyReport(folder=folder)
     zero = folder / F.UNIVERSAL_ZERO_DIR
     model_file = folder / F.MODEL_STATES_FILE
+    if not model_file.is_file():  # converted from ZeRO-3: every rank's model states, DP rank 0's first
+        model_file = folder / F.zero3_model_file(0, 0)
     if not zero.is_dir() or not model_file.is_file():
         raise CheckpointFormatError(
-            f"{folder}: not a universal checkpoint (needs {F.MODEL_STATES_FILE} and {F.UNIVERSAL_ZERO_DIR}/)",
+            f"{folder}: not a universal checkpoint (needs {F.MODEL_STATES_FILE} or "
+            f"{F.zero3_model_file(0, 0)}, and {F.UNIVERSAL_ZERO_DIR}/)",
             subject=folder,
         )
     if not (zero / F.UNIVERSAL_OPTIMIZER_STATE_FILE).is_file():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from megatron_ucp.deepspeed.reader import RankFile
+from megatron_ucp.deepspeed.reader import RankFile, Stage3RankFile, open_rank_file
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity, osio
@@ -51,14 +51,14 @@ class RankFileCache:
         self.capacity = (
             capacity if capacity is not None else max(16, min(len(self.paths), 4096, _descriptors_for(len(self.paths))))
         )
-        self._open: OrderedDict[int, RankFile] = OrderedDict()
+        self._open: OrderedDict[int, RankFile | Stage3RankFile] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, rank: int) -> RankFile:
+    def get(self, rank: int) -> RankFile | Stage3RankFile:
         with self._lock:
             rf = self._open.get(rank)
             if rf is None:
-                rf = RankFile(self.paths[rank], rank)
+                rf = open_rank_file(self.paths[rank], rank)
                 self._open[rank] = rf
                 while len(self._open) > self.capacity:
                     self._open.popitem(last=False)

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from megatron_ucp.deepspeed.surface import ELASTIC_STAGES
+from megatron_ucp.deepspeed.stage3_files import STAGE3_OPTIMIZER, Stage3RankFile, is_stage3_state
+from megatron_ucp.deepspeed.torch_files import load_raw, load_torch_file  # noqa: F401  (re-exported: the hooks open files through the reader)
 from megatron_ucp.deepspeed.versions import (
     BF16_LAST_RANK_PADDING_UNTIL,
     ZERO_PER_RANK_PADDING_SINCE,
@@ -29,11 +30,8 @@ from megatron_ucp.deepspeed.versions import (
 )
 from megatron_ucp.errors import CheckpointFormatError, PlanError, UnsupportedError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.format.lightpickle import PICKLE_MODULE
 from megatron_ucp.format.paths import normalize_tag, read_tag_file, special_kind
-from megatron_ucp.format.rawtensor import RawTensor, raw_tensors_from_torch
-from megatron_ucp.format.torchload import TorchNeeded
-from megatron_ucp.format.torchload import load as load_without_torch
+from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.plan.conversion import Fragment, ParamSpec, RankGroupLayout, RankLayout
 from megatron_ucp.plan.geometry import PaddingStyle
 from megatron_ucp.plan.parallel_layout import ParallelLayout
@@ -52,6 +50,8 @@ log = logging.getLogger(__name__)
 
 BF16_OPTIMIZER = "BF16_Optimizer"
 ZERO_OPTIMIZER = "DeepSpeedZeroOptimizer"
+READABLE_STAGES = (1, 2, 3)
+"""ZeRO stages whose files this reader reads (the hooks' own set is ``ELASTIC_STAGES``)."""
 
 
 @dataclass(frozen=True)
@@ -117,13 +117,16 @@ def _explain_missing_tag(tag_dir: Path, message: str) -> None:
 class CheckpointFiles:
     tag_dir: Path
     model_states: Path
-    """The first model-parallel rank's ``mp_rank_00_model_states.pt``."""
+    """The first model-parallel rank's ``mp_rank_00_model_states.pt`` (ZeRO-3: its DP rank 0's file)."""
     rank_files: tuple[Path, ...]
     """Optimizer-state files, model-parallel rank major: index = ``mp * dp + dp_rank``."""
     model_files: tuple[Path, ...] = ()
-    """``mp_rank_XX_model_states.pt``, index = model-parallel rank (``pp * TP + tp``)."""
+    """``mp_rank_XX_model_states.pt``, index = model-parallel rank (``pp * TP + tp``); ZeRO-3: each
+    model-parallel rank's DP rank 0 file."""
     layer_files: tuple[Path, ...] = ()
     """The pipeline model's ``layer_XX-model_YY-model_states.pt`` (module weights), when there are any."""
+    zero3_model_files: tuple[Path, ...] = ()
+    """ZeRO-3: every rank's ``zero_pp_rank_<d>_mp_rank_<m>_model_states.pt``, index as :attr:`rank_files`."""
 
     @property
     def model_parallel(self) -> int:
@@ -133,24 +136,42 @@ class CheckpointFiles:
     def dp(self) -> int:
         return len(self.rank_files) // self.model_parallel
 
+    @property
+    def partitioned_weights(self) -> bool:
+        """A ZeRO-3 save (every rank its own model-states file)."""
+        return bool(self.zero3_model_files)
+
     def identity_files(self) -> list[Path]:
         """Every file a conversion reads (what a twin is bound to)."""
-        return [*(self.model_files or (self.model_states,)), *self.rank_files]
+        models = self.zero3_model_files or self.model_files or (self.model_states,)
+        return [*models, *self.rank_files]
 
     def coordinate_files(self, mp: int) -> tuple[Path, ...]:
         """The rank files of one model-parallel rank, index = DP rank."""
         return self.rank_files[mp * self.dp : (mp + 1) * self.dp]
 
+    def copied_files(self) -> list[Path]:
+        """The model-states (every rank's at ZeRO-3) and layer files a universal folder holds as they are."""
+        return [*(self.zero3_model_files or self.model_files or (self.model_states,)), *self.layer_files]
+
 
 def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
-    """List and validate the files of a ZeRO-1/2 tag folder, at any TP and PP.
+    """List and validate the files of a ZeRO tag folder, at any TP and PP.
 
-    Every model-parallel rank ``mp`` (``pp * TP + tp``) has ``mp_rank_{mp:02d}_model_states.pt`` and
-    one optimizer-state file per DP rank; all of them the same DP size.
+    Stages 1 and 2: every model-parallel rank ``mp`` (``pp * TP + tp``) has
+    ``mp_rank_{mp:02d}_model_states.pt`` and one optimizer-state file per DP rank; all of them the same
+    DP size. Stage 3: every rank has its own model-states file beside its optimizer-state file.
     """
     tag_dir = Path(tag_dir)
     names = sorted(os.listdir(tag_dir))
     model_files = [n for n in names if F.MODEL_FILE_RE.match(n)]
+    zero3_models = [n for n in names if F.ZERO3_MODEL_FILE_RE.match(n)]
+    if model_files and zero3_models:
+        raise CheckpointFormatError(
+            f"{tag_dir}: files of two ZeRO stages in one tag: {model_files[0]} (stages 1/2) and "
+            f"{zero3_models[0]} (stage 3); remove the files the save of this tag did not write",
+            subject=tag_dir / zero3_models[0],
+        )
     if any(F.MODEL_FILE_RE.match(n).group("pp") for n in model_files):
         raise UnsupportedError(
             f"{tag_dir}: per-stage model files (mp_rank_XX_YYY_model_states.pt, the "
@@ -159,6 +180,8 @@ def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
         )
     optim = [(n, F.OPTIM_FILE_RE.match(n)) for n in names]
     optim = [(n, m) for n, m in optim if m]
+    if zero3_models:
+        return _find_stage3_files(tag_dir, zero3_models, optim)
     if F.MODEL_STATES_FILE not in names:
         if optim:
             raise CheckpointFormatError(
@@ -172,18 +195,12 @@ def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
     if not optim:
         raise CheckpointFormatError(
             f"{tag_dir}: no ZeRO optimizer-state files (*zero_pp_rank_*_optim_states.pt); "
-            "only ZeRO stage 1/2 checkpoints can be converted",
-            subject=tag_dir,
-        )
-    prefixes = {m.group("prefix") or "" for _, m in optim}
-    if len(prefixes) > 1:
-        raise CheckpointFormatError(
-            f"{tag_dir}: mixed optimizer-file prefixes {sorted(prefixes)} (bf16_ and plain files from different runs?)",
+            "only ZeRO checkpoints can be converted",
             subject=tag_dir,
         )
     model_mp = {int(F.MODEL_FILE_RE.match(n).group("mp")): n for n in model_files}
-    optim_mp = sorted({int(m.group("mp")) for _, m in optim})
-    mps = sorted(set(model_mp) | set(optim_mp))
+    optim_grid = _optimizer_grid(tag_dir, optim)
+    mps = sorted(set(model_mp) | set(optim_grid))
     if mps != list(range(len(mps))):
         raise CheckpointFormatError(
             f"{tag_dir}: model-parallel ranks {mps} are not 0..{len(mps) - 1}: files of some ranks are missing",
@@ -196,45 +213,12 @@ def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
                 f"{tag_dir}: {name} is missing (optimizer files of model-parallel rank {mp} present)",
                 subject=tag_dir / name,
             )
-        if mp not in optim_mp:
+        if mp not in optim_grid:
             raise CheckpointFormatError(
                 f"{tag_dir}: no optimizer-state files of model-parallel rank {mp} (*_mp_rank_{mp:02d}_optim_states.pt)",
                 subject=tag_dir,
             )
-    rank_files: list[Path] = []
-    dp_sizes = {}
-    for mp in mps:
-        by_rank: dict[int, str] = {}
-        for n, m in optim:
-            if int(m.group("mp")) != mp:
-                continue
-            dp_rank = int(m.group("dp"))
-            if dp_rank in by_rank:  # DeepSpeed writes exactly one name per rank: ambiguity is an error
-                raise CheckpointFormatError(
-                    f"{tag_dir}: two files claim DP rank {dp_rank}: {by_rank[dp_rank]} and "
-                    f"{n}; remove the one DeepSpeed did not write",
-                    subject=tag_dir / n,
-                )
-            by_rank[dp_rank] = n
-            kind = special_kind(tag_dir / n)
-            if kind is not None:
-                raise CheckpointFormatError(f"{tag_dir / n}: is {kind}, not a rank file", subject=tag_dir / n)
-        missing = sorted(set(range(max(by_rank) + 1)) - set(by_rank))
-        if missing:
-            where = f" of model-parallel rank {mp}" if len(mps) > 1 else ""
-            raise CheckpointFormatError(
-                f"{tag_dir}: optimizer-state files for DP ranks {missing}{where} are missing "
-                f"(found ranks 0..{max(by_rank)})",
-                subject=tag_dir,
-            )
-        dp_sizes[mp] = len(by_rank)
-        rank_files += [tag_dir / by_rank[r] for r in range(len(by_rank))]
-    if len(set(dp_sizes.values())) > 1:
-        raise CheckpointFormatError(
-            f"{tag_dir}: model-parallel ranks hold different numbers of DP rank files "
-            f"({dp_sizes}): files missing or mixed from different runs",
-            subject=tag_dir,
-        )
+    rank_files = _grid_files(tag_dir, optim_grid, "optimizer-state files")
     files = CheckpointFiles(
         tag_dir=tag_dir,
         model_states=tag_dir / F.MODEL_STATES_FILE,
@@ -242,99 +226,163 @@ def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
         model_files=tuple(tag_dir / model_mp[mp] for mp in mps),
         layer_files=tuple(tag_dir / n for n in names if F.LAYER_FILE_RE.match(n)),
     )
-    for path in (*files.model_files, *files.layer_files):  # copied into the output as they are: never a FIFO
-        kind = special_kind(path)
-        if kind is not None:
-            raise CheckpointFormatError(f"{path}: is {kind}, not a torch file", subject=path)
+    _refuse_special(files.copied_files())
     return files
 
 
-def _check_size(path: Path) -> None:
-    kind = special_kind(path)
-    if kind is not None:  # never open a FIFO or a device: it would block, or never end
-        raise CheckpointFormatError(f"{path}: is {kind}, not a torch file", subject=path)
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise CheckpointFormatError(f"{path}: cannot read: {exc.strerror}", subject=path) from exc
-    if size == 0:
-        raise CheckpointFormatError(f"{path}: empty file (truncated write?)", subject=path)
-
-
-def load_torch_file(path: Path, mmap: bool = True) -> Any:
-    """``torch.load`` on CPU, memory-mapped when the file format allows; corrupt files get a clear error."""
-    import torch
-
-    _check_size(path)
-    # DeepSpeed objects inside (fragment_address, ZeroStageEnum, LossScaler) load as stand-ins while
-    # deepspeed is not imported: importing it costs ~2 s; see megatron_ucp.format.lightpickle.
-    pm = PICKLE_MODULE
-    try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=pm)
-        except RuntimeError as exc:
-            if mmap and "mmap" in str(exc):  # legacy (non-zip) serialization cannot be mapped
-                return torch.load(path, map_location="cpu", weights_only=False, pickle_module=pm)
-            raise
-    except CheckpointFormatError:
-        raise
-    except Exception as exc:  # torch raises RuntimeError/EOFError/UnpicklingError/... for damaged files
+def _optimizer_grid(tag_dir: Path, optim: list) -> dict[int, dict[int, str]]:
+    """``{mp: {dp: file name}}`` of the optimizer-state files; one prefix, one name per rank, plain files."""
+    prefixes = {m.group("prefix") or "" for _, m in optim}
+    if len(prefixes) > 1:
         raise CheckpointFormatError(
-            f"{path}: unreadable torch file (truncated or corrupt?): {type(exc).__name__}: {exc}", subject=path
-        ) from exc
+            f"{tag_dir}: mixed optimizer-file prefixes {sorted(prefixes)} (bf16_ and plain files from different runs?)",
+            subject=tag_dir,
+        )
+    grid: dict[int, dict[int, str]] = {}
+    for n, m in optim:
+        by_rank = grid.setdefault(int(m.group("mp")), {})
+        dp_rank = int(m.group("dp"))
+        if dp_rank in by_rank:  # DeepSpeed writes exactly one name per rank: ambiguity is an error
+            raise CheckpointFormatError(
+                f"{tag_dir}: two files claim DP rank {dp_rank}: {by_rank[dp_rank]} and "
+                f"{n}; remove the one DeepSpeed did not write",
+                subject=tag_dir / n,
+            )
+        by_rank[dp_rank] = n
+        kind = special_kind(tag_dir / n)
+        if kind is not None:
+            raise CheckpointFormatError(f"{tag_dir / n}: is {kind}, not a rank file", subject=tag_dir / n)
+    return grid
 
 
-def load_raw(path: Path, damage: Optional[list[str]] = None, random_access: bool = False) -> Any:
-    """A torch file's object with tensors as :class:`RawTensor`: read without torch when possible.
+def _grid_files(tag_dir: Path, grid: dict[int, dict[int, str]], what: str) -> list[Path]:
+    """The files of a ``{mp: {dp: name}}`` grid, model-parallel rank major; every DP rank 0..D-1 of every
+    model-parallel rank present, and the same D for all."""
+    out: list[Path] = []
+    dp_sizes = {}
+    for mp in sorted(grid):
+        by_rank = grid[mp]
+        missing = sorted(set(range(max(by_rank) + 1)) - set(by_rank))
+        if missing:
+            where = f" of model-parallel rank {mp}" if len(grid) > 1 else ""
+            raise CheckpointFormatError(
+                f"{tag_dir}: {what} for DP ranks {missing}{where} are missing (found ranks 0..{max(by_rank)})",
+                subject=tag_dir,
+            )
+        dp_sizes[mp] = len(by_rank)
+        out += [tag_dir / by_rank[r] for r in range(len(by_rank))]
+    if len(set(dp_sizes.values())) > 1:
+        raise CheckpointFormatError(
+            f"{tag_dir}: model-parallel ranks hold different numbers of DP {what} "
+            f"({dp_sizes}): files missing or mixed from different runs",
+            subject=tag_dir,
+        )
+    return out
 
-    Zip-format files (torch >= 1.6, every DeepSpeed checkpoint this tool reads) are mapped and
-    unpickled by :mod:`megatron_ucp.format.torchload`; files it does not rebuild faithfully (legacy
-    format, unusual torch objects) and damaged ones go through ``torch.load``, whose tensors are
-    then wrapped: the result is the same, and so are the errors. ``random_access``: the caller will
-    read slices of the tensors itself (no readahead from the metadata reads into the tensor bytes).
-    """
-    path = Path(path)
-    _check_size(path)
-    try:
-        return load_without_torch(path, damage, random_access)
-    except TorchNeeded as why:
-        log.debug("%s: reading with torch.load (%s)", path, why)
-    except Exception as exc:  # damaged: let torch.load produce the diagnosis
-        log.debug("%s: not readable without torch (%s: %s)", path, type(exc).__name__, exc)
-    return raw_tensors_from_torch(load_torch_file(path, mmap=True))
+
+def _find_stage3_files(tag_dir: Path, model_names: list[str], optim: list) -> CheckpointFiles:
+    """A ZeRO-3 tag: one model-states and one optimizer-state file per (model-parallel rank, DP rank),
+    the two sets naming the same ranks; the first missing file is named."""
+    if not optim:
+        raise CheckpointFormatError(
+            f"{tag_dir}: ZeRO-3 model states ({model_names[0]}, ...) but no optimizer-state files "
+            "(*zero_pp_rank_*_optim_states.pt)",
+            subject=tag_dir,
+        )
+    optim_grid = _optimizer_grid(tag_dir, optim)
+    model_grid: dict[int, dict[int, str]] = {}
+    for n in model_names:
+        m = F.ZERO3_MODEL_FILE_RE.match(n)
+        model_grid.setdefault(int(m.group("mp")), {})[int(m.group("dp"))] = n
+    prefix = optim[0][1].group("prefix") or ""
+    mps = sorted(set(model_grid) | set(optim_grid))
+    if mps != list(range(len(mps))):
+        raise CheckpointFormatError(
+            f"{tag_dir}: model-parallel ranks {mps} are not 0..{len(mps) - 1}: files of some ranks are missing",
+            subject=tag_dir,
+        )
+    for mp in mps:
+        models, optims = model_grid.get(mp, {}), optim_grid.get(mp, {})
+        width = max([*models, *optims]) + 1
+        for d in range(width):
+            if d not in models:
+                name = F.zero3_model_file(d, mp)
+                other = optims.get(d)
+                raise CheckpointFormatError(
+                    f"{tag_dir}: {name} is missing"
+                    + (f" ({other} present)" if other else f" (DP ranks up to {width - 1} have files)"),
+                    subject=tag_dir / name,
+                )
+            if d not in optims:
+                name = f"{prefix}zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt"
+                raise CheckpointFormatError(
+                    f"{tag_dir}: {name} is missing ({models[d]} present)",
+                    subject=tag_dir / name,
+                )
+    rank_files = _grid_files(tag_dir, optim_grid, "optimizer-state files")
+    model_files = _grid_files(tag_dir, model_grid, "model-states files")
+    dp = len(rank_files) // len(mps)
+    files = CheckpointFiles(
+        tag_dir=tag_dir,
+        model_states=model_files[0],
+        rank_files=tuple(rank_files),
+        model_files=tuple(model_files[mp * dp] for mp in mps),
+        zero3_model_files=tuple(model_files),
+    )
+    _refuse_special(files.copied_files())
+    return files
+
+
+def _refuse_special(paths: Sequence[Path]) -> None:
+    """Files copied into an output as they are: never a FIFO or a device."""
+    for path in paths:
+        kind = special_kind(path)
+        if kind is not None:
+            raise CheckpointFormatError(f"{path}: is {kind}, not a torch file", subject=path)
 
 
 def _is_state_tensor(value: Any) -> bool:
     return isinstance(value, RawTensor) and value.dim() > 0
 
 
-class RankFile:
-    """One rank's ``*_optim_states.pt``: metadata as pure values, tensors as flat views (mmap)."""
+def _load_rank_file(path: Path) -> dict:
+    """A rank file's dict (tensors located, not read); damage torch would reject is warned about."""
+    damage: list[str] = []
+    raw = load_raw(path, damage)
+    if damage:
+        log.warning(
+            "%s: damaged zip structure (%s): torch.load would reject it, so a native DeepSpeed load of "
+            "this tag fails; megatron-ucp reads its records directly and is not affected",
+            path,
+            damage[0],
+        )
+    if not isinstance(raw, dict) or not isinstance(raw.get(F.OPTIMIZER_STATE_DICT), dict):
+        raise CheckpointFormatError(
+            f"{path}: no '{F.OPTIMIZER_STATE_DICT}' dict: not a ZeRO optimizer-state file", subject=path
+        )
+    return raw
 
-    def __init__(self, path: Path, dp_rank: int):
+
+def open_rank_file(path: Path, dp_rank: int) -> "RankFile | Stage3RankFile":
+    """One optimizer-state file, read as its stage wrote it: ZeRO-1/2 (:class:`RankFile`) or ZeRO-3
+    (:class:`~megatron_ucp.deepspeed.stage3_files.Stage3RankFile`); both answer the same questions."""
+    raw = _load_rank_file(Path(path))
+    if is_stage3_state(raw[F.OPTIMIZER_STATE_DICT]):
+        return Stage3RankFile(path, dp_rank, raw)
+    return RankFile(path, dp_rank, raw)
+
+
+class RankFile:
+    """One rank's ZeRO-1/2 ``*_optim_states.pt``: metadata as pure values, tensors as flat views (mmap)."""
+
+    def __init__(self, path: Path, dp_rank: int, raw: Optional[dict] = None):
         self.path = Path(path)
         self.dp_rank = dp_rank
-        damage: list[str] = []
-        raw = load_raw(self.path, damage)
-        if damage:
-            log.warning(
-                "%s: damaged zip structure (%s): torch.load would reject it, so a native DeepSpeed load of "
-                "this tag fails; megatron-ucp reads its records directly and is not affected",
-                self.path,
-                damage[0],
-            )
-        if not isinstance(raw, dict) or not isinstance(raw.get(F.OPTIMIZER_STATE_DICT), dict):
-            raise CheckpointFormatError(
-                f"{self.path}: no '{F.OPTIMIZER_STATE_DICT}' dict: not a ZeRO optimizer-state file", subject=self.path
-            )
+        raw = raw if raw is not None else _load_rank_file(self.path)
         self.raw = raw
         self.sd: dict = raw[F.OPTIMIZER_STATE_DICT]
         for key in (F.PARAM_SLICE_MAPPINGS, F.SINGLE_PARTITION_OF_FP32_GROUPS, F.BASE_OPTIMIZER_STATE):
             if key not in self.sd:
-                if "fp32_flat_groups" in self.sd:
-                    raise UnsupportedError(
-                        f"{self.path}: ZeRO stage 3 checkpoint; only stages 1 and 2 are supported", subject=self.path
-                    )
                 raise CheckpointFormatError(
                     f"{self.path}: optimizer state lacks '{key}' (DeepSpeed too old to "
                     "record it, or not a ZeRO-1/2 file)",
@@ -545,6 +593,8 @@ def _check_shapes_against_module(path: Path, groups: Sequence[Sequence[ParamSpec
     for group in groups:
         for spec in group:
             shape = getattr(saved.get(spec.name), "shape", None)
+            if shape is not None and tuple(shape) == (0,) and spec.numel:
+                continue  # ZeRO-3 saves its partitioned parameters as empty placeholders
             if shape is not None and tuple(int(d) for d in shape) != spec.shape:
                 raise CheckpointFormatError(
                     f"{path}: param_shapes gives {spec.name!r} the shape {spec.shape}, but the "
@@ -790,7 +840,10 @@ def read_checkpoint(
     tp, pp = models[0].parallel_dimensions(len(models))
     dp = files.dp
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
+    if files.partitioned_weights:
+        _check_zero3_model_files(files, models)
     layouts, kinds, versions, stages, ucp, steps = [], set(), set(), set(), set(), []
+    first_kind: Optional[tuple[str, Path]] = None
     dtypes: dict[tuple[int, str], tuple[str, Path]] = {}
     coordinates = []
     for mp, model in enumerate(models):
@@ -811,7 +864,9 @@ def read_checkpoint(
         first = layout.rank_file_index(mp, 0)
         for r, path in enumerate(files.coordinate_files(mp)):
             index = first + r
-            rf = rank_files[index] if rank_files is not None else RankFile(path, r)
+            rf = rank_files[index] if rank_files is not None else open_rank_file(path, r)
+            first_kind = first_kind or (rf.kind, path)
+            _check_stage(rf, path, first_kind, files)
             _check_rank_file(rf, path, r, dp)
             layouts.append(replace(rf.layout(), rank=r))  # a cache numbers files across coordinates
             kinds.add(rf.kind)
@@ -832,9 +887,9 @@ def read_checkpoint(
             subject=files.tag_dir,
         )
     stage = stages.pop()
-    if stage is not None and int(stage) > max(ELASTIC_STAGES):
+    if stage is not None and int(stage) > max(READABLE_STAGES):
         raise UnsupportedError(
-            f"{files.tag_dir}: ZeRO stage {int(stage)}; only stages {' and '.join(map(str, ELASTIC_STAGES))} are "
+            f"{files.tag_dir}: ZeRO stage {int(stage)}; only stages {', '.join(map(str, READABLE_STAGES))} are "
             "supported",
             subject=files.tag_dir,
         )
@@ -852,6 +907,46 @@ def read_checkpoint(
         pp=pp,
         coordinates=tuple(coordinates),
     )
+
+
+def _check_stage(rf: "RankFile | Stage3RankFile", path: Path, first: tuple[str, Path], files: CheckpointFiles) -> None:
+    """Every rank file of the stage the folder's model states say, and of the same optimizer class."""
+    stage3 = rf.kind == STAGE3_OPTIMIZER
+    if stage3 != files.partitioned_weights:
+        models = files.zero3_model_files[0].name if files.partitioned_weights else files.model_states.name
+        raise CheckpointFormatError(
+            f"{path}: a ZeRO stage {'3' if stage3 else '1/2'} optimizer file, but the tag's model states "
+            f"({models}) are stage {'3' if files.partitioned_weights else '1/2'}'s: files of two ZeRO stages mixed",
+            subject=path,
+        )
+    if rf.kind != first[0]:
+        raise CheckpointFormatError(
+            f"{path}: written by {rf.kind}, but {first[1].name} by {first[0]}: files from different runs mixed?",
+            subject=path,
+        )
+
+
+def _check_zero3_model_files(files: CheckpointFiles, models: Sequence["ModelStates"]) -> None:
+    """Every DP rank's ZeRO-3 model states describe the same parameters at the same DP size as its
+    model-parallel rank's DP rank 0 (metadata only: their module tensors are empty placeholders)."""
+    dp = files.dp
+    for index, path in enumerate(files.zero3_model_files):
+        mp, d = divmod(index, dp)
+        if d == 0:
+            continue
+        raw = _model_states_dict(path)
+        first = models[mp]
+        if _param_shape_groups(raw) != _param_shape_groups(first.raw):
+            raise CheckpointFormatError(
+                f"{path}: its param_shapes differ from {first.path.name}'s: model states of another model "
+                "or another sub_group_size",
+                subject=path,
+            )
+        recorded = raw.get(F.DP_WORLD_SIZE)
+        if recorded is not None and int(recorded) != dp:
+            raise CheckpointFormatError(
+                f"{path}: records dp_world_size={recorded} but the folder holds {dp} ranks' files", subject=path
+            )
 
 
 def _check_rank_file(rf: "RankFile", path: Path, r: int, dp: int) -> None:

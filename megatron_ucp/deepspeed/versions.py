@@ -168,6 +168,19 @@ FILES_MAX_DEEPSPEED = Version("0.19.8")
 BF16_LAST_RANK_PADDING_UNTIL = Version("0.19.8")
 # DeepSpeedZeroOptimizer records per-rank (clamped) group_paddings from this version on.
 ZERO_PER_RANK_PADDING_SINCE = Version("0.16.4")
+# Stock ds_to_universal's ZeRO-3 path reads every optimizer sub-group from this version on; before, it
+# walks every parameter through sub-group 0's partition (``state[0]``, ``fp32_flat_groups[0]``), and its
+# stage-3 universal loader fills sub-group 0 only.
+STAGE3_STOCK_READS_SUB_GROUPS_SINCE = Version("0.18.0")
+# ... and takes ``max(0, min(S, n - r S))`` elements of a rank's slice from this version on; before,
+# ``min(S, |n - r S|)``: a padding-only slice comes out as data.
+STAGE3_STOCK_STRIPS_PADDING_SINCE = Version("0.19.3")
+
+
+def stage3_stock_behaviour(version: str) -> tuple[bool, bool]:
+    """(reads every sub-group, strips padding-only slices) of stock's stage-3 converter at ``version``."""
+    v = Version(Version(version).base_version)
+    return v >= STAGE3_STOCK_READS_SUB_GROUPS_SINCE, v >= STAGE3_STOCK_STRIPS_PADDING_SINCE
 
 
 def installed_deepspeed_version() -> str:

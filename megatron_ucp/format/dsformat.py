@@ -16,6 +16,8 @@ MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 OPTIM_FILE_RE = re.compile(r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
 MODEL_FILE_RE = re.compile(r"^mp_rank_(?P<mp>\d+)(?:_(?P<pp>\d+))?_model_states\.pt$")
 LAYER_FILE_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
+ZERO3_MODEL_FILE_RE = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
+"""ZeRO-3's per-rank model states (the module's partitioned, empty tensors, its shapes and client state)."""
 UNIVERSAL_SUFFIX = "_universal"
 UNIVERSAL_ZERO_DIR = "zero"
 UNIVERSAL_OPTIMIZER_STATE_FILE = "optimizer_state.pt"
@@ -25,6 +27,8 @@ OPTIMIZER_STATE_DICT = "optimizer_state_dict"
 BASE_OPTIMIZER_STATE = "base_optimizer_state"
 SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"
 PARAM_SLICE_MAPPINGS = "param_slice_mappings"
+FP32_FLAT_GROUPS = "fp32_flat_groups"
+"""ZeRO-3: each sub-group's fp32 partition on this rank (its parameters' slices, one after the other)."""
 GROUP_PADDINGS = "group_paddings"
 PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"
 PARTITION_COUNT = "partition_count"
@@ -89,6 +93,10 @@ MANIFEST_FORMAT = "megatron-ucp/universal"
 MANIFEST_VERSION = 1
 STAGING_SUFFIX = ".ucp-staging"
 """Temporary sibling: <parent>/.<output name>.ucp-staging, renamed into place when complete."""
+
+
+def zero3_model_file(dp_rank: int, mp_rank: int) -> str:
+    return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def universal_tag(tag: str) -> str:

@@ -21,6 +21,7 @@ from typing import Mapping, Optional, Sequence
 
 from megatron_ucp.errors import CheckpointFormatError, PlanError
 from megatron_ucp.plan.geometry import NCCL_START_ALIGNMENT_FACTOR, GroupGeometry, PaddingStyle
+from megatron_ucp.plan.param_geometry import SubGroupGeometry
 from megatron_ucp.plan.tensor_parallel import MegatronPatterns, TpLayout
 
 
@@ -158,7 +159,8 @@ def split_items(items: Sequence[CopyItem], at: int) -> tuple[tuple[CopyItem, ...
 @dataclass(frozen=True)
 class GroupPlan:
     index: int
-    geometry: GroupGeometry
+    geometry: GroupGeometry | SubGroupGeometry
+    """A ZeRO-1/2 param group's flat geometry, or a ZeRO-3 sub-group's per-parameter one."""
     states: tuple[str, ...]
     """Sharded states to write for every parameter of the group (``fp32`` first), discovered from the files."""
     has_step: bool

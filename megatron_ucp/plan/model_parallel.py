@@ -16,7 +16,7 @@ once, every read inside its file's partition).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from megatron_ucp.errors import PlanError
 from megatron_ucp.plan.conversion import (
@@ -71,17 +71,24 @@ def build_model_parallel_plan(
     layouts: Mapping[str, TpLayout],
     rules: MegatronPatterns = MegatronPatterns(),
     alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR,
+    plan_coordinate: Optional[Callable[[Sequence[Sequence[ParamSpec]], Sequence[RankLayout]], ConversionPlan]] = None,
 ) -> ConversionPlan:
-    """Plan every coordinate, then merge TP slices and pipeline stages into whole parameters."""
+    """Plan every coordinate, then merge TP slices and pipeline stages into whole parameters.
+
+    ``plan_coordinate`` plans one coordinate from its groups and DP rank layouts (default: ZeRO-1/2's
+    :func:`~megatron_ucp.plan.conversion.build_plan`; ZeRO-3 passes its own planner)."""
+    if plan_coordinate is None:
+
+        def plan_coordinate(groups: Sequence[Sequence[ParamSpec]], ranks: Sequence[RankLayout]) -> ConversionPlan:
+            return build_plan(groups, ranks, MegatronPatterns(), alignment_factor)
+
     by_coord = {(c.pp, c.tp): c for c in coordinates}
     if sorted(by_coord) != [(p, t) for p in range(pp) for t in range(tp)]:
         raise PlanError(f"coordinates {sorted(by_coord)} do not cover TP={tp} x PP={pp}")
     dps = {len(c.ranks) for c in coordinates}
     if len(dps) != 1:
         raise PlanError(f"coordinates have different DP sizes {sorted(dps)}")
-    plans = {
-        key: build_plan(c.param_groups, c.ranks, MegatronPatterns(), alignment_factor) for key, c in by_coord.items()
-    }
+    plans = {key: plan_coordinate(c.param_groups, c.ranks) for key, c in by_coord.items()}
     n_groups = {len(p.groups) for p in plans.values()}
     if len(n_groups) != 1:
         raise PlanError(f"pipeline stages / TP ranks have different numbers of param groups {sorted(n_groups)}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 HOST_ON_PURPOSE = {
-    ("deepspeed/reader.py", "load_torch_file"): "checkpoint files are read into host memory (mapped)",
+    ("deepspeed/torch_files.py", "load_torch_file"): "checkpoint files are read into host memory (mapped)",
     (
         "integration/native_reshard.py",
         "load_native_partitions",

@@ -19,7 +19,8 @@ class TrainSpec:
     """One multi-process DeepSpeed run (TP=PP=1, DP = ``dp`` processes, CPU + gloo).
 
     ``optimizer="bf16"``: BF16_Optimizer (bf16 + ZeRO-1 + ``data_types.grad_accum_dtype: fp32``).
-    ``optimizer="zero"``: DeepSpeedZeroOptimizer (bf16 + ZeRO stage ``zero_stage``, no fp32 grad accum).
+    ``optimizer="zero"``: DeepSpeedZeroOptimizer (bf16 + ZeRO stage ``zero_stage``, no fp32 grad accum);
+    at ``zero_stage=3``, DeepSpeedZeroOptimizer_Stage3 (``extra_config`` can set ``sub_group_size``).
     Training runs until ``engine.global_steps == steps``; after every step in ``save_at`` it calls
     ``engine.save_checkpoint(save_dir)`` (tag ``global_step{N}``). See ``tests/support/dsharness/__init__.py``.
     """
@@ -66,8 +67,8 @@ class TrainSpec:
         self.save_at = tuple(int(s) for s in self.save_at)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.zero_stage not in (1, 2):
-            raise ValueError(f"zero_stage must be 1 or 2, got {self.zero_stage}")
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage must be 1, 2 or 3, got {self.zero_stage}")
         if self.optimizer == "bf16" and self.zero_stage != 1:
             raise ValueError("optimizer='bf16' (BF16_Optimizer) is ZeRO stage 1 only")
         if self.dp < 1:

@@ -201,6 +201,9 @@ class Rank:
         spec = self.spec
         if spec.dump_dir is None:
             return
+        if spec.zero_stage == 3:
+            self.dump_stage3(suffix)
+            return
         torch = self.torch
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -273,6 +276,50 @@ class Rank:
                 safe_get_unavailable=summary["unavailable"],
                 safe_get_differs=summary["DIFFERS"],
             )
+        self.dist.barrier()
+
+    def dump_stage3(self, suffix: str) -> None:
+        """ZeRO-3: rank 0's full tensors come from DeepSpeed's own gather of the live partitions
+        (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``: its bookkeeping, not the
+        converter's geometry), with the step of each sub-group; every rank dumps its raw sub-group
+        partitions (``fp32_partitioned_groups_flat`` and their optimizer states)."""
+        torch = self.torch
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        opt = self.engine.optimizer
+        base = self._base()
+        flats = list(opt.fp32_partitioned_groups_flat)
+        sub_group_of = {id(p): i for i, group in enumerate(opt.fp16_groups) for p in group}
+        keys = sorted(k for k, v in base.state.get(flats[0], {}).items() if torch.is_tensor(v) and v.dim() > 0)
+        full: dict[str, dict[str, Any]] = {}
+        for name, param in self.engine.module.named_parameters():
+            entry: dict[str, Any] = {"fp32": safe_get_full_fp32_param(param).float().cpu().clone()}
+            for key in keys:
+                entry[key] = safe_get_full_optimizer_state(param, key).float().cpu().clone()
+            step_value = base.state.get(flats[sub_group_of[id(param)]], {}).get("step")
+            entry["step"] = step_value.clone() if torch.is_tensor(step_value) else step_value
+            entry["sub_group"] = sub_group_of[id(param)]
+            full[name] = entry
+        rank_dump = {
+            "rank": self.rank,
+            "dp": self.world,
+            "global_step": self.engine.global_steps,
+            "optimizer_class": self.optimizer_class,
+            "ds_version": self.deepspeed.__version__,
+            "fp32": [f.detach().clone().cpu() for f in flats],
+            "optim_state": [
+                {k: (v.detach().clone().cpu() if torch.is_tensor(v) else v) for k, v in base.state.get(f, {}).items()}
+                for f in flats
+            ],
+            "sub_groups": [[p.ds_id for p in group] for group in opt.fp16_groups],
+        }
+        out = Path(self.spec.dump_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        step = self.engine.global_steps
+        torch.save(rank_dump, out / f"rank{self.rank}_step{step}{suffix}.pt")
+        if self.rank == 0:
+            torch.save(full, out / f"state_step{step}{suffix}.pt")
+            _report("dump", name=f"state_step{step}{suffix}", state_keys=keys)
         self.dist.barrier()
 
     # --- run --------------------------------------------------------------------------------------

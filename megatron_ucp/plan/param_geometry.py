@@ -1,0 +1,197 @@
+"""ZeRO-3 partition geometry: every parameter split across DP on its own. Pure: no I/O, no torch.
+
+At stage 3 DeepSpeed partitions each parameter separately (``partition_parameters.py``): a
+parameter of ``n`` elements gets ``S = ceil(n / dp)`` elements on every rank, rank ``r`` holding
+elements ``[r * S, (r + 1) * S)`` and zeros past ``n`` (its own tail padding, at most ``dp - 1``
+elements, all on the last ranks). A rank's optimizer partition of a sub-group (``fp32_flat_groups[i]``
+and the optimizer states of sub-group ``i``) is its slices of the sub-group's parameters, one after
+the other. Nothing about the flat buffer is aligned beyond that, so the geometry is a list of
+per-parameter partitions (:class:`ParamPartition`) per sub-group (:class:`SubGroupGeometry`): the
+counterpart of :class:`~megatron_ucp.plan.geometry.GroupGeometry` for stages 1 and 2.
+
+A parameter smaller than the DP size has ranks whose slice is all padding; stock converters before
+0.19.3 extract that padding as data (:func:`stock_stage3_problems`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+from megatron_ucp.errors import UcpError
+
+
+@dataclass(frozen=True)
+class ParamPartition:
+    """One parameter's ZeRO-3 partition at one DP size."""
+
+    numel: int
+    dp: int
+
+    def __post_init__(self) -> None:
+        if self.dp < 1:
+            raise UcpError(f"DP size must be >= 1, got {self.dp}")
+        if self.numel < 0:
+            raise UcpError(f"invalid parameter size {self.numel}")
+
+    @property
+    def partition_size(self) -> int:
+        """S: elements every rank holds of this parameter (``ceil(n / dp)``)."""
+        return -(-self.numel // self.dp)
+
+    @property
+    def padding_total(self) -> int:
+        """Zeros at the end of the last slices (``dp * S - n``)."""
+        return self.dp * self.partition_size - self.numel
+
+    def start(self, rank: int) -> int:
+        """Where rank ``rank``'s slice starts in the whole (flattened) parameter."""
+        self._check_rank(rank)
+        return rank * self.partition_size
+
+    def true_length(self, rank: int) -> int:
+        """Real elements in rank ``rank``'s slice; the rest is padding."""
+        self._check_rank(rank)
+        s = self.partition_size
+        return max(0, min(s, self.numel - rank * s))
+
+    def padding(self, rank: int) -> int:
+        return self.partition_size - self.true_length(rank)
+
+    def padding_only_ranks(self) -> list[int]:
+        """Ranks whose slice of this parameter holds no real element (only when ``n`` is small next to DP)."""
+        s = self.partition_size
+        if s == 0:  # an empty parameter: nothing to hold, nothing to pad
+            return []
+        return list(range(-(-self.numel // s), self.dp))
+
+    def stock_extracted_length(self, rank: int) -> int:
+        """What stock ``ds_to_universal`` before 0.19.3 takes from rank ``rank``'s slice:
+        ``min(S, |n - r * S|)``, i.e. padding taken as data on a padding-only rank."""
+        self._check_rank(rank)
+        s = self.partition_size
+        return min(s, abs(self.numel - rank * s))
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.dp:
+            raise UcpError(f"rank {rank} out of range for DP size {self.dp}")
+
+
+@dataclass(frozen=True)
+class SubGroupGeometry:
+    """A ZeRO-3 optimizer sub-group at one DP size: its parameters' slices, one after the other,
+    make up every rank's partition (the same size on every rank)."""
+
+    numels: tuple[int, ...]
+    dp: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numels", tuple(int(n) for n in self.numels))
+        for n in self.numels:
+            ParamPartition(n, self.dp)  # validates
+
+    @cached_property
+    def params(self) -> tuple[ParamPartition, ...]:
+        return tuple(ParamPartition(n, self.dp) for n in self.numels)
+
+    @property
+    def numel(self) -> int:
+        """Real elements of the sub-group (every parameter's ``n``)."""
+        return sum(self.numels)
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Where each parameter's slice starts inside a rank's partition."""
+        out, at = [], 0
+        for p in self.params:
+            out.append(at)
+            at += p.partition_size
+        return tuple(out)
+
+    @property
+    def partition_size(self) -> int:
+        """Elements of every rank's partition (sum of the parameters' ``S``)."""
+        return sum(p.partition_size for p in self.params)
+
+    def true_length(self, rank: int) -> int:
+        """Real elements of rank ``rank``'s partition (summed over the parameters' slices)."""
+        return sum(p.true_length(rank) for p in self.params)
+
+    def fragments(self, rank: int) -> list[tuple[int, int, int]]:
+        """``(parameter index, start in the partition, length)`` of every real run on rank ``rank``."""
+        out = []
+        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+            if p.true_length(rank):
+                out.append((i, off, p.true_length(rank)))
+        return out
+
+    def padding_only(self) -> list[tuple[int, list[int]]]:
+        """``(parameter index, ranks)`` for each parameter with padding-only slices."""
+        return [(i, p.padding_only_ranks()) for i, p in enumerate(self.params) if p.padding_only_ranks()]
+
+    def at_dp(self, dp: int) -> "SubGroupGeometry":
+        """The same sub-group at another DP size (the split into sub-groups is redone by DeepSpeed at
+        load; see :func:`sub_groups`)."""
+        return SubGroupGeometry(self.numels, dp)
+
+
+def sub_groups(numels: Sequence[int], dp: int, sub_group_size: int) -> list[list[int]]:
+    """How DeepSpeed cuts one param group into sub-groups (``_create_fp16_sub_groups``): parameters in
+    order, a sub-group closed once its partition elements reach ``sub_group_size``; the whole group
+    when ``sub_group_size`` is at least the group's partition elements. Returns parameter indices."""
+    sizes = [ParamPartition(n, dp).partition_size for n in numels]
+    if not numels:
+        return []
+    if sub_group_size >= sum(sizes):
+        return [list(range(len(numels)))]
+    out: list[list[int]] = []
+    current: list[int] = []
+    acc = 0
+    for i, size in enumerate(sizes):
+        current.append(i)
+        acc += size
+        if acc >= sub_group_size or i == len(sizes) - 1:
+            out.append(current)
+            current, acc = [], 0
+    return out
+
+
+@dataclass(frozen=True)
+class Stage3StockProblem:
+    """Where stock ``ds_to_universal`` mishandles a stage-3 checkpoint, and what happens."""
+
+    sub_group: int
+    param: int
+    """Index inside the sub-group (-1: the whole sub-group)."""
+    what: str
+
+
+def stock_stage3_problems(
+    groups: Sequence[SubGroupGeometry], reads_every_sub_group: bool, strips_padding_only_slices: bool
+) -> list[Stage3StockProblem]:
+    """What a stock converter of the given behaviour does wrong with these sub-groups.
+
+    ``reads_every_sub_group``: False before 0.18 (only sub-group 0 is read; every parameter of the
+    others is missing from its output). ``strips_padding_only_slices``: False before 0.19.3 (a
+    padding-only slice is extracted as ``min(S, |n - r S|)`` elements of data, so the parameter
+    comes out longer than it is).
+    """
+    problems = []
+    for g, geo in enumerate(groups):
+        if g > 0 and not reads_every_sub_group:
+            problems.append(Stage3StockProblem(g, -1, f"sub-group {g} ({len(geo.numels)} parameters) is not read"))
+            continue
+        if strips_padding_only_slices:
+            continue
+        for i, ranks in geo.padding_only():
+            p = geo.params[i]
+            extra = sum(p.stock_extracted_length(r) for r in ranks)
+            if not extra:  # |n - r S| is 0 on the first padding-only rank: nothing wrong when it is the only one
+                continue
+            problems.append(
+                Stage3StockProblem(
+                    g, i, f"{extra} padding elements of ranks {ranks[0]}..{ranks[-1]} taken as data ({p.numel} real)"
+                )
+            )
+    return problems
