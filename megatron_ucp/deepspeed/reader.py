@@ -604,11 +604,15 @@ def _check_shapes_against_module(path: Path, groups: Sequence[Sequence[ParamSpec
 
 
 def model_states_path(tag_dir: Path) -> Optional[Path]:
-    """The tag's ``mp_rank_00_model_states.pt`` (or the first model-states file of another name), or None."""
+    """The tag's ``mp_rank_00_model_states.pt`` (or the first model-states file of another name; ZeRO-3: DP
+    rank 0's ``zero_pp_rank_0_mp_rank_00_model_states.pt``), or None."""
     if (tag_dir / F.MODEL_STATES_FILE).is_file():
         return tag_dir / F.MODEL_STATES_FILE
     found = sorted(p for p in Path(tag_dir).glob("*_model_states.pt") if F.MODEL_FILE_RE.match(p.name))
-    return found[0] if found else None
+    if found:
+        return found[0]
+    zero3 = Path(tag_dir) / F.zero3_model_file(0, 0)
+    return zero3 if zero3.is_file() else None
 
 
 def recorded_dp(tag_dir: Path) -> Optional[int]:
@@ -633,20 +637,30 @@ class SavedLayout:
     """The optimized parameters' names in that file (model-parallel rank 0's): the model class that saved it."""
     states: Optional[dict] = field(default=None, compare=False, repr=False)
     """The file's dict as read (tensors located, not read), for the reader's next questions."""
+    per_parameter: bool = False
+    """Saved at ZeRO stage 3 (every rank its own model states, each parameter partitioned on its own)."""
+    path: Optional[Path] = None
+    """The model-states file read."""
 
 
 def saved_layout(tag_dir: Path) -> Optional[SavedLayout]:
-    """DP, (TP, PP) (from the model states and the number of model-parallel files) and parameter names
-    of a tag's save; None for a tag without model states. A damaged file raises :class:`CheckpointFormatError`."""
+    """DP, (TP, PP) (from the model states and the number of model-parallel files), parameter names and
+    ZeRO-3-ness of a tag's save; None for a tag without model states. A damaged file raises
+    :class:`CheckpointFormatError`."""
     path = model_states_path(Path(tag_dir))
     if path is None:
         return None
     raw = _model_states_dict(path)
-    files = [p for p in Path(tag_dir).iterdir() if F.MODEL_FILE_RE.match(p.name)]
+    per_parameter = F.ZERO3_MODEL_FILE_RE.match(path.name) is not None
+    if per_parameter:  # each model-parallel rank's DP rank 0 file
+        files = [p for p in Path(tag_dir).iterdir() if (m := F.ZERO3_MODEL_FILE_RE.match(p.name)) and m["dp"] == "0"]
+    else:
+        files = [p for p in Path(tag_dir).iterdir() if F.MODEL_FILE_RE.match(p.name)]
     names = frozenset(str(n) for g in _param_shape_groups(raw) if isinstance(g, dict) for n in g)
     dp = raw.get(F.DP_WORLD_SIZE)
     tp, pp = parallel_dimensions(raw, path, max(1, len(files)))
-    return SavedLayout(ParallelLayout(tp=tp, pp=pp, dp=int(dp)) if dp is not None else None, names, raw)
+    layout = ParallelLayout(tp=tp, pp=pp, dp=int(dp)) if dp is not None else None
+    return SavedLayout(layout, names, raw, per_parameter, path)
 
 
 def rank_file_count_problem(tag_dir: Path, dp: int) -> Optional[str]:

@@ -9,7 +9,11 @@ package reaches DeepSpeed's runtime only through this module: :func:`replace` an
 ``REPLACE``), the typed accessors below, and one :class:`OptimizerLayout` per ZeRO optimizer class
 (its stages and the instance attributes that hold its groups, partitions and masters). A new
 DeepSpeed release is one entry in ``versions.INTERNALS`` and one matrix entry; a moved internal is
-one edit here; ZeRO-3 is one more :class:`OptimizerLayout` (docs/EXTENDING.md).
+one edit here; ZeRO-3 is one more :class:`OptimizerLayout` (docs/EXTENDING.md), its own accessors in
+:mod:`megatron_ucp.deepspeed.stage3_runtime`.
+
+Size: the table, the only way to replace what it lists, and the accessors and layouts that read what it
+checks are one contract (every internal of every release in one place); splitting it would scatter it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
 ZERO_BASE = "deepspeed.runtime.base_optimizer:ZeROOptimizer"
 BF16 = "deepspeed.runtime.bf16_optimizer:BF16_Optimizer"
 ZERO = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
+STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 SD_LOADERS = "deepspeed.runtime.state_dict_factory:SDLoaderFactory"
 PIPE_MODULE = "deepspeed.runtime.pipe.module:PipelineModule"
 PIPE_GRID = "deepspeed.runtime.pipe.topology:PipelineParallelGrid"
@@ -66,6 +71,7 @@ SURFACE: tuple[Internal, ...] = (
     Internal(ENGINE, "save_checkpoint", R, "agrees on the save's identity; queues the background conversion"),
     Internal(BF16, "state_dict", R, "records true lengths, the partition geometry and checksums"),
     Internal(ZERO, "state_dict", R, "records true lengths, the partition geometry and checksums"),
+    Internal(STAGE3, "state_dict", R, "records each sub-group's and parameter's true lengths and checksums"),
     # elastic load (integration/elastic_load.py and the loaders below it)
     Internal(ENGINE, "load_checkpoint", R, "decides the route of a load (same DP, reshard, universal)"),
     Internal(ZERO_BASE, OPTIMIZER_LOADER, R, "our universal loader for BF16_Optimizer and DeepSpeedZeroOptimizer"),
@@ -81,7 +87,12 @@ SURFACE: tuple[Internal, ...] = (
     Internal(PIPE_GRID, "get_slice_parallel_rank", C, "which of a layer's model-parallel files this rank loads"),
     Internal(PIPE_GRID, "get_slice_parallel_world_size", C, "how many model-parallel files a layer has"),
     Internal(ENGINE, "_load_checkpoint", C, "DeepSpeed's module + training-state load, called by load_checkpoint"),
-    Internal(ENGINE, "_load_zero_checkpoint", C, "the optimizer load the native reshard stands in for"),
+    Internal(
+        ENGINE,
+        "_load_zero_checkpoint",
+        R,
+        "ZeRO-3: for one load, the native reshard, our universal loader or the restart's checks instead",
+    ),
     Internal(ENGINE, "load_universal_checkpoint", C, "whether the job asked for a universal load"),
     Internal(ENGINE, "zero_optimization_stage", C, "which optimizer layout applies"),
     Internal(ENGINE, "train_batch_size", C, "the global batch, checked against the checkpoint's"),
@@ -258,7 +269,7 @@ def pipeline_module(engine: Any) -> bool:
 
 def slice_parallel(module: Any) -> tuple[int, int]:
     """A pipeline model's model-parallel (slice) rank and size: which of each layer's files it loads."""
-    grid = _instance(module, "_grid")
+    grid = instance_attribute(module, "_grid")
     return int(grid.get_slice_parallel_rank()), int(grid.get_slice_parallel_world_size())
 
 
@@ -271,7 +282,7 @@ def node_local_storage(engine: Any) -> bool:
 
 def engine_config(engine: Any) -> Any:
     """The engine's parsed ``DeepSpeedConfig`` (``load_universal_checkpoint`` is set on it for one load)."""
-    return _instance(engine, "_config")
+    return instance_attribute(engine, "_config")
 
 
 def model_states_file(engine: Any, load_dir: str, tag: str) -> str:
@@ -291,10 +302,29 @@ def load_global_state(optimizer: Any, state: dict) -> None:
     optimizer._load_global_state(state)
 
 
-def hp_mapping(lp: Any) -> Any:
-    """A live bf16 parameter's link to its fp32 fragment (``lp_fragment_address``, ``optim_fragment``,
-    ``get_hp_fragment_address()``); None on a parameter this rank's partition does not touch."""
+def _hp_mapping(lp: Any) -> Any:
+    """A live bf16 parameter's link to its fp32 fragment (ZeRO-1/2: ``lp_fragment_address``,
+    ``optim_fragment``, ``get_hp_fragment_address()``); None on a parameter this rank's partition does not touch."""
     return getattr(lp, "_hp_mapping", None)
+
+
+def fragment_address(lp: Any) -> Optional[tuple[int, int, int]]:
+    """ZeRO-1/2: where this rank's fragment of a live parameter is, as DeepSpeed's own map says: its first
+    element in the parameter, its length, and its place in the flat fp32 partition. None: no fragment here."""
+    mapping = _hp_mapping(lp)
+    if mapping is None:
+        return None
+    hp = mapping.get_hp_fragment_address()
+    return int(mapping.lp_fragment_address.start), int(mapping.lp_fragment_address.numel), int(hp.start)
+
+
+def link_optimizer_fragments(lp: Any, buffers: dict[str, Any]) -> None:
+    """ZeRO-1/2: point a parameter's optimizer-state fragments at new flat state buffers (what DeepSpeed's
+    ``_link_hp_params`` does), so that ``safe_get_full_optimizer_state`` reads what was loaded."""
+    mapping = _hp_mapping(lp)
+    if mapping is not None:
+        address = mapping.get_hp_fragment_address()
+        mapping.optim_fragment = {s: b.narrow(0, address.start, address.numel) for s, b in buffers.items()}
 
 
 def tp_size_and_rank(mpu: Any) -> tuple[int, int]:
@@ -309,7 +339,7 @@ def pp_size(mpu: Any) -> int:
     return 1 if mpu is None else int(resolve(BWC).bwc_pipeline_parallel_world_size(mpu))
 
 
-def _instance(obj: Any, name: str) -> Any:
+def instance_attribute(obj: Any, name: str) -> Any:
     """``obj.name``, or an error naming the release and the attribute when DeepSpeed moved it."""
     try:
         return getattr(obj, name)
@@ -336,12 +366,12 @@ OPTIMIZER_SHARED = (
 
 
 def dp_group(optimizer: Any) -> Any:
-    return _instance(optimizer, "dp_process_group")
+    return instance_attribute(optimizer, "dp_process_group")
 
 
 def group_dp_groups(optimizer: Any) -> list[Any]:
     """One DP process group per parameter group."""
-    return _instance(optimizer, "real_dp_process_group")
+    return instance_attribute(optimizer, "real_dp_process_group")
 
 
 def group_dp_sizes(optimizer: Any) -> list[int]:
@@ -353,17 +383,17 @@ def group_dp_sizes(optimizer: Any) -> list[int]:
 
 
 def alignment_factor(optimizer: Any) -> int:
-    return int(_instance(optimizer, "nccl_start_alignment_factor"))
+    return int(instance_attribute(optimizer, "nccl_start_alignment_factor"))
 
 
 def param_names(owner: Any) -> dict[Any, str]:
     """Live parameter -> name, from a ZeRO optimizer or the engine (both keep the same map)."""
-    return _instance(owner, "param_names")
+    return instance_attribute(owner, "param_names")
 
 
 def base_optimizer(optimizer: Any) -> Any:
     """The torch optimizer a ZeRO optimizer wraps: one param group (one flat fp32 tensor) per group."""
-    return _instance(optimizer, "optimizer")
+    return instance_attribute(optimizer, "optimizer")
 
 
 def optimizer_mpu(optimizer: Any) -> Any:
@@ -371,6 +401,23 @@ def optimizer_mpu(optimizer: Any) -> Any:
     return getattr(optimizer, "mpu", None)
 
 
+# ------------------------------------------------------------------------------------------------
+# ZeRO-3's own instance attributes (its accessors: megatron_ucp.deepspeed.stage3_runtime)
+# ------------------------------------------------------------------------------------------------
+
+STAGE3_ATTRIBUTES = (
+    "dp_process_group",
+    "optimizer",
+    "sub_group_to_group_id",
+    "unflatten",
+    "loss_scaler",
+    "dynamic_loss_scale",
+    "overflow",
+    "swap_optimizer",
+)
+"""What the stage-3 hooks read besides the layout's lists: the DP group, the wrapped torch optimizer, each
+sub-group's param group, how bf16 partitions are re-pointed, the loss scaler state DeepSpeed's own load
+restores, and whether the optimizer swaps to NVMe (left to DeepSpeed)."""
 # ------------------------------------------------------------------------------------------------
 # optimizer layouts: one per ZeRO optimizer class
 # ------------------------------------------------------------------------------------------------
@@ -395,22 +442,33 @@ class OptimizerLayout:
     hp_partitions: str
     round_robin_padding: Optional[str] = None
     recorded_paddings: Optional[str] = None
+    per_parameter: bool = False
+    """ZeRO-3: ``lp_groups`` are optimizer sub-groups, each parameter partitioned on its own over the DP
+    group (``lp_flat``: this rank's bf16 partition of each sub-group, ``lp_partitions``: its per-parameter
+    views, ``hp_partitions``: its fp32 partition); else one flat buffer per param group, cut in DP parts."""
+    extra: tuple[str, ...] = ()
+    """Further instance attributes the hooks read from this class."""
 
     @property
     def class_name(self) -> str:
         return self.owner.rpartition(":")[2]
 
+    def required(self) -> list[str]:
+        """Every instance attribute the hooks read from this class (checked on its first optimizer)."""
+        shared = [] if self.per_parameter else [n for n, _ in OPTIMIZER_SHARED]
+        return [self.lp_groups, self.lp_flat, self.lp_partitions, self.hp_partitions, *shared, *self.extra]
+
     def groups(self, optimizer: Any) -> list[list[Any]]:
-        return _instance(optimizer, self.lp_groups)
+        return instance_attribute(optimizer, self.lp_groups)
 
     def flats(self, optimizer: Any) -> list[Any]:
-        return _instance(optimizer, self.lp_flat)
+        return instance_attribute(optimizer, self.lp_flat)
 
     def lp_partitions_of(self, optimizer: Any) -> list[list[Any]]:
-        return _instance(optimizer, self.lp_partitions)
+        return instance_attribute(optimizer, self.lp_partitions)
 
     def masters(self, optimizer: Any) -> list[Any]:
-        return _instance(optimizer, self.hp_partitions)
+        return instance_attribute(optimizer, self.hp_partitions)
 
     def padded_numels(self, optimizer: Any) -> tuple[list[int], list[int]]:
         """Each group's real element count, and the count with the padding the class adds between
@@ -441,6 +499,16 @@ OPTIMIZER_LAYOUTS = (
         round_robin_padding="round_robin_bit16_padding",
         recorded_paddings="groups_padding",
     ),
+    OptimizerLayout(
+        STAGE3,
+        stages=(3,),
+        lp_groups="fp16_groups",
+        lp_flat="fp16_partitioned_groups_flat",
+        lp_partitions="fp16_partitioned_groups",
+        hp_partitions="fp32_partitioned_groups_flat",
+        per_parameter=True,
+        extra=STAGE3_ATTRIBUTES,
+    ),
 )
 ELASTIC_STAGES = tuple(sorted({s for layout in OPTIMIZER_LAYOUTS for s in layout.stages}))
 """ZeRO stages some optimizer layout handles: what the hooks save, convert and load."""
@@ -461,14 +529,13 @@ def layout_of(optimizer: Any) -> Optional[OptimizerLayout]:
     :data:`OPTIMIZER_SHARED` name, so that a release that moved one fails here, naming them all."""
     layout = layout_named(type(optimizer).__name__)
     if layout is not None and type(optimizer) not in _CHECKED:
-        _check_instance(optimizer, layout)
+        _checkinstance_attribute(optimizer, layout)
         _CHECKED.add(type(optimizer))
     return layout
 
 
-def _check_instance(optimizer: Any, layout: OptimizerLayout) -> None:
-    names = [layout.lp_groups, layout.lp_flat, layout.lp_partitions, layout.hp_partitions]
-    missing = [n for n in names + [n for n, _ in OPTIMIZER_SHARED] if not hasattr(optimizer, n)]
+def _checkinstance_attribute(optimizer: Any, layout: OptimizerLayout) -> None:
+    missing = [n for n in layout.required() if not hasattr(optimizer, n)]
     if missing:
         raise UnsupportedError(
             f"DeepSpeed {installed_deepspeed_version()}: {layout.class_name} has no "

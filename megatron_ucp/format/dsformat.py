@@ -39,6 +39,7 @@ MODULE = "module"
 """The model-states key holding the module weights (bf16 at our users' settings: most of the file)."""
 PARAM_GROUPS = "param_groups"
 PARAM_SHAPES = "param_shapes"
+FROZEN_PARAM_SHAPES = "frozen_param_shapes"
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 UNIVERSAL_CHECKPOINT_VERSION_KEY = "universal_checkpoint_version"
 UNIVERSAL_CHECKPOINT_VERSION_VALUE = 0.2
@@ -65,12 +66,18 @@ SHARDED_OPTIMIZER_KEYS = (BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS, SINGLE_PAR
 GROUP_TRUE_LENGTHS = "group_true_lengths"
 """Per param group: this rank's true (unpadded) number of elements in its partition."""
 ZERO_PARTITION_INFO = "zero_partition_info"
-"""Dict: version, dp_size, dp_rank, alignment, group_numels, padded_group_numels, partition_sizes."""
+"""Dict: version, dp_size, dp_rank, alignment, group_numels, padded_group_numels, partition_sizes. ZeRO-3:
+version, zero_stage (3), dp_size, dp_rank, sub_group_numels (per sub-group, each parameter's numel),
+sub_group_param_groups (the param group of each sub-group), partition_sizes (per sub-group)."""
+PARAM_TRUE_LENGTHS = "param_true_lengths"
+"""ZeRO-3: per sub-group, this rank's true (unpadded) length of each parameter's slice."""
 ZERO_PARTITION_INFO_VERSION = 1
 ZERO_PARTITION_CHECKSUMS = "zero_partition_checksums"
 """megatron-ucp's save record: ``{"algorithm": ..., "groups": [{state: [numel, checksum]}, ...]}``, the
 checksum (``format.integrity``) of this rank's real elements of the fp32 partition and of every
-optimizer state, at their flat positions in the group, computed on the partitions in memory."""
+optimizer state, at their flat positions in the group, computed on the partitions in memory. ZeRO-3: per
+sub-group, each parameter's real run hashed at its position in its param group (its parameters end to end,
+unpadded: the same at every DP size), the runs combined."""
 
 UCP_SAVE_RECORD = "ucp_save_record"
 """megatron-ucp's identity of one save, written by the hooks (not by the diffs in patches/): in every

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.convert.universal import staging_path, universal_state
-from megatron_ucp.deepspeed import surface
+from megatron_ucp.deepspeed import stage3_runtime, surface
 from megatron_ucp.deepspeed.reader import load_raw, rank_file_count_problem, saved_layout
 from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
@@ -54,6 +54,12 @@ from megatron_ucp.integration.model_states_load import one_model_states_file_per
 from megatron_ucp.integration.module_read import with_the_rest_exchanged
 from megatron_ucp.integration.native_routes import reshard_load, same_dp_load
 from megatron_ucp.integration.partition_load import load_universal_partitions
+from megatron_ucp.integration.stage3_routes import (
+    model_states_for,
+    stage3_reshard_load,
+    stage3_same_dp_load,
+    stage3_universal_optimizer_load,
+)
 from megatron_ucp.integration.sync_convert import convert_synchronously
 from megatron_ucp.integration.training_state import check_training_state, restore_module_tensors
 from megatron_ucp.plan.accounting import AccountingReport, Problem, ProblemKind
@@ -149,6 +155,8 @@ def _gather_and_decide(
     tag_is_universal = False
     twin = TwinState.ABSENT
     staging = False
+    stage_change: Optional[str] = None
+    regrouped = False
     if resolved is not None:
         tag_dir = Path(load_dir) / resolved
         _check_tag_exists(Path(load_dir), tag_dir, from_latest)
@@ -157,6 +165,8 @@ def _gather_and_decide(
         if saved is not None:
             saved_as = saved.layout
             names_match = saved.param_names == _live_param_names(engine)
+            stage_change = _stage_change(engine, saved.per_parameter)
+            regrouped = stage_change is None and _regrouped(engine, saved.states)
             if seen is not None:
                 seen["model_states"] = saved.states
             if loads_optimizer_states and not tag_is_universal and saved_as is not None:
@@ -178,6 +188,8 @@ def _gather_and_decide(
         universal_of_latest=follow_latest,
         resume_route=config.resume_route,
         names_match=names_match,
+        stage_change=stage_change,
+        regrouped=regrouped,
     )
     return decision, resolved, from_latest
 
@@ -197,8 +209,25 @@ def _check_tag_exists(load_dir: Path, tag_dir: Path, from_latest: bool) -> None:
 def _live_param_names(engine: Any) -> frozenset[str]:
     """This rank's optimized parameter names (rank 0 is model-parallel rank 0, as the model states compared)."""
     optimizer = engine.optimizer
-    names = surface.param_names(optimizer)
+    names = surface.param_names(engine)
     return frozenset(names[lp] for group in surface.layout_of(optimizer).groups(optimizer) for lp in group)
+
+
+def _stage_change(engine: Any, saved_per_parameter: bool) -> Optional[str]:
+    """How the save's ZeRO partitioning differs from the job's (``"3 -> 1/2"``), or None."""
+    live = surface.engine_layout(engine).per_parameter
+    if live == saved_per_parameter:
+        return None
+    return f"{'3' if saved_per_parameter else '1/2'} -> {surface.zero_stage(engine) if not live else 3}"
+
+
+def _regrouped(engine: Any, states: Optional[dict]) -> bool:
+    """ZeRO-3 saved and live, and the optimizer cut its parameters into other sub-groups than the save's."""
+    if not isinstance(states, dict) or not surface.engine_layout(engine).per_parameter:
+        return False
+    saved = [[str(n) for n in group] for group in states.get(F.PARAM_SHAPES) or [] if isinstance(group, dict)]
+    live, _ = stage3_runtime.stage3_sub_groups(engine.optimizer, surface.param_names(engine))
+    return saved != [[n for n, _ in group] for group in live]
 
 
 def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..., Any]:
@@ -231,19 +260,22 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
                 log.error("megatron-ucp: deciding how to load %s failed: %s", load_dir, outcome.message)
             raise UcpError(f"megatron-ucp could not decide how to load {load_dir}: {outcome.message}", subject=load_dir)
         decision, native_tag, from_latest = outcome
+        per_parameter = surface.engine_layout(self).per_parameter
         if decision.route is Route.NATIVE:
             if decision.checkpoint_dp is None or not loads_states:
                 return original(self, load_dir, tag, **kwargs)
             if is_first():
                 log.info("megatron-ucp: %s", decision.message)
-            return same_dp_load(self, original, load_dir, native_tag, kwargs, config, seen.get("model_states"))
+            restart = stage3_same_dp_load if per_parameter else same_dp_load
+            return restart(self, original, load_dir, native_tag, kwargs, config, seen.get("model_states"))
 
         if is_first():
             log.info("megatron-ucp: %s", decision.message)
             if decision.warning:
                 log.warning("megatron-ucp: %s", decision.warning)
         if decision.route is Route.RESHARD:
-            outcome = reshard_load(self, original, load_dir, decision.tag, kwargs, config, seen.get("model_states"))
+            reshard = stage3_reshard_load if per_parameter else reshard_load
+            outcome = reshard(self, original, load_dir, decision.tag, kwargs, config, seen.get("model_states"))
             if outcome.report is not None:
                 _finish_load(
                     self,
@@ -268,8 +300,18 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
 
         _check_model_states_loadable(Path(load_dir), decision.tag)
         token = _DEFER_ENFORCEMENT.set(True)
+        folder = _universal_folder(Path(load_dir), decision.tag)
         try:
-            with _universal_mode(self, lazy=config.module_read == "distributed"):
+            with (
+                _universal_mode(
+                    self,
+                    lazy=config.module_read == "distributed" or per_parameter,
+                    path=model_states_for(self, folder) if folder is not None else None,
+                ),
+                stage3_universal_optimizer_load(self, config, _keep_report)
+                if per_parameter
+                else contextlib.nullcontext(),
+            ):
                 result = original(self, load_dir, decision.tag, **kwargs)
             _finish_universal_load(self, result, decision, kwargs, config)
         finally:
@@ -277,6 +319,16 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
         return result
 
     return load_checkpoint
+
+
+def _keep_report(optimizer: Any, report: AccountingReport) -> None:
+    setattr(optimizer, _REPORT_ATTR, report)
+
+
+def _universal_folder(load_dir: Path, tag: Optional[str]) -> Optional[Path]:
+    """The universal folder a load reads: the tag given, else the one ``latest_universal`` names."""
+    tag = tag if tag is not None else read_tag_file(load_dir / F.LATEST_UNIVERSAL)
+    return load_dir / tag if tag is not None else None
 
 
 def _check_model_states_loadable(load_dir: Path, tag: Optional[str]) -> None:
@@ -301,15 +353,16 @@ def _check_model_states_loadable(load_dir: Path, tag: Optional[str]) -> None:
 
 
 @contextlib.contextmanager
-def _universal_mode(engine: Any, lazy: bool = False) -> Iterator[None]:
+def _universal_mode(engine: Any, lazy: bool = False, path: Optional[Path] = None) -> Iterator[None]:
     """Set the engine's ``load_universal`` flag for one load; restore it whatever happens. At another
     TP/PP size each rank reads one model-states file as it is (:func:`one_model_states_file_per_rank`);
-    ``lazy``: at any size, and only its pickle (universal mode loads no module weights from it)."""
+    ``lazy``: at any size, and only its pickle (universal mode loads no module weights from it); ``path``:
+    the file to read where DeepSpeed's own name finds none (a folder converted from another ZeRO stage)."""
     cfg = surface.engine_config(engine)
     before = cfg.load_universal_checkpoint
     cfg.load_universal_checkpoint = True
     try:
-        with one_model_states_file_per_rank(engine, always=lazy, lazy=lazy):
+        with one_model_states_file_per_rank(engine, always=lazy, lazy=lazy, path=path):
             yield
     finally:
         cfg.load_universal_checkpoint = before

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from megatron_ucp.deepspeed import surface
+from megatron_ucp.deepspeed import stage3_runtime, surface
 from megatron_ucp.errors import UcpError
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,12 @@ def unhandled_reason(engine: Any) -> Optional[str]:
     if layout is None:
         stage = surface.zero_stage(engine)
         return f"{type(optimizer).__name__} at ZeRO stage {stage} is not one of the layouts megatron-ucp handles"
+    if layout.per_parameter:
+        if getattr(engine, "has_moe_layers", False):
+            return "ZeRO-3 with mixture-of-experts layers is not handled yet"
+        if stage3_runtime.stage3_swaps(optimizer):
+            return "ZeRO-3 partitions swapped to NVMe (offload_optimizer or offload_param device nvme) are not handled"
+        return None
     sizes = surface.group_dp_sizes(optimizer)
     if len(set(sizes)) > 1:
         return (

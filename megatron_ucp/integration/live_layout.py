@@ -32,9 +32,12 @@ def tensor_parallel_of(optimizer: Any) -> TpPlace:
     return TpPlace(*surface.tp_size_and_rank(surface.optimizer_mpu(optimizer)))
 
 
-def live_tp_layout(lp: Any, entry: Any, tp: int, file_shape: tuple[int, ...]) -> TpLayout:
+def live_tp_layout(
+    lp: Any, entry: Any, tp: int, file_shape: tuple[int, ...], shape: Optional[tuple[int, ...]] = None
+) -> TpLayout:
     """How TP divides the live parameter: Megatron's ``tensor_model_parallel`` / ``partition_dim``
-    attributes (set at every TP size), the sub-parameter count and vocabulary flag from the file."""
+    attributes (set at every TP size), the sub-parameter count and vocabulary flag from the file.
+    ``shape``: the live parameter's (TP slice's) shape, when ``lp.shape`` is not it (ZeRO-3)."""
     info = entry if isinstance(entry, dict) else {}
     sub = int(info.get(F.PARAM_N_SUB_PARAMS, 1) or 1)
     vocab = bool(info.get(F.VOCAB_TENSOR, False))
@@ -45,7 +48,7 @@ def live_tp_layout(lp: Any, entry: Any, tp: int, file_shape: tuple[int, ...]) ->
             return TpLayout(replicated=True, vocab=vocab)
         dim = int(getattr(lp, "partition_dim", info.get(F.CAT_DIM, 0)))
         return TpLayout(dim=0 if sub > 1 else dim, sub_params=sub, vocab=vocab)
-    if tuple(lp.shape) == tuple(file_shape):  # no attributes: a slice as large as the whole is replicated
+    if tuple(shape if shape is not None else lp.shape) == tuple(file_shape):  # no attributes: replicated
         return TpLayout(replicated=True, vocab=vocab)
     return TpLayout(dim=0 if sub > 1 else int(info.get(F.CAT_DIM, 0)), sub_params=sub, vocab=vocab)
 

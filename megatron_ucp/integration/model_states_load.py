@@ -39,7 +39,11 @@ class ClientStates:
 
 @contextlib.contextmanager
 def one_model_states_file_per_rank(
-    engine: Any, always: bool = False, lazy: bool = False, layer_hook: Optional[LayerHook] = None
+    engine: Any,
+    always: bool = False,
+    lazy: bool = False,
+    layer_hook: Optional[LayerHook] = None,
+    path: Optional[Path] = None,
 ) -> Iterator[ClientStates]:
     """For one load: each rank reads one existing ``mp_rank_XX_model_states.pt`` as it is, once.
 
@@ -55,19 +59,23 @@ def one_model_states_file_per_rank(
     ``lazy``: the file is memory-mapped and only its pickle read; a tensor's bytes are read when
     something uses it (:mod:`megatron_ucp.integration.module_read` reads each of them once across the
     job). ``layer_hook``: what a pipeline model's layer file (read lazily) gives its layer, by path (the
-    optimized weights left alone, the rest read once across the DP group). Yields what the replacement
-    read of the model-states file, less the module weights (:class:`ClientStates`).
+    optimized weights left alone, the rest read once across the DP group). ``path``: the file this rank
+    reads, whatever DeepSpeed's names find (a ZeRO-3 rank beyond the saved DP size has no file of its own;
+    a load across ZeRO stages finds the other stage's name). Yields what the replacement read of the
+    model-states file, less the module weights (:class:`ClientStates`).
     """
     want = int(getattr(engine, "mp_world_size", 1) or 1)
     read = ClientStates()
 
     def make(original: Any) -> Any:
         def get_sd_loader(ckpt_list: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(ckpt_list, list) and ckpt_list and (always or len(ckpt_list) != want):
+            if path is not None:
+                ckpt_list = [str(path)]
+            if isinstance(ckpt_list, list) and ckpt_list and (always or path is not None or len(ckpt_list) != want):
                 return ClientStateLoader(
                     list(ckpt_list),
                     kwargs.get("checkpoint_engine", args[0] if args else None),
-                    check_count=always and len(ckpt_list) == want,
+                    check_count=always and path is None and len(ckpt_list) == want,
                     read=read,
                     lazy=lazy,
                     layer_hook=layer_hook,

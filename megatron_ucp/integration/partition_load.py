@@ -1,12 +1,13 @@
-"""Our loader of ZeRO-1/2 partitions from a universal folder, with the accounting that proves it.
+"""Our loader of ZeRO partitions from a universal folder, with the accounting that proves it.
 
 Replaces ``load_hp_checkpoint_state_from_checkpoint_dir`` for BF16_Optimizer and
-DeepSpeedZeroOptimizer (installed by :mod:`megatron_ucp.integration.elastic_load`). Call order in
+DeepSpeedZeroOptimizer (installed by :mod:`megatron_ucp.integration.elastic_load`), and DeepSpeed's whole
+optimizer load for ZeRO-3 for one load (:mod:`megatron_ucp.integration.stage3_routes`). Call order in
 :func:`load_universal_partitions`: the group's first rank lists ``zero/`` and reads the manifest's
-checksums once, everyone learns them; each rank restores the global optimizer state, then per
-param group (:func:`_load_group`) copies only its fragments of fp32 and of every optimizer state
-out of the memory-mapped files (:class:`~megatron_ucp.integration.state_layout.StateLayout`), hashes what landed,
-and adds the file's
+checksums once, everyone learns them; each rank restores the global optimizer state, then per live
+group (:class:`LiveGroup`: a ZeRO-1/2 param group's flat partition, or a ZeRO-3 sub-group's) copies only
+its fragments (:class:`LiveFragment`) of fp32 and of every optimizer state out of the memory-mapped files
+(:class:`~megatron_ucp.integration.state_layout.StateLayout`), hashes what landed, and adds the file's
 recorded count and checksum when it owns the parameter's first element; one all-reduce of the
 ledger (:mod:`megatron_ucp.plan.accounting`) closes the account, and the live optimizer's state
 names are checked against what was restored.
@@ -24,7 +25,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from megatron_ucp.convert.universal import list_zero_folder, read_manifest
-from megatron_ucp.deepspeed import surface
+from megatron_ucp.deepspeed import stage3_runtime, surface
 from megatron_ucp.deepspeed.reader import load_torch_file
 from megatron_ucp.errors import CheckpointFormatError, UnsupportedError
 from megatron_ucp.format import dsformat as F
@@ -40,6 +41,7 @@ from megatron_ucp.integration.collectives import (
     raise_gathered,
 )
 from megatron_ucp.integration.live_layout import TpPlace, live_tp_layout, tensor_parallel_of
+from megatron_ucp.integration.live_partitions import LiveGroup, live_groups
 from megatron_ucp.integration.saved_names import saved_names
 from megatron_ucp.integration.state_layout import StateLayout, gather, state_layout, tensor_of
 from megatron_ucp.plan.accounting import (
@@ -169,13 +171,17 @@ def expected_state_keys(optimizer: torch.optim.Optimizer, group_index: int) -> O
     return frozenset(keys | present)
 
 
-def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool = True) -> AccountingReport:
-    """Load this rank's ZeRO-1/2 partitions from ``<checkpoint_dir>/zero`` and account for them.
+def load_universal_partitions(
+    optimizer: Any, checkpoint_dir: Path, strict: bool = True, names: Optional[dict[Any, str]] = None
+) -> AccountingReport:
+    """Load this rank's ZeRO partitions from ``<checkpoint_dir>/zero`` and account for them.
 
     Collective over the optimizer's DP group: every rank must call it. Returns the report (the
     same on every rank); raising is left to the caller, except when a rank failed to load at all.
     With ``strict=False`` optimizer tensor states missing from the checkpoint start at zero (as a
-    fresh optimizer's would) instead of being absent, so that the first step does not fail.
+    fresh optimizer's would) instead of being absent, so that the first step does not fail. ``names``:
+    live parameter -> name (default the optimizer's own map; ZeRO-3 optimizers before DeepSpeed 0.18 have
+    none, the engine's is passed).
     """
 
     t_start = time.perf_counter()
@@ -192,10 +198,11 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     model_parallel = dist.get_world_size() != dp_to
     group = None if model_parallel else dp_group
     zero_dir = checkpoint_dir / F.UNIVERSAL_ZERO_DIR
-    lp_groups = lp_groups_of(optimizer)
     base = surface.base_optimizer(optimizer)
-    live_names = surface.param_names(optimizer)
-    names = [[live_names[lp] for lp in lps] for lps in lp_groups]
+    per_parameter = surface.layout_of(optimizer).per_parameter
+    live_names = names if names is not None else surface.param_names(optimizer)
+    groups = live_groups(optimizer, live_names)
+    names = [[live_names[lp] for lp in group.lps] for group in groups]
     optimized = {n for group_names in names for n in group_names}
     frozen = set(live_names.values()) - optimized
 
@@ -205,7 +212,7 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     if isinstance(facts, Failure):
         raise CheckpointFormatError(f"cannot read {zero_dir}: {facts.message}", subject=zero_dir)
     listing, sums = facts.listing, facts.sums
-    mapping = saved_names(optimizer, listing, group)
+    mapping = saved_names(live_names, listing, group)
     if mapping is not None:
         names = [[mapping.get(n, n) for n in group_names] for group_names in names]
         optimized = {mapping.get(n, n) for n in optimized}
@@ -239,7 +246,10 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
     context = _LoadContext(optimizer, zero_dir, accountable, ledger, table, sums, clock, tensor_parallel)
     try:
         optim_sd = load_torch_file(zero_dir / F.UNIVERSAL_OPTIMIZER_STATE_FILE, mmap=False)
-        surface.load_global_state(optimizer, optim_sd)
+        if per_parameter:
+            stage3_runtime.load_stage3_global_state(optimizer, optim_sd)
+        else:
+            surface.load_global_state(optimizer, optim_sd)
         dp_from = _source_dp(optim_sd)
         loaded_groups = optim_sd.get(F.PARAM_GROUPS) or []
         if len(loaded_groups) != len(base.param_groups):
@@ -253,12 +263,18 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
                 )
             )
             loaded_groups = [None] * len(base.param_groups)
-        for i, (param_group, lps) in enumerate(zip(base.param_groups, lp_groups)):
-            restored_keys.append(_load_group(context, param_group, lps, names[i], group_states[i]))
-            if loaded_groups[i] is not None:
-                for key, value in loaded_groups[i].items():
-                    if key != "params":
-                        param_group[key] = value
+        for i, live in enumerate(groups):
+            keys, buffers, step = _load_group(context, live, names[i], group_states[i])
+            restored_keys.append(keys)
+            if per_parameter:
+                install_stage3_state(optimizer, live.flat, buffers, step)
+            else:
+                install_group_state(optimizer, live.flat, live.lps, buffers, step)
+        for param_group, saved in zip(base.param_groups, loaded_groups):
+            if saved is not None:
+                param_group.update({key: value for key, value in saved.items() if key != "params"})
+        if per_parameter:
+            stage3_runtime.stage3_weights_from_masters(optimizer)
     except Exception as exc:
         failure = exc
         log.error("megatron-ucp: rank %d failed to load %s: %s", dist.get_rank(), zero_dir, exc)
@@ -281,19 +297,18 @@ def load_universal_partitions(optimizer: Any, checkpoint_dir: Path, strict: bool
         )
         problems += check_ledger(ledger, totals)
         for i, keys in enumerate(restored_keys):
-            expected = expected_state_keys(base, i)
+            expected = expected_state_keys(base, groups[i].param_group)
             problems += check_optimizer_states(i, names[i], expected, keys, type(base).__name__)
             if not strict and expected is not None:
-                _start_missing_states_fresh(base, i, expected - keys)
+                _start_missing_states_fresh(base, groups[i].flat, expected - keys)
         n_params, n_files, elements, state_names = ledger_totals(ledger, totals)
     load = time.perf_counter() - t_start - clock.seconds - collective
     seconds = (("load", round(load, 4)), ("accounting", round(clock.seconds, 4)), ("collective", round(collective, 4)))
     return AccountingReport(n_params, n_files, state_names, elements, dp_from, dp_to, tuple(problems), seconds=seconds)
 
 
-def _start_missing_states_fresh(base: torch.optim.Optimizer, index: int, missing: Iterable[str]) -> None:
+def _start_missing_states_fresh(base: torch.optim.Optimizer, flat: torch.Tensor, missing: Iterable[str]) -> None:
     """Non-strict partial load: a state the checkpoint lacks starts at zero, as a fresh one would."""
-    flat = base.param_groups[index]["params"][0]
     state = base.state[flat]
     for key in sorted(missing):
         if key != F.STEP_STATE and key not in state:
@@ -326,9 +341,10 @@ class _LoadContext:
 
 
 def _load_group(
-    context: _LoadContext, param_group: dict, lps: list, names: list[str], states: tuple[str, ...]
-) -> set[str]:
-    """Fill one param group's flat fp32 partition and optimizer states on this rank; return the keys set.
+    context: _LoadContext, live: LiveGroup, names: list[str], states: tuple[str, ...]
+) -> tuple[set[str], dict[str, torch.Tensor], Any]:
+    """Fill one live group's flat fp32 partition on this rank and its optimizer states' buffers; return
+    the keys restored, the buffers and the group's step (the caller installs them).
 
     A rank whose partition of the group is all padding reads no fragment but still gets every state
     key (zeros) and the group's step, so the optimizer and the next save look like everyone else's.
@@ -336,25 +352,25 @@ def _load_group(
     file holds to the ledger: from the manifest's ``sums`` when there are some, else from the file.
     Under TP a rank's parameter is its TP slice: its fragment maps to runs of the whole parameter
     (:func:`~megatron_ucp.plan.tensor_parallel.slice_runs`), each copied and hashed at its own offset.
+    ``names``: the saved name of each of ``live.lps``.
     """
 
-    optimizer, zero_dir, listing, ledger = context.optimizer, context.zero_dir, context.listing, context.ledger
+    zero_dir, listing, ledger = context.zero_dir, context.listing, context.ledger
     table, sums, clock, tensor_parallel = context.table, context.sums, context.clock, context.tensor_parallel
-    flat = param_group["params"][0]
+    flat = live.flat
     buffers = {state: torch.zeros_like(flat) for state in states}
     group_step: Any = None
     step_source = next((n for n in names if F.STEP_STATE in listing.get(n, ())), None)
     if step_source is not None:
         group_step = load_torch_file(zero_dir / step_source / f"{F.STEP_STATE}.pt", mmap=False)
+    saved_name = {id(lp): name for lp, name in zip(live.lps, names)}
 
     algorithm = sums.algorithm if sums is not None else integrity.ALGORITHM  # both sides of the ledger alike
     with torch.no_grad():
-        for lp, name in zip(lps, names):
-            mapping = surface.hp_mapping(lp)
-            if mapping is None or name not in listing:
+        for fragment in live.fragments:
+            lp, name = fragment.lp, saved_name[id(fragment.lp)]
+            if name not in listing:
                 continue
-            lp_address = mapping.lp_fragment_address
-            hp_address = mapping.get_hp_fragment_address()
             for state in listing[name]:
                 row = ledger.index(name, state)
                 path = zero_dir / name / f"{state}.pt"
@@ -371,21 +387,16 @@ def _load_group(
                     raise CheckpointFormatError(
                         f"{path}: {full.dtype} tensor; universal optimizer states are float32", subject=path
                     )
-                tp_layout = live_tp_layout(lp, entry, tensor_parallel.size, tuple(full.shape))
-                whole = full_shape(tuple(lp.shape), tp_layout, tensor_parallel.size)
+                tp_layout = live_tp_layout(lp, entry, tensor_parallel.size, tuple(full.shape), fragment.shape)
+                whole = full_shape(fragment.shape, tp_layout, tensor_parallel.size)
                 layout = state_layout(full, entry, whole, name, state, path)
                 runs = runs_between(
                     slice_runs(whole, tp_layout, tensor_parallel.size, tensor_parallel.rank, name),
-                    lp_address.start,
-                    lp_address.numel,
+                    fragment.start,
+                    fragment.numel,
                 )
-                target = (
-                    mapping.get_hp_fragment()
-                    if state == F.FP32_STATE
-                    else buffers[state].narrow(0, hp_address.start, hp_address.numel)
-                )
-                fragment = gather(layout, runs)
-                target.copy_(fragment)
+                target = (flat if state == F.FP32_STATE else buffers[state]).narrow(0, fragment.offset, fragment.numel)
+                target.copy_(gather(layout, runs))
                 table[row, Column.CONSUMERS] += 1
                 with clock:
                     at = 0
@@ -404,8 +415,7 @@ def _load_group(
                         table[row, Column.SOURCE_COUNT] += count
                         add_sum(table, row, False, value)
 
-    install_group_state(optimizer, flat, lps, buffers, group_step)
-    return set(buffers) | ({F.STEP_STATE} if group_step is not None else set())
+    return set(buffers) | ({F.STEP_STATE} if group_step is not None else set()), buffers, group_step
 
 
 def install_group_state(
@@ -413,13 +423,16 @@ def install_group_state(
 ) -> None:
     """Make ``buffers`` (flat, partition-sized) and ``step`` the base optimizer's state of one group, and
     point each parameter's optimizer fragments at them (what DeepSpeed's ``_link_hp_params`` does)."""
+    install_stage3_state(optimizer, flat, buffers, step)
+    for lp in lps:
+        surface.link_optimizer_fragments(lp, buffers)
+
+
+def install_stage3_state(optimizer: Any, flat: torch.Tensor, buffers: dict[str, torch.Tensor], step: Any) -> None:
+    """Make ``buffers`` and ``step`` the wrapped optimizer's state of one flat partition (a ZeRO-3
+    sub-group's: nothing links parameters to it)."""
     state_dict = surface.base_optimizer(optimizer).state[flat]
     for state, buffer in buffers.items():
         state_dict[state] = buffer
     if step is not None:
         state_dict[F.STEP_STATE] = step.clone() if torch.is_tensor(step) else step
-    for lp in lps:
-        mapping = surface.hp_mapping(lp)
-        if mapping is not None:
-            address = mapping.get_hp_fragment_address()
-            mapping.optim_fragment = {s: b.narrow(0, address.start, address.numel) for s, b in buffers.items()}

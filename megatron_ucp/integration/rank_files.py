@@ -134,30 +134,9 @@ def read_facts(model_states: Path, rank_file: RankFile, states: Optional[dict] =
     """Step 1 (first rank): the facts, checked for the old files' presence and DP size. ``states``:
     the model states already read from ``model_states`` (else read here, without the weights' bytes)."""
     states, dp_from, save_id = model_states_facts(model_states, states)
-    expected = [rank_file(r) for r in range(dp_from)]
-    unreadable = [(p, why) for p in expected if (why := absent(p)) is not None]
-    if unreadable:
-        path, why = unreadable[0]
-        more = f" ({len(unreadable)} of the {dp_from} rank files the model states' DP={dp_from} needs are unreadable)"
-        raise CheckpointFormatError(f"{path}: {why}{more if len(unreadable) > 1 else ''}", subject=path)
-    present = _tag_rank_files(model_states.parent, expected[0])
-    if len(present) != dp_from:
-        extra = sorted(set(present) - {p.name for p in expected})
-        raise CheckpointFormatError(
-            f"{model_states.parent}: {len(present)} rank files of this model-parallel rank "
-            f"({', '.join(extra[:3]) or expected[0].name} ...), but the model states say DP={dp_from}: files of "
-            "another save in the same folder?",
-            subject=model_states.parent,
-        )
+    expected = check_presence(model_states, rank_file, dp_from)
     first = optimizer_state(expected[0])  # its tensors are located, not read (nor read ahead)
-    record = first.get(F.ZERO_PARTITION_CHECKSUMS)
-    algorithm = record.get("algorithm") if isinstance(record, dict) else None
-    if algorithm is not None and algorithm not in integrity.KNOWN_ALGORITHMS:
-        raise CheckpointFormatError(
-            f"{expected[0]}: partition checksums of unknown algorithm {algorithm!r} "
-            f"(known: {', '.join(integrity.KNOWN_ALGORITHMS)})",
-            subject=expected[0],
-        )
+    algorithm = checksum_algorithm(first, expected[0])
     base = first[F.BASE_OPTIMIZER_STATE]
     groups = base.get("param_groups") or []
     per_group = [base["state"].get(g, {}) for g in range(len(groups))]
@@ -174,6 +153,41 @@ def read_facts(model_states: Path, rank_file: RankFile, states: Optional[dict] =
         save_id=save_id,
         model_states=str(model_states),
     )
+
+
+def check_presence(model_states: Path, rank_file: RankFile, dp_from: int) -> list[Path]:
+    """The ``dp_from`` old rank files the model states name, each a readable file, and no other of this
+    model-parallel rank in the folder; raises naming the first that is not. Returns their paths."""
+    expected = [rank_file(r) for r in range(dp_from)]
+    unreadable = [(p, why) for p in expected if (why := absent(p)) is not None]
+    if unreadable:
+        path, why = unreadable[0]
+        more = f" ({len(unreadable)} of the {dp_from} rank files the model states' DP={dp_from} needs are unreadable)"
+        raise CheckpointFormatError(f"{path}: {why}{more if len(unreadable) > 1 else ''}", subject=path)
+    present = _tag_rank_files(model_states.parent, expected[0])
+    if len(present) != dp_from:
+        extra = sorted(set(present) - {p.name for p in expected})
+        raise CheckpointFormatError(
+            f"{model_states.parent}: {len(present)} rank files of this model-parallel rank "
+            f"({', '.join(extra[:3]) or expected[0].name} ...), but the model states say DP={dp_from}: files of "
+            "another save in the same folder?",
+            subject=model_states.parent,
+        )
+    return expected
+
+
+def checksum_algorithm(optim: dict, path: Path) -> Optional[str]:
+    """The algorithm of a hooked save's partition checksums (None: saved without them); an unknown one
+    is refused, naming the file."""
+    record = optim.get(F.ZERO_PARTITION_CHECKSUMS)
+    algorithm = record.get("algorithm") if isinstance(record, dict) else None
+    if algorithm is not None and algorithm not in integrity.KNOWN_ALGORITHMS:
+        raise CheckpointFormatError(
+            f"{path}: partition checksums of unknown algorithm {algorithm!r} "
+            f"(known: {', '.join(integrity.KNOWN_ALGORITHMS)})",
+            subject=path,
+        )
+    return algorithm
 
 
 def _in_memory(value: Any) -> Any:
@@ -267,11 +281,15 @@ def read_tensor_range(reader: RangeReader, tensor: RawTensor, start: int, dest: 
         dest.copy_(buffer)
 
 
-def inspect_file(path: Path, facts: SavedFacts, exp: FileExpectation) -> tuple[Optional[Source], FileFacts]:
+def inspect_file(
+    path: Path, facts: "SavedFacts | Any", exp: FileExpectation, view: Callable[[Path], dict] = optimizer_state
+) -> tuple[Optional[Source], FileFacts]:
     """Step 2 for one file: open it (metadata only: tensors are located, not read) and check it on its
-    own. Never raises for a bad file: what is wrong is in the returned facts (and no source)."""
+    own. Never raises for a bad file: what is wrong is in the returned facts (and no source). ``view``:
+    the file's optimizer dict with ZeRO-1/2's keys (a ZeRO-3 file is read through its own view); ``facts``:
+    anything with the save's ``algorithm`` and per-group ``states``."""
     try:
-        optim = optimizer_state(path)
+        optim = view(path)
     except UcpError as exc:
         return None, FileFacts(exp.position, str(path), problems=(str(exc),))
     problems = file_problems(str(path), optim, exp)
@@ -288,7 +306,7 @@ def inspect_file(path: Path, facts: SavedFacts, exp: FileExpectation) -> tuple[O
     return Source(path, list(optim[F.SINGLE_PARTITION_OF_FP32_GROUPS]), states, sums), file_facts
 
 
-def _sum_problems(path: str, optim: dict, sums: Any, facts: SavedFacts, exp: FileExpectation) -> list[str]:
+def _sum_problems(path: str, optim: dict, sums: Any, facts: Any, exp: FileExpectation) -> list[str]:
     """A hooked save's partition checksums: present in every file, of the save's algorithm, one per
     state with the position's real length."""
     if facts.algorithm is None:
@@ -303,7 +321,7 @@ def _sum_problems(path: str, optim: dict, sums: Any, facts: SavedFacts, exp: Fil
         for state in (F.FP32_STATE, *facts.states[g]):
             entry = sums[g].get(state)
             if entry is None or entry[0] != real:
-                return [f"{path}: param group {g}'s recorded checksum of {state!r} is {entry!r}, not [{real}, <sum>]"]
+                return [f"{path}: {exp.unit} {g}'s recorded checksum of {state!r} is {entry!r}, not [{real}, <sum>]"]
     return []
 
 
@@ -329,11 +347,27 @@ def bind_rank_files(
     raises the same error when any file, or the set, is wrong. Returns the sources this rank reads and
     what every rank saw of every file (the same on every rank)."""
     readers = {r.source_rank for g in reads for r in g}
+
+    def inspect(position: int) -> tuple[Optional[Source], FileFacts]:
+        return inspect_file(rank_file(position), facts, expectation(facts, geos, reads, position, fragments))
+
+    return bind_positions(facts, positions, readers, inspect, group)
+
+
+def bind_positions(
+    facts: Any,
+    positions: Sequence[int],
+    readers: set[int],
+    inspect: Callable[[int], tuple[Optional[Source], FileFacts]],
+    group: Any,
+) -> tuple[dict[int, Source], list[FileFacts]]:
+    """The collective part of binding (over ``group``): this rank inspects ``positions`` and keeps the
+    sources of those it reads (``readers``), every rank shares what it saw, and every rank raises the
+    same error when any file, or the set, is wrong. ``facts``: the save's (``model_states``, ``save_id``)."""
     mine: list[FileFacts] = []
     sources: dict[int, Source] = {}
     for position in positions:
-        exp = expectation(facts, geos, reads, position, fragments)
-        source, seen = inspect_file(rank_file(position), facts, exp)
+        source, seen = inspect(position)
         mine.append(replace(seen, sums=None))
         if source is not None and position in readers:
             sources[position] = source
@@ -351,10 +385,10 @@ def bind_rank_files(
     return sources, seen
 
 
-def verdict(facts: SavedFacts, seen: Sequence[FileFacts]) -> list[str]:
+def verdict(facts: "SavedFacts | Any", seen: Sequence[FileFacts]) -> list[str]:
     """Every problem the files of a save have, on their own (by position) and together."""
     problems = list(dict.fromkeys(p for f in sorted(seen, key=lambda f: f.position) for p in f.problems))
-    return problems + cross_check(facts.model_states, facts.save_id, seen)
+    return problems + cross_check(facts.model_states, facts.save_id, seen, getattr(facts, "unit", "param group"))
 
 
 def bind_folder(model_states: Path, rank_file: RankFile) -> list[str]:

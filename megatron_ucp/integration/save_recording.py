@@ -31,14 +31,21 @@ import uuid
 from typing import Any, Callable, Optional
 
 from megatron_ucp.config import UcpConfig
-from megatron_ucp.deepspeed import surface
+from megatron_ucp.deepspeed import stage3_runtime, surface
 from megatron_ucp.deepspeed.surface import OptimizerLayout
 from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import broadcast_from_first, comm
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.live_layout import tp_layout_record
-from megatron_ucp.plan.save_record import partition_checksums, partition_record, save_identity
+from megatron_ucp.plan.param_geometry import Stage3Groups
+from megatron_ucp.plan.save_record import (
+    partition_checksums,
+    partition_record,
+    save_identity,
+    stage3_partition_checksums,
+    stage3_partition_record,
+)
 from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
 
 log = logging.getLogger(__name__)
@@ -91,6 +98,37 @@ def _record(layout: OptimizerLayout) -> Callable[[Any], dict[str, Any]]:
         save_id = _SAVE_ID.get()
         if save_id is not None:
             out.update(save_identity(save_id, sizes[0], ranks[0]))
+        return out
+
+    return record_of
+
+
+def _record_stage3(layout: OptimizerLayout) -> Callable[[Any], dict[str, Any]]:
+    """What a ZeRO-3 optimizer adds to the dict it saves: each sub-group's and each parameter's true length
+    on this rank, the layout they follow from, and the checksum of every partition's real runs."""
+
+    def record_of(optimizer: Any) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        group = surface.dp_group(optimizer)
+        dp, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        sub_groups, owners = stage3_runtime.stage3_sub_groups(optimizer)
+        groups = Stage3Groups(tuple(tuple(g) for g in sub_groups), tuple(owners), dp)
+        flats = layout.masters(optimizer)
+        sizes, held = groups.partition_sizes(), [int(f.numel()) for f in flats]
+        if held != sizes:
+            raise UnsupportedError(
+                f"{layout.class_name}: fp32 partitions of {held} elements, the per-parameter "
+                f"geometry gives {sizes} at DP={dp}; this DeepSpeed partitions differently from what megatron-ucp "
+                "understands"
+            )
+        out = {
+            **stage3_partition_record(groups, rank),
+            **stage3_partition_checksums(flats, _base_states(optimizer, flats), groups, rank),
+        }
+        save_id = _SAVE_ID.get()
+        if save_id is not None:
+            out.update(save_identity(save_id, dp, rank))
         return out
 
     return record_of
@@ -178,4 +216,5 @@ def install(patches: Any, config: UcpConfig) -> None:
     surface.replace(patches, surface.ENGINE, "save_checkpoint", _identify_save)
     surface.replace(patches, surface.ENGINE, "_save_checkpoint", _record_tp_layout)
     for layout in surface.OPTIMIZER_LAYOUTS:
-        surface.replace(patches, layout.owner, "state_dict", _wrap(_record(layout)))
+        record = _record_stage3(layout) if layout.per_parameter else _record(layout)
+        surface.replace(patches, layout.owner, "state_dict", _wrap(record))

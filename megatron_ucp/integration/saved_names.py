@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import CheckpointFormatError, PlanError
 from megatron_ucp.integration.collectives import count_across, gather_names, is_first
 from megatron_ucp.plan.names import is_pipeline_names, name_map
@@ -13,11 +12,12 @@ from megatron_ucp.plan.names import is_pipeline_names, name_map
 log = logging.getLogger(__name__)
 
 
-def saved_names(optimizer: Any, listing: dict[str, tuple[str, ...]], group: Any) -> Optional[dict[str, str]]:
+def saved_names(names: dict[Any, str], listing: dict[str, tuple[str, ...]], group: Any) -> Optional[dict[str, str]]:
     """Live name -> saved folder name when the checkpoint was saved by the other GPT model class
     (``GPTModel`` <-> ``GPTModelPipe``, :mod:`megatron_ucp.plan.names`); None when names match.
-    Collective over ``group``: the pipeline model's names are only complete across its stages."""
-    local = set(surface.param_names(optimizer).values())
+    Collective over ``group``: the pipeline model's names are only complete across its stages. ``names``:
+    live parameter -> name (the optimizer's or the engine's map)."""
+    local = set(names.values())
     if not count_across(0 if local <= set(listing) else 1, group):
         return None
     live = gather_names(local, group)

@@ -15,9 +15,10 @@ A parameter smaller than the DP size has ranks whose slice is all padding; stock
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Optional, Sequence
 
 from megatron_ucp.errors import UcpError
 
@@ -195,3 +196,128 @@ def stock_stage3_problems(
                 )
             )
     return problems
+
+
+@dataclass(frozen=True)
+class ParamPlace:
+    """Where one parameter lives in a ZeRO-3 layout at one DP size."""
+
+    name: str
+    numel: int
+    sub_group: int
+    offset: int
+    """Where its slice starts inside every rank's partition of the sub-group."""
+    param_group: int
+    position: int
+    """Where its first element sits in its param group's parameters laid end to end, unpadded: the same
+    at every DP size and every sub-group cut, so the checksums of a save and of a load meet there."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """Real elements of one parameter in one rank's partition of a sub-group."""
+
+    param: str
+    offset: int
+    """In the rank's partition of the sub-group."""
+    start: int
+    """In the parameter (flattened)."""
+    length: int
+    position: int
+    """In the param group (:attr:`ParamPlace.position` + ``start``)."""
+
+
+@dataclass(frozen=True)
+class Stage3Groups:
+    """One model-parallel coordinate's optimized parameters as ZeRO-3 cuts them at one DP size: per optimizer
+    sub-group, its parameters (name, numel) in order, and the param group each sub-group belongs to.
+
+    Both sides of a stage-3 resume are one of these: the save's (``param_shapes`` per sub-group, and the
+    sub-groups each param group lists in the rank files) and the live optimizer's (``fp16_groups``,
+    ``sub_group_to_group_id``). The sub-groups depend on the DP size (``sub_group_size`` counts partition
+    elements), the param groups and their parameters' order do not: that is what a reshard keeps.
+    """
+
+    sub_groups: tuple[tuple[tuple[str, int], ...], ...]
+    param_group_of: tuple[int, ...]
+    dp: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "sub_groups", tuple(tuple((str(n), int(k)) for n, k in group) for group in self.sub_groups)
+        )
+        object.__setattr__(self, "param_group_of", tuple(int(g) for g in self.param_group_of))
+        if len(self.param_group_of) != len(self.sub_groups):
+            raise UcpError(
+                f"{len(self.sub_groups)} sub-groups but {len(self.param_group_of)} param-group indices for them"
+            )
+        if list(self.param_group_of) != sorted(self.param_group_of):
+            raise UcpError(f"sub-groups must follow their param groups in order, got {list(self.param_group_of)}")
+        names = [n for group in self.sub_groups for n, _ in group]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise UcpError(f"parameters listed twice in the sub-groups: {twice[:3]}")
+        for h in range(len(self.sub_groups)):
+            self.geometry(h)  # validates numels and DP
+
+    def geometry(self, sub_group: int) -> SubGroupGeometry:
+        return SubGroupGeometry(tuple(n for _, n in self.sub_groups[sub_group]), self.dp)
+
+    @cached_property
+    def param_groups(self) -> tuple[tuple[tuple[str, int], ...], ...]:
+        """Each param group's parameters, end to end (the sub-groups of a group concatenated)."""
+        count = (max(self.param_group_of) + 1) if self.param_group_of else 0
+        out: list[list[tuple[str, int]]] = [[] for _ in range(count)]
+        for group, g in zip(self.sub_groups, self.param_group_of):
+            out[g].extend(group)
+        return tuple(tuple(g) for g in out)
+
+    @cached_property
+    def places(self) -> dict[str, ParamPlace]:
+        out: dict[str, ParamPlace] = {}
+        position: dict[int, int] = {}
+        for h, (group, g) in enumerate(zip(self.sub_groups, self.param_group_of)):
+            geo = self.geometry(h)
+            for (name, numel), offset in zip(group, geo.offsets):
+                at = position.get(g, 0)
+                out[name] = ParamPlace(name, numel, h, offset, g, at)
+                position[g] = at + numel
+        return out
+
+    def partition_of(self, name: str) -> ParamPartition:
+        return ParamPartition(self.places[name].numel, self.dp)
+
+    def runs(self, rank: int, sub_group: int) -> list[Run]:
+        """The real runs of ``rank``'s partition of a sub-group, in partition order."""
+        out = []
+        for name, _ in self.sub_groups[sub_group]:
+            place, part = self.places[name], self.partition_of(name)
+            length = part.true_length(rank)
+            if length:
+                start = part.start(rank)
+                out.append(Run(name, place.offset, start, length, place.position + start))
+        return out
+
+    def true_lengths(self, rank: int) -> list[int]:
+        return [self.geometry(h).true_length(rank) for h in range(len(self.sub_groups))]
+
+    def param_true_lengths(self, rank: int) -> list[list[int]]:
+        return [[p.true_length(rank) for p in self.geometry(h).params] for h in range(len(self.sub_groups))]
+
+    def partition_sizes(self) -> list[int]:
+        return [self.geometry(h).partition_size for h in range(len(self.sub_groups))]
+
+    def padding_only_ranks(self) -> list[int]:
+        """Ranks whose every sub-group partition is padding (no real element at all)."""
+        return [r for r in range(self.dp) if not any(self.true_lengths(r))]
+
+    def at_dp(self, dp: int, sub_group_size: Optional[int] = None) -> "Stage3Groups":
+        """The same parameters at another DP size, cut into sub-groups as DeepSpeed would with
+        ``sub_group_size`` (None: one sub-group per param group)."""
+        cut = sys.maxsize if sub_group_size is None else sub_group_size
+        groups, owners = [], []
+        for g, params in enumerate(self.param_groups):
+            for members in sub_groups([n for _, n in params], dp, cut) or [[]]:
+                groups.append(tuple(params[i] for i in members))
+                owners.append(g)
+        return Stage3Groups(tuple(groups), tuple(owners), dp)

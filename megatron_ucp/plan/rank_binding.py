@@ -85,6 +85,8 @@ class FileExpectation:
     true_lengths: Optional[tuple[int, ...]] = None
     save_id: Optional[str] = None
     """The model states' save identity (saved through the hooks); None: saved without it."""
+    unit: str = "param group"
+    """What the file's partitions are of, in messages (ZeRO-3: ``sub-group``)."""
 
 
 @dataclass(frozen=True)
@@ -134,12 +136,12 @@ def file_problems(path: str, optim: Mapping, exp: FileExpectation) -> list[str]:
     groups = len(exp.partition_sizes)
     if not isinstance(fp32, (list, tuple)) or len(fp32) != groups:
         held = len(fp32) if isinstance(fp32, (list, tuple)) else 0
-        return problems + [f"{path}: {held} fp32 partitions for the model states' {groups} param groups"]
+        return problems + [f"{path}: {held} fp32 partitions for the model states' {groups} {exp.unit}s"]
     for g, size in enumerate(exp.partition_sizes):
         master = fp32[g]
         if not _flat_fp32(master) or master.numel() < exp.needs[g]:
             problems.append(
-                f"{path}: param group {g}'s fp32 partition holds {_describe(master)}, its first {exp.needs[g]} "
+                f"{path}: {exp.unit} {g}'s fp32 partition holds {_describe(master)}, its first {exp.needs[g]} "
                 "float32 are needed (truncated, or of another model?)"
             )
         states = state.get(g, {}) if isinstance(state, Mapping) else {}
@@ -147,7 +149,7 @@ def file_problems(path: str, optim: Mapping, exp: FileExpectation) -> list[str]:
             t = states.get(name) if isinstance(states, Mapping) else None
             if not _flat_fp32(t) or t.numel() != size:
                 problems.append(
-                    f"{path}: param group {g}'s {name!r} holds {_describe(t)}, not the {size} float32 elements "
+                    f"{path}: {exp.unit} {g}'s {name!r} holds {_describe(t)}, not the {size} float32 elements "
                     f"of a DP={exp.dp} partition"
                 )
     recorded = _record_problems(path, optim, exp)
@@ -225,7 +227,9 @@ def recorded_sums(optim: Mapping, groups: int) -> Optional[tuple[Mapping[str, tu
 # ------------------------------------------------------------------------------------------------
 
 
-def cross_check(model_states: str, model_save_id: Optional[str], files: Sequence[FileFacts]) -> list[str]:
+def cross_check(
+    model_states: str, model_save_id: Optional[str], files: Sequence[FileFacts], unit: str = "param group"
+) -> list[str]:
     """What the files (each position once; files that could not be read left out) and the model states
     say together: problems naming the file(s) that differ from the others."""
     files = sorted({f.position: f for f in files if f.steps}.values(), key=lambda f: f.position)
@@ -234,7 +238,7 @@ def cross_check(model_states: str, model_save_id: Optional[str], files: Sequence
         return problems  # files of another save: their steps say nothing more
     for g in range(max((len(f.steps) for f in files), default=0)):
         values = [f.steps[g] if g < len(f.steps) else None for f in files]
-        problems += _odd_ones_out(files, values, f"param group {g}'s optimizer step")
+        problems += _odd_ones_out(files, values, f"{unit} {g}'s optimizer step")
     return problems
 
 

@@ -93,6 +93,8 @@ def decide_resume(
     universal_of_latest: bool = False,
     resume_route: str = "auto",
     names_match: bool = True,
+    stage_change: Optional[str] = None,
+    regrouped: bool = False,
 ) -> ResumeDecision:
     """Decide how to load ``requested_tag`` (already resolved from ``latest`` when it was None).
 
@@ -107,6 +109,11 @@ def decide_resume(
     mode whatever the layout, converting it when needed. ``resume_route``: one of :data:`RESUME_ROUTES`.
     ``names_match``: the saved parameter names are the model's; when not (``GPTModelPipe`` saved,
     ``GPTModel`` resumed, or the other way) only the universal route maps them, whatever the route.
+    ``stage_change``: the save's ZeRO partitioning is not the job's (``"stage 1/2 -> 3"``: flat partitions
+    saved, per-parameter ones live, or the other way): only the universal folder bridges them.
+    ``regrouped``: ZeRO-3 at the saved DP size, but the optimizer cut its parameters into other sub-groups
+    (another ``sub_group_size``): DeepSpeed's own load would copy partitions of the wrong sizes, so the
+    partitions are resharded as for a DP change.
     """
     checkpoint_dp, current_dp = (saved.dp if saved is not None else None), live.dp
     if resume_route not in RESUME_ROUTES:
@@ -140,8 +147,8 @@ def decide_resume(
             f"{requested_tag} is a universal checkpoint (saved at DP={checkpoint_dp}): "
             f"loading it in universal mode at DP={current_dp}",
         )
-    mp_changed = saved.model_axes() != live.model_axes()
-    if checkpoint_dp == current_dp and not mp_changed and not universal_of_latest:
+    mp_changed = saved.model_axes() != live.model_axes() or stage_change is not None
+    if checkpoint_dp == current_dp and not mp_changed and not universal_of_latest and not regrouped:
         unchanged = (
             f"DP unchanged ({current_dp})"
             if live.model_parallel == 1
@@ -161,6 +168,11 @@ def decide_resume(
         )
     target = F.universal_tag(requested_tag)
     changed = saved.describe_change(live)
+    if stage_change is not None:
+        moved = "" if saved == live else f", {changed}"
+        changed = f"ZeRO stage changed {stage_change}{moved}"
+    elif regrouped and checkpoint_dp == current_dp:
+        changed = f"DP unchanged ({current_dp}) but ZeRO-3 cut the parameters into other sub-groups (sub_group_size)"
     if not mp_changed and not universal_of_latest and resume_route != "universal" and names_match:
         how = "" if resume_route == "reshard" else " (resume route auto)"
         return ResumeDecision(
@@ -172,6 +184,9 @@ def decide_resume(
         )
     if universal_of_latest and checkpoint_dp == current_dp and not mp_changed:
         changed = f"load_universal is set ({changed})"
+    elif stage_change is not None and resume_route == "reshard":
+        changed += " (resume route reshard: the native files reshard within a stage; a stage change goes through "
+        changed += "the universal folder)"
     elif mp_changed and resume_route == "reshard":
         changed += (
             " (resume route reshard: the native files reshard DP only; a TP/PP change goes through the "

@@ -14,6 +14,7 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
 from megatron_ucp.plan.accounting import checksum
 from megatron_ucp.plan.geometry import NCCL_START_ALIGNMENT_FACTOR, GroupGeometry
+from megatron_ucp.plan.param_geometry import Run, Stage3Groups
 
 
 def partition_record(
@@ -85,3 +86,49 @@ def save_identity(save_id: str, dp_size: Optional[int] = None, dp_rank: Optional
     if dp_size is not None:
         record.update(dp_size=int(dp_size), dp_rank=int(dp_rank if dp_rank is not None else -1))
     return {F.UCP_SAVE_RECORD: record}
+
+
+def stage3_partition_record(groups: Stage3Groups, rank: int) -> dict[str, Any]:
+    """The keys the save hook adds to a ZeRO-3 rank's optimizer state dict: each sub-group's and each
+    parameter's true length on ``rank`` and the layout they follow from. Pure."""
+    return {
+        F.GROUP_TRUE_LENGTHS: groups.true_lengths(rank),
+        F.PARAM_TRUE_LENGTHS: groups.param_true_lengths(rank),
+        F.ZERO_PARTITION_INFO: {
+            "version": F.ZERO_PARTITION_INFO_VERSION,
+            "zero_stage": 3,
+            "dp_size": groups.dp,
+            "dp_rank": rank,
+            "sub_group_numels": [[n for _, n in group] for group in groups.sub_groups],
+            "sub_group_param_groups": list(groups.param_group_of),
+            "partition_sizes": groups.partition_sizes(),
+        },
+    }
+
+
+def stage3_run_checksum(tensor: Any, runs: Sequence[Run], algorithm: str = integrity.ALGORITHM) -> int:
+    """One partition's real runs (``runs`` of :meth:`Stage3Groups.runs`), each hashed at its position in
+    its param group, combined: what the save records and what a load recomputes from what landed."""
+    flat = tensor.reshape(-1)
+    return integrity.combine(checksum(flat[r.offset : r.offset + r.length], r.position, algorithm) for r in runs)
+
+
+def stage3_partition_checksums(
+    fp32: Sequence[Any], states: Sequence[dict[str, Any]], groups: Stage3Groups, rank: int
+) -> dict[str, Any]:
+    """:data:`~megatron_ucp.format.dsformat.ZERO_PARTITION_CHECKSUMS` of one ZeRO-3 rank: per sub-group, the
+    fp32 partition and each tensor state of partition size, over the real runs (:func:`stage3_run_checksum`)."""
+    out = []
+    for h, (master, state) in enumerate(zip(fp32, states)):
+        size, runs = groups.geometry(h).partition_size, groups.runs(rank, h)
+        real = sum(r.length for r in runs)
+        tensors = {
+            F.FP32_STATE: master,
+            **{
+                k: v
+                for k, v in sorted(state.items())
+                if hasattr(v, "numel") and k != F.STEP_STATE and v.numel() == size
+            },
+        }
+        out.append({k: [real, stage3_run_checksum(t, runs)] for k, t in tensors.items()})
+    return {F.ZERO_PARTITION_CHECKSUMS: {"algorithm": integrity.ALGORITHM, "groups": out}}

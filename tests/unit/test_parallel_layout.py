@@ -60,8 +60,10 @@ def test_only_entries_the_surface_marks_replaced_can_be_replaced() -> None:
 def test_each_optimizer_class_has_one_layout_with_its_stages() -> None:
     assert surface.layout_named("BF16_Optimizer").stages == (1,)
     assert surface.layout_named("DeepSpeedZeroOptimizer").stages == (1, 2)
-    assert surface.layout_named("DeepSpeedZeroOptimizer_Stage3") is None
-    assert surface.ELASTIC_STAGES == (1, 2)
+    stage3 = surface.layout_named("DeepSpeedZeroOptimizer_Stage3")
+    assert stage3.stages == (3,) and stage3.per_parameter
+    assert not any(layout.per_parameter for layout in surface.OPTIMIZER_LAYOUTS if layout is not stage3)
+    assert surface.ELASTIC_STAGES == (1, 2, 3)
     names = [(e.owner, e.name) for e in surface.SURFACE]
     assert len(names) == len(set(names)), "one entry per internal"
 
@@ -79,3 +81,20 @@ def test_an_optimizer_missing_an_attribute_its_layout_names_is_refused_naming_al
     BF16_Optimizer.nccl_start_alignment_factor = 2
     assert surface.layout_of(BF16_Optimizer()) is surface.layout_named("BF16_Optimizer")
     assert surface.alignment_factor(BF16_Optimizer()) == 2
+
+
+def test_the_stage3_layout_names_its_own_attributes_not_the_flat_classes() -> None:
+    """ZeRO-3 keeps no flat-buffer alignment nor per-group DP groups: its check asks for what its hooks read."""
+    from megatron_ucp.errors import UnsupportedError
+
+    class DeepSpeedZeroOptimizer_Stage3:
+        fp16_groups = fp16_partitioned_groups_flat = fp16_partitioned_groups = fp32_partitioned_groups_flat = []
+        dp_process_group = optimizer = unflatten = loss_scaler = dynamic_loss_scale = overflow = None
+
+    with pytest.raises(UnsupportedError, match=r"'sub_group_to_group_id', 'swap_optimizer'"):
+        surface.layout_of(DeepSpeedZeroOptimizer_Stage3())
+    DeepSpeedZeroOptimizer_Stage3.sub_group_to_group_id = {}
+    DeepSpeedZeroOptimizer_Stage3.swap_optimizer = False
+    layout = surface.layout_of(DeepSpeedZeroOptimizer_Stage3())
+    assert layout is surface.layout_named("DeepSpeedZeroOptimizer_Stage3")
+    assert "nccl_start_alignment_factor" not in layout.required()

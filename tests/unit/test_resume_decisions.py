@@ -122,6 +122,26 @@ def test_a_model_class_change_goes_through_the_universal_folder():
     assert same_dp.route is Route.NATIVE
 
 
+def test_a_zero_stage_change_goes_through_the_universal_folder():
+    """ZeRO-1/2 saved, ZeRO-3 resumed (or the other way): flat partitions and per-parameter ones only meet
+    in the universal folder, at the same DP size too, whatever the route."""
+    for route in ("auto", "reshard"):
+        same = decide(resume_route=route, current_dp=768, stage_change="1/2 -> 3")
+        assert same.route is Route.CONVERT_THEN_UNIVERSAL and same.tag == "global_step95600_universal"
+        assert same.message.startswith("ZeRO stage changed 1/2 -> 3"), same.message
+        assert "no global_step95600_universal yet, converting global_step95600 now" in same.message
+        assert ("stage change goes through the universal folder" in same.message) == (route == "reshard")
+    moved = decide(resume_route="auto", stage_change="3 -> 1/2", twin_state="complete")
+    assert moved.route is Route.UNIVERSAL_EXISTING
+    assert moved.message == "ZeRO stage changed 3 -> 1/2, DP changed 768 -> 512: loading global_step95600_universal"
+
+
+def test_zero3_sub_groups_cut_otherwise_at_the_same_dp_are_resharded():
+    d = decide(resume_route="auto", current_dp=768, regrouped=True)
+    assert d.route is Route.RESHARD and "other sub-groups" in d.message, d.message
+    assert decide(resume_route="auto", current_dp=768).route is Route.NATIVE
+
+
 def test_bad_inputs():
     with pytest.raises(UcpError, match="resume route"):
         decide(resume_route="fast")

@@ -1,0 +1,336 @@
+"""A ZeRO-3 save into the live ZeRO-3 optimizer, straight from its native rank files: a DP change (or another
+sub-group cut) with no conversion, and the checks of a restart at the saved DP size.
+
+Call order (collective over the optimizer's DP group, every rank calls each step):
+
+1. :func:`bind_stage3_save`, before DeepSpeed's own load touches the engine: the facts (first rank), the live
+   optimizer's sub-groups checked against them (the same parameters in the same param groups), this rank's
+   reads (:func:`megatron_ucp.plan.stage3_reshard.stage3_reads`: a few slices per parameter), and every old
+   rank file bound to its position and its save (:mod:`megatron_ucp.integration.stage3_files`). Files that
+   do not belong together stop every rank here, naming the file(s), with the engine untouched.
+2. DeepSpeed loads the module's buffers, the scheduler and the counters (the caller's part), and instead of
+   its optimizer load (which refuses another DP size) :func:`load_stage3_partitions` runs: every planned
+   slice of the fp32 masters and of every optimizer state copied straight into the live partitions (the
+   engine's own tensors: host memory under optimizer offload), the states' steps, hyperparameters and loss
+   scaler restored, the bf16 partitions made the masters rounded. What landed is hashed at its position in
+   its param group into the ledger row of the old file it came from; the source side is the checksum that
+   file recorded of its partition at save time (saved through the hooks), or the hash of what was read
+   (stock saves: placement and counts). One all-reduce proves every real element placed exactly once.
+
+A restart at the saved DP size runs step 1, DeepSpeed's own load, then :func:`verify_stage3_loaded`: every
+partition DeepSpeed loaded against the checksum its file recorded (saved through the hooks).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from megatron_ucp.deepspeed import stage3_runtime, surface
+from megatron_ucp.errors import CheckpointFormatError, PlanError, UcpError, UnsupportedError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format import integrity
+from megatron_ucp.integration.collectives import Failure, comm, decide_on_first, device
+from megatron_ucp.integration.live_partitions import live_stage3_groups
+from megatron_ucp.integration.partition_load import expected_state_keys, install_stage3_state
+from megatron_ucp.integration.rank_files import RankFile, Source, binding_message
+from megatron_ucp.integration.stage3_files import (
+    UNIT,
+    Stage3Facts,
+    bind_stage3_files,
+    checked_positions,
+    read_stage3_facts,
+)
+from megatron_ucp.plan.accounting import (
+    AccountingReport,
+    Column,
+    Ledger,
+    Problem,
+    add_sum,
+    check_ledger,
+    check_optimizer_states,
+    checksum,
+    ledger_totals,
+)
+from megatron_ucp.plan.param_geometry import Stage3Groups
+from megatron_ucp.plan.rank_binding import FileFacts
+from megatron_ucp.plan.save_record import stage3_run_checksum
+from megatron_ucp.plan.stage3_reshard import SliceRead, first_real_offset, stage3_reads
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Stage3Bound:
+    """What step 1 established on this rank, before DeepSpeed's own load."""
+
+    facts: Stage3Facts
+    new: Stage3Groups
+    """The live optimizer's layout (this job's DP size and sub-groups)."""
+    reads: list[list[SliceRead]]
+    sources: dict[int, Source]
+    rank_file: RankFile
+    rank: int
+    seconds: float
+    files: list[FileFacts]
+
+    @property
+    def old(self) -> Stage3Groups:
+        return self.facts.groups
+
+    @property
+    def dp_to(self) -> int:
+        return self.new.dp
+
+    def close(self) -> None:
+        for source in self.sources.values():
+            source.close()
+
+
+def bind_stage3_save(
+    engine: Any, model_states: Path, rank_file: RankFile, states: Optional[dict] = None, same_dp: bool = False
+) -> Stage3Bound:
+    """Step 1 (collective over the optimizer's DP group): facts, live layout, reads, and every old rank file
+    bound to its position and its save; raises the same error on every rank when they do not belong
+    together. ``states``: the model states the first rank already read (else read here, without weights).
+    ``same_dp``: a restart at the saved DP size and sub-groups (DeepSpeed's own load follows)."""
+    t0 = time.perf_counter()
+    optimizer = engine.optimizer
+    group = surface.dp_group(optimizer)
+    rank = comm().get_rank(group=group)
+    facts = decide_on_first(lambda: read_stage3_facts(model_states, rank_file, states), group)
+    if isinstance(facts, Failure):
+        raise CheckpointFormatError(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
+    if facts.frozen and not same_dp:
+        raise UnsupportedError(
+            f"{model_states}: frozen parameters ({', '.join(facts.frozen[:3])}) in a ZeRO-3 save: their slices "
+            "live in every rank's model states and are not resharded yet; resume at the saved DP size",
+            subject=model_states,
+        )
+    new = live_stage3_groups(optimizer, surface.param_names(engine))
+    try:
+        reads = stage3_reads(facts.groups, new, rank)
+    except PlanError as exc:  # the same facts and model on every rank: the same error everywhere
+        raise UcpError(f"{model_states.parent}: {exc}", subject=model_states.parent) from exc
+    positions = checked_positions(facts, new.dp, rank, reads)
+    sources, files = bind_stage3_files(facts, reads, positions, rank_file, group)
+    return Stage3Bound(facts, new, reads, sources, rank_file, rank, time.perf_counter() - t0, files)
+
+
+def _row(rank_file: RankFile, position: int, sub_group: int) -> str:
+    return f"{rank_file(position)}: {UNIT} {sub_group}"
+
+
+def ledger_of(facts: Stage3Facts, rank_file: RankFile) -> Ledger:
+    """One row per (old rank file, old sub-group, state) the file holds real elements of."""
+    old = facts.groups
+    return Ledger.from_listing(
+        {
+            _row(rank_file, r, h): (F.FP32_STATE, *facts.states[h])
+            for h in range(len(old.sub_groups))
+            for r in range(facts.dp_from)
+            if old.geometry(h).true_length(r) > 0
+        }
+    )
+
+
+def _source(row: str, state: str) -> str:
+    return f"{row.replace(f': {UNIT}', f', {UNIT}', 1)}'s {state!r}"
+
+
+def _targets(optimizer: Any, bound: Stage3Bound) -> list[dict[str, torch.Tensor]]:
+    """Per live sub-group: the fp32 partition and one buffer per saved state (the optimizer's own tensor
+    where it has one of the right size, so that it stays where the engine keeps it), all zeroed."""
+    base = surface.base_optimizer(optimizer)
+    masters = surface.layout_of(optimizer).masters(optimizer)
+    out = []
+    for h, master in enumerate(masters):
+        names = _states_of(bound, h)
+        kept = base.state.get(master, {})
+        buffers = {F.FP32_STATE: master}
+        for name in names:
+            held = kept.get(name)
+            usable = torch.is_tensor(held) and held.shape == master.shape and held.dtype == master.dtype
+            buffers[name] = held if usable else torch.zeros_like(master)
+        with torch.no_grad():
+            for t in buffers.values():
+                t.zero_()
+        out.append(buffers)
+    return out
+
+
+def _old_sub_groups(bound: Stage3Bound, h: int) -> list[int]:
+    """The old sub-groups the parameters of live sub-group ``h`` come from."""
+    return sorted({bound.old.places[name].sub_group for name, _ in bound.new.sub_groups[h]})
+
+
+def _states_of(bound: Stage3Bound, h: int) -> tuple[str, ...]:
+    """The states live sub-group ``h`` gets: those of the old sub-groups its parameters come from (one set)."""
+    found = {bound.facts.states[g] for g in _old_sub_groups(bound, h)}
+    if len(found) > 1:
+        raise CheckpointFormatError(
+            f"{bound.facts.model_states}: the saved sub-groups {_old_sub_groups(bound, h)} hold different optimizer "
+            f"states {sorted(found)}; the live sub-group {h} needs one set",
+            subject=bound.facts.model_states,
+        )
+    return found.pop() if found else ()
+
+
+def _step_of(bound: Stage3Bound, h: int) -> Any:
+    steps = [bound.facts.steps[g] for g in _old_sub_groups(bound, h)]
+    values = {float(s) if torch.is_tensor(s) or isinstance(s, (int, float)) else repr(s) for s in steps}
+    if len(values) > 1:
+        raise CheckpointFormatError(
+            f"{bound.facts.model_states}: the saved sub-groups {_old_sub_groups(bound, h)} are at different optimizer "
+            f"steps {sorted(values, key=str)}",
+            subject=bound.facts.model_states,
+        )
+    return steps[0] if steps else None
+
+
+def load_stage3_partitions(engine: Any, bound: Stage3Bound, strict: bool = True) -> AccountingReport:
+    """Step 2 on every rank: this rank's partitions from the files step 1 bound. Returns the report (the
+    same on every rank); enforcing it is the caller's."""
+    t_start = time.perf_counter()
+    optimizer = engine.optimizer
+    group = surface.dp_group(optimizer)
+    facts, old = bound.facts, bound.old
+    base = surface.base_optimizer(optimizer)
+    masters = surface.layout_of(optimizer).masters(optimizer)
+    ledger = ledger_of(facts, bound.rank_file)
+    table = ledger.new_table(device="cpu")
+    algorithm = facts.algorithm or integrity.ALGORITHM  # both sides of the ledger alike
+    firsts = {
+        (r.source_rank, r.source_group): first_real_offset(old, r.source_rank, r.source_group)
+        for g in bound.reads
+        for r in g
+    }
+    accounting = 0.0
+    try:
+        targets = _targets(optimizer, bound)
+        with torch.no_grad():
+            for h, reads in enumerate(bound.reads):
+                for read in reads:
+                    src = bound.sources[read.source_rank]
+                    first = read.source_offset == firsts[(read.source_rank, read.source_group)]
+                    for state, target in targets[h].items():
+                        stored = (
+                            src.fp32[read.source_group]
+                            if state == F.FP32_STATE
+                            else src.states[read.source_group][state]
+                        )
+                        landed = target.narrow(0, read.target_offset, read.length)
+                        src.read_into(stored, read.source_offset, landed)
+                        t0 = time.perf_counter()
+                        row = ledger.index(_row(bound.rank_file, read.source_rank, read.source_group), state)
+                        table[row, Column.CONSUMERS] += 1
+                        table[row, Column.LOADED_COUNT] += read.length
+                        value = checksum(landed, read.position, algorithm)
+                        add_sum(table, row, True, value)
+                        if first:  # the reader of the file's first real element: its real length, once
+                            table[row, Column.SOURCE_COUNT] += old.geometry(read.source_group).true_length(
+                                read.source_rank
+                            )
+                        if src.sums is None:  # the same bytes: the check is the plan's placement and counts
+                            add_sum(table, row, False, value)
+                        elif first:  # the file's own record of its partition at save time
+                            add_sum(table, row, False, int(src.sums[read.source_group][state][1]))
+                        accounting += time.perf_counter() - t0
+        for h, (master, buffers) in enumerate(zip(masters, targets)):
+            install_stage3_state(
+                optimizer, master, {k: v for k, v in buffers.items() if k != F.FP32_STATE}, _step_of(bound, h)
+            )
+        for param_group, saved in zip(base.param_groups, facts.param_groups):
+            param_group.update(saved)
+        stage3_runtime.load_stage3_global_state(optimizer, facts.global_state)
+        stage3_runtime.stage3_weights_from_masters(optimizer)
+    finally:
+        bound.close()
+
+    t_wait = time.perf_counter()
+    totals = table.to(device())
+    comm().all_reduce(totals, group=group)
+    totals = totals.cpu()
+    collective = time.perf_counter() - t_wait
+    problems: list[Problem] = check_ledger(ledger, totals, source=_source)
+    new = bound.new
+    for h in range(len(new.sub_groups)):
+        keys = set(targets[h]) - {F.FP32_STATE} | ({F.STEP_STATE} if _step_of(bound, h) is not None else set())
+        expected = expected_state_keys(base, new.param_group_of[h])
+        problems += check_optimizer_states(h, [n for n, _ in new.sub_groups[h]], expected, keys, type(base).__name__)
+    n_params = len(old.places)
+    n_states = sum(len(params) * (1 + len(facts.states[h])) for h, params in enumerate(old.sub_groups))
+    _, _, elements, names = ledger_totals(ledger, totals)
+    if any(step is not None for step in facts.steps):
+        names = (*names, F.STEP_STATE)
+    load = time.perf_counter() - t_start - accounting - collective
+    return AccountingReport(
+        n_params,
+        n_states,
+        names,
+        elements,
+        facts.dp_from,
+        bound.dp_to,
+        tuple(problems),
+        (_checked(facts, old, new),),
+        seconds=(
+            ("bind", round(bound.seconds, 4)),
+            ("load", round(load, 4)),
+            ("accounting", round(accounting, 4)),
+            ("collective", round(collective, 4)),
+        ),
+        route="native reshard",
+    )
+
+
+def _checked(facts: Stage3Facts, old: Stage3Groups, new: Stage3Groups) -> str:
+    cut = f"ZeRO-3 sub-groups {len(old.sub_groups)} -> {len(new.sub_groups)}"
+    if facts.algorithm:
+        return f"{cut}; rank files bound to their positions; checked against the save's partition checksums"
+    return (
+        f"{cut}; rank files without partition checksums (not saved through the hooks): copies checked for "
+        "placement, not against the save"
+    )
+
+
+def verify_stage3_loaded(engine: Any, bound: Stage3Bound, strict: bool = True) -> str:
+    """After DeepSpeed's own load at the saved DP size and sub-groups (collective over the DP group): every
+    partition it loaded against the checksum its file recorded (saved through the hooks). Raises the same
+    error on every rank naming the file(s) (``strict``; else warns once). Returns what was checked."""
+    optimizer = engine.optimizer
+    group = surface.dp_group(optimizer)
+    facts, rank = bound.facts, bound.rank
+    mine = bound.sources.get(rank)
+    bound.close()
+    if facts.algorithm is None or mine is None or mine.sums is None:
+        return "rank files bound to their positions (no partition checksums: not saved through the hooks)"
+    base = surface.base_optimizer(optimizer)
+    bad = torch.zeros(facts.dp_from, dtype=torch.int64)
+    for h, master in enumerate(surface.layout_of(optimizer).masters(optimizer)):
+        runs = bound.old.runs(rank, h)
+        state = base.state.get(master, {})
+        for name, (_, recorded) in mine.sums[h].items():
+            live = master if name == F.FP32_STATE else state.get(name)
+            if live is None or stage3_run_checksum(live.detach(), runs, facts.algorithm) != recorded:
+                bad[rank] += 1
+    totals = bad.to(device())
+    comm().all_reduce(totals, group=group)
+    culprits = [str(bound.rank_file(r)) for r, n in enumerate(totals.cpu().tolist()) if n]
+    if culprits:
+        problems = [
+            f"{path}: a partition differs from the checksum its save recorded (changed on disk since the save)"
+            for path in culprits
+        ]
+        if strict:
+            raise CheckpointFormatError(
+                binding_message(Path(facts.model_states).parent, problems, loaded=True), subject=culprits[0]
+            )
+        if comm().get_rank(group=group) == 0:
+            for problem in problems:
+                log.warning("megatron-ucp (strict=False, continuing): %s", problem)
+    return "every partition checked against the save's checksums"

@@ -1,0 +1,186 @@
+"""The loads of a ZeRO-3 engine, each around DeepSpeed's own ``load_checkpoint``.
+
+DeepSpeed's stage-3 load takes the module's buffers, the scheduler and the counters from this rank's
+model-states file, then its optimizer load reads this rank's own rank file (and refuses another DP size)
+or, in universal mode, every parameter's whole state files on every rank (before 0.18, the first
+sub-group only). For one load megatron-ucp replaces that optimizer load (``_load_zero_checkpoint``,
+through :func:`megatron_ucp.deepspeed.surface.scoped_replace`) and, where this rank has no model-states
+file of DeepSpeed's naming, tells its loader which one to read:
+
+* :func:`stage3_reshard_load`: a DP change (or another sub-group cut) from the native rank files
+  (:mod:`megatron_ucp.integration.stage3_load`): bound before DeepSpeed touches the engine, each rank's
+  slices copied into its partitions, nothing written;
+* :func:`stage3_same_dp_load`: a restart at the saved DP size: bound before, DeepSpeed's own load, every
+  partition checked against the save's checksums after;
+* :func:`stage3_universal_optimizer_load`: a universal folder (converted from any ZeRO stage) read by our
+  loader (:func:`megatron_ucp.integration.partition_load.load_universal_partitions`): each rank reads only
+  its slice of each parameter's state files, with the ledger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.deepspeed import surface
+from megatron_ucp.errors import UcpError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.integration.collectives import is_first
+from megatron_ucp.integration.model_states_load import one_model_states_file_per_rank
+from megatron_ucp.integration.native_routes import ReshardOutcome
+from megatron_ucp.integration.partition_load import load_universal_partitions
+from megatron_ucp.integration.rank_files import engine_save_files
+from megatron_ucp.integration.stage3_load import bind_stage3_save, load_stage3_partitions, verify_stage3_loaded
+from megatron_ucp.plan.accounting import AccountingReport
+
+log = logging.getLogger(__name__)
+
+
+def _mp_of(path: Path) -> int:
+    found = re.search(r"mp_rank_(\d+)", path.name)
+    return int(found.group(1)) if found else 0
+
+
+def model_states_for(engine: Any, folder: Path) -> Optional[Path]:
+    """The model-states file this rank reads from ``folder`` when DeepSpeed's own name for it is not there
+    (None: DeepSpeed finds its own). A ZeRO-3 rank beyond the saved DP size reads DP rank 0's; a load
+    across ZeRO stages reads the other stage's file of its model-parallel rank (universal mode reads only
+    the client state from it, which every file holds alike)."""
+    own = Path(surface.model_states_file(engine, str(folder.parent), folder.name))
+    if own.is_file():
+        return None
+    mp = _mp_of(own)
+    for name in (F.zero3_model_file(0, mp), f"mp_rank_{mp:02d}_model_states.pt"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def _zero3_model_states(folder: Path, rank_file: Callable[[int], Path]) -> Path:
+    """DP rank 0's model states of this rank's model-parallel coordinate: the facts of a stage-3 save."""
+    return folder / F.zero3_model_file(0, _mp_of(rank_file(0)))
+
+
+def _replacing_optimizer_load(load: Callable[[Any, str, str, bool], bool]) -> Any:
+    """``_load_zero_checkpoint`` replaced by ``load(engine, load_dir, tag, load_optimizer_states)`` for one load."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def _load_zero_checkpoint(self: Any, load_dir: str, tag: str, load_optimizer_states: bool = True) -> bool:
+            return load(self, load_dir, tag, load_optimizer_states)
+
+        return _load_zero_checkpoint
+
+    return surface.scoped_replace(surface.ENGINE, "_load_zero_checkpoint", make)
+
+
+def stage3_reshard_load(
+    engine: Any,
+    original: Callable[..., Any],
+    load_dir: str,
+    tag: str,
+    kwargs: dict,
+    config: UcpConfig,
+    seen_states: Optional[dict] = None,
+) -> ReshardOutcome:
+    """Route RESHARD at ZeRO-3 up to the report: files bound, DeepSpeed's load of the buffers, scheduler and
+    counters, our partitions instead of its optimizer load. The caller finishes (training state, summary)."""
+    folder = Path(load_dir) / tag
+    rank_file, _ = engine_save_files(engine, load_dir, tag)
+    bound = bind_stage3_save(
+        engine, _zero3_model_states(folder, rank_file), rank_file, seen_states if is_first() else None
+    )
+    reports: list[AccountingReport] = []
+
+    def load(self: Any, _dir: str, _tag: str, load_optimizer_states: bool) -> bool:
+        reports.append(load_stage3_partitions(self, bound, strict=config.strict))
+        return True
+
+    try:
+        with (
+            one_model_states_file_per_rank(
+                engine, always=True, lazy=True, path=model_states_for(engine, folder)
+            ) as read,
+            _replacing_optimizer_load(load),
+        ):
+            result = original(engine, load_dir, tag, **kwargs)
+    finally:
+        bound.close()
+    load_path = result[0] if isinstance(result, tuple) else None
+    if load_path is None:
+        return ReshardOutcome(result)  # DeepSpeed said why (no such tag)
+    if not reports:
+        raise UcpError(
+            f"DeepSpeed's load of {folder} did not reach its optimizer load: the partitions were not restored",
+            subject=folder,
+        )
+    return ReshardOutcome(result, Path(load_path), reports[0], read.of(Path(load_path)))
+
+
+def stage3_same_dp_load(
+    engine: Any,
+    original: Callable[..., Any],
+    load_dir: str,
+    tag: Optional[str],
+    kwargs: dict,
+    config: UcpConfig,
+    seen_states: Optional[dict] = None,
+) -> Any:
+    """Route NATIVE at ZeRO-3 and the saved DP size: the old rank files bound before DeepSpeed's own load,
+    then its load as it is, then every partition it loaded checked against the save's checksums."""
+    if tag is None:
+        return original(engine, load_dir, tag, **kwargs)
+    folder = Path(load_dir) / tag
+    rank_file, _ = engine_save_files(engine, load_dir, tag)
+    bound = bind_stage3_save(
+        engine, _zero3_model_states(folder, rank_file), rank_file, seen_states if is_first() else None, same_dp=True
+    )
+    try:
+        result = original(engine, load_dir, tag, **kwargs)
+    except BaseException:
+        bound.close()
+        raise
+    if not isinstance(result, tuple) or result[0] is None:
+        bound.close()
+        return result
+    t0 = time.perf_counter()
+    what = verify_stage3_loaded(engine, bound, strict=config.strict)
+    if is_first():
+        log.info(
+            "megatron-ucp: %s loaded at DP %d (ZeRO-3, DeepSpeed's own load): %s (%.3fs before, %.3fs after)",
+            tag,
+            bound.dp_to,
+            what,
+            bound.seconds,
+            time.perf_counter() - t0,
+        )
+    return result
+
+
+@contextlib.contextmanager
+def stage3_universal_optimizer_load(
+    engine: Any, config: UcpConfig, keep: Callable[[Any, AccountingReport], None]
+) -> Iterator[None]:
+    """For one universal load of a ZeRO-3 engine: our loader of its partitions in place of DeepSpeed's
+    optimizer load; ``keep(optimizer, report)`` hands the report to the caller's finish. A load without
+    optimizer states (the weights only) stays DeepSpeed's."""
+
+    def load(self: Any, load_dir: str, tag: str, load_optimizer_states: bool) -> bool:
+        if not load_optimizer_states:
+            return original(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
+        folder = Path(load_dir) / tag
+        report = load_universal_partitions(
+            self.optimizer, folder, strict=config.strict, names=surface.param_names(self)
+        )
+        keep(self.optimizer, report)
+        return True
+
+    original = surface.resolve(surface.ENGINE)._load_zero_checkpoint
+    with _replacing_optimizer_load(load):
+        yield
