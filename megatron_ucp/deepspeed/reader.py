@@ -689,8 +689,13 @@ def rank_file_count_problem(tag_dir: Path, dp: int) -> Optional[str]:
         )
     extra = [found[r].name for r in sorted(found) if r >= dp]
     missing = [r for r in range(dp) if r not in found]
-    detail = f"extra: {', '.join(extra[:3])}" if extra else f"missing DP ranks {missing[:5]}"
     says = model.name if model is not None else "the model states"
+    if missing and not extra:
+        prefix = F.OPTIM_FILE_RE.match(first.name).group("prefix") or ""
+        name = f"{prefix}zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt"
+        more = f" (DP ranks {missing[:5]} have none)" if len(missing) > 1 else ""
+        return f"{Path(tag_dir) / name}: is missing{more}; {says} says DP={dp}"
+    detail = f"extra: {', '.join(extra[:3])}" if extra else f"missing DP ranks {missing[:5]}"
     return (
         f"{tag_dir}: {len(found)} rank files of model-parallel rank 0 ({detail}), but {says} says DP={dp}: "
         "files of another save in the folder?"

@@ -146,4 +146,6 @@ class Stage3RankFile:
         }
         out[F.OPTIMIZER_STATE_DICT] = {**self._inner, "state": steps}
         out[F.PARAM_GROUPS] = self.param_groups()
+        # ZeRO-3 files keep it beside the optimizer dict; a ZeRO-1/2 engine's load of the folder asserts on it
+        out.setdefault(F.DS_VERSION, self.ds_version)
         return out

@@ -40,6 +40,9 @@ class LiveGroup:
     lps: list
     """Every live parameter of the group (held here or not): the folders the group needs."""
     fragments: list[LiveFragment]
+    padding_unset: bool = False
+    """ZeRO-3: DeepSpeed allocates a partition's tail padding uninitialized (``torch.empty``), so a load
+    zeroes the partition before filling it (DeepSpeed's own universal load writes zeros there too)."""
 
 
 def live_groups(optimizer: Any, names: dict[Any, str]) -> list[LiveGroup]:
@@ -75,6 +78,7 @@ def live_groups(optimizer: Any, names: dict[Any, str]) -> list[LiveGroup]:
                 )
                 for run in groups.runs(rank, h)
             ],
+            padding_unset=True,
         )
         for h, (flat, lps) in enumerate(zip(layout.masters(optimizer), layout.groups(optimizer)))
     ]

@@ -358,6 +358,9 @@ def _load_group(
     zero_dir, listing, ledger = context.zero_dir, context.listing, context.ledger
     table, sums, clock, tensor_parallel = context.table, context.sums, context.clock, context.tensor_parallel
     flat = live.flat
+    if live.padding_unset:
+        with torch.no_grad():
+            flat.zero_()
     buffers = {state: torch.zeros_like(flat) for state in states}
     group_step: Any = None
     step_source = next((n for n in names if F.STEP_STATE in listing.get(n, ())), None)

@@ -93,7 +93,7 @@ class Recorder:
 
     def placed(self, frame: Any, device: Any, out: Any) -> None:
         spelled = _spell(device)
-        self.note("place", frame, device=spelled)
+        self.note("place", frame, device=spelled, numel=int(out.numel()) if torch.is_tensor(out) else None)
         if spelled == MARKED and torch.is_tensor(out):
             self._placed[id(out)] = out
 

@@ -312,6 +312,11 @@ class Rank:
                 for f in flats
             ],
             "sub_groups": [[p.ds_id for p in group] for group in opt.fp16_groups],
+            "bf16": [f.detach().clone().cpu() for f in opt.fp16_partitioned_groups_flat],
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups],
+            "lr_scheduler": self.engine.lr_scheduler.state_dict() if self.engine.lr_scheduler is not None else None,
+            "global_steps": self.engine.global_steps,
+            "global_samples": self.engine.global_samples,
         }
         out = Path(self.spec.dump_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -354,6 +359,7 @@ class Rank:
         if os.environ.get("UCP_HARNESS_PRIVATE_COPIES") == "1":  # each rank its own copy: exact per-rank reads
             load_dir = load_dir.with_name(f"{load_dir.name}.rank{self.rank}")
         before = _process_io()
+        masters_before = [m.data_ptr() for m in _masters(self.engine.optimizer)]
         self.dist.barrier()
         t0 = time.perf_counter()
         path, client_state = self.engine.load_checkpoint(str(load_dir), tag=spec.load_tag)
@@ -373,6 +379,7 @@ class Rank:
             "rss_before": before["rss"],
             "maxrss": after["maxrss"],
             "phases": dict(report.seconds) if report is not None else None,
+            "placement": _placement_report(self.engine.optimizer, masters_before),
         }
         gathered: list = [None] * self.world
         self.dist.all_gather_object(gathered, stats)
@@ -424,6 +431,35 @@ class Rank:
             self.devices.write(Path(self.spec.dump_dir) / f"devices_rank{self.rank}.json")
         if self.rank == 0:
             _report("done", times=self.times)
+
+
+def _masters(optimizer: Any) -> list:
+    """The fp32 masters of any ZeRO optimizer class (each keeps them under its own name)."""
+    for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
+        if hasattr(optimizer, name):
+            return list(getattr(optimizer, name))
+    return []
+
+
+def _placement_report(optimizer: Any, masters_before: list[int]) -> dict[str, Any]:
+    """Where the fp32 masters and the optimizer states are after a load, and whether the masters are still
+    the engine's own tensors (the same storage as before the load: written in place, never moved)."""
+    import torch
+
+    masters = _masters(optimizer)
+    base = getattr(optimizer, "optimizer", None)
+    states = [
+        t
+        for m in masters
+        for t in (base.state.get(m, {}).values() if base is not None else ())
+        if torch.is_tensor(t) and t.dim() > 0
+    ]
+    return {
+        "masters": sorted({str(m.device) for m in masters}),
+        "states": sorted({str(t.device) for t in states}),
+        "masters_kept": [m.data_ptr() for m in masters] == masters_before,
+        "states_count": len(states),
+    }
 
 
 def module_digest(module: Any) -> str:
