@@ -42,10 +42,11 @@ from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
 from megatron_ucp.synthetic.values import flat_range
 
 OPTIMIZERS = {"bf16": "BF16_Optimizer", "zero": "DeepSpeedZeroOptimizer"}
+STAGE3_CLASS = "DeepSpeedZeroOptimizer_Stage3"
 FLAVOURS = ("megatron", "plain")
 _FRAGMENT = stand_in_class("deepspeed.utils.tensor_fragment", "fragment_address")
-_LOSS_SCALER = stand_in_class("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
-_ZERO_STAGE = stand_in_class("deepspeed.runtime.zero.config", "ZeroStageEnum")
+LOSS_SCALER = stand_in_class("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+ZERO_STAGE_ENUM = stand_in_class("deepspeed.runtime.zero.config", "ZeroStageEnum")
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,13 @@ class SyntheticSpec:
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise PlanError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
-        if self.zero_stage not in layout_named(OPTIMIZERS[self.optimizer]).stages:
+        if self.zero_stage not in layout_named(self.optimizer_class).stages:
             raise PlanError(
-                f"ZeRO stage {self.zero_stage} with {OPTIMIZERS[self.optimizer]}: BF16_Optimizer is "
-                "stage 1 only, DeepSpeedZeroOptimizer stage 1 or 2"
+                f"ZeRO stage {self.zero_stage} with {self.optimizer_class}: BF16_Optimizer is stage 1 only, "
+                "DeepSpeedZeroOptimizer stage 1 or 2 (3: DeepSpeedZeroOptimizer_Stage3)"
             )
+        if self.zero_stage == 3 and (self.pipeline or self.pp > 1):
+            raise PlanError("ZeRO-3 with pipeline parallelism: DeepSpeed's pipeline engine runs stages 0 to 2 only")
         if self.flavour not in FLAVOURS:
             raise PlanError(f"flavour must be one of {FLAVOURS}, got {self.flavour!r}")
         if self.dp < 1 or self.iteration < 1:
@@ -96,6 +99,15 @@ class SyntheticSpec:
         self.shape.check_tp(self.tp)
         self.shape.param_groups(self.tp, self.stage(self.mp_size - 1))
         saved_files(self.ds_version)
+
+    @property
+    def optimizer_class(self) -> str:
+        return STAGE3_CLASS if self.optimizer == "zero" and self.zero_stage == 3 else OPTIMIZERS[self.optimizer]
+
+    @property
+    def per_parameter(self) -> bool:
+        """ZeRO-3: every rank its own model states, each parameter partitioned on its own."""
+        return self.zero_stage == 3
 
     @property
     def files(self) -> SavedFiles:
@@ -189,7 +201,7 @@ def state_range(spec: SyntheticSpec, mp_rank: int, group: int, state: str, start
 
 
 # ---- rank files ------------------------------------------------------------------------------
-def _param_group(spec: SyntheticSpec, group: int) -> dict[str, Any]:
+def param_group_hyperparameters(spec: SyntheticSpec, group: int) -> dict[str, Any]:
     adam = {
         "lr": 3e-4,
         "betas": (0.9, 0.95),
@@ -258,15 +270,15 @@ def rank_file_state(spec: SyntheticSpec, mp_rank: int, dp_rank: int) -> dict[str
         }
         mappings.append(_slice_mappings(layout.groups[g]))
         recorded.append(padding)
-    base = {"state": states, "param_groups": [_param_group(spec, g) for g in range(len(geos))]}
+    base = {"state": states, "param_groups": [param_group_hyperparameters(spec, g) for g in range(len(geos))]}
     sd: dict[str, Any] = {}
     if spec.optimizer == "zero":
-        scaler = _LOSS_SCALER.__new__(_LOSS_SCALER)
+        scaler = LOSS_SCALER.__new__(LOSS_SCALER)
         scaler.__setstate__({"cur_scale": 1.0, "dynamic": False})
         sd.update({"loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False})
     sd.update({"clip_grad": 1.0, F.BASE_OPTIMIZER_STATE: base, F.SINGLE_PARTITION_OF_FP32_GROUPS: fp32})
     if spec.optimizer == "zero":
-        sd[F.ZERO_STAGE] = _ZERO_STAGE(spec.zero_stage)
+        sd[F.ZERO_STAGE] = ZERO_STAGE_ENUM(spec.zero_stage)
     sd[F.GROUP_PADDINGS] = recorded
     if spec.optimizer == "zero" and spec.files.param_alignment_paddings:
         sd[F.PARAM_ALIGNMENT_PADDINGS] = [[0] * len(g) for g in groups]
@@ -330,7 +342,7 @@ def layer_files(
     return out
 
 
-def _module(spec: SyntheticSpec, weights: Optional[dict[str, torch.Tensor]]) -> Optional[dict[str, Any]]:
+def module_dict(spec: SyntheticSpec, weights: Optional[dict[str, torch.Tensor]]) -> Optional[dict[str, Any]]:
     if spec.pipeline or weights is None:  # a PipelineModule saves its layers in files of their own
         return None
     declared = list(spec.shape.tp_layouts())  # declaration order, as the module's state_dict lists them
@@ -445,7 +457,7 @@ def _universal_info(spec: SyntheticSpec) -> dict[str, Any]:
     return info
 
 
-def _megatron_client_state(spec: SyntheticSpec, mp_rank: int) -> dict[str, Any]:
+def megatron_client_state(spec: SyntheticSpec, mp_rank: int) -> dict[str, Any]:
     lr = {
         "max_lr": 3e-4,
         "lr_warmup_steps": 2000,
@@ -476,16 +488,16 @@ def model_states(spec: SyntheticSpec, mp_rank: int, weights: Optional[dict[str, 
     """What the engine saves as ``mp_rank_{mp_rank:02d}_model_states.pt`` (client state included)."""
     weights = bf16_weights(spec, mp_rank) if weights is None and not spec.pipeline else weights
     files = spec.files
-    client = _megatron_client_state(spec, mp_rank) if spec.flavour == "megatron" else {}
-    frozen = collections.OrderedDict() if spec.zero_stage == 2 else None
+    client = megatron_client_state(spec, mp_rank) if spec.flavour == "megatron" else {}
+    frozen = collections.OrderedDict() if spec.zero_stage >= 2 else None
     state: dict[str, Any] = {
-        "module": _module(spec, weights),
+        "module": module_dict(spec, weights),
         "buffer_names": [ROTARY_BUFFER] if spec.flavour == "megatron" and not spec.pipeline else [],
         "optimizer": None,
         F.PARAM_SHAPES: [
             collections.OrderedDict((p.name, torch.Size(p.shape)) for p in g) for g in spec.groups(mp_rank)
         ],
-        # ZeRO-2 (partitioned gradients) saves the frozen parameters' shapes and fragments: none here
+        # ZeRO-2 and 3 (partitioned gradients) save the frozen parameters' shapes and fragments: none here
         "frozen_param_shapes": frozen,
         "shared_params": {},
         "frozen_param_fragments": frozen,

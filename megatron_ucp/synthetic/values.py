@@ -12,6 +12,7 @@ DeepSpeed's buffers, where Adam leaves the zero-initialised padding at zero.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -21,7 +22,14 @@ BLOCK = 1 << 16
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
+@functools.lru_cache(maxsize=256)
 def _block(seed: int, buffer: str, state: str, index: int) -> torch.Tensor:
+    """One block's values (cached: at stage 3 every rank's slice of a small parameter falls in the same
+    block, drawn once instead of once per rank; callers copy out of it, never write into it)."""
+    return _draw(seed, buffer, state, index)
+
+
+def _draw(seed: int, buffer: str, state: str, index: int) -> torch.Tensor:
     digest = hashlib.blake2b(f"{seed}/{buffer}/{state}/{index}".encode(), digest_size=8).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
     if state == "exp_avg_sq":  # a second moment: non-negative

@@ -26,6 +26,7 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import PICKLE_MODULE
 from megatron_ucp.format.osio import fsync_path
 from megatron_ucp.synthetic.content import SyntheticSpec, bf16_weights, layer_files, model_states, rank_file_state
+from megatron_ucp.synthetic.stage3_content import stage3_model_states, stage3_rank_file_state
 
 log = logging.getLogger(__name__)
 STAGING_SUFFIX = ".synthetic-staging"
@@ -93,7 +94,16 @@ def write_checkpoint(
         desc=f"synthetic {spec.tag} ({spec.layout_text()})",
     )
     try:
-        for mp_rank in range(spec.mp_size):
+        for mp_rank in range(spec.mp_size) if spec.per_parameter else ():
+            bar.total = spec.mp_size * 2 * len(ranks)
+            for dp_rank in ranks:
+                model = stage3_model_states(spec, mp_rank, dp_rank)
+                total += _save(model, staging / F.zero3_model_file(dp_rank, mp_rank))
+                state = stage3_rank_file_state(spec, mp_rank, dp_rank)
+                total += _save(state, staging / rank_file_name(mp_rank, dp_rank))
+                files += 2
+                bar.update(2)
+        for mp_rank in range(spec.mp_size) if not spec.per_parameter else ():
             weights = bf16_weights(spec, mp_rank)
             for name, layer in layer_files(spec, mp_rank, weights).items():
                 total += _save(layer, staging / name)
@@ -125,7 +135,7 @@ def write_checkpoint(
         files,
         total / 1e9,
         seconds,
-        spec.optimizer,
+        spec.optimizer_class,
         spec.layout_text(),
         spec.ds_version,
         ", with megatron-ucp's save record" if spec.record else "",

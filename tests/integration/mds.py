@@ -248,6 +248,8 @@ class MdsRun:
     env: dict[str, str] = field(default_factory=dict)
     timeout: float = 420
     expect_failure: bool = False
+    ds_extra: dict = field(default_factory=dict)
+    """Merged into the DeepSpeed config (one level deep: ``{"zero_optimization": {...}}`` adds to that section)."""
 
 
 @dataclass
@@ -275,6 +277,8 @@ def ds_config(run: MdsRun) -> dict:
         config["data_types"] = {"grad_accum_dtype": "fp32"}
     elif run.optimizer != "zero":
         raise ValueError(f"optimizer must be 'bf16' or 'zero', got {run.optimizer!r}")
+    for key, value in run.ds_extra.items():
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     return config
 
 
@@ -363,7 +367,7 @@ def parse_losses(log: str) -> dict[int, float]:
 def run_mds(co: Checkout, run: MdsRun) -> MdsResult:
     """Launch with torchrun from the checkout; raise with the log tail on failure (unless expected)."""
     run.ckpt.parent.mkdir(parents=True, exist_ok=True)
-    config_path = run.ckpt.parent / f"{run.ckpt.name}-ds-config-{run.optimizer}-{run.global_batch}.json"
+    config_path = run.ckpt.parent / f"{run.ckpt.name}-ds-config-{run.optimizer}-{run.global_batch}-{run.nproc}.json"
     config_path.write_text(json.dumps(ds_config(run)))
     launcher = [
         sys.executable,

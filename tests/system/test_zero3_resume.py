@@ -329,3 +329,66 @@ def test_a_zero_stage_change_goes_through_the_universal_folder(move, runs, hooke
     assert any(x.startswith("megatron-ucp universal load:") and "every element placed exactly once" in x for x in lines)
     assert _same_full_state(ck.dump("state_step2"), res.dumps["state_step2_loaded"]) == 9
     assert_losses_continue(res, ck.loss_at)
+
+
+def test_at_dp_768_sampled_ranks_of_both_routes_equal_the_saved_values(tmp_path):
+    """DP 768 geometry on a synthetic hooked ZeRO-3 save (megatron_ucp.synthetic, held to real saves by
+    tests/integration/test_zero3_megatron.py): ranks of 512 and 1024 planned and read by the hook's own code
+    (the slice reads, each old file bound and read as a rank reads it) equal the universal folder our
+    converter wrote, sliced as a rank of that size holds it, and the synthetic values, bit for bit: the first,
+    a middle, the last rank holding a norm weight's elements and one whose slice of it is padding (the norm:
+    8 elements, so ranks 8.. of 768 hold only its padding on the old side, and of 512 and 1024 on the new)."""
+    from megatron_ucp.convert.execute import ConvertOptions, convert
+    from megatron_ucp.integration.rank_files import inspect_file
+    from megatron_ucp.integration.stage3_files import expectation, flat_view, read_stage3_facts
+    from megatron_ucp.plan.llama_shapes import LlamaShape
+    from megatron_ucp.plan.stage3_reshard import source_ranks, stage3_reads
+    from megatron_ucp.synthetic.content import SyntheticSpec
+    from megatron_ucp.synthetic.stage3_content import SUB_GROUP_SIZE, param_range
+    from megatron_ucp.synthetic.writer import write_checkpoint
+
+    shape = LlamaShape(layers=2, hidden=8, ffn=16, heads=2, kv_heads=1, vocab=40, original_vocab=37)
+    spec = SyntheticSpec(shape=shape, dp=768, optimizer="zero", zero_stage=3, record=True, iteration=7)
+    tag = write_checkpoint(tmp_path, spec, progress=False).tag_dir
+    out = tmp_path / "universal"
+    assert convert(ConvertOptions(source=tag, output=out, progress=False)).committed
+    facts = read_stage3_facts(tag / F.zero3_model_file(0, 0), lambda r: rank_file(tag, r))
+    old = facts.groups
+    folder = {
+        (name, state): torch.load(out / F.UNIVERSAL_ZERO_DIR / name / f"{state}.pt", weights_only=False)[F.PARAM]
+        for name in old.places
+        for state in STATES
+    }
+    norm = "language_model.encoder.final_layernorm.weight"
+    assert old.partition_of(norm).padding_only_ranks() == list(range(8, 768))
+    sources = {}
+    for world in (512, 1024):
+        new = old.at_dp(world, SUB_GROUP_SIZE)
+        for rank in (0, world // 2, 7, 8, world - 1):
+            reads = stage3_reads(old, new, rank)
+            for r in source_ranks(reads):
+                if r not in sources:
+                    source, seen = inspect_file(rank_file(tag, r), facts, expectation(facts, r), view=flat_view)
+                    assert source is not None, seen.problems
+                    sources[r] = source
+            for h, group_reads in enumerate(reads):
+                size = new.geometry(h).partition_size
+                native = {state: torch.zeros(size) for state in STATES}
+                for read in group_reads:
+                    src = sources[read.source_rank]
+                    for state, target in native.items():
+                        stored = (
+                            src.fp32[read.source_group] if state == "fp32" else src.states[read.source_group][state]
+                        )
+                        src.read_into(stored, read.source_offset, target.narrow(0, read.target_offset, read.length))
+                for state in STATES:
+                    universal, values = torch.zeros(size), torch.zeros(size)
+                    for run in new.runs(rank, h):
+                        piece = slice(run.offset, run.offset + run.length)
+                        universal[piece] = folder[(run.param, state)].reshape(-1)[run.start : run.start + run.length]
+                        values[piece] = param_range(spec, 0, run.param, state, run.start, run.start + run.length)
+                    assert torch.equal(native[state], universal) and torch.equal(universal, values), (world, rank, h)
+            held = new.partition_of(norm).true_length(rank)
+            assert held == (0 if rank >= 8 else 1), (world, rank)
+    for source in sources.values():
+        source.close()
