@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -135,12 +135,11 @@ def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
     """The plan of a DP-only checkpoint, or the merged per-coordinate plans of a TP/PP one.
 
     ZeRO-3 (per-parameter partitions, :func:`~megatron_ucp.plan.stage3_plan.build_stage3_plan`) keeps
-    vocabulary parameters whole: stock's stage-3 universal loader partitions the ``param`` tensor it
-    finds as the live parameter, padded rows included, and a trimmed one would land shifted."""
+    vocabulary parameters whole, marked :data:`~megatron_ucp.format.dsformat.VOCAB_ROWS_WHOLE`: stock's
+    stage-3 universal loader partitions the ``param`` tensor it finds as the live parameter, padded rows
+    included, and a trimmed one would land shifted."""
     rules = meta.model.patterns(meta.tp)
     stage3 = meta.files.partitioned_weights
-    if stage3:
-        rules = replace(rules, original_vocab_size=None)
     names = {spec.name for c in meta.coordinates for group in c.model.param_groups for spec in group}
     try:
         if not meta.model_parallel:
@@ -160,7 +159,9 @@ def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
             for c in meta.coordinates
         ]
         planner = (lambda groups, ranks: build_stage3_plan(groups, ranks)) if stage3 else None
-        return build_model_parallel_plan(coordinates, meta.tp, meta.pp, layouts, rules, plan_coordinate=planner)
+        return build_model_parallel_plan(
+            coordinates, meta.tp, meta.pp, layouts, rules, plan_coordinate=planner, trim_vocabulary=not stage3
+        )
     except PlanError as exc:
         raise CheckpointFormatError(f"{meta.files.tag_dir}: {exc}", subject=meta.files.tag_dir) from exc
 

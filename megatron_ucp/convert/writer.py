@@ -127,6 +127,8 @@ def universal_entry(p: ParamPlan, tensor: Any, padded_rows: Any = None) -> dict:
     entry: dict[str, Any] = {F.PARAM: tensor, F.CAT_DIM: p.cat_dim}
     if p.vocab_tensor:
         entry[F.VOCAB_TENSOR] = True
+    if p.vocab_whole:
+        entry[F.VOCAB_ROWS_WHOLE] = True
     if p.n_sub_params > 1:
         entry[F.PARAM_N_SUB_PARAMS] = p.n_sub_params
     if padded_rows is not None:

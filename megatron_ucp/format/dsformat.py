@@ -87,6 +87,10 @@ the start of ``save_checkpoint``) binds the files of one save together: a file o
 another step, even of the same geometry, carries another."""
 UCP_SAVE_RECORD_VERSION = 1
 
+VOCAB_ROWS_WHOLE = "ucp_vocab_rows_whole"
+"""In a ZeRO-3 conversion's vocabulary state file: ``param`` holds every row, the padded ones included (stock's
+stage-3 loader partitions the tensor it finds as the live parameter, so it is not trimmed); megatron-ucp's loader
+keeps the rows both padded sizes have when the padded size changes (a TP change)."""
 VOCAB_PADDED_ROWS = "ucp_padded_vocab_rows"
 """In a vocabulary parameter's state file, beside the ``param`` DeepSpeed trims to
 ``original_vocab_size``: the trimmed (padded) rows, so that a universal round trip loses nothing.

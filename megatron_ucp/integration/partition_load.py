@@ -118,7 +118,10 @@ def _recorded_source(
             subject=path,
         )
     count, value = int(record["numel"]), int(record["sum"])
-    if layout.rows_cut:  # the manifest sums every kept row; the restored ones are hashed here (a few rows)
+    if layout.dropped is not None:  # the rows past the new padded size: the file's sum less theirs
+        count -= layout.dropped.numel()
+        value = (value - checksum(layout.dropped, count, sums.algorithm)) & integrity.MASK
+    elif layout.rows_cut:  # the manifest sums every kept row; the restored ones are hashed here (a few rows)
         rows = layout.pieces[1]
         count += rows.numel()
         value = integrity.combine([value, checksum(rows, layout.pieces[0].numel(), sums.algorithm)])

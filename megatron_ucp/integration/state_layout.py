@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -36,6 +36,9 @@ class StateLayout:
     numel: int
     rows_cut: bool = False
     """Only the first of the folder's kept vocabulary rows are restored (the padded size shrank)."""
+    dropped: Optional[torch.Tensor] = None
+    """A whole vocabulary tensor's rows past the new padded size (:data:`~megatron_ucp.format.dsformat.
+    VOCAB_ROWS_WHOLE`), not restored: the manifest's checksum of the file less theirs is what is."""
 
     @property
     def rows_restored(self) -> bool:
@@ -92,6 +95,12 @@ def state_layout(
     numel = math.prod(shape)
     if tuple(full.shape) == shape:
         return StateLayout((full.reshape(-1),), full.numel(), numel)
+    whole = isinstance(entry, dict) and entry.get(F.VOCAB_ROWS_WHOLE, False)
+    if whole and full.dim() == len(shape) >= 1 and tuple(full.shape[1:]) == shape[1:]:
+        if full.shape[0] <= shape[0]:  # the new padded size adds rows: zeros, as the rows a trimmed folder lacks
+            return StateLayout((full.reshape(-1),), full.numel(), numel)
+        kept = full.narrow(0, 0, shape[0]).reshape(-1)  # the rows both padded sizes have
+        return StateLayout((kept,), kept.numel(), numel, dropped=full.narrow(0, shape[0], full.shape[0] - shape[0]))
     is_vocab = isinstance(entry, dict) and entry.get(F.VOCAB_TENSOR, False)
     if (
         is_vocab

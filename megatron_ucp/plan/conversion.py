@@ -107,6 +107,9 @@ class ParamPlan:
     stage), each covering the whole parameter: compared with ``items``, not written."""
     tp_layout: Optional[str] = None
     """How TP divides it (:meth:`~megatron_ucp.plan.tensor_parallel.TpLayout.describe`), when known."""
+    vocab_whole: bool = False
+    """A vocabulary parameter written whole, padded rows included (ZeRO-3: :data:`~megatron_ucp.format.dsformat.
+    VOCAB_ROWS_WHOLE`), instead of trimmed to ``original_vocab_size``."""
 
     @property
     def numel(self) -> int:
@@ -393,13 +396,16 @@ def shape_output(
     rules: MegatronPatterns,
     layout: Optional[TpLayout] = None,
     replicas: tuple[tuple[CopyItem, ...], ...] = (),
+    trim_vocabulary: bool = True,
 ) -> ParamPlan:
     """Apply vocabulary trimming and record the cat_dim / sub-parameter keys DeepSpeed's loader reads:
     from the parameter's TP layout when known (recorded at save, or a model-parallel checkpoint's
-    patterns), else from Megatron's patterns as DeepSpeed reads them."""
+    patterns), else from Megatron's patterns as DeepSpeed reads them. ``trim_vocabulary=False`` (ZeRO-3):
+    a vocabulary parameter stays whole and is marked so (:attr:`ParamPlan.vocab_whole`)."""
     out_shape = tuple(spec.shape)
     vocab = False
-    if rules.original_vocab_size is not None and rules.is_vocabulary(spec.name):
+    vocab_rows = rules.original_vocab_size is not None and rules.is_vocabulary(spec.name)
+    if vocab_rows and trim_vocabulary:
         if not out_shape or rules.original_vocab_size > out_shape[0]:
             raise PlanError(
                 f"original_vocab_size {rules.original_vocab_size} exceeds the first dimension of "
@@ -424,6 +430,7 @@ def shape_output(
         n_sub_params=n_sub,
         replicas=replicas,
         tp_layout=layout.describe() if layout is not None else None,
+        vocab_whole=vocab_rows and not trim_vocabulary,
     )
 
 

@@ -72,11 +72,13 @@ def build_model_parallel_plan(
     rules: MegatronPatterns = MegatronPatterns(),
     alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR,
     plan_coordinate: Optional[Callable[[Sequence[Sequence[ParamSpec]], Sequence[RankLayout]], ConversionPlan]] = None,
+    trim_vocabulary: bool = True,
 ) -> ConversionPlan:
     """Plan every coordinate, then merge TP slices and pipeline stages into whole parameters.
 
     ``plan_coordinate`` plans one coordinate from its groups and DP rank layouts (default: ZeRO-1/2's
-    :func:`~megatron_ucp.plan.conversion.build_plan`; ZeRO-3 passes its own planner)."""
+    :func:`~megatron_ucp.plan.conversion.build_plan`; ZeRO-3 passes its own planner, and
+    ``trim_vocabulary=False``: its vocabulary parameters are written whole)."""
     if plan_coordinate is None:
 
         def plan_coordinate(groups: Sequence[Sequence[ParamSpec]], ranks: Sequence[RankLayout]) -> ConversionPlan:
@@ -140,7 +142,9 @@ def build_model_parallel_plan(
                     items += _global_items(sp, by_coord[(stage, t)].first_file, slice_runs(whole, layout, tp, t, name))
                 copies.append(tuple(sorted(items, key=lambda i: i.dst_offset)))
         spec = ParamSpec(name=name, group=group, shape=spec_shape)
-        merged.append(shape_output(spec, 0, copies[0], rules, layout, replicas=tuple(copies[1:])))
+        merged.append(
+            shape_output(spec, 0, copies[0], rules, layout, replicas=tuple(copies[1:]), trim_vocabulary=trim_vocabulary)
+        )
 
     first = plans[(0, 0)]
     groups = []

@@ -124,7 +124,8 @@ def _plan_sub_group(
             for r in range(geo.dp)
             if part.true_length(r)
         )
-        plans.append(shape_output(spec, offset, items, rules, tp_layouts.get(spec.name) if tp_layouts else None))
+        layout = tp_layouts.get(spec.name) if tp_layouts else None
+        plans.append(shape_output(spec, offset, items, rules, layout, trim_vocabulary=False))
     return plans
 
 

@@ -28,9 +28,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 LOSS_TOLERANCE = 2e-4
 RESUMED = tuple(range(7, 13))
 HPZ = {"zero_optimization": {"zero_hpz_partition_size": 2}}
+SAME_PADDING = ["--make-vocab-size-divisible-by", "256"]
+"""512 vocabulary rows at TP 1 and 2 (Megatron pads to a multiple of 128 x TP by default: 384 at TP 1, 512 at TP 2,
+and no resume can continue a curve across a softmax over another number of rows)."""
 
 
-def _train(co, folder: Path, tp: int = 1, ds_extra: dict | None = None) -> tuple[Path, MdsResult]:
+def _train(co, folder: Path, tp: int = 1, ds_extra: dict | None = None, args=()) -> tuple[Path, MdsResult]:
     root = folder / "ckpt"
     res = run_mds(
         co,
@@ -43,7 +46,7 @@ def _train(co, folder: Path, tp: int = 1, ds_extra: dict | None = None) -> tuple
             train_iters=12,
             save_interval=6,
             ds_extra=ds_extra or {},
-            extra_args=["--ucp-async-convert"],
+            extra_args=["--ucp-async-convert", *args],
         ),
     )
     return root, res
@@ -109,8 +112,48 @@ def test_zero3_trains_saves_through_the_hooks_and_converts_in_the_background(tra
     assert (root / F.LATEST_UNIVERSAL).read_text() == "global_step12_universal"
 
 
-@pytest.mark.parametrize("dp", [3, 2])
-def test_zero3_resume_at_dp3_and_dp2_with_no_flag(dp, trained, mds_checkout, mds_runs):
+def test_zero3_synthetic_writer_matches_the_training_save(trained, tmp_path):
+    """The synthetic writer's ZeRO-3 files (with the save record) are this run's iteration-6 save, key for key:
+    every rank's model states and rank file, Megatron's one param group under ``zero.Init``, the sub-groups."""
+    import deepspeed
+
+    from megatron_ucp.plan.llama_shapes import LlamaShape
+    from megatron_ucp.synthetic.content import SyntheticSpec
+    from megatron_ucp.synthetic.writer import write_checkpoint
+    from tests.integration.mds import CORPUS_TOKENS, MdsModel
+    from tests.support.file_structure import folder_differences
+
+    root, _ = trained
+    m = MdsModel()
+    shape = LlamaShape(
+        layers=m.layers,
+        hidden=m.hidden,
+        ffn=m.ffn,
+        heads=m.heads,
+        kv_heads=m.kv_heads,
+        vocab=384,
+        original_vocab=CORPUS_TOKENS + 1,
+        tied=not m.untied,
+    )
+    spec = SyntheticSpec(
+        shape=shape,
+        dp=4,
+        optimizer="zero",
+        zero_stage=3,
+        record=True,
+        ds_version=deepspeed.__version__,
+        iteration=6,
+        micro_batch=1,
+        grad_accumulation=3,
+        seq_length=m.seq,
+    )
+    written = write_checkpoint(tmp_path / "synthetic", spec, progress=False)
+    diffs = folder_differences(root / "global_step6", written.tag_dir)
+    assert not diffs, "\n".join(diffs[:40])
+
+
+@pytest.mark.parametrize("dp", [3, 2], ids=["dp3", "dp2"])
+def test_zero3_resume_with_no_flag(dp, trained, mds_checkout, mds_runs):
     root, reference = trained
     res = mds_runs.get(f"zero3-dp{dp}", lambda f: _resume(mds_checkout, root, f, dp))
     decided = [line for line in res.ucp_lines() if f"DP changed 4 -> {dp}" in line]
@@ -136,10 +179,14 @@ def test_zero3_universal_route_gives_the_same_losses_as_the_reshard(trained, mds
 
 
 def test_zero3_tp2_to_tp1_goes_through_the_universal_folder(mds_checkout, mds_runs):
-    root, reference = mds_runs.get("zero3-train-tp2", lambda f: _train(mds_checkout, f, tp=2))
-    res = mds_runs.get("zero3-tp1", lambda f: _resume(mds_checkout, root, f, 2))
-    decided = [line for line in res.ucp_lines() if "TP changed 2 -> 1" in line]
-    assert decided and "global_step6_universal" in decided[0], res.ucp_lines()
+    """The runner sees the TP change and adds ``--universal-checkpoint``; the hook loads the twin the background
+    converter made (``latest_universal`` names it), each rank reading its TP=1 slice of each parameter's files."""
+    root, reference = mds_runs.get("zero3-train-tp2", lambda f: _train(mds_checkout, f, tp=2, args=SAME_PADDING))
+    res = mds_runs.get("zero3-tp1", lambda f: _resume(mds_checkout, root, f, 2, args=SAME_PADDING))
+    lines = res.ucp_lines()
+    assert any("TP changed 2 -> 1" in line for line in lines), lines
+    assert any("adding --universal-checkpoint" in line for line in lines), lines
+    assert any("load_universal is set" in line for line in lines), lines
     _accounted(res, "universal load")
     assert_continues(res, reference)
 
