@@ -58,7 +58,12 @@ ELASTIC_TESTS = tests/system/test_native_reshard.py::test_reshard_equals_the_uni
 	$(ELASTIC)::test_explicit_flag_loads_at_source_dp_with_an_all_padding_rank[$(1)]
 MATRIX_TESTS = tests/system/test_deepspeed_versions.py tests/system/test_hooks_install.py \
 	$(ELASTIC)::test_install_patches_both_load_paths_and_uninstall_restores_them \
-	$(if $(1),$(call ELASTIC_TESTS,$(1)))
+	$(if $(1),$(call ELASTIC_TESTS,$(1))) $(if $(filter $(2),$(ZERO3_HARNESS_DS)),$(ZERO3_HARNESS))
+# ZeRO-3 in the harness (a hooked save at DP 4, three sub-groups, resumed at DP 3 with the optimizer offloaded:
+# the native reshard against the universal route rank by rank) on the releases whose ZeRO-3 internals are the
+# oldest the hooks read (every release runs ZeRO-3 under the real Megatron-DeepSpeed, ZERO3_MATRIX below).
+ZERO3_HARNESS_DS := 0.16.2 0.18.9
+ZERO3_HARNESS := "tests/system/test_zero3_resume.py::test_the_native_reshard_equals_the_universal_route_rank_by_rank[hooked-offload]"
 # On torch 2.8 + IPEX 2.8 (TORCH28_DS), with IPEX loaded first in every process (tests/support/ipex_site);
 # IPEX's import costs ~6 s of CPU per process, so each path runs once. On 0.16.9: the internals table,
 # install/uninstall, the save recording + conversion of both optimizer classes (test_deepspeed_versions),
@@ -158,7 +163,7 @@ test-matrix: matrix
 	$(foreach v,$(DS_MATRIX),\
 		echo "=== DeepSpeed $(v): hooks, save, conversion, elastic load ($(or $(call elastic_class,$(v)),none))"; \
 		PYTHONPATH=$(abspath $(MATRIX_DIR))/$(v) $(BIN)/python -m pytest -q \
-			$(call MATRIX_TESTS,$(call elastic_class,$(v))) --junitxml=$(RESULTS)/deepspeed-$(v).xml || status=1; \
+			$(call MATRIX_TESTS,$(call elastic_class,$(v)),$(v)) --junitxml=$(RESULTS)/deepspeed-$(v).xml || status=1; \
 		$(if $(HAVE_MDS),\
 			echo "=== DeepSpeed $(v): the real Megatron-DeepSpeed"; \
 			PYTHONPATH=$(abspath $(MATRIX_DIR))/$(v) MEGATRON_DEEPSPEED_DIR=$(MEGATRON_DEEPSPEED_DIR) EZPZ_DIR=$(EZPZ_DIR) \
@@ -185,12 +190,15 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_reads.py
 
 # Synthetic checkpoints at DP up to 768 (megatron_ucp.synthetic): conversion against DP and against
-# stock and the ALCF converter, and the AuroraGPT-7B plan from metadata. llama-1b needs ~25 GB of disk
+# stock and the ALCF converter, and the AuroraGPT-7B plan from metadata; then ZeRO-3 at DP 8 and 768
+# (conversion against stock's stage-3 converter, the native reshard's bytes read per sampled rank). llama-1b needs ~25 GB of disk
 # (one checkpoint, one output and stock's fragments at a time) and about an hour on 2 cores.
 BENCH_SCALE_PRESET ?= llama-1b
 bench-scale: $(STAMP)
 	$(BIN)/python benchmarks/bench_scale.py --preset $(BENCH_SCALE_PRESET) --flavour plain
 	$(BIN)/python benchmarks/bench_scale.py --preset $(BENCH_SCALE_PRESET) --flavour megatron --tools ours,cp+sync
+	$(BIN)/python benchmarks/bench_scale.py --preset $(BENCH_SCALE_PRESET) --flavour megatron --zero-stage 3 \
+		--dp 8,768 --tools ours,stock,alcf,cp+sync --resume-to 512,1024 --shares '' --no-metadata
 
 clean-venv:
 	rm -rf $(VENV) $(MATRIX_DIR) $(TORCH28_VENV)

@@ -157,8 +157,19 @@ def bench_convert_at(
 
 
 def sampled_ranks(spec: SyntheticSpec, world: int) -> list[int]:
-    """First, middle, last rank holding real elements of every group, first all-padding rank (if any)."""
+    """First, middle, last rank holding real elements of every group, first all-padding rank (if any).
+    ZeRO-3: the last rank holding real elements of the smallest parameter, and the first whose slice of it
+    is padding."""
     from megatron_ucp.plan.geometry import at_dp
+
+    if spec.per_parameter:
+        from megatron_ucp.synthetic.stage3_content import stage3_groups
+
+        groups = stage3_groups(spec)
+        smallest = min(groups.places, key=lambda n: groups.places[n].numel)
+        part = groups.at_dp(world).partition_of(smallest)
+        last_real = max(r for r in range(world) if part.true_length(r) > 0)
+        return sorted({0, world // 2, last_real, *part.padding_only_ranks()[:1]})
 
     geos = at_dp(spec.geometries(), world)
     last_real = min(max(r for r in range(world) if g.true_length(r) > 0) for g in geos)
@@ -172,10 +183,11 @@ def resume_probe(spec: SyntheticSpec, folder: Path, worlds: list[int], native: b
     for world in worlds:
         for rank in sampled_ranks(spec, world):
             bc.evict(folder)
+            zero3 = ["--dp", str(spec.dp), "--flavour", spec.flavour] if spec.per_parameter else []
             out = subprocess.run(
                 [
                     bc.python(),
-                    str(BENCH_DIR / "resume_probe.py"),
+                    str(BENCH_DIR / ("resume_probe_zero3.py" if spec.per_parameter else "resume_probe.py")),
                     str(folder),
                     "--preset",
                     spec_preset(spec),
@@ -185,6 +197,7 @@ def resume_probe(spec: SyntheticSpec, folder: Path, worlds: list[int], native: b
                     str(rank),
                     "--seed",
                     str(spec.seed),
+                    *zero3,
                     *(["--native"] if native else []),
                 ],
                 capture_output=True,
@@ -308,7 +321,8 @@ def _cell(result: dict, key: str = "seconds") -> str:
 def markdown(rows: list[dict], meta: list[dict], args: argparse.Namespace) -> str:
     tools = [t for t in TOOLS if t in args.tools]
     lines = [
-        f"Preset `{args.preset}` ({rows[0]['bytes'] / 1e9:.1f} GB per checkpoint), {args.optimizer}, "
+        f"Preset `{args.preset}` ({rows[0]['bytes'] / 1e9:.1f} GB per checkpoint), {args.optimizer}"
+        f"{' ZeRO-3' if args.zero_stage == 3 else ''}, "
         f"DeepSpeed {args.ds_version} files ({args.flavour}), page cache dropped before each run, medians of "
         f"{args.reps} runs (stock and ALCF: {args.slow_reps}), tools rotated; {bc.machine()['cores']} cores.",
         "",
@@ -401,6 +415,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     parser.add_argument("--ds-version", default="0.19.8")
     parser.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[1, 2, 3],
+        default=1,
+        help="3: DeepSpeedZeroOptimizer_Stage3's files (every rank its model states, per-parameter partitions)",
+    )
+    parser.add_argument(
         "--flavour",
         choices=["megatron", "plain"],
         default="megatron",
@@ -437,6 +458,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 optimizer=args.optimizer,
                 ds_version=args.ds_version,
                 flavour=args.flavour,
+                zero_stage=args.zero_stage,
             )
             last = dp == max(sizes)
             rows.append(
@@ -462,7 +484,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "convert": rows,
         "metadata": meta,
     }
-    name = f"scale-{args.preset}-{args.flavour}" + (f"-{args.label}" if args.label else "")
+    stage = "-zero3" if args.zero_stage == 3 else ""
+    name = f"scale-{args.preset}-{args.flavour}{stage}" + (f"-{args.label}" if args.label else "")
     (results / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
     table = markdown(rows, meta, args)
     (results / f"{name}.md").write_text(table)

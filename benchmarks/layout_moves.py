@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -33,12 +31,12 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.mds_stock import first_error, short, stock_convert  # noqa: E402
 from tests.integration.mds import (
     MdsModel,
     MdsRun,
     deepspeed_version,
     prepare_checkout,
-    rank_env,
     run_mds,
     snapshot_dir,
 )
@@ -111,15 +109,6 @@ MOVES = [
     ),
     Move("tied-pp2-dp", Layout(1, 2, 2, True, untied=False), Layout(1, 2, 1, True, untied=False)),
 ]
-_ERROR = re.compile(r"([A-Za-z_.]*(?:Error|Exception)): (.{0,160})")
-
-
-def _first_error(log: str) -> str:
-    for line in log.splitlines():
-        m = _ERROR.search(line)
-        if m and "Warning" not in m.group(1):
-            return f"stops: {m.group(1).split('.')[-1]}: {m.group(2).strip()}"
-    return "stops (no error line)"
 
 
 def _restart_copy(root: Path, dest: Path) -> Path:
@@ -132,7 +121,7 @@ def _restart_copy(root: Path, dest: Path) -> Path:
 
 def _outcome(res, full: dict[int, float]) -> dict:
     if res.returncode != 0 or not {5, 6} <= set(res.losses):
-        return {"ok": False, "text": _first_error(res.log)}
+        return {"ok": False, "text": first_error(res.log)}
     diff = max(abs(res.losses[i] - full[i]) for i in (5, 6))
     return {"ok": True, "max_abs_loss_diff": diff, "text": f"{diff:.1e}"}
 
@@ -152,27 +141,9 @@ def measure(co, work: Path, moves: list[Move]) -> list[dict]:
             move.resumed.run(_restart_copy(root, work / f"{move.name}-ours"), extra_args=padding, expect_failure=True),
         )
         stock_dir = _restart_copy(root, work / f"{move.name}-stock")
-        converted = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "deepspeed.checkpoint.ds_to_universal",
-                "--input_folder",
-                str(stock_dir / "global_step4"),
-                "--output_folder",
-                str(stock_dir / "global_step4_universal"),
-                "--num_extract_workers",
-                "1",
-                "--num_merge_workers",
-                "1",
-            ],
-            env=rank_env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        if converted.returncode != 0:
-            stock = {"ok": False, "text": "ds_to_universal " + _first_error(converted.stdout + converted.stderr)}
+        failed = stock_convert(co, stock_dir / "global_step4", stock_dir / "global_step4_universal")
+        if failed is not None:
+            stock = {"ok": False, "text": failed}
         else:
             (stock_dir / "latest_universal").write_text("global_step4_universal")
             res = run_mds(
@@ -195,11 +166,6 @@ def measure(co, work: Path, moves: list[Move]) -> list[dict]:
     return rows
 
 
-def _short(text: str) -> str:
-    """Error lines name files under the working folder: keep the part inside the checkpoint."""
-    return re.sub(r"'?/\S*?/(global_step\d+(?:_universal)?/\S*?)'?(?=\s|$)", r"`\1`", text).replace("|", "/")
-
-
 def markdown(rows: list[dict], version: str) -> str:
     lines = [
         f"DeepSpeed {version}, argonne-lcf Megatron-DeepSpeed, CPU/gloo; max |loss - uninterrupted| over the two "
@@ -212,7 +178,7 @@ def markdown(rows: list[dict], version: str) -> str:
     for r in rows:
         lines.append(
             f"| {r['saved']} | {r['resumed']} | {r['padded_vocab']} | {r['ours']['text']} | "
-            f"{_short(r['stock']['text'])} |"
+            f"{short(r['stock']['text'])} |"
         )
     return "\n".join(lines) + "\n"
 

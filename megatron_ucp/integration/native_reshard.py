@@ -55,13 +55,12 @@ from megatron_ucp.integration.rank_files import (
 )
 from megatron_ucp.plan.accounting import (
     AccountingReport,
-    Column,
     Ledger,
     Problem,
-    add_sum,
     check_ledger,
     check_optimizer_states,
     checksum,
+    enter_old_file_copy,
     ledger_totals,
 )
 from megatron_ucp.plan.geometry import GroupGeometry, at_dp
@@ -167,17 +166,17 @@ def copy_partitions(
                     landed = target.narrow(0, read.target_offset, read.length)
                     src.read_into(stored, read.source_offset, landed)
                     t0 = time.perf_counter()
-                    row = ledger.index(_row_name(name, read.source_rank, g), state)
-                    table[row, Column.CONSUMERS] += 1
-                    table[row, Column.LOADED_COUNT] += read.length
-                    # where the bytes sit in the group's flat order: the same at the old and the new DP size
-                    add_sum(table, row, True, checksum(landed, read.position, algorithm))
-                    if read.source_offset == 0:  # the reader of the file's start: its real elements, once
-                        table[row, Column.SOURCE_COUNT] += geo.true_length(read.source_rank)
-                    if src.sums is None:  # the same bytes: the check is the plan's placement and counts
-                        add_sum(table, row, False, checksum(landed, read.position, algorithm))
-                    elif read.source_offset == 0:  # the file's own record of them at save time
-                        add_sum(table, row, False, int(src.sums[g][state][1]))
+                    first = read.source_offset == 0  # the reader of the file's start: its real elements, once
+                    enter_old_file_copy(
+                        table,
+                        ledger.index(_row_name(name, read.source_rank, g), state),
+                        read.length,
+                        # where the bytes sit in the group's flat order: the same at the old and the new DP size
+                        checksum(landed, read.position, algorithm),
+                        geo.true_length(read.source_rank) if first else None,
+                        int(src.sums[g][state][1]) if first and src.sums is not None else None,
+                        has_record=src.sums is not None,
+                    )
                     accounting += time.perf_counter() - t0
     return accounting
 

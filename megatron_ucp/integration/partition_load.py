@@ -15,6 +15,7 @@ names are checked against what was restored.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import time
@@ -175,7 +176,11 @@ def expected_state_keys(optimizer: torch.optim.Optimizer, group_index: int) -> O
 
 
 def load_universal_partitions(
-    optimizer: Any, checkpoint_dir: Path, strict: bool = True, names: Optional[dict[Any, str]] = None
+    optimizer: Any,
+    checkpoint_dir: Path,
+    strict: bool = True,
+    names: Optional[dict[Any, str]] = None,
+    tensor_parallel: Optional[TpPlace] = None,
 ) -> AccountingReport:
     """Load this rank's ZeRO partitions from ``<checkpoint_dir>/zero`` and account for them.
 
@@ -184,7 +189,8 @@ def load_universal_partitions(
     With ``strict=False`` optimizer tensor states missing from the checkpoint start at zero (as a
     fresh optimizer's would) instead of being absent, so that the first step does not fail. ``names``:
     live parameter -> name (default the optimizer's own map; ZeRO-3 optimizers before DeepSpeed 0.18 have
-    none, the engine's is passed).
+    none, the engine's is passed); ``tensor_parallel``: this rank's TP place (default from the optimizer's
+    ``mpu``; a ZeRO-3 optimizer keeps none, the engine's is passed).
     """
 
     t_start = time.perf_counter()
@@ -192,7 +198,7 @@ def load_universal_partitions(
     dist = comm()
     dp_group = surface.dp_group(optimizer)
     dp_to = dist.get_world_size(group=dp_group)
-    tensor_parallel = tensor_parallel_of(optimizer)
+    tensor_parallel = tensor_parallel if tensor_parallel is not None else tensor_parallel_of(optimizer)
     # With TP or PP every element of a file lands on the ranks of several DP groups (TP slices,
     # pipeline stages): the ledger is summed over the world, and each file is expected once per
     # TP copy that holds it whole (replicated parameters) and once per stage that holds it. Decided
@@ -248,7 +254,10 @@ def load_universal_partitions(
     problems: list[Problem] = []
     context = _LoadContext(optimizer, zero_dir, accountable, ledger, table, sums, clock, tensor_parallel)
     try:
-        optim_sd = load_torch_file(zero_dir / F.UNIVERSAL_OPTIMIZER_STATE_FILE, mmap=False)
+        optim_path = zero_dir / F.UNIVERSAL_OPTIMIZER_STATE_FILE
+        optim_sd = load_torch_file(optim_path, mmap=False)
+        if not any(F.STEP_STATE in states for states in accountable.values()):
+            context = dataclasses.replace(context, common_step=_common_step(optim_sd, optim_path))
         if per_parameter:
             stage3_runtime.load_stage3_global_state(optimizer, optim_sd)
         else:
@@ -341,6 +350,25 @@ class _LoadContext:
     sums: Optional[RecordedChecksums]
     clock: "_Clock"
     tensor_parallel: TpPlace
+    common_step: Any = None
+    """The step ``optimizer_state.pt`` holds for every group, for a folder without ``step.pt`` files (stock's
+    ZeRO-3 conversions: its loader takes the step from there)."""
+
+
+def _common_step(optim_sd: dict, path: Path) -> Any:
+    """The one step of the wrapped optimizer's state in a folder's ``optimizer_state.pt``; None without one.
+    Steps that differ between its groups are refused, naming the file."""
+    inner = optim_sd.get(F.OPTIMIZER_STATE_DICT) if isinstance(optim_sd, dict) else None
+    state = inner.get("state") if isinstance(inner, dict) else None
+    steps = [v.get(F.STEP_STATE) for v in (state or {}).values() if isinstance(v, dict) and F.STEP_STATE in v]
+    if not steps:
+        return None
+    values = {float(s) if torch.is_tensor(s) else s for s in steps}
+    if len(values) > 1:
+        raise CheckpointFormatError(
+            f"{path}: its optimizer groups are at different steps {sorted(values)}", subject=path
+        )
+    return steps[0]
 
 
 def _load_group(
@@ -369,6 +397,8 @@ def _load_group(
     step_source = next((n for n in names if F.STEP_STATE in listing.get(n, ())), None)
     if step_source is not None:
         group_step = load_torch_file(zero_dir / step_source / f"{F.STEP_STATE}.pt", mmap=False)
+    elif context.common_step is not None:
+        group_step = context.common_step.clone() if torch.is_tensor(context.common_step) else context.common_step
     saved_name = {id(lp): name for lp, name in zip(live.lps, names)}
 
     algorithm = sums.algorithm if sums is not None else integrity.ALGORITHM  # both sides of the ledger alike

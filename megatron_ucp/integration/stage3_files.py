@@ -32,6 +32,7 @@ from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.integration.rank_files import (
     RankFile,
     Source,
+    absent,
     bind_positions,
     check_presence,
     checksum_algorithm,
@@ -113,6 +114,12 @@ def read_stage3_facts(model_states: Path, rank_file: RankFile, states: Optional[
     """Step 1 (first rank): the facts, checked for the old files' presence and DP size."""
     states, dp_from, save_id = model_states_facts(model_states, states)
     expected = check_presence(model_states, rank_file, dp_from)
+    mp = F.ZERO3_MODEL_FILE_RE.match(model_states.name)
+    for r in range(dp_from):  # every rank saved its own model states: none may be missing
+        path = model_states.parent / F.zero3_model_file(r, int(mp["mp"]) if mp else 0)
+        why = absent(path)
+        if why is not None:
+            raise CheckpointFormatError(f"{path}: {why} (the save's DP size is {dp_from})", subject=path)
     first = stage3_optimizer_state(expected[0])
     inner = first[F.OPTIMIZER_STATE_DICT]
     shapes = [group for group in states[F.PARAM_SHAPES] if isinstance(group, dict)]

@@ -48,13 +48,12 @@ from megatron_ucp.integration.stage3_files import (
 )
 from megatron_ucp.plan.accounting import (
     AccountingReport,
-    Column,
     Ledger,
     Problem,
-    add_sum,
     check_ledger,
     check_optimizer_states,
     checksum,
+    enter_old_file_copy,
     ledger_totals,
 )
 from megatron_ucp.plan.param_geometry import Stage3Groups
@@ -227,19 +226,15 @@ def load_stage3_partitions(engine: Any, bound: Stage3Bound, strict: bool = True)
                         landed = target.narrow(0, read.target_offset, read.length)
                         src.read_into(stored, read.source_offset, landed)
                         t0 = time.perf_counter()
-                        row = ledger.index(_row(bound.rank_file, read.source_rank, read.source_group), state)
-                        table[row, Column.CONSUMERS] += 1
-                        table[row, Column.LOADED_COUNT] += read.length
-                        value = checksum(landed, read.position, algorithm)
-                        add_sum(table, row, True, value)
-                        if first:  # the reader of the file's first real element: its real length, once
-                            table[row, Column.SOURCE_COUNT] += old.geometry(read.source_group).true_length(
-                                read.source_rank
-                            )
-                        if src.sums is None:  # the same bytes: the check is the plan's placement and counts
-                            add_sum(table, row, False, value)
-                        elif first:  # the file's own record of its partition at save time
-                            add_sum(table, row, False, int(src.sums[read.source_group][state][1]))
+                        enter_old_file_copy(
+                            table,
+                            ledger.index(_row(bound.rank_file, read.source_rank, read.source_group), state),
+                            read.length,
+                            checksum(landed, read.position, algorithm),  # at its place in its param group
+                            old.geometry(read.source_group).true_length(read.source_rank) if first else None,
+                            int(src.sums[read.source_group][state][1]) if first and src.sums is not None else None,
+                            has_record=src.sums is not None,
+                        )
                         accounting += time.perf_counter() - t0
         for h, (master, buffers) in enumerate(zip(masters, targets)):
             install_stage3_state(

@@ -32,6 +32,7 @@ from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import is_first
+from megatron_ucp.integration.live_layout import TpPlace
 from megatron_ucp.integration.model_states_load import one_model_states_file_per_rank
 from megatron_ucp.integration.native_routes import ReshardOutcome
 from megatron_ucp.integration.partition_load import load_universal_partitions
@@ -176,7 +177,11 @@ def stage3_universal_optimizer_load(
             return original(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
         folder = Path(load_dir) / tag
         report = load_universal_partitions(
-            self.optimizer, folder, strict=config.strict, names=surface.param_names(self)
+            self.optimizer,
+            folder,
+            strict=config.strict,
+            names=surface.param_names(self),
+            tensor_parallel=TpPlace(*surface.tp_size_and_rank(getattr(self, "mpu", None))),
         )
         keep(self.optimizer, report)
         return True

@@ -93,7 +93,8 @@ def state_layout(
     stock folder, start at zero as with stock DeepSpeed and are not counted: every real row is.
     """
     numel = math.prod(shape)
-    if tuple(full.shape) == shape:
+    if tuple(full.shape) == shape or (full.dim() == 1 and full.numel() == numel):
+        # stock's ZeRO-3 conversions write each parameter flattened (its loader views them flat)
         return StateLayout((full.reshape(-1),), full.numel(), numel)
     whole = isinstance(entry, dict) and entry.get(F.VOCAB_ROWS_WHOLE, False)
     if whole and full.dim() == len(shape) >= 1 and tuple(full.shape[1:]) == shape[1:]:

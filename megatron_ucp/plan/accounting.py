@@ -317,6 +317,31 @@ def add_sum(table: torch.Tensor, row: int, loaded: bool, value: int) -> None:
     table[row, lo_col] += low
 
 
+def enter_old_file_copy(
+    table: torch.Tensor,
+    row: int,
+    length: int,
+    landed: int,
+    file_real: Optional[int] = None,
+    recorded: Optional[int] = None,
+    has_record: bool = False,
+) -> None:
+    """One copy out of an old rank file into its ledger row (a native reshard, any stage): ``length`` elements
+    whose checksum at their position is ``landed``. The copy holding the file's first real element passes
+    ``file_real`` (the file's real elements, counted once) and, saved through the hooks (``has_record``),
+    ``recorded`` (the file's own checksum of them at save time); a file without that record is checked for
+    placement and counts only (the same bytes on both sides)."""
+    table[row, Column.CONSUMERS] += 1
+    table[row, Column.LOADED_COUNT] += length
+    add_sum(table, row, True, landed)
+    if file_real is not None:
+        table[row, Column.SOURCE_COUNT] += file_real
+    if not has_record:
+        add_sum(table, row, False, landed)
+    elif file_real is not None:
+        add_sum(table, row, False, int(recorded))
+
+
 def row_sums(values: Sequence[int]) -> tuple[int, int]:
     """(loaded, source) checksums of one all-reduced row."""
     return (

@@ -149,9 +149,26 @@ def warm_index_cache(co: Checkout, folder: Path) -> None:
     On a cold cache every rank of pretrain_gpt_alcf.py builds the same ``*_idx.npy`` files at once
     (``gpt_dataset._build_index_mappings`` has no barrier) and one rank's ``np.save`` can truncate
     a file another is loading (``EOFError: No data left in file``). Every run here has the same
-    samples, so they all find this cache in ``<data>/index-cache``.
+    samples, so they all find this cache in ``<data>/index-cache``: for the 6-iteration runs and the
+    12-iteration ones (the ZeRO-3 tests), whose sample counts name other index files. Each warm-up stops
+    after its first iteration (the index is built before it).
     """
-    run_mds(co, MdsRun(nproc=1, ckpt=folder / "ckpt", route="plain", save_interval=1000))
+    for iterations in WARMED_ITERATIONS:
+        run_mds(
+            co,
+            MdsRun(
+                nproc=1,
+                ckpt=folder / f"ckpt-{iterations}",
+                route="plain",
+                train_iters=iterations,
+                save_interval=1000,
+                extra_args=["--exit-interval", "1"],
+            ),
+        )
+
+
+WARMED_ITERATIONS = (6, 12)
+"""Every ``train_iters`` the integration tests and benchmarks run with (12 samples per iteration)."""
 
 
 def rank_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -215,6 +232,23 @@ class MdsModel:
             "--use-rotary-position-embeddings",
             *(["--untie-embeddings-and-output-weights"] if self.untied else []),
         ]
+
+
+def llama_shape(model: "MdsModel", vocab: int = 384, tied: Optional[bool] = None):
+    """The model as a synthetic-writer shape (``megatron_ucp.plan.llama_shapes.LlamaShape``): its padded
+    vocabulary (384 by Megatron's default padding of the NullTokenizer's 257 ids at TP 1), ties as the model."""
+    from megatron_ucp.plan.llama_shapes import LlamaShape
+
+    return LlamaShape(
+        layers=model.layers,
+        hidden=model.hidden,
+        ffn=model.ffn,
+        heads=model.heads,
+        kv_heads=model.kv_heads,
+        vocab=vocab,
+        original_vocab=CORPUS_TOKENS + 1,
+        tied=not model.untied if tied is None else tied,
+    )
 
 
 @dataclass

@@ -123,26 +123,15 @@ def test_synthetic_writer_matches_the_training_save(trained, tmp_path):
     compared by kind."""
     import deepspeed
 
-    from megatron_ucp.plan.llama_shapes import LlamaShape
     from megatron_ucp.synthetic.content import SyntheticSpec
     from megatron_ucp.synthetic.writer import write_checkpoint
-    from tests.integration.mds import CORPUS_TOKENS
+    from tests.integration.mds import llama_shape
     from tests.support.file_structure import folder_differences, load
 
     optimizer, root, _ = trained
     m = MdsModel()
-    shape = LlamaShape(
-        layers=m.layers,
-        hidden=m.hidden,
-        ffn=m.ffn,
-        heads=m.heads,
-        kv_heads=m.kv_heads,
-        vocab=384,
-        original_vocab=CORPUS_TOKENS + 1,
-        tied=not m.untied,
-    )
     spec = SyntheticSpec(
-        shape=shape,
+        shape=llama_shape(m),
         dp=4,
         optimizer=optimizer,
         record=True,

@@ -169,25 +169,15 @@ def test_synthetic_writer_matches_a_model_parallel_save(mds_checkout, mds_runs, 
     hooks' record, both optimizer classes, ZeRO-1 and ZeRO-2."""
     import deepspeed
 
-    from megatron_ucp.plan.llama_shapes import LlamaShape
     from megatron_ucp.synthetic.content import SyntheticSpec
     from megatron_ucp.synthetic.writer import write_checkpoint
-    from tests.integration.mds import CORPUS_TOKENS
+    from tests.integration.mds import llama_shape
     from tests.support.file_structure import folder_differences, load
 
     root, _ = _train(mds_checkout, mds_runs, name)
     t, m = TRAININGS[name], MdsModel()
     dp = t.nproc // (t.tp * t.pp)
-    shape = LlamaShape(
-        layers=m.layers,
-        hidden=m.hidden,
-        ffn=m.ffn,
-        heads=m.heads,
-        kv_heads=m.kv_heads,
-        vocab=512,
-        original_vocab=CORPUS_TOKENS + 1,
-        tied=not t.untied,
-    )
+    shape = llama_shape(m, vocab=512, tied=not t.untied)
     spec = SyntheticSpec(
         shape=shape,
         dp=dp,

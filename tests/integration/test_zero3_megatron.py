@@ -29,8 +29,8 @@ LOSS_TOLERANCE = 2e-4
 RESUMED = tuple(range(7, 13))
 HPZ = {"zero_optimization": {"zero_hpz_partition_size": 2}}
 SAME_PADDING = ["--make-vocab-size-divisible-by", "256"]
-"""512 vocabulary rows at TP 1 and 2 (Megatron pads to a multiple of 128 x TP by default: 384 at TP 1, 512 at TP 2,
-and no resume can continue a curve across a softmax over another number of rows)."""
+"""Every run: 512 vocabulary rows at TP 1 and 2 (Megatron pads to a multiple of 128 x TP by default: 384 at TP 1,
+512 at TP 2, and no resume can continue a curve across a softmax over another number of rows)."""
 
 
 def _train(co, folder: Path, tp: int = 1, ds_extra: dict | None = None, args=()) -> tuple[Path, MdsResult]:
@@ -46,7 +46,7 @@ def _train(co, folder: Path, tp: int = 1, ds_extra: dict | None = None, args=())
             train_iters=12,
             save_interval=6,
             ds_extra=ds_extra or {},
-            extra_args=["--ucp-async-convert", *args],
+            extra_args=["--ucp-async-convert", *SAME_PADDING, *args],
         ),
     )
     return root, res
@@ -67,7 +67,7 @@ def _resume(co, root: Path, folder: Path, nproc: int, tp: int = 1, ds_extra=None
             train_iters=12,
             save_interval=100,
             ds_extra=ds_extra or {},
-            extra_args=list(args),
+            extra_args=[*SAME_PADDING, *args],
         ),
     )
 
@@ -117,26 +117,15 @@ def test_zero3_synthetic_writer_matches_the_training_save(trained, tmp_path):
     every rank's model states and rank file, Megatron's one param group under ``zero.Init``, the sub-groups."""
     import deepspeed
 
-    from megatron_ucp.plan.llama_shapes import LlamaShape
     from megatron_ucp.synthetic.content import SyntheticSpec
     from megatron_ucp.synthetic.writer import write_checkpoint
-    from tests.integration.mds import CORPUS_TOKENS, MdsModel
+    from tests.integration.mds import MdsModel, llama_shape
     from tests.support.file_structure import folder_differences
 
     root, _ = trained
     m = MdsModel()
-    shape = LlamaShape(
-        layers=m.layers,
-        hidden=m.hidden,
-        ffn=m.ffn,
-        heads=m.heads,
-        kv_heads=m.kv_heads,
-        vocab=384,
-        original_vocab=CORPUS_TOKENS + 1,
-        tied=not m.untied,
-    )
     spec = SyntheticSpec(
-        shape=shape,
+        shape=llama_shape(m, vocab=512),
         dp=4,
         optimizer="zero",
         zero_stage=3,
@@ -181,12 +170,23 @@ def test_zero3_universal_route_gives_the_same_losses_as_the_reshard(trained, mds
 def test_zero3_tp2_to_tp1_goes_through_the_universal_folder(mds_checkout, mds_runs):
     """The runner sees the TP change and adds ``--universal-checkpoint``; the hook loads the twin the background
     converter made (``latest_universal`` names it), each rank reading its TP=1 slice of each parameter's files."""
-    root, reference = mds_runs.get("zero3-train-tp2", lambda f: _train(mds_checkout, f, tp=2, args=SAME_PADDING))
-    res = mds_runs.get("zero3-tp1", lambda f: _resume(mds_checkout, root, f, 2, args=SAME_PADDING))
+    root, reference = mds_runs.get("zero3-train-tp2", lambda f: _train(mds_checkout, f, tp=2))
+    res = mds_runs.get("zero3-tp1", lambda f: _resume(mds_checkout, root, f, 2))
     lines = res.ucp_lines()
     assert any("TP changed 2 -> 1" in line for line in lines), lines
     assert any("adding --universal-checkpoint" in line for line in lines), lines
     assert any("load_universal is set" in line for line in lines), lines
+    _accounted(res, "universal load")
+    assert_continues(res, reference)
+
+
+def test_zero3_tp1_to_tp2_goes_through_the_universal_folder(trained, mds_checkout, mds_runs):
+    """Each rank of TP 2 reads its TP slice of its DP slice of each parameter (the TP place from the engine's
+    ``mpu``: ZeRO-3's optimizer keeps none)."""
+    root, reference = trained
+    res = mds_runs.get("zero3-tp2", lambda f: _resume(mds_checkout, root, f, 4, tp=2))
+    lines = res.ucp_lines()
+    assert any("TP changed 1 -> 2" in line for line in lines), lines
     _accounted(res, "universal load")
     assert_continues(res, reference)
 

@@ -243,6 +243,10 @@ def test_files_that_do_not_belong_together_are_named_before_anything_is_copied(t
         rank_file(tag, 3).unlink()
         return rank_file(tag, 3)
 
+    def missing_model_states(tag: Path) -> Path:
+        (tag / F.zero3_model_file(1, 0)).unlink()
+        return tag / F.zero3_model_file(1, 0)
+
     def other_stage(tag: Path) -> Path:
         shutil.copy(rank_file(stage1.tag_dir(2), 2), rank_file(tag, 2))
         return rank_file(tag, 2)
@@ -255,6 +259,7 @@ def test_files_that_do_not_belong_together_are_named_before_anything_is_copied(t
         ("swapped", swap),
         ("another-save", another_save),
         ("missing", missing),
+        ("missing-model-states", missing_model_states),
         ("other-stage", other_stage),
         ("other-sub-groups", other_cut),
     ):
@@ -280,6 +285,7 @@ def test_files_that_do_not_belong_together_are_named_before_anything_is_copied(t
     assert "save record says DP rank 2 of 4" in res.refusals["swapped"][0][1]
     assert "from another save" in res.refusals["another-save"][0][1]
     assert "is missing" in res.refusals["missing"][0][1]
+    assert "is missing" in res.refusals["missing-model-states"][0][1]
     assert "not a ZeRO-3 optimizer file" in res.refusals["other-stage"][0][1]
     assert "optimizer sub-groups" in res.refusals["other-sub-groups"][0][1]
     assert res.loaded_step == 2
@@ -329,6 +335,33 @@ def test_a_zero_stage_change_goes_through_the_universal_folder(move, runs, hooke
     assert any(x.startswith("megatron-ucp universal load:") and "every element placed exactly once" in x for x in lines)
     assert _same_full_state(ck.dump("state_step2"), res.dumps["state_step2_loaded"]) == 9
     assert_losses_continue(res, ck.loss_at)
+
+
+def test_our_loader_loads_stocks_stage3_folder(tmp_path, stock):
+    """DeepSpeed's own ``ds_to_universal`` on a stage-3 save, loaded by the hooks at DP 3 with the explicit flag:
+    no manifest checksums (accounted against the files themselves), every element back, the curve continued."""
+    from tests.support.dsharness.stock import stock_ds_to_universal
+
+    root = private_copy(stock.root, tmp_path / "ckpt")
+    converted = stock_ds_to_universal(root / "global_step2", root / "global_step2_universal")
+    assert converted.ok, converted.log[-2000:]
+    res = resume(
+        3,
+        "zero",
+        root,
+        tmp_path / "run",
+        load_tag="global_step2_universal",
+        load_universal=True,
+        zero_stage=3,
+        uc_info=True,
+        extra_config=SUB_GROUPS,
+    )
+    lines = ucp_lines(res.log)
+    assert any("has no checksums" in x for x in lines), lines
+    summary = [x for x in lines if x.startswith("megatron-ucp universal load:")]
+    assert len(summary) == 1 and "every element placed exactly once" in summary[0], lines
+    assert _same_full_state(stock.dump("state_step2"), res.dumps["state_step2_loaded"]) == 9
+    assert_losses_continue(res, stock.loss_at)
 
 
 def test_at_dp_768_sampled_ranks_of_both_routes_equal_the_saved_values(tmp_path):
