@@ -173,6 +173,16 @@ def markdown(rows: list[dict], version: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merged(path: Path, rows: list[dict]) -> list[dict]:
+    """A run of some moves replaces those rows of the release's results and keeps the others, in MOVES order."""
+    if not path.is_file():
+        return rows
+    measured = {r["move"] for r in rows}
+    kept = [r for r in json.loads(path.read_text())["rows"] if r["move"] not in measured]
+    order = [m.name for m in MOVES]
+    return sorted(kept + rows, key=lambda r: order.index(r["move"]) if r["move"] in order else len(order))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="move names (default: all)")
@@ -191,6 +201,7 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
     RESULTS.mkdir(exist_ok=True)
     version = deepspeed_version()
+    rows = merged(RESULTS / f"zero3-outcomes-{version}.json", rows)
     (RESULTS / f"zero3-outcomes-{version}.json").write_text(
         json.dumps({"deepspeed": version, "rows": rows}, indent=1) + "\n"
     )

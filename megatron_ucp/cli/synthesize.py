@@ -45,7 +45,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="bf16",
         help="bf16: BF16_Optimizer; zero: DeepSpeedZeroOptimizer (default bf16)",
     )
-    p.add_argument("--zero-stage", type=int, choices=[1, 2], default=1)
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[1, 2, 3],
+        default=1,
+        help="3: every rank its own model states, each parameter partitioned on its own (with --optimizer zero)",
+    )
     p.add_argument(
         "--ds-version",
         choices=sorted(SAVED_FILES),

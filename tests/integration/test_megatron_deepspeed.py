@@ -261,6 +261,37 @@ def test_padding_only_rank_saved_and_loaded(mds_checkout, mds_runs):
 
 
 # ------------------------------------------------------------------------------------------------
+# Optimizer offload (helpers.sh's CPU_OPTIMIZER=1): the masters and states live in host memory
+# ------------------------------------------------------------------------------------------------
+
+OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "zero_force_ds_cpu_optimizer": False}
+"""DeepSpeed's CPU Adam needs its compiled op: the wrapped torch Adam steps the host partitions instead."""
+
+
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+def test_offloaded_optimizer_resumes_at_a_new_dp_size(stage, mds_checkout, mds_runs):
+    """``offload_optimizer: cpu`` at ZeRO-2 and ZeRO-3, saved at DP 4 through the runner with background conversion,
+    resumed at DP 3 with no flag: the native reshard writes the engine's host partitions (where both elastic loads
+    put them: tests/system/test_zero3_resume.py's recording accelerator), iterations 4-6 on the curve."""
+
+    def run(folder: Path, nproc: int, ckpt: Path, **kw) -> MdsResult:
+        return run_mds(
+            mds_checkout,
+            MdsRun(nproc=nproc, ckpt=ckpt, optimizer="zero", zero_stage=stage, ds_extra=OFFLOAD, **kw),
+        )
+
+    root = mds_runs.base / f"offload{stage}-train" / "ckpt"
+    reference = mds_runs.get(f"offload{stage}-train", lambda f: run(f, 4, root, extra_args=["--ucp-async-convert"]))
+    res = mds_runs.get(
+        f"offload{stage}-resume", lambda f: run(f, 3, _restart_copy(root, f / "ckpt"), save_interval=100)
+    )
+    decided = [line for line in res.ucp_lines() if "DP changed 4 -> 3" in line]
+    assert decided and "resharding global_step3 from its native rank files" in decided[0], res.ucp_lines()
+    assert_accounted(res)
+    assert_continues(res, reference, optimizer="zero")
+
+
+# ------------------------------------------------------------------------------------------------
 # The AuroraGPT workflow: train_aGPT_7B_ucp.sh -> train_aGPT_7B.sh -> ALCF/helpers.sh -> ezpz launch
 # ------------------------------------------------------------------------------------------------
 

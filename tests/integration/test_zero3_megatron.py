@@ -2,12 +2,13 @@
 ``ZERO_STAGE=3`` (``--zero-stage 3``: the model built under ``deepspeed.zero.Init``).
 
 ``pretrain_gpt_alcf.py`` trains 12 iterations at DP 4 through the runner with background conversion,
-saving at 6 and 12 through the hooks. From iteration 6, with no flag: DP 3 and DP 2 reshard the native
-rank files; ``--ucp-resume-route universal`` loads the twin the background converter made, to the same
-losses; TP 2 -> 1 goes through the universal folder; hpZ (``zero_hpz_partition_size`` 2, secondary
-partitions per host) saves and resumes at DP 2. Iterations 7 to 12 continue the uninterrupted curve
-within 2e-4. On the other releases of the matrix: the training and DP 3 (test names with ``zero3``
-and ``trains`` or ``dp3``).
+saving at 6 and 12 through the hooks (a 512-row padded vocabulary, so that TP 1 and 2 pad alike). From
+iteration 6, with no flag: DP 3 and DP 2 reshard the native rank files; ``--ucp-resume-route universal``
+loads the twin the background converter made, to the same losses; TP 1 -> 2 and TP 2 -> 1 go through the
+universal folder; hpZ (``zero_hpz_partition_size`` 2, secondary partitions per host) saves and resumes at
+DP 2. Iterations 7 to 12 continue the uninterrupted curve within 2e-4. The synthetic writer's stage-3 files
+equal the save key for key. On the other releases of the matrix: the training and DP 3 (test names with
+``zero3`` and ``trains`` or ``dp3``).
 """
 
 from __future__ import annotations
