@@ -33,6 +33,7 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import normalize_tag, read_tag_file, special_kind
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.plan.conversion import Fragment, ParamSpec, RankGroupLayout, RankLayout
+from megatron_ucp.plan.experts import EXPERT_FILE_RE, expert_facts
 from megatron_ucp.plan.geometry import PaddingStyle
 from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.tensor_parallel import (
@@ -855,6 +856,7 @@ def read_checkpoint(
 
     ``files``: the folder's listing when the caller already made it (the tag folder is listed once)."""
     files = files if files is not None else find_checkpoint_files(Path(tag_dir))
+    _refuse_experts(files, rank_files)
     models = [read_model_states(path) for path in files.model_files]
     tp, pp = models[0].parallel_dimensions(len(models))
     dp = files.dp
@@ -966,6 +968,22 @@ def _check_zero3_model_files(files: CheckpointFiles, models: Sequence["ModelStat
             raise CheckpointFormatError(
                 f"{path}: records dp_world_size={recorded} but the folder holds {dp} ranks' files", subject=path
             )
+
+
+def _refuse_experts(files: CheckpointFiles, rank_files: Optional[Sequence["RankFile"]]) -> None:
+    """A mixture-of-experts save (expert files beside the rank files) is named for what it is, with its
+    expert parallelism, before anything else of it is read (its model states lack ``param_shapes`` on 0.16)."""
+    names = os.listdir(files.tag_dir)
+    if not any(EXPERT_FILE_RE.match(n) for n in names) or not files.rank_files:
+        return
+    first = rank_files[0] if rank_files else open_rank_file(files.rank_files[0], 0)
+    experts = expert_facts(names, first.partition_counts or [], files.dp)
+    raise UnsupportedError(
+        f"{files.tag_dir}: {experts.describe() if experts else 'mixture of experts'}: megatron-ucp does not convert "
+        "or reshard expert groups yet; with the hooks, such a job saves, loads and resumes at the same DP as stock "
+        "DeepSpeed does",
+        subject=files.tag_dir,
+    )
 
 
 def _check_rank_file(rf: "RankFile", path: Path, r: int, dp: int) -> None:

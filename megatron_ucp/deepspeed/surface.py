@@ -72,6 +72,20 @@ SURFACE: tuple[Internal, ...] = (
     Internal(BF16, "state_dict", R, "records true lengths, the partition geometry and checksums"),
     Internal(ZERO, "state_dict", R, "records true lengths, the partition geometry and checksums"),
     Internal(STAGE3, "state_dict", R, "records each sub-group's and parameter's true lengths and checksums"),
+    Internal(
+        ENGINE,
+        "_save_moe_checkpoint",
+        R,
+        "hands Megatron's universal_checkpoint_info to the MoE save as the dict 0.19 wants (integration/moe_save.py)",
+        when=lambda facts: not facts.saves_fork_moe,
+    ),
+    Internal(
+        ENGINE,
+        "_get_non_moe_state_dict",
+        R,
+        "leaves the fork's lifted expert keys out of its MoE model states, as before 0.19 (integration/moe_save.py)",
+        when=lambda facts: not facts.saves_fork_moe,
+    ),
     # elastic load (integration/elastic_load.py and the loaders below it)
     Internal(ENGINE, "load_checkpoint", R, "decides the route of a load (same DP, reshard, universal)"),
     Internal(ZERO_BASE, OPTIMIZER_LOADER, R, "our universal loader for BF16_Optimizer and DeepSpeedZeroOptimizer"),

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 # Order matters only for readability of logs: save-time recording, load path, background conversion.
 HOOK_MODULES = (
     "megatron_ucp.integration.save_recording",
+    "megatron_ucp.integration.moe_save",
     "megatron_ucp.integration.elastic_load",
     "megatron_ucp.integration.async_trigger",
 )
