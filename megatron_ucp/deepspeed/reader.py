@@ -977,7 +977,10 @@ def _refuse_experts(files: CheckpointFiles, rank_files: Optional[Sequence["RankF
     if not any(EXPERT_FILE_RE.match(n) for n in names) or not files.rank_files:
         return
     first = rank_files[0] if rank_files else open_rank_file(files.rank_files[0], 0)
-    experts = expert_facts(names, first.partition_counts or [], files.dp)
+    recorded = _model_states_dict(files.model_states).get("num_experts")
+    experts = expert_facts(names, first.partition_counts or [], files.dp, files.model_parallel, recorded)
+    for name, problem in experts.problems() if experts else ():
+        raise CheckpointFormatError(f"{files.tag_dir}: {problem}", subject=files.tag_dir / name if name else None)
     raise UnsupportedError(
         f"{files.tag_dir}: {experts.describe() if experts else 'mixture of experts'}: megatron-ucp does not convert "
         "or reshard expert groups yet; with the hooks, such a job saves, loads and resumes at the same DP as stock "

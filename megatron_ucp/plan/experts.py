@@ -1,10 +1,13 @@
 """What a mixture-of-experts save says about its experts, from its file names and partition counts. Pure.
 
 DeepSpeed-MoE saves each expert's weights as ``layer_<l>_expert_<e>_mp_rank_<m>_model_states.pt`` (``e``
-the global expert index, written by expert-data-parallel rank 0) and partitions the expert param groups
-over the expert-data-parallel group (``partition_count`` DP / EP in every rank file) instead of the DP
-group. Reading those facts is what lets a refusal name the checkpoint for what it is (and what a
-converter of expert groups starts from: docs/EXTENDING.md, "An expert-parallel axis").
+the global expert index, written by expert-data-parallel rank 0; ``l`` counts MoE layers only) and
+partitions the expert param groups over the expert-data-parallel group (``partition_count`` DP / EP in
+every rank file) instead of the DP group; the model states record the experts per MoE layer
+(``num_experts``). Those facts name a checkpoint for what it is, with its EP, and find what is wrong with
+one before anything is copied: a missing expert file, an expert count the files and the model disagree on,
+an EP that does not divide the experts, expert-DP partitions that do not add up to DP. (What converts
+expert groups starts from here: docs/EXTENDING.md, "An expert-parallel axis".)
 """
 
 from __future__ import annotations
@@ -13,20 +16,44 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
+from megatron_ucp.errors import PlanError
+from megatron_ucp.plan.parallel_layout import ParallelLayout
+
 EXPERT_FILE_RE = re.compile(r"^layer_(?P<layer>\d+)_expert_(?P<expert>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 
 
 @dataclass(frozen=True)
 class ExpertFacts:
-    layers: tuple[int, ...]
-    """The MoE layers' indices (DeepSpeed counts MoE layers only)."""
-    experts: int
-    """Experts per MoE layer (global count: the expert files' indices)."""
+    files: frozenset[tuple[int, int, int]]
+    """(MoE layer, global expert, model-parallel rank) of every expert file."""
+    model_parallel: int
     dp: int
-    expert_groups: tuple[int, ...]
-    """Param groups partitioned over a group other than DP."""
-    expert_dp: Optional[int]
-    """Their partition count (the expert-data-parallel size), when one."""
+    partition_counts: tuple[int, ...]
+    """The first rank file's ``partition_count`` per param group."""
+    model_experts: Optional[int] = None
+    """Experts per MoE layer as the model states record them (``num_experts``), when they do."""
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted({layer for layer, _, _ in self.files}))
+
+    @property
+    def experts(self) -> int:
+        """Experts per MoE layer: the model's record, else the highest file index + 1."""
+        if self.model_experts is not None:
+            return self.model_experts
+        return 1 + max((expert for _, expert, _ in self.files), default=-1)
+
+    @property
+    def expert_groups(self) -> tuple[int, ...]:
+        """Param groups partitioned over a group other than DP."""
+        return tuple(g for g, count in enumerate(self.partition_counts) if count != self.dp)
+
+    @property
+    def expert_dp(self) -> Optional[int]:
+        """The expert groups' partition count (the expert-data-parallel size), when they share one."""
+        counts = {self.partition_counts[g] for g in self.expert_groups}
+        return counts.pop() if len(counts) == 1 else None
 
     @property
     def ep(self) -> Optional[int]:
@@ -35,11 +62,46 @@ class ExpertFacts:
             return None
         return self.dp // self.expert_dp
 
+    def problems(self) -> list[tuple[str, str]]:
+        """``(file name or '', what is wrong)`` for a save whose experts do not add up; empty when they do."""
+        counts = sorted({self.partition_counts[g] for g in self.expert_groups})
+        if len(counts) > 1:
+            return [("", f"expert param groups partitioned over different sizes {counts} at DP={self.dp}")]
+        if self.expert_groups and self.ep is None:
+            return [
+                (
+                    "",
+                    f"expert param groups partitioned over {counts[0]} ranks, which does not divide DP={self.dp}: "
+                    "the expert-data-parallel partitions do not add up",
+                )
+            ]
+        found: list[tuple[str, str]] = []
+        highest = max((expert for _, expert, _ in self.files), default=-1)
+        if self.model_experts is not None and highest >= self.model_experts:
+            found.append(
+                (
+                    f"layer_*_expert_{highest}_mp_rank_*_model_states.pt",
+                    f"the files hold expert {highest} but the model records {self.model_experts} experts per MoE layer",
+                )
+            )
+        layout = ParallelLayout(tp=self.model_parallel, dp=self.dp, ep=self.ep or 1)  # only the mp numbering counts
+        try:
+            layout.local_experts(self.experts)
+        except PlanError as exc:
+            found.append(("", str(exc)))
+        for layer in self.layers:
+            for expert in range(self.experts):
+                for mp in range(self.model_parallel):
+                    if (layer, expert, mp) not in self.files:
+                        name = layout.expert_file(layer, expert, mp)
+                        found.append((name, f"{name} is missing (expert {expert} of MoE layer {layer})"))
+        return found
+
     def describe(self) -> str:
         files = (
             f"{self.experts} experts in each of {len(self.layers)} MoE layer(s)" if self.layers else "no expert files"
         )
-        groups = ", ".join(map(str, self.expert_groups))
+        groups = ", ".join(map(str, self.expert_groups)) or "none"
         where = (
             f"partitioned over expert-data-parallel size {self.expert_dp}" if self.expert_dp else "partitioned apart"
         )
@@ -47,19 +109,29 @@ class ExpertFacts:
         return f"mixture of experts ({files}; param group(s) {groups} {where} at DP={self.dp}: {ep})"
 
 
-def expert_facts(names: Iterable[str], partition_counts: Sequence[int], dp: int) -> Optional[ExpertFacts]:
-    """The experts of a stage-1/2 tag folder, or None when it has neither expert files nor expert groups."""
-    found = [m for m in (EXPERT_FILE_RE.match(n) for n in names) if m]
-    groups = tuple(g for g, count in enumerate(partition_counts) if int(count) != dp)
-    if not found and not groups:
+def expert_facts(
+    names: Iterable[str],
+    partition_counts: Sequence[int],
+    dp: int,
+    model_parallel: int = 1,
+    model_experts: Optional[Sequence[int] | int] = None,
+) -> Optional[ExpertFacts]:
+    """The experts of a stage-1/2 tag folder, or None when it has neither expert files nor expert groups.
+
+    ``model_experts``: the model states' ``num_experts`` (a count per MoE layer, or one count)."""
+    files = frozenset(
+        (int(m.group("layer")), int(m.group("expert")), int(m.group("mp")))
+        for m in (EXPERT_FILE_RE.match(n) for n in names)
+        if m
+    )
+    counts = tuple(int(c) for c in partition_counts)
+    if not files and all(c == dp for c in counts):
         return None
-    layers = sorted({int(m.group("layer")) for m in found})
-    experts = len({int(m.group("expert")) for m in found})
-    counts = {int(partition_counts[g]) for g in groups}
+    recorded = model_experts if not isinstance(model_experts, (list, tuple)) else max(model_experts, default=None)
     return ExpertFacts(
-        layers=tuple(layers),
-        experts=experts,
+        files=files,
+        model_parallel=model_parallel,
         dp=dp,
-        expert_groups=groups,
-        expert_dp=counts.pop() if len(counts) == 1 else None,
+        partition_counts=counts,
+        model_experts=None if recorded is None else int(recorded),
     )

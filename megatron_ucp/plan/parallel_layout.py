@@ -4,9 +4,15 @@ DeepSpeed numbers a checkpoint's files by model-parallel rank ``mp = pp * TP + t
 ``mp_rank_XX_model_states.pt`` each) and, within each, by DP rank (one optimizer file per DP rank);
 the reader lists rank files model-parallel rank major, so file ``mp * DP + dp`` is DP rank ``dp``
 of model-parallel rank ``mp``. That numbering lives here and nowhere else: the reader, the plan, the
-synthetic writer, the resume decision and both loaders ask this value. ``ep`` (expert parallelism)
-is the axis a mixture-of-experts checkpoint would add; nothing reads or writes one yet, so any value
-but 1 is refused rather than misnumbered (docs/EXTENDING.md). Pure: no I/O.
+synthetic writer, the resume decision and both loaders ask this value.
+
+``ep`` (expert parallelism) lives inside DP, as DeepSpeed-MoE builds it (E + D, at any TP and PP): the
+DP ranks of one model-parallel rank form DP / EP expert-parallel groups of EP consecutive DP ranks, and
+the ranks holding the same experts (every EP-th DP rank) form the expert-data-parallel group of size
+DP / EP, over which the expert param groups are partitioned. Expert-parallel rank ``r`` holds the global
+experts ``r * E/EP .. (r+1) * E/EP - 1``; each expert's weights are saved by its expert-data-parallel
+rank 0 as ``layer_<l>_expert_<e>_mp_rank_<m>_model_states.pt``. The expert file numbering lives here too
+(what reads and writes expert checkpoints is docs/EXTENDING.md, "An expert-parallel axis"). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ class ParallelLayout:
         for axis in (*AXES, "ep"):
             if int(getattr(self, axis)) < 1:
                 raise PlanError(f"{axis.upper()} size must be >= 1, got {getattr(self, axis)}")
-        if self.ep != 1:
-            raise PlanError(f"EP={self.ep}: expert-parallel checkpoints are not supported (docs/EXTENDING.md)")
+        if self.dp % self.ep:
+            raise PlanError(f"EP={self.ep} does not divide DP={self.dp}: DeepSpeed-MoE builds EP inside DP")
 
     @property
     def model_parallel(self) -> int:
@@ -40,7 +46,46 @@ class ParallelLayout:
 
     @property
     def world(self) -> int:
-        return self.model_parallel * self.dp * self.ep
+        """Every rank of the job (EP lives inside DP: it adds none)."""
+        return self.model_parallel * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert-data-parallel size: how many ranks hold the same experts (the expert groups' partition count)."""
+        return self.dp // self.ep
+
+    def expert_parallel_rank(self, dp_rank: int) -> int:
+        """Which experts a DP rank holds (DeepSpeed's ``expp_rank``)."""
+        self._check(dp_rank, self.dp, "DP rank")
+        return dp_rank % self.ep
+
+    def expert_data_parallel_rank(self, dp_rank: int) -> int:
+        """A DP rank's place in its expert-data-parallel group: its partition index of the expert groups."""
+        self._check(dp_rank, self.dp, "DP rank")
+        return dp_rank // self.ep
+
+    def local_experts(self, experts: int) -> int:
+        """Experts per expert-parallel rank."""
+        if experts < 1 or experts % self.ep:
+            raise PlanError(f"EP={self.ep} does not divide the {experts} experts")
+        return experts // self.ep
+
+    def experts_of(self, dp_rank: int, experts: int) -> range:
+        """The global expert indices a DP rank holds."""
+        local = self.local_experts(experts)
+        first = self.expert_parallel_rank(dp_rank) * local
+        return range(first, first + local)
+
+    def expert_file(self, moe_layer: int, expert: int, mp_rank: int) -> str:
+        """The file holding one expert's weights of one MoE layer (DeepSpeed counts MoE layers only)."""
+        self._check(mp_rank, self.model_parallel, "model-parallel rank")
+        return f"layer_{moe_layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+    def expert_optimizer_file(self, expert_parallel_rank: int, mp_rank: int) -> str:
+        """The per-expert-parallel-rank optimizer file (``{'optimizer': None}`` under ZeRO; not written from 0.19)."""
+        self._check(expert_parallel_rank, self.ep, "expert-parallel rank")
+        self._check(mp_rank, self.model_parallel, "model-parallel rank")
+        return f"expp_rank_{expert_parallel_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
     def mp_rank(self, pp_rank: int, tp_rank: int) -> int:
         self._check(pp_rank, self.pp, "pipeline stage")
@@ -67,13 +112,14 @@ class ParallelLayout:
 
     def describe(self) -> str:
         """``DP=4`` or ``TP=2 x PP=2 x DP=1``, for logs."""
-        return f"TP={self.tp} x PP={self.pp} x DP={self.dp}" if self.model_parallel > 1 else f"DP={self.dp}"
+        text = f"TP={self.tp} x PP={self.pp} x DP={self.dp}" if self.model_parallel > 1 else f"DP={self.dp}"
+        return f"{text} (EP={self.ep})" if self.ep > 1 else text
 
     def describe_change(self, to: "ParallelLayout") -> str:
         """``DP changed 768 -> 512`` / ``TP changed 1 -> 2, DP changed 4 -> 2``; or ``layout unchanged (...)``."""
         parts = [
             f"{axis.upper()} changed {getattr(self, axis)} -> {getattr(to, axis)}"
-            for axis in AXES
+            for axis in (*AXES, "ep")
             if getattr(self, axis) != getattr(to, axis)
         ]
         return ", ".join(parts) if parts else f"layout unchanged (TP={to.tp}, PP={to.pp}, DP={to.dp})"

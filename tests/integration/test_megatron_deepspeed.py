@@ -371,6 +371,14 @@ def test_moe_job_trains_saves_and_resumes_as_stock_with_one_warning(mds_checkout
     said = "mixture of experts (4 experts in each of 1 MoE layer(s); param group(s) 2 partitioned over "
     assert refused.returncode == 2 and said in refused.stderr and "EP=2)" in refused.stderr, refused.stderr
     assert not list(root.glob("*_universal*"))
+    from megatron_ucp.deepspeed.reader import read_checkpoint
+    from megatron_ucp.errors import CheckpointFormatError
+
+    broken = mds_runs.base / "moe-broken" / "global_step3"
+    shutil.copytree(root / "global_step3", broken, dirs_exist_ok=True)
+    (broken / "layer_0_expert_3_mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointFormatError, match=r"layer_0_expert_3_mp_rank_00_model_states\.pt is missing"):
+        read_checkpoint(broken)
 
     def resume(folder: Path) -> MdsResult:
         ckpt = _restart_copy(root, folder / "ckpt")

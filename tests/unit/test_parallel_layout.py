@@ -32,8 +32,38 @@ def test_out_of_range_ranks_and_unsupported_axes_are_refused() -> None:
             call()
     with pytest.raises(PlanError, match="DP size must be >= 1"):
         ParallelLayout(dp=0)
-    with pytest.raises(PlanError, match="expert-parallel"):
-        ParallelLayout(ep=2)
+    with pytest.raises(PlanError, match="EP=3 does not divide DP=4"):
+        ParallelLayout(dp=4, ep=3)
+    with pytest.raises(PlanError, match="does not divide the 6 experts"):
+        ParallelLayout(dp=4, ep=4).local_experts(6)
+    with pytest.raises(PlanError, match="expert-parallel rank 2 does not exist"):
+        ParallelLayout(dp=4, ep=2).expert_optimizer_file(2, 0)
+
+
+@pytest.mark.parametrize("tp, pp, dp, ep", [(1, 1, 4, 2), (2, 1, 8, 4), (1, 2, 6, 3), (2, 2, 4, 1), (1, 1, 8, 8)])
+def test_expert_parallelism_lives_inside_dp_as_deepspeed_moe_builds_it(tp: int, pp: int, dp: int, ep: int) -> None:
+    """The E + D topology of DeepSpeed-MoE (``_get_expert_parallel_ranks``), written out independently for the
+    ranks of one model-parallel rank: expert-parallel groups of EP consecutive DP ranks, expert-data-parallel
+    groups of every EP-th DP rank; each expert held by exactly the DP / EP ranks of one expert-DP group."""
+    layout = ParallelLayout(tp=tp, pp=pp, dp=dp, ep=ep)
+    assert layout.world == tp * pp * dp and layout.expert_dp == dp // ep
+    ep_groups = [list(range(g * ep, (g + 1) * ep)) for g in range(dp // ep)]
+    edp_groups = [list(range(i, dp, ep)) for i in range(ep)]
+    experts = 2 * ep
+    holders: dict[int, list[int]] = {e: [] for e in range(experts)}
+    for d in range(dp):
+        (ep_group,) = [g for g in ep_groups if d in g]
+        (edp_group,) = [g for g in edp_groups if d in g]
+        assert layout.expert_parallel_rank(d) == ep_group.index(d)
+        assert layout.expert_data_parallel_rank(d) == edp_group.index(d)
+        for e in layout.experts_of(d, experts):
+            holders[e].append(d)
+    for e, ranks in holders.items():
+        assert ranks in edp_groups and len(ranks) == layout.expert_dp  # one expert-DP group per expert
+    assert layout.expert_file(1, experts - 1, layout.model_parallel - 1) == (
+        f"layer_1_expert_{experts - 1}_mp_rank_{layout.model_parallel - 1:02d}_model_states.pt"
+    )
+    assert layout.expert_optimizer_file(ep - 1, 0) == f"expp_rank_{ep - 1}_mp_rank_00_optim_states.pt"
 
 
 def test_logs_name_what_changed() -> None:
@@ -46,6 +76,8 @@ def test_logs_name_what_changed() -> None:
     )
     assert ParallelLayout(dp=4).describe() == "DP=4" and ParallelLayout(2, 2, 1).describe() == "TP=2 x PP=2 x DP=1"
     assert ParallelLayout(2, 1, 4).with_dp(3) == ParallelLayout(2, 1, 3)
+    assert ParallelLayout(dp=4, ep=2).describe() == "DP=4 (EP=2)"
+    assert ParallelLayout(dp=4, ep=2).describe_change(ParallelLayout(dp=4, ep=4)) == "EP changed 2 -> 4"
 
 
 def test_only_entries_the_surface_marks_replaced_can_be_replaced() -> None:
