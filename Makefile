@@ -64,9 +64,10 @@ MATRIX_TESTS = tests/system/test_deepspeed_versions.py tests/system/test_hooks_i
 	$(ELASTIC)::test_install_patches_both_load_paths_and_uninstall_restores_them \
 	$(if $(1),$(call ELASTIC_TESTS,$(1))) $(if $(filter $(2),$(ZERO3_HARNESS_DS)),$(ZERO3_HARNESS))
 # ZeRO-3 in the harness (a hooked save at DP 4, three sub-groups, resumed at DP 3 with the optimizer offloaded:
-# the native reshard against the universal route rank by rank) on the oldest release (0.17.6, 0.18.9 and 0.19.5
-# pass it too, run by hand; every release runs ZeRO-3 under the real Megatron-DeepSpeed, ZERO3_MATRIX below).
-ZERO3_HARNESS_DS := 0.16.2
+# the native reshard against the universal route rank by rank) runs in the main suite; 0.16.2, 0.17.6, 0.18.9 and
+# 0.19.5 pass it too, run by hand (`make test ZERO3_HARNESS_DS=0.16.2` adds it there); every release runs ZeRO-3
+# under the real Megatron-DeepSpeed (ZERO3_MATRIX below). The suite's time.
+ZERO3_HARNESS_DS ?=
 ZERO3_HARNESS := "tests/system/test_zero3_resume.py::test_the_native_reshard_equals_the_universal_route_rank_by_rank[hooked-offload]"
 # On torch 2.8 + IPEX 2.8 (TORCH28_DS), with IPEX loaded first in every process (tests/support/ipex_site);
 # IPEX's import costs ~6 s of CPU per process, so each path runs once. On 0.16.9: the internals table,
@@ -81,8 +82,12 @@ TORCH28_0195 = tests/system/test_hooks_install.py tests/unit/test_fast_io.py tes
 	--deselect "tests/system/test_torchless_io.py::test_real_deepspeed_files_load_as_torch_loads_them[bf16]" \
 	tests/system/test_runner.py::test_main_installs_runs_and_uninstalls \
 	"tests/system/test_native_reshard.py::test_reshard_equals_the_universal_route_rank_by_rank[$(call elastic_class,0.19.5)-3]"
+# (On 0.16.9, the save recording + conversion of BF16_Optimizer at ZeRO-1 and DeepSpeedZeroOptimizer at ZeRO-2, DP 4:
+# IPEX makes each launch cost ~30 s; ZeRO-1 with DeepSpeedZeroOptimizer runs on 0.16.2 and under Megatron here.)
 TORCH28_TESTS = $(if $(filter 0.19.5,$(1)),$(TORCH28_0195),$(ELASTIC)::test_install_patches_both_load_paths_and_uninstall_restores_them \
-	tests/system/test_deepspeed_versions.py)
+	tests/system/test_deepspeed_versions.py \
+	--deselect "tests/system/test_deepspeed_versions.py::test_save_hook_records_and_conversion_is_bit_exact[zero-1-4]" \
+	--deselect "tests/system/test_deepspeed_versions.py::test_save_hook_records_and_conversion_is_bit_exact[zero-1-2]")
 TORCH28_ENV = PYTHONPATH=$(abspath $(MATRIX_DIR))/$(1):$(abspath tests/support/ipex_site) MEGATRON_UCP_TEST_IMPORT_IPEX=1
 # Optimizer classes per release (megatron_ucp/deepspeed/versions.py INTERNALS says why): 0.17.x never builds
 # BF16_Optimizer and its DeepSpeedZeroOptimizer dies on all-padding ranks (the harness model has one
@@ -98,6 +103,9 @@ MDS_RELEASE = ((training or dp3_with_no_flag$(if $(filter 0.16.2,$(1)), or pp2_h
 	or $(ZERO3_MATRIX)
 mds_class = $(word 2,$(subst :, ,$(filter $(1):%,0.16.2:zero 0.16.9:bf16 0.17.6:zero 0.18.9:bf16 0.19.5:zero)))
 elastic_class = $(word 2,$(subst :, ,$(filter $(1):%,0.16.2:bf16 0.16.9:zero 0.18.9:bf16 0.19.5:zero)))
+# On DS_INTEGRATION_FULL the elastic loads run under the real Megatron-DeepSpeed (every route, both classes) and, in the
+# harness, on torch 2.8 + IPEX (TORCH28_0195); the main suite runs the harness on the next release of its line.
+matrix_elastic_class = $(if $(filter $(DS_INTEGRATION_FULL),$(1)),,$(call elastic_class,$(1)))
 RESULTS := .test-results
 comma := ,
 export DS_ACCELERATOR := cpu
@@ -171,9 +179,9 @@ test-main: $(STAMP)
 test-matrix: matrix
 	@status=0; \
 	$(foreach v,$(DS_MATRIX),\
-		echo "=== DeepSpeed $(v): hooks, save, conversion, elastic load ($(or $(call elastic_class,$(v)),none))"; \
+		echo "=== DeepSpeed $(v): hooks, save, conversion, elastic load ($(or $(call matrix_elastic_class,$(v)),none))"; \
 		PYTHONPATH=$(abspath $(MATRIX_DIR))/$(v) $(BIN)/python -m pytest -q \
-			$(call MATRIX_TESTS,$(call elastic_class,$(v)),$(v)) --junitxml=$(RESULTS)/deepspeed-$(v).xml || status=1; \
+			$(call MATRIX_TESTS,$(call matrix_elastic_class,$(v)),$(v)) --junitxml=$(RESULTS)/deepspeed-$(v).xml || status=1; \
 		$(if $(HAVE_MDS),\
 			echo "=== DeepSpeed $(v): the real Megatron-DeepSpeed"; \
 			PYTHONPATH=$(abspath $(MATRIX_DIR))/$(v) MEGATRON_DEEPSPEED_DIR=$(MEGATRON_DEEPSPEED_DIR) EZPZ_DIR=$(EZPZ_DIR) \
@@ -189,7 +197,7 @@ test-matrix: matrix
 		$(if $(and $(HAVE_MDS),$(filter-out 0.19.5,$(v))),\
 			echo "=== torch 2.8 + IPEX 2.8 + DeepSpeed $(v): the real Megatron-DeepSpeed"; \
 			$(call TORCH28_ENV,$(v)) MEGATRON_DEEPSPEED_DIR=$(MEGATRON_DEEPSPEED_DIR) EZPZ_DIR=$(EZPZ_DIR) \
-				MEGATRON_UCP_REQUIRE_INTEGRATION=1 MEGATRON_UCP_MDS_CACHE=$(abspath $(RESULTS))/mds-checkout-torch2.8 \
+				MEGATRON_UCP_REQUIRE_INTEGRATION=1 MEGATRON_UCP_MDS_CACHE=$(abspath $(RESULTS))/mds-checkout \
 				$(TORCH28_BIN)/python -m pytest -q tests/integration -k "((training or dp3_with_no_flag) and $(call mds_class,$(v))) or moe or (zero3 and trains)" \
 				--junitxml=$(RESULTS)/megatron-deepspeed-torch2.8-$(v).xml || status=1; ,) \
 	) exit $$status

@@ -52,6 +52,7 @@ from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.live_layout import current_layout
 from megatron_ucp.integration.model_states_load import one_model_states_file_per_rank
 from megatron_ucp.integration.module_read import with_the_rest_exchanged
+from megatron_ucp.integration.moe_load import refuse_an_expert_layout_change
 from megatron_ucp.integration.native_routes import reshard_load, same_dp_load
 from megatron_ucp.integration.partition_load import load_universal_partitions
 from megatron_ucp.integration.stage3_routes import (
@@ -250,6 +251,8 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
             custom_load_fn=custom_load_fn,
         )
         if not _elastic_engine(self):
+            if load_optimizer_states and not load_module_only and not self.load_universal_checkpoint():
+                refuse_an_expert_layout_change(self, load_dir, tag, config)
             return original(self, load_dir, tag, **kwargs)
 
         seen: dict = {}  # the first rank's read of the model states, for the facts of a reshard or a restart

@@ -135,3 +135,22 @@ def expert_facts(
         partition_counts=counts,
         model_experts=None if recorded is None else int(recorded),
     )
+
+
+def expert_layout_change(saved_counts: Sequence[int], live_counts: Sequence[int]) -> Optional[str]:
+    """What changed when a job resumes a save at the same DP with its expert groups partitioned otherwise (an EP
+    change), or None. At the same DP stock DeepSpeed loads each rank's own saved partition into whatever experts
+    the rank now holds: silently another expert's masters and states. (A DP change it refuses by itself.)"""
+    saved, live = [int(c) for c in saved_counts], [int(c) for c in live_counts]
+    if len(saved) != len(live) or saved == live or not saved:
+        return None
+    dp = max(saved)
+    if max(live) != dp:
+        return None  # a DP change: stock DeepSpeed refuses it loudly
+    changed = [g for g, (s, c) in enumerate(zip(saved, live)) if s != c]
+    was, now = saved[changed[0]], live[changed[0]]
+    return (
+        f"the expert param groups ({', '.join(map(str, changed))}) were saved partitioned over {was} ranks "
+        f"(EP={dp // was} at DP={dp}) and this job partitions them over {now} (EP={dp // now}): stock DeepSpeed "
+        "would load each rank's saved partition of other experts into the experts it holds now, silently"
+    )

@@ -50,7 +50,8 @@ def mds_checkout(tmp_path_factory: pytest.TempPathFactory) -> Checkout:
     cache = os.environ.get(CACHE_ENV, "").strip()
     if not cache:
         return prepare_checkout(tmp_path_factory.mktemp("mds"), snapshot)
-    # The prepared copy does not depend on DeepSpeed: the Makefile's matrix builds it once.
+    # The prepared copy depends on neither DeepSpeed nor torch (its one extension is built for the Python, 3.11
+    # in every environment): the Makefile builds it once for all of them.
     folder = Path(cache)
     ready = folder / "ready"
     if ready.is_file() and ready.read_text() == str(snapshot):

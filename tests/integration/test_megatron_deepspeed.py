@@ -390,6 +390,18 @@ def test_moe_job_trains_saves_and_resumes_as_stock_with_one_warning(mds_checkout
     assert len([line for line in resumed.ucp_lines() if "mixture-of-experts" in line]) == 1, resumed.ucp_lines()
     assert_continues(resumed, res, optimizer="zero")
 
+    # the same DP at EP 4: stock DeepSpeed would load every rank's saved partition into other experts, silently
+    # (rank d held experts of expert-parallel rank d % 2); refused before anything is loaded
+    def resume_at_ep4(folder: Path) -> MdsResult:
+        ckpt = _restart_copy(root, folder / "ckpt")
+        run = MdsRun(nproc=4, ckpt=ckpt, optimizer="zero", train_iters=6, save_interval=100, expect_failure=True)
+        run.extra_args = [*MOE_ARGS[:3], "4", *MOE_ARGS[4:]]
+        return run_mds(mds_checkout, run)
+
+    refused = mds_runs.get("moe-ep4", resume_at_ep4)
+    said = "were saved partitioned over 2 ranks (EP=2 at DP=4) and this job partitions them over 1 (EP=4)"
+    assert refused.returncode != 0 and said in refused.log and not refused.losses, refused.log[-3000:]
+
 
 # ------------------------------------------------------------------------------------------------
 # Each byte read once across the job: what every rank reads from storage when it restarts
@@ -405,6 +417,7 @@ def _evicted_copies(root: Path, base: Path, ranks: int) -> Path:
     return base
 
 
+@pytest.mark.parametrize("trained", ["zero"], indirect=True)  # what a rank reads does not depend on the class
 @pytest.mark.parametrize("dp", [3, 4], ids=["reshard", "same-dp"])
 def test_each_rank_reads_its_share_of_the_checkpoint(trained, mds_checkout, mds_runs, dp: int):
     """Through the runner, each rank loading its own evicted copy (tests/integration/site): every rank reads
