@@ -109,6 +109,8 @@ class CheckpointFacts:
     iteration: Optional[int] = None
     tp: int = 1
     pp: int = 1
+    experts: int = 1
+    """Experts per MoE layer the model states record (``num_experts``; 1: no mixture of experts)."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,14 @@ def plan_launch(
     ]
     warnings: list[str] = []
     extra: list[str] = []
-    if saved[:2] != now[:2] and not margs.universal_checkpoint:
+    if facts.experts > 1:
+        # the hooks leave mixture-of-experts jobs to stock DeepSpeed, which refuses ZeRO states of another DP size
+        warnings.append(
+            f"{where} is a mixture-of-experts checkpoint ({facts.experts} experts per MoE layer): megatron-ucp does "
+            "not reshard expert groups yet; DeepSpeed loads it as stock does, and refuses ZeRO optimizer states "
+            f"saved at DP={dp_from} at DP={dp_to}"
+        )
+    elif saved[:2] != now[:2] and not margs.universal_checkpoint:
         # Megatron compares TP, PP and the padded vocabulary with the checkpoint's unless this is set
         extra.append("--universal-checkpoint")
         notes.append(
@@ -357,6 +366,8 @@ def facts_from_model_states(load_dir: str, tag: str, states: Mapping[str, Any]) 
         micro = micro if isinstance(micro, int) else None
     iteration = states.get("iteration")
     tp, pp = tp_pp_of_states(states) or (1, 1)
+    experts = states.get("num_experts")
+    experts = max((int(n) for n in experts if isinstance(n, int)), default=1) if isinstance(experts, list) else 1
     return CheckpointFacts(
         load_dir=load_dir,
         tag=tag,
@@ -366,4 +377,5 @@ def facts_from_model_states(load_dir: str, tag: str, states: Mapping[str, Any]) 
         iteration=int(iteration) if isinstance(iteration, int) else None,
         tp=tp,
         pp=pp,
+        experts=experts,
     )

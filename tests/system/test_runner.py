@@ -215,6 +215,18 @@ def test_dp_change_keeps_the_global_batch_and_reseeds():
     assert "cannot be mapped to DP=384: adding --no-load-rng" in text
 
 
+def test_a_mixture_of_experts_checkpoint_is_left_to_stock_at_a_dp_change():
+    import dataclasses
+
+    p = plan(facts=dataclasses.replace(FACTS, experts=8))
+    text = "\n".join(p.notes)
+    assert "reshards" not in text and "universal" not in text, p.notes
+    assert "mixture-of-experts checkpoint (8 experts per MoE layer)" in p.warnings[0]
+    assert "refuses ZeRO optimizer states saved at DP=768 at DP=384" in p.warnings[0]
+    facts = L.facts_from_model_states("/ckpt", "global_step3", {"dp_world_size": 4, "num_experts": [4]})
+    assert facts.experts == 4 and L.facts_from_model_states("/c", "t", {"num_experts": [1]}).experts == 1
+
+
 def test_same_dp_changes_nothing():
     p = plan(world=768)
     assert not p.dp_changed and p.extra_args == () and p.reseed_base is None
