@@ -154,3 +154,28 @@ def expert_layout_change(saved_counts: Sequence[int], live_counts: Sequence[int]
         f"(EP={dp // was} at DP={dp}) and this job partitions them over {now} (EP={dp // now}): stock DeepSpeed "
         "would load each rank's saved partition of other experts into the experts it holds now, silently"
     )
+
+
+EXPERT_NAME_RE = re.compile(r"(\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\.)")
+"""A DeepSpeed-MoE expert's index inside a parameter name (local in the optimizer, global in the expert files)."""
+
+
+def global_expert_name(name: str, expert_parallel_rank: int, local_experts: int) -> str:
+    """The name a rank's optimizer uses for its local expert ``k``, with the global index ``r * E/EP + k``
+    the expert files use (DeepSpeed's ``_save_moe_checkpoint`` renames the same way)."""
+    match = EXPERT_NAME_RE.search(name)
+    if match is None:
+        raise PlanError(f"{name}: not an expert parameter (no '.deepspeed_moe.experts.deepspeed_experts.<k>.')")
+    local = int(match.group(2))
+    if not 0 <= local < local_experts:
+        raise PlanError(f"{name}: local expert {local} but a rank holds {local_experts}")
+    return f"{name[: match.start(2)]}{expert_parallel_rank * local_experts + local}{name[match.end(2) :]}"
+
+
+def expert_group_files(layout: ParallelLayout) -> dict[int, list[int]]:
+    """Per expert-parallel rank, the DP ranks whose rank files hold its expert groups' partitions, in partition
+    order (DP rank ``d`` holds partition ``d // EP`` of expert-parallel rank ``d % EP``'s groups)."""
+    files: dict[int, list[int]] = {r: [] for r in range(layout.ep)}
+    for d in sorted(range(layout.dp), key=layout.expert_data_parallel_rank):
+        files[layout.expert_parallel_rank(d)].append(d)
+    return files

@@ -334,6 +334,31 @@ MOE_ARGS = ["--num-experts", "4", "--moe-expert-parallel-size", "2", "--create-m
 MOE_ARGS += ["--disable-moe-token-dropping"]  # no token dropped: a resume continues the same curve
 
 
+def _experts_from_rank_files(tag: Path, dp: int, ep: int, experts: int) -> dict[str, torch.Tensor]:
+    """Each global expert parameter's fp32 masters: its fragments in the expert groups' partitions, in
+    expert-DP order, under the global name (the rank files name local experts)."""
+    from megatron_ucp.plan.experts import expert_group_files, global_expert_name
+    from megatron_ucp.plan.parallel_layout import ParallelLayout
+
+    layout = ParallelLayout(dp=dp, ep=ep)
+    saved = {
+        d: torch.load(next(tag.glob(f"*zero_pp_rank_{d}_mp_rank_00_optim_states.pt")), weights_only=False)
+        for d in range(dp)
+    }
+    states = {d: sd["optimizer_state_dict"] for d, sd in saved.items()}
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for g, count in enumerate(states[0]["partition_count"]):
+        if count == dp:
+            continue  # a dense group
+        for r, ranks in expert_group_files(layout).items():
+            for d in ranks:
+                flat = states[d]["single_partition_of_fp32_groups"][g]
+                for name, address in states[d]["param_slice_mappings"][g].items():
+                    name = global_expert_name(name, r, layout.local_experts(experts))
+                    pieces.setdefault(name, []).append(flat.narrow(0, address.start, address.numel))
+    return {name: torch.cat(parts) for name, parts in pieces.items()}
+
+
 def test_moe_job_trains_saves_and_resumes_as_stock_with_one_warning(mds_checkout, mds_runs):
     """An MoE job (4 experts, EP 2, DP 4, DeepSpeedZeroOptimizer) through the runner with background
     conversion: DeepSpeed partitions the expert groups over expert-DP, which the hooks do not handle
@@ -371,6 +396,15 @@ def test_moe_job_trains_saves_and_resumes_as_stock_with_one_warning(mds_checkout
     said = "mixture of experts (4 experts in each of 1 MoE layer(s); param group(s) 2 partitioned over "
     assert refused.returncode == 2 and said in refused.stderr and "EP=2)" in refused.stderr, refused.stderr
     assert not list(root.glob("*_universal*"))
+    # where each expert's masters live (plan/experts.py): rebuilt from the expert-DP partitions under their global
+    # names, every expert's fp32 masters round to the bf16 weights its own expert file holds
+    masters = _experts_from_rank_files(root / "global_step3", dp=4, ep=2, experts=4)
+    saved = {}
+    for name in experts:
+        saved.update(torch.load(root / "global_step3" / name, weights_only=False))
+    assert sorted(masters) == sorted(saved) and len(saved) == 8
+    for name, weight in saved.items():
+        assert torch.equal(masters[name].view(weight.shape).to(torch.bfloat16), weight), name
     from megatron_ucp.deepspeed.reader import read_checkpoint
     from megatron_ucp.errors import CheckpointFormatError
 

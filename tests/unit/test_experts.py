@@ -54,3 +54,19 @@ def test_experts_that_do_not_add_up_are_named(case, counts, model, files, expect
     assert facts is not None
     found = facts.problems()
     assert found and any(expected in name or expected in problem for name, problem in found), found
+
+
+def test_local_expert_names_become_global_and_each_expert_group_has_its_files() -> None:
+    from megatron_ucp.errors import PlanError
+    from megatron_ucp.plan.experts import expert_group_files, global_expert_name
+    from megatron_ucp.plan.parallel_layout import ParallelLayout
+
+    local = "language_model.encoder.layers.1.mlp.deepspeed_moe.experts.deepspeed_experts.1.dense_4h_to_h.weight"
+    assert global_expert_name(local, 1, 2) == local.replace("deepspeed_experts.1.", "deepspeed_experts.3.")
+    with pytest.raises(PlanError, match="local expert 1 but a rank holds 1"):
+        global_expert_name(local, 0, 1)
+    with pytest.raises(PlanError, match="not an expert parameter"):
+        global_expert_name("language_model.encoder.layers.1.mlp.deepspeed_moe.gate.wg.weight", 0, 2)
+    assert expert_group_files(ParallelLayout(dp=4, ep=2)) == {0: [0, 2], 1: [1, 3]}
+    assert expert_group_files(ParallelLayout(dp=8, ep=4)) == {0: [0, 4], 1: [1, 5], 2: [2, 6], 3: [3, 7]}
+    assert expert_group_files(ParallelLayout(dp=4, ep=1)) == {0: [0, 1, 2, 3]}
