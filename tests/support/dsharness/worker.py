@@ -543,4 +543,18 @@ def _tear_down() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    # Past the barrier and the group's teardown every rank's work is on disk. The exit handlers run as at any
+    # exit (megatron-ucp's end-of-run wait for background conversions is one), then the process leaves without
+    # the rest of interpreter finalization, where a C++ thread left behind still aborted a finished rank once
+    # ("terminate called without an active exception", exit -6, after every rank had passed the final barrier).
+    import atexit
+    import threading
+
+    code = main(sys.argv)
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()  # what finalization would wait for
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
