@@ -128,6 +128,8 @@ class CheckpointFiles:
     """The pipeline model's ``layer_XX-model_YY-model_states.pt`` (module weights), when there are any."""
     zero3_model_files: tuple[Path, ...] = ()
     """ZeRO-3: every rank's ``zero_pp_rank_<d>_mp_rank_<m>_model_states.pt``, index as :attr:`rank_files`."""
+    expert_files: tuple[str, ...] = ()
+    """Stages 1/2: the names of DeepSpeed-MoE's ``layer_<l>_expert_<e>_mp_rank_<m>_model_states.pt`` files."""
 
     @property
     def model_parallel(self) -> int:
@@ -226,6 +228,7 @@ def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
         rank_files=tuple(rank_files),
         model_files=tuple(tag_dir / model_mp[mp] for mp in mps),
         layer_files=tuple(tag_dir / n for n in names if F.LAYER_FILE_RE.match(n)),
+        expert_files=tuple(n for n in names if EXPERT_FILE_RE.match(n)),
     )
     _refuse_special(files.copied_files())
     return files
@@ -973,12 +976,11 @@ def _check_zero3_model_files(files: CheckpointFiles, models: Sequence["ModelStat
 def _refuse_experts(files: CheckpointFiles, rank_files: Optional[Sequence["RankFile"]]) -> None:
     """A mixture-of-experts save (expert files beside the rank files) is named for what it is, with its
     expert parallelism, before anything else of it is read (its model states lack ``param_shapes`` on 0.16)."""
-    names = os.listdir(files.tag_dir)
-    if not any(EXPERT_FILE_RE.match(n) for n in names) or not files.rank_files:
+    if not files.expert_files or not files.rank_files:
         return
     first = rank_files[0] if rank_files else open_rank_file(files.rank_files[0], 0)
     recorded = _model_states_dict(files.model_states).get("num_experts")
-    experts = expert_facts(names, first.partition_counts or [], files.dp, files.model_parallel, recorded)
+    experts = expert_facts(files.expert_files, first.partition_counts or [], files.dp, files.model_parallel, recorded)
     for name, problem in experts.problems() if experts else ():
         raise CheckpointFormatError(f"{files.tag_dir}: {problem}", subject=files.tag_dir / name if name else None)
     raise UnsupportedError(

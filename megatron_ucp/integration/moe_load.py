@@ -10,7 +10,6 @@ exchanged. That one case is refused here, before anything is loaded, with what c
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,8 +22,6 @@ from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.integration.collectives import Failure, decide_on_first
 from megatron_ucp.integration.handled import warn_once
 from megatron_ucp.plan.experts import expert_layout_change
-
-log = logging.getLogger(__name__)
 
 
 def refuse_an_expert_layout_change(engine: Any, load_dir: str, tag: Optional[str], config: UcpConfig) -> None:

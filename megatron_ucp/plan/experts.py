@@ -127,14 +127,21 @@ def expert_facts(
     counts = tuple(int(c) for c in partition_counts)
     if not files and all(c == dp for c in counts):
         return None
-    recorded = model_experts if not isinstance(model_experts, (list, tuple)) else max(model_experts, default=None)
+    recorded = recorded_experts(model_experts)
     return ExpertFacts(
         files=files,
         model_parallel=model_parallel,
         dp=dp,
         partition_counts=counts,
-        model_experts=None if recorded is None else int(recorded),
+        model_experts=recorded,
     )
+
+
+def recorded_experts(num_experts: object) -> Optional[int]:
+    """Experts per MoE layer from the model states' ``num_experts`` (a count per MoE layer, or one count)."""
+    counts = num_experts if isinstance(num_experts, (list, tuple)) else [num_experts]
+    counts = [int(n) for n in counts if isinstance(n, int)]
+    return max(counts) if counts else None
 
 
 def expert_layout_change(saved_counts: Sequence[int], live_counts: Sequence[int]) -> Optional[str]:

@@ -18,6 +18,7 @@ from megatron_ucp import launchenv
 from megatron_ucp.config import RunnerSettings, UcpConfig
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.plan.experts import recorded_experts
 from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.resume import checkpoint_global_batch
 from megatron_ucp.plan.tensor_parallel import tp_pp_of_states
@@ -366,8 +367,7 @@ def facts_from_model_states(load_dir: str, tag: str, states: Mapping[str, Any]) 
         micro = micro if isinstance(micro, int) else None
     iteration = states.get("iteration")
     tp, pp = tp_pp_of_states(states) or (1, 1)
-    experts = states.get("num_experts")
-    experts = max((int(n) for n in experts if isinstance(n, int)), default=1) if isinstance(experts, list) else 1
+    experts = recorded_experts(states.get("num_experts")) or 1
     return CheckpointFacts(
         load_dir=load_dir,
         tag=tag,
