@@ -22,7 +22,7 @@ from typing import Optional
 from megatron_ucp.background import queue as B
 from megatron_ucp.background.store import PROGRESS_DIR, job_facts, read_queue, read_registrations, ucp_dir
 from megatron_ucp.convert.universal import inspect_staging, read_manifest, universal_state
-from megatron_ucp.deepspeed.reader import human_bytes, recorded_dp
+from megatron_ucp.deepspeed.reader import human_bytes, recorded_dp, recorded_ep
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
@@ -122,6 +122,8 @@ class TagStatus:
     """Conversion time recorded in the manifest."""
     latest: bool
     latest_universal: bool
+    ep: Optional[int] = None
+    """A mixture-of-experts save's expert-parallel size."""
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -195,13 +197,14 @@ def _is_native_tag(path: Path) -> bool:
     return any(F.MODEL_FILE_RE.match(n) or F.OPTIM_FILE_RE.match(n) for n in names)
 
 
-def _native_dp(tag_dir: Path) -> Optional[int]:
-    """The DP size a native tag was saved at; None when unreadable (status describes, it does not fail)."""
+def _native_dp(tag_dir: Path) -> tuple[Optional[int], Optional[int]]:
+    """The DP and EP sizes a native tag was saved at (EP: a mixture-of-experts save's); None when unreadable
+    (status describes, it does not fail)."""
 
     try:
-        return recorded_dp(tag_dir)
+        return recorded_dp(tag_dir), recorded_ep(tag_dir)
     except CheckpointFormatError:
-        return None
+        return None, None
 
 
 def _progress(root: Path, tag: str, attempt: Optional[str]) -> Optional[float]:
@@ -280,11 +283,12 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         except CheckpointFormatError as exc:  # one damaged folder does not hide the others
             manifest = None
             state, detail = UniversalStatus.FAILED, f"{exc}; `megatron-ucp verify {twin}` checks it"
-        dp_size = None
+        dp_size = ep_size = None
         if manifest is not None:
             dp_size = (manifest.get("source") or {}).get("dp")
+            ep_size = (manifest.get("parallel") or {}).get("ep")
         if dp_size is None and dp and native_dir.is_dir():
-            dp_size = _native_dp(native_dir)
+            dp_size, ep_size = _native_dp(native_dir)
         rows.append(
             TagStatus(
                 tag=tag,
@@ -292,6 +296,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
                 universal=state,
                 detail=detail,
                 dp=dp_size,
+                ep=ep_size,
                 native_bytes=_folder_bytes(native_dir) if sizes and native_dir.is_dir() else None,
                 universal_bytes=_folder_bytes(twin) if sizes and twin.is_dir() else None,
                 seconds=manifest.get("seconds") if manifest else None,
@@ -348,7 +353,7 @@ def format_status(rs: RootStatus) -> str:
                 t.tag + marks,
                 "yes" if t.native else "no",
                 uni,
-                str(t.dp) if t.dp is not None else "-",
+                (str(t.dp) if t.dp is not None else "-") + (f" (EP={t.ep})" if t.ep is not None else ""),
                 _size(t.native_bytes),
                 _size(t.universal_bytes),
                 B.fmt_seconds(t.seconds),

@@ -67,6 +67,7 @@ from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.format.torch_archive import unproven
 from megatron_ucp.format.torchload import TorchReaderCheck, structure_problems
 from megatron_ucp.plan.conversion import ConversionPlan, ParamPlan, build_plan, share_of, split_by_bytes
+from megatron_ucp.plan.expert_plan import build_expert_plan
 from megatron_ucp.plan.model_parallel import CoordinateInput, build_model_parallel_plan
 from megatron_ucp.plan.stage3_plan import build_stage3_plan
 from megatron_ucp.version import __version__
@@ -132,7 +133,8 @@ def default_output(ck: ResolvedCheckpoint) -> Path:
 
 
 def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
-    """The plan of a DP-only checkpoint, or the merged per-coordinate plans of a TP/PP one.
+    """The plan of a DP-only checkpoint (a mixture-of-experts one's expert groups over expert-DP, under global
+    expert names), or the merged per-coordinate plans of a TP/PP one.
 
     ZeRO-3 (per-parameter partitions, :func:`~megatron_ucp.plan.stage3_plan.build_stage3_plan`) keeps
     vocabulary parameters whole, marked :data:`~megatron_ucp.format.dsformat.VOCAB_ROWS_WHOLE`: stock's
@@ -146,6 +148,17 @@ def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
             recorded = meta.tp_layouts(sorted(names)) if meta.tp_layouts_known() else None
             if stage3:
                 return build_stage3_plan(meta.model.param_groups, meta.layouts, rules, tp_layouts=recorded)
+            if meta.experts is not None:
+                experts = meta.experts
+                return build_expert_plan(
+                    meta.model.param_groups,
+                    meta.layouts,
+                    experts.expert_groups,
+                    experts.ep or 1,
+                    experts.experts,
+                    rules,
+                    tp_layouts=recorded,
+                )
             return build_plan(meta.model.param_groups, meta.layouts, rules, tp_layouts=recorded)
         layouts = meta.tp_layouts(sorted(names))
         coordinates = [
@@ -408,6 +421,10 @@ def _manifest(
 ) -> dict:
     sums = _merged_sums(plan, shares)
     parallel = {"tp": meta.tp, "pp": meta.pp, "dp": meta.dp, "layouts_recorded": meta.tp_layout_record() is not None}
+    if meta.experts is not None:  # expert parameters under global names: the model states list local ones
+        parallel["ep"] = meta.layout.ep
+        parallel["experts"] = meta.experts.experts
+        parallel["expert_groups"] = list(meta.experts.expert_groups)
     return {
         "format": F.MANIFEST_FORMAT,
         "version": F.MANIFEST_VERSION,

@@ -66,6 +66,10 @@ class InspectReport:
     """ZeRO-3: per optimizer sub-group, its size and the parameters with padding-only slices."""
     stock_stage3: list[dict] = field(default_factory=list)
     """ZeRO-3: what stock ``ds_to_universal`` of the release that saved it does wrong (empty: nothing)."""
+    experts: Optional[str] = None
+    """A mixture-of-experts save: its experts and EP (:meth:`~megatron_ucp.plan.experts.ExpertFacts.describe`);
+    its expert groups' geometry is over expert-DP."""
+    expert_groups: list[int] = field(default_factory=list)
 
     @property
     def stock_converter_fails(self) -> bool:
@@ -237,12 +241,14 @@ def inspect_checkpoint(path: Path, tag: Optional[str], target_dps: Sequence[int]
             numel = sum(s.numel for s in specs)
             pad = c.layouts[0].groups[g].param_alignment_padding
             groups.append(GroupGeometry(numel=numel, dp=meta.dp, padded_numel=numel + pad))
+        if meta.experts is not None:  # expert groups over expert-DP: the plan's geometry, checked against the files
+            groups = [g.geometry for g in plan.groups]
         recorded = [[lay.groups[g].recorded_padding for lay in c.layouts] for g in range(len(groups))]
         reports.append(
             inspect_geometry(
                 groups,
                 meta.padding_style,
-                target_dps,
+                target_dps if meta.experts is None else (),
                 source=str(ck.tag_dir),
                 ds_version=meta.ds_version,
                 optimizer=meta.kind,
@@ -274,6 +280,15 @@ def inspect_checkpoint(path: Path, tag: Optional[str], target_dps: Sequence[int]
             for crash in r.stock_converter_crashes
         ]
         report.stock_loader_crash_dps = sorted({d for r in reports for d in r.stock_loader_crash_dps})
+    if meta.experts is not None:
+        report.experts = meta.experts.describe()
+        report.expert_groups = list(meta.experts.expert_groups)
+        report.notes.append(
+            "stock ds_to_universal merges every rank's experts under the local names they hold (DeepSpeed 0.19.5: "
+            "RuntimeError: shape ... is invalid, twice the elements) or takes the expert files for a pipeline's "
+            "layer files (0.16.9: AssertionError, Cannot find layer_01* files); megatron-ucp convert writes each "
+            "expert under its global index"
+        )
     for p in plan.params:
         if p.tp_layout:
             kind = p.tp_layout.split(", vocabulary")[0]
@@ -295,6 +310,8 @@ def format_report(r: InspectReport) -> str:
         f"group_paddings:   {r.padding_style}"
         + (" (saved with megatron-ucp: true lengths recorded)" if r.saved_with_megatron_ucp else ""),
     ]
+    if r.experts:
+        lines.insert(2, f"experts:          {r.experts}")
     if r.zero_stage == 3:
         return "\n".join(lines[:-1] + _stage3_lines(r))
     if r.universal_twin:
@@ -308,6 +325,7 @@ def format_report(r: InspectReport) -> str:
         lines.append("groups of coordinate (pp 0, tp 0):")
     for g in r.groups:
         extra = f", {g.params} params" if g.params is not None else ""
+        extra += " (one expert-parallel rank's experts, over expert-DP)" if g.index in r.expert_groups else ""
         lines.append(
             f"group {g.index}: N={g.numel:,}{extra}; partition {g.partition_size:,}; alignment padding "
             f"{g.total_padding:,}"
@@ -325,15 +343,20 @@ def format_report(r: InspectReport) -> str:
             f"rank {c['rank']}: recorded padding {c['padding']} > partition {c['partition_size']} "
             f"(raw length {c['raw_length']}); megatron-ucp convert handles it"
         )
+    elif r.experts:
+        lines.append("stock ds_to_universal: FAILS on the expert groups (note below)")
     else:
         lines.append("stock ds_to_universal: ok (paddings within partitions)")
     lo, hi = (min(r.target_dps), max(r.target_dps)) if r.target_dps else (0, 0)
     crash = r.stock_loader_crash_dps
-    lines.append(
-        f"stock universal loader (load_universal) over DP {lo}..{hi}: crashes (IndexError, all-padding "
-        f"ranks) at {len(crash)} of {len(r.target_dps)} sizes: {_ranges(crash)}"
-        + (f"; including this DP ({r.dp})" if r.dp in crash else "")
-    )
+    if r.experts:
+        lines.append("stock universal loader (load_universal): not predicted for expert groups")
+    else:
+        lines.append(
+            f"stock universal loader (load_universal) over DP {lo}..{hi}: crashes (IndexError, all-padding "
+            f"ranks) at {len(crash)} of {len(r.target_dps)} sizes: {_ranges(crash)}"
+            + (f"; including this DP ({r.dp})" if r.dp in crash else "")
+        )
     lines.extend(f"note: {n}" for n in r.notes)
     return "\n".join(lines)
 

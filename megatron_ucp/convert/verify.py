@@ -122,7 +122,7 @@ def verify_universal(
         report.problems.append(f"{zero / F.UNIVERSAL_OPTIMIZER_STATE_FILE}: missing")
     report.manifest = read_manifest(folder)
     sums = recorded_checksums(report.manifest)
-    model = read_model_states(model_file)
+    model = read_model_states(model_file, shapes_optional=_lists_experts(report.manifest))
     uc_info = model.universal_checkpoint_info
     expected_states = None
     if report.manifest is not None:
@@ -254,11 +254,18 @@ def verify_universal(
     return report
 
 
+def _lists_experts(manifest: Optional[dict]) -> bool:
+    """A mixture-of-experts folder: its experts under global names, listed by the manifest only."""
+    return "experts" in ((manifest or {}).get("parallel") or {})
+
+
 def _whole_parameters(manifest: Optional[dict]) -> Optional[list[list[ParamSpec]]]:
     """A TP/PP folder's whole parameters, from its manifest: its model-states files list one
-    coordinate's TP slices (and one pipeline stage's parameters) each. None for a DP-only folder."""
+    coordinate's TP slices (and one pipeline stage's parameters) each; a mixture-of-experts folder's, whose
+    model states list one expert-parallel rank's experts under local names (or nothing, before DeepSpeed
+    0.19). None for a DP-only dense folder."""
     parallel = (manifest or {}).get("parallel") or {}
-    if int(parallel.get("tp", 1)) * int(parallel.get("pp", 1)) == 1:
+    if int(parallel.get("tp", 1)) * int(parallel.get("pp", 1)) == 1 and not _lists_experts(manifest):
         return None
     groups: dict[int, list[ParamSpec]] = {}
     for name, info in manifest["params"].items():

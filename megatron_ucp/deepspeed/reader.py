@@ -33,7 +33,8 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import normalize_tag, read_tag_file, special_kind
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.plan.conversion import Fragment, ParamSpec, RankGroupLayout, RankLayout
-from megatron_ucp.plan.experts import EXPERT_FILE_RE, expert_facts
+from megatron_ucp.plan.expert_plan import derive_param_groups
+from megatron_ucp.plan.experts import EXPERT_FILE_RE, ExpertFacts, expert_facts, recorded_experts
 from megatron_ucp.plan.geometry import PaddingStyle
 from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.tensor_parallel import (
@@ -154,8 +155,10 @@ class CheckpointFiles:
         return self.rank_files[mp * self.dp : (mp + 1) * self.dp]
 
     def copied_files(self) -> list[Path]:
-        """The model-states (every rank's at ZeRO-3) and layer files a universal folder holds as they are."""
-        return [*(self.zero3_model_files or self.model_files or (self.model_states,)), *self.layer_files]
+        """The model-states (every rank's at ZeRO-3), layer and expert files a universal folder holds as they are
+        (DeepSpeed's load reads an MoE model's experts from their own files, universal or not)."""
+        models = self.zero3_model_files or self.model_files or (self.model_states,)
+        return [*models, *self.layer_files, *(self.tag_dir / name for name in self.expert_files)]
 
 
 def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
@@ -630,6 +633,18 @@ def recorded_dp(tag_dir: Path) -> Optional[int]:
     return int(dp) if dp is not None else None
 
 
+def recorded_ep(tag_dir: Path) -> Optional[int]:
+    """The expert-parallel size of a mixture-of-experts save, from its model states (``num_experts`` and
+    Megatron's ``args.moe_expert_parallel_size``; mapped, no weight bytes read); None for any other save or
+    when it records none. A damaged file raises :class:`CheckpointFormatError`."""
+    path = model_states_path(Path(tag_dir))
+    states = load_raw(path, random_access=True) if path is not None else None
+    if not isinstance(states, dict) or recorded_experts(states.get("num_experts")) is None:
+        return None
+    ep = getattr(states.get("args"), "moe_expert_parallel_size", None)
+    return ep if isinstance(ep, int) else None
+
+
 @dataclass(frozen=True)
 class SavedLayout:
     """What the resume decision needs from a tag's first model-states file, read once (mapped, no
@@ -663,8 +678,20 @@ def saved_layout(tag_dir: Path) -> Optional[SavedLayout]:
     names = frozenset(str(n) for g in _param_shape_groups(raw) if isinstance(g, dict) for n in g)
     dp = raw.get(F.DP_WORLD_SIZE)
     tp, pp = parallel_dimensions(raw, path, max(1, len(files)))
-    layout = ParallelLayout(tp=tp, pp=pp, dp=int(dp)) if dp is not None else None
+    ep = _saved_ep(Path(tag_dir), int(dp)) if dp is not None and recorded_experts(raw.get("num_experts")) else 1
+    layout = ParallelLayout(tp=tp, pp=pp, dp=int(dp), ep=ep) if dp is not None else None
     return SavedLayout(layout, names, raw, per_parameter, path)
+
+
+def _saved_ep(tag_dir: Path, dp: int) -> int:
+    """A mixture-of-experts save's EP: DP over the expert groups' partition count in its first rank file
+    (the pickle only); 1 when it has none (ZeRO-3, or experts partitioned over DP)."""
+    first = next(iter(sorted(tag_dir.glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))), None)
+    raw = load_raw(first, random_access=True) if first is not None else None
+    counts = raw.get(F.OPTIMIZER_STATE_DICT, {}).get(F.PARTITION_COUNT) if isinstance(raw, dict) else None
+    if not isinstance(counts, (list, tuple)) or not counts or dp % int(min(counts)):
+        return 1
+    return dp // int(min(counts))
 
 
 def rank_file_count_problem(tag_dir: Path, dp: int) -> Optional[str]:
@@ -719,10 +746,12 @@ def _param_shape_groups(raw: dict) -> list:
     return [shapes] if isinstance(shapes, dict) else shapes
 
 
-def read_model_states(path: Path) -> ModelStates:
+def read_model_states(path: Path, shapes_optional: bool = False) -> ModelStates:
+    """``shapes_optional``: a mixture-of-experts save, whose model states lack ``param_shapes`` before
+    DeepSpeed 0.19 (the reader derives the groups from the rank files, :func:`_derive_expert_save_groups`)."""
     raw = _model_states_dict(path)
     shapes = _param_shape_groups(raw)
-    if not shapes:
+    if not shapes and not shapes_optional:
         raise CheckpointFormatError(f"{path}: no '{F.PARAM_SHAPES}' (not saved by a ZeRO engine?)", subject=path)
     groups = []
     for g, group in enumerate(shapes):
@@ -786,10 +815,12 @@ class CheckpointMeta:
     tp: int = 1
     pp: int = 1
     coordinates: tuple[CoordinateMeta, ...] = ()
+    experts: Optional[ExpertFacts] = None
+    """A mixture-of-experts save's experts (expert files, groups partitioned over expert-DP, EP)."""
 
     @property
     def layout(self) -> ParallelLayout:
-        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp)
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, ep=(self.experts.ep or 1) if self.experts else 1)
 
     @property
     def model_parallel(self) -> bool:
@@ -859,8 +890,8 @@ def read_checkpoint(
 
     ``files``: the folder's listing when the caller already made it (the tag folder is listed once)."""
     files = files if files is not None else find_checkpoint_files(Path(tag_dir))
-    _refuse_experts(files, rank_files)
-    models = [read_model_states(path) for path in files.model_files]
+    experts = _check_experts(files, rank_files)
+    models = [read_model_states(path, shapes_optional=experts is not None) for path in files.model_files]
     tp, pp = models[0].parallel_dimensions(len(models))
     dp = files.dp
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
@@ -891,7 +922,7 @@ def read_checkpoint(
             rf = rank_files[index] if rank_files is not None else open_rank_file(path, r)
             first_kind = first_kind or (rf.kind, path)
             _check_stage(rf, path, first_kind, files)
-            _check_rank_file(rf, path, r, dp)
+            _check_rank_file(rf, path, r, dp, experts.partition_counts if experts else None)
             layouts.append(replace(rf.layout(), rank=r))  # a cache numbers files across coordinates
             kinds.add(rf.kind)
             versions.add(rf.ds_version)
@@ -910,6 +941,8 @@ def read_checkpoint(
             f"{sorted(versions)}): files from different runs mixed?",
             subject=files.tag_dir,
         )
+    if experts is not None and not models[0].param_groups:
+        models[0].param_groups = _derive_expert_save_groups(files, models[0], layouts, experts)
     stage = stages.pop()
     if stage is not None and int(stage) > max(READABLE_STAGES):
         raise UnsupportedError(
@@ -930,6 +963,7 @@ def read_checkpoint(
         tp=tp,
         pp=pp,
         coordinates=tuple(coordinates),
+        experts=experts,
     )
 
 
@@ -973,27 +1007,53 @@ def _check_zero3_model_files(files: CheckpointFiles, models: Sequence["ModelStat
             )
 
 
-def _refuse_experts(files: CheckpointFiles, rank_files: Optional[Sequence["RankFile"]]) -> None:
-    """A mixture-of-experts save (expert files beside the rank files) is named for what it is, with its
-    expert parallelism, before anything else of it is read (its model states lack ``param_shapes`` on 0.16)."""
+def _check_experts(files: CheckpointFiles, rank_files: Optional[Sequence["RankFile"]]) -> Optional[ExpertFacts]:
+    """A mixture-of-experts save (expert files beside the rank files): its experts, checked before anything else
+    of it is read (a missing expert file, counts that do not add up); None for any other save."""
     if not files.expert_files or not files.rank_files:
-        return
+        return None
     first = rank_files[0] if rank_files else open_rank_file(files.rank_files[0], 0)
     recorded = _model_states_dict(files.model_states).get("num_experts")
     experts = expert_facts(files.expert_files, first.partition_counts or [], files.dp, files.model_parallel, recorded)
     for name, problem in experts.problems() if experts else ():
         raise CheckpointFormatError(f"{files.tag_dir}: {problem}", subject=files.tag_dir / name if name else None)
-    raise UnsupportedError(
-        f"{files.tag_dir}: {experts.describe() if experts else 'mixture of experts'}: megatron-ucp does not convert "
-        "or reshard expert groups yet; with the hooks, such a job saves, loads and resumes at the same DP as stock "
-        "DeepSpeed does",
-        subject=files.tag_dir,
-    )
+    if experts is not None and files.model_parallel > 1:
+        raise UnsupportedError(
+            f"{files.tag_dir}: {experts.describe()} at {files.model_parallel} model-parallel ranks: megatron-ucp "
+            "converts mixture-of-experts saves at TP = PP = 1; with the hooks, such a job saves, loads and resumes "
+            "at the same DP as stock DeepSpeed does",
+            subject=files.tag_dir,
+        )
+    return experts
 
 
-def _check_rank_file(rf: "RankFile", path: Path, r: int, dp: int) -> None:
-    """A rank file's own record of its DP size and rank agrees with where the folder puts it."""
-    if rf.partition_counts is not None and any(c != dp for c in rf.partition_counts):
+def _derive_expert_save_groups(
+    files: CheckpointFiles, model: "ModelStates", layouts: Sequence[RankLayout], experts: ExpertFacts
+) -> list[list[ParamSpec]]:
+    """An MoE save's param groups when its model states list none (DeepSpeed before 0.19): names in flat order
+    from the rank files, shapes from the saved module and the expert files."""
+    shapes = {
+        name: t.shape for name, t in flatten_module_states(model.raw.get("module")).items() if hasattr(t, "shape")
+    }
+    for name in files.expert_files:
+        saved = load_raw(files.tag_dir / name, random_access=True)
+        shapes.update({key: t.shape for key, t in flatten_module_states(saved).items() if hasattr(t, "shape")})
+    try:
+        return derive_param_groups(layouts, experts.expert_groups, experts.ep or 1, shapes)
+    except PlanError as exc:
+        raise CheckpointFormatError(f"{model.path}: no '{F.PARAM_SHAPES}' and {exc}", subject=model.path) from exc
+
+
+def _check_rank_file(rf: "RankFile", path: Path, r: int, dp: int, counts: Optional[Sequence[int]] = None) -> None:
+    """A rank file's own record of its DP size and rank agrees with where the folder puts it (``counts``: a
+    mixture-of-experts save's partition count per group, expert groups over expert-DP)."""
+    if rf.partition_counts is not None and counts is not None and list(rf.partition_counts) != list(counts):
+        raise CheckpointFormatError(
+            f"{path}: its param groups are partitioned over {list(rf.partition_counts)} ranks, rank 0's over "
+            f"{list(counts)}: files of different DP or EP sizes mixed?",
+            subject=path,
+        )
+    if rf.partition_counts is not None and counts is None and any(c != dp for c in rf.partition_counts):
         raise CheckpointFormatError(
             f"{path}: written at DP={rf.partition_counts[0]} but the folder holds {dp} rank "
             "files: files of different DP sizes mixed?",

@@ -76,8 +76,8 @@ SURFACE: tuple[Internal, ...] = (
         ENGINE,
         "_save_moe_checkpoint",
         R,
-        "hands Megatron's universal_checkpoint_info to the MoE save as the dict 0.19 wants (integration/moe_save.py)",
-        when=lambda facts: not facts.saves_fork_moe,
+        "the MoE save of _save_checkpoint: adds the TP layout and the save's identity; on 0.19 also hands Megatron's "
+        "universal_checkpoint_info to it as the dict 0.19 wants (integration/moe_save.py)",
     ),
     Internal(
         ENGINE,

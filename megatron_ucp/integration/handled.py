@@ -3,7 +3,8 @@
 A plugin must never turn a save or a load that works into one that fails. A job whose optimizer
 the hooks cannot describe yet (a ZeRO stage or optimizer class without an
 :class:`~megatron_ucp.deepspeed.surface.OptimizerLayout`; mixture-of-experts param groups, which
-DeepSpeed partitions over the expert-data-parallel group instead of the DP group) gets stock
+DeepSpeed partitions over the expert-data-parallel group instead of the DP group, at TP or PP > 1, or
+with ZeRO-3) gets stock
 DeepSpeed's save, load and no background conversion, and one warning per process that says so
 (logged by the first rank only).
 """
@@ -38,12 +39,20 @@ def unhandled_reason(engine: Any) -> Optional[str]:
             return "ZeRO-3 partitions swapped to NVMe (offload_optimizer or offload_param device nvme) are not handled"
         return None
     sizes = surface.group_dp_sizes(optimizer)
-    if len(set(sizes)) > 1:
+    if len(set(sizes)) > 1 and not getattr(engine, "has_moe_layers", False):
+        return f"param groups partitioned over data-parallel groups of different sizes {sizes} (not experts)"
+    if len(set(sizes)) > 1 and expert_model_parallel(engine) > 1:
         return (
-            f"param groups partitioned over data-parallel groups of different sizes {sizes} "
-            "(mixture-of-experts expert groups) are not handled yet"
+            f"mixture-of-experts param groups (partitioned over data-parallel groups of sizes {sizes}) at "
+            f"TP x PP = {expert_model_parallel(engine)} are not handled yet"
         )
     return None
+
+
+def expert_model_parallel(engine: Any) -> int:
+    """TP x PP of a job (megatron-ucp handles mixture-of-experts layers at TP = PP = 1)."""
+    mpu = getattr(engine, "mpu", None)
+    return surface.tp_size_and_rank(mpu)[0] * surface.pp_size(mpu)
 
 
 def warn_once(reason: str, consequence: str) -> None:

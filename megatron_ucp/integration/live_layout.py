@@ -74,8 +74,19 @@ def tp_layout_record(named_parameters: Any) -> Optional[dict[str, dict]]:
 
 def current_layout(engine: Any) -> ParallelLayout:
     """The running engine's layout: TP and PP from its ``mpu`` (Megatron's, or the pipeline grid), DP
-    from the engine (its sequence-data-parallel size: the ranks that share one optimizer partition)."""
+    from the engine (its sequence-data-parallel size: the ranks that share one optimizer partition), EP from
+    its expert groups."""
     mpu = getattr(engine, "mpu", None)
-    return ParallelLayout(
-        tp=surface.tp_size_and_rank(mpu)[0], pp=surface.pp_size(mpu), dp=int(engine.seq_dp_world_size)
-    )
+    dp = int(engine.seq_dp_world_size)
+    return ParallelLayout(tp=surface.tp_size_and_rank(mpu)[0], pp=surface.pp_size(mpu), dp=dp, ep=live_ep(engine))
+
+
+def live_ep(engine: Any) -> int:
+    """The expert-parallel size of a mixture-of-experts job: DP over its expert groups' partition count (1 for
+    any other job, and for ZeRO-3, whose experts the hooks leave to stock DeepSpeed)."""
+    optimizer = getattr(engine, "optimizer", None)
+    layout = surface.engine_layout(engine) if optimizer is not None else None
+    if not getattr(engine, "has_moe_layers", False) or layout is None or layout.per_parameter:
+        return 1
+    sizes = surface.group_dp_sizes(optimizer)
+    return max(sizes) // min(sizes)

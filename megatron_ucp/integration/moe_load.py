@@ -1,11 +1,13 @@
-"""A mixture-of-experts job's load, left to stock DeepSpeed, refused where stock would load the wrong experts.
+"""A mixture-of-experts job the hooks leave to stock DeepSpeed, refused where stock would load the wrong experts.
 
-The hooks do not reshard expert groups yet (:mod:`megatron_ucp.integration.handled`): an MoE job loads as stock
-DeepSpeed loads it. At another DP size stock refuses by itself (``ZeRORuntimeException``). At the same DP size
-with another EP it does not: every rank loads its own saved partition, which held other experts (DP rank ``d``
-holds experts of expert-parallel rank ``d % EP``), and training goes on with experts' masters and states
-exchanged. That one case is refused here, before anything is loaded, with what changed and what to do
-(``MEGATRON_UCP_STRICT=0``: one warning and stock's load, for a user who knows what they resume).
+At TP = PP = 1 the hooks handle expert groups (:mod:`megatron_ucp.integration.elastic_load`: a DP or EP change
+goes through the universal folder). A job they leave to stock (:mod:`megatron_ucp.integration.handled`: experts
+at TP or PP > 1, or at ZeRO-3) loads as stock DeepSpeed loads it. At another DP size stock refuses by itself
+(``ZeRORuntimeException``). At the same DP size with another EP it does not: every rank loads its own saved
+partition, which held other experts (DP rank ``d`` holds experts of expert-parallel rank ``d % EP``), and training
+goes on with experts' masters and states exchanged. That one case is refused here, before anything is loaded,
+with what changed and what to do (``MEGATRON_UCP_STRICT=0``: one warning and stock's load, for a user who knows
+what they resume).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def refuse_an_expert_layout_change(engine: Any, load_dir: str, tag: Optional[str
         return
     if config.strict:
         raise UnsupportedError(
-            f"{verdict}. megatron-ucp does not reshard expert groups yet: resume at the EP size of the save, "
+            f"{verdict}. megatron-ucp does not reshard expert groups at TP or PP > 1 yet: resume at the EP size "
+            "of the save, "
             "or set MEGATRON_UCP_STRICT=0 to load as stock DeepSpeed does",
             subject=load_dir,
         )

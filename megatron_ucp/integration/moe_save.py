@@ -87,5 +87,6 @@ def _drop_lifted_expert_keys(original: Any) -> Any:
 def install(patches: Any, config: UcpConfig) -> None:
     """DeepSpeed's MoE save of the fork's model gets Megatron's info from the module for the call, and its
     model states leave the lifted expert keys out (0.19 and later)."""
-    surface.replace(patches, surface.ENGINE, "_save_moe_checkpoint", _hand_over_the_info)
+    # around the save hook's own wrapper (installed before this one): the info leaves the client state first
+    surface.replace(patches, surface.ENGINE, "_save_moe_checkpoint", _hand_over_the_info, stack=True)
     surface.replace(patches, surface.ENGINE, "_get_non_moe_state_dict", _drop_lifted_expert_keys)

@@ -41,6 +41,7 @@ from megatron_ucp.integration.collectives import (
     is_first,
     raise_gathered,
 )
+from megatron_ucp.integration.expert_names import live_expert_names
 from megatron_ucp.integration.live_layout import TpPlace, live_tp_layout, tensor_parallel_of
 from megatron_ucp.integration.live_partitions import LiveGroup, live_groups
 from megatron_ucp.integration.saved_names import saved_names
@@ -210,6 +211,11 @@ def load_universal_partitions(
     base = surface.base_optimizer(optimizer)
     per_parameter = surface.layout_of(optimizer).per_parameter
     live_names = names if names is not None else surface.param_names(optimizer)
+    experts = {} if per_parameter else live_expert_names(optimizer, live_names)
+    if experts:  # this rank's experts under their global names, as the folder keeps them
+        live_names = {**live_names, **experts}
+    # Every rank counts every file when ranks hold different parameters (TP slices, pipeline stages, experts)
+    shared_rows = model_parallel or bool(experts)
     groups = live_groups(optimizer, live_names)
     names = [[live_names[lp] for lp in group.lps] for group in groups]
     optimized = {n for group_names in names for n in group_names}
@@ -243,9 +249,7 @@ def load_universal_partitions(
     # Frozen parameters' folders are the engine hook's to restore (they are not in the optimizer).
     # Across pipeline stages every rank keeps every row; a file no stage consumed is then reported.
     accountable = {k: v for k, v in listing.items() if k in optimized}
-    ledger = Ledger.from_listing(
-        {k: v for k, v in listing.items() if k not in frozen} if model_parallel else accountable
-    )
+    ledger = Ledger.from_listing({k: v for k, v in listing.items() if k not in frozen} if shared_rows else accountable)
     table = ledger.new_table(device="cpu")
     failure: Optional[BaseException] = None
     dp_from: Optional[int] = None
@@ -305,7 +309,7 @@ def load_universal_partitions(
     with clock:
         # other stages' folders are not extra: the ledger proves some rank consumed each of them
         problems += check_folders(
-            names, accountable if model_parallel else {k: v for k, v in listing.items() if k not in frozen}
+            names, accountable if shared_rows else {k: v for k, v in listing.items() if k not in frozen}
         )
         problems += check_ledger(ledger, totals)
         for i, keys in enumerate(restored_keys):

@@ -17,9 +17,11 @@ collective per save; ``save_checkpoint`` is collective already), and every rank'
 every model-states file of the save carry it, with the optimizer file's DP rank and size. A load then
 binds each file to its place and to its save (:mod:`megatron_ucp.plan.rank_binding`).
 
+A mixture-of-experts job's expert groups are partitioned over the expert-data-parallel group: their true
+lengths follow that group's geometry and its ranks (``group_dp_sizes``/``group_dp_ranks`` in the record).
 A job whose optimizer the hooks cannot record (:func:`megatron_ucp.integration.handled.unhandled_reason`:
-mixture-of-experts groups, a layout without an :class:`OptimizerLayout`) saves exactly as stock
-DeepSpeed does, with one warning: the hooks never make a save fail.
+a layout without an :class:`OptimizerLayout`, experts at TP or PP > 1) saves exactly as stock DeepSpeed
+does, with one warning: the hooks never make a save fail.
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ def _record(layout: OptimizerLayout) -> Callable[[Any], dict[str, Any]]:
         flats = layout.masters(optimizer)
         out = {**record, **partition_checksums(flats, _base_states(optimizer, flats), record)}
         save_id = _SAVE_ID.get()
-        if save_id is not None:
-            out.update(save_identity(save_id, sizes[0], ranks[0]))
+        if save_id is not None:  # the DP group's place (a mixture-of-experts job's expert groups are smaller)
+            group = surface.dp_group(optimizer)
+            out.update(save_identity(save_id, comm().get_world_size(group=group), comm().get_rank(group=group)))
         return out
 
     return record_of
@@ -215,6 +218,7 @@ def install(patches: Any, config: UcpConfig) -> None:
     and the save's identity, ``save_checkpoint`` agrees on that identity (the install checked the surface)."""
     surface.replace(patches, surface.ENGINE, "save_checkpoint", _identify_save)
     surface.replace(patches, surface.ENGINE, "_save_checkpoint", _record_tp_layout)
+    surface.replace(patches, surface.ENGINE, "_save_moe_checkpoint", _record_tp_layout)  # a mixture-of-experts save
     for layout in surface.OPTIMIZER_LAYOUTS:
         record = _record_stage3(layout) if layout.per_parameter else _record(layout)
         surface.replace(patches, layout.owner, "state_dict", _wrap(record))

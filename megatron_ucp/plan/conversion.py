@@ -233,6 +233,21 @@ def build_plan(
     (``param_shapes`` of the model-states file). ``ranks`` must hold every DP rank exactly once.
     Raises :class:`CheckpointFormatError` naming the rank file when the files contradict the geometry.
     """
+    ranks = checked_ranks(param_groups, ranks)
+    group_plans = []
+    param_plans: list[ParamPlan] = []
+    for g, specs in enumerate(param_groups):
+        group, params = plan_group(g, specs, ranks, rules, alignment_factor, tp_layouts)
+        group_plans.append(group)
+        param_plans.extend(params)
+
+    plan = ConversionPlan(dp=len(ranks), groups=tuple(group_plans), params=tuple(param_plans))
+    check_plan(plan)
+    return plan
+
+
+def checked_ranks(param_groups: Sequence[Sequence[ParamSpec]], ranks: Sequence[RankLayout]) -> list[RankLayout]:
+    """The rank layouts in DP order, each DP rank exactly once, each with the model's param groups."""
     dp = len(ranks)
     if dp == 0:
         raise PlanError("no rank files to plan from")
@@ -244,34 +259,37 @@ def build_plan(
             raise _fail(
                 layout.source, f"has {len(layout.groups)} param groups, the model states list {len(param_groups)}"
             )
+    return ranks
 
-    group_plans = []
-    param_plans: list[ParamPlan] = []
-    for g, specs in enumerate(param_groups):
-        layouts = [r.groups[g] for r in ranks]
-        internal_padding = {lay.param_alignment_padding for lay in layouts}
-        if len(internal_padding) != 1:
-            raise PlanError(
-                f"param group {g}: rank files disagree on per-parameter alignment padding ({sorted(internal_padding)})"
-            )
-        numel = sum(s.numel for s in specs)
-        geo = GroupGeometry(
-            numel=numel, dp=dp, padded_numel=numel + internal_padding.pop(), alignment_factor=alignment_factor
-        )
-        states = _check_states(g, ranks, geo)
-        has_step = {lay.has_step for lay in layouts}
-        if len(has_step) != 1:
-            raise PlanError(f"param group {g}: some rank files store an optimizer step and some do not")
-        group_plans.append(
-            GroupPlan(
-                index=g, geometry=geo, states=states, has_step=has_step.pop(), param_names=tuple(s.name for s in specs)
-            )
-        )
-        param_plans.extend(_plan_group(g, specs, ranks, geo, states, rules, tp_layouts))
 
-    plan = ConversionPlan(dp=dp, groups=tuple(group_plans), params=tuple(param_plans))
-    check_plan(plan)
-    return plan
+def plan_group(
+    g: int,
+    specs: Sequence[ParamSpec],
+    ranks: Sequence[RankLayout],
+    rules: MegatronPatterns = MegatronPatterns(),
+    alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR,
+    tp_layouts: Optional[Mapping[str, TpLayout]] = None,
+) -> tuple[GroupPlan, list[ParamPlan]]:
+    """One param group partitioned over ``ranks`` (``RankLayout.rank`` 0..n-1, each holding group ``g``):
+    its geometry, checked against every rank's fragments, and its parameters' plans."""
+    layouts = [r.groups[g] for r in ranks]
+    internal_padding = {lay.param_alignment_padding for lay in layouts}
+    if len(internal_padding) != 1:
+        raise PlanError(
+            f"param group {g}: rank files disagree on per-parameter alignment padding ({sorted(internal_padding)})"
+        )
+    numel = sum(s.numel for s in specs)
+    geo = GroupGeometry(
+        numel=numel, dp=len(ranks), padded_numel=numel + internal_padding.pop(), alignment_factor=alignment_factor
+    )
+    states = _check_states(g, ranks, geo)
+    has_step = {lay.has_step for lay in layouts}
+    if len(has_step) != 1:
+        raise PlanError(f"param group {g}: some rank files store an optimizer step and some do not")
+    group = GroupPlan(
+        index=g, geometry=geo, states=states, has_step=has_step.pop(), param_names=tuple(s.name for s in specs)
+    )
+    return group, _plan_group(g, specs, ranks, geo, states, rules, tp_layouts)
 
 
 def _check_states(g: int, ranks: Sequence[RankLayout], geo: GroupGeometry) -> tuple[str, ...]:

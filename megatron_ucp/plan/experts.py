@@ -186,3 +186,25 @@ def expert_group_files(layout: ParallelLayout) -> dict[int, list[int]]:
     for d in sorted(range(layout.dp), key=layout.expert_data_parallel_rank):
         files[layout.expert_parallel_rank(d)].append(d)
     return files
+
+
+def global_expert_names(names: Iterable[str], expert_parallel_rank: int) -> dict[str, str]:
+    """Local -> global name of every expert parameter among one rank's ``names`` (the others are left out),
+    the rank holding expert-parallel rank ``expert_parallel_rank``'s experts. Its local experts per MoE layer
+    are counted from the names themselves (``0 .. E/EP - 1`` under each layer's prefix): what a live model
+    holds, whatever EP the checkpoint was saved at."""
+    names = list(names)
+    held: dict[str, set[int]] = {}
+    for name in names:
+        match = EXPERT_NAME_RE.search(name)
+        if match:
+            held.setdefault(name[: match.start(2)], set()).add(int(match.group(2)))
+    for prefix, local in held.items():
+        if local != set(range(len(local))):
+            raise PlanError(f"{prefix}<k>: this rank holds local experts {sorted(local)}, not 0..{len(local) - 1}")
+    out = {}
+    for name in names:
+        match = EXPERT_NAME_RE.search(name)
+        if match:
+            out[name] = global_expert_name(name, expert_parallel_rank, len(held[name[: match.start(2)]]))
+    return out

@@ -177,12 +177,18 @@ def plan_launch(
     ]
     warnings: list[str] = []
     extra: list[str] = []
-    if facts.experts > 1:
-        # the hooks leave mixture-of-experts jobs to stock DeepSpeed, which refuses ZeRO states of another DP size
+    if facts.experts > 1 and (saved[:2] != (1, 1) or now[:2] != (1, 1)):
+        # the hooks leave mixture-of-experts jobs at TP/PP > 1 to stock DeepSpeed, which refuses another DP size
         warnings.append(
-            f"{where} is a mixture-of-experts checkpoint ({facts.experts} experts per MoE layer): megatron-ucp does "
-            "not reshard expert groups yet; DeepSpeed loads it as stock does, and refuses ZeRO optimizer states "
-            f"saved at DP={dp_from} at DP={dp_to}"
+            f"{where} is a mixture-of-experts checkpoint ({facts.experts} experts per MoE layer) with TP or PP > 1: "
+            "megatron-ucp does not reshard its expert groups yet; DeepSpeed loads it as stock does, and refuses "
+            f"ZeRO optimizer states saved at DP={dp_from} at DP={dp_to}"
+        )
+    elif facts.experts > 1 and config.elastic_resume and not margs.no_load_optim:
+        notes.append(
+            f"{where} is a mixture-of-experts checkpoint ({facts.experts} experts per MoE layer): the elastic-resume "
+            f"hook loads the universal twin of {facts.tag}, every expert under its global index (converting it "
+            "first if it does not exist yet)"
         )
     elif saved[:2] != now[:2] and not margs.universal_checkpoint:
         # Megatron compares TP, PP and the padded vocabulary with the checkpoint's unless this is set

@@ -113,7 +113,8 @@ def decide_resume(
     saved, per-parameter ones live, or the other way): only the universal folder bridges them.
     ``regrouped``: ZeRO-3 at the saved DP size, but the optimizer cut its parameters into other sub-groups
     (another ``sub_group_size``): DeepSpeed's own load would copy partitions of the wrong sizes, so the
-    partitions are resharded as for a DP change.
+    partitions are resharded as for a DP change. A mixture-of-experts save or job (``ep`` > 1 in ``saved`` or
+    ``live``) changing DP or EP goes through the universal folder, whose experts carry global indices.
     """
     checkpoint_dp, current_dp = (saved.dp if saved is not None else None), live.dp
     if resume_route not in RESUME_ROUTES:
@@ -148,7 +149,9 @@ def decide_resume(
             f"loading it in universal mode at DP={current_dp}",
         )
     mp_changed = saved.model_axes() != live.model_axes() or stage_change is not None
-    if checkpoint_dp == current_dp and not mp_changed and not universal_of_latest and not regrouped:
+    experts = saved.ep > 1 or live.ep > 1
+    ep_changed = saved.ep != live.ep
+    if checkpoint_dp == current_dp and not mp_changed and not universal_of_latest and not regrouped and not ep_changed:
         unchanged = (
             f"DP unchanged ({current_dp})"
             if live.model_parallel == 1
@@ -163,7 +166,7 @@ def decide_resume(
             requested_tag,
             checkpoint_dp,
             current_dp,
-            f"DP changed {checkpoint_dp} -> {current_dp} but no optimizer states are loaded: "
+            f"{saved.describe_change(live)} but no optimizer states are loaded: "
             f"native load of {requested_tag} (fp32 master weights rebuilt from bf16 weights)",
         )
     target = F.universal_tag(requested_tag)
@@ -173,7 +176,7 @@ def decide_resume(
         changed = f"ZeRO stage changed {stage_change}{moved}"
     elif regrouped and checkpoint_dp == current_dp:
         changed = f"DP unchanged ({current_dp}) but ZeRO-3 cut the parameters into other sub-groups (sub_group_size)"
-    if not mp_changed and not universal_of_latest and resume_route != "universal" and names_match:
+    if not mp_changed and not universal_of_latest and resume_route != "universal" and names_match and not experts:
         how = "" if resume_route == "reshard" else " (resume route auto)"
         return ResumeDecision(
             Route.RESHARD,
@@ -191,6 +194,11 @@ def decide_resume(
         changed += (
             " (resume route reshard: the native files reshard DP only; a TP/PP change goes through the "
             "universal folder)"
+        )
+    elif experts and resume_route != "universal":
+        changed += (
+            " (mixture of experts: the expert groups go through the universal folder, every expert under its "
+            "global index; the native reshard does not place experts yet)"
         )
     elif not names_match and resume_route != "universal":
         changed += (

@@ -25,27 +25,30 @@ def partition_record(
     dp_ranks: Sequence[int],
     alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR,
 ) -> dict[str, Any]:
-    """The keys added to a rank's optimizer state dict. Pure; checks DeepSpeed's flat sizes."""
-    if len(set(dp_sizes)) != 1 or len(set(dp_ranks)) != 1:
-        raise UnsupportedError(
-            f"param groups with different data-parallel groups (sizes {list(dp_sizes)}) "
-            "are not supported (MoE expert groups?)"
-        )
-    dp, rank = dp_sizes[0], dp_ranks[0]
+    """The keys added to a rank's optimizer state dict. Pure; checks DeepSpeed's flat sizes.
+
+    ``dp_sizes``/``dp_ranks``: per param group, the size of the group it is partitioned over and this rank's
+    place in it (the DP group; a mixture-of-experts expert group's expert-data-parallel group, smaller, whose
+    true lengths follow its own geometry: ``group_dp_sizes``/``group_dp_ranks`` record them)."""
+    if len(dp_sizes) != len(group_numels) or len(dp_ranks) != len(group_numels):
+        raise UnsupportedError(f"{len(group_numels)} param groups but DP sizes {list(dp_sizes)}")
+    dp, rank = max(dp_sizes), dp_ranks[dp_sizes.index(max(dp_sizes))]
     geos = [
-        GroupGeometry(numel=n, dp=dp, padded_numel=pn, alignment_factor=alignment_factor)
-        for n, pn in zip(group_numels, padded_group_numels)
+        GroupGeometry(numel=n, dp=size, padded_numel=pn, alignment_factor=alignment_factor)
+        for n, pn, size in zip(group_numels, padded_group_numels, dp_sizes)
     ]
     for g, (geo, flat) in enumerate(zip(geos, flat_numels)):
         if geo.padded_total != flat:
             raise UnsupportedError(
                 f"param group {g}: DeepSpeed's flat buffer has {flat} elements, the known geometry "
-                f"gives {geo.padded_total} (N={geo.numel}, DP={dp}); this DeepSpeed partitions "
+                f"gives {geo.padded_total} (N={geo.numel}, DP={geo.dp}); this DeepSpeed partitions "
                 "differently from what megatron-ucp understands"
             )
+    ranks = list(dp_ranks)
+    per_group = {"group_dp_sizes": list(dp_sizes), "group_dp_ranks": ranks} if len(set(dp_sizes)) > 1 else {}
     return {
-        F.GROUP_PADDINGS: [geo.padding(rank) for geo in geos],
-        F.GROUP_TRUE_LENGTHS: [geo.true_length(rank) for geo in geos],
+        F.GROUP_PADDINGS: [geo.padding(r) for geo, r in zip(geos, ranks)],
+        F.GROUP_TRUE_LENGTHS: [geo.true_length(r) for geo, r in zip(geos, ranks)],
         F.ZERO_PARTITION_INFO: {
             "version": F.ZERO_PARTITION_INFO_VERSION,
             "dp_size": dp,
@@ -54,6 +57,7 @@ def partition_record(
             "group_numels": [geo.numel for geo in geos],
             "padded_group_numels": [geo.padded_numel for geo in geos],
             "partition_sizes": [geo.partition_size for geo in geos],
+            **per_group,
         },
     }
 
@@ -66,7 +70,7 @@ def partition_checksums(fp32: list[Any], states: list[dict[str, Any]], record: d
     groups = []
     for g, (master, state) in enumerate(zip(fp32, states)):
         size, real = info["partition_sizes"][g], record[F.GROUP_TRUE_LENGTHS][g]
-        start = info["dp_rank"] * size
+        start = info.get("group_dp_ranks", [info["dp_rank"]] * len(fp32))[g] * size
         tensors = {
             F.FP32_STATE: master,
             **{

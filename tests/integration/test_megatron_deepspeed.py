@@ -17,6 +17,7 @@ from the universal folder, where stock DeepSpeed dies with IndexError.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -327,16 +328,17 @@ def test_alcf_wrapper_fresh_then_resumed_on_fewer_ranks(mds_checkout, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# Mixture of experts: left to stock DeepSpeed, with one warning (the hooks never break the job)
+# Mixture of experts: saved through the hooks, converted in the background, resumed at another DP and EP
 # ------------------------------------------------------------------------------------------------
 
 MOE_ARGS = ["--num-experts", "4", "--moe-expert-parallel-size", "2", "--create-moe-param-group"]
 MOE_ARGS += ["--disable-moe-token-dropping"]  # no token dropped: a resume continues the same curve
 
 
-def _experts_from_rank_files(tag: Path, dp: int, ep: int, experts: int) -> dict[str, torch.Tensor]:
-    """Each global expert parameter's fp32 masters: its fragments in the expert groups' partitions, in
-    expert-DP order, under the global name (the rank files name local experts)."""
+def _experts_from_rank_files(tag: Path, dp: int, ep: int, experts: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Per state (``fp32`` and the optimizer's), each global expert parameter's values: its fragments in the
+    expert groups' partitions, in expert-DP order, under the global name (the rank files name local experts).
+    An independent rebuild: torch.load and the saved mappings, nothing of megatron-ucp's reader or plan."""
     from megatron_ucp.plan.experts import expert_group_files, global_expert_name
     from megatron_ucp.plan.parallel_layout import ParallelLayout
 
@@ -346,28 +348,26 @@ def _experts_from_rank_files(tag: Path, dp: int, ep: int, experts: int) -> dict[
         for d in range(dp)
     }
     states = {d: sd["optimizer_state_dict"] for d, sd in saved.items()}
-    pieces: dict[str, list[torch.Tensor]] = {}
+    pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
     for g, count in enumerate(states[0]["partition_count"]):
         if count == dp:
             continue  # a dense group
         for r, ranks in expert_group_files(layout).items():
             for d in ranks:
-                flat = states[d]["single_partition_of_fp32_groups"][g]
+                held = {"fp32": states[d]["single_partition_of_fp32_groups"][g]}
+                held.update({k: v for k, v in states[d]["base_optimizer_state"]["state"][g].items() if k != "step"})
                 for name, address in states[d]["param_slice_mappings"][g].items():
                     name = global_expert_name(name, r, layout.local_experts(experts))
-                    pieces.setdefault(name, []).append(flat.narrow(0, address.start, address.numel))
-    return {name: torch.cat(parts) for name, parts in pieces.items()}
+                    for state, flat in held.items():
+                        pieces.setdefault(state, {}).setdefault(name, []).append(
+                            flat.narrow(0, address.start, address.numel)
+                        )
+    return {state: {name: torch.cat(parts) for name, parts in by_name.items()} for state, by_name in pieces.items()}
 
 
-def test_moe_job_trains_saves_and_resumes_as_stock_with_one_warning(mds_checkout, mds_runs):
-    """An MoE job (4 experts, EP 2, DP 4, DeepSpeedZeroOptimizer) through the runner with background
-    conversion: DeepSpeed partitions the expert groups over expert-DP, which the hooks do not handle
-    yet. Each run gets one warning and stock DeepSpeed's save and load: no save record, no conversion
-    queued, the resume at the same DP continues the curve. On releases whose own MoE save of this fork dies
-    inside DeepSpeed (``versions.Internals.saves_fork_moe``: 0.19's ``dict()`` of the model's method), the
-    hooks hand the save Megatron's info as it wants it (``integration/moe_save.py``), and the model states
-    carry it as every other save of the fork does. (BF16_Optimizer skips every MoE step of this fork on
-    0.16.9, without megatron-ucp too: no loss is ever logged, so that class cannot show a curve.)"""
+def _moe_trained(mds_checkout, mds_runs) -> tuple[Path, MdsResult]:
+    """4 experts, EP 2, DP 4, DeepSpeedZeroOptimizer, through the runner with background conversion. (BF16_Optimizer
+    skips every MoE step of this fork on 0.16.9, without megatron-ucp too: no loss is ever logged.)"""
 
     def train(folder: Path) -> MdsResult:
         run = MdsRun(nproc=4, ckpt=folder / "ckpt", optimizer="zero", train_iters=6, save_interval=3)
@@ -375,36 +375,70 @@ def test_moe_job_trains_saves_and_resumes_as_stock_with_one_warning(mds_checkout
         return run_mds(mds_checkout, run)
 
     res = mds_runs.get("moe-train", train)
-    root = mds_runs.base / "moe-train" / "ckpt"
+    return mds_runs.base / "moe-train" / "ckpt", res
+
+
+def _moe_resumed(mds_checkout, mds_runs, root: Path, dp: int, ep: int) -> MdsResult:
+    """The iteration-3 checkpoint resumed at DP ``dp`` with EP ``ep`` through the runner, no flag."""
+
+    def resume(folder: Path) -> MdsResult:
+        ckpt = _restart_copy(root, folder / "ckpt")
+        run = MdsRun(nproc=dp, ckpt=ckpt, optimizer="zero", train_iters=6, save_interval=100)
+        run.extra_args = [*MOE_ARGS[:3], str(ep), *MOE_ARGS[4:]]
+        return run_mds(mds_checkout, run)
+
+    return mds_runs.get(f"moe-dp{dp}-ep{ep}", resume)
+
+
+def test_moe_job_saves_through_the_hooks_and_converts_every_expert_in_the_background(mds_checkout, mds_runs):
+    """The save records the expert groups' true lengths over expert-DP, the background converter writes every
+    expert as a parameter of its own under its global index, each state bit for bit what an independent rebuild
+    from the rank files gives (torch.load and the saved mappings); inspect and status show EP. On releases whose
+    own MoE save of this fork dies inside DeepSpeed (``versions.Internals.saves_fork_moe``: 0.19's ``dict()`` of
+    the model's method), the hooks hand the save Megatron's info as it wants it (``integration/moe_save.py``)."""
+    root, res = _moe_trained(mds_checkout, mds_runs)
     assert sorted(res.losses) == [1, 2, 3, 4, 5, 6], res.log[-3000:]
-    warned = [line for line in res.ucp_lines() if "mixture-of-experts" in line]
-    assert len(warned) == 1 and "as stock DeepSpeed does" in warned[0], res.ucp_lines()
+    assert not [line for line in res.ucp_lines() if "WARNING" in line or "not handled" in line], res.ucp_lines()
     experts = sorted(p.name for p in (root / "global_step3").glob("layer_*_expert_*_mp_rank_00_model_states.pt"))
     assert len(experts) == 4, experts  # one file per expert of the MoE layer (0.16 also writes expp_rank_* files)
-    assert not list(root.glob("*_universal")) and not (root / ".ucp").exists()
     model = torch.load(root / "global_step3" / F.MODEL_STATES_FILE, map_location="cpu", weights_only=False)
-    assert F.UCP_SAVE_RECORD not in model  # a stock save
+    assert F.UCP_SAVE_RECORD in model  # saved through the hooks
     info = model[F.UNIVERSAL_CHECKPOINT_INFO]  # Megatron's info, a dict on every release
     assert isinstance(info, dict) and info["padded_vocab_size"] == model["args"].padded_vocab_size, info
     assert not [key for key in model["module"] if "expert" in key], list(model["module"])  # in their own files
-    # converting names the checkpoint for what it is, with its expert parallelism, and leaves nothing behind
-    refused = subprocess.run(
-        [sys.executable, "-m", "megatron_ucp.cli", "convert", str(root), "--tag", "global_step3"],
-        capture_output=True,
-        text=True,
-    )
+    optim = torch.load(next((root / "global_step3").glob("*zero_pp_rank_3_*optim_states.pt")), weights_only=False)
+    record = optim["optimizer_state_dict"]
+    assert record["partition_count"] == [4, 4, 2] and record[F.ZERO_PARTITION_INFO]["group_dp_ranks"] == [3, 3, 1]
+    # where each expert's masters and states live (plan/experts.py): rebuilt from the expert-DP partitions under
+    # their global names, every expert's fp32 masters round to the bf16 weights its own expert file holds
     said = "mixture of experts (4 experts in each of 1 MoE layer(s); param group(s) 2 partitioned over "
-    assert refused.returncode == 2 and said in refused.stderr and "EP=2)" in refused.stderr, refused.stderr
-    assert not list(root.glob("*_universal*"))
-    # where each expert's masters live (plan/experts.py): rebuilt from the expert-DP partitions under their global
-    # names, every expert's fp32 masters round to the bf16 weights its own expert file holds
-    masters = _experts_from_rank_files(root / "global_step3", dp=4, ep=2, experts=4)
+    said += "expert-data-parallel size 2 at DP=4: EP=2)"
+    rebuilt = _experts_from_rank_files(root / "global_step3", dp=4, ep=2, experts=4)
     saved = {}
     for name in experts:
         saved.update(torch.load(root / "global_step3" / name, weights_only=False))
-    assert sorted(masters) == sorted(saved) and len(saved) == 8
+    assert sorted(rebuilt["fp32"]) == sorted(saved) and len(saved) == 8
+    assert sorted(rebuilt) == ["exp_avg", "exp_avg_sq", "fp32"]
     for name, weight in saved.items():
-        assert torch.equal(masters[name].view(weight.shape).to(torch.bfloat16), weight), name
+        assert torch.equal(rebuilt["fp32"][name].view(weight.shape).to(torch.bfloat16), weight), name
+    # the background conversion: every expert a parameter of its own under its global name, each state bit for bit
+    # the independent rebuild's; the dense groups and the gate verified against the source; the expert files copied
+    out = root / "global_step3_universal"
+    assert universal_state(out) == "complete" and read_manifest(out)["parallel"]["ep"] == 2
+    for state, by_name in rebuilt.items():
+        for name, values in by_name.items():
+            converted = torch.load(out / "zero" / name / f"{state}.pt", weights_only=False)[F.PARAM]
+            assert torch.equal(converted, values.view(saved[name].shape)), (state, name)
+    gates = [p.name for p in (out / "zero").iterdir() if ".gate." in p.name]
+    assert gates and all((out / "zero" / g / "exp_avg_sq.pt").is_file() for g in gates), gates
+    assert sorted(p.name for p in out.glob("layer_*_expert_*")) == experts
+    report = verify_universal(out, source=root / "global_step3")
+    assert report.ok and report.params == 22, report.problems[:5]
+    cli = [sys.executable, "-m", "megatron_ucp.cli"]
+    inspected = subprocess.run([*cli, "inspect", str(root), "--tag", "global_step3"], capture_output=True, text=True)
+    assert inspected.returncode == 0 and said in inspected.stdout, inspected.stdout[-2000:] + inspected.stderr
+    status = subprocess.run([*cli, "status", str(root)], capture_output=True, text=True)
+    assert re.search(r"global_step3 +yes +complete +4 \(EP=2\)", status.stdout), status.stdout + status.stderr
     from megatron_ucp.deepspeed.reader import read_checkpoint
     from megatron_ucp.errors import CheckpointFormatError
 
@@ -414,27 +448,30 @@ def test_moe_job_trains_saves_and_resumes_as_stock_with_one_warning(mds_checkout
     with pytest.raises(CheckpointFormatError, match=r"layer_0_expert_3_mp_rank_00_model_states\.pt is missing"):
         read_checkpoint(broken)
 
-    def resume(folder: Path) -> MdsResult:
-        ckpt = _restart_copy(root, folder / "ckpt")
-        run = MdsRun(nproc=4, ckpt=ckpt, optimizer="zero", train_iters=6, save_interval=100)
-        run.extra_args = [*MOE_ARGS]
-        return run_mds(mds_checkout, run)
 
-    resumed = mds_runs.get("moe-resume", resume)
-    assert len([line for line in resumed.ucp_lines() if "mixture-of-experts" in line]) == 1, resumed.ucp_lines()
-    assert_continues(resumed, res, optimizer="zero")
+def test_moe_job_resumes_at_the_same_layout_as_deepspeed_loads_it(mds_checkout, mds_runs):
+    root, reference = _moe_trained(mds_checkout, mds_runs)
+    resumed = _moe_resumed(mds_checkout, mds_runs, root, dp=4, ep=2)
+    decided = [line for line in resumed.ucp_lines() if "DP unchanged (4)" in line]
+    assert decided and "DeepSpeed's own load of the expert groups" in decided[0], resumed.ucp_lines()
+    assert_continues(resumed, reference, optimizer="zero")
 
-    # the same DP at EP 4: stock DeepSpeed would load every rank's saved partition into other experts, silently
-    # (rank d held experts of expert-parallel rank d % 2); refused before anything is loaded
-    def resume_at_ep4(folder: Path) -> MdsResult:
-        ckpt = _restart_copy(root, folder / "ckpt")
-        run = MdsRun(nproc=4, ckpt=ckpt, optimizer="zero", train_iters=6, save_interval=100, expect_failure=True)
-        run.extra_args = [*MOE_ARGS[:3], "4", *MOE_ARGS[4:]]
-        return run_mds(mds_checkout, run)
 
-    refused = mds_runs.get("moe-ep4", resume_at_ep4)
-    said = "were saved partitioned over 2 ranks (EP=2 at DP=4) and this job partitions them over 1 (EP=4)"
-    assert refused.returncode != 0 and said in refused.log and not refused.losses, refused.log[-3000:]
+@pytest.mark.parametrize(
+    "dp, ep, changed",
+    [(2, 2, "DP changed 4 -> 2"), (4, 4, "EP changed 2 -> 4"), (4, 1, "EP changed 2 -> 1")],
+    ids=["dp2", "ep4", "ep1"],
+)
+def test_moe_job_resumes_at_another_dp_or_ep_through_the_universal_folder(mds_checkout, mds_runs, dp, ep, changed):
+    """Every expert found under its global index by the ranks that hold it now (expert-DP changes with DP; at
+    another EP each rank holds other experts), every element accounted for, and the curve continues."""
+    root, reference = _moe_trained(mds_checkout, mds_runs)
+    resumed = _moe_resumed(mds_checkout, mds_runs, root, dp=dp, ep=ep)
+    decided = [line for line in resumed.ucp_lines() if changed in line]
+    assert decided and "loading global_step3_universal" in decided[0], resumed.ucp_lines()
+    summary = assert_accounted(resumed)
+    assert f"DP 4 -> {dp}" in summary, summary
+    assert_continues(resumed, reference, optimizer="zero")
 
 
 # ------------------------------------------------------------------------------------------------

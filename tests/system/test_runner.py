@@ -215,14 +215,19 @@ def test_dp_change_keeps_the_global_batch_and_reseeds():
     assert "cannot be mapped to DP=384: adding --no-load-rng" in text
 
 
-def test_a_mixture_of_experts_checkpoint_is_left_to_stock_at_a_dp_change():
+def test_a_mixture_of_experts_checkpoint_goes_through_the_universal_folder_at_a_dp_change():
     import dataclasses
 
     p = plan(facts=dataclasses.replace(FACTS, experts=8))
     text = "\n".join(p.notes)
-    assert "reshards" not in text and "universal" not in text, p.notes
-    assert "mixture-of-experts checkpoint (8 experts per MoE layer)" in p.warnings[0]
-    assert "refuses ZeRO optimizer states saved at DP=768 at DP=384" in p.warnings[0]
+    assert "reshards" not in text and not p.warnings, (p.notes, p.warnings)
+    assert (
+        "mixture-of-experts checkpoint (8 experts per MoE layer): the elastic-resume hook loads the universal " in text
+    )
+    left = plan(facts=dataclasses.replace(FACTS, experts=8, tp=2), world=768)  # TP 2 -> 1: left to stock
+    assert (
+        "with TP or PP > 1" in left.warnings[0] and "refuses ZeRO optimizer states saved at DP=768" in left.warnings[0]
+    )
     facts = L.facts_from_model_states("/ckpt", "global_step3", {"dp_world_size": 4, "num_experts": [4]})
     assert facts.experts == 4 and L.facts_from_model_states("/c", "t", {"num_experts": [1]}).experts == 1
 

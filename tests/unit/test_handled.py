@@ -33,10 +33,16 @@ def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(surface, "_CHECKED", set())
 
 
-def test_expert_groups_of_other_dp_sizes_are_left_to_stock(monkeypatch) -> None:
+def test_groups_of_other_dp_sizes_are_handled_when_they_are_experts_at_tp_pp_1(monkeypatch) -> None:
     monkeypatch.setattr(surface, "group_dp_sizes", lambda optimizer: [4, 4, 2])
-    reason = handled.unhandled_reason(_Engine(BF16_Optimizer()))
-    assert reason is not None and "[4, 4, 2]" in reason and "mixture-of-experts" in reason
+    engine = _Engine(BF16_Optimizer())
+    reason = handled.unhandled_reason(engine)  # no MoE layers: groups partitioned otherwise, not understood
+    assert reason is not None and "[4, 4, 2]" in reason and "not experts" in reason
+    engine.has_moe_layers = True
+    assert handled.unhandled_reason(engine) is None  # expert groups over expert-DP: saved, converted, resharded
+    monkeypatch.setattr(handled, "expert_model_parallel", lambda engine: 2)
+    reason = handled.unhandled_reason(engine)
+    assert reason is not None and "mixture-of-experts" in reason and "TP x PP = 2" in reason
     monkeypatch.setattr(surface, "group_dp_sizes", lambda optimizer: [4, 4])
     assert handled.unhandled_reason(_Engine(BF16_Optimizer())) is None
 

@@ -206,3 +206,31 @@ def test_latest_universal_that_does_not_name_the_twin_of_latest_is_reported(tmp_
     (tmp_path / "global_step6_universal" / "zero").mkdir(parents=True)
     (tmp_path / "global_step6_universal" / "zero" / "optimizer_state.pt").write_bytes(b"x")
     assert lagging_universal_pointer(tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    "saved, live, route, said",
+    [
+        (
+            (768, 8),
+            (512, 8),
+            Route.CONVERT_THEN_UNIVERSAL,
+            "DP changed 768 -> 512 (mixture of experts: the expert groups go",
+        ),
+        ((768, 8), (768, 16), Route.CONVERT_THEN_UNIVERSAL, "EP changed 8 -> 16 (mixture of experts"),
+        ((768, 8), (768, 8), Route.NATIVE, "DP unchanged (768): native load"),
+    ],
+)
+def test_a_mixture_of_experts_save_changing_dp_or_ep_goes_through_the_universal_folder(saved, live, route, said):
+    """Never the native reshard (it does not place experts yet), whatever the resume route asks; at the same DP
+    and EP, DeepSpeed's own load (each rank's saved partitions are its own experts')."""
+    d = decide(
+        saved=ParallelLayout(dp=saved[0], ep=saved[1]), live=ParallelLayout(dp=live[0], ep=live[1]), resume_route="auto"
+    )
+    assert d.route is route and said in d.message, d.message
+    no_states = decide(
+        saved=ParallelLayout(dp=768, ep=8), live=ParallelLayout(dp=768, ep=16), loads_optimizer_states=False
+    )
+    assert (
+        no_states.route is Route.NATIVE and "EP changed 8 -> 16 but no optimizer states are loaded" in no_states.message
+    )
