@@ -102,6 +102,13 @@ ZERO3_MATRIX := (zero3 and (trains or dp3))
 # harness's, ELASTIC_TESTS), ZeRO-3's, and a GPTModelPipe PP=2 save resumed at another DP on the oldest release.
 MDS_RELEASE = ((training or dp3_with_no_flag$(if $(filter 0.16.2,$(1)), or pp2_hooked)) and $(call mds_class,$(1))) \
 	or $(ZERO3_MATRIX)
+# Left out of the full run (the suite's time), each covered elsewhere: DeepSpeedZeroOptimizer's universal route
+# under the real Megatron-DeepSpeed is every MoE resume's (and the harness compares it with the native reshard rank
+# by rank, bit for bit); the same-DP restart's per-rank reads are measured in the harness (test_module_read), the
+# DP change's under the real Megatron-DeepSpeed too.
+MDS_FULL_DESELECT := \
+	--deselect "tests/integration/test_megatron_deepspeed.py::test_resume_at_dp3_through_the_universal_route_gives_the_same_losses[zero]" \
+	--deselect "tests/integration/test_megatron_deepspeed.py::test_each_rank_reads_its_share_of_the_checkpoint[same-dp-zero]"
 mds_class = $(word 2,$(subst :, ,$(filter $(1):%,0.16.2:zero 0.16.9:bf16 0.17.6:zero 0.18.9:bf16 0.19.5:zero)))
 elastic_class = $(word 2,$(subst :, ,$(filter $(1):%,0.16.2:bf16 0.16.9:zero 0.18.9:bf16 0.19.5:zero)))
 # On DS_INTEGRATION_FULL the elastic loads run under the real Megatron-DeepSpeed (every route, both classes) and, in the
@@ -188,7 +195,7 @@ test-matrix: matrix
 			PYTHONPATH=$(abspath $(MATRIX_DIR))/$(v) MEGATRON_DEEPSPEED_DIR=$(MEGATRON_DEEPSPEED_DIR) EZPZ_DIR=$(EZPZ_DIR) \
 				MEGATRON_UCP_REQUIRE_INTEGRATION=1 MEGATRON_UCP_MDS_CACHE=$(abspath $(RESULTS))/mds-checkout \
 				$(BIN)/python -m pytest -q tests/integration \
-				$(if $(filter $(DS_INTEGRATION_FULL),$(v)),,-k "$(call MDS_RELEASE,$(v))") \
+				$(if $(filter $(DS_INTEGRATION_FULL),$(v)),$(MDS_FULL_DESELECT),-k "$(call MDS_RELEASE,$(v))") \
 				--junitxml=$(RESULTS)/megatron-deepspeed-$(v).xml || status=1; ,) \
 	) \
 	$(foreach v,$(TORCH28_DS),\

@@ -85,8 +85,10 @@ def live_ep(engine: Any) -> int:
     """The expert-parallel size of a mixture-of-experts job: DP over its expert groups' partition count (1 for
     any other job, and for ZeRO-3, whose experts the hooks leave to stock DeepSpeed)."""
     optimizer = getattr(engine, "optimizer", None)
-    layout = surface.engine_layout(engine) if optimizer is not None else None
-    if not getattr(engine, "has_moe_layers", False) or layout is None or layout.per_parameter:
+    if not getattr(engine, "has_moe_layers", False) or optimizer is None:
+        return 1
+    layout = surface.engine_layout(engine)
+    if layout is None or layout.per_parameter:
         return 1
     sizes = surface.group_dp_sizes(optimizer)
     return max(sizes) // min(sizes)
