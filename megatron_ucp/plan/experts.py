@@ -57,7 +57,10 @@ class ExpertFacts:
 
     @property
     def ep(self) -> Optional[int]:
-        """The expert-parallel size DP / expert-DP, when it divides."""
+        """The expert-parallel size DP / expert-DP, when it divides (1 when no group is partitioned apart: the
+        experts are partitioned over DP with the dense groups)."""
+        if not self.expert_groups:
+            return 1
         if not self.expert_dp or self.dp % self.expert_dp:
             return None
         return self.dp // self.expert_dp
@@ -101,7 +104,9 @@ class ExpertFacts:
         files = (
             f"{self.experts} experts in each of {len(self.layers)} MoE layer(s)" if self.layers else "no expert files"
         )
-        groups = ", ".join(map(str, self.expert_groups)) or "none"
+        if not self.expert_groups:
+            return f"mixture of experts ({files}; partitioned over DP={self.dp} with the dense groups: EP=1)"
+        groups = ", ".join(map(str, self.expert_groups))
         where = (
             f"partitioned over expert-data-parallel size {self.expert_dp}" if self.expert_dp else "partitioned apart"
         )

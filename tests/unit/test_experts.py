@@ -34,6 +34,9 @@ def test_the_expert_groups_and_files_give_the_expert_parallel_size() -> None:
         "expert-data-parallel size 2 at DP=8: EP=4)"
     )
     assert expert_facts(names()[:9], [8, 8], dp=8) is None  # a dense save
+    ep1 = expert_facts(names(), [8, 8], dp=8, model_experts=[4, 4])  # experts partitioned over DP: EP 1
+    assert ep1 is not None and ep1.ep == 1 and ep1.problems() == []
+    assert ep1.describe().endswith("partitioned over DP=8 with the dense groups: EP=1)")
 
 
 @pytest.mark.parametrize(
