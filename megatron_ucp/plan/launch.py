@@ -43,6 +43,8 @@ class MegatronArgs:
     universal_checkpoint: bool = False
     finetune: bool = False
     no_load_optim: bool = False
+    expert_parallel: int = 1
+    """``--moe-expert-parallel-size`` (the fork's default 1)."""
 
 
 def _last_value(args: Sequence[str], name: str) -> Optional[str]:
@@ -80,6 +82,7 @@ def megatron_args(script_args: Sequence[str]) -> MegatronArgs:
         universal_checkpoint="--universal-checkpoint" in flags,
         finetune="--finetune" in flags,
         no_load_optim="--no-load-optim" in flags,
+        expert_parallel=int_or_none(_last_value(script_args, "--moe-expert-parallel-size"), "EP") or 1,
     )
 
 
@@ -112,6 +115,8 @@ class CheckpointFacts:
     pp: int = 1
     experts: int = 1
     """Experts per MoE layer the model states record (``num_experts``; 1: no mixture of experts)."""
+    ep: int = 1
+    """The expert-parallel size Megatron's saved ``args`` record (``moe_expert_parallel_size``)."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,8 @@ def plan_launch(
     now = (margs.tensor_parallel, margs.pipeline_parallel, dp_to)
     if saved == now:
         at = f"({dp_to})" if saved[:2] == (1, 1) else f"(TP={now[0]}, PP={now[1]}, DP={dp_to})"
+        if facts.experts > 1 and facts.ep != margs.expert_parallel:
+            return _expert_parallel_change(margs, facts, config, where, at, dp_from, dp_to)
         return LaunchPlan(
             notes=(f"resuming {where} at the DP size it was saved at {at}",), dp_from=dp_from, dp_to=dp_to
         )
@@ -282,6 +289,37 @@ def plan_launch(
     )
 
 
+def _expert_parallel_change(
+    margs: MegatronArgs, facts: CheckpointFacts, config: UcpConfig, where: str, at: str, dp_from: int, dp_to: int
+) -> LaunchPlan:
+    """The same DP with another EP: nothing of the batch or the RNG states changes, each rank holds other experts."""
+    change = f"EP change: {where} was saved at EP={facts.ep} {at}, this job runs at EP={margs.expert_parallel}"
+    if margs.no_load_optim or margs.finetune:
+        return LaunchPlan(
+            notes=(f"{change}: no optimizer states loaded, DeepSpeed loads each expert's weights",),
+            dp_from=dp_from,
+            dp_to=dp_to,
+        )
+    if not config.elastic_resume or facts.tp * facts.pp > 1:
+        return LaunchPlan(
+            notes=(change,),
+            warnings=(
+                "DeepSpeed will load every rank's saved expert partitions into the experts the rank holds now, which "
+                "are other experts (megatron-ucp reshards experts at TP = PP = 1 with elastic resume on)",
+            ),
+            dp_from=dp_from,
+            dp_to=dp_to,
+        )
+    return LaunchPlan(
+        notes=(
+            f"{change}: the elastic-resume hook loads the universal twin of {facts.tag}, every expert under its global "
+            "index (converting it first if it does not exist yet)",
+        ),
+        dp_from=dp_from,
+        dp_to=dp_to,
+    )
+
+
 @dataclass(frozen=True)
 class BatchEnv:
     """Variables for ALCF/helpers.sh so that a resume keeps the checkpoint's global batch."""
@@ -374,6 +412,7 @@ def facts_from_model_states(load_dir: str, tag: str, states: Mapping[str, Any]) 
     iteration = states.get("iteration")
     tp, pp = tp_pp_of_states(states) or (1, 1)
     experts = recorded_experts(states.get("num_experts")) or 1
+    ep = getattr(ckpt_args, "moe_expert_parallel_size", None)
     return CheckpointFacts(
         load_dir=load_dir,
         tag=tag,
@@ -384,4 +423,5 @@ def facts_from_model_states(load_dir: str, tag: str, states: Mapping[str, Any]) 
         tp=tp,
         pp=pp,
         experts=experts,
+        ep=ep if isinstance(ep, int) and ep > 0 else 1,
     )

@@ -469,6 +469,8 @@ def test_moe_job_resumes_at_another_dp_or_ep_through_the_universal_folder(mds_ch
     resumed = _moe_resumed(mds_checkout, mds_runs, root, dp=dp, ep=ep)
     decided = [line for line in resumed.ucp_lines() if changed in line]
     assert decided and "loading global_step3_universal" in decided[0], resumed.ucp_lines()
+    said = f"was saved at EP=2 (4), this job runs at EP={ep}: the elastic-resume hook loads the universal twin"
+    assert dp != 4 or any(said in line for line in resumed.ucp_lines()), resumed.ucp_lines()  # the runner, before
     summary = assert_accounted(resumed)
     assert f"DP 4 -> {dp}" in summary, summary
     assert_continues(resumed, reference, optimizer="zero")

@@ -232,6 +232,30 @@ def test_a_mixture_of_experts_checkpoint_goes_through_the_universal_folder_at_a_
     assert facts.experts == 4 and L.facts_from_model_states("/c", "t", {"num_experts": [1]}).experts == 1
 
 
+def test_an_expert_parallel_change_at_the_same_dp_keeps_the_rng_states_and_loads_the_universal_twin():
+    import argparse
+    import dataclasses
+
+    saved = L.facts_from_model_states(
+        "/ckpt",
+        "global_step3",
+        {"dp_world_size": 768, "num_experts": [8], "args": argparse.Namespace(moe_expert_parallel_size=8)},
+    )
+    assert saved.ep == 8
+    moe = dataclasses.replace(FACTS, experts=8, ep=8)
+    p = plan(["--moe-expert-parallel-size", "16"], facts=moe, world=768)
+    assert p.notes == (
+        "EP change: /ckpt/global_step100 was saved at EP=8 (768), this job runs at EP=16: the elastic-resume hook "
+        "loads the universal twin of global_step100, every expert under its global index (converting it first if it "
+        "does not exist yet)",
+    )
+    assert p.extra_args == () and p.reseed_base is None and not p.warnings  # the same DP: RNG states map as saved
+    same = plan(["--moe-expert-parallel-size", "8"], facts=moe, world=768)
+    assert same.notes == ("resuming /ckpt/global_step100 at the DP size it was saved at (768)",)
+    stock = plan(["--moe-expert-parallel-size", "16"], facts=moe, world=768, config=UcpConfig(elastic_resume=False))
+    assert "which are other experts" in stock.warnings[0]
+
+
 def test_same_dp_changes_nothing():
     p = plan(world=768)
     assert not p.dp_changed and p.extra_args == () and p.reseed_base is None
