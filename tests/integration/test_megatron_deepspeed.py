@@ -434,11 +434,13 @@ def test_moe_job_saves_through_the_hooks_and_converts_every_expert_in_the_backgr
     assert sorted(p.name for p in out.glob("layer_*_expert_*")) == experts
     report = verify_universal(out, source=root / "global_step3")
     assert report.ok and report.params == 22, report.problems[:5]
-    cli = [sys.executable, "-m", "megatron_ucp.cli"]
-    inspected = subprocess.run([*cli, "inspect", str(root), "--tag", "global_step3"], capture_output=True, text=True)
-    assert inspected.returncode == 0 and said in inspected.stdout, inspected.stdout[-2000:] + inspected.stderr
-    status = subprocess.run([*cli, "status", str(root)], capture_output=True, text=True)
-    assert re.search(r"global_step3 +yes +complete +4 \(EP=2\)", status.stdout), status.stdout + status.stderr
+    from megatron_ucp.background.status import format_status, root_status
+    from megatron_ucp.convert.inspection import format_report, inspect_checkpoint
+
+    inspected = format_report(inspect_checkpoint(root, "global_step3", range(1, 9)))  # what `inspect` prints
+    assert said in inspected and "group 2: N=49,152, 4 params (one expert-parallel rank's experts" in inspected
+    status = format_status(root_status(root))  # what `status` prints
+    assert re.search(r"global_step3 +yes +complete +4 \(EP=2\)", status), status
     from megatron_ucp.deepspeed.reader import read_checkpoint
     from megatron_ucp.errors import CheckpointFormatError
 

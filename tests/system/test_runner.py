@@ -612,7 +612,7 @@ def _launch(args, nprocs, tmp, name, env=None):
 
 def test_the_runner_waits_for_the_last_saves_conversion_when_the_script_ends(tmp_path):
     """The script exits (Megatron's --exit-interval: sys.exit) while the background conversion of its
-    last save still runs (the converter pauses 8 s after its first parameter): the runner waits for it
+    last save still runs (the converter pauses 4 s after its first parameter): the runner waits for it
     before it uninstalls the hooks, so the job ends with the twin complete. (Uninstalling used to drop
     the end-of-run wait: only conversions quicker than the end of the script finished.)"""
     from megatron_ucp.convert.universal import universal_state
@@ -633,7 +633,7 @@ def test_the_runner_waits_for_the_last_saves_conversion_when_the_script_ends(tmp
         1,
         tmp_path,
         "save",
-        env={PAUSE_ENV: "global_step2:8:0"},
+        env={PAUSE_ENV: "global_step2:4:0"},
     )
     assert sorted(losses) == [1, 2]
     assert "waiting up to" in text and "background conversions in" in text and "finished" in text, text[-3000:]
