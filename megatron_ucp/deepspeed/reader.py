@@ -146,9 +146,10 @@ class CheckpointFiles:
         return bool(self.zero3_model_files)
 
     def identity_files(self) -> list[Path]:
-        """Every file a conversion reads (what a twin is bound to)."""
+        """Every file a conversion reads (what a twin is bound to): an MoE save's expert files too (copied, and
+        their shapes read where DeepSpeed wrote no ``param_shapes``)."""
         models = self.zero3_model_files or self.model_files or (self.model_states,)
-        return [*models, *self.rank_files]
+        return [*models, *self.rank_files, *(self.tag_dir / name for name in self.expert_files)]
 
     def coordinate_files(self, mp: int) -> tuple[Path, ...]:
         """The rank files of one model-parallel rank, index = DP rank."""
