@@ -22,7 +22,7 @@ from typing import Optional
 from megatron_ucp.background import queue as B
 from megatron_ucp.background.store import PROGRESS_DIR, job_facts, read_queue, read_registrations, ucp_dir
 from megatron_ucp.convert.universal import inspect_staging, read_manifest, universal_state
-from megatron_ucp.deepspeed.reader import human_bytes, recorded_dp, recorded_ep
+from megatron_ucp.deepspeed.reader import human_bytes, recorded_sizes
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
@@ -202,7 +202,7 @@ def _native_dp(tag_dir: Path) -> tuple[Optional[int], Optional[int]]:
     (status describes, it does not fail)."""
 
     try:
-        return recorded_dp(tag_dir), recorded_ep(tag_dir)
+        return recorded_sizes(tag_dir)
     except CheckpointFormatError:
         return None, None
 

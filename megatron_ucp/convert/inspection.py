@@ -236,13 +236,14 @@ def inspect_checkpoint(path: Path, tag: Optional[str], target_dps: Sequence[int]
         return report
     reports = []
     for c in meta.coordinates:  # each coordinate has its own geometry, so its own stock crashes
-        groups = []
-        for g, specs in enumerate(c.model.param_groups):
-            numel = sum(s.numel for s in specs)
-            pad = c.layouts[0].groups[g].param_alignment_padding
-            groups.append(GroupGeometry(numel=numel, dp=meta.dp, padded_numel=numel + pad))
         if meta.experts is not None:  # expert groups over expert-DP: the plan's geometry, checked against the files
             groups = [g.geometry for g in plan.groups]
+        else:
+            groups = []
+            for g, specs in enumerate(c.model.param_groups):
+                numel = sum(s.numel for s in specs)
+                pad = c.layouts[0].groups[g].param_alignment_padding
+                groups.append(GroupGeometry(numel=numel, dp=meta.dp, padded_numel=numel + pad))
         recorded = [[lay.groups[g].recorded_padding for lay in c.layouts] for g in range(len(groups))]
         reports.append(
             inspect_geometry(

@@ -34,7 +34,13 @@ from megatron_ucp.format.paths import normalize_tag, read_tag_file, special_kind
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.plan.conversion import Fragment, ParamSpec, RankGroupLayout, RankLayout
 from megatron_ucp.plan.expert_plan import derive_param_groups
-from megatron_ucp.plan.experts import EXPERT_FILE_RE, ExpertFacts, expert_facts, recorded_experts
+from megatron_ucp.plan.experts import (
+    EXPERT_FILE_RE,
+    ExpertFacts,
+    expert_facts,
+    recorded_expert_parallel,
+    recorded_experts,
+)
 from megatron_ucp.plan.geometry import PaddingStyle
 from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.tensor_parallel import (
@@ -623,27 +629,16 @@ def model_states_path(tag_dir: Path) -> Optional[Path]:
     return zero3 if zero3.is_file() else None
 
 
-def recorded_dp(tag_dir: Path) -> Optional[int]:
-    """``dp_world_size`` recorded in a tag's model states (mapped: no weight bytes read); None when
-    the tag has no model states or they record none. A damaged file raises :class:`CheckpointFormatError`."""
+def recorded_sizes(tag_dir: Path) -> tuple[Optional[int], Optional[int]]:
+    """``dp_world_size`` and, for a mixture-of-experts save, the EP its model states record (one mapped read, no
+    weight bytes); None for what the tag's model states (or their absence) do not say. A damaged file raises
+    :class:`CheckpointFormatError`."""
     path = model_states_path(Path(tag_dir))
     if path is None:
-        return None
+        return None, None
     states = load_raw(path, random_access=True)
     dp = states.get(F.DP_WORLD_SIZE) if isinstance(states, dict) else None
-    return int(dp) if dp is not None else None
-
-
-def recorded_ep(tag_dir: Path) -> Optional[int]:
-    """The expert-parallel size of a mixture-of-experts save, from its model states (``num_experts`` and
-    Megatron's ``args.moe_expert_parallel_size``; mapped, no weight bytes read); None for any other save or
-    when it records none. A damaged file raises :class:`CheckpointFormatError`."""
-    path = model_states_path(Path(tag_dir))
-    states = load_raw(path, random_access=True) if path is not None else None
-    if not isinstance(states, dict) or recorded_experts(states.get("num_experts")) is None:
-        return None
-    ep = getattr(states.get("args"), "moe_expert_parallel_size", None)
-    return ep if isinstance(ep, int) else None
+    return (int(dp) if dp is not None else None), recorded_expert_parallel(states)
 
 
 @dataclass(frozen=True)
@@ -685,14 +680,15 @@ def saved_layout(tag_dir: Path) -> Optional[SavedLayout]:
 
 
 def _saved_ep(tag_dir: Path, dp: int) -> int:
-    """A mixture-of-experts save's EP: DP over the expert groups' partition count in its first rank file
-    (the pickle only); 1 when it has none (ZeRO-3, or experts partitioned over DP)."""
+    """A mixture-of-experts save's EP from the partition counts in its first rank file (the pickle only); 1 when
+    it has none (ZeRO-3, or experts partitioned over DP) or they do not add up (the reader says why)."""
     first = next(iter(sorted(tag_dir.glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))), None)
     raw = load_raw(first, random_access=True) if first is not None else None
     counts = raw.get(F.OPTIMIZER_STATE_DICT, {}).get(F.PARTITION_COUNT) if isinstance(raw, dict) else None
-    if not isinstance(counts, (list, tuple)) or not counts or dp % int(min(counts)):
+    if not isinstance(counts, (list, tuple)):
         return 1
-    return dp // int(min(counts))
+    experts = expert_facts((), counts, dp)
+    return (experts.ep or 1) if experts is not None else 1
 
 
 def rank_file_count_problem(tag_dir: Path, dp: int) -> Optional[str]:

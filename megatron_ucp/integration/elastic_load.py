@@ -267,12 +267,11 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
         if decision.route is Route.NATIVE:
             if decision.checkpoint_dp is None or not loads_states:
                 return original(self, load_dir, tag, **kwargs)
-            if live_ep(self) > 1:  # each rank's saved partitions are its own experts': DeepSpeed's load places them
+            ep = live_ep(self)
+            if ep > 1:  # each rank's saved partitions are its own experts': DeepSpeed's load places them
                 if is_first():
                     log.info(
-                        "megatron-ucp: %s (EP=%d: DeepSpeed's own load of the expert groups)",
-                        decision.message,
-                        live_ep(self),
+                        "megatron-ucp: %s (EP=%d: DeepSpeed's own load of the expert groups)", decision.message, ep
                     )
                 return original(self, load_dir, tag, **kwargs)
             if is_first():

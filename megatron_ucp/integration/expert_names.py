@@ -39,7 +39,7 @@ def live_expert_names(optimizer: Any, names: dict[Any, str]) -> dict[Any, str]:
             if dp % size or place != layout.expert_data_parallel_rank(d):
                 raise PlanError(
                     f"DP rank {d} of {dp} is rank {place} of param group {g}'s {size} ranks; DeepSpeed-MoE's layout "
-                    f"puts it at {d // max(1, dp // size)}"
+                    f"puts it at {layout.expert_data_parallel_rank(d)}"
                 )
             local = [names[lp] for lp in lps]
             mapping = global_expert_names(local, layout.expert_parallel_rank(d))

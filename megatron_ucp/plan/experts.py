@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from megatron_ucp.errors import PlanError
 from megatron_ucp.plan.parallel_layout import ParallelLayout
@@ -147,6 +147,15 @@ def recorded_experts(num_experts: object) -> Optional[int]:
     counts = num_experts if isinstance(num_experts, (list, tuple)) else [num_experts]
     counts = [int(n) for n in counts if isinstance(n, int)]
     return max(counts) if counts else None
+
+
+def recorded_expert_parallel(states: object) -> Optional[int]:
+    """The EP a model-states dict of an MoE save records (Megatron's ``args.moe_expert_parallel_size``, where
+    ``num_experts`` says it is one); None for any other save or when it records none."""
+    if not isinstance(states, Mapping) or recorded_experts(states.get("num_experts")) is None:
+        return None
+    ep = getattr(states.get("args"), "moe_expert_parallel_size", None)
+    return ep if isinstance(ep, int) and ep > 0 else None
 
 
 def expert_layout_change(saved_counts: Sequence[int], live_counts: Sequence[int]) -> Optional[str]:

@@ -18,7 +18,7 @@ from megatron_ucp import launchenv
 from megatron_ucp.config import RunnerSettings, UcpConfig
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.plan.experts import recorded_experts
+from megatron_ucp.plan.experts import recorded_expert_parallel, recorded_experts
 from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.resume import checkpoint_global_batch
 from megatron_ucp.plan.tensor_parallel import tp_pp_of_states
@@ -412,7 +412,6 @@ def facts_from_model_states(load_dir: str, tag: str, states: Mapping[str, Any]) 
     iteration = states.get("iteration")
     tp, pp = tp_pp_of_states(states) or (1, 1)
     experts = recorded_experts(states.get("num_experts")) or 1
-    ep = getattr(ckpt_args, "moe_expert_parallel_size", None)
     return CheckpointFacts(
         load_dir=load_dir,
         tag=tag,
@@ -423,5 +422,5 @@ def facts_from_model_states(load_dir: str, tag: str, states: Mapping[str, Any]) 
         tp=tp,
         pp=pp,
         experts=experts,
-        ep=ep if isinstance(ep, int) and ep > 0 else 1,
+        ep=recorded_expert_parallel(states) or 1,
     )
