@@ -49,7 +49,7 @@ from megatron_ucp.format.torchload import structure_problems, torch_reader_probl
 from megatron_ucp.integration import log_visibility
 from megatron_ucp.integration.collectives import Failure, decide_on_first, is_first
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
-from megatron_ucp.integration.live_layout import current_layout, live_ep
+from megatron_ucp.integration.live_layout import current_layout
 from megatron_ucp.integration.model_states_load import one_model_states_file_per_rank
 from megatron_ucp.integration.module_read import with_the_rest_exchanged
 from megatron_ucp.integration.moe_load import refuse_an_expert_layout_change
@@ -165,7 +165,10 @@ def _gather_and_decide(
         saved = saved_layout(tag_dir) if tag_dir.is_dir() else None
         if saved is not None:
             saved_as = saved.layout
-            names_match = saved.param_names == _live_param_names(engine)
+            # a mixture-of-experts save of DeepSpeed < 0.19 lists no names (no param_shapes): the native routes
+            # check every rank file's fragments against the job's names instead
+            unlisted = not saved.param_names and saved_as is not None and saved_as.ep > 1
+            names_match = unlisted or saved.param_names == _live_param_names(engine)
             stage_change = _stage_change(engine, saved.per_parameter)
             regrouped = stage_change is None and _regrouped(engine, saved.states)
             if seen is not None:
@@ -266,13 +269,6 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
         per_parameter = surface.engine_layout(self).per_parameter
         if decision.route is Route.NATIVE:
             if decision.checkpoint_dp is None or not loads_states:
-                return original(self, load_dir, tag, **kwargs)
-            ep = live_ep(self)
-            if ep > 1:  # each rank's saved partitions are its own experts': DeepSpeed's load places them
-                if is_first():
-                    log.info(
-                        "megatron-ucp: %s (EP=%d: DeepSpeed's own load of the expert groups)", decision.message, ep
-                    )
                 return original(self, load_dir, tag, **kwargs)
             if is_first():
                 log.info("megatron-ucp: %s", decision.message)

@@ -63,7 +63,7 @@ from megatron_ucp.plan.accounting import (
     enter_old_file_copy,
     ledger_totals,
 )
-from megatron_ucp.plan.geometry import GroupGeometry, at_dp
+from megatron_ucp.plan.geometry import GroupGeometry
 from megatron_ucp.plan.rank_binding import FileFacts, WeightTally, blame_weights, bracket_misses
 from megatron_ucp.plan.reshard import Read, reshard_reads
 
@@ -90,8 +90,7 @@ def check_live_model(
         raise UcpError(
             f"{where}: the checkpoint has {len(facts.shapes)} param groups, the optimizer {len(names)}", subject=where
         )
-    geos = []
-    for g, (saved, live_names, live_shapes, flat) in enumerate(zip(facts.shapes, names, shapes, flat_sizes)):
+    for g, (saved, live_names, live_shapes) in enumerate(zip(facts.shapes, names, shapes)):
         live = list(zip(live_names, live_shapes))
         if live != saved:
             at = next((i for i, (a, b) in enumerate(zip(saved, live)) if a != b), min(len(saved), len(live)))
@@ -102,15 +101,14 @@ def check_live_model(
                 f"{theirs}, the model {ours} ({len(saved)} vs {len(live)} parameters)",
                 subject=where,
             )
-        numel = sum(int(torch.Size(shape).numel()) for _, shape in saved)
-        geo = GroupGeometry(numel=numel, dp=facts.dp_from)
-        if at_dp([geo], dp_to)[0].partition_size != flat:
+    geos = facts.geometries()
+    for g, (geo, new, flat) in enumerate(zip(geos, facts.placement.geometries(geos, dp_to), flat_sizes)):
+        if new.partition_size != flat:
             raise UcpError(
-                f"{where}: param group {g} ({numel} elements) has a {flat}-element partition at DP={dp_to}; "
-                "the plan expects ZeRO's alignment padding only (per-parameter padding?)",
+                f"{where}: param group {g} ({geo.numel} elements) has a {flat}-element partition at DP={dp_to}; "
+                f"the plan expects ZeRO's alignment padding only over {new.dp} partitions (per-parameter padding?)",
                 subject=where,
             )
-        geos.append(geo)
     return geos
 
 
@@ -126,7 +124,7 @@ def reshard_ledger(facts: SavedFacts, geos: list[GroupGeometry], rank_file: Rank
             _row_name(rank_file, r, g): (F.FP32_STATE, *facts.states[g])
             for g, geo in enumerate(geos)
             for r in range(facts.dp_from)
-            if geo.true_length(r) > 0
+            if geo.true_length(facts.placement.index(g, r)) > 0
         }
     )
 
@@ -173,7 +171,7 @@ def copy_partitions(
                         read.length,
                         # where the bytes sit in the group's flat order: the same at the old and the new DP size
                         checksum(landed, read.position, algorithm),
-                        geo.true_length(read.source_rank) if first else None,
+                        geo.true_length(facts.placement.index(g, read.source_rank)) if first else None,
                         int(src.sums[g][state][1]) if first and src.sums is not None else None,
                         has_record=src.sums is not None,
                     )
@@ -198,8 +196,13 @@ class BoundSave:
 
     def partition(self) -> tuple[list[int], list[int]]:
         """This rank's partition start (flat position) and real length per group, at the new DP size."""
-        new = at_dp(self.geos, self.dp_to)
-        return [self.rank * g.partition_size for g in new], [g.true_length(self.rank) for g in new]
+        new = self.facts.placement.geometries(self.geos, self.dp_to)
+        at = self.indices()
+        return [i * g.partition_size for i, g in zip(at, new)], [g.true_length(i) for i, g in zip(at, new)]
+
+    def indices(self) -> list[int]:
+        """This rank's partition of each group (of its expert-parallel rank's buffer, for an expert group)."""
+        return [self.facts.placement.index(g, self.rank) for g in range(len(self.geos))]
 
     def close(self) -> None:
         for source in self.sources.values():
@@ -219,29 +222,45 @@ def bind_save(
     dist = comm()
     group = surface.dp_group(optimizer)
     dp_to, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-    facts = decide_on_first(lambda: read_facts(model_states, rank_file, states), group)
-    if isinstance(facts, Failure):
-        raise CheckpointFormatError(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
     lp_groups = lp_groups_of(optimizer)
     live_names = surface.param_names(optimizer)
+    names = [[live_names[lp] for lp in lps] for lps in lp_groups]
+    shapes = [[tuple(lp.shape) for lp in lps] for lps in lp_groups]
+    experts = len(set(surface.group_dp_sizes(optimizer))) > 1
+    live = [list(zip(n, s)) for n, s in zip(names, shapes)] if experts else None
+    facts = decide_on_first(lambda: read_facts(model_states, rank_file, states, live), group)
+    if isinstance(facts, Failure):
+        raise CheckpointFormatError(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
     flats = [g["params"][0] for g in surface.base_optimizer(optimizer).param_groups]
     try:
-        geos = check_live_model(
-            facts,
-            [[live_names[lp] for lp in lps] for lps in lp_groups],
-            [[tuple(lp.shape) for lp in lps] for lps in lp_groups],
-            [f.numel() for f in flats],
-            dp_to,
-            model_states.parent,
-        )
+        check_expert_groups(optimizer, facts, rank, model_states.parent)
+        geos = check_live_model(facts, names, shapes, [f.numel() for f in flats], dp_to, model_states.parent)
     except UcpError:
         if same_dp:
             return None  # the same answer on every rank: the facts and the live model are the same everywhere
         raise
-    reads = reshard_reads(geos, dp_to, rank)
-    positions = checked_positions(geos, facts.dp_from, dp_to, rank, reads)
+    reads = reshard_reads(geos, dp_to, rank, facts.placement)
+    positions = checked_positions(geos, facts.dp_from, dp_to, rank, reads, facts.placement)
     sources, files = bind_rank_files(facts, geos, reads, positions, rank_file, group)
     return BoundSave(facts, geos, reads, sources, rank_file, dp_to, rank, time.perf_counter() - t0, files)
+
+
+def check_expert_groups(optimizer: Any, facts: SavedFacts, rank: int, where: Path) -> None:
+    """The live groups are partitioned over as many ranks as the save's placement gives them at this DP size
+    (the same expert-parallel size), and this rank holds the partition the placement says (its place in each
+    group's own process group). Raises naming what differs: an expert layout change is the universal route's."""
+    dist = comm()
+    dp_to = dist.get_world_size(group=surface.dp_group(optimizer))
+    for g, pg in enumerate(surface.group_dp_groups(optimizer)):
+        size, mine = dist.get_world_size(group=pg), dist.get_rank(group=pg)
+        want = facts.placement.size(g, dp_to) if g < len(facts.shapes) else size
+        if (size, mine) != (want, facts.placement.index(g, rank)):
+            raise UcpError(
+                f"{where}: param group {g} is partitioned over {size} ranks in this job (this rank holds partition "
+                f"{mine}); the save's experts (EP={facts.placement.ep}) put it over {want} (partition "
+                f"{facts.placement.index(g, rank)}): an expert-parallel change goes through the universal folder",
+                subject=where,
+            )
 
 
 SavedSlice = Callable[[int], Optional[torch.Tensor]]
@@ -252,7 +271,8 @@ hooks, whose records bind the files instead)."""
 
 def loaded_weights(optimizer: Any, bound: BoundSave) -> SavedSlice:
     """The saved weights as DeepSpeed's own module load put them in this rank's partition."""
-    parts = [parts[bound.rank] for parts in surface.layout_of(optimizer).lp_partitions_of(optimizer)]
+    at = bound.indices()
+    parts = [parts[at[g]] for g, parts in enumerate(surface.layout_of(optimizer).lp_partitions_of(optimizer))]
     reals = bound.partition()[1]
     return lambda g: parts[g][: reals[g]]
 
@@ -403,16 +423,17 @@ def verify_loaded(optimizer: Any, bound: BoundSave, strict: bool = True, saved: 
     base = surface.base_optimizer(optimizer)
     tally = torch.zeros((facts.dp_from, 3), dtype=torch.int64)
     mine = bound.sources.get(rank)
+    at = bound.indices()
     with torch.no_grad():
         for g, geo in enumerate(bound.geos):
-            real = geo.true_length(rank)
+            real = geo.true_length(at[g])
             weights = saved(g)
             if weights is not None:
                 tally[rank, 0] += real
                 tally[rank, 1] += bracket_misses(masters[g][:real], weights)
             if mine is None or mine.sums is None:
                 continue
-            start = rank * geo.partition_size
+            start = at[g] * geo.partition_size
             state = base.state.get(base.param_groups[g]["params"][0], {})
             for name, (count, recorded) in mine.sums[g].items():
                 live = masters[g] if name == F.FP32_STATE else state.get(name)

@@ -64,6 +64,8 @@ def full_module_reason(engine: Any, config: UcpConfig, kwargs: dict) -> Optional
         return "no optimizer states to rebuild the weights from"
     if kwargs.get("custom_load_fn") is not None:
         return "a custom module load function"
+    if getattr(engine, "has_moe_layers", False):
+        return "mixture of experts: the experts' weights are in their own files, which DeepSpeed's module load reads"
     if not surface.loads_fp32_masters(engine):
         return "zero_optimization.load_from_fp32_weights is off: DeepSpeed derives the masters from the weights"
     return None

@@ -45,7 +45,7 @@ from megatron_ucp.plan.rank_binding import (
     recorded_sums,
     save_record_of,
 )
-from megatron_ucp.plan.reshard import Read, reshard_reads
+from megatron_ucp.plan.reshard import DENSE, Placement, Read, reshard_reads
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,15 @@ class SavedFacts:
     save_id: Optional[str] = None
     """The save's identity in the model states (saved through the hooks); None: saved without it."""
     model_states: str = ""
+    placement: Placement = DENSE
+    """Which files hold which group's partitions (a mixture-of-experts save's expert groups: expert-DP)."""
+
+    def geometries(self) -> list[GroupGeometry]:
+        """Each group's geometry at the save, over its own number of partitions."""
+        return [
+            GroupGeometry(numel=sum(math.prod(s) for _, s in group), dp=self.placement.size(g, self.dp_from))
+            for g, group in enumerate(self.shapes)
+        ]
 
 
 def absent(path: Path) -> Optional[str]:
@@ -114,11 +123,14 @@ def _tag_rank_files(folder: Path, like: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith(head + "_pp_rank_") and p.name.endswith(suffix))
 
 
-def model_states_facts(model_states: Path, states: Optional[dict] = None) -> tuple[dict, int, Optional[str]]:
-    """The model-states dict (read without the weights' bytes unless given), its DP size and save identity."""
+def model_states_facts(
+    model_states: Path, states: Optional[dict] = None, shapes_optional: bool = False
+) -> tuple[dict, int, Optional[str]]:
+    """The model-states dict (read without the weights' bytes unless given), its DP size and save identity.
+    ``shapes_optional``: a save without ``param_shapes`` is taken (the caller knows the shapes otherwise)."""
     if states is None:
         states = load_raw(model_states, random_access=True)
-    if not isinstance(states, dict) or not isinstance(states.get(F.PARAM_SHAPES), list):
+    if not isinstance(states, dict) or not (shapes_optional or isinstance(states.get(F.PARAM_SHAPES), list)):
         raise CheckpointFormatError(
             f"{model_states}: no param_shapes (not a ZeRO-1/2 model-states file)", subject=model_states
         )
@@ -130,19 +142,35 @@ def model_states_facts(model_states: Path, states: Optional[dict] = None) -> tup
     return states, dp_from, str(save_id) if save_id is not None else None
 
 
-def read_facts(model_states: Path, rank_file: RankFile, states: Optional[dict] = None) -> SavedFacts:
+def read_facts(
+    model_states: Path,
+    rank_file: RankFile,
+    states: Optional[dict] = None,
+    live_shapes: Optional[list[list[tuple[str, tuple[int, ...]]]]] = None,
+) -> SavedFacts:
     """Step 1 (first rank): the facts, checked for the old files' presence and DP size. ``states``:
-    the model states already read from ``model_states`` (else read here, without the weights' bytes)."""
-    states, dp_from, save_id = model_states_facts(model_states, states)
+    the model states already read from ``model_states`` (else read here, without the weights' bytes).
+    ``live_shapes``: the job's param groups, taken as the saved ones for a mixture-of-experts save whose
+    model states list none (DeepSpeed before 0.19); every rank file's ``param_slice_mappings`` is then
+    checked against them, fragment by fragment, before anything is read."""
+    states, dp_from, save_id = model_states_facts(model_states, states, shapes_optional=live_shapes is not None)
     expected = check_presence(model_states, rank_file, dp_from)
     first = optimizer_state(expected[0])  # its tensors are located, not read (nor read ahead)
     algorithm = checksum_algorithm(first, expected[0])
     base = first[F.BASE_OPTIMIZER_STATE]
     groups = base.get("param_groups") or []
     per_group = [base["state"].get(g, {}) for g in range(len(groups))]
+    placement = saved_placement(first.get(F.PARTITION_COUNT), dp_from, expected[0])
+    saved_shapes = states.get(F.PARAM_SHAPES)
+    if not isinstance(saved_shapes, list):
+        if placement.ep == 1 or live_shapes is None:
+            raise CheckpointFormatError(
+                f"{model_states}: no param_shapes (not a ZeRO-1/2 model-states file)", subject=model_states
+            )
+        saved_shapes = [dict(group) for group in live_shapes]
     return SavedFacts(
         dp_from=dp_from,
-        shapes=[[(name, tuple(shape)) for name, shape in group.items()] for group in states[F.PARAM_SHAPES]],
+        shapes=[[(name, tuple(shape)) for name, shape in group.items()] for group in saved_shapes],
         global_state={k: v for k, v in first.items() if k not in _PARTITIONS and k != F.UCP_SAVE_RECORD},
         param_groups=[{k: v for k, v in group.items() if k != "params"} for group in groups],
         states=[
@@ -152,7 +180,25 @@ def read_facts(model_states: Path, rank_file: RankFile, states: Optional[dict] =
         algorithm=algorithm,
         save_id=save_id,
         model_states=str(model_states),
+        placement=placement,
     )
+
+
+def saved_placement(counts: Any, dp_from: int, path: Path) -> Placement:
+    """Which groups a save partitioned over fewer ranks than DP (its experts, over expert-DP), from its
+    ``partition_count`` per group; raises naming ``path`` when they do not make one expert-parallel size."""
+    counts = list(counts) if isinstance(counts, (list, tuple)) else [counts]
+    if any(not isinstance(c, int) or c < 1 for c in counts):
+        raise CheckpointFormatError(f"{path}: no valid partition_count ({counts!r})", subject=path)
+    expert = [g for g, c in enumerate(counts) if c != dp_from]
+    sizes = {dp_from // counts[g] for g in expert if dp_from % counts[g] == 0}
+    if expert and (len(sizes) != 1 or any(dp_from % counts[g] for g in expert)):
+        raise CheckpointFormatError(
+            f"{path}: its groups' partition counts {counts} are not DP={dp_from} and one expert-data-parallel size "
+            "DP / EP",
+            subject=path,
+        )
+    return Placement.of(sizes.pop() if expert else 1, expert)
 
 
 def check_presence(model_states: Path, rank_file: RankFile, dp_from: int) -> list[Path]:
@@ -224,6 +270,7 @@ def expectation(
 ) -> FileExpectation:
     """What the file at ``position`` must hold; ``fragments``: check its ``param_slice_mappings``
     (the groups' parameters lie in ``param_shapes`` order without padding between them)."""
+    at = [facts.placement.index(g, position) for g in range(len(geos))]
     return FileExpectation(
         position=position,
         dp=facts.dp_from,
@@ -232,11 +279,12 @@ def expectation(
         needs=tuple(
             max((r.source_offset + r.length for r in g if r.source_rank == position), default=0) for g in reads
         ),
-        fragments=tuple(expected_fragments(facts.shapes[g], geo, position) for g, geo in enumerate(geos))
+        fragments=tuple(expected_fragments(facts.shapes[g], geo, at[g]) for g, geo in enumerate(geos))
         if fragments
         else None,
-        true_lengths=tuple(geo.true_length(position) for geo in geos),
+        true_lengths=tuple(geo.true_length(at[g]) for g, geo in enumerate(geos)),
         save_id=facts.save_id,
+        partition_counts=tuple(geo.dp for geo in geos) if facts.placement.ep > 1 else None,
     )
 
 
@@ -391,14 +439,17 @@ def verdict(facts: "SavedFacts | Any", seen: Sequence[FileFacts]) -> list[str]:
     return problems + cross_check(facts.model_states, facts.save_id, seen, getattr(facts, "unit", "param group"))
 
 
-def bind_folder(model_states: Path, rank_file: RankFile) -> list[str]:
+def bind_folder(
+    model_states: Path, rank_file: RankFile, shapes: Optional[list[list[tuple[str, tuple[int, ...]]]]] = None
+) -> list[str]:
     """Every rank file of a save bound to its position and to the save, in one process (tools, tests):
-    the problems a resume would name, or none."""
-    facts = read_facts(model_states, rank_file)
-    geos = [GroupGeometry(numel=sum(math.prod(s) for _, s in group), dp=facts.dp_from) for group in facts.shapes]
+    the problems a resume would name, or none. ``shapes``: the param groups, for a mixture-of-experts save
+    whose model states list none (as a resume takes the job's)."""
+    facts = read_facts(model_states, rank_file, live_shapes=shapes)
+    geos = facts.geometries()
     seen = []
     for position in range(facts.dp_from):
-        reads = reshard_reads(geos, facts.dp_from, position)
+        reads = reshard_reads(geos, facts.dp_from, position, facts.placement)
         source, file_facts = inspect_file(rank_file(position), facts, expectation(facts, geos, reads, position, True))
         if source is not None:
             source.close()
@@ -422,10 +473,19 @@ def _culprit(problem: str) -> str:
 
 
 def checked_positions(
-    geos: Sequence[GroupGeometry], dp_from: int, dp_to: int, rank: int, reads: Sequence[Sequence[Read]]
+    geos: Sequence[GroupGeometry],
+    dp_from: int,
+    dp_to: int,
+    rank: int,
+    reads: Sequence[Sequence[Read]],
+    placement: Placement = DENSE,
 ) -> list[int]:
     """The old files this rank opens: those it reads, and those holding only padding whose position
     falls to it (``position % dp_to``), so that every file of the save is checked by some rank."""
     read = {r.source_rank for g in reads for r in g}
-    idle = [r for r in range(dp_from) if all(geo.true_length(r) == 0 for geo in geos) and r % dp_to == rank]
+    idle = [
+        r
+        for r in range(dp_from)
+        if all(geo.true_length(placement.index(g, r)) == 0 for g, geo in enumerate(geos)) and r % dp_to == rank
+    ]
     return sorted(read | set(idle))

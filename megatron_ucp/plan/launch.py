@@ -192,11 +192,20 @@ def plan_launch(
             f"ZeRO optimizer states saved at DP={dp_from} at DP={dp_to}"
         )
     elif facts.experts > 1 and config.elastic_resume and not margs.no_load_optim:
-        notes.append(
-            f"{where} is a mixture-of-experts checkpoint ({facts.experts} experts per MoE layer): the elastic-resume "
-            f"hook loads the universal twin of {facts.tag}, every expert under its global index (converting it "
-            "first if it does not exist yet)"
-        )
+        ep = margs.expert_parallel
+        if facts.ep == ep and config.resume_route != "universal" and dp_to % ep == 0:
+            notes.append(
+                f"{where} is a mixture-of-experts checkpoint ({facts.experts} experts per MoE layer, EP={ep} kept): "
+                f"the elastic-resume hook reshards {facts.tag} from its native rank files, each expert-parallel "
+                f"rank's experts over expert-DP {dp_from // ep} -> {dp_to // ep} (no conversion)"
+            )
+        else:
+            notes.append(
+                f"{where} is a mixture-of-experts checkpoint ({facts.experts} experts per MoE layer"
+                f"{f', EP {facts.ep} -> {ep}' if facts.ep != ep else ''}): the elastic-resume hook loads the "
+                f"universal twin of {facts.tag}, every expert under its global index (converting it first if it "
+                "does not exist yet)"
+            )
     elif saved[:2] != now[:2] and not margs.universal_checkpoint:
         # Megatron compares TP, PP and the padded vocabulary with the checkpoint's unless this is set
         extra.append("--universal-checkpoint")

@@ -87,6 +87,12 @@ class FileExpectation:
     """The model states' save identity (saved through the hooks); None: saved without it."""
     unit: str = "param group"
     """What the file's partitions are of, in messages (ZeRO-3: ``sub-group``)."""
+    partition_counts: Optional[tuple[int, ...]] = None
+    """Per group, its number of partitions when not every group has ``dp`` (mixture of experts: the expert
+    groups are partitioned over the expert-data-parallel group)."""
+
+    def counts(self) -> tuple[int, ...]:
+        return self.partition_counts or (self.dp,) * len(self.partition_sizes)
 
 
 @dataclass(frozen=True)
@@ -126,9 +132,15 @@ def file_problems(path: str, optim: Mapping, exp: FileExpectation) -> list[str]:
     problems: list[str] = []
     count = optim.get(F.PARTITION_COUNT)
     counts = list(count) if isinstance(count, (list, tuple)) else [count]
-    if any(c != exp.dp for c in counts):
+    wanted = exp.counts()
+    if exp.partition_counts is None and any(c != exp.dp for c in counts):
         problems.append(
             f"{path}: saved at DP={counts[0]}, the model states say DP={exp.dp} (a rank file of another save?)"
+        )
+    elif exp.partition_counts is not None and tuple(counts) != wanted:
+        problems.append(
+            f"{path}: its groups' partition counts are {counts}, a save at DP={exp.dp} with these experts has "
+            f"{list(wanted)} (a rank file of another save?)"
         )
     fp32 = optim.get(F.SINGLE_PARTITION_OF_FP32_GROUPS)
     base = optim.get(F.BASE_OPTIMIZER_STATE)
@@ -148,9 +160,10 @@ def file_problems(path: str, optim: Mapping, exp: FileExpectation) -> list[str]:
         for name in exp.states[g]:
             t = states.get(name) if isinstance(states, Mapping) else None
             if not _flat_fp32(t) or t.numel() != size:
+                over = f"DP={exp.dp}" if wanted[g] == exp.dp else f"expert-DP={wanted[g]}"
                 problems.append(
                     f"{path}: {exp.unit} {g}'s {name!r} holds {_describe(t)}, not the {size} float32 elements "
-                    f"of a DP={exp.dp} partition"
+                    f"of a {over} partition"
                 )
     recorded = _record_problems(path, optim, exp)
     if not recorded:  # a record that names another position says it all; else the fragments tell

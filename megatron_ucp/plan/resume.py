@@ -114,7 +114,8 @@ def decide_resume(
     ``regrouped``: ZeRO-3 at the saved DP size, but the optimizer cut its parameters into other sub-groups
     (another ``sub_group_size``): DeepSpeed's own load would copy partitions of the wrong sizes, so the
     partitions are resharded as for a DP change. A mixture-of-experts save or job (``ep`` > 1 in ``saved`` or
-    ``live``) changing DP or EP goes through the universal folder, whose experts carry global indices.
+    ``live``) changing DP at the same EP reshards as any DP change (each expert-parallel rank's buffer over its
+    expert-DP ranks); an EP change goes through the universal folder, whose experts carry global indices.
     """
     checkpoint_dp, current_dp = (saved.dp if saved is not None else None), live.dp
     if resume_route not in RESUME_ROUTES:
@@ -149,7 +150,6 @@ def decide_resume(
             f"loading it in universal mode at DP={current_dp}",
         )
     mp_changed = saved.model_axes() != live.model_axes() or stage_change is not None
-    experts = saved.ep > 1 or live.ep > 1
     ep_changed = saved.ep != live.ep
     if checkpoint_dp == current_dp and not mp_changed and not universal_of_latest and not regrouped and not ep_changed:
         unchanged = (
@@ -176,8 +176,13 @@ def decide_resume(
         changed = f"ZeRO stage changed {stage_change}{moved}"
     elif regrouped and checkpoint_dp == current_dp:
         changed = f"DP unchanged ({current_dp}) but ZeRO-3 cut the parameters into other sub-groups (sub_group_size)"
-    if not mp_changed and not universal_of_latest and resume_route != "universal" and names_match and not experts:
+    if not mp_changed and not universal_of_latest and resume_route != "universal" and names_match and not ep_changed:
         how = "" if resume_route == "reshard" else " (resume route auto)"
+        if live.ep > 1:
+            how = (
+                f", EP={live.ep} kept: each expert-parallel rank's experts over expert-DP {checkpoint_dp // live.ep} "
+                f"-> {current_dp // live.ep}{how}"
+            )
         return ResumeDecision(
             Route.RESHARD,
             requested_tag,
@@ -195,10 +200,10 @@ def decide_resume(
             " (resume route reshard: the native files reshard DP only; a TP/PP change goes through the "
             "universal folder)"
         )
-    elif experts and resume_route != "universal":
+    elif ep_changed and resume_route != "universal":
         changed += (
-            " (mixture of experts: the expert groups go through the universal folder, every expert under its "
-            "global index; the native reshard does not place experts yet)"
+            " (mixture of experts: experts move between ranks, so they go through the universal folder, every "
+            "expert under its global index)"
         )
     elif not names_match and resume_route != "universal":
         changed += (

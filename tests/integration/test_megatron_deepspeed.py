@@ -449,28 +449,66 @@ def test_moe_job_saves_through_the_hooks_and_converts_every_expert_in_the_backgr
     (broken / "layer_0_expert_3_mp_rank_00_model_states.pt").unlink()
     with pytest.raises(CheckpointFormatError, match=r"layer_0_expert_3_mp_rank_00_model_states\.pt is missing"):
         read_checkpoint(broken)
+    _moe_rank_files_are_bound_to_their_places(root / "global_step3", mds_runs.base / "moe-swapped" / "global_step3")
+
+
+def _moe_rank_files_are_bound_to_their_places(tag: Path, swapped: Path) -> None:
+    """What a native resume binds before reading anything: every rank file of the MoE save at its DP place, the
+    expert groups' partitions at their expert-DP place (the files of one expert-parallel rank, 1 and 3, swapped;
+    then files of two expert-parallel ranks, 0 and 1)."""
+    from megatron_ucp.deepspeed.reader import read_checkpoint
+    from megatron_ucp.integration.rank_files import bind_folder
+
+    def rank_file(folder: Path, r: int) -> Path:
+        return next(folder.glob(f"*zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+
+    # the groups as the job has them (local expert names), which a resume takes where DeepSpeed < 0.19 saved none
+    shapes = [[(spec.name, spec.shape) for spec in group] for group in read_checkpoint(tag).model.param_groups]
+    assert bind_folder(tag / F.MODEL_STATES_FILE, lambda r: rank_file(tag, r), shapes) == []
+    for a, b in ((1, 3), (0, 1)):
+        shutil.copytree(tag, swapped, dirs_exist_ok=True)
+        first, second = rank_file(swapped, a), rank_file(swapped, b)
+        first.rename(swapped / "swap.tmp")
+        second.rename(first)
+        (swapped / "swap.tmp").rename(second)
+        problems = bind_folder(swapped / F.MODEL_STATES_FILE, lambda r: rank_file(swapped, r), shapes)
+        named = {problem.split(": ", 1)[0] for problem in problems}
+        assert named == {str(first), str(second)} and "swapped" in problems[0], problems
 
 
 def test_moe_job_resumes_at_the_same_layout_as_deepspeed_loads_it(mds_checkout, mds_runs):
+    """DeepSpeed's own load, every rank file bound to its position and save first and every partition it loaded
+    checked against the checksum its save recorded (expert partitions at their expert-DP place)."""
     root, reference = _moe_trained(mds_checkout, mds_runs)
     resumed = _moe_resumed(mds_checkout, mds_runs, root, dp=4, ep=2)
-    decided = [line for line in resumed.ucp_lines() if "DP unchanged (4)" in line]
-    assert decided and "DeepSpeed's own load of the expert groups" in decided[0], resumed.ucp_lines()
+    assert any("DP unchanged (4): native load of global_step3" in line for line in resumed.ucp_lines())
+    checked = "global_step3 loaded at DP 4: every partition checked against the save's checksums and the saved weights"
+    assert any(checked in line for line in resumed.ucp_lines()), resumed.ucp_lines()
     assert_continues(resumed, reference, optimizer="zero")
 
 
+RESHARDED = "resharding global_step3 from its native rank files, EP=2 kept: each expert-parallel rank's experts over "
+RESHARDED += "expert-DP 2 -> 1"
+
+
 @pytest.mark.parametrize(
-    "dp, ep, changed",
-    [(2, 2, "DP changed 4 -> 2"), (4, 4, "EP changed 2 -> 4"), (4, 1, "EP changed 2 -> 1")],
+    "dp, ep, changed, route",
+    [
+        (2, 2, "DP changed 4 -> 2", RESHARDED),
+        (4, 4, "EP changed 2 -> 4", "loading global_step3_universal"),
+        (4, 1, "EP changed 2 -> 1", "loading global_step3_universal"),
+    ],
     ids=["dp2", "ep4", "ep1"],
 )
-def test_moe_job_resumes_at_another_dp_or_ep_through_the_universal_folder(mds_checkout, mds_runs, dp, ep, changed):
-    """Every expert found under its global index by the ranks that hold it now (expert-DP changes with DP; at
-    another EP each rank holds other experts), every element accounted for, and the curve continues."""
+def test_moe_job_resumes_at_another_dp_or_ep(mds_checkout, mds_runs, dp, ep, changed, route):
+    """A DP change at the same EP straight from the native files: each expert-parallel rank's expert buffer
+    resharded over its expert-DP ranks, every rank file bound to its position first. An EP change through the
+    universal folder: every expert found under its global index by the ranks that hold it now. Every element
+    accounted for, and the curve continues."""
     root, reference = _moe_trained(mds_checkout, mds_runs)
     resumed = _moe_resumed(mds_checkout, mds_runs, root, dp=dp, ep=ep)
     decided = [line for line in resumed.ucp_lines() if changed in line]
-    assert decided and "loading global_step3_universal" in decided[0], resumed.ucp_lines()
+    assert decided and route in decided[0], resumed.ucp_lines()
     said = f"was saved at EP=2 (4), this job runs at EP={ep}: the elastic-resume hook loads the universal twin"
     assert dp != 4 or any(said in line for line in resumed.ucp_lines()), resumed.ucp_lines()  # the runner, before
     summary = assert_accounted(resumed)

@@ -215,15 +215,26 @@ def test_dp_change_keeps_the_global_batch_and_reseeds():
     assert "cannot be mapped to DP=384: adding --no-load-rng" in text
 
 
-def test_a_mixture_of_experts_checkpoint_goes_through_the_universal_folder_at_a_dp_change():
+def test_a_mixture_of_experts_checkpoint_reshards_a_dp_change_at_the_same_ep_and_converts_an_ep_change():
     import dataclasses
 
-    p = plan(facts=dataclasses.replace(FACTS, experts=8))
-    text = "\n".join(p.notes)
-    assert "reshards" not in text and not p.warnings, (p.notes, p.warnings)
+    moe = dataclasses.replace(FACTS, experts=8, ep=8)
+    p = plan(["--moe-expert-parallel-size", "8"], facts=moe)
     assert (
-        "mixture-of-experts checkpoint (8 experts per MoE layer): the elastic-resume hook loads the universal " in text
+        p.notes[1]
+        == (
+            "/ckpt/global_step100 is a mixture-of-experts checkpoint (8 experts per MoE layer, EP=8 kept): the "
+            "elastic-resume hook reshards global_step100 from its native rank files, each expert-parallel rank's "
+            "experts over expert-DP 96 -> 48 (no conversion)"
+        )
+        and not p.warnings
+    ), (p.notes, p.warnings)
+    moved = "\n".join(plan(["--moe-expert-parallel-size", "4"], facts=moe).notes)
+    assert "(8 experts per MoE layer, EP 8 -> 4): the elastic-resume hook loads the universal twin" in moved, moved
+    universal = "\n".join(
+        plan(["--moe-expert-parallel-size", "8"], facts=moe, config=UcpConfig(resume_route="universal")).notes
     )
+    assert "(8 experts per MoE layer): the elastic-resume hook loads the universal twin" in universal, universal
     left = plan(facts=dataclasses.replace(FACTS, experts=8, tp=2), world=768)  # TP 2 -> 1: left to stock
     assert (
         "with TP or PP > 1" in left.warnings[0] and "refuses ZeRO optimizer states saved at DP=768" in left.warnings[0]

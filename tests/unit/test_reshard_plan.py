@@ -7,7 +7,7 @@ import pytest
 from megatron_ucp.errors import PlanError
 from megatron_ucp.plan.geometry import GroupGeometry, at_dp
 from megatron_ucp.plan.llama_shapes import preset
-from megatron_ucp.plan.reshard import partition_reads, reshard_reads, source_ranks
+from megatron_ucp.plan.reshard import DENSE, Placement, partition_reads, reshard_reads, source_ranks
 
 
 def _cover(old: GroupGeometry, dp_to: int) -> list[int]:
@@ -55,3 +55,47 @@ def test_another_model_is_refused():
         partition_reads(GroupGeometry(numel=10, dp=2), GroupGeometry(numel=12, dp=3), 0)
     with pytest.raises(PlanError, match="out of range"):
         reshard_reads([GroupGeometry(numel=10, dp=2)], 3, 3)
+
+
+def _saved_files(buffers: list[list[float]], geo: GroupGeometry, ep: int, expert: bool) -> dict[int, list[float]]:
+    """Each DP rank file's partition of a group, written from the group's buffers the way DeepSpeed-MoE lays
+    them out (an independent statement of the layout: rank d holds buffer d % EP, slice d // EP, for an expert
+    group; buffer 0, slice d, for a dense one), padding as NaN."""
+    files = {}
+    for d in range(geo.dp * (ep if expert else 1)):
+        buffer, part = (buffers[d % ep], d // ep) if expert else (buffers[0], d)
+        lo = part * geo.partition_size
+        files[d] = [buffer[i] if i < len(buffer) else float("nan") for i in range(lo, lo + geo.partition_size)]
+    return files
+
+
+@pytest.mark.parametrize("dp_from, dp_to, ep", [(8, 4, 2), (4, 8, 2), (8, 2, 2), (16, 8, 8), (768, 512, 8), (6, 9, 3)])
+def test_a_dp_change_at_the_same_ep_reshards_each_expert_buffer_over_its_expert_dp_ranks(dp_from, dp_to, ep):
+    numel = 37 * ep + 5
+    placement = Placement.of(ep, [1])
+    dense_geo, expert_geo = GroupGeometry(numel=numel, dp=dp_from), GroupGeometry(numel=numel, dp=dp_from // ep)
+    dense = [[float(i) for i in range(numel)]]
+    experts = [[1000.0 * (r + 1) + i for i in range(numel)] for r in range(ep)]  # each expert-parallel rank's own
+    files = [_saved_files(dense, dense_geo, ep, False), _saved_files(experts, expert_geo, ep, True)]
+    new = placement.geometries([dense_geo, expert_geo], dp_to)
+    assert [g.dp for g in new] == [dp_to, dp_to // ep]
+    for rank in range(dp_to):
+        reads = reshard_reads([dense_geo, expert_geo], dp_to, rank, placement)
+        for g, (buffer, geo) in enumerate(zip([dense[0], experts[rank % ep]], new)):
+            got = [0.0] * geo.true_length(placement.index(g, rank))
+            for read in reads[g]:
+                if g == 1:  # an expert group reads only files of this rank's expert-parallel rank
+                    assert read.source_rank % ep == rank % ep
+                got[read.target_offset : read.target_offset + read.length] = files[g][read.source_rank][
+                    read.source_offset : read.source_offset + read.length
+                ]
+            lo = placement.index(g, rank) * geo.partition_size
+            assert got == buffer[lo : lo + len(got)]  # DeepSpeed's partition at the new size, padding never read
+
+
+def test_an_expert_placement_needs_dp_a_multiple_of_ep():
+    placement = Placement.of(4, [0])
+    assert placement.index(0, 6) == 1 and placement.position(0, 1, like=6) == 6 and placement.index(1, 6) == 6
+    with pytest.raises(PlanError, match="DP=6 is not a multiple of EP=4"):
+        placement.size(0, 6)
+    assert Placement.of(1, [0]) == DENSE

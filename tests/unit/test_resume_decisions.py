@@ -214,16 +214,19 @@ def test_latest_universal_that_does_not_name_the_twin_of_latest_is_reported(tmp_
         (
             (768, 8),
             (512, 8),
-            Route.CONVERT_THEN_UNIVERSAL,
-            "DP changed 768 -> 512 (mixture of experts: the expert groups go",
+            Route.RESHARD,
+            "DP changed 768 -> 512: resharding global_step95600 from its native rank files, EP=8 kept: each "
+            "expert-parallel rank's experts over expert-DP 96 -> 64 (resume route auto), no conversion",
         ),
-        ((768, 8), (768, 16), Route.CONVERT_THEN_UNIVERSAL, "EP changed 8 -> 16 (mixture of experts"),
+        ((768, 8), (768, 16), Route.CONVERT_THEN_UNIVERSAL, "EP changed 8 -> 16 (mixture of experts: experts move"),
+        ((768, 8), (512, 4), Route.CONVERT_THEN_UNIVERSAL, "DP changed 768 -> 512, EP changed 8 -> 4 (mixture"),
         ((768, 8), (768, 8), Route.NATIVE, "DP unchanged (768): native load"),
     ],
 )
-def test_a_mixture_of_experts_save_changing_dp_or_ep_goes_through_the_universal_folder(saved, live, route, said):
-    """Never the native reshard (it does not place experts yet), whatever the resume route asks; at the same DP
-    and EP, DeepSpeed's own load (each rank's saved partitions are its own experts')."""
+def test_a_mixture_of_experts_save_reshards_a_dp_change_and_converts_an_ep_change(saved, live, route, said):
+    """A DP change at the same EP reshards from the native files (each expert-parallel rank's buffer over its
+    expert-DP ranks); an EP change moves experts between ranks: the universal folder, whatever the resume route
+    asks; same DP and EP: the native load."""
     d = decide(
         saved=ParallelLayout(dp=saved[0], ep=saved[1]), live=ParallelLayout(dp=live[0], ep=live[1]), resume_route="auto"
     )
