@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 from packaging.version import Version
 
@@ -88,6 +89,20 @@ HOOKS_TESTED_DEEPSPEED = tuple(INTERNALS)
 
 
 @dataclass(frozen=True)
+class MoeFiles:
+    """How a release writes a DeepSpeed-MoE save (``_save_moe_checkpoint``) differently from the others."""
+
+    expert_optimizer_files: bool
+    """``expp_rank_<r>_mp_rank_<m>_optim_states.pt`` (``{'optimizer': None}`` under ZeRO) are written."""
+    common_state: bool
+    """The model states carry the dense save's keys (``param_shapes``, ``ds_config``, ...) and
+    ``ds_autoep_layers``; else only the module, the counters and ``num_experts`` (no ``param_shapes``)."""
+    clones_module: bool
+    """The model states' tensors are cloned before the save (each its own storage), not views of the flat
+    buffers."""
+
+
+@dataclass(frozen=True)
 class SavedFiles:
     """What one release writes differently from the others: the synthetic-checkpoint writer follows
     it, and ``tests/system/test_synthetic_checkpoint.py`` holds it to a real save of each release."""
@@ -104,6 +119,15 @@ class SavedFiles:
     """``deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE`` (Megatron records it)."""
     recovery_scripts: tuple[str, ...] = ("zero_to_fp32.py",)
     """Scripts the engine copies next to ``latest``."""
+    moe: Optional[MoeFiles] = None
+    """How it writes a mixture-of-experts save (held to a real save of the fork where it trains one:
+    ``tests/integration``); None: not recorded."""
+
+
+_MOE_BEFORE_0_17 = MoeFiles(expert_optimizer_files=True, common_state=False, clones_module=False)
+_MOE_0_17 = MoeFiles(expert_optimizer_files=True, common_state=False, clones_module=True)
+"""0.17.x and 0.18.x (``clone_tensors_for_torch_save``; 0.18.9's from its source: the fork takes no MoE step there)."""
+_MOE_0_19 = MoeFiles(expert_optimizer_files=False, common_state=True, clones_module=True)
 
 
 SAVED_FILES = {
@@ -112,24 +136,28 @@ SAVED_FILES = {
         param_alignment_paddings=False,
         parallel_dimensions=False,
         sparse_tensor_module_names=True,
+        moe=_MOE_BEFORE_0_17,
     ),
     "0.16.9": SavedFiles(
         zero_per_rank_padding=True,
         param_alignment_paddings=False,
         parallel_dimensions=False,
         sparse_tensor_module_names=True,
+        moe=_MOE_BEFORE_0_17,
     ),
     "0.17.6": SavedFiles(
         zero_per_rank_padding=True,
         param_alignment_paddings=False,
         parallel_dimensions=False,
         sparse_tensor_module_names=True,
+        moe=_MOE_0_17,
     ),
     "0.18.9": SavedFiles(
         zero_per_rank_padding=True,
         param_alignment_paddings=False,
         parallel_dimensions=False,
         sparse_tensor_module_names=True,
+        moe=_MOE_0_17,
     ),
     "0.19.5": SavedFiles(
         zero_per_rank_padding=True,
@@ -137,6 +165,7 @@ SAVED_FILES = {
         parallel_dimensions=True,
         sparse_tensor_module_names=True,
         universal_checkpoint_version=0.3,
+        moe=_MOE_0_19,
     ),
     "0.19.8": SavedFiles(
         zero_per_rank_padding=True,

@@ -34,9 +34,19 @@ from megatron_ucp.errors import PlanError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import stand_in_class
 from megatron_ucp.plan.conversion import ParamSpec, RankGroupLayout, RankLayout, synthesize_layouts
+from megatron_ucp.plan.experts import global_expert_name
 from megatron_ucp.plan.geometry import GroupGeometry, PaddingStyle
-from megatron_ucp.plan.llama_shapes import NO_WEIGHT_DECAY, ROTARY_BUFFER, TIED_EMBEDDING, LlamaShape, PipeStage
+from megatron_ucp.plan.llama_shapes import (
+    EXPERT_PREFIX,
+    EXPERTS,
+    NO_WEIGHT_DECAY,
+    ROTARY_BUFFER,
+    TIED_EMBEDDING,
+    LlamaShape,
+    PipeStage,
+)
 from megatron_ucp.plan.parallel_layout import ParallelLayout
+from megatron_ucp.plan.reshard import Placement
 from megatron_ucp.plan.save_record import partition_checksums, partition_record, save_identity
 from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
 from megatron_ucp.synthetic.values import flat_range
@@ -60,6 +70,9 @@ class SyntheticSpec:
     Megatron's param groups) or ``plain`` (an engine around a torch AdamW, no client state).
     ``pipeline``: Megatron's ``GPTModelPipe`` in ``pp`` stages (a DeepSpeed ``PipelineModule``:
     layer files, stage-local names); PP > 1 needs it, as in Megatron-DeepSpeed.
+    ``ep``: a mixture-of-experts model's (``shape.experts``) expert-parallel size, as DeepSpeed-MoE saves it
+    at TP = PP = 1 with ``--create-moe-param-group``: expert files, the expert group partitioned over
+    expert-DP (DP / EP ranks), the release's MoE model states (:class:`~megatron_ucp.deepspeed.versions.MoeFiles`).
     """
 
     shape: LlamaShape
@@ -77,6 +90,7 @@ class SyntheticSpec:
     micro_batch: int = 1
     grad_accumulation: int = 1
     seq_length: int = 4096
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -97,8 +111,21 @@ class SyntheticSpec:
         if self.pipeline and self.flavour != "megatron":
             raise PlanError("the pipeline model is Megatron-DeepSpeed's: flavour must be 'megatron'")
         self.shape.check_tp(self.tp)
-        self.shape.param_groups(self.tp, self.stage(self.mp_size - 1))
+        self.shape.param_groups(self.tp, self.stage(self.mp_size - 1), self.ep)
         saved_files(self.ds_version)
+        if self.shape.experts or self.ep > 1:
+            self._check_experts()
+
+    def _check_experts(self) -> None:
+        where = f"{self.shape.experts} experts at EP={self.ep}, DP={self.dp}"
+        if not self.shape.experts:
+            raise PlanError(f"EP={self.ep} for a model without experts (shape.experts = 0)")
+        if self.mp_size > 1 or self.pipeline or self.flavour != "megatron" or self.zero_stage == 3:
+            raise PlanError(f"{where}: the MoE writer writes the fork's GPTModel at TP = PP = 1, ZeRO-1/2")
+        if self.dp % self.ep:
+            raise PlanError(f"{where}: EP must divide DP (each expert-parallel rank's experts over DP / EP ranks)")
+        if self.files.moe is None:
+            raise PlanError(f"{where}: no record of how DeepSpeed {self.ds_version} writes a mixture-of-experts save")
 
     @property
     def optimizer_class(self) -> str:
@@ -128,7 +155,7 @@ class SyntheticSpec:
 
     @property
     def layout(self) -> ParallelLayout:
-        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp)
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep)
 
     @property
     def mp_size(self) -> int:
@@ -147,10 +174,20 @@ class SyntheticSpec:
         return PipeStage(self.pp, stage) if self.pipeline else None
 
     def groups(self, mp_rank: int = 0) -> list[list[ParamSpec]]:
-        return self.shape.param_groups(self.tp, self.stage(mp_rank))
+        """The param groups (an expert group under one expert-parallel rank's local names)."""
+        return self.shape.param_groups(self.tp, self.stage(mp_rank), self.ep)
+
+    @property
+    def placement(self) -> Placement:
+        """Which rank files hold which group's partitions (the expert group: over expert-DP)."""
+        return Placement.of(self.ep, [EXPERTS] if self.shape.experts else [])
 
     def geometries(self, mp_rank: int = 0) -> list[GroupGeometry]:
-        return [GroupGeometry(numel=sum(p.numel for p in g), dp=self.dp) for g in self.groups(mp_rank)]
+        """Each group's geometry over its own number of partitions."""
+        return [
+            GroupGeometry(numel=sum(p.numel for p in g), dp=self.placement.size(i, self.dp))
+            for i, g in enumerate(self.groups(mp_rank))
+        ]
 
     def padding_style(self) -> PaddingStyle:
         """How this release's optimizer class records ``group_paddings`` (before our record replaces it)."""
@@ -183,13 +220,18 @@ def _group_facts(spec: SyntheticSpec, mp_rank: int, group: int) -> tuple[int, in
     return sum(p.numel for p in params), tied
 
 
-def state_range(spec: SyntheticSpec, mp_rank: int, group: int, state: str, start: int, stop: int) -> torch.Tensor:
+def state_range(
+    spec: SyntheticSpec, mp_rank: int, group: int, state: str, start: int, stop: int, expert_rank: int = 0
+) -> torch.Tensor:
     """Elements ``[start, stop)`` of a group's flat ``state`` (``fp32``, ``exp_avg``, ``exp_avg_sq``) on a
     model-parallel rank, zero from its real length on. What a real run holds identically on several
     ranks is identical here: the TP-replicated parameters (the no-weight-decay group, the norms) on
-    every TP rank of a stage, and a tied embedding on the last stage as on the first."""
+    every TP rank of a stage, and a tied embedding on the last stage as on the first. The expert group:
+    expert-parallel rank ``expert_rank``'s buffer (its own experts)."""
     stage, tp_rank = spec.layout.coordinates_of(mp_rank)
     real, tied = _group_facts(spec, mp_rank, group)
+    if spec.placement.expert(group):
+        return flat_range(spec.seed, f"s{stage}/e{expert_rank}/g{group}", state, start, stop, real)
 
     def buffer(at_stage: int) -> str:
         return f"s{at_stage}/{'replicated' if group == NO_WEIGHT_DECAY else f't{tp_rank}'}/g{group}"
@@ -202,18 +244,10 @@ def state_range(spec: SyntheticSpec, mp_rank: int, group: int, state: str, start
 
 # ---- rank files ------------------------------------------------------------------------------
 def param_group_hyperparameters(spec: SyntheticSpec, group: int) -> dict[str, Any]:
-    adam = {
-        "lr": 3e-4,
-        "betas": (0.9, 0.95),
-        "eps": 1e-08,
-        "weight_decay": 0.1 if group == 0 else 0.0,
-        "amsgrad": False,
-        "maximize": False,
-        "foreach": None,
-        "capturable": False,
-        "differentiable": False,
-        "fused": None,
-    }
+    if spec.placement.expert(group):  # the fork's --create-moe-param-group: weight decay, DeepSpeed's name
+        head = {"name": f"ep_size_{spec.ep}", "wd_mult": 1.0, "lr_mult": 1.0, "moe": True}
+        return {**head, **_adam(0.1), "decoupled_weight_decay": False, "params": [group]}
+    adam = _adam(0.1 if group == 0 else 0.0)
     if spec.flavour == "megatron":  # Megatron's get_param_groups, then torch Adam (weight decay coupled)
         head = {
             "name": "wd_no_scale_lr" if group == 0 else "no_wd_no_scale_lr",
@@ -224,17 +258,46 @@ def param_group_hyperparameters(spec: SyntheticSpec, group: int) -> dict[str, An
     return {**adam, "decoupled_weight_decay": True, "params": [group]}
 
 
+def _adam(weight_decay: float) -> dict[str, Any]:
+    return {
+        "lr": 3e-4,
+        "betas": (0.9, 0.95),
+        "eps": 1e-08,
+        "weight_decay": weight_decay,
+        "amsgrad": False,
+        "maximize": False,
+        "foreach": None,
+        "capturable": False,
+        "differentiable": False,
+        "fused": None,
+    }
+
+
 @functools.lru_cache(maxsize=8)
 def rank_layouts(spec: SyntheticSpec, mp_rank: int = 0) -> list[RankLayout]:
     """Every DP rank's file as the reader sees it (fragments, stored lengths, recorded paddings),
     from metadata alone: :func:`~megatron_ucp.plan.conversion.synthesize_layouts` with this release's
-    paddings. The writer takes ``param_slice_mappings`` from it; the 7B/768 plan needs nothing else."""
-    return synthesize_layouts(
-        spec.groups(mp_rank),
-        spec.dp,
-        recorded_style=None if spec.record else spec.padding_style(),
-        fp32_cut_style=spec.padding_style() if spec.optimizer == "zero" else None,
-    )
+    paddings. The writer takes ``param_slice_mappings`` from it; the 7B/768 plan needs nothing else.
+    An expert group is laid out over its expert-DP ranks (every expert-parallel rank's the same)."""
+    groups, placement = spec.groups(mp_rank), spec.placement
+    per_size = {
+        size: synthesize_layouts(
+            groups,
+            size,
+            recorded_style=None if spec.record else spec.padding_style(),
+            fp32_cut_style=spec.padding_style() if spec.optimizer == "zero" else None,
+        )
+        for size in {placement.size(g, spec.dp) for g in range(len(groups))}
+    }
+    return [
+        RankLayout(
+            rank=d,
+            groups=tuple(
+                per_size[placement.size(g, spec.dp)][placement.index(g, d)].groups[g] for g in range(len(groups))
+            ),
+        )
+        for d in range(spec.dp)
+    ]
 
 
 def _slice_mappings(layout: RankGroupLayout) -> "collections.OrderedDict[str, Any]":
@@ -249,15 +312,16 @@ def rank_file_state(spec: SyntheticSpec, mp_rank: int, dp_rank: int) -> dict[str
     """What the engine saves as ``bf16_zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt``."""
     groups, geos, style = spec.groups(mp_rank), spec.geometries(mp_rank), spec.padding_style()
     layout = rank_layouts(spec, mp_rank)[dp_rank]
+    at = [spec.placement.index(g, dp_rank) for g in range(len(geos))]
     fp32, masters, states, mappings, recorded = [], [], {}, [], []
     for g, geo in enumerate(geos):
         size = geo.partition_size
-        start = dp_rank * size
+        start = at[g] * size
 
         def part(state: str) -> torch.Tensor:
-            return state_range(spec, mp_rank, g, state, start, start + size)
+            return state_range(spec, mp_rank, g, state, start, start + size, dp_rank % spec.ep)
 
-        padding = geo.recorded_padding(dp_rank, style)
+        padding = geo.recorded_padding(at[g], style)
         master = part("fp32")
         masters.append(master)
         # DeepSpeedZeroOptimizer cuts its recorded padding off the fp32 partition (Python slice
@@ -282,16 +346,15 @@ def rank_file_state(spec: SyntheticSpec, mp_rank: int, dp_rank: int) -> dict[str
     sd[F.GROUP_PADDINGS] = recorded
     if spec.optimizer == "zero" and spec.files.param_alignment_paddings:
         sd[F.PARAM_ALIGNMENT_PADDINGS] = [[0] * len(g) for g in groups]
-    sd.update(
-        {F.PARTITION_COUNT: [spec.dp] * len(geos), F.DS_VERSION: spec.ds_version, F.PARAM_SLICE_MAPPINGS: mappings}
-    )
+    counts = [geo.dp for geo in geos]
+    sd.update({F.PARTITION_COUNT: counts, F.DS_VERSION: spec.ds_version, F.PARAM_SLICE_MAPPINGS: mappings})
     if spec.record:
         record = partition_record(
             [geo.numel for geo in geos],
             [geo.numel for geo in geos],
             [geo.padded_total for geo in geos],
-            [spec.dp] * len(geos),
-            [dp_rank] * len(geos),
+            counts,
+            at,
         )
         sd.update(record)
         sd.update(partition_checksums(masters, [states[g] for g in range(len(geos))], record))
@@ -300,21 +363,46 @@ def rank_file_state(spec: SyntheticSpec, mp_rank: int, dp_rank: int) -> dict[str
 
 
 # ---- model states ------------------------------------------------------------------------------
-def bf16_weights(spec: SyntheticSpec, mp_rank: int) -> dict[str, torch.Tensor]:
+def bf16_weights(spec: SyntheticSpec, mp_rank: int, expert_rank: Optional[int] = None) -> dict[str, torch.Tensor]:
     """Each parameter's bf16 weight: the fp32 master rounded, as views of the group's flat buffer
-    (DeepSpeed's parameters are views of it, so ``torch.save`` stores the padded buffer once)."""
+    (DeepSpeed's parameters are views of it, so ``torch.save`` stores the padded buffer once). The expert
+    group's, of expert-parallel rank ``expert_rank``, only when asked (local names)."""
     out = {}
     for g, (params, geo) in enumerate(zip(spec.groups(mp_rank), spec.geometries(mp_rank))):
+        if spec.placement.expert(g) != (expert_rank is not None):
+            continue
         flat = torch.zeros(geo.padded_total, dtype=torch.bfloat16)
         chunk = 1 << 24
         for lo in range(0, geo.numel, chunk):
             hi = min(lo + chunk, geo.numel)
-            flat[lo:hi] = state_range(spec, mp_rank, g, "fp32", lo, hi).to(torch.bfloat16)
+            flat[lo:hi] = state_range(spec, mp_rank, g, "fp32", lo, hi, expert_rank or 0).to(torch.bfloat16)
         offset = 0
         for p in params:
             out[p.name] = flat[offset : offset + p.numel].view(p.shape)
             offset += p.numel
     return out
+
+
+def expert_files(spec: SyntheticSpec, mp_rank: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    """``layer_<l>_expert_<e>_mp_rank_<m>_model_states.pt`` of a mixture-of-experts save: each expert's
+    weights (its masters rounded, cloned) under its global index, ``l`` counting MoE layers only."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    local = spec.shape.local_experts(spec.ep)
+    for r in range(spec.ep if spec.shape.experts else 0):
+        for name, weight in bf16_weights(spec, mp_rank, expert_rank=r).items():
+            layer = int(name.split("language_model.encoder.layers.", 1)[1].split(".", 1)[0])
+            moe_layer = spec.shape.moe_layers().index(layer)
+            expert = r * local + int(name.split(EXPERT_PREFIX, 1)[1].split(".", 1)[0])
+            file = spec.layout.expert_file(moe_layer, expert, mp_rank)
+            out.setdefault(file, {})[global_expert_name(name, r, local)] = weight.clone()
+    return out
+
+
+def expert_optimizer_files(spec: SyntheticSpec, mp_rank: int = 0) -> dict[str, dict[str, Any]]:
+    """The ``expp_rank_<r>`` files a ZeRO MoE save writes before 0.19 (``{'optimizer': None}``)."""
+    if not spec.shape.experts or spec.files.moe is None or not spec.files.moe.expert_optimizer_files:
+        return {}
+    return {spec.layout.expert_optimizer_file(r, mp_rank): {"optimizer": None} for r in range(spec.ep)}
 
 
 def layer_file_name(layer: int, tp_rank: int) -> str:
@@ -345,7 +433,9 @@ def layer_files(
 def module_dict(spec: SyntheticSpec, weights: Optional[dict[str, torch.Tensor]]) -> Optional[dict[str, Any]]:
     if spec.pipeline or weights is None:  # a PipelineModule saves its layers in files of their own
         return None
-    declared = list(spec.shape.tp_layouts())  # declaration order, as the module's state_dict lists them
+    declared = spec.shape.module_names()  # declaration order, as the module's state_dict lists them
+    if spec.shape.experts and spec.files.moe is not None and spec.files.moe.clones_module:
+        weights = {name: weights[name].clone() for name in declared}
     if spec.flavour == "plain":
         return collections.OrderedDict((n, weights[n]) for n in declared)
     # Megatron's state_dict_for_save_checkpoint: nested by submodule, the encoder's keys flat
@@ -401,8 +491,21 @@ def _megatron_args(spec: SyntheticSpec) -> argparse.Namespace:
     )
 
 
+def _moe_args(spec: SyntheticSpec) -> dict[str, Any]:
+    """What the fork's arguments say of the experts (the runner reads EP from them)."""
+    return {
+        "num_experts": [spec.shape.experts] if spec.shape.experts else [1],
+        "expert_interval": spec.shape.expert_interval,
+        "moe_expert_parallel_size": spec.ep,
+        "create_moe_param_group": bool(spec.shape.experts),
+        "enable_expert_tensor_parallelism": False,
+    }
+
+
 def _megatron_args_of(spec: SyntheticSpec, mp_rank: int) -> argparse.Namespace:
     args = _megatron_args(spec)
+    if spec.shape.experts:
+        vars(args).update(_moe_args(spec))
     # DP rank 0 of the stage saves it; Megatron orders ranks TP fastest, then DP, then PP
     stage, tp_rank = spec.layout.coordinates_of(mp_rank)
     args.rank = stage * spec.tp * spec.dp + tp_rank
@@ -489,6 +592,8 @@ def model_states(spec: SyntheticSpec, mp_rank: int, weights: Optional[dict[str, 
     weights = bf16_weights(spec, mp_rank) if weights is None and not spec.pipeline else weights
     files = spec.files
     client = megatron_client_state(spec, mp_rank) if spec.flavour == "megatron" else {}
+    if spec.shape.experts and files.moe is not None and not files.moe.common_state:
+        return _moe_model_states(spec, mp_rank, weights, client)
     frozen = collections.OrderedDict() if spec.zero_stage >= 2 else None
     state: dict[str, Any] = {
         "module": module_dict(spec, weights),
@@ -519,11 +624,47 @@ def model_states(spec: SyntheticSpec, mp_rank: int, weights: Optional[dict[str, 
     if files.parallel_dimensions:
         state[F.CHECKPOINT_PARALLEL_DIMENSIONS] = {"pp_degree": spec.pp, "tp_degree": spec.tp}
     state.update({F.DS_CONFIG: spec.ds_config(), F.DS_VERSION: spec.ds_version})
+    if spec.shape.experts:  # 0.19's MoE save: the common state, then the experts, cloned (shapes as tuples)
+        state[F.PARAM_SHAPES] = [
+            collections.OrderedDict((k, tuple(v)) for k, v in g.items()) for g in state[F.PARAM_SHAPES]
+        ]
+        state.update({"num_experts": _num_experts(spec), "ds_autoep_layers": None})
+    return _with_client(spec, mp_rank, state, client)
+
+
+def _num_experts(spec: SyntheticSpec) -> list[int]:
+    """The engine's ``num_experts``: one entry per MoE layer."""
+    return [spec.shape.experts] * len(spec.shape.moe_layers())
+
+
+def _moe_model_states(
+    spec: SyntheticSpec, mp_rank: int, weights: Optional[dict[str, torch.Tensor]], client: dict[str, Any]
+) -> dict:
+    """The model states of a mixture-of-experts save before 0.19: the module, the counters and
+    ``num_experts`` only (no ``param_shapes``, ``ds_config`` nor ``ds_version``)."""
+    state: dict[str, Any] = {
+        "module": module_dict(spec, weights),
+        "lr_scheduler": client.pop("lr_scheduler", {"last_batch_iteration": spec.iteration - 1}),
+        "data_sampler": None,
+        "random_ltd": None,
+        "sparse_tensor_module_names": set(),
+        "skipped_steps": 0,
+        "global_steps": spec.iteration,
+        "global_samples": spec.iteration * spec.global_batch,
+        F.DP_WORLD_SIZE: spec.dp,
+        F.MP_WORLD_SIZE: spec.mp_size,
+        "num_experts": _num_experts(spec),
+    }
+    return _with_client(spec, mp_rank, state, client)
+
+
+def _with_client(spec: SyntheticSpec, mp_rank: int, state: dict, client: dict[str, Any]) -> dict:
+    """The client state Megatron adds, then the hooks' save identity and TP layouts."""
     state.update(client)
     if spec.record:
         state.update(save_identity(spec.save_id))
     if spec.record and spec.flavour == "megatron":
         state[TP_LAYOUT_KEY] = {
-            name: layout.to_record() for name, layout in spec.shape.tp_layouts(spec.stage(mp_rank)).items()
+            name: layout.to_record() for name, layout in spec.shape.tp_layouts(spec.stage(mp_rank), spec.ep).items()
         }
     return state

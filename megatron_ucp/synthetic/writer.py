@@ -25,7 +25,15 @@ from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import PICKLE_MODULE
 from megatron_ucp.format.osio import fsync_path
-from megatron_ucp.synthetic.content import SyntheticSpec, bf16_weights, layer_files, model_states, rank_file_state
+from megatron_ucp.synthetic.content import (
+    SyntheticSpec,
+    bf16_weights,
+    expert_files,
+    expert_optimizer_files,
+    layer_files,
+    model_states,
+    rank_file_state,
+)
 from megatron_ucp.synthetic.stage3_content import stage3_model_states, stage3_rank_file_state
 
 log = logging.getLogger(__name__)
@@ -105,8 +113,9 @@ def write_checkpoint(
                 bar.update(2)
         for mp_rank in range(spec.mp_size) if not spec.per_parameter else ():
             weights = bf16_weights(spec, mp_rank)
-            for name, layer in layer_files(spec, mp_rank, weights).items():
-                total += _save(layer, staging / name)
+            extra = {**layer_files(spec, mp_rank, weights), **expert_files(spec, mp_rank)}
+            for name, content in {**extra, **expert_optimizer_files(spec, mp_rank)}.items():
+                total += _save(content, staging / name)
                 files += 1
             total += _save(model_states(spec, mp_rank, weights), staging / model_states_name(mp_rank))
             files += 1

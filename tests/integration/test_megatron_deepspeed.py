@@ -450,6 +450,40 @@ def test_moe_job_saves_through_the_hooks_and_converts_every_expert_in_the_backgr
     with pytest.raises(CheckpointFormatError, match=r"layer_0_expert_3_mp_rank_00_model_states\.pt is missing"):
         read_checkpoint(broken)
     _moe_rank_files_are_bound_to_their_places(root / "global_step3", mds_runs.base / "moe-swapped" / "global_step3")
+    _synthetic_moe_save_is_the_real_one(root / "global_step3", mds_runs.base / "moe-synthetic")
+
+
+def _synthetic_moe_save_is_the_real_one(tag: Path, out: Path) -> None:
+    """The synthetic writer's MoE checkpoint (4 experts, EP 2, DP 4, with the save record) is this save, key for
+    key: file names (expert files, and the ``expp_rank`` files before 0.19), every key, shape, dtype, storage
+    size, the model states of this release's MoE save, and the ``args`` fields it writes."""
+    import dataclasses
+
+    import deepspeed
+
+    from megatron_ucp.synthetic.content import SyntheticSpec
+    from megatron_ucp.synthetic.writer import write_checkpoint
+    from tests.integration.mds import llama_shape
+    from tests.support.file_structure import folder_differences, load
+
+    m = MdsModel()
+    spec = SyntheticSpec(
+        shape=dataclasses.replace(llama_shape(m), experts=4),
+        dp=4,
+        ep=2,
+        optimizer="zero",
+        record=True,
+        ds_version=deepspeed.__version__,
+        iteration=3,
+        grad_accumulation=3,
+        seq_length=m.seq,
+    )
+    written = write_checkpoint(out, spec, progress=False)
+    diffs = folder_differences(tag, written.tag_dir)
+    assert not diffs, "\n".join(diffs[:40])
+    real_args = vars(load(tag / F.MODEL_STATES_FILE)["args"])
+    ours = vars(load(written.tag_dir / F.MODEL_STATES_FILE)["args"])
+    assert {k: (real_args.get(k, "<absent>"), v) for k, v in ours.items() if real_args.get(k, "<absent>") != v} == {}
 
 
 def _moe_rank_files_are_bound_to_their_places(tag: Path, swapped: Path) -> None:
