@@ -226,11 +226,14 @@ bench: $(STAMP)
 # (conversion against stock's stage-3 converter, the native reshard's bytes read per sampled rank). llama-1b needs ~25 GB of disk
 # (one checkpoint, one output and stock's fragments at a time) and about an hour on 2 cores.
 BENCH_SCALE_PRESET ?= llama-1b
+BENCH_SCALE_MOE_PRESET ?= llama-100m
 bench-scale: $(STAMP)
 	$(BIN)/python benchmarks/bench_scale.py --preset $(BENCH_SCALE_PRESET) --flavour plain
 	$(BIN)/python benchmarks/bench_scale.py --preset $(BENCH_SCALE_PRESET) --flavour megatron --tools ours,cp+sync
 	$(BIN)/python benchmarks/bench_scale.py --preset $(BENCH_SCALE_PRESET) --flavour megatron --zero-stage 3 \
 		--dp 8,768 --tools ours,stock,alcf,cp+sync --resume-to 512,1024 --shares '' --no-metadata
+	$(BIN)/python benchmarks/bench_scale.py --preset $(BENCH_SCALE_MOE_PRESET) --experts 8 --ep 8 --ds-version 0.19.5 \
+		--dp 8,768 --tools ours,cp+sync --resume-to 512,1024 --shares '' --no-metadata
 
 clean-venv:
 	rm -rf $(VENV) $(MATRIX_DIR) $(TORCH28_VENV)

@@ -21,6 +21,10 @@ that reads them measured, side by side in one run, one configuration on disk at 
   ``--shares``: wall time of the slowest, against N = 1.
 * ``metadata``: ``megatron-ucp inspect`` and the conversion plan (built and checked) of the real
   AuroraGPT-7B shapes at DP 768, both optimizer classes, from metadata alone: time and peak RSS.
+* ``--experts E --ep EP``: the preset as a mixture-of-experts model (every second layer's MLP E experts,
+  the fork's ``--create-moe-param-group`` save at EP, files of a release that records MoE saves, e.g.
+  ``--ds-version 0.19.5``): conversion against the copy floor, and the native reshard of sampled ranks at
+  the same EP (each expert-parallel rank's experts over expert-DP: bytes read against the rank's share).
 
 Results go to benchmarks/results/scale-<preset>-<flavour>.{json,md}. ::
 
@@ -31,6 +35,7 @@ Results go to benchmarks/results/scale-<preset>-<flavour>.{json,md}. ::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -145,7 +150,9 @@ def bench_convert_at(
         row[tool] = median_run(results)
     if shares:
         row["shares"] = share_scaling(written.tag_dir, scratch, shares)
-    if resume_to:
+    if resume_to and spec.shape.experts:  # the native reshard at the same EP (the probe's universal route is dense)
+        row["resume"] = resume_probe(spec, written.tag_dir, resume_to, native=True)
+    elif resume_to:
         universal = scratch / "resume-universal"
         bc.run_measured(tool_argv("ours", written.tag_dir, universal, workers)[0])
         row["resume"] = resume_probe(spec, universal, resume_to) + resume_probe(
@@ -160,8 +167,6 @@ def sampled_ranks(spec: SyntheticSpec, world: int) -> list[int]:
     """First, middle, last rank holding real elements of every group, first all-padding rank (if any).
     ZeRO-3: the last rank holding real elements of the smallest parameter, and the first whose slice of it
     is padding."""
-    from megatron_ucp.plan.geometry import at_dp
-
     if spec.per_parameter:
         from megatron_ucp.synthetic.stage3_content import stage3_groups
 
@@ -171,9 +176,14 @@ def sampled_ranks(spec: SyntheticSpec, world: int) -> list[int]:
         last_real = max(r for r in range(world) if part.true_length(r) > 0)
         return sorted({0, world // 2, last_real, *part.padding_only_ranks()[:1]})
 
-    geos = at_dp(spec.geometries(), world)
-    last_real = min(max(r for r in range(world) if g.true_length(r) > 0) for g in geos)
-    padding_only = sorted({r for g in geos for r in g.padding_only_ranks()})
+    placement = spec.placement  # an expert group's partitions over expert-DP
+    geos = placement.geometries(spec.geometries(), world)
+
+    def real(r: int) -> list[bool]:
+        return [geo.true_length(placement.index(g, r)) > 0 for g, geo in enumerate(geos)]
+
+    last_real = max(r for r in range(world) if all(real(r)))
+    padding_only = [r for r in range(world) if not all(real(r))]
     return sorted({0, world // 2, last_real, *padding_only[:1]})
 
 
@@ -198,6 +208,7 @@ def resume_probe(spec: SyntheticSpec, folder: Path, worlds: list[int], native: b
                     "--seed",
                     str(spec.seed),
                     *zero3,
+                    *(["--experts", str(spec.shape.experts), "--ep", str(spec.ep)] if spec.shape.experts else []),
                     *(["--native"] if native else []),
                 ],
                 capture_output=True,
@@ -252,7 +263,9 @@ def share_scaling(tag: Path, scratch: Path, counts: list[int]) -> list[dict]:
 
 
 def spec_preset(spec: SyntheticSpec) -> str:
-    return next(name for name in PRESETS if PRESETS[name] == spec.shape)
+    """The preset the spec's shape is (experts aside: the probe adds them back)."""
+    shape = dataclasses.replace(spec.shape, experts=0)
+    return next(name for name in PRESETS if PRESETS[name] == shape)
 
 
 def metadata_probe(dp: int = 768) -> list[dict]:
@@ -320,8 +333,9 @@ def _cell(result: dict, key: str = "seconds") -> str:
 
 def markdown(rows: list[dict], meta: list[dict], args: argparse.Namespace) -> str:
     tools = [t for t in TOOLS if t in args.tools]
+    moe = f", {args.experts} experts every second layer at EP {args.ep}" if args.experts else ""
     lines = [
-        f"Preset `{args.preset}` ({rows[0]['bytes'] / 1e9:.1f} GB per checkpoint), {args.optimizer}"
+        f"Preset `{args.preset}`{moe} ({rows[0]['bytes'] / 1e9:.1f} GB per checkpoint), {args.optimizer}"
         f"{' ZeRO-3' if args.zero_stage == 3 else ''}, "
         f"DeepSpeed {args.ds_version} files ({args.flavour}), page cache dropped before each run, medians of "
         f"{args.reps} runs (stock and ALCF: {args.slow_reps}), tools rotated; {bc.machine()['cores']} cores.",
@@ -439,6 +453,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--resume-to", default="384,767,1024,1536", help="DP sizes to resume the largest-DP checkpoint at ('' for none)"
     )
     parser.add_argument("--shares", default="1,2,4", help="converter counts for the --share scaling ('' for none)")
+    parser.add_argument("--experts", type=int, default=0, help="a mixture-of-experts model: experts per MoE layer")
+    parser.add_argument("--ep", type=int, default=1, help="with --experts: the expert-parallel size")
     args = parser.parse_args(argv)
     args.tools = [t for t in args.tools.split(",") if t]
     if "alcf" in args.tools and not ALCF_CONVERTER.is_file():
@@ -452,9 +468,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     shares = [int(n) for n in args.shares.split(",") if n]
     try:
         for dp in sizes:
+            shape = preset(args.preset)
             spec = SyntheticSpec(
-                shape=preset(args.preset),
+                shape=dataclasses.replace(shape, experts=args.experts) if args.experts else shape,
                 dp=dp,
+                ep=args.ep,
                 optimizer=args.optimizer,
                 ds_version=args.ds_version,
                 flavour=args.flavour,
@@ -484,7 +502,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "convert": rows,
         "metadata": meta,
     }
-    stage = "-zero3" if args.zero_stage == 3 else ""
+    stage = "-zero3" if args.zero_stage == 3 else f"-moe-ep{args.ep}" if args.experts else ""
     name = f"scale-{args.preset}-{args.flavour}{stage}" + (f"-{args.label}" if args.label else "")
     (results / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
     table = markdown(rows, meta, args)

@@ -14,7 +14,8 @@ checkpoint's values at that place (``synthetic.values``: the source, independent
 With ``--native`` the folder is the native tag and the rank runs the native reshard's own code
 (``integration/native_reshard``: the facts, the live-model check, the read plan, each old rank
 file it needs opened and checked, ``copy_partitions`` with the ledger), as the hook does before its
-one all-reduce. ::
+one all-reduce. With ``--experts E --ep EP`` (native only) the tag is a mixture-of-experts save: the
+expert group's partitions come from the files of this rank's expert-parallel rank, over expert-DP. ::
 
     python benchmarks/resume_probe.py UNIVERSAL_DIR --preset llama-1b --world 1024 --rank 511
     python benchmarks/resume_probe.py TAG_DIR --native --preset llama-1b --world 1024 --rank 511
@@ -23,6 +24,7 @@ one all-reduce. ::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -81,14 +83,21 @@ def plan_rank(groups, world: int, rank: int) -> list[tuple[GroupGeometry, list[t
     return out
 
 
+def shape_of(args):
+    """The preset, with ``--experts`` per MoE layer when given."""
+    shape = preset(args.preset)
+    return dataclasses.replace(shape, experts=args.experts) if args.experts else shape
+
+
 def exact_against_source(args, copied) -> bool:
     """Every copied partition equals the synthetic values at its place (the source, not a file)."""
-    source = SyntheticSpec(shape=preset(args.preset), dp=1, seed=args.seed)  # values do not depend on DP
+    # values do not depend on DP; an expert group's are its expert-parallel rank's buffer
+    source = SyntheticSpec(shape=shape_of(args), dp=args.ep, ep=args.ep, seed=args.seed, ds_version="0.19.5")
     exact = True
     for g, geo, buffers in copied:
-        start = args.rank * geo.partition_size
+        start = source.placement.index(g, args.rank) * geo.partition_size
         for state, got in buffers.items():
-            want = state_range(source, 0, g, state, start, start + geo.partition_size)
+            want = state_range(source, 0, g, state, start, start + geo.partition_size, args.rank % args.ep)
             exact = exact and bool(torch.equal(got, want))
     return exact
 
@@ -96,23 +105,24 @@ def exact_against_source(args, copied) -> bool:
 def native(args) -> int:
     from megatron_ucp.integration.native_reshard import check_live_model, copy_partitions, reshard_ledger
     from megatron_ucp.integration.rank_files import open_source, read_facts
-    from megatron_ucp.plan.geometry import at_dp
     from megatron_ucp.plan.reshard import reshard_reads, source_ranks
 
     tag = args.folder
-    groups = preset(args.preset).param_groups()
+    groups = shape_of(args).param_groups(ep=args.ep)
     io0 = read_bytes()
     t0 = time.perf_counter()
 
     def rank_file(r: int) -> Path:
         return tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
 
-    facts = read_facts(tag / F.MODEL_STATES_FILE, rank_file)  # the first rank's part, broadcast in a job
+    live = [[(p.name, p.shape) for p in g] for g in groups]  # taken where an MoE save lists no param_shapes
+    facts = read_facts(tag / F.MODEL_STATES_FILE, rank_file, live_shapes=live)  # the first rank's, broadcast
     t_facts = time.perf_counter() - t0
     facts_io = read_bytes() - io0  # what only the DP group's first rank reads, once for the job
     io0 = read_bytes()
     t1 = time.perf_counter()
-    new = [GroupGeometry(numel=sum(p.numel for p in g), dp=args.world) for g in groups]
+    sizes = [facts.placement.size(g, args.world) for g in range(len(groups))]
+    new = [GroupGeometry(numel=sum(p.numel for p in g), dp=size) for g, size in zip(groups, sizes)]
     geos = check_live_model(
         facts,
         [[p.name for p in g] for g in groups],
@@ -121,7 +131,7 @@ def native(args) -> int:
         args.world,
         tag,
     )
-    reads = reshard_reads(geos, args.world, args.rank)
+    reads = reshard_reads(geos, args.world, args.rank, facts.placement)
     t_plan = time.perf_counter() - t1
     t2 = time.perf_counter()
     sources = {r: open_source(rank_file(r), r, facts, geos, reads) for r in source_ranks(reads)}
@@ -132,10 +142,10 @@ def native(args) -> int:
     copy_partitions(facts, geos, reads, sources, args.rank, targets, ledger, ledger.new_table())
     t_load = time.perf_counter() - t2
     io = read_bytes() - io0
-    copied = [(g, geo, targets[g]) for g, geo in enumerate(at_dp(geos, args.world))]
+    copied = [(g, geo, targets[g]) for g, geo in enumerate(new)]
     exact = exact_against_source(args, copied)
     share = sum(4 * geo.partition_size * len(targets[g]) for g, geo in enumerate(new))
-    real = sum(geo.true_length(args.rank) for geo in new)
+    real = sum(geo.true_length(facts.placement.index(g, args.rank)) for g, geo in enumerate(new))
     module = module_part(args, tag, facts, new, targets) if args.module else {}
     print(
         json.dumps(
@@ -202,7 +212,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--module", action="store_true", help="with --native: also the rank's part of the model states")
+    ap.add_argument("--experts", type=int, default=0, help="with --native: experts per MoE layer of the save")
+    ap.add_argument("--ep", type=int, default=1, help="with --experts: its expert-parallel size (kept)")
     args = ap.parse_args(argv)
+    if args.experts and (not args.native or args.module):
+        ap.error("--experts: the native reshard's partitions only (no --module, no universal folder)")
     if args.native:
         return native(args)
     args.universal = args.folder

@@ -40,6 +40,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dp", type=int, required=True, help="data-parallel size")
     p.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="a mixture-of-experts model (the fork's --num-experts, every second layer, --create-moe-param-group)",
+    )
+    p.add_argument("--ep", type=int, default=1, help="with --experts: the expert-parallel size (default 1)")
+    p.add_argument(
         "--optimizer",
         choices=["bf16", "zero"],
         default="bf16",
@@ -79,6 +86,8 @@ def shape_from(args: argparse.Namespace) -> LlamaShape:
         base["tied"] = True
     if args.no_swiglu:
         base["swiglu"] = False
+    if args.experts:
+        base["experts"] = args.experts
     missing = [n for n in ("layers", "hidden", "ffn", "heads") if n not in base]
     if missing:
         raise UcpError(f"give --preset or the sizes {', '.join('--' + m for m in missing)}")
@@ -104,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         flavour=args.flavour,
         iteration=args.iteration,
         seed=args.seed,
+        ep=args.ep,
     )
     done = write_checkpoint(args.root, spec, progress=not args.no_progress)
     print(

@@ -166,7 +166,8 @@ class SyntheticSpec:
         model = (
             f"GPTModelPipe, PP={self.pp}" if self.pipeline else "GPTModel" if self.flavour == "megatron" else "plain"
         )
-        return f"TP={self.tp}, DP={self.dp}, {model}"
+        experts = f", EP={self.ep} ({self.shape.experts} experts per MoE layer)" if self.shape.experts else ""
+        return f"TP={self.tp}, DP={self.dp}{experts}, {model}"
 
     def stage(self, mp_rank: int) -> Optional[PipeStage]:
         """The pipeline stage that model-parallel rank holds (None: the non-pipeline GPTModel)."""
