@@ -64,6 +64,7 @@ from megatron_ucp.integration.stage3_routes import (
 from megatron_ucp.integration.sync_convert import convert_synchronously
 from megatron_ucp.integration.training_state import check_training_state, restore_module_tensors
 from megatron_ucp.plan.accounting import AccountingReport, Problem, ProblemKind
+from megatron_ucp.plan.experts import recorded_experts
 from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.resume import (
     ResumeDecision,
@@ -167,7 +168,7 @@ def _gather_and_decide(
             saved_as = saved.layout
             # a mixture-of-experts save of DeepSpeed < 0.19 lists no names (no param_shapes): the native routes
             # check every rank file's fragments against the job's names instead
-            unlisted = not saved.param_names and saved_as is not None and saved_as.ep > 1
+            unlisted = not saved.param_names and bool(recorded_experts((saved.states or {}).get("num_experts")))
             names_match = unlisted or saved.param_names == _live_param_names(engine)
             stage_change = _stage_change(engine, saved.per_parameter)
             regrouped = stage_change is None and _regrouped(engine, saved.states)

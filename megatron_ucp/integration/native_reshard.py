@@ -226,8 +226,7 @@ def bind_save(
     live_names = surface.param_names(optimizer)
     names = [[live_names[lp] for lp in lps] for lps in lp_groups]
     shapes = [[tuple(lp.shape) for lp in lps] for lps in lp_groups]
-    experts = len(set(surface.group_dp_sizes(optimizer))) > 1
-    live = [list(zip(n, s)) for n, s in zip(names, shapes)] if experts else None
+    live = [list(zip(n, s)) for n, s in zip(names, shapes)]  # for an MoE save that lists no param groups
     facts = decide_on_first(lambda: read_facts(model_states, rank_file, states, live), group)
     if isinstance(facts, Failure):
         raise CheckpointFormatError(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
@@ -251,7 +250,10 @@ def check_expert_groups(optimizer: Any, facts: SavedFacts, rank: int, where: Pat
     group's own process group). Raises naming what differs: an expert layout change is the universal route's."""
     dist = comm()
     dp_to = dist.get_world_size(group=surface.dp_group(optimizer))
-    for g, pg in enumerate(surface.group_dp_groups(optimizer)):
+    groups = surface.group_dp_groups(optimizer)
+    if facts.placement.ep == 1 and all(dist.get_world_size(group=pg) == dp_to for pg in groups):
+        return  # no experts on either side: every group over the DP group, as the plan takes it
+    for g, pg in enumerate(groups):
         size, mine = dist.get_world_size(group=pg), dist.get_rank(group=pg)
         want = facts.placement.size(g, dp_to) if g < len(facts.shapes) else size
         if (size, mine) != (want, facts.placement.index(g, rank)):

@@ -35,6 +35,7 @@ from megatron_ucp.format.exact_read import RangeReader, file_offset
 from megatron_ucp.format.paths import special_kind
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.integration.collectives import comm
+from megatron_ucp.plan.experts import recorded_experts
 from megatron_ucp.plan.geometry import GroupGeometry
 from megatron_ucp.plan.rank_binding import (
     FileExpectation,
@@ -150,9 +151,9 @@ def read_facts(
 ) -> SavedFacts:
     """Step 1 (first rank): the facts, checked for the old files' presence and DP size. ``states``:
     the model states already read from ``model_states`` (else read here, without the weights' bytes).
-    ``live_shapes``: the job's param groups, taken as the saved ones for a mixture-of-experts save whose
-    model states list none (DeepSpeed before 0.19); every rank file's ``param_slice_mappings`` is then
-    checked against them, fragment by fragment, before anything is read."""
+    ``live_shapes``: the job's param groups, taken as the saved ones for a mixture-of-experts save (its model
+    states record ``num_experts``) whose model states list none (DeepSpeed before 0.19); every rank file's
+    ``param_slice_mappings`` is then checked against them, fragment by fragment, before anything is read."""
     states, dp_from, save_id = model_states_facts(model_states, states, shapes_optional=live_shapes is not None)
     expected = check_presence(model_states, rank_file, dp_from)
     first = optimizer_state(expected[0])  # its tensors are located, not read (nor read ahead)
@@ -163,7 +164,7 @@ def read_facts(
     placement = saved_placement(first.get(F.PARTITION_COUNT), dp_from, expected[0])
     saved_shapes = states.get(F.PARAM_SHAPES)
     if not isinstance(saved_shapes, list):
-        if placement.ep == 1 or live_shapes is None:
+        if live_shapes is None or not recorded_experts(states.get("num_experts")):
             raise CheckpointFormatError(
                 f"{model_states}: no param_shapes (not a ZeRO-1/2 model-states file)", subject=model_states
             )
@@ -186,11 +187,14 @@ def read_facts(
 
 def saved_placement(counts: Any, dp_from: int, path: Path) -> Placement:
     """Which groups a save partitioned over fewer ranks than DP (its experts, over expert-DP), from its
-    ``partition_count`` per group; raises naming ``path`` when they do not make one expert-parallel size."""
+    ``partition_count`` per group; raises naming ``path`` when they do not make one expert-parallel size.
+    A file none of whose groups is over DP is left to the per-file checks (a rank file of another save)."""
     counts = list(counts) if isinstance(counts, (list, tuple)) else [counts]
     if any(not isinstance(c, int) or c < 1 for c in counts):
         raise CheckpointFormatError(f"{path}: no valid partition_count ({counts!r})", subject=path)
     expert = [g for g, c in enumerate(counts) if c != dp_from]
+    if len(expert) == len(counts):  # an MoE save has dense groups too: a file of another DP size, said per file
+        return DENSE
     sizes = {dp_from // counts[g] for g in expert if dp_from % counts[g] == 0}
     if expert and (len(sizes) != 1 or any(dp_from % counts[g] for g in expert)):
         raise CheckpointFormatError(

@@ -160,10 +160,10 @@ def file_problems(path: str, optim: Mapping, exp: FileExpectation) -> list[str]:
         for name in exp.states[g]:
             t = states.get(name) if isinstance(states, Mapping) else None
             if not _flat_fp32(t) or t.numel() != size:
-                over = f"DP={exp.dp}" if wanted[g] == exp.dp else f"expert-DP={wanted[g]}"
+                over = f"a DP={exp.dp}" if wanted[g] == exp.dp else f"an expert-DP={wanted[g]}"
                 problems.append(
                     f"{path}: {exp.unit} {g}'s {name!r} holds {_describe(t)}, not the {size} float32 elements "
-                    f"of a {over} partition"
+                    f"of {over} partition"
                 )
     recorded = _record_problems(path, optim, exp)
     if not recorded:  # a record that names another position says it all; else the fragments tell

@@ -142,6 +142,30 @@ def test_wrong_dp_truncated_master_and_wrong_dtype_say_what_they_hold() -> None:
     assert "'exp_avg' holds 10 bfloat16 elements, not the 10 float32 elements" in problems[2]
 
 
+def test_an_expert_group_is_checked_against_its_own_partition_count() -> None:
+    """A mixture-of-experts save: the expert group over expert-DP (2 of DP 4), its partition of 18 elements; a
+    file whose counts are another layout's is named with both."""
+    geo = GroupGeometry(numel=35, dp=2)  # S = 18
+    exp = FileExpectation(
+        position=3,
+        dp=4,
+        partition_sizes=(geo.partition_size,),
+        states=(("exp_avg",),),
+        needs=(geo.true_length(1),),
+        fragments=(expected_fragments(SHAPES, geo, 1),),
+        true_lengths=(geo.true_length(1),),
+        partition_counts=(2,),
+    )
+    assert file_problems("f3", _optim(1, 2, geo), exp) == []  # DP rank 3 holds expert-DP partition 1
+    (problem,) = file_problems("f3", _optim(1, 4, geo), exp)
+    assert problem == (
+        "f3: its groups' partition counts are [4], a save at DP=4 with these experts has [2] (a rank file of "
+        "another save?)"
+    )
+    wrong = _optim(1, 2, geo, **{F.BASE_OPTIMIZER_STATE: {"state": {0: {"exp_avg": _Raw(10)}}}})
+    assert "not the 18 float32 elements of an expert-DP=2 partition" in file_problems("f3", wrong, exp)[0]
+
+
 def test_a_file_of_this_save_at_the_wrong_position_is_named_by_its_record() -> None:
     geo = GroupGeometry(numel=35, dp=4)
     record = {F.UCP_SAVE_RECORD: {"save_id": "S", "dp_rank": 2, "dp_size": 4}}
