@@ -365,29 +365,40 @@ def _experts_from_rank_files(tag: Path, dp: int, ep: int, experts: int) -> dict[
     return {state: {name: torch.cat(parts) for name, parts in by_name.items()} for state, by_name in pieces.items()}
 
 
-def _moe_trained(mds_checkout, mds_runs) -> tuple[Path, MdsResult]:
-    """4 experts, EP 2, DP 4, DeepSpeedZeroOptimizer, through the runner with background conversion. (BF16_Optimizer
-    skips every MoE step of this fork on 0.16.9, without megatron-ucp too: no loss is ever logged.)"""
+def _moe_trained(mds_checkout, mds_runs, optimizer: str = "zero") -> tuple[Path, MdsResult]:
+    """4 experts, EP 2, DP 4, through the runner with background conversion; DeepSpeedZeroOptimizer unless
+    ``optimizer`` (BF16_Optimizer skips every MoE step of this fork on 0.16.9, without megatron-ucp too: no loss
+    is ever logged; it trains on 0.19.5)."""
+    name = "moe-train" if optimizer == "zero" else f"moe-train-{optimizer}"
 
     def train(folder: Path) -> MdsResult:
-        run = MdsRun(nproc=4, ckpt=folder / "ckpt", optimizer="zero", train_iters=6, save_interval=3)
+        run = MdsRun(nproc=4, ckpt=folder / "ckpt", optimizer=optimizer, train_iters=6, save_interval=3)
         run.extra_args = ["--ucp-async-convert", *MOE_ARGS]
         return run_mds(mds_checkout, run)
 
-    res = mds_runs.get("moe-train", train)
-    return mds_runs.base / "moe-train" / "ckpt", res
+    res = mds_runs.get(name, train)
+    return mds_runs.base / name / "ckpt", res
 
 
-def _moe_resumed(mds_checkout, mds_runs, root: Path, dp: int, ep: int) -> MdsResult:
+def _moe_resumed(mds_checkout, mds_runs, root: Path, dp: int, ep: int, optimizer: str = "zero") -> MdsResult:
     """The iteration-3 checkpoint resumed at DP ``dp`` with EP ``ep`` through the runner, no flag."""
 
     def resume(folder: Path) -> MdsResult:
         ckpt = _restart_copy(root, folder / "ckpt")
-        run = MdsRun(nproc=dp, ckpt=ckpt, optimizer="zero", train_iters=6, save_interval=100)
+        run = MdsRun(nproc=dp, ckpt=ckpt, optimizer=optimizer, train_iters=6, save_interval=100)
         run.extra_args = [*MOE_ARGS[:3], str(ep), *MOE_ARGS[4:]]
         return run_mds(mds_checkout, run)
 
-    return mds_runs.get(f"moe-dp{dp}-ep{ep}", resume)
+    return mds_runs.get(f"moe-dp{dp}-ep{ep}-{optimizer}", resume)
+
+
+def _moe_dp_change_optimizer() -> str:
+    """The class the DP-change resume trains: BF16_Optimizer where it takes MoE steps (0.19 here), so that both
+    classes' MoE saves are converted and resumed."""
+    import deepspeed
+    from packaging.version import Version
+
+    return "bf16" if Version(deepspeed.__version__) >= Version("0.19") else "zero"
 
 
 def test_moe_job_saves_through_the_hooks_and_converts_every_expert_in_the_background(mds_checkout, mds_runs):
@@ -538,16 +549,27 @@ def test_moe_job_resumes_at_another_dp_or_ep(mds_checkout, mds_runs, dp, ep, cha
     """A DP change at the same EP straight from the native files: each expert-parallel rank's expert buffer
     resharded over its expert-DP ranks, every rank file bound to its position first. An EP change through the
     universal folder: every expert found under its global index by the ranks that hold it now. Every element
-    accounted for, and the curve continues."""
-    root, reference = _moe_trained(mds_checkout, mds_runs)
-    resumed = _moe_resumed(mds_checkout, mds_runs, root, dp=dp, ep=ep)
+    accounted for, and the curve continues. The DP change trains BF16_Optimizer where it takes MoE steps (0.19):
+    its background conversion is checked bit for bit too."""
+    optimizer = _moe_dp_change_optimizer() if ep == 2 else "zero"
+    root, reference = _moe_trained(mds_checkout, mds_runs, optimizer)
+    if optimizer == "bf16":  # its background conversion, every expert bit for bit against the independent rebuild
+        assert sorted(reference.losses) == [1, 2, 3, 4, 5, 6], reference.log[-3000:]
+        out = root / "global_step3_universal"
+        assert universal_state(out) == "complete", out
+        for state, by_name in _experts_from_rank_files(root / "global_step3", dp=4, ep=2, experts=4).items():
+            for name, values in by_name.items():
+                converted = torch.load(out / "zero" / name / f"{state}.pt", weights_only=False)[F.PARAM]
+                assert torch.equal(converted.reshape(-1), values), (state, name)
+        assert verify_universal(out, source=root / "global_step3").ok
+    resumed = _moe_resumed(mds_checkout, mds_runs, root, dp=dp, ep=ep, optimizer=optimizer)
     decided = [line for line in resumed.ucp_lines() if changed in line]
     assert decided and route in decided[0], resumed.ucp_lines()
     said = f"was saved at EP=2 (4), this job runs at EP={ep}: the elastic-resume hook loads the universal twin"
     assert dp != 4 or any(said in line for line in resumed.ucp_lines()), resumed.ucp_lines()  # the runner, before
     summary = assert_accounted(resumed)
     assert f"DP 4 -> {dp}" in summary, summary
-    assert_continues(resumed, reference, optimizer="zero")
+    assert_continues(resumed, reference, optimizer=optimizer)
 
 
 # ------------------------------------------------------------------------------------------------
