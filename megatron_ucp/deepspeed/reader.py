@@ -1014,6 +1014,13 @@ def _check_experts(files: CheckpointFiles, rank_files: Optional[Sequence["RankFi
     experts = expert_facts(files.expert_files, first.partition_counts or [], files.dp, files.model_parallel, recorded)
     for name, problem in experts.problems() if experts else ():
         raise CheckpointFormatError(f"{files.tag_dir}: {problem}", subject=files.tag_dir / name if name else None)
+    config = getattr(first, "raw", {}).get(F.DS_CONFIG) if experts is not None and experts.expert_groups else None
+    if isinstance(config, dict) and config.get("use_data_before_expert_parallelism"):
+        raise UnsupportedError(
+            f"{first.path}: saved with use_data_before_expert_parallelism (DeepSpeed-MoE's D + E topology): "
+            "megatron-ucp places experts as the default E + D topology does",
+            subject=first.path,
+        )
     if experts is not None and files.model_parallel > 1:
         raise UnsupportedError(
             f"{files.tag_dir}: {experts.describe()} at {files.model_parallel} model-parallel ranks: megatron-ucp "
@@ -1065,6 +1072,17 @@ def _check_rank_file(rf: "RankFile", path: Path, r: int, dp: int, counts: Option
         raise CheckpointFormatError(
             f"{path}: records dp_rank={info.get('dp_rank')} but is named as rank {r}", subject=path
         )
+    ranks = info.get("group_dp_ranks") if isinstance(info, dict) else None
+    if counts is not None and isinstance(ranks, list) and len(ranks) == len(counts):
+        for g, (count, recorded) in enumerate(zip(counts, ranks)):
+            placed = r // (dp // count) if count and dp % count == 0 else r
+            if recorded != placed:
+                raise CheckpointFormatError(
+                    f"{path}: records expert-data-parallel rank {recorded} in param group {g}, where DeepSpeed-MoE's "
+                    f"E + D topology puts DP rank {r} at {placed} (saved with use_data_before_expert_parallelism, "
+                    "or a file of another position?)",
+                    subject=path,
+                )
 
 
 def human_bytes(n: float) -> str:

@@ -299,6 +299,13 @@ def engine_config(engine: Any) -> Any:
     return instance_attribute(engine, "_config")
 
 
+def experts_data_first(engine: Any) -> bool:
+    """DeepSpeed-MoE's D + E topology (``use_data_before_expert_parallelism``): expert-parallel groups strided
+    over DP, expert-data-parallel groups contiguous, the other way round from the default E + D that the expert
+    placement assumes (every release 0.16-0.19 parses the key into ``use_data_before_expert_parallel_``)."""
+    return bool(getattr(getattr(engine, "_config", None), "use_data_before_expert_parallel_", False))
+
+
 def model_states_file(engine: Any, load_dir: str, tag: str) -> str:
     return engine._get_ckpt_name(load_dir, tag)
 

@@ -41,6 +41,11 @@ def unhandled_reason(engine: Any) -> Optional[str]:
     sizes = surface.group_dp_sizes(optimizer)
     if len(set(sizes)) > 1 and not getattr(engine, "has_moe_layers", False):
         return f"param groups partitioned over data-parallel groups of different sizes {sizes} (not experts)"
+    if len(set(sizes)) > 1 and surface.experts_data_first(engine):
+        return (
+            "mixture-of-experts groups in DeepSpeed's D + E topology (use_data_before_expert_parallelism) are not "
+            "handled yet (megatron-ucp places experts as the default E + D topology does)"
+        )
     if len(set(sizes)) > 1 and expert_model_parallel(engine) > 1:
         return (
             f"mixture-of-experts param groups (partitioned over data-parallel groups of sizes {sizes}) at "

@@ -15,7 +15,7 @@ import torch
 
 from megatron_ucp.convert.execute import ConvertOptions, convert
 from megatron_ucp.convert.universal import read_manifest
-from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.errors import UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import PICKLE_MODULE
 from megatron_ucp.integration.rank_files import bind_folder
@@ -96,9 +96,27 @@ def _partition_counts(counts: list[int]):
     return edit
 
 
+def _data_first(sd: dict) -> None:
+    sd[F.DS_CONFIG]["use_data_before_expert_parallelism"] = True
+
+
+def _recorded_expert_dp_rank(rank: int):
+    def edit(sd: dict) -> None:
+        sd[F.OPTIMIZER_STATE_DICT][F.ZERO_PARTITION_INFO]["group_dp_ranks"][EXPERTS] = rank
+
+    return edit
+
+
 @pytest.mark.parametrize(
     "case",
-    ["expert file missing", "expert count", "ep does not divide", "partitions do not add up"],
+    [
+        "expert file missing",
+        "expert count",
+        "ep does not divide",
+        "partitions do not add up",
+        "d + e topology",
+        "expert-dp rank",
+    ],
 )
 def test_experts_that_do_not_add_up_are_named_before_anything_is_written(tmp_path: Path, case: str):
     spec = _spec("0.19.5", dp=4, ep=2)
@@ -117,12 +135,19 @@ def test_experts_that_do_not_add_up_are_named_before_anything_is_written(tmp_pat
         for r in range(4):
             _rewrite(tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt", _partition_counts([4, 4, 1]))
         culprit, said = "", "EP=4 does not divide the 6 experts"
-    else:
+    elif case == "partitions do not add up":
         for r in range(4):
             _rewrite(tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt", _partition_counts([4, 4, 3]))
         culprit, said = "", "partitioned over 3 ranks, which does not divide DP=4"
-    with pytest.raises(CheckpointFormatError) as caught:
+    elif case == "d + e topology":  # expert-parallel groups strided, not where the default E + D puts them
+        _rewrite(tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", _data_first)
+        culprit, said = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "use_data_before_expert_parallelism"
+    else:  # DP rank 2 is expert-DP rank 1 of expert-parallel rank 0 in E + D; its record says 0
+        _rewrite(tag / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt", _recorded_expert_dp_rank(0))
+        culprit, said = "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt", "records expert-data-parallel rank 0"
+    with pytest.raises(UcpError) as caught:
         convert(ConvertOptions(source=tmp_path, progress=False))
     assert said in str(caught.value) and str(tag) in str(caught.value), str(caught.value)
+    assert isinstance(caught.value, UnsupportedError) == (case == "d + e topology")
     assert culprit in str(caught.value.subject or ""), caught.value.subject
     assert not list(tmp_path.glob(f"*{spec.tag}_universal*")), list(tmp_path.iterdir())  # nothing written

@@ -40,6 +40,10 @@ def test_groups_of_other_dp_sizes_are_handled_when_they_are_experts_at_tp_pp_1(m
     assert reason is not None and "[4, 4, 2]" in reason and "not experts" in reason
     engine.has_moe_layers = True
     assert handled.unhandled_reason(engine) is None  # expert groups over expert-DP: saved, converted, resharded
+    engine._config = type("Config", (), {"use_data_before_expert_parallel_": True})()
+    reason = handled.unhandled_reason(engine)  # D + E: the experts of a DP rank are not where E + D puts them
+    assert reason is not None and "use_data_before_expert_parallelism" in reason
+    del engine._config
     monkeypatch.setattr(handled, "expert_model_parallel", lambda engine: 2)
     reason = handled.unhandled_reason(engine)
     assert reason is not None and "mixture-of-experts" in reason and "TP x PP = 2" in reason
