@@ -7,6 +7,12 @@ DeepSpeed partitions over the expert-data-parallel group instead of the DP group
 with ZeRO-3) gets stock
 DeepSpeed's save, load and no background conversion, and one warning per process that says so
 (logged by the first rank only).
+
+The answer is the job's, not one rank's: at PP > 1 only the stages holding MoE layers see them, and a rank that
+took the hooks' way while another took stock's would meet it in different collectives (a save identity against
+stock's save, a resume decision against the expert-layout check). So in a distributed job the ranks agree once
+per engine, at its first save or load (every rank is there), and every rank follows the first reason any rank
+has; the verdict is kept on the engine.
 """
 
 from __future__ import annotations
@@ -22,8 +28,34 @@ log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 
+_AGREED = "_ucp_unhandled_reason"
+
+
 def unhandled_reason(engine: Any) -> Optional[str]:
-    """Why the hooks leave this engine to stock DeepSpeed, or None when they handle it."""
+    """Why the hooks leave this engine to stock DeepSpeed, or None when they handle it: the same on every rank
+    of a distributed job (collective at the engine's first call, which is a save or a load on every rank)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return local_reason(engine)
+    agreed = getattr(engine, "__dict__", {}).get(_AGREED, _UNSET)
+    if agreed is not _UNSET:
+        return agreed
+    mine = local_reason(engine)
+    reasons: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, mine)
+    agreed = next(((r, reason) for r, reason in enumerate(reasons) if reason is not None), None)
+    verdict = None if agreed is None else agreed[1] if agreed[1] == mine else f"{agreed[1]} (on rank {agreed[0]})"
+    if hasattr(engine, "__dict__"):
+        engine.__dict__[_AGREED] = verdict
+    return verdict
+
+
+_UNSET = object()
+
+
+def local_reason(engine: Any) -> Optional[str]:
+    """Why this rank's engine cannot be handled (its own layout and groups), or None."""
     optimizer = getattr(engine, "optimizer", None)
     try:
         layout = surface.engine_layout(engine)

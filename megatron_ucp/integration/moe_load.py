@@ -21,7 +21,7 @@ from megatron_ucp.deepspeed.torch_files import load_raw
 from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
-from megatron_ucp.integration.collectives import Failure, decide_on_first
+from megatron_ucp.integration.collectives import Failure, count_across, decide_on_first
 from megatron_ucp.integration.handled import warn_once
 from megatron_ucp.plan.experts import expert_layout_change
 
@@ -29,7 +29,8 @@ from megatron_ucp.plan.experts import expert_layout_change
 def refuse_an_expert_layout_change(engine: Any, load_dir: str, tag: Optional[str], config: UcpConfig) -> None:
     """Collective: the first rank compares its saved partition counts with the live groups; every rank raises
     the same error (strict) or goes on to stock's load."""
-    if not getattr(engine, "has_moe_layers", False):
+    # every rank takes the same way: at PP > 1 only the stages holding MoE layers know of them
+    if not count_across(int(bool(getattr(engine, "has_moe_layers", False)))):
         return
     verdict = decide_on_first(lambda: _change(engine, Path(load_dir), tag))
     if verdict is None or isinstance(verdict, Failure):  # nothing changed, or unreadable: stock's load says it
