@@ -232,7 +232,7 @@ def bind_save(
         raise CheckpointFormatError(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
     flats = [g["params"][0] for g in surface.base_optimizer(optimizer).param_groups]
     try:
-        check_expert_groups(optimizer, facts, rank, model_states.parent)
+        check_expert_groups(optimizer, facts, dp_to, rank, model_states.parent)
         geos = check_live_model(facts, names, shapes, [f.numel() for f in flats], dp_to, model_states.parent)
     except UcpError:
         if same_dp:
@@ -244,12 +244,11 @@ def bind_save(
     return BoundSave(facts, geos, reads, sources, rank_file, dp_to, rank, time.perf_counter() - t0, files)
 
 
-def check_expert_groups(optimizer: Any, facts: SavedFacts, rank: int, where: Path) -> None:
+def check_expert_groups(optimizer: Any, facts: SavedFacts, dp_to: int, rank: int, where: Path) -> None:
     """The live groups are partitioned over as many ranks as the save's placement gives them at this DP size
     (the same expert-parallel size), and this rank holds the partition the placement says (its place in each
     group's own process group). Raises naming what differs: an expert layout change is the universal route's."""
     dist = comm()
-    dp_to = dist.get_world_size(group=surface.dp_group(optimizer))
     groups = surface.group_dp_groups(optimizer)
     if facts.placement.ep == 1 and all(dist.get_world_size(group=pg) == dp_to for pg in groups):
         return  # no experts on either side: every group over the DP group, as the plan takes it

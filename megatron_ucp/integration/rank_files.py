@@ -35,7 +35,7 @@ from megatron_ucp.format.exact_read import RangeReader, file_offset
 from megatron_ucp.format.paths import special_kind
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.integration.collectives import comm
-from megatron_ucp.plan.experts import recorded_experts
+from megatron_ucp.plan.experts import expert_facts, recorded_experts
 from megatron_ucp.plan.geometry import GroupGeometry
 from megatron_ucp.plan.rank_binding import (
     FileExpectation,
@@ -154,14 +154,7 @@ def read_facts(
     ``live_shapes``: the job's param groups, taken as the saved ones for a mixture-of-experts save (its model
     states record ``num_experts``) whose model states list none (DeepSpeed before 0.19); every rank file's
     ``param_slice_mappings`` is then checked against them, fragment by fragment, before anything is read."""
-    states, dp_from, save_id = model_states_facts(model_states, states, shapes_optional=live_shapes is not None)
-    expected = check_presence(model_states, rank_file, dp_from)
-    first = optimizer_state(expected[0])  # its tensors are located, not read (nor read ahead)
-    algorithm = checksum_algorithm(first, expected[0])
-    base = first[F.BASE_OPTIMIZER_STATE]
-    groups = base.get("param_groups") or []
-    per_group = [base["state"].get(g, {}) for g in range(len(groups))]
-    placement = saved_placement(first.get(F.PARTITION_COUNT), dp_from, expected[0])
+    states, dp_from, save_id = model_states_facts(model_states, states, shapes_optional=True)
     saved_shapes = states.get(F.PARAM_SHAPES)
     if not isinstance(saved_shapes, list):
         if live_shapes is None or not recorded_experts(states.get("num_experts")):
@@ -169,6 +162,13 @@ def read_facts(
                 f"{model_states}: no param_shapes (not a ZeRO-1/2 model-states file)", subject=model_states
             )
         saved_shapes = [dict(group) for group in live_shapes]
+    expected = check_presence(model_states, rank_file, dp_from)
+    first = optimizer_state(expected[0])  # its tensors are located, not read (nor read ahead)
+    algorithm = checksum_algorithm(first, expected[0])
+    base = first[F.BASE_OPTIMIZER_STATE]
+    groups = base.get("param_groups") or []
+    per_group = [base["state"].get(g, {}) for g in range(len(groups))]
+    placement = saved_placement(first.get(F.PARTITION_COUNT), dp_from, expected[0])
     return SavedFacts(
         dp_from=dp_from,
         shapes=[[(name, tuple(shape)) for name, shape in group.items()] for group in saved_shapes],
@@ -192,17 +192,13 @@ def saved_placement(counts: Any, dp_from: int, path: Path) -> Placement:
     counts = list(counts) if isinstance(counts, (list, tuple)) else [counts]
     if any(not isinstance(c, int) or c < 1 for c in counts):
         raise CheckpointFormatError(f"{path}: no valid partition_count ({counts!r})", subject=path)
-    expert = [g for g, c in enumerate(counts) if c != dp_from]
-    if len(expert) == len(counts):  # an MoE save has dense groups too: a file of another DP size, said per file
+    experts = expert_facts((), counts, dp_from)
+    # an MoE save has dense groups too: a file none of whose groups is over DP is of another DP size, said per file
+    if experts is None or len(experts.expert_groups) == len(counts):
         return DENSE
-    sizes = {dp_from // counts[g] for g in expert if dp_from % counts[g] == 0}
-    if expert and (len(sizes) != 1 or any(dp_from % counts[g] for g in expert)):
-        raise CheckpointFormatError(
-            f"{path}: its groups' partition counts {counts} are not DP={dp_from} and one expert-data-parallel size "
-            "DP / EP",
-            subject=path,
-        )
-    return Placement.of(sizes.pop() if expert else 1, expert)
+    if experts.ep is None:  # expert groups over different sizes, or over one that does not divide DP
+        raise CheckpointFormatError(f"{path}: {experts.problems()[0][1]}", subject=path)
+    return Placement.of(experts.ep, experts.expert_groups)
 
 
 def check_presence(model_states: Path, rank_file: RankFile, dp_from: int) -> list[Path]:
