@@ -67,7 +67,7 @@ def assert_losses_continue(resumed: TrainResult, reference: Callable[[int], floa
 
     assert resumed.steps, resumed.log[-3000:]
     variant = resumed.optimizer_class == "BF16_Optimizer" and not internals().bf16_dp_invariant
-    for i, (step, loss) in enumerate(zip(resumed.steps, resumed.losses)):
+    for i, (step, loss) in enumerate(zip(resumed.steps, resumed.losses, strict=True)):
         tolerance = DP_VARIANT_TOLERANCE if variant and i > 0 else LOSS_TOLERANCE
         assert abs(loss - reference(step)) <= tolerance, (step, loss, reference(step))
 

@@ -92,8 +92,7 @@ def test_launcher_kills_on_timeout(tmp_path: Path) -> None:
     sleeper.write_text("#!/bin/sh\nexec sleep 60\n")
     sleeper.chmod(sleeper.stat().st_mode | stat.S_IEXEC)
     res = run_training(TrainSpec(dp=2, steps=1, python=str(sleeper), timeout=1, expect_failure=True))
-    assert res.returncode == 124 and "timeout" in res.log
-    assert res.wall_s < 30
+    assert res.returncode == 124 and "timeout" in res.log  # killed: a sleeper that ran out its 60 s exits 0
 
 
 # --- real DeepSpeed runs (cached per session) ----------------------------------------------------
@@ -176,7 +175,7 @@ def test_resume_same_dp_is_exact(ds_checkpoint, optimizer: str, tmp_path: Path) 
             assert torch.equal(saved[name][key], loaded[name][key]), f"{name}/{key}"
     for r in range(4):
         a, b = torch.load(ck.dump(f"rank{r}_step2")), torch.load(res.dumps[f"rank{r}_step2_loaded"])
-        assert all(torch.equal(x, y) for x, y in zip(a["fp32"], b["fp32"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["fp32"], b["fp32"], strict=True))
         assert a["lr_scheduler"] == b["lr_scheduler"] and a["global_samples"] == b["global_samples"]
 
 

@@ -97,7 +97,7 @@ def test_each_rank_reads_its_share_and_the_job_reads_the_checkpoint_once(ds_chec
         assert a["module"].keys() == b["module"].keys()
         for name in a["module"]:
             assert torch.equal(a["module"][name], b["module"][name]), (rank, name)
-        for x, y in zip(a["fp32"], b["fp32"]):
+        for x, y in zip(a["fp32"], b["fp32"], strict=True):
             assert torch.equal(x, y)
     assert once.losses == full.losses
     assert_losses_continue(once, ck.loss_at)

@@ -95,9 +95,9 @@ def test_reshard_equals_the_universal_route_rank_by_rank(ds_checkpoint, runs, ca
     assert not list(root.glob("*_universal")), "the native route converted something"
     for rank in range(dp):
         a, b = _partitions(native, rank), _partitions(universal, rank)
-        for g, (x, y) in enumerate(zip(a["fp32"], b["fp32"])):
+        for g, (x, y) in enumerate(zip(a["fp32"], b["fp32"], strict=True)):
             assert torch.equal(x, y), (rank, g, "fp32")
-        for g, (x, y) in enumerate(zip(a["optim_state"], b["optim_state"])):
+        for g, (x, y) in enumerate(zip(a["optim_state"], b["optim_state"], strict=True)):
             assert x.keys() == y.keys(), (rank, g)
             for key in x:
                 same = torch.equal(x[key], y[key]) if torch.is_tensor(x[key]) else x[key] == y[key]

@@ -195,7 +195,7 @@ def assert_records_geometry(tag_dir: Path, dp: int = 4) -> list[dict]:
     for rank, sd in enumerate(sds):
         sizes, trues = zip(*(expected_geometry(n, dp, rank) for n in numels))
         assert sd[F.GROUP_TRUE_LENGTHS] == list(trues), rank
-        assert sd[F.GROUP_PADDINGS] == [s - t for s, t in zip(sizes, trues)], rank
+        assert sd[F.GROUP_PADDINGS] == [s - t for s, t in zip(sizes, trues, strict=True)], rank
         assert sd[F.ZERO_PARTITION_INFO] == {
             "version": F.ZERO_PARTITION_INFO_VERSION,
             "dp_size": dp,
@@ -507,9 +507,11 @@ def test_hooks_and_patches_agree(optimizer, request):
     hooked_tag = built_checkpoint(optimizer=optimizer, dp=4, plugin=True).root / "global_step2"
     patched_files, hooked_files = rank_files(patched_root / "global_step2"), rank_files(hooked_tag)
     assert [f.name for f in patched_files] == [f.name for f in hooked_files]
-    for pf, hf in zip(patched_files, hooked_files):
+    for pf, hf in zip(patched_files, hooked_files, strict=True):
         p, h = optim_sd(pf), optim_sd(hf)
         for key in (F.GROUP_PADDINGS, F.GROUP_TRUE_LENGTHS, F.ZERO_PARTITION_INFO):
             assert p[key] == h[key], (pf.name, key, p[key], h[key])
-        for g, (pt, ht) in enumerate(zip(p[F.SINGLE_PARTITION_OF_FP32_GROUPS], h[F.SINGLE_PARTITION_OF_FP32_GROUPS])):
+        for g, (pt, ht) in enumerate(
+            zip(p[F.SINGLE_PARTITION_OF_FP32_GROUPS], h[F.SINGLE_PARTITION_OF_FP32_GROUPS], strict=True)
+        ):
             assert same_value(pt, ht), (pf.name, g)

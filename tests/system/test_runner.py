@@ -133,6 +133,7 @@ def test_bad_values_raise_naming_the_variable(env, match):
         C.build_settings([], env)
 
 
+@settings(deadline=None)
 @given(
     async_convert=st.booleans(),
     strict=st.booleans(),

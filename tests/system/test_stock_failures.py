@@ -119,5 +119,5 @@ def test_universal_load_works_without_all_padding_rank(stock_universal_zero, tmp
     for name, states in saved.items():
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             assert torch.equal(states[key], loaded[name][key]), f"{name}/{key}"
-    for step, loss in zip(res.steps, res.losses):
+    for step, loss in zip(res.steps, res.losses, strict=True):
         assert loss == pytest.approx(ck.loss_at(step), abs=1e-3)

@@ -17,6 +17,7 @@ import torch
 from megatron_ucp.convert.writer import _descriptors_for, save_file
 from megatron_ucp.deepspeed.reader import load_raw
 from megatron_ucp.format import torchload
+from megatron_ucp.format.lightpickle import is_stand_in
 from megatron_ucp.format.rawtensor import DTYPES, RawTensor, from_torch, raw_tensors_from_torch, torch_tensors_from_raw
 from megatron_ucp.format.torchfile import FastWriterUnsupported, save_object
 
@@ -37,16 +38,36 @@ def assert_same(expected, got, where="obj"):
             assert_same(expected[k], got[k], f"{where}[{k!r}]")
     elif isinstance(expected, (list, tuple)):
         assert len(expected) == len(got), where
-        for i, (a, b) in enumerate(zip(expected, got)):
+        for i, (a, b) in enumerate(zip(expected, got, strict=True)):
             assert_same(a, b, f"{where}[{i}]")
     elif type(expected).__module__.split(".")[0] in ("deepspeed", "torch"):
-        assert repr(got), where  # stand-ins: checked by pickling back (below)
+        if not is_stand_in(got) and got != expected and hasattr(expected, "__dict__"):  # e.g. a LossScaler
+            assert type(got) is type(expected), where
+            assert_same(vars(expected), vars(got), f"{where}.__dict__")
+        else:
+            assert stands_for(got, expected), (where, got, expected)
     else:
         assert expected == got, where
 
 
+def stands_for(got, expected) -> bool:
+    """``got`` is ``expected`` itself (its class was importable) or a stand-in of the same global or of an
+    instance of the same class built from the same arguments (torch.device('cpu'))."""
+    if not is_stand_in(got):
+        return got == expected
+    if isinstance(got, type):  # a global such as torch.bfloat16
+        return f"{got._ucp_module}.{got._ucp_name}" == str(expected)
+    cls, reduced = type(expected), expected.__reduce__()
+    return (type(got)._ucp_module, type(got)._ucp_name) == (cls.__module__, cls.__name__) and got._ucp_args == tuple(
+        reduced[1]
+    )
+
+
 def checkpoint_files(tag_dir: Path) -> list[Path]:
-    return sorted(p for p in tag_dir.iterdir() if p.suffix == ".pt")
+    """The tag's .pt files; a folder without any is a broken fixture, not a pass."""
+    files = sorted(p for p in tag_dir.iterdir() if p.suffix == ".pt")
+    assert len(files) >= 2, f"{tag_dir}: no model and optimizer files"
+    return files
 
 
 @pytest.mark.parametrize("optimizer", ["bf16", "zero"])
@@ -88,6 +109,8 @@ def test_views_parameters_and_torch_globals(tmp_path):
     assert not got["strided"].is_contiguous() and got["view"].is_contiguous()
     assert float(got["scalar"]) == 3.0 and int(got["ints"][0].narrow(0, 1, 1).item()) == -2
     assert isinstance(got["meta"][0], tuple) and got["meta"][0] == (4, 5)
+    assert is_stand_in(got["meta"][1]) and is_stand_in(got["meta"][2])  # the stand-ins are told apart:
+    assert not stands_for(got["meta"][1], torch.float32) and not stands_for(got["meta"][2], torch.device("meta"))
     # what the loader returns pickles back (stand-ins as the torch globals they stood for)
     back = tmp_path / "back.pt"
     save_object({k: v for k, v in got.items() if k not in ("strided", "empty")}, back)

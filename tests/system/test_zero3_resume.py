@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.plan.param_geometry import Stage3Groups
-from megatron_ucp.plan.save_record import stage3_partition_checksums
+from megatron_ucp.format import integrity
+from megatron_ucp.plan.accounting import checksum
 from tests.support.device_policy import device_violations
 from tests.support.device_recorder import MARKED
 from tests.support.dsharness.checkpoints import rank_file
@@ -133,8 +133,33 @@ def _devices(res, dp: int, offload: bool) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+def _deepspeed_stage3_record(shapes: list[dict], param_group_of: list[int], dp: int, rank: int):
+    """What a rank holds under ZeRO-3, from DeepSpeed's rule as ``partition_parameters._partition_param`` states it
+    (nothing of megatron-ucp's geometry): each parameter of ``n`` elements padded to a multiple of DP, rank ``r``
+    holding ``ceil(n / DP)`` elements from ``r * ceil(n / DP)``; a sub-group's partition the concatenation of its
+    parameters' slices. Returns per sub-group: the true length, each parameter's true length, and its real runs
+    ``(offset in the partition, length, position of the first element in the param group)``."""
+    before: dict[int, int] = {}  # elements of each param group in the sub-groups before
+    out = []
+    for h, group in enumerate(shapes):
+        offset, lengths, runs = 0, [], []
+        for shape in group.values():
+            n = torch.Size(shape).numel()
+            size = -(-n // dp)
+            length = max(0, min(size, n - rank * size))
+            lengths.append(length)
+            if length:
+                runs.append((offset, length, before.get(param_group_of[h], 0) + rank * size))
+            offset += size
+            before[param_group_of[h]] = before.get(param_group_of[h], 0) + n
+        out.append((sum(lengths), lengths, runs))
+    return out
+
+
 def test_the_save_hook_records_each_sub_group_and_parameter(hooked):
-    """Each rank file's record against the partitions that rank held in memory at the save (its dump)."""
+    """Each rank file's record against the partitions that rank held in memory at the save (its dump), the
+    expectation computed here from DeepSpeed's partitioning rule and the checksum primitive
+    (``plan.accounting.checksum``, held to its own properties in tests/unit/test_accounting.py)."""
     tag = hooked.tag_dir(2)
     models = [torch.load(tag / F.zero3_model_file(r, 0), weights_only=False) for r in range(4)]
     save_id = models[0][F.UCP_SAVE_RECORD]["save_id"]
@@ -143,20 +168,27 @@ def test_the_save_hook_records_each_sub_group_and_parameter(hooked):
     for r in range(4):
         sd = torch.load(rank_file(tag, r), weights_only=False)[F.OPTIMIZER_STATE_DICT]
         owners = {h: g for g, group in enumerate(sd[F.OPTIMIZER_STATE_DICT][F.PARAM_GROUPS]) for h in group["params"]}
-        groups = Stage3Groups(
-            tuple(tuple((n, torch.Size(s).numel()) for n, s in g.items()) for g in shapes),
-            tuple(owners[h] for h in range(len(shapes))),
-            4,
-        )
-        assert sd[F.GROUP_TRUE_LENGTHS] == groups.true_lengths(r)
-        assert sd[F.PARAM_TRUE_LENGTHS] == groups.param_true_lengths(r)
+        expected = _deepspeed_stage3_record(shapes, [owners[h] for h in range(len(shapes))], 4, r)
+        assert sd[F.GROUP_TRUE_LENGTHS] == [true for true, _, _ in expected]
+        assert sd[F.PARAM_TRUE_LENGTHS] == [lengths for _, lengths, _ in expected]
         info = sd[F.ZERO_PARTITION_INFO]
         assert (info["zero_stage"], info["dp_size"], info["dp_rank"]) == (3, 4, r)
         assert info["partition_sizes"] == [t.numel() for t in sd[F.FP32_FLAT_GROUPS]]
         assert sd[F.UCP_SAVE_RECORD] == {"version": 1, "save_id": save_id, "dp_size": 4, "dp_rank": r}
         memory = torch.load(hooked.dump(f"rank{r}_step2"), weights_only=False)
-        expected = stage3_partition_checksums(memory["fp32"], memory["optim_state"], groups, r)
-        assert sd[F.ZERO_PARTITION_CHECKSUMS] == expected[F.ZERO_PARTITION_CHECKSUMS], r
+        recorded = sd[F.ZERO_PARTITION_CHECKSUMS]
+        assert recorded["algorithm"] == integrity.ALGORITHM
+        assert len(recorded["groups"]) == len(expected) == len(memory["fp32"])
+        for h, (true, _, runs) in enumerate(expected):
+            size = memory["fp32"][h].numel()
+            held = {"fp32": memory["fp32"][h]}
+            held.update({k: v for k, v in memory["optim_state"][h].items() if torch.is_tensor(v) and v.numel() == size})
+            held.pop("step", None)
+            assert set(recorded["groups"][h]) == set(held), (r, h)
+            for state, tensor in held.items():
+                flat = tensor.reshape(-1)
+                sums = (checksum(flat[off : off + n], position) for off, n, position in runs)
+                assert recorded["groups"][h][state] == [true, integrity.combine(sums)], (r, h, state)
     last = torch.load(rank_file(tag, 3), weights_only=False)[F.OPTIMIZER_STATE_DICT]
     assert 0 in last[F.PARAM_TRUE_LENGTHS][2]  # rank 3's slice of a small parameter of sub-group 2 is padding
 

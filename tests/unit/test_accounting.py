@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from itertools import pairwise
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def _tensor(seed: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 def test_fragments_at_any_offsets_sum_to_the_full_checksum(n, seed, dtype, data):
     full = _tensor(seed, n, dtype)
     cuts = sorted(set(data.draw(st.lists(st.integers(0, n), max_size=8))) | {0, n})
-    pieces = [checksum(full[a:b], a) for a, b in zip(cuts, cuts[1:])]
+    pieces = [checksum(full[a:b], a) for a, b in pairwise(cuts)]
     assert combine(pieces) == checksum(full)
     assert 0 <= checksum(full) <= MASK
 

@@ -234,6 +234,7 @@ def test_nodes_fall_back_to_one_converter():
         B.node_assignment(8, 8)
 
 
+@settings(deadline=None)
 @given(st.integers(1, 16), st.integers(1, 64))
 def test_one_launcher_per_node(per, nodes):
     world = per * nodes
@@ -283,6 +284,7 @@ def test_retention_keeps_newest_and_protected():
         B.select_for_removal(folders, 0, [])
 
 
+@settings(deadline=None)
 @given(st.lists(st.integers(0, 10_000), unique=True, max_size=30), st.integers(1, 8), st.data())
 def test_retention_properties(steps, keep, data):
     folders = [(f"global_step{s}_universal", float(s)) for s in steps]

@@ -145,7 +145,7 @@ def test_the_save_record_follows_each_group_over_its_own_ranks() -> None:
     for d in range(4):
         sizes = [layouts[d].groups[g].state_length("fp32") for g in range(2)]
         record = partition_record(
-            [dense, experts], [dense, experts], [s * n for s, n in zip(sizes, (4, 2))], [4, 2], [d, d // 2]
+            [dense, experts], [dense, experts], [s * n for s, n in zip(sizes, (4, 2), strict=True)], [4, 2], [d, d // 2]
         )
         assert record["group_true_lengths"] == [layouts[d].groups[g].recorded_true_length for g in range(2)]
         assert record["zero_partition_info"]["group_dp_ranks"] == [d, d // 2]

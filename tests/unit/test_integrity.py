@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -67,11 +69,11 @@ def test_the_fast_sum_is_the_definition_at_any_offset_and_memory_alignment(kind,
 def test_fragments_and_streamed_pieces_add_up_to_the_whole(kind, n, seed, data):
     values = _values(kind, n, seed)
     cuts = sorted(set(data.draw(st.lists(st.integers(0, n), max_size=6))) | {0, n})
-    assert I.combine(I.fragment_sum(values[a:b], a) for a, b in zip(cuts, cuts[1:])) == I.fragment_sum(values)
+    assert I.combine(I.fragment_sum(values[a:b], a) for a, b in pairwise(cuts)) == I.fragment_sum(values)
     raw = values.tobytes()
     stream = I.StreamingSum(values.itemsize)
     byte_cuts = sorted(set(data.draw(st.lists(st.integers(0, len(raw)), max_size=6))) | {0, len(raw)})
-    for a, b in zip(byte_cuts, byte_cuts[1:]):  # pieces that split elements, as chunked writes do
+    for a, b in pairwise(byte_cuts):  # pieces that split elements, as chunked writes do
         stream.update(raw[a:b])
     assert stream.result() == I.fragment_sum(values) and stream.offset == n
 

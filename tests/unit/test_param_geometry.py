@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -65,7 +67,7 @@ def test_sub_group_fragments_tile_each_rank_partition(numels, dp):
     for r in range(dp):
         frags = geo.fragments(r)
         assert sum(n for _, _, n in frags) == geo.true_length(r)
-        for (i, start, n), (j, next_start, _) in zip(frags, frags[1:]):
+        for (i, start, n), (j, next_start, _) in pairwise(frags):
             assert i < j and start + n <= next_start
         assert all(start + n <= geo.partition_size for _, start, n in frags)
     assert sum(geo.true_length(r) for r in range(dp)) == geo.numel
@@ -97,7 +99,7 @@ def _specs(groups: list[list[int]]) -> list[list[ParamSpec]]:
 def test_stage3_plan_places_every_element_once(dp):
     specs = _specs([[192, 27, 9], [3, 3, 0, 5]])
     plan = build_stage3_plan(specs, stage3_layouts(specs, dp))
-    for p, spec in zip(plan.params, [s for g in specs for s in g]):
+    for p, spec in zip(plan.params, [s for g in specs for s in g], strict=True):
         part = ParamPartition(spec.numel, dp)
         assert sum(i.length for i in p.items) == spec.numel
         assert [(i.rank, i.dst_offset, i.length) for i in p.items] == [

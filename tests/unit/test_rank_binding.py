@@ -9,6 +9,7 @@ rounding of a master and nothing else.
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 from types import SimpleNamespace
 
 import pytest
@@ -43,7 +44,7 @@ def test_expected_fragments_tile_the_group_exactly_once(sizes: list[int], dp: in
         frags = expected_fragments(shapes, geo, rank)
         assert sum(n for _, _, n in frags) == geo.true_length(rank)
         ends = [(start, start + n) for _, start, n in frags]
-        assert ends == sorted(ends) and all(b <= c for (_, b), (c, _) in zip(ends, ends[1:]))
+        assert ends == sorted(ends) and all(b <= c for (_, b), (c, _) in pairwise(ends))
         for name, _, n in frags:
             covered[name] += n
     assert covered == {name: math.prod(shape) for name, shape in shapes}

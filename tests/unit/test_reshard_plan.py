@@ -81,7 +81,7 @@ def test_a_dp_change_at_the_same_ep_reshards_each_expert_buffer_over_its_expert_
     assert [g.dp for g in new] == [dp_to, dp_to // ep]
     for rank in range(dp_to):
         reads = reshard_reads([dense_geo, expert_geo], dp_to, rank, placement)
-        for g, (buffer, geo) in enumerate(zip([dense[0], experts[rank % ep]], new)):
+        for g, (buffer, geo) in enumerate(zip([dense[0], experts[rank % ep]], new, strict=True)):
             got = [0.0] * geo.true_length(placement.index(g, rank))
             for read in reads[g]:
                 if g == 1:  # an expert group reads only files of this rank's expert-parallel rank

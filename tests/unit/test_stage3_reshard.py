@@ -50,7 +50,7 @@ def _partitions(groups: Stage3Groups, values: dict[str, np.ndarray]) -> list[lis
         for h, params in enumerate(groups.sub_groups):
             geo = groups.geometry(h)
             part = np.zeros(geo.partition_size, dtype=np.int64)
-            for (name, n), offset, p in zip(params, geo.offsets, geo.params):
+            for (name, n), offset, p in zip(params, geo.offsets, geo.params, strict=True):
                 lo = min(n, r * p.partition_size)
                 hi = min(n, lo + p.partition_size)
                 part[offset : offset + hi - lo] = values[name][lo:hi]

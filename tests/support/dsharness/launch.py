@@ -142,7 +142,7 @@ def _launch_once(spec: TrainSpec, port: int) -> TrainResult:
     wall = time.perf_counter() - start
 
     parts = []
-    for rank, (code, text) in enumerate(zip(codes, logs)):
+    for rank, (code, text) in enumerate(zip(codes, logs, strict=True)):
         parts.append(f"===== rank {rank} (exit {code}) =====\n{text}")
     log = "\n".join(parts)
     if timed_out:
