@@ -9,8 +9,8 @@ megatron-core GPT, DeepSpeed ZeRO-1 bf16, gloo):
    DeepSpeed writes (last-rank-only ``group_paddings``): the background converter copes with it.
 2. **elastic** -- the K/2 checkpoint resumed at DP=3 through the runner, continued to K. Nothing on
    the command line says "universal": the runner keeps the checkpoint's global batch and re-seeds
-   RNG; the elastic-load hook loads the universal twin written in the background by step 1 (or
-   converts on demand).
+   RNG; the elastic-load hook reshards each rank's partitions straight from the native rank files
+   (``--ucp-resume-route universal`` would load the universal twin step 1 wrote in the background).
 3. **stock DeepSpeed** on the same checkpoint, without the plugin: (a) a plain resume at DP=3,
    (b) DeepSpeed's ``ds_to_universal``, (c) ``--universal-checkpoint`` at DP=3 on a universal
    folder, (d) the same at DP=4, the size the checkpoint was saved at. Each error is reported as
@@ -281,9 +281,16 @@ def geometry_note(tag_dir: Path, dp_resume: int) -> list[str]:
     return lines
 
 
+LOSS_TOLERANCE = 2e-4
+"""The band around zero the resumed curve must stay in (bf16 reduction noise: the tests' tolerance too)."""
+
+
 def plot(
     rows: Sequence[Row], resume_at: int, dp_train: int, dp_resume: int, path: Path, stock_lines: Sequence[str]
 ) -> Optional[Path]:
+    """Three panels: both loss curves; the per-step difference (resumed minus uninterrupted) against the
+    tolerance band, where a curve drawn on top of the other could hide one; what stock DeepSpeed did with the
+    same checkpoint (each of ``stock_lines``, marked by its outcome)."""
     try:
         import matplotlib
 
@@ -295,40 +302,70 @@ def plot(
     ref = [(r.iteration, r.reference) for r in rows if r.reference is not None]
     el = [(r.iteration, r.elastic) for r in rows if r.elastic is not None and r.iteration > resume_at]
     start = [(r.iteration, r.reference) for r in rows if r.iteration == resume_at and r.reference is not None]
-    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
-    ax.plot(*zip(*ref), "o-", color="tab:blue", label=f"uninterrupted, DP={dp_train}")
+    diff = [(r.iteration, r.difference) for r in rows if r.difference is not None and r.iteration > resume_at]
+    text_lines = sum(line.count("\n") + 1 for line in stock_lines)
+    heights = [3, 1.6] + ([0.25 + 0.17 * text_lines] if stock_lines else [])
+    fig, axes = plt.subplots(
+        len(heights), 1, figsize=(8, 2.2 * sum(heights) / 1.6 + 0.4), dpi=120, height_ratios=heights, squeeze=False
+    )
+    ax, dax = axes[0][0], axes[1][0]
+    ax.plot(*zip(*ref), "o-", color="tab:blue", markersize=4, label=f"uninterrupted, DP={dp_train}")
     if el:
         ax.plot(
             *zip(*(start + el)),
             "s--",
             color="tab:orange",
+            markerfacecolor="none",
+            markersize=7,
             label=f"megatron-ucp: resumed from iteration {resume_at} at DP={dp_resume}",
         )
-    ax.axvline(resume_at, color="gray", linestyle=":", linewidth=1)
-    if stock_lines:
-        note = "\n".join(["stock DeepSpeed (no megatron-ucp), same checkpoint:", *(_wrap(x, 70) for x in stock_lines)])
-        ax.text(
-            0.98,
-            0.97,
-            note,
-            transform=ax.transAxes,
-            ha="right",
-            va="top",
-            fontsize=6.5,
-            multialignment="left",
-            color="tab:red",
-            bbox={"facecolor": "white", "edgecolor": "tab:red", "alpha": 0.9},
-        )
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("iteration")
+    saved = f"iteration {resume_at}: saved at DP={dp_train}, resumed at DP={dp_resume}"
+    for a in (ax, dax):
+        a.axvline(resume_at, color="gray", linestyle=":", linewidth=1)
+        a.grid(alpha=0.3)
+        a.xaxis.get_major_locator().set_params(integer=True)
+    ax.annotate(
+        saved,
+        (resume_at, 1),
+        xycoords=("data", "axes fraction"),
+        xytext=(4, -12),
+        textcoords="offset points",
+        fontsize=7,
+        color="dimgray",
+    )
     ax.set_ylabel("lm loss (global mean)")
     ax.set_title("Elastic resume of a ZeRO-1 bf16 checkpoint (CPU stand-in of Megatron-DeepSpeed)")
     ax.legend(loc="lower left", fontsize=8)
-    ax.grid(alpha=0.3)
+    dax.axhspan(
+        -LOSS_TOLERANCE,
+        LOSS_TOLERANCE,
+        color="tab:green",
+        alpha=0.15,
+        label=f"tolerance +/-{LOSS_TOLERANCE:g} (bf16 reduction noise)",
+    )
+    dax.axhline(0, color="tab:blue", linewidth=0.8)
+    if diff:
+        dax.plot(*zip(*diff), "s", color="tab:orange", markerfacecolor="none", label="resumed - uninterrupted")
+        worst = max(abs(d) for _, d in diff)
+        dax.set_ylim(-max(worst, LOSS_TOLERANCE) * 1.6, max(worst, LOSS_TOLERANCE) * 1.6)
+    dax.set_xlim(ax.get_xlim())
+    dax.set_xlabel("iteration")
+    dax.set_ylabel("difference")
+    dax.legend(loc="lower left", fontsize=7)
+    if stock_lines:
+        tax = axes[2][0]
+        tax.axis("off")
+        note = "\n".join(["stock DeepSpeed (no megatron-ucp) on the same checkpoint:", *stock_lines])
+        tax.text(0.0, 1.0, note, transform=tax.transAxes, ha="left", va="top", fontsize=7.5, family="monospace")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def stock_line(p: "Phase") -> str:
+    """One line of the plot's stock panel: the attempt, marked by its outcome."""
+    return _wrap(f"{'ok    ' if p.ok else 'FAILED'} {p.title}: {_outcome(p)}", 100)
 
 
 def _wrap(text: str, width: int) -> str:
@@ -476,7 +513,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             what = "ds_to_universal's output" if conv.ok else "megatron-ucp's universal folder"
             for label, dp in (("(c)", args.dp_resume), ("(d)", args.dp_train)):
                 p = run_cpu_demo(
-                    Phase(f"stock_universal_dp{dp}", f"--universal-checkpoint at DP={dp}"),
+                    Phase(f"stock_universal_dp{dp}", f"--universal-checkpoint at DP={dp} on {what}"),
                     dp,
                     False,
                     [*common, "--universal-checkpoint", "--load", str(source), "--load-tag", f"{tag}_universal"],
@@ -515,7 +552,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.dp_train,
         args.dp_resume,
         out / "losses.png",
-        [f"{p.title}: {_outcome(p)}" for p in stock if not p.ok],
+        [stock_line(p) for p in stock],
     )
 
     summary = [f"megatron-ucp demo ({time.perf_counter() - t_start:.0f}s)"]

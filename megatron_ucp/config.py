@@ -151,7 +151,9 @@ class OptionSpec:
 
 _HELP = {
     "record_true_lengths": "record each rank's true partition lengths at save (needed for exact conversion)",
-    "elastic_resume": "on a DP change, load the universal twin <tag>_universal (converting it first if missing)",
+    "elastic_resume": "on a restart at another layout, load the checkpoint instead of failing: a DP change reshards "
+    "straight from the native rank files (see --ucp-resume-route), a TP, PP, EP or ZeRO-stage change loads the "
+    "universal twin <tag>_universal (converting it first if missing)",
     "strict": "fail a universal load that leaves any checkpoint tensor or optimizer state unaccounted for",
     "resume_route": "how a DP change loads: auto/reshard (straight from the native rank files; TP/PP changes go "
     "through the universal folder) or universal (always the universal twin, converted on demand)",

@@ -34,5 +34,9 @@ class OutputExistsError(UcpError):
     """The output is already there; pass ``--force`` (``force=True``) to replace it."""
 
 
+class AlreadyConvertedError(OutputExistsError):
+    """The output is a complete conversion of this very save: nothing to do (the CLI says so and exits 0)."""
+
+
 class AccountingError(UcpError):
     """A load did not account for every tensor of the checkpoint (the PyTorch DCP lesson)."""

@@ -23,9 +23,10 @@
 #   * if GLOBAL_BATCH is not set, it keeps the checkpoint's global batch at the new
 #     node count (GLOBAL_BATCH and GRAD_ACC_STEPS for helpers.sh), when it divides;
 #   * on every rank, the runner sees the DP change (768 -> 576), adds --no-load-rng
-#     and re-seeds each rank after the load; the elastic-load hook loads
-#     <tag>_universal, converting it first (one converter per node) if the
-#     asynchronous conversion of the previous job did not get to finish;
+#     and re-seeds each rank after the load; the elastic-load hook reshards
+#     each rank's partitions straight from the tag's native rank files (a TP, PP
+#     or EP change, or MEGATRON_UCP_RESUME_ROUTE=universal, loads <tag>_universal,
+#     converting it first, one converter per node, if it is not there yet);
 #   * new checkpoints are converted to universal ones in the background (UCP_ASYNC_CONVERT=1),
 #     so the next resume at yet another node count starts at once.
 #

@@ -147,12 +147,36 @@ class RootStatus:
         """The tag in ``latest`` has a complete universal twin (what a resume at another DP size needs)."""
         return any(t.tag == self.latest and t.universal is UniversalStatus.COMPLETE for t in self.tags)
 
+    @property
+    def latest_missing(self) -> bool:
+        """``latest`` names a tag that has no native folder here: a restart cannot load it."""
+        return self.latest is not None and not any(t.tag == self.latest and t.native for t in self.tags)
+
+    def newest_native(self) -> Optional[str]:
+        return next((t.tag for t in reversed(self.tags) if t.native), None)
+
+    def latest_problem(self) -> Optional[str]:
+        """Why the tag in ``latest`` cannot be resumed at another DP size yet, in words (None: it can)."""
+        if self.latest is None:
+            return f"{self.root}: no '{F.LATEST}' file: nothing to resume from"
+        if self.latest_missing:
+            return f"{self.root / F.LATEST} names {self.latest}, which is not a checkpoint under {self.root}"
+        if self.latest_converted:
+            return None
+        row = next(t for t in self.tags if t.tag == self.latest)
+        detail = f" ({row.detail})" if row.detail else ""
+        return (
+            f"the latest tag {self.latest} has no complete universal checkpoint: its twin is "
+            f"{row.universal.value}{detail}"
+        )
+
     def to_json(self) -> dict:
         return {
             "root": str(self.root),
             "latest": self.latest,
             "latest_universal": self.latest_universal,
             "latest_converted": self.latest_converted,
+            "latest_missing": self.latest_missing,
             "converters": list(self.converters),
             "tags": [t.to_json() for t in self.tags],
             "problems": list(self.problems),
@@ -371,9 +395,33 @@ def format_status(rs: RootStatus) -> str:
     if notes:
         lines += ["", "details:"] + notes
     lines += [""] + ([f"background converters: {c}" for c in rs.converters] or ["background converters: none running"])
-    if rs.latest is not None and not rs.latest_converted:
-        lines.append(
-            f"NOTE: the latest tag {rs.latest} has no complete universal checkpoint yet; "
-            f"`megatron-ucp convert {rs.root} --tag {rs.latest}` makes it"
-        )
+    if rs.latest_missing:
+        lines.append(f"NOTE: {rs.latest_problem()}: a restart would fail; {_to_repoint(rs)}")
+    elif rs.latest is not None and not rs.latest_converted:
+        lines.append(f"NOTE: the latest tag {rs.latest} has no complete universal checkpoint yet; {_to_convert(rs)}")
+    lines.append(CHECKED_SHALLOW)
     return "\n".join(lines)
+
+
+def _to_repoint(rs: RootStatus) -> str:
+    newest = rs.newest_native()
+    if newest is None:
+        return "no native tag is here to point it at"
+    return f"`echo {newest} > {rs.root / F.LATEST}` points it at the newest tag here"
+
+
+def _to_convert(rs: RootStatus) -> str:
+    """The command that converts the latest tag as its twin stands now (a folder already there needs --force;
+    one a converter is writing needs nothing but time)."""
+    row = next(t for t in rs.tags if t.tag == rs.latest)
+    if row.universal in (UniversalStatus.IN_PROGRESS, UniversalStatus.PENDING):
+        return f"the background converter is on it ({row.universal.value})"
+    twin = rs.root / F.universal_tag(row.tag)
+    force = " --force" if twin.exists() or twin.is_symlink() else ""
+    return f"`megatron-ucp convert {rs.root} --tag {row.tag}{force}` makes it"
+
+
+CHECKED_SHALLOW = (
+    "checked: folder names, markers, manifests and the model states' sizes; no rank file or tensor was read "
+    "(--deep reads and verifies every file)"
+)

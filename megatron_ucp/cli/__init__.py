@@ -20,11 +20,14 @@ COMMANDS = ("convert", "inspect", "verify", "status", "synthesize")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-ucp",
-        description="Universal checkpoints for Megatron-DeepSpeed ZeRO-1/2: convert, inspect, verify, resume.",
+        description="Elastic resume for Megatron-DeepSpeed (ZeRO-1/2/3, mixture of experts): run a training job "
+        "with the hooks, convert, inspect, verify and follow its checkpoints.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # `run` is dispatched before parsing (its arguments are the training script's): listed here for --help only
+    sub.add_parser("run", help="run a training script with the hooks installed (megatron-ucp run --help)")
     for name in COMMANDS:
         importlib.import_module(f"megatron_ucp.cli.{name}").register(sub)
     return parser

@@ -1,4 +1,4 @@
-"""``megatron-ucp convert ROOT``: convert a ZeRO-1/2 checkpoint to the universal layout."""
+"""``megatron-ucp convert ROOT``: convert a native checkpoint (ZeRO-1/2/3, any TP/PP/DP) to the universal layout."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from megatron_ucp.convert.distributed import DistributedConvertError, convert_distributed, detect_launch, launch_summary
 from megatron_ucp.convert.execute import ConvertOptions, convert
-from megatron_ucp.errors import UcpError
+from megatron_ucp.errors import AlreadyConvertedError, UcpError
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +28,10 @@ def _share(text: str) -> tuple[int, int]:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="convert a ZeRO-1/2 checkpoint to the universal layout",
-        description="Convert a DeepSpeed ZeRO-1/2 (bf16/fp16) checkpoint into DeepSpeed's universal "
-        "layout, bit-exactly, streaming, without temporary fragment files.",
+        help="convert a native checkpoint to the universal layout",
+        description="Convert a DeepSpeed ZeRO-1/2/3 (bf16/fp16) checkpoint of any TP/PP/DP, experts included, into "
+        "DeepSpeed's universal layout, bit-exactly, streaming, without temporary fragment files. A tag already "
+        "converted is left as it is (exit 0; --force reconverts it).",
     )
     p.add_argument("root", type=Path, help="checkpoint root (holding 'latest') or a tag folder (global_stepN)")
     p.add_argument("--tag", help="tag to convert (default: the root's 'latest')")
@@ -79,20 +80,24 @@ def run(args: argparse.Namespace) -> int:
         log.warning("launched as %s but --distributed not given: this process converts everything alone", hint)
     if count > 1 and not args.attempt_id:
         raise UcpError("--share I/N needs --attempt-id (the same for all N converters)")
-    result = convert(
-        ConvertOptions(
-            source=args.root,
-            tag=args.tag,
-            output=args.output,
-            workers=args.workers,
-            force=args.force,
-            update_latest=False if args.no_latest else None,
-            share_index=index,
-            share_count=count,
-            attempt_id=args.attempt_id,
-            progress=not args.no_progress,
+    try:
+        result = convert(
+            ConvertOptions(
+                source=args.root,
+                tag=args.tag,
+                output=args.output,
+                workers=args.workers,
+                force=args.force,
+                update_latest=False if args.no_latest else None,
+                share_index=index,
+                share_count=count,
+                attempt_id=args.attempt_id,
+                progress=not args.no_progress,
+            )
         )
-    )
+    except AlreadyConvertedError as done:  # the job is done already: not an error
+        print(f"megatron-ucp convert: {done}")
+        return 0
     print(result.summary)
     _exit_now_if_program(0)
     return 0

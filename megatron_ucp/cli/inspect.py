@@ -11,6 +11,8 @@ from megatron_ucp.deepspeed.reader import BF16_OPTIMIZER, ZERO_OPTIMIZER, paddin
 from megatron_ucp.errors import UcpError
 from megatron_ucp.plan.geometry import GroupGeometry, parse_dp_range
 
+DEFAULT_TARGET_DP = "1-1024"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -24,9 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tag", help="tag (default: the root's 'latest')")
     p.add_argument(
         "--target-dp",
-        default="1-1024",
         metavar="RANGE",
-        help="DP sizes to check for the stock loader: e.g. 1-1024 (default), 256,512,768, 12-768:12",
+        help="DP sizes to check for the stock loader, listed in full: e.g. 256,512,768 or 12-768:12 (default: "
+        f"{DEFAULT_TARGET_DP}, summarised)",
     )
     p.add_argument(
         "--group-numels", metavar="N1,N2,...", help="no checkpoint: inspect param groups of these sizes (with --dp)"
@@ -44,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    targets = parse_dp_range(args.target_dp)
+    targets = parse_dp_range(args.target_dp or DEFAULT_TARGET_DP)
     if args.group_numels:
         if args.root is not None or not args.dp:
             raise UcpError("--group-numels needs --dp and no checkpoint path")
@@ -66,5 +68,9 @@ def run(args: argparse.Namespace) -> int:
         if args.root is None:
             raise UcpError("give a checkpoint path, or --group-numels with --dp")
         report = inspect_checkpoint(args.root, args.tag, targets)
-    print(json.dumps(report.to_dict(), indent=1) if args.json else format_report(report))
+    print(
+        json.dumps(report.to_dict(), indent=1)
+        if args.json
+        else format_report(report, full_ranges=args.target_dp is not None)
+    )
     return 0

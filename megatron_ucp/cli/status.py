@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from megatron_ucp.background.status import format_status, root_status
@@ -15,18 +16,73 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="show each tag's universal conversion state",
         description="For every tag under a checkpoint root: native checkpoint present, universal "
         "twin complete / in progress (with progress) / pending / failed (with log path) / interrupted "
-        "/ skipped / absent, DP size, sizes on disk, conversion time; and the background converters.",
+        "/ skipped / absent, DP size, sizes on disk, conversion time; and the background converters. "
+        "Reads folder names, markers and manifests only, unless --deep.",
     )
     p.add_argument("root", type=Path, help="checkpoint root (the --save folder)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-sizes", action="store_true", help="skip walking the folders for their sizes")
     p.add_argument(
-        "--check", action="store_true", help="exit 1 when the tag in 'latest' has no complete universal checkpoint"
+        "--check",
+        action="store_true",
+        help="exit 1, saying why, when the tag in 'latest' cannot be resumed at another DP size yet "
+        "(no such tag, or no complete universal checkpoint)",
+    )
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="also read every file: each native tag's files against their zip records and CRCs and its rank "
+        "file count, each complete universal folder against its manifest and, bit for bit, its native tag; "
+        "exit 1 when any is damaged",
     )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     rs = root_status(args.root, sizes=not args.no_sizes)
-    print(json.dumps(rs.to_json(), indent=1) if args.json else format_status(rs))
-    return 1 if args.check and not rs.latest_converted else 0
+    deep = _deep(rs, progress=not args.json) if args.deep else None
+    if args.json:
+        out = rs.to_json()
+        if deep is not None:
+            out["deep"] = {tag: problems for tag, (_, problems) in deep.items()}
+        print(json.dumps(out, indent=1))
+    else:
+        text = format_status(rs)
+        if deep is not None:
+            text = text.rsplit("\n", 1)[0]  # the shallow "checked:" line no longer applies
+            text += "\n\ndeep check (every file read):\n" + "\n".join(f"  {line}" for line, _ in deep.values())
+        print(text)
+    code = 0
+    if deep is not None and any(problems for _, problems in deep.values()):
+        code = 1
+    if args.check:
+        problem = rs.latest_problem()
+        if problem is not None:
+            print(f"megatron-ucp status --check: {problem}", file=sys.stderr)
+            code = 1
+    return code
+
+
+def _deep(rs, progress: bool) -> dict[str, tuple[str, list[str]]]:
+    """Per tag: one line saying what was read and found, and the problems (each naming its file)."""
+    from megatron_ucp.convert.verify import native_tag_problems, verify_universal  # imports torch
+
+    out: dict[str, tuple[str, list[str]]] = {}
+    for row in rs.tags:
+        said, problems = [], []
+        native = rs.root / row.tag
+        if row.native:
+            count, found = native_tag_problems(native, row.dp)
+            said.append(f"native: {count} files read, " + ("sound" if not found else f"{len(found)} problem(s)"))
+            problems += found
+        if row.universal.value == "complete":
+            report = verify_universal(
+                rs.root / f"{row.tag}_universal", native if row.native and not problems else None, progress=progress
+            )
+            said.append(f"universal: {report.summary()}")
+            problems += report.problems
+        if said:
+            shown = "".join(f"\n      {p}" for p in problems[:10])
+            more = f"\n      ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+            out[row.tag] = (f"{row.tag}: " + "; ".join(said) + shown + more, problems)
+    return out

@@ -59,7 +59,14 @@ from megatron_ucp.deepspeed.reader import (
     read_checkpoint,
     resolve_checkpoint,
 )
-from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, PlanError, UcpError, UnsupportedError
+from megatron_ucp.errors import (
+    AlreadyConvertedError,
+    CheckpointFormatError,
+    OutputExistsError,
+    PlanError,
+    UcpError,
+    UnsupportedError,
+)
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity, osio
 from megatron_ucp.format.paths import check_output_placement, special_kind
@@ -537,11 +544,14 @@ def _check_output(source: _Source, options: ConvertOptions) -> Optional[bool]:
         if state == COMPLETE and options.share_count > 1:
             return None
         repaired = _repair_interrupted(source.ck, output, options) if state == COMPLETE else []
-        raise OutputExistsError(
-            f"{output}: already exists ({state}{'; ' + '; '.join(repaired) if repaired else ''}); "
-            "pass --force to replace it",
-            subject=output,
-        )
+        done = "; " + "; ".join(repaired) if repaired else ""
+        if state == COMPLETE:
+            raise AlreadyConvertedError(
+                f"{output}: already a complete conversion of {source.ck.tag_dir.name}{done}; nothing to do "
+                "(--force reconverts it)",
+                subject=output,
+            )
+        raise OutputExistsError(f"{output}: already exists ({state}{done}); pass --force to replace it", subject=output)
     if not output.parent.is_dir():
         raise UcpError(f"{output.parent}: output's parent folder does not exist", subject=output.parent)
     if not os.access(output.parent, os.W_OK):

@@ -299,7 +299,27 @@ def inspect_checkpoint(path: Path, tag: Optional[str], target_dps: Sequence[int]
     return report
 
 
-def format_report(r: InspectReport) -> str:
+SHORT_RANGES = 100
+"""Characters of DP sizes ``inspect`` prints before it summarises them (``--target-dp`` asks for a full list)."""
+
+
+def summarised_ranges(values: Sequence[int], among: Sequence[int]) -> str:
+    """:func:`_ranges` when short; else the first few ranges, and the sizes of ``among`` not in ``values``
+    (when those are the short list) or their count."""
+    full = _ranges(values)
+    if len(full) <= SHORT_RANGES:
+        return full
+    head = ", ".join(full.split(", ")[:4])
+    others = sorted(set(among) - set(values))
+    rest = _ranges(others)
+    if len(rest) <= SHORT_RANGES:
+        return f"{head}, ... (every size but {rest})"
+    return f"{head}, ... (in all {len(values)}; --target-dp RANGE lists the sizes asked about in full)"
+
+
+def format_report(r: InspectReport, full_ranges: bool = False) -> str:
+    """The text ``inspect`` prints; ``full_ranges``: every DP size listed, however long (``--target-dp``)."""
+    listed = _ranges if full_ranges else (lambda values: summarised_ranges(values, r.target_dps))
     lines = [
         f"checkpoint:       {r.source}",
         f"DP size:          {r.dp}"
@@ -355,7 +375,7 @@ def format_report(r: InspectReport) -> str:
     else:
         lines.append(
             f"stock universal loader (load_universal) over DP {lo}..{hi}: crashes (IndexError, all-padding "
-            f"ranks) at {len(crash)} of {len(r.target_dps)} sizes: {_ranges(crash)}"
+            f"ranks) at {len(crash)} of {len(r.target_dps)} sizes: {listed(crash)}"
             + (f"; including this DP ({r.dp})" if r.dp in crash else "")
         )
     lines.extend(f"note: {n}" for n in r.notes)

@@ -184,7 +184,7 @@ def move_latest_universal(root: Path, output: Path) -> str:
 
 def write_latest_universal(root: Path, tag: str) -> None:
     write_text_atomic(Path(root) / F.LATEST_UNIVERSAL, tag)
-    log.info("%s -> %s", Path(root) / F.LATEST_UNIVERSAL, tag)
+    log.debug("%s -> %s", Path(root) / F.LATEST_UNIVERSAL, tag)  # each caller says what it did, once
 
 
 def latest_universal_target(root: Path) -> Optional[tuple[str, float]]:

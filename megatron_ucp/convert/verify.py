@@ -23,10 +23,17 @@ from tqdm import tqdm
 from megatron_ucp.convert.execute import plan_checkpoint
 from megatron_ucp.convert.universal import list_zero_folder, read_manifest
 from megatron_ucp.convert.writer import RankFileCache, assemble_torch
-from megatron_ucp.deepspeed.reader import load_torch_file, read_checkpoint, read_model_states, resolve_checkpoint
+from megatron_ucp.deepspeed.reader import (
+    load_torch_file,
+    rank_file_count_problem,
+    read_checkpoint,
+    read_model_states,
+    resolve_checkpoint,
+)
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.integrity import recorded_checksums
+from megatron_ucp.format.torchload import crc_problems, structure_problems
 from megatron_ucp.plan.accounting import checksum
 from megatron_ucp.plan.conversion import ParamPlan, ParamSpec
 
@@ -63,21 +70,68 @@ class VerifyReport:
     manifest: Optional[dict] = None
     checksummed: int = 0
     """State files whose checksum matched the manifest's."""
+    step_files: int = 0
+    """State files holding a step counter (checked by value, against each other and the source's ranks)."""
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def summary(self) -> str:
+        if not self.ok:
+            return f"FAILED: {self.folder}: {len(self.problems)} problem(s); first: {self.problems[0]}"
         what = f"bit-exact against {self.compared_with}" if self.compared_with else "complete (shapes and files)"
-        if self.checksummed:
-            what += f", {self.checksummed} state files match the manifest's checksums"
-        if self.ok:
-            return (
-                f"OK: {self.folder} is {what}: {self.params} params, {self.state_files} state files, "
-                f"{self.elements} elements"
-            )
-        return f"FAILED: {self.folder}: {len(self.problems)} problem(s); first: {self.problems[0]}"
+        tensors = self.state_files - self.step_files
+        counts = f"{tensors} tensors"
+        if self.checksummed and self.checksummed == tensors:
+            counts += ", each matching the manifest's checksum"
+        elif self.checksummed:
+            counts += f", {self.checksummed} of them matching the manifest's checksums (frozen parameters have none)"
+        counts += f"; {self.step_files} step counters, checked by value"
+        return (
+            f"OK: {self.folder} is {what}: {self.params} params, {self.state_files} state files ({counts}), "
+            f"{self.elements} elements"
+        )
+
+
+def is_universal_folder(path: Path) -> bool:
+    """A converted folder (its ``zero/`` holds one folder per parameter), as opposed to a root or a native tag."""
+    return (path / F.UNIVERSAL_ZERO_DIR).is_dir()
+
+
+def native_tag_problems(tag_dir: Path, dp: Optional[int]) -> tuple[int, list[str]]:
+    """A native tag read through, file by file: every ``.pt`` file's zip structure as ``torch.load`` judges it
+    and every record's bytes against its CRC-32 (truncated, overwritten or half-copied files), and the number
+    of optimizer files against the DP size the save recorded. Returns (files read, problems naming the file)."""
+    problems: list[str] = []
+    files = sorted(p for p in Path(tag_dir).iterdir() if p.suffix == ".pt" and p.is_file())
+    for path in files:
+        found = structure_problems(path)
+        problems += [f"{path}: {problem}" for problem in found or crc_problems(path)]
+    if dp is not None:
+        count = rank_file_count_problem(Path(tag_dir), dp)
+        if count is not None:
+            problems.append(count)
+    return len(files), problems
+
+
+def what_to_verify(path: os.PathLike | str, tag: Optional[str] = None) -> tuple[Path, Optional[Path]]:
+    """``(universal folder, the native tag to compare it with)`` for what a user names: a universal folder (no
+    source: ``--source`` adds one), a checkpoint root (the twin of ``tag`` or of the tag in ``latest``, against
+    that tag) or a native tag folder (its twin, against it). Raises naming the twin and the command that makes it
+    when there is none."""
+    path = Path(path)
+    if tag is None and is_universal_folder(path):
+        return path, None
+    ck = resolve_checkpoint(path, tag)
+    twin = ck.tag_dir.parent / F.universal_tag(ck.tag)
+    if not twin.is_dir():
+        raise CheckpointFormatError(
+            f"{ck.tag_dir}: no universal checkpoint to verify ({twin.name} does not exist); "
+            f"`megatron-ucp convert {ck.tag_dir.parent} --tag {ck.tag}` makes it",
+            subject=twin,
+        )
+    return twin, ck.tag_dir
 
 
 def _expected_shape(name: str, shape: tuple, uc_info: Optional[dict], entry: dict) -> tuple:
@@ -171,6 +225,7 @@ def verify_universal(
                     continue
                 report.state_files += 1
                 if state == F.STEP_STATE:
+                    report.step_files += 1
                     value = float(entry)
                     if group_step is None:
                         group_step = value

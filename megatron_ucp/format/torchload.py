@@ -304,6 +304,30 @@ def structure_problems(path: os.PathLike | str) -> list[str]:
     return problems
 
 
+def crc_problems(path: os.PathLike | str) -> list[str]:
+    """Records whose bytes no longer hash to the CRC-32 their directory entry recorded, one line each: every
+    byte of the file read (what ``status --deep`` and ``verify`` of a native tag add to
+    :func:`structure_problems`). Records saved without a CRC (``set_crc32_options(False)``: recorded 0) are
+    read but cannot be judged."""
+    problems: list[str] = []
+    try:
+        with open_checkpoint_file(path) as fh, zipfile.ZipFile(fh) as z:
+            for info in z.infolist():
+                if info.CRC == 0 and info.file_size:
+                    continue
+                try:
+                    with z.open(info) as record:
+                        while record.read(1 << 24):
+                            pass
+                except (zipfile.BadZipFile, EOFError, OSError) as exc:
+                    problems.append(f"{info.filename}: {exc}")
+    except CheckpointFormatError:
+        raise
+    except Exception as exc:  # see structure_problems
+        problems.append(f"not a readable zip archive ({type(exc).__name__}: {exc})")
+    return problems
+
+
 _REFUSAL_TAIL = ". This is an internal miniz error"
 _READER_CHILD = f"""
 import json, sys

@@ -138,7 +138,7 @@ def write_checkpoint(
             _replace_text(root / "latest_checkpointed_iteration.txt", str(spec.iteration))
         _replace_text(root / F.LATEST, spec.tag)
     seconds = time.perf_counter() - started
-    log.info(
+    log.debug(  # the CLI prints its own completion line
         "synthetic checkpoint %s: %d files, %.2f GB in %.1f s (%s, %s, DeepSpeed %s files%s)",
         tag_dir,
         files,

@@ -96,19 +96,34 @@ def test_not_a_checkpoint(tmp_path, capsys):
     assert rc == 2 and "no such file" in capsys.readouterr().err
 
 
-def test_output_exists_needs_force(root, capsys):
+def test_a_tag_already_converted_is_done_and_force_redoes_it(root, capsys):
+    """Converting a tag whose twin is complete is a job already done: one line saying so, exit 0, nothing
+    touched; ``--force`` reconverts it."""
     assert main(["convert", str(root), "--no-progress"]) == 0
     first = snapshot(root / f"{TAG}_universal")
     (root / F.LATEST_UNIVERSAL).write_text("previous_universal")
     before = snapshot(root)
+    capsys.readouterr()
     rc = main(["convert", str(root), "--no-progress"])
-    err = capsys.readouterr().err
-    assert rc == 2 and "already exists" in err and "--force" in err and f"{TAG}_universal" in err
+    out, err = capsys.readouterr()
+    assert rc == 0 and err == "", err
+    said = out.strip().splitlines()
+    assert len(said) == 1 and "already a complete conversion" in said[0] and "--force" in said[0], out
+    assert f"{TAG}_universal" in said[0]
     assert snapshot(root) == before
     assert main(["convert", str(root), "--no-progress", "--force"]) == 0
     assert snapshot(root / f"{TAG}_universal").keys() == first.keys()
     assert (root / F.LATEST_UNIVERSAL).read_text() == f"{TAG}_universal"
     assert not list(root.glob(".*ucp-trash*")) and not list(root.glob(".*ucp-staging"))
+    # a twin of an earlier save of the tag (a rank file written again) is not done: it needs --force
+    rank0 = next((root / TAG).glob("*_optim_states.pt"))
+    os.utime(rank0, ns=(rank0.stat().st_atime_ns, rank0.stat().st_mtime_ns + 10**9))
+    before = snapshot(root)
+    capsys.readouterr()
+    assert main(["convert", str(root), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "stale" in err and "--force" in err and f"{TAG}_universal" in err, err
+    assert snapshot(root) == before
 
 
 def test_force_replaces_the_folder_in_one_atomic_swap(tmp_path, monkeypatch):
