@@ -2,7 +2,7 @@
 from a universal folder (the stage-3 counterpart of ``resume_probe.py``; the same JSON keys).
 
 ``--native``: the native reshard's own code (``integration/stage3_files``: the facts, each old rank file the
-rank reads opened and checked through its view; ``plan/stage3_reshard``: the slice reads), each slice of fp32 and
+rank reads opened and checked through its view; ``plan/reshard``: the slice reads), each slice of fp32 and
 of every state copied into the rank's partitions and hashed at its position, as the hook does before its one
 all-reduce. Without it: the rank's slice of every parameter's state files in the universal folder
 (``state_layout`` / ``gather``, as ``partition_load`` does). Prints one JSON line: planning and load time, bytes
@@ -59,7 +59,7 @@ def _exact(spec: SyntheticSpec, new, rank: int, targets: list[dict]) -> bool:
 def native(args) -> dict:
     from megatron_ucp.integration.rank_files import inspect_file
     from megatron_ucp.integration.stage3_files import expectation, flat_view, read_stage3_facts
-    from megatron_ucp.plan.stage3_reshard import first_real_offset, source_ranks, stage3_reads
+    from megatron_ucp.plan.reshard import first_real_offset, per_parameter_reads, source_ranks
 
     tag = args.folder
 
@@ -71,7 +71,7 @@ def native(args) -> dict:
     t_facts, facts_io = time.perf_counter() - t0, read_bytes() - io0
     io0, t1 = read_bytes(), time.perf_counter()
     new = facts.groups.at_dp(args.world, SUB_GROUP_SIZE)
-    reads = stage3_reads(facts.groups, new, args.rank)
+    reads = per_parameter_reads(facts.groups, new, args.rank)
     t_plan = time.perf_counter() - t1
     t2 = time.perf_counter()
     sources = {}

@@ -41,7 +41,7 @@ from megatron_ucp.integration.rank_files import (
 )
 from megatron_ucp.plan.param_geometry import Stage3Groups
 from megatron_ucp.plan.rank_binding import FileExpectation, FileFacts
-from megatron_ucp.plan.stage3_reshard import SliceRead
+from megatron_ucp.plan.reshard import Read
 
 UNIT = "sub-group"
 
@@ -178,7 +178,7 @@ def expectation(facts: Stage3Facts, position: int) -> FileExpectation:
     )
 
 
-def checked_positions(facts: Stage3Facts, dp_to: int, rank: int, reads: Sequence[Sequence[SliceRead]]) -> list[int]:
+def checked_positions(facts: Stage3Facts, dp_to: int, rank: int, reads: Sequence[Sequence[Read]]) -> list[int]:
     """The old files this rank opens: those it reads, and those holding only padding whose position falls
     to it (``position % dp_to``), so that every file of the save is checked by some rank."""
     read = {r.source_rank for g in reads for r in g}
@@ -188,7 +188,7 @@ def checked_positions(facts: Stage3Facts, dp_to: int, rank: int, reads: Sequence
 
 def bind_stage3_files(
     facts: Stage3Facts,
-    reads: Sequence[Sequence[SliceRead]],
+    reads: Sequence[Sequence[Read]],
     positions: Sequence[int],
     rank_file: RankFile,
     group: Any,

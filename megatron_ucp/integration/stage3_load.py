@@ -5,7 +5,7 @@ Call order (collective over the optimizer's DP group, every rank calls each step
 
 1. :func:`bind_stage3_save`, before DeepSpeed's own load touches the engine: the facts (first rank), the live
    optimizer's sub-groups checked against them (the same parameters in the same param groups), this rank's
-   reads (:func:`megatron_ucp.plan.stage3_reshard.stage3_reads`: a few slices per parameter), and every old
+   reads (:func:`megatron_ucp.plan.reshard.per_parameter_reads`: a few slices per parameter), and every old
    rank file bound to its position and its save (:mod:`megatron_ucp.integration.stage3_files`). Files that
    do not belong together stop every rank here, naming the file(s), with the engine untouched.
 2. DeepSpeed loads the module's buffers, the scheduler and the counters (the caller's part), and instead of
@@ -58,8 +58,8 @@ from megatron_ucp.plan.accounting import (
 )
 from megatron_ucp.plan.param_geometry import Stage3Groups
 from megatron_ucp.plan.rank_binding import FileFacts
+from megatron_ucp.plan.reshard import Read, first_real_offset, per_parameter_reads
 from megatron_ucp.plan.save_record import stage3_run_checksum
-from megatron_ucp.plan.stage3_reshard import SliceRead, first_real_offset, stage3_reads
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Stage3Bound:
     facts: Stage3Facts
     new: Stage3Groups
     """The live optimizer's layout (this job's DP size and sub-groups)."""
-    reads: list[list[SliceRead]]
+    reads: list[list[Read]]
     sources: dict[int, Source]
     rank_file: RankFile
     rank: int
@@ -113,7 +113,7 @@ def bind_stage3_save(
         )
     new = live_stage3_groups(optimizer, surface.param_names(engine))
     try:
-        reads = stage3_reads(facts.groups, new, rank)
+        reads = per_parameter_reads(facts.groups, new, rank)
     except PlanError as exc:  # the same facts and model on every rank: the same error everywhere
         raise UcpError(f"{model_states.parent}: {exc}", subject=model_states.parent) from exc
     positions = checked_positions(facts, new.dp, rank, reads)

@@ -246,8 +246,11 @@ def build_plan(
     return plan
 
 
-def checked_ranks(param_groups: Sequence[Sequence[ParamSpec]], ranks: Sequence[RankLayout]) -> list[RankLayout]:
-    """The rank layouts in DP order, each DP rank exactly once, each with the model's param groups."""
+def checked_ranks(
+    groups: Sequence[Sequence[ParamSpec]], ranks: Sequence[RankLayout], unit: str = "param groups", hint: str = ""
+) -> list[RankLayout]:
+    """The rank layouts in DP order, each DP rank exactly once, each with the model's ``groups`` (param groups,
+    or ZeRO-3's optimizer sub-groups: ``unit``; ``hint`` follows the message of a file with another count)."""
     dp = len(ranks)
     if dp == 0:
         raise PlanError("no rank files to plan from")
@@ -255,10 +258,8 @@ def checked_ranks(param_groups: Sequence[Sequence[ParamSpec]], ranks: Sequence[R
     if [r.rank for r in ranks] != list(range(dp)):
         raise PlanError(f"rank files must cover DP ranks 0..{dp - 1} exactly once, got {[r.rank for r in ranks]}")
     for layout in ranks:
-        if len(layout.groups) != len(param_groups):
-            raise _fail(
-                layout.source, f"has {len(layout.groups)} param groups, the model states list {len(param_groups)}"
-            )
+        if len(layout.groups) != len(groups):
+            raise _fail(layout.source, f"has {len(layout.groups)} {unit}, the model states list {len(groups)}{hint}")
     return ranks
 
 

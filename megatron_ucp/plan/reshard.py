@@ -1,59 +1,73 @@
 """Which ranges of which old rank files a rank of a resized job needs: a DP change without conversion (pure).
 
-Inside a ZeRO-1/2 param group the parameters' flat order does not depend on the DP size; only the
-alignment padding at the end does. So the group's real elements ``[0, N')`` (``N'``: the numel
-with per-parameter padding, :class:`~megatron_ucp.plan.geometry.GroupGeometry`) sit at the same
-flat positions at every DP size, and rank ``s`` of the new job needs ``[s * S_new, s * S_new +
-t_new(s))``: one contiguous range, held by the few old rank files whose partitions
-``[r * S_old, (r + 1) * S_old)`` it crosses. :func:`partition_reads` lists those pieces; a rank
-plans only its own (a few entries, whatever DP is), so planning does not grow with the world.
-Padding is never read: a new rank's padding tail (and an all-padding rank's whole partition) is
-zero-filled, as DeepSpeed's own buffers are.
+One rule serves every layout: a *unit* (a ZeRO-1/2 param group's flat buffer, or one parameter at ZeRO-3) holds
+its real elements at the same flat positions whatever the DP size; at DP size ``D`` it is cut into ``D`` equal
+partitions of ``S`` elements, partition ``r`` in rank file ``r``. A new rank needs one contiguous run of a unit,
+``[s * S', s * S' + t')``; :func:`cut_run` splits it at the old partition boundaries into pieces, each inside one
+old partition, and every read below is such a piece. A rank plans only its own runs (a few per unit, whatever DP
+is), so planning does not grow with the world. Padding is never read: a new rank's padding tail (and an
+all-padding rank's whole partition) is zero-filled, as DeepSpeed's own buffers are.
 
-A mixture-of-experts save partitions its expert groups over the expert-data-parallel group instead
-(:class:`Placement`): the DP ranks ``d`` with ``d % EP == r`` hold expert-parallel rank ``r``'s buffer,
-partition ``d // EP`` each. With EP fixed, a DP change is the same reshard inside each expert-parallel
-rank's buffer, from DP / EP old partitions to DP' / EP new ones; reads name DP rank files throughout.
+* ZeRO-1/2 (:func:`reshard_reads`): the unit is the group; ``N'`` (the numel with per-parameter padding,
+  :class:`~megatron_ucp.plan.geometry.GroupGeometry`) does not depend on DP, only the alignment tail does.
+  A mixture-of-experts save partitions its expert groups over the expert-data-parallel group instead
+  (:class:`Placement`): the DP ranks ``d`` with ``d % EP == r`` hold expert-parallel rank ``r``'s buffer,
+  partition ``d // EP`` each; with EP fixed, a DP change is the same cut inside each buffer.
+* ZeRO-3 (:func:`per_parameter_reads`): the unit is each parameter (``S = ceil(n / D)``), at its offset inside
+  its sub-group's partition; each piece carries the element's position in its param group, which depends
+  neither on DP nor on the sub-group cut (:attr:`~megatron_ucp.plan.param_geometry.ParamPlace.position`): the
+  save's recorded checksums and the load's hashes of what landed meet there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Collection, Sequence
+from typing import Collection, Iterator, Optional, Sequence
 
 from megatron_ucp.errors import PlanError
 from megatron_ucp.plan.geometry import GroupGeometry, at_dp
+from megatron_ucp.plan.param_geometry import Stage3Groups
 
 
 @dataclass(frozen=True)
 class Read:
-    """Copy ``length`` elements of old rank ``source_rank``'s partition, from ``source_offset``, to
-    ``target_offset`` of the new partition; ``position`` is where they sit in the group's flat order."""
+    """Copy ``length`` elements of old rank ``source_rank``'s partition of its group ``source_group``, from
+    ``source_offset``, to ``target_offset`` of the new partition (of the group whose list holds this read);
+    ``position`` is where they sit in their param group's flat order; ``param``: the parameter they belong to
+    where a read never spans two (ZeRO-3), else None."""
 
     source_rank: int
     source_offset: int
     target_offset: int
     length: int
     position: int
+    source_group: int = 0
+    param: Optional[str] = None
 
 
-def partition_reads(old: GroupGeometry, new: GroupGeometry, rank: int) -> list[Read]:
-    """The pieces of new rank ``rank``'s real elements, in order, each inside one old partition."""
+def cut_run(start: int, stop: int, size: int) -> Iterator[tuple[int, int, int, int]]:
+    """Elements ``[start, stop)`` of a unit cut into partitions of ``size``, split at the partition boundaries:
+    ``(partition, offset in it, first element, length)`` per piece, in order."""
+    element = start
+    while element < stop:
+        partition = element // size
+        end = min(stop, (partition + 1) * size)
+        yield partition, element - partition * size, element, end - element
+        element = end
+
+
+def partition_reads(old: GroupGeometry, new: GroupGeometry, rank: int, group: int = 0) -> list[Read]:
+    """The pieces of new rank ``rank``'s real elements of a flat group, in order, each inside one old partition."""
     if (old.numel, old.padded_numel) != (new.numel, new.padded_numel):
         raise PlanError(
             f"the group holds {old.numel} elements ({old.padded_numel} with per-parameter padding) in "
             f"the checkpoint and {new.numel} ({new.padded_numel}) in this job: not the same model"
         )
     start = new.partition_start(rank)
-    stop = start + new.true_length(rank)
-    size = old.partition_size
-    reads, pos = [], start
-    while pos < stop:
-        source = pos // size
-        end = min(stop, (source + 1) * size)
-        reads.append(Read(source, pos - source * size, pos - start, end - pos, pos))
-        pos = end
-    return reads
+    return [
+        Read(source, offset, element - start, length, element, group)
+        for source, offset, element, length in cut_run(start, start + new.true_length(rank), old.partition_size)
+    ]
 
 
 @dataclass(frozen=True)
@@ -106,12 +120,67 @@ def reshard_reads(
     if not 0 <= rank < dp_to:
         raise PlanError(f"rank {rank} out of range for DP size {dp_to}")
     out = []
-    for g, (old, new) in enumerate(zip(old_groups, placement.geometries(old_groups, dp_to))):
-        reads = partition_reads(old, new, placement.index(g, rank))
+    for g, (old, new) in enumerate(zip(old_groups, placement.geometries(old_groups, dp_to), strict=True)):
+        reads = partition_reads(old, new, placement.index(g, rank), g)
         out.append([replace(r, source_rank=placement.position(g, r.source_rank, rank)) for r in reads])
+    return out
+
+
+def same_parameters(old: Stage3Groups, new: Stage3Groups) -> None:
+    """The two per-parameter layouts hold the same parameters in the same param groups and order; raises
+    naming the first difference (another model, or the param groups built otherwise)."""
+    if len(old.param_groups) != len(new.param_groups):
+        raise PlanError(
+            f"the checkpoint has {len(old.param_groups)} param groups, the optimizer {len(new.param_groups)}"
+        )
+    for g, (saved, live) in enumerate(zip(old.param_groups, new.param_groups, strict=True)):
+        if saved == live:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(saved, live)) if a != b), min(len(saved), len(live)))
+        theirs = f"{saved[at][0]} ({saved[at][1]} elements)" if at < len(saved) else "nothing"
+        ours = f"{live[at][0]} ({live[at][1]} elements)" if at < len(live) else "nothing"
+        raise PlanError(
+            f"param group {g} differs from the model at position {at}: the checkpoint has {theirs}, the model "
+            f"{ours} ({len(saved)} vs {len(live)} parameters)"
+        )
+
+
+def per_parameter_reads(old: Stage3Groups, new: Stage3Groups, rank: int) -> list[list[Read]]:
+    """Per sub-group of ``new``, the pieces new rank ``rank`` copies out of the old rank files, in partition
+    order: each parameter's run cut at its old partitions. The parameters must be the same
+    (:func:`same_parameters`)."""
+    if not 0 <= rank < new.dp:
+        raise PlanError(f"rank {rank} out of range for DP size {new.dp}")
+    same_parameters(old, new)
+    out: list[list[Read]] = []
+    for h in range(len(new.sub_groups)):
+        reads: list[Read] = []
+        for run in new.runs(rank, h):
+            source = old.places[run.param]
+            size = old.partition_of(run.param).partition_size
+            for r, offset, element, length in cut_run(run.start, run.start + run.length, size):
+                reads.append(
+                    Read(
+                        r,
+                        source.offset + offset,
+                        run.offset + element - run.start,
+                        length,
+                        source.position + element,
+                        source.sub_group,
+                        run.param,
+                    )
+                )
+        out.append(reads)
     return out
 
 
 def source_ranks(reads: Sequence[Sequence[Read]]) -> list[int]:
     """The old rank files a new rank opens (sorted, each once)."""
     return sorted({read.source_rank for group in reads for read in group})
+
+
+def first_real_offset(old: Stage3Groups, rank: int, sub_group: int) -> int:
+    """Where the first real element of old ``rank``'s partition of ``sub_group`` sits (-1: none): the
+    reader of that element enters the file's own record of the partition in the ledger, once."""
+    runs = old.runs(rank, sub_group)
+    return runs[0].offset if runs else -1

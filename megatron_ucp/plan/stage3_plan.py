@@ -26,6 +26,7 @@ from megatron_ucp.plan.conversion import (
     RankGroupLayout,
     RankLayout,
     check_plan,
+    checked_ranks,
     shape_output,
 )
 from megatron_ucp.plan.param_geometry import SubGroupGeometry
@@ -45,19 +46,10 @@ def build_stage3_plan(
     """Plan a stage-3 checkpoint from its sub-groups' parameter shapes (``param_shapes``, one dict per
     sub-group) and every DP rank's file layout. Raises :class:`CheckpointFormatError` naming the file
     when a rank file contradicts the geometry."""
+    ranks = checked_ranks(
+        sub_groups, ranks, "optimizer sub-groups", ": files of another run, or another sub_group_size?"
+    )
     dp = len(ranks)
-    if dp == 0:
-        raise PlanError("no rank files to plan from")
-    ranks = sorted(ranks, key=lambda r: r.rank)
-    if [r.rank for r in ranks] != list(range(dp)):
-        raise PlanError(f"rank files must cover DP ranks 0..{dp - 1} exactly once, got {[r.rank for r in ranks]}")
-    for layout in ranks:
-        if len(layout.groups) != len(sub_groups):
-            raise _fail(
-                layout.source,
-                f"has {len(layout.groups)} optimizer sub-groups, the model states list {len(sub_groups)}: "
-                "files of another run, or another sub_group_size?",
-            )
     group_plans, param_plans = [], []
     for g, specs in enumerate(sub_groups):
         geo = SubGroupGeometry(tuple(s.numel for s in specs), dp)

@@ -407,7 +407,7 @@ def test_at_dp_768_sampled_ranks_of_both_routes_equal_the_saved_values(tmp_path)
     from megatron_ucp.integration.rank_files import inspect_file
     from megatron_ucp.integration.stage3_files import expectation, flat_view, read_stage3_facts
     from megatron_ucp.plan.llama_shapes import LlamaShape
-    from megatron_ucp.plan.stage3_reshard import source_ranks, stage3_reads
+    from megatron_ucp.plan.reshard import per_parameter_reads, source_ranks
     from megatron_ucp.synthetic.content import SyntheticSpec
     from megatron_ucp.synthetic.stage3_content import SUB_GROUP_SIZE, param_range
     from megatron_ucp.synthetic.writer import write_checkpoint
@@ -430,7 +430,7 @@ def test_at_dp_768_sampled_ranks_of_both_routes_equal_the_saved_values(tmp_path)
     for world in (512, 1024):
         new = old.at_dp(world, SUB_GROUP_SIZE)
         for rank in (0, world // 2, 7, 8, world - 1):
-            reads = stage3_reads(old, new, rank)
+            reads = per_parameter_reads(old, new, rank)
             for r in source_ranks(reads):
                 if r not in sources:
                     source, seen = inspect_file(rank_file(tag, r), facts, expectation(facts, r), view=flat_view)

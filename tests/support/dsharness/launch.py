@@ -65,7 +65,8 @@ def child_env(python: str, extra: Optional[dict[str, str]] = None) -> dict[str, 
     pythonpath = [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env.update(
         {
-            "DS_ACCELERATOR": "cpu",
+            # the CPU unless the spec asks for another (tests/device/gpu_checks.py: ``cuda``, with NCCL)
+            "DS_ACCELERATOR": (extra or {}).get("DS_ACCELERATOR", "cpu"),
             "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",

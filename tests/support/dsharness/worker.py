@@ -131,7 +131,8 @@ class Rank:
         self.mark("import")
         self.devices = _record_devices()
         _skip_shm_comm_kernel(deepspeed)
-        deepspeed.init_distributed(dist_backend="gloo")
+        self.dev = _device(torch)
+        deepspeed.init_distributed(dist_backend="gloo" if self.dev.type == "cpu" else "nccl")
         self.mark("init_distributed")
         model = build_model(vocab=spec.vocab, hidden=spec.hidden, num_layers=spec.num_layers, seed=spec.seed)
         self.group_names = param_group_names(model)
@@ -174,16 +175,16 @@ class Rank:
         and the owned fragments: exact). Uses the fragment addresses DeepSpeed attaches to each
         bf16 parameter (``param._hp_mapping``), i.e. DeepSpeed's own map of who owns what."""
         torch = self.torch
-        buf = torch.zeros(param.numel(), dtype=torch.float32)
+        buf = torch.zeros(param.numel(), dtype=torch.float32, device=self.dev)  # where the backend reduces
         mapping = getattr(param, "_hp_mapping", None)
         if mapping is not None:
             lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
             buf.narrow(0, lp.start, lp.numel).copy_(flat.detach().reshape(-1).narrow(0, hp.start, hp.numel).float())
         self.dist.all_reduce(buf)
-        return buf.view(param.shape)
+        return buf.cpu().view(param.shape)
 
     def _all_true(self, flag: bool) -> bool:
-        t = self.torch.tensor([1 if flag else 0], dtype=self.torch.int32)
+        t = self.torch.tensor([1 if flag else 0], dtype=self.torch.int32, device=self.dev)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MIN)
         return bool(t.item())
 
@@ -402,7 +403,7 @@ class Rank:
             tokens, labels = rank_batch(
                 index, self.rank, self.world, spec.global_batch, spec.seq, spec.vocab, spec.seed
             )
-            loss = engine(tokens, labels)
+            loss = engine(tokens.to(self.dev), labels.to(self.dev))
             engine.backward(loss)
             engine.step()
             mean = loss.detach().float().clone().reshape(1)
@@ -431,6 +432,15 @@ class Rank:
             self.devices.write(Path(self.spec.dump_dir) / f"devices_rank{self.rank}.json")
         if self.rank == 0:
             _report("done", times=self.times)
+
+
+def _device(torch: Any) -> Any:
+    """This rank's device: the CPU (gloo), or, with ``DS_ACCELERATOR=cuda``, its local GPU (NCCL)."""
+    if os.environ.get("DS_ACCELERATOR", "cpu") == "cpu":
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _masters(optimizer: Any) -> list:

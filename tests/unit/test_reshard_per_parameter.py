@@ -21,8 +21,8 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
 from megatron_ucp.plan.accounting import checksum
 from megatron_ucp.plan.param_geometry import Stage3Groups
+from megatron_ucp.plan.reshard import first_real_offset, per_parameter_reads, same_parameters, source_ranks
 from megatron_ucp.plan.save_record import stage3_partition_checksums, stage3_partition_record, stage3_run_checksum
-from megatron_ucp.plan.stage3_reshard import first_real_offset, same_parameters, source_ranks, stage3_reads
 from tests.support.aurora_shapes import aurora_7b_param_groups
 
 
@@ -60,7 +60,7 @@ def _partitions(groups: Stage3Groups, values: dict[str, np.ndarray]) -> list[lis
 
 
 def _reshard(old: Stage3Groups, new: Stage3Groups, old_parts, rank: int) -> list[np.ndarray]:
-    reads = stage3_reads(old, new, rank)
+    reads = per_parameter_reads(old, new, rank)
     out = []
     for h, group_reads in enumerate(reads):
         target = np.zeros(new.geometry(h).partition_size, dtype=np.int64)
@@ -106,7 +106,7 @@ def test_every_real_old_element_is_read_once_and_the_ledger_rows_close(numels, d
     counts: dict[tuple[int, int], int] = {}
     firsts: dict[tuple[int, int], int] = {}
     for rank in range(dp_to):
-        for group_reads in stage3_reads(old, new, rank):
+        for group_reads in per_parameter_reads(old, new, rank):
             for read in group_reads:
                 row = (read.source_rank, read.source_group)
                 piece = old_parts[read.source_rank][read.source_group][read.source_offset :][: read.length]
@@ -138,9 +138,9 @@ def test_a_small_parameter_leaves_ranks_of_padding_only_on_both_sides():
     """3 elements at DP 4 (rank 3: padding) resharded to DP 8 (ranks 3..7: padding): nothing read there."""
     old, new = _groups([[3, 64]], 4), _groups([[3, 64]], 8)
     for rank in range(3, 8):
-        reads = [r for r in stage3_reads(old, new, rank)[0] if r.param == "g0.p0"]
+        reads = [r for r in per_parameter_reads(old, new, rank)[0] if r.param == "g0.p0"]
         assert reads == []
-    assert [r.source_rank for r in stage3_reads(old, new, 2)[0] if r.param == "g0.p0"] == [2]
+    assert [r.source_rank for r in per_parameter_reads(old, new, 2)[0] if r.param == "g0.p0"] == [2]
     assert old.param_true_lengths(3) == [[0, 16]] and new.param_true_lengths(5) == [[0, 8]]
     assert old.padding_only_ranks() == [] and _groups([[3]], 4).padding_only_ranks() == [3]
 
@@ -149,7 +149,7 @@ def test_another_model_is_named_by_its_first_difference():
     with pytest.raises(PlanError, match=r"param group 0 differs .* position 1: the checkpoint has g0\.p1 \(3"):
         same_parameters(_groups([[5, 3]], 2), _groups([[5, 4]], 2))
     with pytest.raises(PlanError, match="2 param groups, the optimizer 1"):
-        stage3_reads(_groups([[5], [3]], 2), _groups([[5, 3]], 2), 0)
+        per_parameter_reads(_groups([[5], [3]], 2), _groups([[5, 3]], 2), 0)
 
 
 def test_layout_values_validate_themselves():
@@ -171,7 +171,7 @@ def test_aurora_7b_at_dp768_from_metadata():
     assert at768.partition_of(norm).padding_only_ranks() == list(range(683, 768))
     for old, new, ranks in ((at768, at512, (0, 341, 454, 455, 511)), (at512, at768, (0, 511, 682, 683, 767))):
         for rank in ranks:
-            reads = stage3_reads(old, new, rank)
+            reads = per_parameter_reads(old, new, rank)
             got = sum(r.length for g in reads for r in g)
             assert got == sum(new.true_lengths(rank)), rank
             # each parameter's slice from the one or two old slices it crosses (ceil rounding puts a small
