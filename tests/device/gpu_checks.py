@@ -73,10 +73,24 @@ class Report:
         return all(c["ok"] for c in self.checks)
 
 
-def _spec(name: str, dp: int, device: str, folder: Path, **fields: Any) -> TrainSpec:
+OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "zero_force_ds_cpu_optimizer": False}
+"""The optimizer on the host (helpers.sh's CPU_OPTIMIZER=1); DeepSpeed's CPU Adam needs its compiled op, so the
+torch AdamW steps the host partitions."""
+
+
+def _spec(name: str, dp: int, device: str, folder: Path, offload: bool = False, **fields: Any) -> TrainSpec:
+    source = dict(SOURCES[name])
+    config = dict(source.pop("extra_config", {}))
+    if offload:
+        config = {
+            **config,
+            **OFFLOAD,
+            "zero_optimization": {**config.get("zero_optimization", {}), **OFFLOAD["zero_optimization"]},
+        }
     env = {"DS_ACCELERATOR": device}
-    env.update(fields.pop("env", {}))
-    return TrainSpec(dp=dp, steps=4, dump_dir=folder / "dumps", timeout=900, env=env, **SOURCES[name], **fields)
+    return TrainSpec(
+        dp=dp, steps=4, dump_dir=folder / "dumps", timeout=900, env=env, extra_config=config, **source, **fields
+    )
 
 
 def prepare(base: Path) -> None:
@@ -92,11 +106,14 @@ def prepare(base: Path) -> None:
         print(f"prepared {name}: {res.optimizer_class}, losses {res.losses}", flush=True)
 
 
-def _resume(name: str, dp: int, device: str, load_dir: Path, folder: Path, route: str = "auto", plugin=True):
+def _resume(
+    name: str, dp: int, device: str, load_dir: Path, folder: Path, route: str = "auto", plugin=True, offload=False
+) -> TrainResult:
     kwargs = {"resume_route": route} if plugin else {}
-    return run_training(
-        _spec(name, dp, device, folder, load_dir=load_dir, load_tag=TAG, plugin=plugin, plugin_kwargs=kwargs)
+    spec = _spec(
+        name, dp, device, folder, offload, load_dir=load_dir, load_tag=TAG, plugin=plugin, plugin_kwargs=kwargs
     )
+    return run_training(spec)
 
 
 def _partitions(res: TrainResult, rank: int = 0) -> dict:
@@ -125,6 +142,12 @@ def _same_tensors(a: Any, b: Any, where: str) -> Optional[str]:
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a tensor, on the CPU: equal exactly when the values are bit for bit (NaNs and -0.0 too)."""
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _full_state(path: Path) -> dict:
+    """A dump's per-parameter state, less where ZeRO-3 put each parameter (its sub-group depends on DP)."""
+    state = torch.load(path, weights_only=False)
+    return {name: {k: v for k, v in entry.items() if k != "sub_group"} for name, entry in state.items()}
 
 
 def _losses(res: TrainResult) -> dict[int, float]:
@@ -173,9 +196,7 @@ def check_source(report: Report, base: Path, name: str, device: str, out: Path) 
     def cpu_reference() -> None:
         runs["cpu"] = _resume(name, 1, "cpu", src / "ckpt", work / "cpu-native")
         state = _same_tensors(
-            torch.load(src / "dumps" / "state_step2.pt", weights_only=False),
-            torch.load(runs["cpu"].dumps["state_step2_loaded"], weights_only=False),
-            "state",
+            _full_state(src / "dumps" / "state_step2.pt"), _full_state(runs["cpu"].dumps["state_step2_loaded"]), "state"
         )
         report.check(
             f"{name}: CPU, DP 2 -> 1, native reshard: every parameter's state as saved", state is None, state or ""
@@ -185,15 +206,19 @@ def check_source(report: Report, base: Path, name: str, device: str, out: Path) 
     report.guarded(f"{name}: CPU reference load", cpu_reference)
     if "cpu" not in runs:
         return
-    for route, said in (("auto", "from its native rank files"), ("universal", f"{TAG}_universal")):
+    variants = [("auto", False), ("universal", False)] + ([("auto", True)] if name == "zero1-zero" else [])
+    for route, offload in variants:
+        said = "from its native rank files" if route == "auto" else f"{TAG}_universal"
         label = f"{name}: {device}, DP 2 -> 1, {'native reshard' if route == 'auto' else 'universal route'}"
+        label += ", optimizer offloaded to the host" if offload else ""
 
-        def on_device(route: str = route, said: str = said, label: str = label) -> None:
-            res = _resume(name, 1, device, src / "ckpt", work / f"{device}-{route}", route=route)
+        def on_device(route: str = route, said: str = said, label: str = label, offload: bool = offload) -> None:
+            where = work / f"{device}-{route}{'-offload' if offload else ''}"
+            res = _resume(name, 1, device, src / "ckpt", where, route=route, offload=offload)
             report.check(f"{label}: route taken", _route_said(res, said), said)
             differs = _same_tensors(_partitions(runs["cpu"]), _partitions(res), "rank 0")
             report.check(f"{label}: every partition bit for bit the CPU load's", differs is None, differs or "")
-            _placement(report, label, res, device)
+            _placement(report, label, res, "cpu" if offload else device)
             _timed(report, label, res)
             _on_curve(report, label, res, _losses(runs["cpu"]), CROSS_DEVICE if device != "cpu" else 0.0)
 
@@ -222,9 +247,7 @@ def check_device_save(report: Report, device: str, out: Path) -> None:
     report.check(f"save on {device}: the twin bit for bit its source", verified.ok, verified.summary())
     back = _resume(name, 2, "cpu", root, work / "cpu-dp2")
     differs = _same_tensors(
-        torch.load(trained.dumps["state_step2"], weights_only=False),
-        torch.load(back.dumps["state_step2_loaded"], weights_only=False),
-        "state",
+        _full_state(trained.dumps["state_step2"]), _full_state(back.dumps["state_step2_loaded"]), "state"
     )
     report.check(
         f"save on {device} resumed at DP 2 on the CPU: every parameter's state as saved", differs is None, differs or ""

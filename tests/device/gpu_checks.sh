@@ -30,7 +30,9 @@ prepare)
     ;;
 run)
     DEVICE=${DEVICE:-cuda}
-    PY=${PYTHON:-python3}
+    PY=python3  # the CUDA image's, which holds torch; the rehearsal takes the project's environment
+    if [ "$DEVICE" = cpu ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
+    PY=${PYTHON:-$PY}
     if [ "$DEVICE" != cpu ]; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ucp-site \
             "$CARRY"/whl/*.whl

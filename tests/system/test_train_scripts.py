@@ -16,7 +16,7 @@ from demo import walkthrough as demo
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "train_scripts"
-SHELL_SCRIPTS = sorted(SCRIPTS.glob("*.sh"))
+SHELL_SCRIPTS = sorted(SCRIPTS.glob("*.sh")) + [SCRIPTS.parent / "tests" / "device" / "gpu_checks.sh"]
 WRAPPER = SCRIPTS / "train_aGPT_7B_ucp.sh"
 PBS = SCRIPTS / "pbs_resume_elastic.sh"
 CPU_DEMO = SCRIPTS / "cpu_demo.sh"
