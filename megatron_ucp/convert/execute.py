@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from tqdm import tqdm
 
 from megatron_ucp.convert.replicas import ReplicaDrift, compare_replicas
+from megatron_ucp.convert.save_check import check_save_record
 from megatron_ucp.convert.universal import (
     COMPLETE,
     STALE,
@@ -504,6 +505,9 @@ def convert(options: ConvertOptions) -> ConvertResult:
     reader_check = TorchReaderCheck(start=any(unproven(p) for p in files_copied_as_they_are(source.files)))
     try:
         meta, plan, cache = _plan(source)
+        checked = check_save_record(meta, cache, options.share_index, options.share_count)
+        if checked:
+            log.info("%s: %d partitions match the checksums the save recorded", source.ck.tag_dir, checked)
         return _write_and_commit(source, meta, plan, cache, options, force, t0, reader_check)
     finally:
         reader_check.cancel()

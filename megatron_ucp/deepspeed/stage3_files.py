@@ -12,7 +12,7 @@ is the DP size (one number). There is no fragment map: where each parameter sits
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from megatron_ucp.deepspeed.torch_files import load_raw
 from megatron_ucp.deepspeed.versions import check_file_version
@@ -149,3 +149,35 @@ class Stage3RankFile:
         # ZeRO-3 files keep it beside the optimizer dict; a ZeRO-1/2 engine's load of the folder asserts on it
         out.setdefault(F.DS_VERSION, self.ds_version)
         return out
+
+
+def sub_group_owners(param_groups: Any, count: int, path: Path) -> list[int]:
+    """Each sub-group's param group, from the sub-group indices each param group of a stage-3 optimizer lists."""
+    owners: dict[int, int] = {}
+    for g, group in enumerate(param_groups if isinstance(param_groups, list) else []):
+        for h in group.get("params", []) if isinstance(group, dict) else []:
+            owners[int(h)] = g
+    if sorted(owners) != list(range(count)):
+        raise CheckpointFormatError(
+            f"{path}: its param groups list sub-groups {sorted(owners)}, the model states {count}", subject=path
+        )
+    return [owners[h] for h in range(count)]
+
+
+def model_states_of_another_save(paths: Sequence[Path], first: Path, model_id: str) -> list[str]:
+    """ZeRO-3: every rank's model states (their counters, config and frozen slices) of the save ``first`` names."""
+    mp = F.ZERO3_MODEL_FILE_RE.match(Path(first).name)
+    out = []
+    for path in paths:
+        other = F.ZERO3_MODEL_FILE_RE.match(Path(path).name)
+        if path == first or mp is None or other is None or other["mp"] != mp["mp"]:
+            continue
+        raw = load_raw(path, random_access=True)
+        record = raw.get(F.UCP_SAVE_RECORD) if isinstance(raw, dict) else None
+        theirs = record.get("save_id") if isinstance(record, dict) else None
+        if theirs != model_id:
+            out.append(
+                f"{path}: of another save ({theirs or 'saved without the megatron-ucp record'}; {Path(first).name} "
+                f"and the rank files are of save {model_id})"
+            )
+    return out

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from megatron_ucp.deepspeed.reader import load_raw
+from megatron_ucp.deepspeed.stage3_files import model_states_of_another_save, sub_group_owners
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.rawtensor import RawTensor
@@ -34,6 +35,7 @@ from megatron_ucp.integration.rank_files import (
     Source,
     absent,
     bind_positions,
+    binding_message,
     check_presence,
     checksum_algorithm,
     inspect_file,
@@ -97,29 +99,20 @@ def flat_view(path: Path) -> dict:
     return view
 
 
-def _owners(param_groups: Any, count: int, path: Path) -> list[int]:
-    """Each sub-group's param group, from the sub-group indices each param group lists."""
-    owners: dict[int, int] = {}
-    for g, group in enumerate(param_groups if isinstance(param_groups, list) else []):
-        for h in group.get("params", []) if isinstance(group, dict) else []:
-            owners[int(h)] = g
-    if sorted(owners) != list(range(count)):
-        raise CheckpointFormatError(
-            f"{path}: its param groups list sub-groups {sorted(owners)}, the model states {count}", subject=path
-        )
-    return [owners[h] for h in range(count)]
-
-
 def read_stage3_facts(model_states: Path, rank_file: RankFile, states: Optional[dict] = None) -> Stage3Facts:
     """Step 1 (first rank): the facts, checked for the old files' presence and DP size."""
     states, dp_from, save_id = model_states_facts(model_states, states)
     expected = check_presence(model_states, rank_file, dp_from)
     mp = F.ZERO3_MODEL_FILE_RE.match(model_states.name)
-    for r in range(dp_from):  # every rank saved its own model states: none may be missing
-        path = model_states.parent / F.zero3_model_file(r, int(mp["mp"]) if mp else 0)
+    paths = [model_states.parent / F.zero3_model_file(r, int(mp["mp"]) if mp else 0) for r in range(dp_from)]
+    for path in paths:  # every rank saved its own model states: none may be missing
         why = absent(path)
         if why is not None:
             raise CheckpointFormatError(f"{path}: {why} (the save's DP size is {dp_from})", subject=path)
+    if save_id is not None:  # and every one of them is of this save (counters, config, frozen slices)
+        others = model_states_of_another_save(paths, model_states, save_id)
+        if others:
+            raise CheckpointFormatError(binding_message(model_states.parent, others), subject=others[0].split(": ")[0])
     first = stage3_optimizer_state(expected[0])
     inner = first[F.OPTIMIZER_STATE_DICT]
     shapes = [group for group in states[F.PARAM_SHAPES] if isinstance(group, dict)]
@@ -131,7 +124,7 @@ def read_stage3_facts(model_states: Path, rank_file: RankFile, states: Optional[
         )
     groups = Stage3Groups(
         tuple(tuple((str(name), _numel(shape)) for name, shape in group.items()) for group in shapes),
-        tuple(_owners(inner.get(F.PARAM_GROUPS), len(shapes), expected[0])),
+        tuple(sub_group_owners(inner.get(F.PARAM_GROUPS), len(shapes), expected[0])),
         dp_from,
     )
     per_group = [inner.get("state", {}).get(h, {}) for h in range(len(shapes))]

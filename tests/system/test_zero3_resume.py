@@ -287,6 +287,14 @@ def test_files_that_do_not_belong_together_are_named_before_anything_is_copied(t
         shutil.copy(rank_file(whole.tag_dir(2), 0), rank_file(tag, 0))
         return rank_file(tag, 0)
 
+    def model_states_of_another_save(tag: Path) -> Path:
+        shutil.copy(tag.parent / "global_step4" / F.zero3_model_file(1, 0), tag / F.zero3_model_file(1, 0))
+        return tag / F.zero3_model_file(1, 0)
+
+    def flipped_bit(tag: Path) -> Path:
+        flip_a_data_bit_in_a_partition(rank_file(tag, 2))
+        return rank_file(tag, 2)
+
     for name, edit in (
         ("swapped", swap),
         ("another-save", another_save),
@@ -294,6 +302,10 @@ def test_files_that_do_not_belong_together_are_named_before_anything_is_copied(t
         ("missing-model-states", missing_model_states),
         ("other-stage", other_stage),
         ("other-sub-groups", other_cut),
+        ("model-states-of-another-save", model_states_of_another_save),
+        # the universal route converts at load: the converter makes the same checks before it writes anything
+        ("universal-another-save", another_save),
+        ("universal-flipped-bit", flipped_bit),
     ):
         case(name, edit)
     good = _folder(tmp_path, "good", hooked)
@@ -306,7 +318,15 @@ def test_files_that_do_not_belong_together_are_named_before_anything_is_copied(t
         zero_stage=3,
         uc_info=True,
         extra_config=SUB_GROUPS,
-        refuse=[{"name": name, "dir": str(root), "tag": "global_step2"} for name, (root, _) in cases.items()],
+        refuse=[
+            {
+                "name": name,
+                "dir": str(root),
+                "tag": "global_step2",
+                **({"plugin_kwargs": {"resume_route": "universal"}} if name.startswith("universal") else {}),
+            }
+            for name, (root, _) in cases.items()
+        ],
     )
     for name, (root, culprit) in cases.items():
         outcomes = res.refusals[name]
@@ -320,8 +340,25 @@ def test_files_that_do_not_belong_together_are_named_before_anything_is_copied(t
     assert "is missing" in res.refusals["missing-model-states"][0][1]
     assert "not a ZeRO-3 optimizer file" in res.refusals["other-stage"][0][1]
     assert "optimizer sub-groups" in res.refusals["other-sub-groups"][0][1]
+    assert "of another save" in res.refusals["model-states-of-another-save"][0][1]
+    assert "from another save" in res.refusals["universal-another-save"][0][1]
+    assert "differs from the checksum its save recorded" in res.refusals["universal-flipped-bit"][0][1]
     assert res.loaded_step == 2
     assert_losses_continue(res, hooked.loss_at)
+
+
+def flip_a_data_bit_in_a_partition(path: Path) -> None:
+    """One bit flipped in the middle of the largest tensor record of a rank file (a partition): torch.load still
+    reads it (it checks no CRC), only the save's checksums can tell."""
+    import struct
+    import zipfile
+
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as archive:
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    name_len, extra_len = struct.unpack("<HH", bytes(data[info.header_offset + 26 : info.header_offset + 30]))
+    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x10
+    path.write_bytes(bytes(data))
 
 
 def _change_a_master(path: Path, sub_group: int, element: int) -> None:
