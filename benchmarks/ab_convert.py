@@ -9,7 +9,7 @@ children), peak resident memory of the tree (psutil, every 10 ms). Medians and t
 ratios' medians go to ``benchmarks/results/<name>.{json,md}``.
 
     git worktree add /tmp/old <commit>
-    python benchmarks/ab_convert.py --a /tmp/old --b . --name convert-ab-issue29 --reps 7
+    python benchmarks/ab_convert.py --a /tmp/old --b . --name convert-ab-2026-11-25 --reps 7
 """
 
 from __future__ import annotations

@@ -81,26 +81,27 @@ def run(args: argparse.Namespace) -> int:
     if count > 1 and not args.attempt_id:
         raise UcpError("--share I/N needs --attempt-id (the same for all N converters)")
     try:
-        result = convert(
-            ConvertOptions(
-                source=args.root,
-                tag=args.tag,
-                output=args.output,
-                workers=args.workers,
-                force=args.force,
-                update_latest=False if args.no_latest else None,
-                share_index=index,
-                share_count=count,
-                attempt_id=args.attempt_id,
-                progress=not args.no_progress,
-            )
-        )
+        result = convert(_options(args, share_index=index, share_count=count, progress=not args.no_progress))
     except AlreadyConvertedError as done:  # the job is done already: not an error
         print(f"megatron-ucp convert: {done}")
         return 0
     print(result.summary)
     _exit_now_if_program(0)
     return 0
+
+
+def _options(args: argparse.Namespace, **more: object) -> ConvertOptions:
+    """What the command line says, the same for one converter and for one process of many."""
+    return ConvertOptions(
+        source=args.root,
+        tag=args.tag,
+        output=args.output,
+        workers=args.workers,
+        force=args.force,
+        update_latest=False if args.no_latest else None,
+        attempt_id=args.attempt_id,
+        **more,  # type: ignore[arg-type]
+    )
 
 
 def _run_distributed(args: argparse.Namespace) -> int:
@@ -111,16 +112,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
             "--distributed: no launcher environment (RANK/WORLD_SIZE from torchrun, PMI_RANK/PMI_SIZE or "
             "PALS_RANKID from mpiexec, OMPI_COMM_WORLD_RANK/SIZE, SLURM_PROCID/SLURM_NTASKS)"
         )
-    options = ConvertOptions(
-        source=args.root,
-        tag=args.tag,
-        output=args.output,
-        workers=args.workers,
-        force=args.force,
-        update_latest=False if args.no_latest else None,
-        attempt_id=args.attempt_id,
-        progress=not args.no_progress and launch.rank == 0,
-    )
+    options = _options(args, progress=not args.no_progress and launch.rank == 0)
     try:
         result = convert_distributed(options, launch, timeout=args.dist_timeout)
     except DistributedConvertError as exc:

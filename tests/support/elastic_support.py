@@ -113,6 +113,17 @@ def flip_a_data_bit(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def flip_a_bit_in_the_largest_record(path: Path) -> None:
+    """Flip one bit in the middle of the largest tensor record of a torch zip file (a rank file's partition):
+    ``torch.load`` still reads it, only the save's checksums can tell."""
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as archive:
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    name_len, extra_len = struct.unpack("<HH", bytes(data[info.header_offset + 26 : info.header_offset + 30]))
+    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
 def rewrite_manifest_checksums(folder: Path, algorithm: str) -> None:
     """Recompute a universal folder's manifest checksums with ``algorithm``: a folder as an older
     megatron-ucp wrote it (``ucp-wsum64-v2`` before v3)."""

@@ -10,14 +10,13 @@ damage is made here with the zip format alone: one bit flipped inside the larges
 from __future__ import annotations
 
 import shutil
-import struct
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from megatron_ucp.cli import main
 from megatron_ucp.format import dsformat as F
+from tests.support.elastic_support import flip_a_bit_in_the_largest_record
 
 TAG = "global_step100"
 SMALL = ["--layers", "2", "--hidden", "64", "--ffn", "128", "--heads", "4", "--kv-heads", "2", "--vocab", "256"]
@@ -28,15 +27,6 @@ def _save(root: Path, stage: str, seed: int = 0) -> Path:
     args = ["synthesize", str(root), *SMALL, "--dp", "4", *STAGES[stage], "--record", "--seed", str(seed)]
     assert main([*args, "--no-progress"]) == 0
     return root / TAG
-
-
-def _flip_a_bit_in_the_largest_record(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    with zipfile.ZipFile(path) as archive:
-        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    name_len, extra_len = struct.unpack("<HH", bytes(data[info.header_offset + 26 : info.header_offset + 30]))
-    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x10
-    path.write_bytes(bytes(data))
 
 
 def _rank_file(tag: Path, rank: int) -> Path:
@@ -55,7 +45,7 @@ def test_a_conversion_refuses_what_the_save_did_not_record(tmp_path: Path, capsy
     other = _save(tmp_path / "other", stage, seed=7)
     if damage == "flipped-bit":
         culprit = _rank_file(tag, 2)
-        _flip_a_bit_in_the_largest_record(culprit)
+        flip_a_bit_in_the_largest_record(culprit)
         said = "differs from the checksum its save recorded"
     elif damage == "rank-file-of-another-save":
         culprit = _rank_file(tag, 1)

@@ -33,6 +33,7 @@ from tests.support.dsharness.checkpoints import rank_file
 from tests.support.elastic_support import (
     ElasticRuns,
     assert_losses_continue,
+    flip_a_bit_in_the_largest_record,
     private_copy,
     resume,
     ucp_lines,
@@ -292,7 +293,7 @@ def test_files_that_do_not_belong_together_are_named_before_anything_is_copied(t
         return tag / F.zero3_model_file(1, 0)
 
     def flipped_bit(tag: Path) -> Path:
-        flip_a_data_bit_in_a_partition(rank_file(tag, 2))
+        flip_a_bit_in_the_largest_record(rank_file(tag, 2))
         return rank_file(tag, 2)
 
     for name, edit in (
@@ -345,20 +346,6 @@ def test_files_that_do_not_belong_together_are_named_before_anything_is_copied(t
     assert "differs from the checksum its save recorded" in res.refusals["universal-flipped-bit"][0][1]
     assert res.loaded_step == 2
     assert_losses_continue(res, hooked.loss_at)
-
-
-def flip_a_data_bit_in_a_partition(path: Path) -> None:
-    """One bit flipped in the middle of the largest tensor record of a rank file (a partition): torch.load still
-    reads it (it checks no CRC), only the save's checksums can tell."""
-    import struct
-    import zipfile
-
-    data = bytearray(path.read_bytes())
-    with zipfile.ZipFile(path) as archive:
-        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    name_len, extra_len = struct.unpack("<HH", bytes(data[info.header_offset + 26 : info.header_offset + 30]))
-    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x10
-    path.write_bytes(bytes(data))
 
 
 def _change_a_master(path: Path, sub_group: int, element: int) -> None:
