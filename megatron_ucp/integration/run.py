@@ -73,6 +73,9 @@ from megatron_ucp.plan.launch import (
 
 log = logging.getLogger("megatron_ucp.integration.run")  # not __name__: "__main__" under python -m
 
+ALCF_BATCH_ENV = "--ucp-alcf-batch-env"
+"""The runner's one mode that runs no script: print the checkpoint's batch settings for train_aGPT_7B_ucp.sh."""
+
 
 # ================================================================================================
 # argv: separate the runner's options from the script's (pure)
@@ -387,7 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = os.environ
     rank = detect_rank(env)
     _configure_logging(rank)
-    if argv[:1] == ["--ucp-alcf-batch-env"]:
+    if argv[:1] == [ALCF_BATCH_ENV]:
         return _alcf_batch_env_main(argv[1:], env)
     try:
         split = split_argv(argv)

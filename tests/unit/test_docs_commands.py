@@ -1,0 +1,84 @@
+"""Every command the README and docs/ show is one the code accepts: each ``megatron-ucp ...`` line (synopses
+included, their placeholders filled in) parses with the CLI's own parser, and every ``--ucp-*`` option shown
+anywhere is one of the runner's. A flag renamed or removed in the code fails here, naming the document.
+
+What the commands do is the business of the tests of each command; this holds the documents to the code.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from megatron_ucp.cli import build_parser
+from megatron_ucp.config import spec_by_option
+from megatron_ucp.integration.run import ALCF_BATCH_ENV
+
+REPO = Path(__file__).resolve().parents[2]
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "tests" / "device" / "README.md"]
+COMMAND = re.compile(r"megatron-ucp (?:convert|inspect|verify|status|synthesize)\b(?:[^`|\n#\\]|\\\|)*")
+PLACEHOLDERS = {"I/N": "0/2", "N": "2", "E": "4", "SECONDS": "60", "RANGE": "1-8", "V": "0.19.8", "ID": "attempt"}
+"""Values for a synopsis's placeholders where the option takes a typed value (anything else is a path)."""
+
+
+def _commands() -> list[tuple[str, str]]:
+    found = []
+    for doc in DOCUMENTS:
+        for match in COMMAND.finditer(doc.read_text()):
+            text = match.group(0).strip().rstrip(".,;:)")
+            if "..." in text or len(text.split()) < 3:
+                continue  # "megatron-ucp convert" named in prose, or elided: not a command line
+            found.append((doc.name, text))
+    return found
+
+
+def _as_argv(synopsis: str) -> list[str]:
+    """A synopsis as one command line: optional parts taken, the first of alternatives, placeholders filled; a
+    command named in prose with options only (``megatron-ucp convert --workers 2``) gets its ROOT, and a
+    trailing option named without its value gets one."""
+    text = re.sub(r"\\?\|[^\]\s]*", "", synopsis).replace("[", " ").replace("]", " ")
+    words = [PLACEHOLDERS.get(w, w) for w in shlex.split(text)[1:]]  # without "megatron-ucp"
+    if words[0] != "inspect" and all(w.startswith("-") for w in words[1:2]):
+        words.insert(1, "ROOT")
+    sub = build_parser()._subparsers._group_actions[0].choices[words[0]]  # type: ignore[union-attr]
+    last = next((a for a in sub._actions if words[-1] in a.option_strings), None)
+    if last is not None and last.nargs is None and last.const is None and not isinstance(last.default, bool):
+        words.append("1")
+    return words
+
+
+@pytest.mark.parametrize("doc,command", _commands(), ids=lambda v: v if len(v) < 60 else v[:57] + "...")
+def test_every_cli_command_shown_parses(doc: str, command: str):
+    argv = _as_argv(command)
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse's refusal: an option or a choice the code does not know
+        pytest.fail(f"{doc}: `{command}` does not parse ({argv}): exit {exc.code}")
+
+
+def test_every_ucp_option_shown_is_the_runners():
+    known = set(spec_by_option()) | {ALCF_BATCH_ENV}
+    shown = {(doc.name, option) for doc in DOCUMENTS for option in re.findall(r"--ucp-[a-z-]+[a-z]", doc.read_text())}
+    unknown = sorted(f"{doc}: {option}" for doc, option in shown if option not in known)
+    assert not unknown, unknown
+    assert shown, "no --ucp-* option found in the documents: the scan is broken"
+
+
+def test_the_scan_finds_the_commands_and_fills_synopses():
+    commands = [c for _, c in _commands()]
+    assert any(c.startswith("megatron-ucp status") for c in commands) and len(commands) > 10
+    assert _as_argv("megatron-ucp convert ROOT [--share I/N --attempt-id ID] [--optimizer bf16\\|zero]") == [
+        "convert",
+        "ROOT",
+        "--share",
+        "0/2",
+        "--attempt-id",
+        "attempt",
+        "--optimizer",
+        "bf16",
+    ]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(_as_argv("megatron-ucp status ROOT --no-such-flag"))
