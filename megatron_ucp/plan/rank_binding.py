@@ -28,13 +28,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.plan.geometry import GroupGeometry
+
+if TYPE_CHECKING:  # torch only where weights are compared (the hooks): the converter binds files without it
+    import torch
 
 Fragments = tuple[tuple[str, int, int], ...]
 """A rank's fragments of one param group: (parameter name, start in the partition, elements), in order."""
@@ -325,6 +326,8 @@ def bracket_misses(master: torch.Tensor, weight: torch.Tensor) -> int:
     all give one of them, a weight of another save or position almost never. Weights of another
     dtype must equal the master cast to it.
     """
+    import torch
+
     master, weight = master.detach().reshape(-1), weight.detach().reshape(-1)
     if master.numel() != weight.numel():
         raise ValueError(f"{master.numel()} masters against {weight.numel()} weights")
