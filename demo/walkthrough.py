@@ -281,8 +281,10 @@ def geometry_note(tag_dir: Path, dp_resume: int) -> list[str]:
     return lines
 
 
-LOSS_TOLERANCE = 2e-4
-"""The band around zero the resumed curve must stay in (bf16 reduction noise: the tests' tolerance too)."""
+LOSS_TOLERANCE = 1e-3
+"""The band the resumed curve stays in: bf16 sums reduced in another order at another DP size, a difference that
+grows over the ten resumed steps (the suite's bound for a DP change, tests/support/elastic_support.py; the first
+resumed step, from the restored weights alone, is held to 2e-4 under the real Megatron-DeepSpeed)."""
 
 
 def plot(
@@ -304,7 +306,7 @@ def plot(
     start = [(r.iteration, r.reference) for r in rows if r.iteration == resume_at and r.reference is not None]
     diff = [(r.iteration, r.difference) for r in rows if r.difference is not None and r.iteration > resume_at]
     text_lines = sum(line.count("\n") + 1 for line in stock_lines)
-    heights = [3, 1.6] + ([0.25 + 0.17 * text_lines] if stock_lines else [])
+    heights = [3, 1.6] + ([0.2 + 0.13 * text_lines] if stock_lines else [])
     fig, axes = plt.subplots(
         len(heights), 1, figsize=(8, 2.2 * sum(heights) / 1.6 + 0.4), dpi=120, height_ratios=heights, squeeze=False
     )
@@ -341,7 +343,7 @@ def plot(
         LOSS_TOLERANCE,
         color="tab:green",
         alpha=0.15,
-        label=f"tolerance +/-{LOSS_TOLERANCE:g} (bf16 reduction noise)",
+        label=f"+/-{LOSS_TOLERANCE:g}: bf16 sums reduced in another order at another DP size",
     )
     dax.axhline(0, color="tab:blue", linewidth=0.8)
     if diff:
