@@ -5,8 +5,8 @@ checksums the save recorded, at load. A conversion (the universal route at load,
 ``megatron-ucp convert``) reads the same files, so it makes the same checks, the one set every route shares:
 
 * the save's identity (``ucp_save_record``): every rank file, and at ZeRO-3 every rank's model states, of the
-  save the model states name, each rank file at the DP position it was saved from
-  (:func:`megatron_ucp.plan.rank_binding.cross_check` names the odd one out);
+  save the model states name (:func:`megatron_ucp.plan.rank_binding.cross_check` names the odd one out); each
+  rank file at the DP position it was saved from is the reader's check (``zero_partition_info``), made first;
 * each partition's real elements against the checksum its rank file recorded (``zero_partition_checksums``):
   a file changed on disk since the save (a flipped bit, a partial overwrite) is named, not converted.
 
@@ -18,6 +18,7 @@ conversion hashes its own share of the rank files.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 from megatron_ucp.convert.writer import RankFileCache
@@ -60,24 +61,19 @@ def _save_id(raw: Any) -> Optional[str]:
 
 
 def identity_problems(meta: CheckpointMeta, cache: RankFileCache) -> list[str]:
-    """Per model-parallel coordinate: one save for the model states and every rank file, each file at the
-    position it was saved from; at ZeRO-3, every rank's model states of that save too."""
+    """Per model-parallel coordinate: one save for the model states and every rank file; at ZeRO-3, every rank's
+    model states of that save too."""
     problems: list[str] = []
     per_rank_models = list(meta.files.zero3_model_files)
     for coordinate in meta.coordinates:
         model_id = _save_id(coordinate.model.raw)
-        facts = []
-        for r in range(meta.dp):
-            index = coordinate.first_file + r
-            rf = cache.get(index)
-            record = rf.sd.get(F.UCP_SAVE_RECORD) if isinstance(rf.sd.get(F.UCP_SAVE_RECORD), dict) else {}
-            if record and (record.get("dp_rank"), record.get("dp_size")) not in ((r, meta.dp), (None, None)):
-                problems.append(
-                    f"{rf.path}: saved as DP rank {record.get('dp_rank')} of {record.get('dp_size')}, found at DP "
-                    f"rank {r} of {meta.dp}: swapped, or copied over this one?"
-                )
-            # the identity only: the steps are the reader's and the plan's to compare (their own messages)
-            facts.append(FileFacts(position=r, path=str(rf.path), steps=(0,), save_id=_save_id(rf.sd)))
+        # the identity only: each file's recorded position (zero_partition_info) is the reader's to check, the
+        # steps the reader's and the plan's (their own messages)
+        facts = [
+            FileFacts(position=r, path=str(rf.path), steps=(0,), save_id=_save_id(rf.sd))
+            for r in range(meta.dp)
+            for rf in (cache.get(coordinate.first_file + r),)
+        ]
         unit = "sub-group" if per_rank_models else "param group"
         problems += cross_check(str(coordinate.model.path), model_id, facts, unit)
         if model_id is not None and per_rank_models:
@@ -128,11 +124,17 @@ def _runs_of(meta: CheckpointMeta, rf: Any, index: int) -> list[list[Run]]:
     if meta.files.partitioned_weights:
         coordinate = meta.coordinates[index // meta.dp]
         sub_groups = tuple(tuple((p.name, p.numel) for p in specs) for specs in coordinate.model.param_groups)
-        owners = sub_group_owners(rf.param_groups(), len(sub_groups), rf.path)
-        groups = Stage3Groups(sub_groups, tuple(owners), meta.dp)
+        owners = tuple(sub_group_owners(rf.param_groups(), len(sub_groups), rf.path))
+        groups = _stage3_groups(sub_groups, owners, meta.dp)
         return [groups.runs(r, h) for h in range(len(sub_groups))]
     info = rf.sd.get(F.ZERO_PARTITION_INFO) or {}
     true = rf.sd.get(F.GROUP_TRUE_LENGTHS) or []
     sizes = info.get("partition_sizes") or []
     ranks = info.get("group_dp_ranks") or [info.get("dp_rank", r)] * len(sizes)
     return [[Run("", 0, 0, int(t), int(ranks[g]) * int(sizes[g]))] if t else [] for g, t in enumerate(true)]
+
+
+@functools.lru_cache(maxsize=8)
+def _stage3_groups(sub_groups: tuple, owners: tuple[int, ...], dp: int) -> Stage3Groups:
+    """One coordinate's layout, built once for all its rank files (they list the same sub-groups and owners)."""
+    return Stage3Groups(sub_groups, owners, dp)

@@ -169,12 +169,7 @@ def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
         )
     model_mp = {int(F.MODEL_FILE_RE.match(n).group("mp")): n for n in model_files}
     optim_grid = _optimizer_grid(tag_dir, optim)
-    mps = sorted(set(model_mp) | set(optim_grid))
-    if mps != list(range(len(mps))):
-        raise CheckpointFormatError(
-            f"{tag_dir}: model-parallel ranks {mps} are not 0..{len(mps) - 1}: files of some ranks are missing",
-            subject=tag_dir,
-        )
+    mps = _model_parallel_ranks(tag_dir, model_mp, optim_grid)
     for mp in mps:
         if mp not in model_mp:
             name = f"mp_rank_{mp:02d}_model_states.pt"
@@ -265,12 +260,7 @@ def _find_stage3_files(tag_dir: Path, model_names: list[str], optim: list) -> Ch
         m = F.ZERO3_MODEL_FILE_RE.match(n)
         model_grid.setdefault(int(m.group("mp")), {})[int(m.group("dp"))] = n
     prefix = optim[0][1].group("prefix") or ""
-    mps = sorted(set(model_grid) | set(optim_grid))
-    if mps != list(range(len(mps))):
-        raise CheckpointFormatError(
-            f"{tag_dir}: model-parallel ranks {mps} are not 0..{len(mps) - 1}: files of some ranks are missing",
-            subject=tag_dir,
-        )
+    mps = _model_parallel_ranks(tag_dir, model_grid, optim_grid)
     for mp in mps:
         models, optims = model_grid.get(mp, {}), optim_grid.get(mp, {})
         width = max([*models, *optims]) + 1
@@ -301,6 +291,17 @@ def _find_stage3_files(tag_dir: Path, model_names: list[str], optim: list) -> Ch
     )
     _refuse_special(files.copied_files())
     return files
+
+
+def _model_parallel_ranks(tag_dir: Path, models: dict, optims: dict) -> list[int]:
+    """The model-parallel ranks the folder's files name, which must be 0..N-1 (else some ranks' files are missing)."""
+    mps = sorted(set(models) | set(optims))
+    if mps != list(range(len(mps))):
+        raise CheckpointFormatError(
+            f"{tag_dir}: model-parallel ranks {mps} are not 0..{len(mps) - 1}: files of some ranks are missing",
+            subject=tag_dir,
+        )
+    return mps
 
 
 def _refuse_special(paths: Sequence[Path]) -> None:
