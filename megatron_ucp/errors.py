@@ -40,3 +40,11 @@ class AlreadyConvertedError(OutputExistsError):
 
 class AccountingError(UcpError):
     """A load did not account for every tensor of the checkpoint (the PyTorch DCP lesson)."""
+
+
+def described(exc: BaseException) -> str:
+    """``Type: message`` of an exception. A foreign one's message goes on one line: a third party's may span
+    several (pickle's does), and each problem this tool reports is one line; this tool's own errors keep the
+    lines they were written with (a list of problems, one per line)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text if isinstance(exc, UcpError) else " ".join(text.split())

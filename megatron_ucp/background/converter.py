@@ -71,7 +71,7 @@ from megatron_ucp.convert.universal import (
     move_latest_universal,
     universal_state,
 )
-from megatron_ucp.errors import OutputExistsError
+from megatron_ucp.errors import OutputExistsError, described
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
 
@@ -298,7 +298,7 @@ class Converter:
                 self.root,
                 job.tag,
                 B.EventKind.FAILED,
-                f"{type(exc).__name__}: {exc}",
+                described(exc),
                 attempt=job.attempt,
                 log=str(log_path),
             )
@@ -315,7 +315,7 @@ class Converter:
             report = verify_universal(output)
         except Exception as exc:  # unreadable beyond a list of problems
             report = None
-            problems = [f"{type(exc).__name__}: {exc}"]
+            problems = [described(exc)]
         else:
             problems = report.problems
         if report is None or not report.ok:

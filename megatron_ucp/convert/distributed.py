@@ -39,7 +39,7 @@ from typing import Any, Mapping, Optional
 from megatron_ucp import launchenv
 from megatron_ucp.convert.execute import convert, default_output, resolve_checkpoint
 from megatron_ucp.convert.universal import staging_path
-from megatron_ucp.errors import UcpError
+from megatron_ucp.errors import UcpError, described
 
 log = logging.getLogger(__name__)
 
@@ -307,10 +307,10 @@ def convert_distributed(
             )
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the other ranks
             aborted = isinstance(exc, _Aborted)
-            info.update(ok=False, aborted=aborted, code=_exit_code(exc), error=f"{type(exc).__name__}: {exc}")
+            info.update(ok=False, aborted=aborted, code=_exit_code(exc), error=described(exc))
             if not aborted:
                 try:
-                    prefix.set("failed", f"rank {launch.rank}: {type(exc).__name__}: {exc}")
+                    prefix.set("failed", f"rank {launch.rank}: {described(exc)}")
                 except Exception:
                     pass
             log.error("rank %d: %s", launch.rank, info["error"])

@@ -67,6 +67,7 @@ from megatron_ucp.errors import (
     PlanError,
     UcpError,
     UnsupportedError,
+    described,
 )
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity, osio
@@ -703,7 +704,7 @@ def _abandon(staging: Staging, options: ConvertOptions, exc: BaseException) -> N
     if options.share_count == 1:
         staging.discard()
     else:
-        staging.mark_share_failed(f"{type(exc).__name__}: {exc}")
+        staging.mark_share_failed(described(exc))
         staging.close()
 
 

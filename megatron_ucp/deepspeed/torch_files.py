@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.errors import CheckpointFormatError, described
 from megatron_ucp.format.lightpickle import PICKLE_MODULE
 from megatron_ucp.format.paths import special_kind
 from megatron_ucp.format.rawtensor import raw_tensors_from_torch
@@ -51,7 +51,7 @@ def load_torch_file(path: Path, mmap: bool = True) -> Any:
         raise
     except Exception as exc:  # torch raises RuntimeError/EOFError/UnpicklingError/... for damaged files
         raise CheckpointFormatError(
-            f"{path}: unreadable torch file (truncated or corrupt?): {type(exc).__name__}: {exc}", subject=path
+            f"{path}: unreadable torch file (truncated or corrupt?): {described(exc)}", subject=path
         ) from exc
 
 

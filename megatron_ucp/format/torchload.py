@@ -27,7 +27,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.errors import CheckpointFormatError, described
 from megatron_ucp.format.lightpickle import Unpickler as _LightUnpickler
 from megatron_ucp.format.lightpickle import stand_in_class
 from megatron_ucp.format.paths import open_checkpoint_file
@@ -300,7 +300,7 @@ def structure_problems(path: os.PathLike | str) -> list[str]:
     except CheckpointFormatError:
         raise  # not a regular file: said in the opener's words
     except Exception as exc:  # zipfile raises BadZipFile, ValueError, NotImplementedError, struct.error, ...
-        problems.append(f"not a readable zip archive ({type(exc).__name__}: {exc})")
+        problems.append(f"not a readable zip archive ({described(exc)})")
     return problems
 
 
@@ -324,7 +324,7 @@ def crc_problems(path: os.PathLike | str) -> list[str]:
     except CheckpointFormatError:
         raise
     except Exception as exc:  # see structure_problems
-        problems.append(f"not a readable zip archive ({type(exc).__name__}: {exc})")
+        problems.append(f"not a readable zip archive ({described(exc)})")
     return problems
 
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Optional, TypeVar
 import torch
 
 from megatron_ucp.deepspeed import surface
+from megatron_ucp.errors import described
 
 
 def comm() -> Any:
@@ -82,7 +83,7 @@ def decide_on_first(decide: Callable[[], T], group: Any = None) -> "T | Failure"
         try:
             outcome = decide()
         except Exception as exc:
-            outcome = Failure(f"{type(exc).__name__}: {exc}")
+            outcome = Failure(described(exc))
     return broadcast_from_first(outcome, group)
 
 

@@ -23,6 +23,8 @@ import torch
 from megatron_ucp.convert.execute import ConvertOptions, convert
 from megatron_ucp.convert.verify import verify_universal
 from megatron_ucp.deepspeed.reader import flatten_module_states
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.plan.save_record import partition_checksums
 from tests.integration.mds import MdsModel, MdsRun, rank_env, run_mds
 
 
@@ -393,7 +395,9 @@ def test_inspect_shows_the_3d_layout(mds_checkout, mds_runs):
 
 
 def _perturb(tag: Path, name: str, file_glob: str, amount: float = 0.5) -> None:
-    """Add ``amount`` to the first 3 fp32 elements of ``name`` in the first rank file of ``file_glob`` holding it."""
+    """Add ``amount`` to the first 3 fp32 elements of ``name`` in the first rank file of ``file_glob`` holding it,
+    as a drift the training itself had: the checksum the hooks recorded for that partition is the drifted one's
+    (a change on disk after the save is refused by name, tests/system/test_save_check.py)."""
     for victim in sorted(tag.glob(file_glob)):
         sd = torch.load(victim, weights_only=False)
         osd = sd["optimizer_state_dict"]
@@ -403,6 +407,11 @@ def _perturb(tag: Path, name: str, file_glob: str, amount: float = 0.5) -> None:
     addr = osd["param_slice_mappings"][group][name]
     with torch.no_grad():
         osd["single_partition_of_fp32_groups"][group].narrow(0, addr.start, 3).add_(amount)
+    recorded = osd.get(F.ZERO_PARTITION_CHECKSUMS)
+    if recorded is not None:
+        fp32 = osd["single_partition_of_fp32_groups"]
+        fresh = partition_checksums(fp32, [{} for _ in fp32], osd)[F.ZERO_PARTITION_CHECKSUMS]
+        recorded["groups"][group][F.FP32_STATE] = fresh["groups"][group][F.FP32_STATE]
     torch.save(sd, victim)
 
 

@@ -71,10 +71,18 @@ def test_truncated_rank_file(root, capsys):
     convert_fails(root, capsys, expect="truncated or corrupt", names=str(victim))
 
 
-def test_corrupt_rank_file(root, capsys):
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,  # random bytes: whatever torch or pickle makes of them
+        b"\x80\x02K\x01Q.",  # a pickle whose first opcode is a persistent id: pickle's message spans two lines
+    ],
+    ids=["random", "persistent-id"],
+)
+def test_corrupt_rank_file(root, capsys, header):
     victim = root / TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
     data = bytearray(victim.read_bytes())
-    data[:64] = os.urandom(64)
+    data[:64] = (header or os.urandom(64)).ljust(64, b"\0")
     victim.write_bytes(bytes(data))
     convert_fails(root, capsys, expect="truncated or corrupt", names=str(victim))
 
