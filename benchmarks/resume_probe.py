@@ -13,7 +13,7 @@ checkpoint's values at that place (``synthetic.values``: the source, independent
 
 With ``--native`` the folder is the native tag and the rank runs the native reshard's own code
 (``integration/native_reshard``: the facts, the live-model check, the read plan, each old rank
-file it needs opened and checked, ``copy_partitions`` with the ledger), as the hook does before its
+file it needs opened and checked, ``copy_reads`` with the ledger), as the hook does before its
 one all-reduce. With ``--experts E --ep EP`` (native only) the tag is a mixture-of-experts save: the
 expert group's partitions come from the files of this rank's expert-parallel rank, over expert-DP. ::
 
@@ -103,7 +103,8 @@ def exact_against_source(args, copied) -> bool:
 
 
 def native(args) -> int:
-    from megatron_ucp.integration.native_reshard import check_live_model, copy_partitions, reshard_ledger
+    from megatron_ucp.integration.native_reshard import check_live_model, old_files
+    from megatron_ucp.integration.old_file_copy import copy_reads
     from megatron_ucp.integration.rank_files import open_source, read_facts
     from megatron_ucp.plan.reshard import reshard_reads, source_ranks
 
@@ -138,8 +139,9 @@ def native(args) -> int:
     targets = [
         {state: torch.zeros(geo.partition_size) for state in ("fp32", *facts.states[g])} for g, geo in enumerate(new)
     ]
-    ledger = reshard_ledger(facts, geos, rank_file)
-    copy_partitions(facts, geos, reads, sources, args.rank, targets, ledger, ledger.new_table())
+    files = old_files(facts, geos, rank_file)
+    ledger = files.ledger()
+    copy_reads(files, reads, sources, targets, ledger, ledger.new_table())
     t_load = time.perf_counter() - t2
     io = read_bytes() - io0
     copied = [(g, geo, targets[g]) for g, geo in enumerate(new)]

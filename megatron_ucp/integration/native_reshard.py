@@ -41,8 +41,15 @@ import torch
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.format import integrity
 from megatron_ucp.integration.collectives import Failure, comm, count_across, decide_on_first, device
+from megatron_ucp.integration.old_file_copy import (
+    OldFiles,
+    Timing,
+    against_the_save,
+    copy_reads,
+    refuse_changed,
+    settle,
+)
 from megatron_ucp.integration.partition_load import expected_state_keys, install_group_state, lp_groups_of
 from megatron_ucp.integration.rank_files import (
     RankFile,
@@ -55,13 +62,9 @@ from megatron_ucp.integration.rank_files import (
 )
 from megatron_ucp.plan.accounting import (
     AccountingReport,
-    Ledger,
     Problem,
-    check_ledger,
     check_optimizer_states,
     checksum,
-    enter_old_file_copy,
-    ledger_totals,
 )
 from megatron_ucp.plan.geometry import GroupGeometry
 from megatron_ucp.plan.rank_binding import FileFacts, WeightTally, blame_weights, bracket_misses
@@ -112,71 +115,22 @@ def check_live_model(
     return geos
 
 
-def _row_name(rank_file: RankFile, position: int, group: int) -> str:
-    return f"{rank_file(position)}: param group {group}"
+def old_files(facts: SavedFacts, geos: list[GroupGeometry], rank_file: RankFile) -> OldFiles:
+    """The old rank files of a flat save as the ledger counts them: a file's real elements of a group start
+    its partition (the padding is at the group's end)."""
 
+    def true_length(g: int, position: int) -> int:
+        return geos[g].true_length(facts.placement.index(g, position))
 
-def reshard_ledger(facts: SavedFacts, geos: list[GroupGeometry], rank_file: RankFile) -> Ledger:
-    """One row per (old rank file, param group, state) the file holds real elements of: fp32 and each
-    optimizer state. A row that does not close names its file."""
-    return Ledger.from_listing(
-        {
-            _row_name(rank_file, r, g): (F.FP32_STATE, *facts.states[g])
-            for g, geo in enumerate(geos)
-            for r in range(facts.dp_from)
-            if geo.true_length(facts.placement.index(g, r)) > 0
-        }
+    return OldFiles(
+        rank_file,
+        "param group",
+        facts.dp_from,
+        facts.states,
+        true_length,
+        lambda g, position: 0 if true_length(g, position) > 0 else -1,
+        facts.algorithm,
     )
-
-
-def ledger_source(row: str, state: str) -> str:
-    """What a reshard ledger row stands for, in a problem's words."""
-    return f"{row.replace(': param group', ', param group', 1)}'s {state!r}"
-
-
-def copy_partitions(
-    facts: SavedFacts,
-    geos: list[GroupGeometry],
-    reads: list[list[Read]],
-    sources: dict[int, Source],
-    rank: int,
-    targets: list[dict[str, torch.Tensor]],
-    ledger: Ledger,
-    table: torch.Tensor,
-    only: Optional[tuple[str, ...]] = None,
-    rank_file: Optional[RankFile] = None,
-) -> float:
-    """Step 3 on one rank: copy the planned ranges of every state (of ``only``, when given) into
-    ``targets`` (per group, state -> this rank's flat partition, zeroed: padding stays zero) and enter
-    both sides in ``table``, in the rows of the files read. Returns the seconds spent on the ledger. No
-    collective: the caller all-reduces ``table``. ``rank_file``: how the rows name the files (default:
-    the sources' own paths)."""
-    accounting = 0.0
-    algorithm = facts.algorithm or integrity.ALGORITHM  # both sides of the ledger alike
-    name = rank_file or (lambda r: sources[r].path)
-    with torch.no_grad():
-        for g, geo in enumerate(geos):
-            wanted = [(state, t) for state, t in targets[g].items() if only is None or state in only]
-            for read in reads[g]:
-                src = sources[read.source_rank]
-                for state, target in wanted:
-                    stored = src.fp32[g] if state == F.FP32_STATE else src.states[g][state]
-                    landed = target.narrow(0, read.target_offset, read.length)
-                    src.read_into(stored, read.source_offset, landed)
-                    t0 = time.perf_counter()
-                    first = read.source_offset == 0  # the reader of the file's start: its real elements, once
-                    enter_old_file_copy(
-                        table,
-                        ledger.index(_row_name(name, read.source_rank, g), state),
-                        read.length,
-                        # where the bytes sit in the group's flat order: the same at the old and the new DP size
-                        checksum(landed, read.position, algorithm),
-                        geo.true_length(facts.placement.index(g, read.source_rank)) if first else None,
-                        int(src.sums[g][state][1]) if first and src.sums is not None else None,
-                        has_record=src.sums is not None,
-                    )
-                    accounting += time.perf_counter() - t0
-    return accounting
 
 
 @dataclass
@@ -286,13 +240,13 @@ def load_native_partitions(
     Returns the report (the same on every rank); enforcing it is the caller's, except for saved weights
     that are not the masters rounded (raised here when ``strict``)."""
     t_start = time.perf_counter()
-    dist = comm()
     group = surface.dp_group(optimizer)
-    facts, geos, reads, sources, rank = bound.facts, bound.geos, bound.reads, bound.sources, bound.rank
+    facts, geos, reads = bound.facts, bound.geos, bound.reads
     lp_groups = lp_groups_of(optimizer)
     base = surface.base_optimizer(optimizer)
     flats = [g["params"][0] for g in base.param_groups]
-    ledger = reshard_ledger(facts, geos, bound.rank_file)
+    files = old_files(facts, geos, bound.rank_file)
+    ledger = files.ledger()
     table = ledger.new_table(device="cpu")
     targets = []
     with torch.no_grad():  # the fp32 partitions are leaves that require grad (DeepSpeedZeroOptimizer)
@@ -300,9 +254,7 @@ def load_native_partitions(
             flat.zero_()
             targets.append({F.FP32_STATE: flat, **{state: torch.zeros_like(flat) for state in facts.states[g]}})
     try:
-        accounting = copy_partitions(
-            facts, geos, reads, sources, rank, targets, ledger, table, (F.FP32_STATE,), bound.rank_file
-        )
+        accounting = copy_reads(files, reads, bound.sources, targets, ledger, table, (F.FP32_STATE,))
         saved = saved or loaded_weights(optimizer, bound)
         tally = torch.zeros((facts.dp_from, 2), dtype=torch.int64)
         with torch.no_grad():
@@ -314,24 +266,16 @@ def load_native_partitions(
                     tally[read.source_rank, 1] += bracket_misses(targets[g][F.FP32_STATE][at], weights[at])
         _judge_weights(facts, bound.rank_file, _summed(tally, group), group, strict)
         states = tuple(s for s in sorted({s for g in facts.states for s in g}))
-        accounting += copy_partitions(
-            facts, geos, reads, sources, rank, targets, ledger, table, states, bound.rank_file
-        )
+        accounting += copy_reads(files, reads, bound.sources, targets, ledger, table, states)
     finally:
         bound.close()
     for g, (flat, lps) in enumerate(zip(flats, lp_groups)):
         buffers = {state: t for state, t in targets[g].items() if state != F.FP32_STATE}
         install_group_state(optimizer, flat, lps, buffers, facts.steps[g])
     surface.load_global_state(optimizer, facts.global_state)
-    for param_group, saved in zip(base.param_groups, facts.param_groups):
-        param_group.update(saved)
-
-    t_wait = time.perf_counter()
-    totals = table.to(device())
-    dist.all_reduce(totals, group=group)
-    totals = totals.cpu()
-    collective = time.perf_counter() - t_wait
-    problems: list[Problem] = check_ledger(ledger, totals, source=ledger_source)
+    for param_group, saved_group in zip(base.param_groups, facts.param_groups):
+        param_group.update(saved_group)
+    problems: list[Problem] = []
     for g in range(len(geos)):
         expected = expected_state_keys(base, g)
         keys = set(facts.states[g]) | ({F.STEP_STATE} if facts.steps[g] is not None else set())
@@ -340,37 +284,17 @@ def load_native_partitions(
         )
     n_params = sum(len(group_shapes) for group_shapes in facts.shapes)
     n_states = sum(len(shapes) * (1 + len(states)) for shapes, states in zip(facts.shapes, facts.states))
-    _, _, elements, names = ledger_totals(ledger, totals)
-    if any(step is not None for step in facts.steps):
-        names = (*names, F.STEP_STATE)
-    load = time.perf_counter() - t_start - accounting - collective
-    seconds = (
-        ("bind", round(bound.seconds, 4)),
-        ("load", round(load, 4)),
-        ("accounting", round(accounting, 4)),
-        ("collective", round(collective, 4)),
-    )
-    return AccountingReport(
-        n_params,
-        n_states,
-        names,
-        elements,
-        facts.dp_from,
-        bound.dp_to,
-        tuple(problems),
-        (_checked(facts),),
-        seconds=seconds,
-        route="native reshard",
-    )
-
-
-def _checked(facts: SavedFacts) -> str:
-    bound = "rank files bound to their positions and the saved weights"
-    if facts.algorithm:
-        return f"{bound}; checked against the save's partition checksums"
-    return (
-        f"{bound}; rank files without partition checksums (not saved through the hooks): copies checked for "
-        "placement, not against the save"
+    return settle(
+        files,
+        ledger,
+        table,
+        group,
+        counts=(n_params, n_states),
+        dp_to=bound.dp_to,
+        problems=problems,
+        has_step=any(step is not None for step in facts.steps),
+        checked=against_the_save(facts.algorithm, "rank files bound to their positions and the saved weights"),
+        timing=Timing(t_start, bound.seconds, accounting),
     )
 
 
@@ -415,7 +339,6 @@ def verify_loaded(optimizer: Any, bound: BoundSave, strict: bool = True, saved: 
     loaded against the weights it loaded, and, saved through the hooks, every partition against the
     checksum its file recorded. Raises the same error on every rank naming the file(s) (``strict``;
     else warns once). Returns what was checked, for the log."""
-    dist = comm()
     group = surface.dp_group(optimizer)
     facts, rank = bound.facts, bound.rank
     layout = surface.layout_of(optimizer)
@@ -444,18 +367,7 @@ def verify_loaded(optimizer: Any, bound: BoundSave, strict: bool = True, saved: 
     totals = _summed(tally, group)
     _judge_weights(facts, bound.rank_file, totals, group, strict)
     bad = [str(bound.rank_file(r)) for r, row in enumerate(totals) if row[2]]
-    if bad:
-        problems = [
-            f"{path}: a partition differs from the checksum its save recorded (changed on disk since the save)"
-            for path in bad
-        ]
-        if strict:
-            raise CheckpointFormatError(
-                binding_message(Path(facts.model_states).parent, problems, loaded=True), subject=bad[0]
-            )
-        if dist.get_rank(group=group) == 0:
-            for problem in problems:
-                log.warning("megatron-ucp (strict=False, continuing): %s", problem)
+    refuse_changed(bad, Path(facts.model_states).parent, strict, group)
     return (
         "every partition checked against the save's checksums and the saved weights"
         if facts.algorithm

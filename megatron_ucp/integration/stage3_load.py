@@ -34,11 +34,18 @@ import torch
 from megatron_ucp.deepspeed import stage3_runtime, surface
 from megatron_ucp.errors import CheckpointFormatError, PlanError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.format import integrity
 from megatron_ucp.integration.collectives import Failure, comm, decide_on_first, device
 from megatron_ucp.integration.live_partitions import live_stage3_groups
+from megatron_ucp.integration.old_file_copy import (
+    OldFiles,
+    Timing,
+    against_the_save,
+    copy_reads,
+    refuse_changed,
+    settle,
+)
 from megatron_ucp.integration.partition_load import expected_state_keys, install_stage3_state
-from megatron_ucp.integration.rank_files import RankFile, Source, binding_message
+from megatron_ucp.integration.rank_files import RankFile, Source
 from megatron_ucp.integration.stage3_files import (
     UNIT,
     Stage3Facts,
@@ -48,13 +55,8 @@ from megatron_ucp.integration.stage3_files import (
 )
 from megatron_ucp.plan.accounting import (
     AccountingReport,
-    Ledger,
     Problem,
-    check_ledger,
     check_optimizer_states,
-    checksum,
-    enter_old_file_copy,
-    ledger_totals,
 )
 from megatron_ucp.plan.param_geometry import Stage3Groups
 from megatron_ucp.plan.rank_binding import FileFacts
@@ -121,25 +123,19 @@ def bind_stage3_save(
     return Stage3Bound(facts, new, reads, sources, rank_file, rank, time.perf_counter() - t0, files)
 
 
-def _row(rank_file: RankFile, position: int, sub_group: int) -> str:
-    return f"{rank_file(position)}: {UNIT} {sub_group}"
-
-
-def ledger_of(facts: Stage3Facts, rank_file: RankFile) -> Ledger:
-    """One row per (old rank file, old sub-group, state) the file holds real elements of."""
+def old_files(facts: Stage3Facts, rank_file: RankFile) -> OldFiles:
+    """The old rank files of a ZeRO-3 save as the ledger counts them: a file's real elements of a sub-group
+    are the runs of its parameters' slices, wherever they sit in its partition."""
     old = facts.groups
-    return Ledger.from_listing(
-        {
-            _row(rank_file, r, h): (F.FP32_STATE, *facts.states[h])
-            for h in range(len(old.sub_groups))
-            for r in range(facts.dp_from)
-            if old.geometry(h).true_length(r) > 0
-        }
+    return OldFiles(
+        rank_file,
+        UNIT,
+        facts.dp_from,
+        facts.states,
+        lambda h, position: old.geometry(h).true_length(position),
+        lambda h, position: first_real_offset(old, position, h),
+        facts.algorithm,
     )
-
-
-def _source(row: str, state: str) -> str:
-    return f"{row.replace(f': {UNIT}', f', {UNIT}', 1)}'s {state!r}"
 
 
 def _targets(optimizer: Any, bound: Stage3Bound) -> list[dict[str, torch.Tensor]]:
@@ -201,41 +197,12 @@ def load_stage3_partitions(engine: Any, bound: Stage3Bound, strict: bool = True)
     facts, old = bound.facts, bound.old
     base = surface.base_optimizer(optimizer)
     masters = surface.layout_of(optimizer).masters(optimizer)
-    ledger = ledger_of(facts, bound.rank_file)
+    files = old_files(facts, bound.rank_file)
+    ledger = files.ledger()
     table = ledger.new_table(device="cpu")
-    algorithm = facts.algorithm or integrity.ALGORITHM  # both sides of the ledger alike
-    firsts = {
-        (r.source_rank, r.source_group): first_real_offset(old, r.source_rank, r.source_group)
-        for g in bound.reads
-        for r in g
-    }
-    accounting = 0.0
     try:
         targets = _targets(optimizer, bound)
-        with torch.no_grad():
-            for h, reads in enumerate(bound.reads):
-                for read in reads:
-                    src = bound.sources[read.source_rank]
-                    first = read.source_offset == firsts[(read.source_rank, read.source_group)]
-                    for state, target in targets[h].items():
-                        stored = (
-                            src.fp32[read.source_group]
-                            if state == F.FP32_STATE
-                            else src.states[read.source_group][state]
-                        )
-                        landed = target.narrow(0, read.target_offset, read.length)
-                        src.read_into(stored, read.source_offset, landed)
-                        t0 = time.perf_counter()
-                        enter_old_file_copy(
-                            table,
-                            ledger.index(_row(bound.rank_file, read.source_rank, read.source_group), state),
-                            read.length,
-                            checksum(landed, read.position, algorithm),  # at its place in its param group
-                            old.geometry(read.source_group).true_length(read.source_rank) if first else None,
-                            int(src.sums[read.source_group][state][1]) if first and src.sums is not None else None,
-                            has_record=src.sums is not None,
-                        )
-                        accounting += time.perf_counter() - t0
+        accounting = copy_reads(files, bound.reads, bound.sources, targets, ledger, table)
         for h, (master, buffers) in enumerate(zip(masters, targets)):
             install_stage3_state(
                 optimizer, master, {k: v for k, v in buffers.items() if k != F.FP32_STATE}, _step_of(bound, h)
@@ -246,50 +213,25 @@ def load_stage3_partitions(engine: Any, bound: Stage3Bound, strict: bool = True)
         stage3_runtime.stage3_weights_from_masters(optimizer)
     finally:
         bound.close()
-
-    t_wait = time.perf_counter()
-    totals = table.to(device())
-    comm().all_reduce(totals, group=group)
-    totals = totals.cpu()
-    collective = time.perf_counter() - t_wait
-    problems: list[Problem] = check_ledger(ledger, totals, source=_source)
+    problems: list[Problem] = []
     new = bound.new
     for h in range(len(new.sub_groups)):
         keys = set(targets[h]) - {F.FP32_STATE} | ({F.STEP_STATE} if _step_of(bound, h) is not None else set())
         expected = expected_state_keys(base, new.param_group_of[h])
         problems += check_optimizer_states(h, [n for n, _ in new.sub_groups[h]], expected, keys, type(base).__name__)
-    n_params = len(old.places)
     n_states = sum(len(params) * (1 + len(facts.states[h])) for h, params in enumerate(old.sub_groups))
-    _, _, elements, names = ledger_totals(ledger, totals)
-    if any(step is not None for step in facts.steps):
-        names = (*names, F.STEP_STATE)
-    load = time.perf_counter() - t_start - accounting - collective
-    return AccountingReport(
-        n_params,
-        n_states,
-        names,
-        elements,
-        facts.dp_from,
-        bound.dp_to,
-        tuple(problems),
-        (_checked(facts, old, new),),
-        seconds=(
-            ("bind", round(bound.seconds, 4)),
-            ("load", round(load, 4)),
-            ("accounting", round(accounting, 4)),
-            ("collective", round(collective, 4)),
-        ),
-        route="native reshard",
-    )
-
-
-def _checked(facts: Stage3Facts, old: Stage3Groups, new: Stage3Groups) -> str:
-    cut = f"ZeRO-3 sub-groups {len(old.sub_groups)} -> {len(new.sub_groups)}"
-    if facts.algorithm:
-        return f"{cut}; rank files bound to their positions; checked against the save's partition checksums"
-    return (
-        f"{cut}; rank files without partition checksums (not saved through the hooks): copies checked for "
-        "placement, not against the save"
+    cut = f"ZeRO-3 sub-groups {len(old.sub_groups)} -> {len(new.sub_groups)}; rank files bound to their positions"
+    return settle(
+        files,
+        ledger,
+        table,
+        group,
+        counts=(len(old.places), n_states),
+        dp_to=bound.dp_to,
+        problems=problems,
+        has_step=any(step is not None for step in facts.steps),
+        checked=against_the_save(facts.algorithm, cut),
+        timing=Timing(t_start, bound.seconds, accounting),
     )
 
 
@@ -316,16 +258,5 @@ def verify_stage3_loaded(engine: Any, bound: Stage3Bound, strict: bool = True) -
     totals = bad.to(device())
     comm().all_reduce(totals, group=group)
     culprits = [str(bound.rank_file(r)) for r, n in enumerate(totals.cpu().tolist()) if n]
-    if culprits:
-        problems = [
-            f"{path}: a partition differs from the checksum its save recorded (changed on disk since the save)"
-            for path in culprits
-        ]
-        if strict:
-            raise CheckpointFormatError(
-                binding_message(Path(facts.model_states).parent, problems, loaded=True), subject=culprits[0]
-            )
-        if comm().get_rank(group=group) == 0:
-            for problem in problems:
-                log.warning("megatron-ucp (strict=False, continuing): %s", problem)
+    refuse_changed(culprits, Path(facts.model_states).parent, strict, group)
     return "every partition checked against the save's checksums"

@@ -145,10 +145,11 @@ def _assert_model_states_opened_once(res, dp: int) -> None:
 
 def test_at_dp_768_sampled_ranks_copy_the_saved_values_and_the_ledger_closes(tmp_path: Path):
     """DP 768 geometry on a synthetic hooked save (most old ranks all padding): ranks of 384, 767, 1024
-    and 1536 planned and copied by the hook's own code (``copy_partitions``), one process playing
+    and 1536 planned and copied by the hook's own code (``copy_reads``), one process playing
     each: first, middle, last real and an all-padding rank equal the synthetic values bit for bit;
     over every rank of 384 and of 1536 the ledger (against the recorded partition checksums) closes."""
-    from megatron_ucp.integration.native_reshard import check_live_model, copy_partitions, reshard_ledger
+    from megatron_ucp.integration.native_reshard import check_live_model, old_files
+    from megatron_ucp.integration.old_file_copy import copy_reads
     from megatron_ucp.integration.rank_files import open_source, read_facts
     from megatron_ucp.plan.accounting import check_ledger
     from megatron_ucp.plan.geometry import at_dp
@@ -172,7 +173,8 @@ def test_at_dp_768_sampled_ranks_copy_the_saved_values_and_the_ledger_closes(tmp
         last_real = max(r for r in range(world) if geos_new[1].true_length(r) > 0)
         everyone = world in (384, 1536)
         ranks = range(world) if everyone else sorted({0, world // 2, last_real, world - 1})
-        ledger = reshard_ledger(facts, geos, rank_file)
+        files = old_files(facts, geos, rank_file)
+        ledger = files.ledger()
         table = ledger.new_table()
         for rank in ranks:
             reads = reshard_reads(geos, world, rank)
@@ -184,7 +186,7 @@ def test_at_dp_768_sampled_ranks_copy_the_saved_values_and_the_ledger_closes(tmp
                 {state: torch.zeros(geo.partition_size) for state in ("fp32", *facts.states[g])}
                 for g, geo in enumerate(geos_new)
             ]
-            copy_partitions(facts, geos, reads, sources, rank, targets, ledger, table)
+            copy_reads(files, reads, sources, targets, ledger, table)
             if everyone and rank not in (0, world // 2, last_real, world - 1):
                 continue
             for g, geo in enumerate(geos_new):

@@ -49,6 +49,7 @@ LEDGER_PLACES = {
     "load_stage3_partitions",
     "load_universal_partitions",
     "load_native_partitions",
+    "settle",
     "_summed",
     "count_across",
 }

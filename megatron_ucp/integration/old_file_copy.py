@@ -1,0 +1,195 @@
+"""The one copy out of old rank files into live partitions, with its ledger, for every layout.
+
+A native load at a new size (ZeRO-1/2 flat groups, expert groups, ZeRO-3 sub-groups alike) is a list of
+:class:`~megatron_ucp.plan.reshard.Read` per live group, planned by :mod:`megatron_ucp.plan.reshard`, and a
+set of old rank files bound to their positions and their save (:mod:`megatron_ucp.integration.rank_files`).
+What differs between layouts is only where a file's real elements sit in its partition, which
+:class:`OldFiles` says; the copy, the ledger rows (one per old file, group and state), the all-reduce that
+closes them, the report and the refusal of a partition changed since its save are written once here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format import integrity
+from megatron_ucp.integration.collectives import comm, device
+from megatron_ucp.integration.rank_files import RankFile, Source, binding_message
+from megatron_ucp.plan.accounting import (
+    AccountingReport,
+    Ledger,
+    Problem,
+    check_ledger,
+    checksum,
+    enter_old_file_copy,
+    ledger_totals,
+)
+from megatron_ucp.plan.reshard import Read
+
+log = logging.getLogger(__name__)
+
+Targets = list[dict[str, torch.Tensor]]
+"""Per live group: state (``fp32`` first) -> this rank's partition, zeroed (padding stays zero)."""
+
+
+@dataclass(frozen=True)
+class OldFiles:
+    """A save's old rank files as the ledger counts them: a row per (file, its group, state) holding real
+    elements. ``true_length(group, position)``: the real elements of that file's partition of the group;
+    ``first_real(group, position)``: the offset of the first (-1: none), whose reader enters the file's own
+    record of the partition, once. ``unit`` names a group in messages (``param group``, ``sub-group``)."""
+
+    rank_file: RankFile
+    unit: str
+    dp_from: int
+    states: Sequence[tuple[str, ...]]
+    true_length: Callable[[int, int], int]
+    first_real: Callable[[int, int], int]
+    algorithm: Optional[str]
+
+    def row(self, position: int, group: int) -> str:
+        return f"{self.rank_file(position)}: {self.unit} {group}"
+
+    def ledger(self) -> Ledger:
+        return Ledger.from_listing(
+            {
+                self.row(r, g): (F.FP32_STATE, *states)
+                for g, states in enumerate(self.states)
+                for r in range(self.dp_from)
+                if self.true_length(g, r) > 0
+            }
+        )
+
+    def source(self, row: str, state: str) -> str:
+        """What a ledger row stands for, in a problem's words."""
+        return f"{row.replace(f': {self.unit}', f', {self.unit}', 1)}'s {state!r}"
+
+
+def copy_reads(
+    files: OldFiles,
+    reads: Sequence[Sequence[Read]],
+    sources: dict[int, Source],
+    targets: Targets,
+    ledger: Ledger,
+    table: torch.Tensor,
+    only: Optional[tuple[str, ...]] = None,
+) -> float:
+    """Every planned read of every state (of ``only``, when given) copied into ``targets`` and entered in
+    ``table``, in the row of the file read: what landed hashed at its place in its param group; the
+    file's real count and recorded checksum by the reader of its first real element. No collective: the
+    caller all-reduces ``table``. Returns the seconds spent on the ledger."""
+    accounting = 0.0
+    algorithm = files.algorithm or integrity.ALGORITHM  # both sides of the ledger alike
+    firsts: dict[tuple[int, int], int] = {}
+    with torch.no_grad():
+        for h, group_reads in enumerate(reads):
+            wanted = [(state, t) for state, t in targets[h].items() if only is None or state in only]
+            for read in group_reads:
+                src, g = sources[read.source_rank], read.source_group
+                key = (g, read.source_rank)
+                if key not in firsts:
+                    firsts[key] = files.first_real(*key)
+                first = read.source_offset == firsts[key]
+                for state, target in wanted:
+                    stored = src.fp32[g] if state == F.FP32_STATE else src.states[g][state]
+                    landed = target.narrow(0, read.target_offset, read.length)
+                    src.read_into(stored, read.source_offset, landed)
+                    t0 = time.perf_counter()
+                    enter_old_file_copy(
+                        table,
+                        ledger.index(files.row(read.source_rank, g), state),
+                        read.length,
+                        checksum(landed, read.position, algorithm),  # the same at the old and the new size
+                        files.true_length(g, read.source_rank) if first else None,
+                        int(src.sums[g][state][1]) if first and src.sums is not None else None,
+                        has_record=src.sums is not None,
+                    )
+                    accounting += time.perf_counter() - t0
+    return accounting
+
+
+@dataclass(frozen=True)
+class Timing:
+    started: float
+    """``time.perf_counter()`` when the load began."""
+    bind: float
+    accounting: float
+
+
+def settle(
+    files: OldFiles,
+    ledger: Ledger,
+    table: torch.Tensor,
+    group: Any,
+    *,
+    counts: tuple[int, int],
+    dp_to: int,
+    problems: Sequence[Problem],
+    has_step: bool,
+    checked: str,
+    timing: Timing,
+) -> AccountingReport:
+    """The ledger all-reduced over the DP group and closed: the report of the load, the same on every rank
+    (``counts``: parameters and (parameter, tensor state) pairs saved; ``problems``: those found before,
+    such as missing optimizer states). Enforcing it is the caller's."""
+    t_wait = time.perf_counter()
+    totals = table.to(device())
+    comm().all_reduce(totals, group=group)
+    totals = totals.cpu()
+    collective = time.perf_counter() - t_wait
+    found = check_ledger(ledger, totals, source=files.source) + list(problems)
+    _, _, elements, names = ledger_totals(ledger, totals)
+    if has_step:
+        names = (*names, F.STEP_STATE)
+    load = time.perf_counter() - timing.started - timing.accounting - collective
+    return AccountingReport(
+        counts[0],
+        counts[1],
+        names,
+        elements,
+        files.dp_from,
+        dp_to,
+        tuple(found),
+        (checked,),
+        seconds=(
+            ("bind", round(timing.bind, 4)),
+            ("load", round(load, 4)),
+            ("accounting", round(timing.accounting, 4)),
+            ("collective", round(collective, 4)),
+        ),
+        route="native reshard",
+    )
+
+
+def against_the_save(facts_algorithm: Optional[str], what: str) -> str:
+    """The report's line on what the copies were checked against."""
+    if facts_algorithm:
+        return f"{what}; checked against the save's partition checksums"
+    return (
+        f"{what}; rank files without partition checksums (not saved through the hooks): copies checked for "
+        "placement, not against the save"
+    )
+
+
+def refuse_changed(culprits: Sequence[str], folder: Path, strict: bool, group: Any) -> None:
+    """Partitions that DeepSpeed loaded and that differ from the checksum their file recorded: the same error
+    on every rank naming the files (``strict``), else one warning each."""
+    if not culprits:
+        return
+    problems = [
+        f"{path}: a partition differs from the checksum its save recorded (changed on disk since the save)"
+        for path in culprits
+    ]
+    if strict:
+        raise CheckpointFormatError(binding_message(folder, problems, loaded=True), subject=culprits[0])
+    if comm().get_rank(group=group) == 0:
+        for problem in problems:
+            log.warning("megatron-ucp (strict=False, continuing): %s", problem)
