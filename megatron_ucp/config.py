@@ -36,9 +36,12 @@ class UcpConfig:
 
     # --- load time (issue: elastic resume) -----------------------------------------------------
     elastic_resume: bool = True
-    """On a DP change, load the universal twin of the requested tag (converting it if needed)."""
+    """On a restart at another layout, load instead of failing: a DP change by the :attr:`resume_route`, a TP,
+    PP, EP or ZeRO-stage change through the universal twin (converted first when missing)."""
     strict: bool = True
-    """Every tensor of a universal checkpoint must be consumed; False downgrades misses to warnings."""
+    """A load that leaves a tensor or an optimizer state unaccounted for, or whose loaded partitions differ from
+    what the save recorded, stops the job; False downgrades these to warnings (files that do not belong
+    together are refused either way)."""
     resume_route: str = "auto"
     """How a DP change is loaded (:data:`RESUME_ROUTES`): ``auto``/``reshard``
     copy each rank's partitions straight from the native files (a TP/PP change still goes through the
@@ -154,7 +157,9 @@ _HELP = {
     "elastic_resume": "on a restart at another layout, load the checkpoint instead of failing: a DP change reshards "
     "straight from the native rank files (see --ucp-resume-route), a TP, PP, EP or ZeRO-stage change loads the "
     "universal twin <tag>_universal (converting it first if missing)",
-    "strict": "fail a universal load that leaves any checkpoint tensor or optimizer state unaccounted for",
+    "strict": "stop a load (native or universal) that leaves any checkpoint tensor or optimizer state unaccounted "
+    "for, or whose loaded partitions differ from what the save recorded; --ucp-no-strict warns and continues "
+    "(files that do not belong together are refused either way)",
     "resume_route": "how a DP change loads: auto/reshard (straight from the native rank files; TP/PP changes go "
     "through the universal folder) or universal (always the universal twin, converted on demand)",
     "module_read": "how a restart reads the module: distributed (weights rebuilt from the masters each rank "
@@ -165,7 +170,7 @@ _HELP = {
     "converter_workers": "worker processes per converter (one converter per node)",
     "converter_threads": "OpenMP/torch threads of each converter process (torch is only used for rare fallbacks)",
     "converter_exit_wait": "seconds a node waits at exit for its background converter to finish (0: do not wait)",
-    "ranks_per_node": "processes per node, to run one converter per node (default: LOCAL_WORLD_SIZE)",
+    "ranks_per_node": "processes per node, to run one converter per node ('auto': LOCAL_WORLD_SIZE)",
     "allow_untested_deepspeed": "install the hooks on a DeepSpeed version they were not written for",
     "keep_global_batch": "on a DP change, keep the checkpoint's global batch unless --global-batch-size is given",
     "reseed": "on a DP change, add --no-load-rng and re-seed each rank from (--seed, iteration, rank) after the load",

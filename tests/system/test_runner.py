@@ -89,6 +89,31 @@ def test_every_config_field_has_an_option_and_a_variable():
     assert {"keep_global_batch", "reseed", "dry_run"} <= {s.name for s in specs.values() if s.runner}
 
 
+def test_every_option_help_is_written_once_and_names_what_the_code_accepts():
+    """Each option's help is one entry of config._HELP (no fallback text), shown by ``run --help`` beside the
+    default the code has; an option of fixed values names every value the config accepts (and the config
+    refuses any other), and an optional number names the word the parser takes for none."""
+    specs = C.option_specs()
+    assert {s.name for s in specs} == set(C._HELP), "an option without its help, or help for no option"
+    for name, values in (("resume_route", C.RESUME_ROUTES), ("module_read", C.MODULE_READS)):
+        words = set(re.findall(r"[a-z]+", C._HELP[name]))
+        assert set(values) <= words, (name, values)
+        for value in values:
+            assert getattr(UcpConfig(**{name: value}), name) == value
+        with pytest.raises(UcpError, match=name):
+            UcpConfig(**{name: "elsewhere"})
+    for name, word in C.NONE_WORD.items():
+        assert f"'{word}'" in C._HELP[name], (name, word)
+        assert C.parse_value(next(s for s in specs if s.name == name), word, name) is None
+    shown = " ".join(R.usage().split())
+    defaults = {**dataclasses.asdict(UcpConfig()), **dataclasses.asdict(C.RunnerSettings())}
+    for spec in specs:
+        help_text = " ".join(C._HELP[spec.name].split())
+        assert f"{help_text} ({spec.env}; default " in shown, spec.option
+        if spec.kind in ("int", "str"):
+            assert f"({spec.env}; default {defaults[spec.name]})" in shown, spec.option
+
+
 # ================================================================================================
 # settings: options > environment > defaults
 # ================================================================================================

@@ -82,3 +82,33 @@ def test_the_scan_finds_the_commands_and_fills_synopses():
     ]
     with pytest.raises(SystemExit):
         build_parser().parse_args(_as_argv("megatron-ucp status ROOT --no-such-flag"))
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_local_link_and_section_named_exists():
+    """A relative link's file (and its #section), and every section of the README the docs name in quotes, exist."""
+    headings = {
+        doc: {m.group(1).strip() for m in re.finditer(r"^#+ (.+)$", doc.read_text(), re.M)} for doc in DOCUMENTS
+    }
+    broken = []
+    for doc in DOCUMENTS:
+        text = doc.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+:", target):
+                continue  # a web address
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                broken.append(f"{doc.name}: link to {target}: no such file")
+            elif anchor and file.suffix == ".md":
+                known = {_anchor(h) for h in re.findall(r"^#+ (.+)$", file.read_text(), re.M)}
+                if anchor not in known:
+                    broken.append(f"{doc.name}: link to {target}: no such section")
+        for section in re.findall(r"the README's \"([^\"]+)\"", text):
+            if section not in headings[REPO / "README.md"]:
+                broken.append(f'{doc.name}: names the README\'s "{section}", which has no such section')
+    assert not broken, "\n".join(broken)
