@@ -103,8 +103,8 @@ def exact_against_source(args, copied) -> bool:
 
 
 def native(args) -> int:
-    from megatron_ucp.integration.native_reshard import check_live_model, old_files
-    from megatron_ucp.integration.old_file_copy import copy_reads
+    from megatron_ucp.integration.native_reshard import check_live_model
+    from megatron_ucp.integration.old_file_copy import OldFiles, copy_reads
     from megatron_ucp.integration.rank_files import open_source, read_facts
     from megatron_ucp.plan.reshard import reshard_reads, source_ranks
 
@@ -139,7 +139,7 @@ def native(args) -> int:
     targets = [
         {state: torch.zeros(geo.partition_size) for state in ("fp32", *facts.states[g])} for g, geo in enumerate(new)
     ]
-    files = old_files(facts, geos, rank_file)
+    files = OldFiles.of(facts, rank_file)
     ledger = files.ledger()
     copy_reads(files, reads, sources, targets, ledger, ledger.new_table())
     t_load = time.perf_counter() - t2

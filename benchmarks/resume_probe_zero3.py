@@ -31,7 +31,6 @@ from resume_probe import peak_rss, read_bytes  # noqa: E402
 from megatron_ucp.deepspeed.reader import load_torch_file  # noqa: E402
 from megatron_ucp.format import dsformat as F  # noqa: E402
 from megatron_ucp.integration.state_layout import gather, state_layout, tensor_of  # noqa: E402
-from megatron_ucp.plan.accounting import checksum  # noqa: E402
 from megatron_ucp.plan.llama_shapes import preset  # noqa: E402
 from megatron_ucp.plan.tensor_parallel import TpLayout, runs_between, slice_runs  # noqa: E402
 from megatron_ucp.synthetic.content import SyntheticSpec  # noqa: E402
@@ -57,9 +56,10 @@ def _exact(spec: SyntheticSpec, new, rank: int, targets: list[dict]) -> bool:
 
 
 def native(args) -> dict:
+    from megatron_ucp.integration.old_file_copy import OldFiles, copy_reads
     from megatron_ucp.integration.rank_files import inspect_file
     from megatron_ucp.integration.stage3_files import expectation, flat_view, read_stage3_facts
-    from megatron_ucp.plan.reshard import first_real_offset, per_parameter_reads, source_ranks
+    from megatron_ucp.plan.reshard import per_parameter_reads, source_ranks
 
     tag = args.folder
 
@@ -81,17 +81,9 @@ def native(args) -> dict:
             raise RuntimeError(seen.problems[0])
         sources[r] = source
     targets = [{s: torch.zeros(new.geometry(h).partition_size) for s in STATES} for h in range(len(new.sub_groups))]
-    firsts = {(r.source_rank, r.source_group) for g in reads for r in g}
-    firsts = {key: first_real_offset(facts.groups, *key) for key in firsts}
-    hashed = 0
-    for h, group_reads in enumerate(reads):
-        for read in group_reads:
-            src = sources[read.source_rank]
-            for state, target in targets[h].items():
-                stored = src.fp32[read.source_group] if state == "fp32" else src.states[read.source_group][state]
-                landed = target.narrow(0, read.target_offset, read.length)
-                src.read_into(stored, read.source_offset, landed)
-                hashed ^= checksum(landed, read.position)  # the ledger's hash of what landed
+    files = OldFiles.of(facts, rank_file)
+    ledger = files.ledger()
+    copy_reads(files, reads, sources, targets, ledger, ledger.new_table())  # the hook's copy, with its ledger
     t_load = time.perf_counter() - t2
     io = read_bytes() - io0
     asked = sum(s.reader.bytes_read for s in sources.values() if s.reader is not None)

@@ -46,6 +46,7 @@ from megatron_ucp.integration.old_file_copy import (
     OldFiles,
     Timing,
     against_the_save,
+    changed_states,
     copy_reads,
     refuse_changed,
     settle,
@@ -57,16 +58,15 @@ from megatron_ucp.integration.rank_files import (
     Source,
     bind_rank_files,
     binding_message,
-    checked_positions,
     read_facts,
 )
 from megatron_ucp.plan.accounting import (
     AccountingReport,
     Problem,
     check_optimizer_states,
-    checksum,
 )
 from megatron_ucp.plan.geometry import GroupGeometry
+from megatron_ucp.plan.partitioned import checked_positions
 from megatron_ucp.plan.rank_binding import FileFacts, WeightTally, blame_weights, bracket_misses
 from megatron_ucp.plan.reshard import Read, reshard_reads
 
@@ -113,24 +113,6 @@ def check_live_model(
                 subject=where,
             )
     return geos
-
-
-def old_files(facts: SavedFacts, geos: list[GroupGeometry], rank_file: RankFile) -> OldFiles:
-    """The old rank files of a flat save as the ledger counts them: a file's real elements of a group start
-    its partition (the padding is at the group's end)."""
-
-    def true_length(g: int, position: int) -> int:
-        return geos[g].true_length(facts.placement.index(g, position))
-
-    return OldFiles(
-        rank_file,
-        "param group",
-        facts.dp_from,
-        facts.states,
-        true_length,
-        lambda g, position: 0 if true_length(g, position) > 0 else -1,
-        facts.algorithm,
-    )
 
 
 @dataclass
@@ -193,7 +175,7 @@ def bind_save(
             return None  # the same answer on every rank: the facts and the live model are the same everywhere
         raise
     reads = reshard_reads(geos, dp_to, rank, facts.placement)
-    positions = checked_positions(geos, facts.dp_from, dp_to, rank, reads, facts.placement)
+    positions = checked_positions(facts.layout(), dp_to, rank, reads)
     sources, files = bind_rank_files(facts, geos, reads, positions, rank_file, group)
     return BoundSave(facts, geos, reads, sources, rank_file, dp_to, rank, time.perf_counter() - t0, files)
 
@@ -245,7 +227,7 @@ def load_native_partitions(
     lp_groups = lp_groups_of(optimizer)
     base = surface.base_optimizer(optimizer)
     flats = [g["params"][0] for g in base.param_groups]
-    files = old_files(facts, geos, bound.rank_file)
+    files = OldFiles.of(facts, bound.rank_file)
     ledger = files.ledger()
     table = ledger.new_table(device="cpu")
     targets = []
@@ -341,8 +323,8 @@ def verify_loaded(optimizer: Any, bound: BoundSave, strict: bool = True, saved: 
     else warns once). Returns what was checked, for the log."""
     group = surface.dp_group(optimizer)
     facts, rank = bound.facts, bound.rank
-    layout = surface.layout_of(optimizer)
-    masters = layout.masters(optimizer)
+    masters = surface.layout_of(optimizer).masters(optimizer)
+    layout = facts.layout()
     saved = saved or loaded_weights(optimizer, bound)
     base = surface.base_optimizer(optimizer)
     tally = torch.zeros((facts.dp_from, 3), dtype=torch.int64)
@@ -357,12 +339,15 @@ def verify_loaded(optimizer: Any, bound: BoundSave, strict: bool = True, saved: 
                 tally[rank, 1] += bracket_misses(masters[g][:real], weights)
             if mine is None or mine.sums is None:
                 continue
-            start = at[g] * geo.partition_size
             state = base.state.get(base.param_groups[g]["params"][0], {})
-            for name, (count, recorded) in mine.sums[g].items():
-                live = masters[g] if name == F.FP32_STATE else state.get(name)
-                if live is None or checksum(live.reshape(-1)[:count], start, facts.algorithm) != recorded:
-                    tally[rank, 2] += 1
+            tally[rank, 2] += changed_states(
+                layout,
+                rank,
+                g,
+                mine.sums[g],
+                lambda name, g=g, state=state: masters[g] if name == F.FP32_STATE else state.get(name),
+                facts.algorithm,
+            )
     bound.close()
     totals = _summed(tally, group)
     _judge_weights(facts, bound.rank_file, totals, group, strict)

@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -32,7 +32,9 @@ from megatron_ucp.plan.accounting import (
     enter_old_file_copy,
     ledger_totals,
 )
+from megatron_ucp.plan.partitioned import Partitioned, first_real, real_length
 from megatron_ucp.plan.reshard import Read
+from megatron_ucp.plan.save_record import runs_checksum
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +45,32 @@ Targets = list[dict[str, torch.Tensor]]
 @dataclass(frozen=True)
 class OldFiles:
     """A save's old rank files as the ledger counts them: a row per (file, its group, state) holding real
-    elements. ``true_length(group, position)``: the real elements of that file's partition of the group;
-    ``first_real(group, position)``: the offset of the first (-1: none), whose reader enters the file's own
-    record of the partition, once. ``unit`` names a group in messages (``param group``, ``sub-group``)."""
+    elements; ``layout`` says where each file's real elements sit (any layout,
+    :class:`~megatron_ucp.plan.partitioned.Partitioned`)."""
 
     rank_file: RankFile
-    unit: str
-    dp_from: int
+    layout: Partitioned
     states: Sequence[tuple[str, ...]]
-    true_length: Callable[[int, int], int]
-    first_real: Callable[[int, int], int]
     algorithm: Optional[str]
+
+    @property
+    def unit(self) -> str:
+        return self.layout.unit
+
+    @property
+    def dp_from(self) -> int:
+        return self.layout.dp
+
+    def true_length(self, group: int, position: int) -> int:
+        return real_length(self.layout, position, group)
+
+    def first_real(self, group: int, position: int) -> int:
+        return first_real(self.layout, position, group)
+
+    @classmethod
+    def of(cls, facts: Any, rank_file: RankFile) -> "OldFiles":
+        """A save's files from its facts (ZeRO-1/2's or ZeRO-3's: each says its layout, states, algorithm)."""
+        return cls(rank_file, facts.layout(), facts.states, facts.algorithm)
 
     def row(self, position: int, group: int) -> str:
         return f"{self.rank_file(position)}: {self.unit} {group}"
@@ -177,6 +194,25 @@ def against_the_save(facts_algorithm: Optional[str], what: str) -> str:
         f"{what}; rank files without partition checksums (not saved through the hooks): copies checked for "
         "placement, not against the save"
     )
+
+
+def changed_states(
+    layout: Partitioned,
+    position: int,
+    group: int,
+    recorded: Mapping[str, Sequence[int]],
+    live: Callable[[str], Optional[torch.Tensor]],
+    algorithm: str,
+) -> int:
+    """How many of the states a rank file recorded for its partition of ``group`` differ from the live ones
+    (``live(state)``: this rank's partition of it, None when the optimizer has no such state), each hashed
+    over the partition's real runs at their positions, as the save hashed them."""
+    runs = layout.runs(position, group)
+    changed = 0
+    for state, (_, expected) in recorded.items():
+        tensor = live(state)
+        changed += int(tensor is None or runs_checksum(tensor.detach(), runs, algorithm) != expected)
+    return changed
 
 
 def refuse_changed(culprits: Sequence[str], folder: Path, strict: bool, group: Any) -> None:

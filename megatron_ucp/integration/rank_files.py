@@ -37,6 +37,7 @@ from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.integration.collectives import comm
 from megatron_ucp.plan.experts import expert_facts, recorded_experts
 from megatron_ucp.plan.geometry import GroupGeometry
+from megatron_ucp.plan.partitioned import FlatGroups
 from megatron_ucp.plan.rank_binding import (
     FileExpectation,
     FileFacts,
@@ -78,6 +79,10 @@ class SavedFacts:
     model_states: str = ""
     placement: Placement = DENSE
     """Which files hold which group's partitions (a mixture-of-experts save's expert groups: expert-DP)."""
+
+    def layout(self) -> FlatGroups:
+        """Where each rank file's real elements sit (:class:`~megatron_ucp.plan.partitioned.Partitioned`)."""
+        return FlatGroups(self.geometries(), self.dp_from, self.placement)
 
     def geometries(self) -> list[GroupGeometry]:
         """Each group's geometry at the save, over its own number of partitions."""
@@ -470,22 +475,3 @@ def binding_message(folder: Path, problems: Sequence[str], loaded: bool = False)
 
 def _culprit(problem: str) -> str:
     return problem.split(": ", 1)[0]
-
-
-def checked_positions(
-    geos: Sequence[GroupGeometry],
-    dp_from: int,
-    dp_to: int,
-    rank: int,
-    reads: Sequence[Sequence[Read]],
-    placement: Placement = DENSE,
-) -> list[int]:
-    """The old files this rank opens: those it reads, and those holding only padding whose position
-    falls to it (``position % dp_to``), so that every file of the save is checked by some rank."""
-    read = {r.source_rank for g in reads for r in g}
-    idle = [
-        r
-        for r in range(dp_from)
-        if all(geo.true_length(placement.index(g, r)) == 0 for g, geo in enumerate(geos)) and r % dp_to == rank
-    ]
-    return sorted(read | set(idle))

@@ -45,7 +45,7 @@ from megatron_ucp.plan.param_geometry import Stage3Groups
 from megatron_ucp.plan.rank_binding import FileExpectation, FileFacts
 from megatron_ucp.plan.reshard import Read
 
-UNIT = "sub-group"
+UNIT = Stage3Groups.unit
 
 _PER_RANK = (F.FP32_FLAT_GROUPS, F.OPTIMIZER_STATE_DICT, F.UCP_SAVE_RECORD)
 """The per-rank parts of a ZeRO-3 optimizer dict; the rest (loss scaler, overflow, zero_stage) is global."""
@@ -72,6 +72,10 @@ class Stage3Facts:
     unit: str = UNIT
     frozen: tuple[str, ...] = ()
     """Frozen parameters: their slices live in every rank's model states (``frozen_param_fragments``)."""
+
+    def layout(self) -> Stage3Groups:
+        """Where each rank file's real elements sit (:class:`~megatron_ucp.plan.partitioned.Partitioned`)."""
+        return self.groups
 
 
 def stage3_optimizer_state(path: Path) -> dict:
@@ -169,14 +173,6 @@ def expectation(facts: Stage3Facts, position: int) -> FileExpectation:
         save_id=facts.save_id,
         unit=UNIT,
     )
-
-
-def checked_positions(facts: Stage3Facts, dp_to: int, rank: int, reads: Sequence[Sequence[Read]]) -> list[int]:
-    """The old files this rank opens: those it reads, and those holding only padding whose position falls
-    to it (``position % dp_to``), so that every file of the save is checked by some rank."""
-    read = {r.source_rank for g in reads for r in g}
-    idle = [r for r in facts.groups.padding_only_ranks() if r % dp_to == rank]
-    return sorted(read | set(idle))
 
 
 def bind_stage3_files(

@@ -40,6 +40,7 @@ from megatron_ucp.integration.old_file_copy import (
     OldFiles,
     Timing,
     against_the_save,
+    changed_states,
     copy_reads,
     refuse_changed,
     settle,
@@ -47,10 +48,8 @@ from megatron_ucp.integration.old_file_copy import (
 from megatron_ucp.integration.partition_load import expected_state_keys, install_stage3_state
 from megatron_ucp.integration.rank_files import RankFile, Source
 from megatron_ucp.integration.stage3_files import (
-    UNIT,
     Stage3Facts,
     bind_stage3_files,
-    checked_positions,
     read_stage3_facts,
 )
 from megatron_ucp.plan.accounting import (
@@ -59,9 +58,9 @@ from megatron_ucp.plan.accounting import (
     check_optimizer_states,
 )
 from megatron_ucp.plan.param_geometry import Stage3Groups
+from megatron_ucp.plan.partitioned import checked_positions
 from megatron_ucp.plan.rank_binding import FileFacts
-from megatron_ucp.plan.reshard import Read, first_real_offset, per_parameter_reads
-from megatron_ucp.plan.save_record import stage3_run_checksum
+from megatron_ucp.plan.reshard import Read, per_parameter_reads
 
 log = logging.getLogger(__name__)
 
@@ -118,24 +117,9 @@ def bind_stage3_save(
         reads = per_parameter_reads(facts.groups, new, rank)
     except PlanError as exc:  # the same facts and model on every rank: the same error everywhere
         raise UcpError(f"{model_states.parent}: {exc}", subject=model_states.parent) from exc
-    positions = checked_positions(facts, new.dp, rank, reads)
+    positions = checked_positions(facts.groups, new.dp, rank, reads)
     sources, files = bind_stage3_files(facts, reads, positions, rank_file, group)
     return Stage3Bound(facts, new, reads, sources, rank_file, rank, time.perf_counter() - t0, files)
-
-
-def old_files(facts: Stage3Facts, rank_file: RankFile) -> OldFiles:
-    """The old rank files of a ZeRO-3 save as the ledger counts them: a file's real elements of a sub-group
-    are the runs of its parameters' slices, wherever they sit in its partition."""
-    old = facts.groups
-    return OldFiles(
-        rank_file,
-        UNIT,
-        facts.dp_from,
-        facts.states,
-        lambda h, position: old.geometry(h).true_length(position),
-        lambda h, position: first_real_offset(old, position, h),
-        facts.algorithm,
-    )
 
 
 def _targets(optimizer: Any, bound: Stage3Bound) -> list[dict[str, torch.Tensor]]:
@@ -197,7 +181,7 @@ def load_stage3_partitions(engine: Any, bound: Stage3Bound, strict: bool = True)
     facts, old = bound.facts, bound.old
     base = surface.base_optimizer(optimizer)
     masters = surface.layout_of(optimizer).masters(optimizer)
-    files = old_files(facts, bound.rank_file)
+    files = OldFiles.of(facts, bound.rank_file)
     ledger = files.ledger()
     table = ledger.new_table(device="cpu")
     try:
@@ -249,12 +233,15 @@ def verify_stage3_loaded(engine: Any, bound: Stage3Bound, strict: bool = True) -
     base = surface.base_optimizer(optimizer)
     bad = torch.zeros(facts.dp_from, dtype=torch.int64)
     for h, master in enumerate(surface.layout_of(optimizer).masters(optimizer)):
-        runs = bound.old.runs(rank, h)
         state = base.state.get(master, {})
-        for name, (_, recorded) in mine.sums[h].items():
-            live = master if name == F.FP32_STATE else state.get(name)
-            if live is None or stage3_run_checksum(live.detach(), runs, facts.algorithm) != recorded:
-                bad[rank] += 1
+        bad[rank] += changed_states(
+            bound.old,
+            rank,
+            h,
+            mine.sums[h],
+            lambda name, master=master, state=state: master if name == F.FP32_STATE else state.get(name),
+            facts.algorithm,
+        )
     totals = bad.to(device())
     comm().all_reduce(totals, group=group)
     culprits = [str(bound.rank_file(r)) for r, n in enumerate(totals.cpu().tolist()) if n]

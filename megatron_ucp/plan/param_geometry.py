@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 from megatron_ucp.errors import UcpError
 
@@ -241,6 +241,8 @@ class Stage3Groups:
     sub_groups: tuple[tuple[tuple[str, int], ...], ...]
     param_group_of: tuple[int, ...]
     dp: int
+    unit: ClassVar[str] = "sub-group"
+    """What a group of this layout is called in messages (:class:`~megatron_ucp.plan.partitioned.Partitioned`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(

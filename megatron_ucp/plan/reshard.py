@@ -177,10 +177,3 @@ def per_parameter_reads(old: Stage3Groups, new: Stage3Groups, rank: int) -> list
 def source_ranks(reads: Sequence[Sequence[Read]]) -> list[int]:
     """The old rank files a new rank opens (sorted, each once)."""
     return sorted({read.source_rank for group in reads for read in group})
-
-
-def first_real_offset(old: Stage3Groups, rank: int, sub_group: int) -> int:
-    """Where the first real element of old ``rank``'s partition of ``sub_group`` sits (-1: none): the
-    reader of that element enters the file's own record of the partition in the ledger, once."""
-    runs = old.runs(rank, sub_group)
-    return runs[0].offset if runs else -1

@@ -110,9 +110,9 @@ def stage3_partition_record(groups: Stage3Groups, rank: int) -> dict[str, Any]:
     }
 
 
-def stage3_run_checksum(tensor: Any, runs: Sequence[Run], algorithm: str = integrity.ALGORITHM) -> int:
-    """One partition's real runs (``runs`` of :meth:`Stage3Groups.runs`), each hashed at its position in
-    its param group, combined: what the save records and what a load recomputes from what landed."""
+def runs_checksum(tensor: Any, runs: Sequence[Run], algorithm: str = integrity.ALGORITHM) -> int:
+    """One partition's real runs (:meth:`~megatron_ucp.plan.partitioned.Partitioned.runs`, any layout), each
+    hashed at its position in its param group, combined: what the save records and what a load recomputes."""
     flat = tensor.reshape(-1)
     return integrity.combine(checksum(flat[r.offset : r.offset + r.length], r.position, algorithm) for r in runs)
 
@@ -121,7 +121,7 @@ def stage3_partition_checksums(
     fp32: Sequence[Any], states: Sequence[dict[str, Any]], groups: Stage3Groups, rank: int
 ) -> dict[str, Any]:
     """:data:`~megatron_ucp.format.dsformat.ZERO_PARTITION_CHECKSUMS` of one ZeRO-3 rank: per sub-group, the
-    fp32 partition and each tensor state of partition size, over the real runs (:func:`stage3_run_checksum`)."""
+    fp32 partition and each tensor state of partition size, over the real runs (:func:`runs_checksum`)."""
     out = []
     for h, (master, state) in enumerate(zip(fp32, states)):
         size, runs = groups.geometry(h).partition_size, groups.runs(rank, h)
@@ -134,5 +134,5 @@ def stage3_partition_checksums(
                 if hasattr(v, "numel") and k != F.STEP_STATE and v.numel() == size
             },
         }
-        out.append({k: [real, stage3_run_checksum(t, runs)] for k, t in tensors.items()})
+        out.append({k: [real, runs_checksum(t, runs)] for k, t in tensors.items()})
     return {F.ZERO_PARTITION_CHECKSUMS: {"algorithm": integrity.ALGORITHM, "groups": out}}

@@ -148,8 +148,8 @@ def test_at_dp_768_sampled_ranks_copy_the_saved_values_and_the_ledger_closes(tmp
     and 1536 planned and copied by the hook's own code (``copy_reads``), one process playing
     each: first, middle, last real and an all-padding rank equal the synthetic values bit for bit;
     over every rank of 384 and of 1536 the ledger (against the recorded partition checksums) closes."""
-    from megatron_ucp.integration.native_reshard import check_live_model, old_files
-    from megatron_ucp.integration.old_file_copy import copy_reads
+    from megatron_ucp.integration.native_reshard import check_live_model
+    from megatron_ucp.integration.old_file_copy import OldFiles, copy_reads
     from megatron_ucp.integration.rank_files import open_source, read_facts
     from megatron_ucp.plan.accounting import check_ledger
     from megatron_ucp.plan.geometry import at_dp
@@ -173,7 +173,7 @@ def test_at_dp_768_sampled_ranks_copy_the_saved_values_and_the_ledger_closes(tmp
         last_real = max(r for r in range(world) if geos_new[1].true_length(r) > 0)
         everyone = world in (384, 1536)
         ranks = range(world) if everyone else sorted({0, world // 2, last_real, world - 1})
-        files = old_files(facts, geos, rank_file)
+        files = OldFiles.of(facts, rank_file)
         ledger = files.ledger()
         table = ledger.new_table()
         for rank in ranks:

@@ -21,8 +21,9 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
 from megatron_ucp.plan.accounting import checksum
 from megatron_ucp.plan.param_geometry import Stage3Groups
-from megatron_ucp.plan.reshard import first_real_offset, per_parameter_reads, same_parameters, source_ranks
-from megatron_ucp.plan.save_record import stage3_partition_checksums, stage3_partition_record, stage3_run_checksum
+from megatron_ucp.plan.partitioned import first_real
+from megatron_ucp.plan.reshard import per_parameter_reads, same_parameters, source_ranks
+from megatron_ucp.plan.save_record import runs_checksum, stage3_partition_checksums, stage3_partition_record
 from tests.support.aurora_shapes import aurora_7b_param_groups
 
 
@@ -112,7 +113,7 @@ def test_every_real_old_element_is_read_once_and_the_ledger_rows_close(numels, d
                 piece = old_parts[read.source_rank][read.source_group][read.source_offset :][: read.length]
                 seen.setdefault(row, []).append(checksum(torch.from_numpy(piece.copy()), read.position))
                 counts[row] = counts.get(row, 0) + read.length
-                if read.source_offset == first_real_offset(old, read.source_rank, read.source_group):
+                if read.source_offset == first_real(old, read.source_rank, read.source_group):
                     firsts[row] = firsts.get(row, 0) + 1
     for r in range(dp_from):
         for h in range(len(old.sub_groups)):
@@ -120,7 +121,7 @@ def test_every_real_old_element_is_read_once_and_the_ledger_rows_close(numels, d
             real = sum(run.length for run in runs)
             assert counts.get((r, h), 0) == real
             if real:
-                recorded = stage3_run_checksum(torch.from_numpy(old_parts[r][h]), runs)
+                recorded = runs_checksum(torch.from_numpy(old_parts[r][h]), runs)
                 assert integrity.combine(seen[(r, h)]) == recorded, (r, h)
                 assert firsts[(r, h)] == 1
 

@@ -1,0 +1,76 @@
+"""The layout value: every layout answers where each rank file's real elements sit, and the answers agree with
+the geometry they come from, with what the save hook hashes, and cover every file of a save."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_ucp.plan.accounting import checksum
+from megatron_ucp.plan.geometry import GroupGeometry
+from megatron_ucp.plan.param_geometry import Stage3Groups
+from megatron_ucp.plan.partitioned import FlatGroups, checked_positions, first_real, real_length
+from megatron_ucp.plan.reshard import Placement, per_parameter_reads, reshard_reads
+from megatron_ucp.plan.save_record import runs_checksum
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    numels=st.lists(st.integers(1, 400), min_size=1, max_size=3),
+    dp=st.integers(1, 40),
+)
+def test_flat_groups_runs_tile_each_group_once(numels, dp):
+    geos = [GroupGeometry(numel=n, dp=dp) for n in numels]
+    layout = FlatGroups(geos, dp)
+    for g, geo in enumerate(geos):
+        runs = [run for r in range(dp) for run in layout.runs(r, g)]
+        assert [(run.position, run.length) for run in runs] == [
+            (r * geo.partition_size, geo.true_length(r)) for r in range(dp) if geo.true_length(r)
+        ]
+        assert sum(real_length(layout, r, g) for r in range(dp)) == geo.numel
+        assert all(first_real(layout, r, g) == (0 if geo.true_length(r) else -1) for r in range(dp))
+    assert layout.padding_only_ranks() == [r for r in range(dp) if all(geo.true_length(r) == 0 for geo in geos)]
+
+
+def test_an_expert_group_counts_its_own_partitions():
+    """EP 2 over DP 4: the expert group is cut over expert-DP 2, and file r holds partition r // 2 of its EP
+    rank's buffer."""
+    dense, expert = GroupGeometry(numel=10, dp=4), GroupGeometry(numel=6, dp=2)
+    layout = FlatGroups([dense, expert], 4, Placement.of(2, [1]))
+    assert expert.partition_size == 4  # 6 elements aligned to 2 x expert-DP, over 2 partitions
+    assert [layout.runs(r, 1)[0].position for r in range(4)] == [0, 0, 4, 4]
+    assert [real_length(layout, r, 1) for r in range(4)] == [4, 4, 2, 2]
+    assert [real_length(layout, r, 0) for r in range(4)] == [dense.true_length(r) for r in range(4)]
+
+
+def test_the_flat_runs_hash_as_the_save_hook_does():
+    """What the hook records for a flat partition (its real elements at ``dp_rank * partition_size``) is the
+    runs' checksum: the restart's check and the save's record meet."""
+    geo = GroupGeometry(numel=37, dp=4)
+    layout = FlatGroups([geo], 4)
+    whole = torch.arange(geo.padded_numel, dtype=torch.float32)
+    for r in range(4):
+        part = whole[r * geo.partition_size : (r + 1) * geo.partition_size]
+        recorded = checksum(part[: geo.true_length(r)], r * geo.partition_size)
+        assert runs_checksum(part, layout.runs(r, 0)) == recorded
+        assert runs_checksum(part + 1, layout.runs(r, 0)) != recorded or geo.true_length(r) == 0
+
+
+@pytest.mark.parametrize("dp_from,dp_to", [(4, 3), (3, 8), (96, 64), (8, 768)])
+def test_every_old_file_is_checked_by_some_new_rank(dp_from, dp_to):
+    """Flat and per-parameter alike: the files the new ranks open (read, or padding only and theirs by
+    position) are every file of the save, each read one at least once where it holds real elements."""
+    flat = [GroupGeometry(numel=700, dp=dp_from), GroupGeometry(numel=5, dp=dp_from)]
+    stage3 = Stage3Groups(((("a", 700), ("b", 5)),), (0,), dp_from)
+    for layout, reads_of in (
+        (FlatGroups(flat, dp_from), lambda rank: reshard_reads(flat, dp_to, rank)),
+        (stage3, lambda rank: per_parameter_reads(stage3, stage3.at_dp(dp_to), rank)),
+    ):
+        if dp_from == 96:
+            assert layout.padding_only_ranks() == list(range(88, 96))  # files only the padding rule opens
+        seen = set()
+        for rank in range(dp_to):
+            seen |= set(checked_positions(layout, dp_to, rank, reads_of(rank)))
+        assert seen == set(range(dp_from)), type(layout).__name__
