@@ -186,9 +186,9 @@ def settle(
     )
 
 
-def against_the_save(facts_algorithm: Optional[str], what: str) -> str:
-    """The report's line on what the copies were checked against."""
-    if facts_algorithm:
+def against_the_save(algorithm: Optional[str], what: str) -> str:
+    """The report's line on what the copies were checked against (``algorithm``: the save's checksums')."""
+    if algorithm:
         return f"{what}; checked against the save's partition checksums"
     return (
         f"{what}; rank files without partition checksums (not saved through the hooks): copies checked for "

@@ -438,10 +438,11 @@ def bind_positions(
     return sources, seen
 
 
-def verdict(facts: "SavedFacts | Any", seen: Sequence[FileFacts]) -> list[str]:
-    """Every problem the files of a save have, on their own (by position) and together."""
+def verdict(facts: Any, seen: Sequence[FileFacts]) -> list[str]:
+    """Every problem the files of a save have, on their own (by position) and together; ``facts``: either
+    stage's, whose layout names its groups in the messages."""
     problems = list(dict.fromkeys(p for f in sorted(seen, key=lambda f: f.position) for p in f.problems))
-    return problems + cross_check(facts.model_states, facts.save_id, seen, getattr(facts, "unit", "param group"))
+    return problems + cross_check(facts.model_states, facts.save_id, seen, facts.layout().unit)
 
 
 def bind_folder(

@@ -69,7 +69,6 @@ class Stage3Facts:
     algorithm: Optional[str] = None
     save_id: Optional[str] = None
     model_states: str = ""
-    unit: str = UNIT
     frozen: tuple[str, ...] = ()
     """Frozen parameters: their slices live in every rank's model states (``frozen_param_fragments``)."""
 
