@@ -103,10 +103,10 @@ def exact_against_source(args, copied) -> bool:
 
 
 def native(args) -> int:
-    from megatron_ucp.integration.native_reshard import check_live_model
+    from megatron_ucp.integration.binding import check_live_model
     from megatron_ucp.integration.old_file_copy import OldFiles, copy_reads
     from megatron_ucp.integration.rank_files import open_source, read_facts
-    from megatron_ucp.plan.reshard import reshard_reads, source_ranks
+    from megatron_ucp.plan.reshard import source_ranks
 
     tag = args.folder
     groups = shape_of(args).param_groups(ep=args.ep)
@@ -116,26 +116,19 @@ def native(args) -> int:
     def rank_file(r: int) -> Path:
         return tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
 
-    live = [[(p.name, p.shape) for p in g] for g in groups]  # taken where an MoE save lists no param_shapes
+    live = [[(p.name, tuple(p.shape)) for p in g] for g in groups]  # taken where an MoE save lists no param_shapes
     facts = read_facts(tag / F.MODEL_STATES_FILE, rank_file, live_shapes=live)  # the first rank's, broadcast
     t_facts = time.perf_counter() - t0
     facts_io = read_bytes() - io0  # what only the DP group's first rank reads, once for the job
     io0 = read_bytes()
     t1 = time.perf_counter()
-    sizes = [facts.placement.size(g, args.world) for g in range(len(groups))]
+    sizes = [facts.layout.placement.size(g, args.world) for g in range(len(groups))]
     new = [GroupGeometry(numel=sum(p.numel for p in g), dp=size) for g, size in zip(groups, sizes)]
-    geos = check_live_model(
-        facts,
-        [[p.name for p in g] for g in groups],
-        [[p.shape for p in g] for g in groups],
-        [g.partition_size for g in new],
-        args.world,
-        tag,
-    )
-    reads = reshard_reads(geos, args.world, args.rank, facts.placement)
+    live_layout = check_live_model(facts.layout, live, [g.partition_size for g in new], args.world, tag)
+    reads = facts.layout.reads_to(live_layout, args.rank)
     t_plan = time.perf_counter() - t1
     t2 = time.perf_counter()
-    sources = {r: open_source(rank_file(r), r, facts, geos, reads) for r in source_ranks(reads)}
+    sources = {r: open_source(rank_file(r), r, facts, reads) for r in source_ranks(reads)}
     targets = [
         {state: torch.zeros(geo.partition_size) for state in ("fp32", *facts.states[g])} for g, geo in enumerate(new)
     ]
@@ -147,7 +140,7 @@ def native(args) -> int:
     copied = [(g, geo, targets[g]) for g, geo in enumerate(new)]
     exact = exact_against_source(args, copied)
     share = sum(4 * geo.partition_size * len(targets[g]) for g, geo in enumerate(new))
-    real = sum(geo.true_length(facts.placement.index(g, args.rank)) for g, geo in enumerate(new))
+    real = sum(geo.true_length(facts.layout.placement.index(g, args.rank)) for g, geo in enumerate(new))
     module = module_part(args, tag, facts, new, targets) if args.module else {}
     print(
         json.dumps(
@@ -185,7 +178,7 @@ def module_part(args, tag: Path, facts, new: list, targets: list) -> dict:
     pickle_io = read_bytes() - io0
     io0 = read_bytes()
     t0 = time.perf_counter()
-    weights = SavedWeights(path, facts.shapes)
+    weights = SavedWeights(path, facts.layout.shapes)
     exact = True
     share = 0
     for g, geo in enumerate(new):

@@ -57,9 +57,9 @@ def _exact(spec: SyntheticSpec, new, rank: int, targets: list[dict]) -> bool:
 
 def native(args) -> dict:
     from megatron_ucp.integration.old_file_copy import OldFiles, copy_reads
-    from megatron_ucp.integration.rank_files import inspect_file
-    from megatron_ucp.integration.stage3_files import expectation, flat_view, read_stage3_facts
-    from megatron_ucp.plan.reshard import per_parameter_reads, source_ranks
+    from megatron_ucp.integration.rank_files import expectation, inspect_file
+    from megatron_ucp.integration.stage3_files import flat_view, read_stage3_facts
+    from megatron_ucp.plan.reshard import source_ranks
 
     tag = args.folder
 
@@ -70,13 +70,13 @@ def native(args) -> dict:
     facts = read_stage3_facts(tag / F.zero3_model_file(0, 0), rank_file)  # the first rank's part, broadcast
     t_facts, facts_io = time.perf_counter() - t0, read_bytes() - io0
     io0, t1 = read_bytes(), time.perf_counter()
-    new = facts.groups.at_dp(args.world, SUB_GROUP_SIZE)
-    reads = per_parameter_reads(facts.groups, new, args.rank)
+    new = facts.layout.at_dp(args.world, SUB_GROUP_SIZE)
+    reads = facts.layout.reads_to(new, args.rank)
     t_plan = time.perf_counter() - t1
     t2 = time.perf_counter()
     sources = {}
     for r in source_ranks(reads):
-        source, seen = inspect_file(rank_file(r), facts, expectation(facts, r), view=flat_view)
+        source, seen = inspect_file(rank_file(r), facts, expectation(facts, r, reads), view=flat_view)
         if source is None:
             raise RuntimeError(seen.problems[0])
         sources[r] = source

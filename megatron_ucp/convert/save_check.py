@@ -26,7 +26,7 @@ from megatron_ucp.deepspeed.reader import CheckpointMeta
 from megatron_ucp.deepspeed.stage3_files import model_states_of_another_save, sub_group_owners
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.format import integrity
+from megatron_ucp.format import integrity, osio
 from megatron_ucp.plan.param_geometry import Run, Stage3Groups
 from megatron_ucp.plan.rank_binding import FileFacts, cross_check
 
@@ -107,6 +107,8 @@ def _checksum_problems(meta: CheckpointMeta, rf: Any, index: int) -> tuple[list[
                 )
                 for run in runs[g]
             )
+            if tensor.storage.mapped:  # this process is done with these pages (the writer maps them again)
+                osio.done_with(tensor.data_ptr(), tensor.nbytes, tensor.storage.region)
             checked += 1
             if sum(run.length for run in runs[g]) != int(real) or got != int(expected):
                 problems.append(

@@ -58,7 +58,6 @@ from megatron_ucp.integration.partition_load import load_universal_partitions
 from megatron_ucp.integration.stage3_routes import (
     model_states_for,
     stage3_reshard_load,
-    stage3_same_dp_load,
     stage3_universal_optimizer_load,
 )
 from megatron_ucp.integration.sync_convert import convert_synchronously
@@ -273,8 +272,7 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
                 return original(self, load_dir, tag, **kwargs)
             if is_first():
                 log.info("megatron-ucp: %s", decision.message)
-            restart = stage3_same_dp_load if per_parameter else same_dp_load
-            return restart(self, original, load_dir, native_tag, kwargs, config, seen.get("model_states"))
+            return same_dp_load(self, original, load_dir, native_tag, kwargs, config, seen.get("model_states"))
 
         if is_first():
             log.info("megatron-ucp: %s", decision.message)

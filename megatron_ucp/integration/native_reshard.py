@@ -8,10 +8,9 @@ by one rank, nothing is written to disk.
 
 Call order (collective over the optimizer's DP group, every rank calls each step):
 
-1. :func:`bind_save`, before DeepSpeed's own load touches the engine: the facts (first rank), the live
-   model checked against them, the plan, and every old rank file bound to its position and to this
-   save (:mod:`megatron_ucp.integration.rank_files`). Files that do not belong together stop every
-   rank here, naming the file(s), with the engine untouched.
+1. :func:`megatron_ucp.integration.binding.bind_save`, before DeepSpeed's own load touches the engine
+   (the one binding of every layout): the facts, the live model checked against them, the plan, and
+   every old rank file bound to its position and to this save.
 2. DeepSpeed loads the module, the scheduler and the counters (the caller's part).
 3. :func:`load_native_partitions`: the fp32 masters' ranges copied first, and each compared with the
    bf16 weights DeepSpeed just loaded (:func:`megatron_ucp.plan.rank_binding.bracket_misses`: after a
@@ -24,24 +23,25 @@ Call order (collective over the optimizer's DP group, every rank calls each step
    (:mod:`megatron_ucp.plan.accounting`) proves every real element placed exactly once (and, with the
    record, unchanged since the save).
 
-A same-DP restart runs steps 1 and 2 and then :func:`verify_loaded`: the masters DeepSpeed loaded
-against the saved weights, and (saved through the hooks) every partition against its recorded checksum.
+A same-DP restart, at any ZeRO stage, runs step 1, DeepSpeed's own load and then :func:`verify_loaded`: the
+masters DeepSpeed loaded against the saved weights (ZeRO-1/2), and (saved through the hooks) every partition
+against its recorded checksum.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
 from megatron_ucp.deepspeed import surface
-from megatron_ucp.errors import CheckpointFormatError, UcpError
+from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.integration.collectives import Failure, comm, count_across, decide_on_first, device
+from megatron_ucp.integration.binding import BoundSave
+from megatron_ucp.integration.collectives import comm, count_across, device
 from megatron_ucp.integration.old_file_copy import (
     OldFiles,
     Timing,
@@ -52,23 +52,13 @@ from megatron_ucp.integration.old_file_copy import (
     settle,
 )
 from megatron_ucp.integration.partition_load import expected_state_keys, install_group_state, lp_groups_of
-from megatron_ucp.integration.rank_files import (
-    RankFile,
-    SavedFacts,
-    Source,
-    bind_rank_files,
-    binding_message,
-    read_facts,
-)
+from megatron_ucp.integration.rank_files import RankFile, SavedFacts, binding_message
 from megatron_ucp.plan.accounting import (
     AccountingReport,
     Problem,
     check_optimizer_states,
 )
-from megatron_ucp.plan.geometry import GroupGeometry
-from megatron_ucp.plan.partitioned import checked_positions
-from megatron_ucp.plan.rank_binding import FileFacts, WeightTally, blame_weights, bracket_misses
-from megatron_ucp.plan.reshard import Read, reshard_reads
+from megatron_ucp.plan.rank_binding import WeightTally, blame_weights, bracket_misses
 
 log = logging.getLogger(__name__)
 
@@ -79,127 +69,6 @@ STRICT_OVERRIDE = (
 )
 
 
-def check_live_model(
-    facts: SavedFacts,
-    names: list[list[str]],
-    shapes: list[list[tuple[int, ...]]],
-    flat_sizes: list[int],
-    dp_to: int,
-    where: Path,
-) -> list[GroupGeometry]:
-    """Step 2: the live groups are the saved ones (order, names, shapes), partitioned as the plan
-    expects at ``dp_to``. Returns the saved groups' geometries. Raises naming the first difference."""
-    if len(names) != len(facts.shapes):
-        raise UcpError(
-            f"{where}: the checkpoint has {len(facts.shapes)} param groups, the optimizer {len(names)}", subject=where
-        )
-    for g, (saved, live_names, live_shapes) in enumerate(zip(facts.shapes, names, shapes)):
-        live = list(zip(live_names, live_shapes))
-        if live != saved:
-            at = next((i for i, (a, b) in enumerate(zip(saved, live)) if a != b), min(len(saved), len(live)))
-            theirs = saved[at] if at < len(saved) else "nothing"
-            ours = live[at] if at < len(live) else "nothing"
-            raise UcpError(
-                f"{where}: param group {g} differs from the model at position {at}: the checkpoint has "
-                f"{theirs}, the model {ours} ({len(saved)} vs {len(live)} parameters)",
-                subject=where,
-            )
-    geos = facts.geometries()
-    for g, (geo, new, flat) in enumerate(zip(geos, facts.placement.geometries(geos, dp_to), flat_sizes)):
-        if new.partition_size != flat:
-            raise UcpError(
-                f"{where}: param group {g} ({geo.numel} elements) has a {flat}-element partition at DP={dp_to}; "
-                f"the plan expects ZeRO's alignment padding only over {new.dp} partitions (per-parameter padding?)",
-                subject=where,
-            )
-    return geos
-
-
-@dataclass
-class BoundSave:
-    """What step 1 established on this rank, before DeepSpeed's own load."""
-
-    facts: SavedFacts
-    geos: list[GroupGeometry]
-    reads: list[list[Read]]
-    sources: dict[int, Source]
-    rank_file: RankFile
-    dp_to: int
-    rank: int
-    seconds: float
-    files: list[FileFacts]
-    """What every rank saw of every old file (the same on every rank)."""
-
-    def partition(self) -> tuple[list[int], list[int]]:
-        """This rank's partition start (flat position) and real length per group, at the new DP size."""
-        new = self.facts.placement.geometries(self.geos, self.dp_to)
-        at = self.indices()
-        return [i * g.partition_size for i, g in zip(at, new)], [g.true_length(i) for i, g in zip(at, new)]
-
-    def indices(self) -> list[int]:
-        """This rank's partition of each group (of its expert-parallel rank's buffer, for an expert group)."""
-        return [self.facts.placement.index(g, self.rank) for g in range(len(self.geos))]
-
-    def close(self) -> None:
-        for source in self.sources.values():
-            source.close()
-
-
-def bind_save(
-    optimizer: Any, model_states: Path, rank_file: RankFile, states: Optional[dict] = None, same_dp: bool = False
-) -> Optional[BoundSave]:
-    """Step 1 (collective over the optimizer's DP group): facts, live model, plan, and every old rank file
-    bound to its position and its save; raises the same error on every rank when they do not belong
-    together. ``states``: the model states the first rank already read (else read here, without the
-    weights). ``same_dp``: a restart at the saved DP size, where DeepSpeed reads each rank's own file
-    itself; a live model the plan cannot describe (per-parameter padding, other names) is then left
-    to DeepSpeed unbound (returns None) instead of refused."""
-    t0 = time.perf_counter()
-    dist = comm()
-    group = surface.dp_group(optimizer)
-    dp_to, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
-    lp_groups = lp_groups_of(optimizer)
-    live_names = surface.param_names(optimizer)
-    names = [[live_names[lp] for lp in lps] for lps in lp_groups]
-    shapes = [[tuple(lp.shape) for lp in lps] for lps in lp_groups]
-    live = [list(zip(n, s)) for n, s in zip(names, shapes)]  # for an MoE save that lists no param groups
-    facts = decide_on_first(lambda: read_facts(model_states, rank_file, states, live), group)
-    if isinstance(facts, Failure):
-        raise CheckpointFormatError(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
-    flats = [g["params"][0] for g in surface.base_optimizer(optimizer).param_groups]
-    try:
-        check_expert_groups(optimizer, facts, dp_to, rank, model_states.parent)
-        geos = check_live_model(facts, names, shapes, [f.numel() for f in flats], dp_to, model_states.parent)
-    except UcpError:
-        if same_dp:
-            return None  # the same answer on every rank: the facts and the live model are the same everywhere
-        raise
-    reads = reshard_reads(geos, dp_to, rank, facts.placement)
-    positions = checked_positions(facts.layout(), dp_to, rank, reads)
-    sources, files = bind_rank_files(facts, geos, reads, positions, rank_file, group)
-    return BoundSave(facts, geos, reads, sources, rank_file, dp_to, rank, time.perf_counter() - t0, files)
-
-
-def check_expert_groups(optimizer: Any, facts: SavedFacts, dp_to: int, rank: int, where: Path) -> None:
-    """The live groups are partitioned over as many ranks as the save's placement gives them at this DP size
-    (the same expert-parallel size), and this rank holds the partition the placement says (its place in each
-    group's own process group). Raises naming what differs: an expert layout change is the universal route's."""
-    dist = comm()
-    groups = surface.group_dp_groups(optimizer)
-    if facts.placement.ep == 1 and all(dist.get_world_size(group=pg) == dp_to for pg in groups):
-        return  # no experts on either side: every group over the DP group, as the plan takes it
-    for g, pg in enumerate(groups):
-        size, mine = dist.get_world_size(group=pg), dist.get_rank(group=pg)
-        want = facts.placement.size(g, dp_to) if g < len(facts.shapes) else size
-        if (size, mine) != (want, facts.placement.index(g, rank)):
-            raise UcpError(
-                f"{where}: param group {g} is partitioned over {size} ranks in this job (this rank holds partition "
-                f"{mine}); the save's experts (EP={facts.placement.ep}) put it over {want} (partition "
-                f"{facts.placement.index(g, rank)}): an expert-parallel change goes through the universal folder",
-                subject=where,
-            )
-
-
 SavedSlice = Callable[[int], Optional[torch.Tensor]]
 """Group -> this rank's real range of the saved weights, at its place in the new partition (the module
 DeepSpeed loaded, or the range read from the model-states file); None: not compared (saved through the
@@ -208,9 +77,10 @@ hooks, whose records bind the files instead)."""
 
 def loaded_weights(optimizer: Any, bound: BoundSave) -> SavedSlice:
     """The saved weights as DeepSpeed's own module load put them in this rank's partition."""
-    at = bound.indices()
-    parts = [parts[at[g]] for g, parts in enumerate(surface.layout_of(optimizer).lp_partitions_of(optimizer))]
-    reals = bound.partition()[1]
+    new = bound.new
+    lp = surface.layout_of(optimizer).lp_partitions_of(optimizer)
+    parts = [parts[new.index(g, bound.rank)] for g, parts in enumerate(lp)]
+    reals = new.true_lengths(bound.rank)
     return lambda g: parts[g][: reals[g]]
 
 
@@ -223,7 +93,7 @@ def load_native_partitions(
     that are not the masters rounded (raised here when ``strict``)."""
     t_start = time.perf_counter()
     group = surface.dp_group(optimizer)
-    facts, geos, reads = bound.facts, bound.geos, bound.reads
+    facts, reads = bound.facts, bound.reads
     lp_groups = lp_groups_of(optimizer)
     base = surface.base_optimizer(optimizer)
     flats = [g["params"][0] for g in base.param_groups]
@@ -258,14 +128,13 @@ def load_native_partitions(
     for param_group, saved_group in zip(base.param_groups, facts.param_groups):
         param_group.update(saved_group)
     problems: list[Problem] = []
-    for g in range(len(geos)):
+    shapes = facts.layout.shapes
+    for g in range(len(shapes)):
         expected = expected_state_keys(base, g)
         keys = set(facts.states[g]) | ({F.STEP_STATE} if facts.steps[g] is not None else set())
-        problems += check_optimizer_states(
-            g, [name for name, _ in facts.shapes[g]], expected, keys, type(base).__name__
-        )
-    n_params = sum(len(group_shapes) for group_shapes in facts.shapes)
-    n_states = sum(len(shapes) * (1 + len(states)) for shapes, states in zip(facts.shapes, facts.states))
+        problems += check_optimizer_states(g, [name for name, _ in shapes[g]], expected, keys, type(base).__name__)
+    n_params = sum(len(group_shapes) for group_shapes in shapes)
+    n_states = sum(len(params) * (1 + len(states)) for params, states in zip(shapes, facts.states))
     return settle(
         files,
         ledger,
@@ -317,35 +186,31 @@ def _judge_weights(facts: SavedFacts, rank_file: RankFile, totals: list[list[int
 
 
 def verify_loaded(optimizer: Any, bound: BoundSave, strict: bool = True, saved: Optional[SavedSlice] = None) -> str:
-    """After DeepSpeed's own load at the saved DP size (collective over the DP group): the masters it
-    loaded against the weights it loaded, and, saved through the hooks, every partition against the
-    checksum its file recorded. Raises the same error on every rank naming the file(s) (``strict``;
-    else warns once). Returns what was checked, for the log."""
+    """After DeepSpeed's own load at the saved DP size, any ZeRO stage (collective over the DP group): the masters
+    it loaded against the saved weights (``saved``, where the route has them; None: not compared), and, saved
+    through the hooks, every partition against the checksum its file recorded. Raises the same error on every
+    rank naming the file(s) (``strict``; else warns once). Returns what was checked, for the log."""
     group = surface.dp_group(optimizer)
     facts, rank = bound.facts, bound.rank
     masters = surface.layout_of(optimizer).masters(optimizer)
-    layout = facts.layout()
-    saved = saved or loaded_weights(optimizer, bound)
     base = surface.base_optimizer(optimizer)
     tally = torch.zeros((facts.dp_from, 3), dtype=torch.int64)
     mine = bound.sources.get(rank)
-    at = bound.indices()
     with torch.no_grad():
-        for g, geo in enumerate(bound.geos):
-            real = geo.true_length(at[g])
-            weights = saved(g)
+        for g, (master, real) in enumerate(zip(masters, facts.layout.true_lengths(rank), strict=True)):
+            weights = saved(g) if saved is not None else None
             if weights is not None:
                 tally[rank, 0] += real
-                tally[rank, 1] += bracket_misses(masters[g][:real], weights)
+                tally[rank, 1] += bracket_misses(master[:real], weights)
             if mine is None or mine.sums is None:
                 continue
-            state = base.state.get(base.param_groups[g]["params"][0], {})
+            state = base.state.get(master, {})
             tally[rank, 2] += changed_states(
-                layout,
+                facts.layout,
                 rank,
                 g,
                 mine.sums[g],
-                lambda name, g=g, state=state: masters[g] if name == F.FP32_STATE else state.get(name),
+                lambda name, master=master, state=state: master if name == F.FP32_STATE else state.get(name),
                 facts.algorithm,
             )
     bound.close()
@@ -353,6 +218,12 @@ def verify_loaded(optimizer: Any, bound: BoundSave, strict: bool = True, saved: 
     _judge_weights(facts, bound.rank_file, totals, group, strict)
     bad = [str(bound.rank_file(r)) for r, row in enumerate(totals) if row[2]]
     refuse_changed(bad, Path(facts.model_states).parent, strict, group)
+    if saved is None:
+        return (
+            "every partition checked against the save's checksums"
+            if facts.algorithm
+            else "rank files bound to their positions (no partition checksums: not saved through the hooks)"
+        )
     return (
         "every partition checked against the save's checksums and the saved weights"
         if facts.algorithm

@@ -1,7 +1,7 @@
 """The two loads straight from the native rank files: a DP change (the reshard) and a same-DP restart.
 
 Both bind every old rank file to its position and its save before DeepSpeed's own load touches the
-engine (:func:`megatron_ucp.integration.native_reshard.bind_save`), then let DeepSpeed load what it
+engine (:func:`megatron_ucp.integration.binding.bind_save`), then let DeepSpeed load what it
 loads, then finish: the reshard copies each rank's new partitions out of the old files, the same-DP
 restart checks what DeepSpeed loaded.
 
@@ -30,6 +30,7 @@ import torch
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.integration.binding import BoundSave, bind_save
 from megatron_ucp.integration.collectives import is_first
 from megatron_ucp.integration.model_states_load import ClientStates, one_model_states_file_per_rank
 from megatron_ucp.integration.module_read import (
@@ -41,10 +42,9 @@ from megatron_ucp.integration.module_read import (
     weight_sources,
 )
 from megatron_ucp.integration.native_reshard import (
-    BoundSave,
     SavedSlice,
-    bind_save,
     load_native_partitions,
+    loaded_weights,
     refresh_lp_params,
     verify_loaded,
 )
@@ -84,8 +84,8 @@ def _saved_slices(engine: Any, bound: BoundSave, model_states: Path) -> SavedSli
     """This rank's real range of the saved weights per group, read from the model-states file (or the
     pipeline model's layer files) on first use (1/DP of the weights)."""
     optimizer = engine.optimizer
-    weights = SavedWeights(bound.facts.shapes, weight_sources(engine, model_states))
-    starts, reals = bound.partition()
+    weights = SavedWeights(bound.facts.layout.shapes, weight_sources(engine, model_states))
+    starts, reals = bound.new.starts(bound.rank), bound.new.true_lengths(bound.rank)
     dtypes = [parts[0].dtype for parts in surface.layout_of(optimizer).lp_partitions_of(optimizer)]
     cache: dict[int, torch.Tensor] = {}
 
@@ -127,7 +127,7 @@ def reshard_load(
     rank_file, model_states = engine_save_files(engine, load_dir, tag)
     why_full = full_module_reason(engine, config, kwargs)
     distributed = why_full is None
-    bound = bind_save(engine.optimizer, model_states, rank_file, seen_states if is_first() else None)
+    bound = bind_save(engine, model_states, rank_file, seen_states if is_first() else None)
     try:
         with (
             one_model_states_file_per_rank(
@@ -175,16 +175,18 @@ def same_dp_load(
     config: UcpConfig,
     seen_states: Optional[dict] = None,
 ) -> Any:
-    """Route NATIVE at the saved DP size: the old rank files bound before DeepSpeed's own load (each rank
-    its own file, named when it is another position's or another save's), then DeepSpeed's load as it
-    is (distributed: without the optimized weights), then what it loaded checked
-    (:func:`~megatron_ucp.integration.native_reshard.verify_loaded`) and the weights rebuilt or read."""
+    """Route NATIVE at the saved DP size, every ZeRO stage: the old rank files bound before DeepSpeed's own
+    load (each rank its own file, named when it is another position's or another save's), then DeepSpeed's
+    load as it is (ZeRO-1/2 distributed: without the optimized weights), then what it loaded checked
+    (:func:`~megatron_ucp.integration.native_reshard.verify_loaded`) and, at ZeRO-1/2, the weights rebuilt or
+    read (ZeRO-3's own load restores them from the masters)."""
     if tag is None:
         return original(engine, load_dir, tag, **kwargs)
     rank_file, model_states = engine_save_files(engine, load_dir, tag)
-    bound = bind_save(engine.optimizer, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
+    bound = bind_save(engine, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
+    flat = not surface.engine_layout(engine).per_parameter
     why_full = full_module_reason(engine, config, kwargs)
-    distributed = bound is not None and why_full is None
+    distributed = bound is not None and flat and why_full is None
     try:
         with (
             one_model_states_file_per_rank(
@@ -206,16 +208,17 @@ def same_dp_load(
     t0 = time.perf_counter()
     saved = _saved_slices(engine, bound, model_states) if distributed else None
     try:
-        what = verify_loaded(engine.optimizer, bound, strict=config.strict, saved=saved)
+        weights = (saved or loaded_weights(engine.optimizer, bound)) if flat else None
+        what = verify_loaded(engine.optimizer, bound, config.strict, weights)
         if distributed:
-            exact = rebuild_from_masters(engine.optimizer, bound.partition()[1], saved)
+            exact = rebuild_from_masters(engine.optimizer, bound.new.true_lengths(bound.rank), saved)
             what += "; " + (
                 "module weights rebuilt from the masters (one all-gather), proven equal to the saved ones "
                 f"(rank {bound.rank} read {_mb(saved.bytes_read())} of them, its 1/DP)"
                 if exact
                 else _read_in_full(engine, read, model_states, kwargs)
             )
-        else:
+        elif flat:
             what += f"; module read in full ({why_full})"
     finally:
         getattr(saved, "close", lambda: None)()

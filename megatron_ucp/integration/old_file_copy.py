@@ -22,7 +22,7 @@ from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
 from megatron_ucp.integration.collectives import comm, device
-from megatron_ucp.integration.rank_files import RankFile, Source, binding_message
+from megatron_ucp.integration.rank_files import RankFile, SavedFacts, Source, binding_message
 from megatron_ucp.plan.accounting import (
     AccountingReport,
     Ledger,
@@ -68,9 +68,9 @@ class OldFiles:
         return first_real(self.layout, position, group)
 
     @classmethod
-    def of(cls, facts: Any, rank_file: RankFile) -> "OldFiles":
-        """A save's files from its facts (ZeRO-1/2's or ZeRO-3's: each says its layout, states, algorithm)."""
-        return cls(rank_file, facts.layout(), facts.states, facts.algorithm)
+    def of(cls, facts: SavedFacts, rank_file: RankFile) -> "OldFiles":
+        """A save's files from its facts (its layout, states and checksum algorithm)."""
+        return cls(rank_file, facts.layout, facts.states, facts.algorithm)
 
     def row(self, position: int, group: int) -> str:
         return f"{self.rank_file(position)}: {self.unit} {group}"

@@ -18,7 +18,6 @@ Call order (collective over the optimizer's DP group, every rank calls it):
 from __future__ import annotations
 
 import logging
-import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,18 +35,16 @@ from megatron_ucp.format.paths import special_kind
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.integration.collectives import comm
 from megatron_ucp.plan.experts import expert_facts, recorded_experts
-from megatron_ucp.plan.geometry import GroupGeometry
-from megatron_ucp.plan.partitioned import FlatGroups
+from megatron_ucp.plan.partitioned import FlatGroups, Partitioned
 from megatron_ucp.plan.rank_binding import (
     FileExpectation,
     FileFacts,
     cross_check,
-    expected_fragments,
     file_problems,
     recorded_sums,
     save_record_of,
 )
-from megatron_ucp.plan.reshard import DENSE, Placement, Read, reshard_reads
+from megatron_ucp.plan.reshard import DENSE, Placement, Read
 
 log = logging.getLogger(__name__)
 
@@ -60,36 +57,28 @@ SHOWN_PROBLEMS = 20
 
 @dataclass(frozen=True)
 class SavedFacts:
-    """What the DP group's first rank reads once and broadcasts."""
+    """What the DP group's first rank reads once and broadcasts: a save of any ZeRO stage, its layout a value."""
 
     dp_from: int
-    shapes: list[list[tuple[str, tuple[int, ...]]]]
-    """``param_shapes``: each group's parameters, in flat order, with their shapes."""
+    layout: Partitioned
+    """Where each rank file's real elements sit: :class:`~megatron_ucp.plan.partitioned.FlatGroups` (ZeRO-1/2,
+    its groups' parameters and shapes, expert groups over expert-DP) or
+    :class:`~megatron_ucp.plan.param_geometry.Stage3Groups` (ZeRO-3 sub-groups)."""
     global_state: dict
     """Old rank 0's optimizer-level state (loss scaler, clip_grad, ds_version, ...)."""
     param_groups: list[dict]
-    """The base optimizer's hyperparameters per group (``params`` left out)."""
+    """The base optimizer's hyperparameters per param group (``params`` left out)."""
     states: list[tuple[str, ...]]
     """Each group's tensor states in the files (``exp_avg``, ``exp_avg_sq``, ...)."""
     steps: list[Any]
+    """Each group's optimizer step (old rank 0's)."""
     algorithm: Optional[str] = None
     """The checksum algorithm of old rank 0's ``zero_partition_checksums``; None: saved without them."""
     save_id: Optional[str] = None
     """The save's identity in the model states (saved through the hooks); None: saved without it."""
     model_states: str = ""
-    placement: Placement = DENSE
-    """Which files hold which group's partitions (a mixture-of-experts save's expert groups: expert-DP)."""
-
-    def layout(self) -> FlatGroups:
-        """Where each rank file's real elements sit (:class:`~megatron_ucp.plan.partitioned.Partitioned`)."""
-        return FlatGroups(self.geometries(), self.dp_from, self.placement)
-
-    def geometries(self) -> list[GroupGeometry]:
-        """Each group's geometry at the save, over its own number of partitions."""
-        return [
-            GroupGeometry(numel=sum(math.prod(s) for _, s in group), dp=self.placement.size(g, self.dp_from))
-            for g, group in enumerate(self.shapes)
-        ]
+    frozen: tuple[str, ...] = ()
+    """Frozen parameters of a ZeRO-3 save: their slices live in every rank's model states."""
 
 
 def absent(path: Path) -> Optional[str]:
@@ -176,18 +165,22 @@ def read_facts(
     placement = saved_placement(first.get(F.PARTITION_COUNT), dp_from, expected[0])
     return SavedFacts(
         dp_from=dp_from,
-        shapes=[[(name, tuple(shape)) for name, shape in group.items()] for group in saved_shapes],
+        layout=FlatGroups.of(
+            [[(name, tuple(shape)) for name, shape in group.items()] for group in saved_shapes], dp_from, placement
+        ),
         global_state={k: v for k, v in first.items() if k not in _PARTITIONS and k != F.UCP_SAVE_RECORD},
         param_groups=[{k: v for k, v in group.items() if k != "params"} for group in groups],
-        states=[
-            tuple(k for k, v in sorted(s.items()) if isinstance(v, RawTensor) and k != F.STEP_STATE) for s in per_group
-        ],
-        steps=[_in_memory(s.get(F.STEP_STATE)) for s in per_group],
+        states=tensor_states(per_group),
+        steps=[in_memory(s.get(F.STEP_STATE)) for s in per_group],
         algorithm=algorithm,
         save_id=save_id,
         model_states=str(model_states),
-        placement=placement,
     )
+
+
+def tensor_states(per_group: Sequence[dict]) -> list[tuple[str, ...]]:
+    """Each group's tensor states in a rank file (its step left out)."""
+    return [tuple(k for k, v in sorted(s.items()) if isinstance(v, RawTensor) and k != F.STEP_STATE) for s in per_group]
 
 
 def saved_placement(counts: Any, dp_from: int, path: Path) -> Placement:
@@ -241,7 +234,7 @@ def checksum_algorithm(optim: dict, path: Path) -> Optional[str]:
     return algorithm
 
 
-def _in_memory(value: Any) -> Any:
+def in_memory(value: Any) -> Any:
     """A step as the optimizer keeps it: a torch tensor of its own (copied out of the file), or a number."""
     return value.to_torch().clone() if isinstance(value, RawTensor) else value
 
@@ -270,26 +263,21 @@ def optimizer_state(path: Path) -> dict:
     return optim
 
 
-def expectation(
-    facts: SavedFacts, geos: Sequence[GroupGeometry], reads: Sequence[Sequence[Read]], position: int, fragments: bool
-) -> FileExpectation:
-    """What the file at ``position`` must hold; ``fragments``: check its ``param_slice_mappings``
-    (the groups' parameters lie in ``param_shapes`` order without padding between them)."""
-    at = [facts.placement.index(g, position) for g in range(len(geos))]
+def expectation(facts: SavedFacts, position: int, reads: Sequence[Sequence[Read]]) -> FileExpectation:
+    """What the file at ``position`` must hold, for ``reads`` (the planned reads of the rank that opens it),
+    as the save's layout says."""
+    layout = facts.layout
     return FileExpectation(
         position=position,
         dp=facts.dp_from,
-        partition_sizes=tuple(geo.partition_size for geo in geos),
+        partition_sizes=tuple(layout.partition_sizes()),
         states=tuple(facts.states),
-        needs=tuple(
-            max((r.source_offset + r.length for r in g if r.source_rank == position), default=0) for g in reads
-        ),
-        fragments=tuple(expected_fragments(facts.shapes[g], geo, at[g]) for g, geo in enumerate(geos))
-        if fragments
-        else None,
-        true_lengths=tuple(geo.true_length(at[g]) for g, geo in enumerate(geos)),
+        needs=tuple(layout.needs(position, reads)),
+        fragments=layout.fragments(position),
+        true_lengths=tuple(layout.true_lengths(position)),
         save_id=facts.save_id,
-        partition_counts=tuple(geo.dp for geo in geos) if facts.placement.ep > 1 else None,
+        unit=layout.unit,
+        partition_counts=layout.partition_counts(),
     )
 
 
@@ -335,12 +323,11 @@ def read_tensor_range(reader: RangeReader, tensor: RawTensor, start: int, dest: 
 
 
 def inspect_file(
-    path: Path, facts: "SavedFacts | Any", exp: FileExpectation, view: Callable[[Path], dict] = optimizer_state
+    path: Path, facts: SavedFacts, exp: FileExpectation, view: Callable[[Path], dict] = optimizer_state
 ) -> tuple[Optional[Source], FileFacts]:
     """Step 2 for one file: open it (metadata only: tensors are located, not read) and check it on its
     own. Never raises for a bad file: what is wrong is in the returned facts (and no source). ``view``:
-    the file's optimizer dict with ZeRO-1/2's keys (a ZeRO-3 file is read through its own view); ``facts``:
-    anything with the save's ``algorithm`` and per-group ``states``."""
+    the file's optimizer dict with ZeRO-1/2's keys (a ZeRO-3 file is read through its own view)."""
     try:
         optim = view(path)
     except UcpError as exc:
@@ -359,7 +346,7 @@ def inspect_file(
     return Source(path, list(optim[F.SINGLE_PARTITION_OF_FP32_GROUPS]), states, sums), file_facts
 
 
-def _sum_problems(path: str, optim: dict, sums: Any, facts: Any, exp: FileExpectation) -> list[str]:
+def _sum_problems(path: str, optim: dict, sums: Any, facts: SavedFacts, exp: FileExpectation) -> list[str]:
     """A hooked save's partition checksums: present in every file, of the save's algorithm, one per
     state with the position's real length."""
     if facts.algorithm is None:
@@ -378,9 +365,9 @@ def _sum_problems(path: str, optim: dict, sums: Any, facts: Any, exp: FileExpect
     return []
 
 
-def open_source(path: Path, rank: int, facts: SavedFacts, geos: list[GroupGeometry], reads: list[list[Read]]) -> Source:
+def open_source(path: Path, rank: int, facts: SavedFacts, reads: Sequence[Sequence[Read]]) -> Source:
     """One file opened and checked on its own, outside a job (tools, tests): raises on its first problem."""
-    source, file_facts = inspect_file(path, facts, expectation(facts, geos, reads, rank, fragments=True))
+    source, file_facts = inspect_file(path, facts, expectation(facts, rank, reads))
     if source is None:
         raise CheckpointFormatError(file_facts.problems[0], subject=path)
     return source
@@ -388,27 +375,26 @@ def open_source(path: Path, rank: int, facts: SavedFacts, geos: list[GroupGeomet
 
 def bind_rank_files(
     facts: SavedFacts,
-    geos: Sequence[GroupGeometry],
     reads: Sequence[Sequence[Read]],
     positions: Sequence[int],
     rank_file: RankFile,
     group: Any,
-    fragments: bool = True,
+    view: Callable[[Path], dict] = optimizer_state,
 ) -> tuple[dict[int, Source], list[FileFacts]]:
     """Steps 2 and 3 (collective over ``group``): this rank opens ``positions`` (the files it reads,
     and the padding-only ones that fall to it), every rank shares what it saw, and every rank
     raises the same error when any file, or the set, is wrong. Returns the sources this rank reads and
-    what every rank saw of every file (the same on every rank)."""
+    what every rank saw of every file (the same on every rank). ``view``: as :func:`inspect_file`."""
     readers = {r.source_rank for g in reads for r in g}
 
     def inspect(position: int) -> tuple[Optional[Source], FileFacts]:
-        return inspect_file(rank_file(position), facts, expectation(facts, geos, reads, position, fragments))
+        return inspect_file(rank_file(position), facts, expectation(facts, position, reads), view)
 
     return bind_positions(facts, positions, readers, inspect, group)
 
 
 def bind_positions(
-    facts: Any,
+    facts: SavedFacts,
     positions: Sequence[int],
     readers: set[int],
     inspect: Callable[[int], tuple[Optional[Source], FileFacts]],
@@ -416,7 +402,7 @@ def bind_positions(
 ) -> tuple[dict[int, Source], list[FileFacts]]:
     """The collective part of binding (over ``group``): this rank inspects ``positions`` and keeps the
     sources of those it reads (``readers``), every rank shares what it saw, and every rank raises the
-    same error when any file, or the set, is wrong. ``facts``: the save's (``model_states``, ``save_id``)."""
+    same error when any file, or the set, is wrong."""
     mine: list[FileFacts] = []
     sources: dict[int, Source] = {}
     for position in positions:
@@ -438,11 +424,10 @@ def bind_positions(
     return sources, seen
 
 
-def verdict(facts: Any, seen: Sequence[FileFacts]) -> list[str]:
-    """Every problem the files of a save have, on their own (by position) and together; ``facts``: either
-    stage's, whose layout names its groups in the messages."""
+def verdict(facts: SavedFacts, seen: Sequence[FileFacts]) -> list[str]:
+    """Every problem the files of a save have, on their own (by position) and together."""
     problems = list(dict.fromkeys(p for f in sorted(seen, key=lambda f: f.position) for p in f.problems))
-    return problems + cross_check(facts.model_states, facts.save_id, seen, facts.layout().unit)
+    return problems + cross_check(facts.model_states, facts.save_id, seen, facts.layout.unit)
 
 
 def bind_folder(
@@ -452,11 +437,10 @@ def bind_folder(
     the problems a resume would name, or none. ``shapes``: the param groups, for a mixture-of-experts save
     whose model states list none (as a resume takes the job's)."""
     facts = read_facts(model_states, rank_file, live_shapes=shapes)
-    geos = facts.geometries()
     seen = []
     for position in range(facts.dp_from):
-        reads = reshard_reads(geos, facts.dp_from, position, facts.placement)
-        source, file_facts = inspect_file(rank_file(position), facts, expectation(facts, geos, reads, position, True))
+        reads = facts.layout.reads_to(facts.layout, position)
+        source, file_facts = inspect_file(rank_file(position), facts, expectation(facts, position, reads))
         if source is not None:
             source.close()
         seen.append(file_facts)

@@ -1,19 +1,9 @@
-"""The old rank files of a ZeRO-3 save, read for a resume: the facts once, each file opened and bound to
-its DP position and its save, one verdict on every rank (the stage-3 counterpart of
-:mod:`megatron_ucp.integration.rank_files`, whose checks and collective it reuses).
-
-Call order (collective over the optimizer's DP group):
-
-1. the group's first rank reads the facts once (:func:`read_stage3_facts`): the saved sub-groups'
-   parameters (``param_shapes`` of DP rank 0's model states), each sub-group's param group (the sub-group
-   indices each param group lists in old rank 0's file), the old DP size, the save's identity, old rank 0's
-   loss-scaler state and hyperparameters;
-2. every rank opens the old files it reads and the padding-only ones that fall to it, metadata only, each
-   seen through :func:`flat_view` (ZeRO-1/2's keys), so that the same per-file checks apply
-   (:func:`megatron_ucp.plan.rank_binding.file_problems`: partition count, every state exactly one
-   partition long, the save record's position and true lengths, the recorded checksums);
-3. every rank shares what it saw and reaches the same verdict
-   (:func:`megatron_ucp.integration.rank_files.bind_positions`).
+"""What only a ZeRO-3 save's files hold, read for a resume: its facts (:func:`read_stage3_facts`, the same
+:class:`~megatron_ucp.integration.rank_files.SavedFacts` as any save, its layout the sub-groups) and each rank
+file seen under ZeRO-1/2's keys (:func:`flat_view`), so that the binding of
+:mod:`megatron_ucp.integration.rank_files` checks it as any other: the saved sub-groups' parameters
+(``param_shapes`` of DP rank 0's model states), each sub-group's param group (the sub-group indices each param
+group lists in old rank 0's file), every rank's model states present and of this save.
 
 A ZeRO-3 file records no fragment map: a stock save's files swapped between positions have the same sizes
 and are not told apart by their metadata; a hooked save's record names the position.
@@ -21,60 +11,29 @@ and are not told apart by their metadata; a hooked save's record names the posit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional
 
 from megatron_ucp.deepspeed.reader import load_raw
 from megatron_ucp.deepspeed.stage3_files import model_states_of_another_save, sub_group_owners
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.integration.rank_files import (
     RankFile,
-    Source,
+    SavedFacts,
     absent,
-    bind_positions,
     binding_message,
     check_presence,
     checksum_algorithm,
-    inspect_file,
+    in_memory,
     model_states_facts,
+    tensor_states,
 )
 from megatron_ucp.plan.param_geometry import Stage3Groups
-from megatron_ucp.plan.rank_binding import FileExpectation, FileFacts
-from megatron_ucp.plan.reshard import Read
-
-UNIT = Stage3Groups.unit
 
 _PER_RANK = (F.FP32_FLAT_GROUPS, F.OPTIMIZER_STATE_DICT, F.UCP_SAVE_RECORD)
 """The per-rank parts of a ZeRO-3 optimizer dict; the rest (loss scaler, overflow, zero_stage) is global."""
-
-
-@dataclass(frozen=True)
-class Stage3Facts:
-    """What the DP group's first rank reads once and broadcasts."""
-
-    dp_from: int
-    groups: Stage3Groups
-    """The save's layout: its sub-groups, their parameters and param groups, at ``dp_from``."""
-    global_state: dict
-    """Old rank 0's optimizer-level state (loss scaler, dynamic_loss_scale, overflow, ...)."""
-    param_groups: list[dict]
-    """The wrapped optimizer's hyperparameters per param group (``params`` left out)."""
-    states: list[tuple[str, ...]]
-    """Each sub-group's tensor states in the files (``exp_avg``, ``exp_avg_sq``, ...)."""
-    steps: list[Any]
-    """Each sub-group's optimizer step (old rank 0's)."""
-    algorithm: Optional[str] = None
-    save_id: Optional[str] = None
-    model_states: str = ""
-    frozen: tuple[str, ...] = ()
-    """Frozen parameters: their slices live in every rank's model states (``frozen_param_fragments``)."""
-
-    def layout(self) -> Stage3Groups:
-        """Where each rank file's real elements sit (:class:`~megatron_ucp.plan.partitioned.Partitioned`)."""
-        return self.groups
 
 
 def stage3_optimizer_state(path: Path) -> dict:
@@ -102,7 +61,7 @@ def flat_view(path: Path) -> dict:
     return view
 
 
-def read_stage3_facts(model_states: Path, rank_file: RankFile, states: Optional[dict] = None) -> Stage3Facts:
+def read_stage3_facts(model_states: Path, rank_file: RankFile, states: Optional[dict] = None) -> SavedFacts:
     """Step 1 (first rank): the facts, checked for the old files' presence and DP size."""
     states, dp_from, save_id = model_states_facts(model_states, states)
     expected = check_presence(model_states, rank_file, dp_from)
@@ -126,66 +85,20 @@ def read_stage3_facts(model_states: Path, rank_file: RankFile, states: Optional[
             subject=expected[0],
         )
     groups = Stage3Groups(
-        tuple(tuple((str(name), _numel(shape)) for name, shape in group.items()) for group in shapes),
+        tuple(tuple((str(name), math.prod(shape)) for name, shape in group.items()) for group in shapes),
         tuple(sub_group_owners(inner.get(F.PARAM_GROUPS), len(shapes), expected[0])),
         dp_from,
     )
     per_group = [inner.get("state", {}).get(h, {}) for h in range(len(shapes))]
-    return Stage3Facts(
+    return SavedFacts(
         dp_from=dp_from,
-        groups=groups,
+        layout=groups,
         global_state={k: v for k, v in first.items() if k not in _PER_RANK},
         param_groups=[{k: v for k, v in g.items() if k != "params"} for g in inner.get(F.PARAM_GROUPS) or []],
-        states=[
-            tuple(k for k, v in sorted(s.items()) if isinstance(v, RawTensor) and k != F.STEP_STATE) for s in per_group
-        ],
-        steps=[_in_memory(s.get(F.STEP_STATE)) for s in per_group],
+        states=tensor_states(per_group),
+        steps=[in_memory(s.get(F.STEP_STATE)) for s in per_group],
         algorithm=checksum_algorithm(first, expected[0]),
         save_id=save_id,
         model_states=str(model_states),
         frozen=tuple(sorted(states.get(F.FROZEN_PARAM_SHAPES) or ())),
     )
-
-
-def _numel(shape: Any) -> int:
-    n = 1
-    for d in tuple(shape):
-        n *= int(d)
-    return n
-
-
-def _in_memory(value: Any) -> Any:
-    return value.to_torch().clone() if isinstance(value, RawTensor) else value
-
-
-def expectation(facts: Stage3Facts, position: int) -> FileExpectation:
-    """What the file at ``position`` holds: every sub-group's partition whole (any slice may be read)."""
-    sizes = tuple(facts.groups.partition_sizes())
-    return FileExpectation(
-        position=position,
-        dp=facts.dp_from,
-        partition_sizes=sizes,
-        states=tuple(facts.states),
-        needs=sizes,
-        fragments=None,
-        true_lengths=tuple(facts.groups.true_lengths(position)),
-        save_id=facts.save_id,
-        unit=UNIT,
-    )
-
-
-def bind_stage3_files(
-    facts: Stage3Facts,
-    reads: Sequence[Sequence[Read]],
-    positions: Sequence[int],
-    rank_file: RankFile,
-    group: Any,
-) -> tuple[dict[int, Source], list[FileFacts]]:
-    """Steps 2 and 3 (collective over ``group``): the sources this rank reads, and what every rank saw of
-    every file; the same error on every rank when any file, or the set, is wrong."""
-
-    def inspect(position: int) -> tuple[Optional[Source], FileFacts]:
-        return inspect_file(rank_file(position), facts, expectation(facts, position), view=flat_view)
-
-    readers = {r.source_rank for g in reads for r in g}
-    return bind_positions(facts, positions, readers, inspect, group)

@@ -10,7 +10,8 @@ file of DeepSpeed's naming, tells its loader which one to read:
 * :func:`stage3_reshard_load`: a DP change (or another sub-group cut) from the native rank files
   (:mod:`megatron_ucp.integration.stage3_load`): bound before DeepSpeed touches the engine, each rank's
   slices copied into its partitions, nothing written;
-* :func:`stage3_same_dp_load`: a restart at the saved DP size: bound before, DeepSpeed's own load, every
+* a restart at the saved DP size is every stage's
+  (:func:`megatron_ucp.integration.native_routes.same_dp_load`): bound before, DeepSpeed's own load, every
   partition checked against the save's checksums after;
 * :func:`stage3_universal_optimizer_load`: a universal folder (converted from any ZeRO stage) read by our
   loader (:func:`megatron_ucp.integration.partition_load.load_universal_partitions`): each rank reads only
@@ -23,7 +24,6 @@ import contextlib
 import functools
 import logging
 import re
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -31,13 +31,14 @@ from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.integration.binding import bind_save
 from megatron_ucp.integration.collectives import is_first
 from megatron_ucp.integration.live_layout import TpPlace
 from megatron_ucp.integration.model_states_load import one_model_states_file_per_rank
 from megatron_ucp.integration.native_routes import ReshardOutcome
 from megatron_ucp.integration.partition_load import load_universal_partitions
 from megatron_ucp.integration.rank_files import engine_save_files
-from megatron_ucp.integration.stage3_load import bind_stage3_save, load_stage3_partitions, verify_stage3_loaded
+from megatron_ucp.integration.stage3_load import load_stage3_partitions
 from megatron_ucp.plan.accounting import AccountingReport
 
 log = logging.getLogger(__name__)
@@ -61,11 +62,6 @@ def model_states_for(engine: Any, folder: Path) -> Optional[Path]:
         if (folder / name).is_file():
             return folder / name
     return None
-
-
-def _zero3_model_states(folder: Path, rank_file: Callable[[int], Path]) -> Path:
-    """DP rank 0's model states of this rank's model-parallel coordinate: the facts of a stage-3 save."""
-    return folder / F.zero3_model_file(0, _mp_of(rank_file(0)))
 
 
 def _replacing_optimizer_load(load: Callable[[Any, str, str, bool], bool]) -> Any:
@@ -93,10 +89,8 @@ def stage3_reshard_load(
     """Route RESHARD at ZeRO-3 up to the report: files bound, DeepSpeed's load of the buffers, scheduler and
     counters, our partitions instead of its optimizer load. The caller finishes (training state, summary)."""
     folder = Path(load_dir) / tag
-    rank_file, _ = engine_save_files(engine, load_dir, tag)
-    bound = bind_stage3_save(
-        engine, _zero3_model_states(folder, rank_file), rank_file, seen_states if is_first() else None
-    )
+    rank_file, model_states = engine_save_files(engine, load_dir, tag)
+    bound = bind_save(engine, model_states, rank_file, seen_states if is_first() else None)
     reports: list[AccountingReport] = []
 
     def load(self: Any, _dir: str, _tag: str, load_optimizer_states: bool) -> bool:
@@ -122,46 +116,6 @@ def stage3_reshard_load(
             subject=folder,
         )
     return ReshardOutcome(result, Path(load_path), reports[0], read.of(Path(load_path)))
-
-
-def stage3_same_dp_load(
-    engine: Any,
-    original: Callable[..., Any],
-    load_dir: str,
-    tag: Optional[str],
-    kwargs: dict,
-    config: UcpConfig,
-    seen_states: Optional[dict] = None,
-) -> Any:
-    """Route NATIVE at ZeRO-3 and the saved DP size: the old rank files bound before DeepSpeed's own load,
-    then its load as it is, then every partition it loaded checked against the save's checksums."""
-    if tag is None:
-        return original(engine, load_dir, tag, **kwargs)
-    folder = Path(load_dir) / tag
-    rank_file, _ = engine_save_files(engine, load_dir, tag)
-    bound = bind_stage3_save(
-        engine, _zero3_model_states(folder, rank_file), rank_file, seen_states if is_first() else None, same_dp=True
-    )
-    try:
-        result = original(engine, load_dir, tag, **kwargs)
-    except BaseException:
-        bound.close()
-        raise
-    if not isinstance(result, tuple) or result[0] is None:
-        bound.close()
-        return result
-    t0 = time.perf_counter()
-    what = verify_stage3_loaded(engine, bound, strict=config.strict)
-    if is_first():
-        log.info(
-            "megatron-ucp: %s loaded at DP %d (ZeRO-3, DeepSpeed's own load): %s (%.3fs before, %.3fs after)",
-            tag,
-            bound.dp_to,
-            what,
-            bound.seconds,
-            time.perf_counter() - t0,
-        )
-    return result
 
 
 @contextlib.contextmanager

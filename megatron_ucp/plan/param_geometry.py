@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import ClassVar, Optional, Sequence
 
-from megatron_ucp.errors import UcpError
+from megatron_ucp.errors import PlanError, UcpError
+from megatron_ucp.plan.reshard import Read, cut_run
 
 
 @dataclass(frozen=True)
@@ -309,6 +310,22 @@ class Stage3Groups:
     def partition_sizes(self) -> list[int]:
         return [self.geometry(h).partition_size for h in range(len(self.sub_groups))]
 
+    def reads_to(self, new: "Stage3Groups", rank: int) -> list[list[Read]]:
+        """What new rank ``rank`` of ``new`` copies out of this layout's rank files (per parameter)."""
+        return per_parameter_reads(self, new, rank)
+
+    def needs(self, position: int, reads: Sequence[Sequence[Read]]) -> list[int]:
+        """Every partition whole: a rank file records no fragment map, any slice of it may be read."""
+        return self.partition_sizes()
+
+    def fragments(self, position: int) -> None:
+        """None: a ZeRO-3 rank file records no fragment map to check."""
+        return None
+
+    def partition_counts(self) -> None:
+        """None: every sub-group is cut over the whole DP group."""
+        return None
+
     def padding_only_ranks(self) -> list[int]:
         """Ranks whose every sub-group partition is padding (no real element at all)."""
         return [r for r in range(self.dp) if not any(self.true_lengths(r))]
@@ -323,3 +340,51 @@ class Stage3Groups:
                 groups.append(tuple(params[i] for i in members))
                 owners.append(g)
         return Stage3Groups(tuple(groups), tuple(owners), dp)
+
+
+def same_parameters(old: Stage3Groups, new: Stage3Groups) -> None:
+    """The two per-parameter layouts hold the same parameters in the same param groups and order; raises
+    naming the first difference (another model, or the param groups built otherwise)."""
+    if len(old.param_groups) != len(new.param_groups):
+        raise PlanError(
+            f"the checkpoint has {len(old.param_groups)} param groups, the optimizer {len(new.param_groups)}"
+        )
+    for g, (saved, live) in enumerate(zip(old.param_groups, new.param_groups, strict=True)):
+        if saved == live:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(saved, live)) if a != b), min(len(saved), len(live)))
+        theirs = f"{saved[at][0]} ({saved[at][1]} elements)" if at < len(saved) else "nothing"
+        ours = f"{live[at][0]} ({live[at][1]} elements)" if at < len(live) else "nothing"
+        raise PlanError(
+            f"param group {g} differs from the model at position {at}: the checkpoint has {theirs}, the model "
+            f"{ours} ({len(saved)} vs {len(live)} parameters)"
+        )
+
+
+def per_parameter_reads(old: Stage3Groups, new: Stage3Groups, rank: int) -> list[list[Read]]:
+    """Per sub-group of ``new``, the pieces new rank ``rank`` copies out of the old rank files, in partition
+    order: each parameter's run cut at its old partitions. The parameters must be the same
+    (:func:`same_parameters`)."""
+    if not 0 <= rank < new.dp:
+        raise PlanError(f"rank {rank} out of range for DP size {new.dp}")
+    same_parameters(old, new)
+    out: list[list[Read]] = []
+    for h in range(len(new.sub_groups)):
+        reads: list[Read] = []
+        for run in new.runs(rank, h):
+            source = old.places[run.param]
+            size = old.partition_of(run.param).partition_size
+            for r, offset, element, length in cut_run(run.start, run.start + run.length, size):
+                reads.append(
+                    Read(
+                        r,
+                        source.offset + offset,
+                        run.offset + element - run.start,
+                        length,
+                        source.position + element,
+                        source.sub_group,
+                        run.param,
+                    )
+                )
+        out.append(reads)
+    return out

@@ -9,21 +9,32 @@ restart's checks ask only this, whatever the layout:
 
 * :class:`FlatGroups` (ZeRO-1/2, expert groups over expert-DP): one run per partition, from its start;
 * :class:`~megatron_ucp.plan.param_geometry.Stage3Groups` (ZeRO-3): a run per parameter slice.
+
+The same value plans a resume (``old.reads_to(new, rank)``: the ranges of the old rank files that land in
+a new rank's partitions) and says what each old rank file must hold before it is read (partition sizes,
+real lengths, what the planned reads need, the fragment map where the layout derives one): the binding,
+the copy, the ledger and the checks after a load are written once against it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 from megatron_ucp.plan.geometry import GroupGeometry
 from megatron_ucp.plan.param_geometry import Run
-from megatron_ucp.plan.reshard import DENSE, Placement, Read
+from megatron_ucp.plan.rank_binding import Fragments, expected_fragments
+from megatron_ucp.plan.reshard import DENSE, Placement, Read, reshard_reads
+
+Shapes = Sequence[Sequence[tuple[str, tuple[int, ...]]]]
+"""Each flat group's parameters in flat order, with their shapes (``param_shapes``)."""
 
 
 class Partitioned(Protocol):
-    """Any layout: the real runs of a rank's partition of a group, the ranks holding only padding, and
-    what a group is called."""
+    """Any layout: the real runs of a rank's partition of a group, the ranks holding only padding, what a
+    group is called, the reads of a resume into another layout of the same parameters, and what each
+    rank file must hold."""
 
     unit: str
     dp: int
@@ -31,6 +42,26 @@ class Partitioned(Protocol):
     def runs(self, position: int, group: int) -> list[Run]: ...
 
     def padding_only_ranks(self) -> list[int]: ...
+
+    def partition_sizes(self) -> list[int]: ...
+
+    def true_lengths(self, position: int) -> list[int]: ...
+
+    def reads_to(self, new: "Partitioned", rank: int) -> list[list[Read]]:
+        """Per group of ``new``, the ranges new rank ``rank`` copies out of this layout's rank files."""
+        ...
+
+    def needs(self, position: int, reads: Sequence[Sequence[Read]]) -> list[int]:
+        """Per group, how many leading fp32 elements of the file at ``position`` must be there for ``reads``."""
+        ...
+
+    def fragments(self, position: int) -> Optional[tuple[Fragments, ...]]:
+        """Per group, the parameter fragments the file at ``position`` must record; None: none to check."""
+        ...
+
+    def partition_counts(self) -> Optional[tuple[int, ...]]:
+        """Per group, its number of partitions when not every group has ``dp``; None: all have ``dp``."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -44,15 +75,58 @@ class FlatGroups:
     """The DP rank files (positions) of the save."""
     placement: Placement = DENSE
     unit: str = "param group"
+    shapes: Shapes = ()
+    """Each group's parameters with their shapes, where known (then the files' fragment maps are checked)."""
+
+    @classmethod
+    def of(cls, shapes: Shapes, dp: int, placement: Placement = DENSE) -> "FlatGroups":
+        """The groups of ``shapes`` saved at DP size ``dp`` (each over its own number of partitions)."""
+        numels = [sum(math.prod(shape) for _, shape in group) for group in shapes]
+        geometries = [GroupGeometry(numel=n, dp=placement.size(g, dp)) for g, n in enumerate(numels)]
+        return cls(geometries, dp, placement, shapes=[list(group) for group in shapes])
+
+    def at_dp(self, dp: int) -> "FlatGroups":
+        """The same groups partitioned at DP size ``dp``."""
+        return FlatGroups(self.placement.geometries(self.geometries, dp), dp, self.placement, self.unit, self.shapes)
+
+    def index(self, group: int, position: int) -> int:
+        """Which partition of ``group`` the file at ``position`` holds (of its expert-parallel rank's buffer)."""
+        return self.placement.index(group, position)
 
     def runs(self, position: int, group: int) -> list[Run]:
-        geo = self.geometries[group]
-        index = self.placement.index(group, position)
-        real = geo.true_length(index)
-        return [Run("", 0, 0, real, index * geo.partition_size)] if real else []
+        real = self.true_lengths(position)[group]
+        return [Run("", 0, 0, real, self.starts(position)[group])] if real else []
+
+    def starts(self, position: int) -> list[int]:
+        """Per group, where the partition at ``position`` starts in the group's flat order."""
+        return [self.index(g, position) * geo.partition_size for g, geo in enumerate(self.geometries)]
+
+    def true_lengths(self, position: int) -> list[int]:
+        return [geo.true_length(self.index(g, position)) for g, geo in enumerate(self.geometries)]
+
+    def partition_sizes(self) -> list[int]:
+        return [geo.partition_size for geo in self.geometries]
 
     def padding_only_ranks(self) -> list[int]:
-        return [r for r in range(self.dp) if not any(self.runs(r, g) for g in range(len(self.geometries)))]
+        return [r for r in range(self.dp) if not any(self.true_lengths(r))]
+
+    def reads_to(self, new: "Partitioned", rank: int) -> list[list[Read]]:
+        return reshard_reads(self.geometries, new.dp, rank, self.placement)
+
+    def needs(self, position: int, reads: Sequence[Sequence[Read]]) -> list[int]:
+        """Only what is read: a partition's fp32 is read from its start."""
+        return [max((r.source_offset + r.length for r in g if r.source_rank == position), default=0) for g in reads]
+
+    def fragments(self, position: int) -> Optional[tuple[Fragments, ...]]:
+        """The groups' parameters lie in ``shapes`` order without padding between them."""
+        if not self.shapes:
+            return None
+        return tuple(
+            expected_fragments(self.shapes[g], geo, self.index(g, position)) for g, geo in enumerate(self.geometries)
+        )
+
+    def partition_counts(self) -> Optional[tuple[int, ...]]:
+        return tuple(geo.dp for geo in self.geometries) if self.placement.ep > 1 else None
 
 
 def real_length(layout: Partitioned, position: int, group: int) -> int:

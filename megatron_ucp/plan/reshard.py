@@ -13,10 +13,11 @@ all-padding rank's whole partition) is zero-filled, as DeepSpeed's own buffers a
   A mixture-of-experts save partitions its expert groups over the expert-data-parallel group instead
   (:class:`Placement`): the DP ranks ``d`` with ``d % EP == r`` hold expert-parallel rank ``r``'s buffer,
   partition ``d // EP`` each; with EP fixed, a DP change is the same cut inside each buffer.
-* ZeRO-3 (:func:`per_parameter_reads`): the unit is each parameter (``S = ceil(n / D)``), at its offset inside
-  its sub-group's partition; each piece carries the element's position in its param group, which depends
-  neither on DP nor on the sub-group cut (:attr:`~megatron_ucp.plan.param_geometry.ParamPlace.position`): the
-  save's recorded checksums and the load's hashes of what landed meet there.
+* ZeRO-3 (:func:`~megatron_ucp.plan.param_geometry.per_parameter_reads`, beside the layout it plans for): the
+  unit is each parameter (``S = ceil(n / D)``), at its offset inside its sub-group's partition; each piece
+  carries the element's position in its param group, which depends neither on DP nor on the sub-group cut
+  (:attr:`~megatron_ucp.plan.param_geometry.ParamPlace.position`): the save's recorded checksums and the
+  load's hashes of what landed meet there.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import Collection, Iterator, Optional, Sequence
 
 from megatron_ucp.errors import PlanError
 from megatron_ucp.plan.geometry import GroupGeometry, at_dp
-from megatron_ucp.plan.param_geometry import Stage3Groups
 
 
 @dataclass(frozen=True)
@@ -123,54 +123,6 @@ def reshard_reads(
     for g, (old, new) in enumerate(zip(old_groups, placement.geometries(old_groups, dp_to), strict=True)):
         reads = partition_reads(old, new, placement.index(g, rank), g)
         out.append([replace(r, source_rank=placement.position(g, r.source_rank, rank)) for r in reads])
-    return out
-
-
-def same_parameters(old: Stage3Groups, new: Stage3Groups) -> None:
-    """The two per-parameter layouts hold the same parameters in the same param groups and order; raises
-    naming the first difference (another model, or the param groups built otherwise)."""
-    if len(old.param_groups) != len(new.param_groups):
-        raise PlanError(
-            f"the checkpoint has {len(old.param_groups)} param groups, the optimizer {len(new.param_groups)}"
-        )
-    for g, (saved, live) in enumerate(zip(old.param_groups, new.param_groups, strict=True)):
-        if saved == live:
-            continue
-        at = next((i for i, (a, b) in enumerate(zip(saved, live)) if a != b), min(len(saved), len(live)))
-        theirs = f"{saved[at][0]} ({saved[at][1]} elements)" if at < len(saved) else "nothing"
-        ours = f"{live[at][0]} ({live[at][1]} elements)" if at < len(live) else "nothing"
-        raise PlanError(
-            f"param group {g} differs from the model at position {at}: the checkpoint has {theirs}, the model "
-            f"{ours} ({len(saved)} vs {len(live)} parameters)"
-        )
-
-
-def per_parameter_reads(old: Stage3Groups, new: Stage3Groups, rank: int) -> list[list[Read]]:
-    """Per sub-group of ``new``, the pieces new rank ``rank`` copies out of the old rank files, in partition
-    order: each parameter's run cut at its old partitions. The parameters must be the same
-    (:func:`same_parameters`)."""
-    if not 0 <= rank < new.dp:
-        raise PlanError(f"rank {rank} out of range for DP size {new.dp}")
-    same_parameters(old, new)
-    out: list[list[Read]] = []
-    for h in range(len(new.sub_groups)):
-        reads: list[Read] = []
-        for run in new.runs(rank, h):
-            source = old.places[run.param]
-            size = old.partition_of(run.param).partition_size
-            for r, offset, element, length in cut_run(run.start, run.start + run.length, size):
-                reads.append(
-                    Read(
-                        r,
-                        source.offset + offset,
-                        run.offset + element - run.start,
-                        length,
-                        source.position + element,
-                        source.sub_group,
-                        run.param,
-                    )
-                )
-        out.append(reads)
     return out
 
 

@@ -148,7 +148,7 @@ def test_at_dp_768_sampled_ranks_copy_the_saved_values_and_the_ledger_closes(tmp
     and 1536 planned and copied by the hook's own code (``copy_reads``), one process playing
     each: first, middle, last real and an all-padding rank equal the synthetic values bit for bit;
     over every rank of 384 and of 1536 the ledger (against the recorded partition checksums) closes."""
-    from megatron_ucp.integration.native_reshard import check_live_model
+    from megatron_ucp.integration.binding import check_live_model
     from megatron_ucp.integration.old_file_copy import OldFiles, copy_reads
     from megatron_ucp.integration.rank_files import open_source, read_facts
     from megatron_ucp.plan.accounting import check_ledger
@@ -165,11 +165,12 @@ def test_at_dp_768_sampled_ranks_copy_the_saved_values_and_the_ledger_closes(tmp
     facts = read_facts(tag / "mp_rank_00_model_states.pt", rank_file)
     assert facts.dp_from == 768 and facts.algorithm is not None
     groups = spec.groups()
-    names, shapes = [[p.name for p in g] for g in groups], [[p.shape for p in g] for g in groups]
+    live = [[(p.name, tuple(p.shape)) for p in g] for g in groups]
     opened = {}
     for world in (384, 767, 1024, 1536):
         geos_new = at_dp(spec.geometries(), world)
-        geos = check_live_model(facts, names, shapes, [g.partition_size for g in geos_new], world, tag)
+        new = check_live_model(facts.layout, live, [g.partition_size for g in geos_new], world, tag)
+        assert list(new.geometries) == geos_new
         last_real = max(r for r in range(world) if geos_new[1].true_length(r) > 0)
         everyone = world in (384, 1536)
         ranks = range(world) if everyone else sorted({0, world // 2, last_real, world - 1})
@@ -177,9 +178,10 @@ def test_at_dp_768_sampled_ranks_copy_the_saved_values_and_the_ledger_closes(tmp
         ledger = files.ledger()
         table = ledger.new_table()
         for rank in ranks:
-            reads = reshard_reads(geos, world, rank)
+            reads = facts.layout.reads_to(new, rank)
+            assert reads == reshard_reads(spec.geometries(), world, rank)
             sources = {
-                r: opened.get(r) or opened.setdefault(r, open_source(rank_file(r), r, facts, geos, reads))
+                r: opened.get(r) or opened.setdefault(r, open_source(rank_file(r), r, facts, reads))
                 for r in source_ranks(reads)
             }
             targets = [

@@ -429,10 +429,11 @@ def test_at_dp_768_sampled_ranks_of_both_routes_equal_the_saved_values(tmp_path)
     a middle, the last rank holding a norm weight's elements and one whose slice of it is padding (the norm:
     8 elements, so ranks 8.. of 768 hold only its padding on the old side, and of 512 and 1024 on the new)."""
     from megatron_ucp.convert.execute import ConvertOptions, convert
-    from megatron_ucp.integration.rank_files import inspect_file
-    from megatron_ucp.integration.stage3_files import expectation, flat_view, read_stage3_facts
+    from megatron_ucp.integration.rank_files import expectation, inspect_file
+    from megatron_ucp.integration.stage3_files import flat_view, read_stage3_facts
     from megatron_ucp.plan.llama_shapes import LlamaShape
-    from megatron_ucp.plan.reshard import per_parameter_reads, source_ranks
+    from megatron_ucp.plan.param_geometry import per_parameter_reads
+    from megatron_ucp.plan.reshard import source_ranks
     from megatron_ucp.synthetic.content import SyntheticSpec
     from megatron_ucp.synthetic.stage3_content import SUB_GROUP_SIZE, param_range
     from megatron_ucp.synthetic.writer import write_checkpoint
@@ -443,7 +444,7 @@ def test_at_dp_768_sampled_ranks_of_both_routes_equal_the_saved_values(tmp_path)
     out = tmp_path / "universal"
     assert convert(ConvertOptions(source=tag, output=out, progress=False)).committed
     facts = read_stage3_facts(tag / F.zero3_model_file(0, 0), lambda r: rank_file(tag, r))
-    old = facts.groups
+    old = facts.layout
     folder = {
         (name, state): torch.load(out / F.UNIVERSAL_ZERO_DIR / name / f"{state}.pt", weights_only=False)[F.PARAM]
         for name in old.places
@@ -458,7 +459,7 @@ def test_at_dp_768_sampled_ranks_of_both_routes_equal_the_saved_values(tmp_path)
             reads = per_parameter_reads(old, new, rank)
             for r in source_ranks(reads):
                 if r not in sources:
-                    source, seen = inspect_file(rank_file(tag, r), facts, expectation(facts, r), view=flat_view)
+                    source, seen = inspect_file(rank_file(tag, r), facts, expectation(facts, r, reads), view=flat_view)
                     assert source is not None, seen.problems
                     sources[r] = source
             for h, group_reads in enumerate(reads):

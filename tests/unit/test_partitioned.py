@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from megatron_ucp.plan.accounting import checksum
 from megatron_ucp.plan.geometry import GroupGeometry
-from megatron_ucp.plan.param_geometry import Stage3Groups
+from megatron_ucp.plan.param_geometry import Stage3Groups, per_parameter_reads
 from megatron_ucp.plan.partitioned import FlatGroups, checked_positions, first_real, real_length
-from megatron_ucp.plan.reshard import Placement, per_parameter_reads, reshard_reads
+from megatron_ucp.plan.reshard import Placement, reshard_reads
 from megatron_ucp.plan.save_record import runs_checksum
 
 
@@ -43,6 +43,8 @@ def test_an_expert_group_counts_its_own_partitions():
     assert [layout.runs(r, 1)[0].position for r in range(4)] == [0, 0, 4, 4]
     assert [real_length(layout, r, 1) for r in range(4)] == [4, 4, 2, 2]
     assert [real_length(layout, r, 0) for r in range(4)] == [dense.true_length(r) for r in range(4)]
+    assert layout.partition_counts() == (4, 2)  # what each rank file's partition_count must say
+    assert [g.dp for g in layout.at_dp(8).geometries] == [8, 4]  # DP 8 at the same EP: expert-DP 4
 
 
 def test_the_flat_runs_hash_as_the_save_hook_does():
@@ -74,3 +76,35 @@ def test_every_old_file_is_checked_by_some_new_rank(dp_from, dp_to):
         for rank in range(dp_to):
             seen |= set(checked_positions(layout, dp_to, rank, reads_of(rank)))
         assert seen == set(range(dp_from)), type(layout).__name__
+
+
+@pytest.mark.parametrize("dp_from,dp_to", [(4, 3), (3, 8), (96, 64)])
+def test_each_layout_plans_its_reads_and_says_what_each_file_must_hold(dp_from, dp_to):
+    """``reads_to`` is the layout's own rule (the flat cut, or per parameter); every read lies inside what the
+    file at its position must hold (``needs``: the flat layout only what is read, ZeRO-3 the whole partition,
+    never beyond the partition); the real lengths add up to the parameters; only the flat layout derives a
+    fragment map, and it is the one ``param_slice_mappings`` must record."""
+    from megatron_ucp.plan.rank_binding import expected_fragments
+
+    shapes = [[("w", (20, 35)), ("b", (5,))]]
+    flat = FlatGroups.of(shapes, dp_from)
+    stage3 = Stage3Groups(((("w", 700), ("b", 5)),), (0,), dp_from)
+    assert list(flat.geometries) == [GroupGeometry(numel=705, dp=dp_from)]
+    for layout, new, rule in (
+        (flat, flat.at_dp(dp_to), lambda rank: reshard_reads(flat.geometries, dp_to, rank)),
+        (stage3, stage3.at_dp(dp_to), lambda rank: per_parameter_reads(stage3, stage3.at_dp(dp_to), rank)),
+    ):
+        assert new.dp == dp_to
+        assert sum(sum(layout.true_lengths(r)) for r in range(dp_from)) == 705
+        for rank in range(dp_to):
+            reads = layout.reads_to(new, rank)
+            assert reads == rule(rank)
+            for position in {r.source_rank for g in reads for r in g}:
+                needs, sizes = layout.needs(position, reads), layout.partition_sizes()
+                for read in (r for g in reads for r in g if r.source_rank == position):
+                    assert read.source_offset + read.length <= needs[read.source_group] <= sizes[read.source_group]
+        assert layout.partition_counts() is None
+    assert stage3.fragments(0) is None
+    assert flat.fragments(1) == (expected_fragments(shapes[0], flat.geometries[0], 1),)
+    assert FlatGroups(flat.geometries, dp_from).fragments(1) is None  # no shapes: nothing to check against
+    assert flat.starts(1) == [flat.geometries[0].partition_size]

@@ -20,9 +20,9 @@ from megatron_ucp.errors import PlanError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
 from megatron_ucp.plan.accounting import checksum
-from megatron_ucp.plan.param_geometry import Stage3Groups
+from megatron_ucp.plan.param_geometry import Stage3Groups, per_parameter_reads, same_parameters
 from megatron_ucp.plan.partitioned import first_real
-from megatron_ucp.plan.reshard import per_parameter_reads, same_parameters, source_ranks
+from megatron_ucp.plan.reshard import source_ranks
 from megatron_ucp.plan.save_record import runs_checksum, stage3_partition_checksums, stage3_partition_record
 from tests.support.aurora_shapes import aurora_7b_param_groups
 

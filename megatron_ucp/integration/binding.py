@@ -1,0 +1,193 @@
+"""Every old rank file of a save bound to its position and its save, before DeepSpeed's own load touches the
+engine: one entry for every layout and every route that reads the native files.
+
+Call order (collective over the optimizer's DP group, every rank calls :func:`bind_save`):
+
+1. the facts, read once by the group's first rank and broadcast (:class:`~megatron_ucp.integration.rank_files.
+   SavedFacts`, whose ``layout`` says where every saved element sits);
+2. the live optimizer described by a layout of the same kind (:func:`live_layout`), checked against the facts
+   (the same parameters, in the same groups, partitioned as the plan expects) and this rank's reads planned
+   from one layout to the other (``facts.layout.reads_to(new, rank)``);
+3. every old file this rank reads, and the padding-only ones that fall to it, opened (metadata only) and
+   checked against what its position must hold, and one verdict on every rank
+   (:func:`megatron_ucp.integration.rank_files.bind_rank_files`). Files that do not belong together stop
+   every rank here, naming the file(s), with the engine untouched.
+
+What differs between the ZeRO stages is only what their files and their live optimizers are
+(:mod:`megatron_ucp.integration.stage3_files`, :func:`megatron_ucp.integration.live_partitions.live_stage3_groups`);
+everything after the binding (the copy, the ledger, the checks after a load) takes the :class:`BoundSave`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_ucp.deepspeed import surface
+from megatron_ucp.errors import CheckpointFormatError, PlanError, UcpError, UnsupportedError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.integration.collectives import Failure, comm, decide_on_first
+from megatron_ucp.integration.live_partitions import live_stage3_groups
+from megatron_ucp.integration.partition_load import lp_groups_of
+from megatron_ucp.integration.rank_files import (
+    RankFile,
+    SavedFacts,
+    Source,
+    bind_rank_files,
+    optimizer_state,
+    read_facts,
+)
+from megatron_ucp.integration.stage3_files import flat_view, read_stage3_facts
+from megatron_ucp.plan.partitioned import FlatGroups, Partitioned, checked_positions
+from megatron_ucp.plan.rank_binding import FileFacts
+from megatron_ucp.plan.reshard import Read
+
+
+@dataclass
+class BoundSave:
+    """What the binding established on this rank, before DeepSpeed's own load."""
+
+    facts: SavedFacts
+    new: Partitioned
+    """The live optimizer's layout (this job's DP size)."""
+    reads: list[list[Read]]
+    """Per live group, what this rank copies out of which old file."""
+    sources: dict[int, Source]
+    rank_file: RankFile
+    rank: int
+    seconds: float
+    files: list[FileFacts]
+    """What every rank saw of every old file (the same on every rank)."""
+
+    @property
+    def old(self) -> Partitioned:
+        return self.facts.layout
+
+    @property
+    def dp_to(self) -> int:
+        return self.new.dp
+
+    def close(self) -> None:
+        for source in self.sources.values():
+            source.close()
+
+
+def bind_save(
+    engine: Any, model_states: Path, rank_file: RankFile, states: Optional[dict] = None, same_dp: bool = False
+) -> Optional[BoundSave]:
+    """Steps 1 to 3 (collective over the optimizer's DP group); raises the same error on every rank when the
+    files do not belong together. ``model_states``: this rank's model-states file as the engine names it (at
+    ZeRO-3 the facts are read from DP rank 0's). ``states``: the model states the first rank already read
+    (else read here, without the weights). ``same_dp``: a restart at the saved DP size, where DeepSpeed reads
+    each rank's own file itself; a ZeRO-1/2 model the flat plan cannot describe (per-parameter padding, other
+    names) is then left to DeepSpeed unbound (returns None) instead of refused."""
+    t0 = time.perf_counter()
+    optimizer = engine.optimizer
+    group = surface.dp_group(optimizer)
+    rank = comm().get_rank(group=group)
+    per_parameter = surface.engine_layout(engine).per_parameter
+    if per_parameter:  # every ZeRO-3 rank saves its own model states; the facts are in DP rank 0's
+        found = F.OPTIM_FILE_RE.match(rank_file(0).name)
+        model_states = model_states.parent / F.zero3_model_file(0, int(found["mp"]) if found else 0)
+        facts = decide_on_first(lambda: read_stage3_facts(model_states, rank_file, states), group)
+    else:
+        facts = decide_on_first(lambda: read_facts(model_states, rank_file, states, _live_shapes(optimizer)), group)
+    if isinstance(facts, Failure):
+        raise CheckpointFormatError(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
+    try:
+        new = live_layout(engine, facts, model_states, same_dp)
+        reads = facts.layout.reads_to(new, rank)
+    except PlanError as exc:  # the same facts and model on every rank: the same error everywhere
+        raise UcpError(f"{model_states.parent}: {exc}", subject=model_states.parent) from exc
+    except UcpError:
+        if same_dp and not per_parameter:
+            return None  # the same answer on every rank: the facts and the live model are the same everywhere
+        raise
+    positions = checked_positions(facts.layout, new.dp, rank, reads)
+    view = flat_view if per_parameter else optimizer_state
+    sources, files = bind_rank_files(facts, reads, positions, rank_file, group, view)
+    return BoundSave(facts, new, reads, sources, rank_file, rank, time.perf_counter() - t0, files)
+
+
+def live_layout(engine: Any, facts: SavedFacts, model_states: Path, same_dp: bool = False) -> Partitioned:
+    """The live optimizer as a layout of the save's kind, checked against the facts; raises naming the first
+    difference (another model, another expert layout, padding the plan does not describe). ``same_dp``: a
+    restart at the saved DP size and sub-groups (DeepSpeed's own load follows)."""
+    optimizer = engine.optimizer
+    where = model_states.parent
+    if not isinstance(facts.layout, FlatGroups):
+        if facts.frozen and not same_dp:
+            raise UnsupportedError(
+                f"{model_states}: frozen parameters ({', '.join(facts.frozen[:3])}) in a ZeRO-3 save: their slices "
+                "live in every rank's model states and are not resharded yet; resume at the saved DP size",
+                subject=model_states,
+            )
+        return live_stage3_groups(optimizer, surface.param_names(engine))
+    dist = comm()
+    dp_to = dist.get_world_size(group=surface.dp_group(optimizer))
+    rank = dist.get_rank(group=surface.dp_group(optimizer))
+    check_expert_groups(optimizer, facts.layout, dp_to, rank, where)
+    flats = [g["params"][0] for g in surface.base_optimizer(optimizer).param_groups]
+    return check_live_model(facts.layout, _live_shapes(optimizer), [f.numel() for f in flats], dp_to, where)
+
+
+def _live_shapes(optimizer: Any) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """The live flat groups' parameters, in flat order, with their shapes."""
+    names = surface.param_names(optimizer)
+    return [[(names[lp], tuple(lp.shape)) for lp in lps] for lps in lp_groups_of(optimizer)]
+
+
+def check_live_model(
+    saved: FlatGroups, live: list[list[tuple[str, tuple[int, ...]]]], flat_sizes: list[int], dp_to: int, where: Path
+) -> FlatGroups:
+    """The live flat groups are the saved ones (order, names, shapes), partitioned as the plan expects at
+    ``dp_to``. Returns the live layout. Raises naming the first difference."""
+    if len(live) != len(saved.shapes):
+        raise UcpError(
+            f"{where}: the checkpoint has {len(saved.shapes)} param groups, the optimizer {len(live)}", subject=where
+        )
+    for g, (theirs_all, ours_all) in enumerate(zip(saved.shapes, live, strict=True)):
+        theirs_all, ours_all = list(theirs_all), list(ours_all)
+        if ours_all != theirs_all:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(theirs_all, ours_all)) if a != b), min(len(theirs_all), len(ours_all))
+            )
+            theirs = theirs_all[at] if at < len(theirs_all) else "nothing"
+            ours = ours_all[at] if at < len(ours_all) else "nothing"
+            raise UcpError(
+                f"{where}: param group {g} differs from the model at position {at}: the checkpoint has "
+                f"{theirs}, the model {ours} ({len(theirs_all)} vs {len(ours_all)} parameters)",
+                subject=where,
+            )
+    new = saved.at_dp(dp_to)
+    for g, (geo, new_geo, flat) in enumerate(zip(saved.geometries, new.geometries, flat_sizes, strict=True)):
+        if new_geo.partition_size != flat:
+            raise UcpError(
+                f"{where}: param group {g} ({geo.numel} elements) has a {flat}-element partition at DP={dp_to}; "
+                f"the plan expects ZeRO's alignment padding only over {new_geo.dp} partitions (per-parameter padding?)",
+                subject=where,
+            )
+    return new
+
+
+def check_expert_groups(optimizer: Any, saved: FlatGroups, dp_to: int, rank: int, where: Path) -> None:
+    """The live groups are partitioned over as many ranks as the save's placement gives them at this DP size
+    (the same expert-parallel size), and this rank holds the partition the placement says (its place in each
+    group's own process group). Raises naming what differs: an expert layout change is the universal route's."""
+    dist = comm()
+    placement = saved.placement
+    groups = surface.group_dp_groups(optimizer)
+    if placement.ep == 1 and all(dist.get_world_size(group=pg) == dp_to for pg in groups):
+        return  # no experts on either side: every group over the DP group, as the plan takes it
+    for g, pg in enumerate(groups):
+        size, mine = dist.get_world_size(group=pg), dist.get_rank(group=pg)
+        want = placement.size(g, dp_to) if g < len(saved.shapes) else size
+        if (size, mine) != (want, placement.index(g, rank)):
+            raise UcpError(
+                f"{where}: param group {g} is partitioned over {size} ranks in this job (this rank holds partition "
+                f"{mine}); the save's experts (EP={placement.ep}) put it over {want} (partition "
+                f"{placement.index(g, rank)}): an expert-parallel change goes through the universal folder",
+                subject=where,
+            )
