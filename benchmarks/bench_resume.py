@@ -20,7 +20,12 @@ processes (CPU, gloo; the test harness ``tests/support/dsharness``) that build t
   (``m100-dp4-hooked``) restarted at DP 4, with the hooks (every rank file bound to its position and
   its save before DeepSpeed's load; after it, the masters against the saved weights and every
   partition against its recorded checksum) and without them (stock's load of the same files): what
-  the same-DP checks cost a restart.
+  the same-DP checks cost a restart;
+* ``floor``: the same number of plain processes reading, with ``os.pread``, exactly the bytes of the native
+  DP=8 tag that the reshard's ranks copy (their planned ranges of fp32 and every state, planned outside the
+  timing by the hooks' own planner; ``benchmarks/read_floor.py``), from the same cold files, and nothing
+  else: what no route that reads each needed byte once can beat here. Every route's ``vs floor`` is its
+  load time over the floor's, per repetition, median.
 
 Per rank, the harness measures the time of ``load_checkpoint`` between two barriers (the slowest
 rank's is the load time), bytes through ``read`` calls and bytes read from storage
@@ -54,8 +59,18 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import bench_convert as bc  # noqa: E402
 import make_checkpoint as mk  # noqa: E402
+import read_floor  # noqa: E402
 
-ROUTES = ("stock", "ours", "ours-on-stock", "reshard", "native-same-dp", "same-dp-checked", "same-dp-unchecked")
+ROUTES = (
+    "stock",
+    "ours",
+    "ours-on-stock",
+    "reshard",
+    "native-same-dp",
+    "same-dp-checked",
+    "same-dp-unchecked",
+    "floor",
+)
 SAME_DP = {"m100-dp8": "m100-dp4"}
 """The same model saved at the resumed DP size, per benchmark checkpoint."""
 SAME_DP_HOOKED = {"m100-dp8": "m100-dp4-hooked"}
@@ -100,6 +115,14 @@ def universal_state_bytes(folder: Path) -> int:
 def run_route(route: str, roots: dict[str, Path], spec: "mk.CkptSpec", dp: int, cache: str, scratch: Path) -> dict:
     from tests.support.dsharness import TrainSpec, run_training
 
+    if route == "floor":
+        folder = roots["ours"] / mk.TAG
+        plans = read_floor.plan_ranges(folder, dp)  # outside the timing, before the files are evicted
+        if cache == "cold":
+            bc.evict(folder)
+        else:
+            bc.warm(folder)
+        return read_floor.run(plans)
     if route == "native-same-dp" or route in CHECKED:
         root = mk.build(mk.SPECS[(SAME_DP_HOOKED if route in CHECKED else SAME_DP)[spec.name]])
         folder = root / mk.TAG
@@ -171,6 +194,8 @@ def summarize(runs: list[dict], needed: int) -> dict:
             rep[route] / rep["native-same-dp"] for rep in by_rep.values() if route in rep and "native-same-dp" in rep
         ]
         out[route]["vs_same_dp"] = statistics.median(same) if same and route != "native-same-dp" else None
+        floor = [rep[route] / rep["floor"] for rep in by_rep.values() if route in rep and "floor" in rep]
+        out[route]["vs_floor"] = statistics.median(floor) if floor and route != "floor" else None
         if route == "same-dp-checked":
             checks = [rep[route] / rep["same-dp-unchecked"] for rep in by_rep.values() if set(CHECKED) <= set(rep)]
             out[route]["vs_unchecked"] = statistics.median(checks) if checks else None
@@ -195,9 +220,9 @@ def markdown(result: dict, meta: dict) -> str:
         f"what the load needs once ({result['needed_bytes'] / 1e6:.0f} MB: optimizer state and model states; "
         "the ranks share one page cache here).",
         "",
-        "| route | folder | load s | vs stock | accounting s | accounting % | `read()` MB (worst rank) "
+        "| route | folder | load s | vs stock | vs floor | accounting s | accounting % | `read()` MB (worst rank) "
         "| storage read / needed | peak RSS MB (worst rank) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     folders = {
         "stock": "stock's universal",
@@ -207,6 +232,7 @@ def markdown(result: dict, meta: dict) -> str:
         "native-same-dp": "native DP=4 tag of the same model (stock load)",
         "same-dp-checked": "native DP=4 tag saved through the hooks, loaded with them",
         "same-dp-unchecked": "the same tag, stock load",
+        "floor": "native DP=8 tag: the reshard's ranges read with `pread`, nothing else",
     }
     for route, row in result["routes"].items():
         acct = row["accounting_s"]
@@ -215,10 +241,11 @@ def markdown(result: dict, meta: dict) -> str:
             vs += f" ({row['vs_same_dp']:.2f}x same-DP)"
         if row.get("vs_unchecked") is not None:
             vs += f" ({row['vs_unchecked']:.2f}x unchecked)"
+        floor = "-" if row.get("vs_floor") is None else f"{row['vs_floor']:.2f}x"
         acct_s = "-" if acct is None else f"{acct:.2f}"
         acct_pct = "-" if acct is None else f"{100 * acct / row['load_s']:.0f}%"
         lines.append(
-            f"| {route} | {folders[route]} | {row['load_s']:.2f} | {vs} | {acct_s} | {acct_pct} | "
+            f"| {route} | {folders[route]} | {row['load_s']:.2f} | {vs} | {floor} | {acct_s} | {acct_pct} | "
             f"{row['rchar_mb_max']:.0f} | {row['storage_over_needed']:.2f}x | {row['maxrss_mb']:.0f} |"
         )
     return "\n".join(lines) + "\n"
