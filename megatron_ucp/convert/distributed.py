@@ -24,7 +24,6 @@ checkpoint to is shared by construction); the others read it and connect.
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
 import shutil
@@ -368,15 +367,3 @@ def launch_summary(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     if launch is None or launch.world_size <= 1:
         return None
     return f"{launch.launcher}: rank {launch.rank} of {launch.world_size}"
-
-
-def result_json(result: DistributedConvertResult) -> str:
-    return json.dumps(
-        {
-            "output": str(result.output),
-            "world_size": result.world_size,
-            "committed_by": result.committed_by,
-            "shares": result.shares,
-        },
-        indent=1,
-    )
