@@ -40,6 +40,7 @@ from megatron_ucp.integration.rank_files import (
     read_facts,
 )
 from megatron_ucp.integration.stage3_files import flat_view, read_stage3_facts
+from megatron_ucp.plan.param_geometry import first_difference
 from megatron_ucp.plan.partitioned import FlatGroups, Partitioned, checked_positions
 from megatron_ucp.plan.rank_binding import FileFacts
 from megatron_ucp.plan.reshard import Read
@@ -148,17 +149,14 @@ def check_live_model(
         raise UcpError(
             f"{where}: the checkpoint has {len(saved.shapes)} param groups, the optimizer {len(live)}", subject=where
         )
-    for g, (theirs_all, ours_all) in enumerate(zip(saved.shapes, live, strict=True)):
-        theirs_all, ours_all = list(theirs_all), list(ours_all)
-        if ours_all != theirs_all:
-            at = next(
-                (i for i, (a, b) in enumerate(zip(theirs_all, ours_all)) if a != b), min(len(theirs_all), len(ours_all))
-            )
-            theirs = theirs_all[at] if at < len(theirs_all) else "nothing"
-            ours = ours_all[at] if at < len(ours_all) else "nothing"
+    for g, (saved_params, live_params) in enumerate(zip(saved.shapes, live, strict=True)):
+        if list(live_params) != list(saved_params):
+            at = first_difference(saved_params, live_params)
+            theirs = saved_params[at] if at < len(saved_params) else "nothing"
+            ours = live_params[at] if at < len(live_params) else "nothing"
             raise UcpError(
                 f"{where}: param group {g} differs from the model at position {at}: the checkpoint has "
-                f"{theirs}, the model {ours} ({len(theirs_all)} vs {len(ours_all)} parameters)",
+                f"{theirs}, the model {ours} ({len(saved_params)} vs {len(live_params)} parameters)",
                 subject=where,
             )
     new = saved.at_dp(dp_to)

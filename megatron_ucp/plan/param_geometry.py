@@ -342,6 +342,12 @@ class Stage3Groups:
         return Stage3Groups(tuple(groups), tuple(owners), dp)
 
 
+def first_difference(saved: Sequence, live: Sequence) -> int:
+    """Where a saved list of parameters and the live one first differ (the shorter's length when one only
+    extends the other): the place a "differs from the model at position" message names."""
+    return next((i for i, (a, b) in enumerate(zip(saved, live)) if a != b), min(len(saved), len(live)))
+
+
 def same_parameters(old: Stage3Groups, new: Stage3Groups) -> None:
     """The two per-parameter layouts hold the same parameters in the same param groups and order; raises
     naming the first difference (another model, or the param groups built otherwise)."""
@@ -352,7 +358,7 @@ def same_parameters(old: Stage3Groups, new: Stage3Groups) -> None:
     for g, (saved, live) in enumerate(zip(old.param_groups, new.param_groups, strict=True)):
         if saved == live:
             continue
-        at = next((i for i, (a, b) in enumerate(zip(saved, live)) if a != b), min(len(saved), len(live)))
+        at = first_difference(saved, live)
         theirs = f"{saved[at][0]} ({saved[at][1]} elements)" if at < len(saved) else "nothing"
         ours = f"{live[at][0]} ({live[at][1]} elements)" if at < len(live) else "nothing"
         raise PlanError(
