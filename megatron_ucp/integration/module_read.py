@@ -263,7 +263,7 @@ def rebuild_from_masters(optimizer: Any, real_lengths: list[int], saved: Callabl
     with torch.no_grad():
         for g, (master, real) in enumerate(zip(masters, real_lengths)):
             weights = saved(g)
-            differ += int(not torch.equal(master[:real].to(weights.dtype), weights))
+            differ += int(not torch.equal(master[:real].to(weights.dtype), weights.to(master.device)))
     total = torch.tensor([differ], dtype=torch.int64, device=device())
     with exchanging("comparing the masters with the saved weights (all-reduce)"):
         comm().all_reduce(total, group=surface.dp_group(optimizer))

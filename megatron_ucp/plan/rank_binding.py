@@ -324,7 +324,8 @@ def bracket_misses(master: torch.Tensor, weight: torch.Tensor) -> int:
     bf16 weights: a weight must be one of the two bf16 values around its master (a master bf16
     represents exactly allows only itself): round to nearest, truncation and stochastic rounding
     all give one of them, a weight of another save or position almost never. Weights of another
-    dtype must equal the master cast to it.
+    dtype must equal the master cast to it. The masters may live on an accelerator and the saved
+    weights on the host: each chunk of weights is compared where its masters are.
     """
     import torch
 
@@ -333,7 +334,8 @@ def bracket_misses(master: torch.Tensor, weight: torch.Tensor) -> int:
         raise ValueError(f"{master.numel()} masters against {weight.numel()} weights")
     missed = 0
     for lo in range(0, master.numel(), _CHUNK):
-        m, w = master[lo : lo + _CHUNK].float(), weight[lo : lo + _CHUNK]
+        m = master[lo : lo + _CHUNK].float()
+        w = weight[lo : lo + _CHUNK].to(m.device)
         rounded = m.to(w.dtype)
         if torch.equal(w, rounded):  # rounded to nearest, as DeepSpeed copies: the common case
             continue
