@@ -57,7 +57,6 @@ from megatron_ucp.integration.native_routes import reshard_load, same_dp_load
 from megatron_ucp.integration.partition_load import load_universal_partitions
 from megatron_ucp.integration.stage3_routes import (
     model_states_for,
-    stage3_reshard_load,
     stage3_universal_optimizer_load,
 )
 from megatron_ucp.integration.sync_convert import convert_synchronously
@@ -279,8 +278,7 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
             if decision.warning:
                 log.warning("megatron-ucp: %s", decision.warning)
         if decision.route is Route.RESHARD:
-            reshard = stage3_reshard_load if per_parameter else reshard_load
-            outcome = reshard(self, original, load_dir, decision.tag, kwargs, config, seen.get("model_states"))
+            outcome = reshard_load(self, original, load_dir, decision.tag, kwargs, config, seen.get("model_states"))
             if outcome.report is not None:
                 _finish_load(
                     self,

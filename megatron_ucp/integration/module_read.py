@@ -262,8 +262,9 @@ def rebuild_from_masters(optimizer: Any, real_lengths: list[int], saved: Callabl
     differ = 0
     with torch.no_grad():
         for g, (master, real) in enumerate(zip(masters, real_lengths)):
-            weights = saved(g)
-            differ += int(not torch.equal(master[:real].to(weights.dtype), weights.to(master.device)))
+            weights = saved(g)  # read onto the host; compared where the masters live
+            weights = weights if weights.device == master.device else weights.to(master.device)
+            differ += int(not torch.equal(master[:real].to(weights.dtype), weights))
     total = torch.tensor([differ], dtype=torch.int64, device=device())
     with exchanging("comparing the masters with the saved weights (all-reduce)"):
         comm().all_reduce(total, group=surface.dp_group(optimizer))

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_ucp.deepspeed import surface
+from megatron_ucp.deepspeed import stage3_runtime, surface
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.binding import BoundSave
@@ -51,7 +51,12 @@ from megatron_ucp.integration.old_file_copy import (
     refuse_changed,
     settle,
 )
-from megatron_ucp.integration.partition_load import expected_state_keys, install_group_state, lp_groups_of
+from megatron_ucp.integration.partition_load import (
+    expected_state_keys,
+    install_group_state,
+    lp_groups_of,
+    restore_global_state,
+)
 from megatron_ucp.integration.rank_files import RankFile, SavedFacts, binding_message
 from megatron_ucp.plan.accounting import (
     AccountingReport,
@@ -87,66 +92,121 @@ def loaded_weights(optimizer: Any, bound: BoundSave) -> SavedSlice:
 def load_native_partitions(
     optimizer: Any, bound: BoundSave, strict: bool = True, saved: Optional[SavedSlice] = None
 ) -> AccountingReport:
-    """Steps 3 and 4: this rank's partitions of a save at another DP size, from the files step 1 bound,
-    after DeepSpeed loaded the module (``saved``: where the saved weights are; default the loaded module).
-    Returns the report (the same on every rank); enforcing it is the caller's, except for saved weights
-    that are not the masters rounded (raised here when ``strict``)."""
+    """Steps 3 and 4, every layout: this rank's partitions of a save at another DP size (or another ZeRO-3
+    sub-group cut), from the files step 1 bound, after DeepSpeed loaded the rest (``saved``: where the saved
+    weights are; default, ZeRO-1/2, the loaded module; ZeRO-3 keeps none to compare). Returns the report (the
+    same on every rank); enforcing it is the caller's, except for saved weights that are not the masters
+    rounded (raised here when ``strict``)."""
     t_start = time.perf_counter()
     group = surface.dp_group(optimizer)
-    facts, reads = bound.facts, bound.reads
-    lp_groups = lp_groups_of(optimizer)
+    facts, new, reads = bound.facts, bound.new, bound.reads
+    layout = surface.layout_of(optimizer)
     base = surface.base_optimizer(optimizer)
-    flats = [g["params"][0] for g in base.param_groups]
+    masters = layout.masters(optimizer)
+    links = [[] for _ in masters] if layout.per_parameter else lp_groups_of(optimizer)
+    if saved is None and not layout.per_parameter:
+        saved = loaded_weights(optimizer, bound)
     files = OldFiles.of(facts, bound.rank_file)
     ledger = files.ledger()
     table = ledger.new_table(device="cpu")
-    targets = []
-    with torch.no_grad():  # the fp32 partitions are leaves that require grad (DeepSpeedZeroOptimizer)
-        for g, flat in enumerate(flats):
-            flat.zero_()
-            targets.append({F.FP32_STATE: flat, **{state: torch.zeros_like(flat) for state in facts.states[g]}})
+    states = [_states_of(bound, h) for h in range(len(masters))]
+    steps = [_step_of(bound, h) for h in range(len(masters))]
     try:
+        targets = [_targets(base, master, names) for master, names in zip(masters, states)]
         accounting = copy_reads(files, reads, bound.sources, targets, ledger, table, (F.FP32_STATE,))
-        saved = saved or loaded_weights(optimizer, bound)
-        tally = torch.zeros((facts.dp_from, 2), dtype=torch.int64)
-        with torch.no_grad():
-            for g, group_reads in enumerate(reads):
-                weights = saved(g)
-                for read in group_reads if weights is not None else ():
-                    at = slice(read.target_offset, read.target_offset + read.length)
-                    tally[read.source_rank, 0] += read.length
-                    tally[read.source_rank, 1] += bracket_misses(targets[g][F.FP32_STATE][at], weights[at])
-        _judge_weights(facts, bound.rank_file, _summed(tally, group), group, strict)
-        states = tuple(s for s in sorted({s for g in facts.states for s in g}))
-        accounting += copy_reads(files, reads, bound.sources, targets, ledger, table, states)
+        if saved is not None:
+            _check_weights(facts, bound, targets, saved, group, strict)
+        rest = tuple(sorted({name for names in states for name in names}))
+        accounting += copy_reads(files, reads, bound.sources, targets, ledger, table, rest)
+        for master, lps, buffers, step in zip(masters, links, targets, steps):
+            install_group_state(optimizer, master, lps, {k: v for k, v in buffers.items() if k != F.FP32_STATE}, step)
+        for param_group, saved_group in zip(base.param_groups, facts.param_groups):
+            param_group.update(saved_group)
+        restore_global_state(optimizer, facts.global_state)
+        if layout.per_parameter:  # inside DeepSpeed's stage-3 load, which rounds them itself after its own
+            stage3_runtime.stage3_weights_from_masters(optimizer)
     finally:
         bound.close()
-    for g, (flat, lps) in enumerate(zip(flats, lp_groups)):
-        buffers = {state: t for state, t in targets[g].items() if state != F.FP32_STATE}
-        install_group_state(optimizer, flat, lps, buffers, facts.steps[g])
-    surface.load_global_state(optimizer, facts.global_state)
-    for param_group, saved_group in zip(base.param_groups, facts.param_groups):
-        param_group.update(saved_group)
     problems: list[Problem] = []
-    shapes = facts.layout.shapes
-    for g in range(len(shapes)):
-        expected = expected_state_keys(base, g)
-        keys = set(facts.states[g]) | ({F.STEP_STATE} if facts.steps[g] is not None else set())
-        problems += check_optimizer_states(g, [name for name, _ in shapes[g]], expected, keys, type(base).__name__)
-    n_params = sum(len(group_shapes) for group_shapes in shapes)
-    n_states = sum(len(params) * (1 + len(states)) for params, states in zip(shapes, facts.states))
+    for h, names in enumerate(states):
+        keys = set(names) | ({F.STEP_STATE} if steps[h] is not None else set())
+        expected = expected_state_keys(base, new.param_group(h))
+        problems += check_optimizer_states(h, new.names(h), expected, keys, type(base).__name__)
+    old = bound.old
+    groups = range(len(old.partition_sizes()))
+    n_states = sum(len(old.names(g)) * (1 + len(facts.states[g])) for g in groups)
+    what = f"{old.unit}s {len(groups)} -> {len(masters)}; rank files bound to their positions"
     return settle(
         files,
         ledger,
         table,
         group,
-        counts=(n_params, n_states),
+        counts=(sum(len(old.names(g)) for g in groups), n_states),
         dp_to=bound.dp_to,
         problems=problems,
         has_step=any(step is not None for step in facts.steps),
-        checked=against_the_save(facts.algorithm, "rank files bound to their positions and the saved weights"),
+        checked=against_the_save(facts.algorithm, what + (" and the saved weights" if saved is not None else "")),
         timing=Timing(t_start, bound.seconds, accounting),
     )
+
+
+def _targets(base: Any, master: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """One live group's fp32 partition and one buffer per saved state, all zeroed: the optimizer's own
+    tensor where it has one of the right size (so that it stays where the engine keeps it: host memory
+    under offload), else a new one beside the master."""
+    kept = base.state.get(master, {})
+    buffers = {F.FP32_STATE: master}
+    for name in names:
+        held = kept.get(name)
+        usable = torch.is_tensor(held) and held.shape == master.shape and held.dtype == master.dtype
+        buffers[name] = held if usable else torch.zeros_like(master)
+    with torch.no_grad():
+        for t in buffers.values():
+            t.zero_()
+    return buffers
+
+
+def _states_of(bound: BoundSave, h: int) -> tuple[str, ...]:
+    """The states live group ``h`` gets: those of the saved groups it draws from (one set)."""
+    drawn = bound.new.drawn_from(bound.old, h)
+    found = {bound.facts.states[g] for g in drawn}
+    if len(found) > 1:
+        raise CheckpointFormatError(
+            f"{bound.facts.model_states}: the saved {bound.old.unit}s {list(drawn)} hold different optimizer "
+            f"states {sorted(found)}; the live {bound.new.unit} {h} needs one set",
+            subject=bound.facts.model_states,
+        )
+    return found.pop() if found else ()
+
+
+def _step_of(bound: BoundSave, h: int) -> Any:
+    """The optimizer step live group ``h`` gets: that of the saved groups it draws from (one value)."""
+    drawn = bound.new.drawn_from(bound.old, h)
+    steps = [bound.facts.steps[g] for g in drawn]
+    values = {float(s) if torch.is_tensor(s) or isinstance(s, (int, float)) else repr(s) for s in steps}
+    if len(values) > 1:
+        raise CheckpointFormatError(
+            f"{bound.facts.model_states}: the saved {bound.old.unit}s {list(drawn)} are at different optimizer "
+            f"steps {sorted(values, key=str)}",
+            subject=bound.facts.model_states,
+        )
+    return steps[0] if steps else None
+
+
+def _check_weights(
+    facts: SavedFacts, bound: BoundSave, targets: list, saved: SavedSlice, group: Any, strict: bool
+) -> None:
+    """The masters just copied against the saved weights, per old file (collective): a file whose ranges are
+    not its masters rounded is named on every rank before any optimizer state is read."""
+    tally = torch.zeros((facts.dp_from, 2), dtype=torch.int64)
+    with torch.no_grad():
+        for g, group_reads in enumerate(bound.reads):
+            weights = saved(g)
+            for read in group_reads if weights is not None else ():
+                at = slice(read.target_offset, read.target_offset + read.length)
+                tally[read.source_rank, 0] += read.length
+                tally[read.source_rank, 1] += bracket_misses(targets[g][F.FP32_STATE][at], weights[at])
+    _judge_weights(facts, bound.rank_file, _summed(tally, group), group, strict)
 
 
 def _summed(tally: torch.Tensor, group: Any) -> list[list[int]]:

@@ -1,4 +1,5 @@
-"""The two loads straight from the native rank files: a DP change (the reshard) and a same-DP restart.
+"""The two loads straight from the native rank files, every ZeRO stage: a DP change (the reshard) and a
+same-DP restart.
 
 Both bind every old rank file to its position and its save before DeepSpeed's own load touches the
 engine (:func:`megatron_ucp.integration.binding.bind_save`), then let DeepSpeed load what it
@@ -29,6 +30,7 @@ import torch
 
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
+from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.binding import BoundSave, bind_save
 from megatron_ucp.integration.collectives import is_first
@@ -49,6 +51,7 @@ from megatron_ucp.integration.native_reshard import (
     verify_loaded,
 )
 from megatron_ucp.integration.rank_files import engine_save_files
+from megatron_ucp.integration.stage3_routes import model_states_for, replacing_optimizer_load
 from megatron_ucp.plan.accounting import AccountingReport
 
 log = logging.getLogger(__name__)
@@ -121,28 +124,51 @@ def reshard_load(
     config: UcpConfig,
     seen_states: Optional[dict] = None,
 ) -> ReshardOutcome:
-    """Route RESHARD up to the report: files bound, DeepSpeed's load of everything but the optimizer
-    states (and, distributed, but the optimized weights), the partitions from the old rank files, the
-    weights the masters round to. The caller finishes (training state, summary)."""
+    """Route RESHARD, every stage, up to the report: files bound, DeepSpeed's load of everything but the
+    optimizer states (and, distributed, but the optimized weights), the partitions from the old rank files
+    (:func:`~megatron_ucp.integration.native_reshard.load_native_partitions`), the weights the masters round to.
+    ZeRO-1/2 load the partitions after DeepSpeed's load (``load_optimizer_states`` off); ZeRO-3 in place of its
+    optimizer load, which restores the module from the masters. The caller finishes (training state, summary)."""
     rank_file, model_states = engine_save_files(engine, load_dir, tag)
-    why_full = full_module_reason(engine, config, kwargs)
-    distributed = why_full is None
+    per_parameter = surface.engine_layout(engine).per_parameter
+    why_full = None if per_parameter else full_module_reason(engine, config, kwargs)
+    distributed = why_full is None and not per_parameter
     bound = bind_save(engine, model_states, rank_file, seen_states if is_first() else None)
+    reports: list[AccountingReport] = []
+
+    def partitions(self: Any, _dir: str, _tag: str, load_optimizer_states: bool) -> bool:
+        reports.append(load_native_partitions(self.optimizer, bound, strict=config.strict))
+        return True
+
     try:
         with (
             one_model_states_file_per_rank(
-                engine, always=True, lazy=distributed, layer_hook=_layers(engine, model_states, distributed)
+                engine,
+                always=True,
+                lazy=distributed or per_parameter,
+                layer_hook=_layers(engine, model_states, distributed),
+                path=model_states_for(engine, Path(load_dir) / tag) if per_parameter else None,
             ) as read,
             _module_reads(engine, model_states, distributed),
+            replacing_optimizer_load(partitions) if per_parameter else contextlib.nullcontext(),
         ):
-            result = original(engine, load_dir, tag, **{**kwargs, "load_optimizer_states": False})
+            result = original(engine, load_dir, tag, **(kwargs if per_parameter else {**kwargs, **_NO_STATES}))
     except BaseException:
         bound.close()
         raise
     load_path = result[0] if isinstance(result, tuple) else None
-    if load_path is None:
+    if load_path is None or per_parameter:
         bound.close()
+    if load_path is None:
         return ReshardOutcome(result)  # DeepSpeed said why (no such tag)
+    if per_parameter:
+        if not reports:
+            raise UcpError(
+                f"DeepSpeed's load of {Path(load_dir) / tag} did not reach its optimizer load: the partitions were "
+                "not restored",
+                subject=Path(load_dir) / tag,
+            )
+        return ReshardOutcome(result, Path(load_path), reports[0], read.of(Path(load_path)))
     saved = _saved_slices(engine, bound, model_states) if distributed else None
     try:
         report = load_native_partitions(engine.optimizer, bound, strict=config.strict, saved=saved)
@@ -164,6 +190,9 @@ def reshard_load(
             else ""
         )
     return ReshardOutcome(result, Path(load_path), report.with_more(extras=[module]), read.of(Path(load_path)))
+
+
+_NO_STATES = {"load_optimizer_states": False}
 
 
 def same_dp_load(

@@ -262,10 +262,7 @@ def load_universal_partitions(
         optim_sd = load_torch_file(optim_path, mmap=False)
         if not any(F.STEP_STATE in states for states in accountable.values()):
             context = dataclasses.replace(context, common_step=_common_step(optim_sd, optim_path))
-        if per_parameter:
-            stage3_runtime.load_stage3_global_state(optimizer, optim_sd)
-        else:
-            surface.load_global_state(optimizer, optim_sd)
+        restore_global_state(optimizer, optim_sd)
         dp_from = _source_dp(optim_sd)
         loaded_groups = optim_sd.get(F.PARAM_GROUPS) or []
         if len(loaded_groups) != len(base.param_groups):
@@ -282,10 +279,7 @@ def load_universal_partitions(
         for i, live in enumerate(groups):
             keys, buffers, step = _load_group(context, live, names[i], group_states[i])
             restored_keys.append(keys)
-            if per_parameter:
-                install_stage3_state(optimizer, live.flat, buffers, step)
-            else:
-                install_group_state(optimizer, live.flat, live.lps, buffers, step)
+            install_group_state(optimizer, live.flat, () if per_parameter else live.lps, buffers, step)
         for param_group, saved in zip(base.param_groups, loaded_groups):
             if saved is not None:
                 param_group.update({key: value for key, value in saved.items() if key != "params"})
@@ -459,20 +453,23 @@ def _load_group(
 
 
 def install_group_state(
-    optimizer: Any, flat: torch.Tensor, lps: list, buffers: dict[str, torch.Tensor], step: Any
+    optimizer: Any, flat: torch.Tensor, lps: Iterable[Any], buffers: dict[str, torch.Tensor], step: Any
 ) -> None:
-    """Make ``buffers`` (flat, partition-sized) and ``step`` the base optimizer's state of one group, and
-    point each parameter's optimizer fragments at them (what DeepSpeed's ``_link_hp_params`` does)."""
-    install_stage3_state(optimizer, flat, buffers, step)
-    for lp in lps:
-        surface.link_optimizer_fragments(lp, buffers)
-
-
-def install_stage3_state(optimizer: Any, flat: torch.Tensor, buffers: dict[str, torch.Tensor], step: Any) -> None:
-    """Make ``buffers`` and ``step`` the wrapped optimizer's state of one flat partition (a ZeRO-3
-    sub-group's: nothing links parameters to it)."""
+    """Make ``buffers`` (flat, partition-sized) and ``step`` the base optimizer's state of one live group, and
+    point each of ``lps`` at its optimizer fragments in them (what DeepSpeed's ``_link_hp_params`` does at
+    ZeRO-1/2; a ZeRO-3 sub-group has no links: pass none)."""
     state_dict = surface.base_optimizer(optimizer).state[flat]
     for state, buffer in buffers.items():
         state_dict[state] = buffer
     if step is not None:
         state_dict[F.STEP_STATE] = step.clone() if torch.is_tensor(step) else step
+    for lp in lps:
+        surface.link_optimizer_fragments(lp, buffers)
+
+
+def restore_global_state(optimizer: Any, state: dict) -> None:
+    """The optimizer's state outside its partitions (loss scaler, clipping, ...), where its stage keeps it."""
+    if surface.layout_of(optimizer).per_parameter:
+        stage3_runtime.load_stage3_global_state(optimizer, state)
+    else:
+        surface.load_global_state(optimizer, state)

@@ -1,4 +1,4 @@
-"""The loads of a ZeRO-3 engine, each around DeepSpeed's own ``load_checkpoint``.
+"""What only a ZeRO-3 engine's loads need, around DeepSpeed's own ``load_checkpoint``.
 
 DeepSpeed's stage-3 load takes the module's buffers, the scheduler and the counters from this rank's
 model-states file, then its optimizer load reads this rank's own rank file (and refuses another DP size)
@@ -7,12 +7,10 @@ sub-group only). For one load megatron-ucp replaces that optimizer load (``_load
 through :func:`megatron_ucp.deepspeed.surface.scoped_replace`) and, where this rank has no model-states
 file of DeepSpeed's naming, tells its loader which one to read:
 
-* :func:`stage3_reshard_load`: a DP change (or another sub-group cut) from the native rank files
-  (:mod:`megatron_ucp.integration.stage3_load`): bound before DeepSpeed touches the engine, each rank's
-  slices copied into its partitions, nothing written;
-* a restart at the saved DP size is every stage's
-  (:func:`megatron_ucp.integration.native_routes.same_dp_load`): bound before, DeepSpeed's own load, every
-  partition checked against the save's checksums after;
+* a DP change (or another sub-group cut) from the native rank files and a restart at the saved DP size are
+  every stage's (:mod:`megatron_ucp.integration.native_routes`); at ZeRO-3 the reshard's partitions load in
+  place of DeepSpeed's optimizer load (:func:`replacing_optimizer_load`), which restores the module from the
+  masters, and from the file :func:`model_states_for` names;
 * :func:`stage3_universal_optimizer_load`: a universal folder (converted from any ZeRO stage) read by our
   loader (:func:`megatron_ucp.integration.partition_load.load_universal_partitions`): each rank reads only
   its slice of each parameter's state files, with the ledger.
@@ -29,16 +27,9 @@ from typing import Any, Callable, Iterator, Optional
 
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
-from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.integration.binding import bind_save
-from megatron_ucp.integration.collectives import is_first
 from megatron_ucp.integration.live_layout import TpPlace
-from megatron_ucp.integration.model_states_load import one_model_states_file_per_rank
-from megatron_ucp.integration.native_routes import ReshardOutcome
 from megatron_ucp.integration.partition_load import load_universal_partitions
-from megatron_ucp.integration.rank_files import engine_save_files
-from megatron_ucp.integration.stage3_load import load_stage3_partitions
 from megatron_ucp.plan.accounting import AccountingReport
 
 log = logging.getLogger(__name__)
@@ -64,7 +55,7 @@ def model_states_for(engine: Any, folder: Path) -> Optional[Path]:
     return None
 
 
-def _replacing_optimizer_load(load: Callable[[Any, str, str, bool], bool]) -> Any:
+def replacing_optimizer_load(load: Callable[[Any, str, str, bool], bool]) -> Any:
     """``_load_zero_checkpoint`` replaced by ``load(engine, load_dir, tag, load_optimizer_states)`` for one load."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -75,47 +66,6 @@ def _replacing_optimizer_load(load: Callable[[Any, str, str, bool], bool]) -> An
         return _load_zero_checkpoint
 
     return surface.scoped_replace(surface.ENGINE, "_load_zero_checkpoint", make)
-
-
-def stage3_reshard_load(
-    engine: Any,
-    original: Callable[..., Any],
-    load_dir: str,
-    tag: str,
-    kwargs: dict,
-    config: UcpConfig,
-    seen_states: Optional[dict] = None,
-) -> ReshardOutcome:
-    """Route RESHARD at ZeRO-3 up to the report: files bound, DeepSpeed's load of the buffers, scheduler and
-    counters, our partitions instead of its optimizer load. The caller finishes (training state, summary)."""
-    folder = Path(load_dir) / tag
-    rank_file, model_states = engine_save_files(engine, load_dir, tag)
-    bound = bind_save(engine, model_states, rank_file, seen_states if is_first() else None)
-    reports: list[AccountingReport] = []
-
-    def load(self: Any, _dir: str, _tag: str, load_optimizer_states: bool) -> bool:
-        reports.append(load_stage3_partitions(self, bound, strict=config.strict))
-        return True
-
-    try:
-        with (
-            one_model_states_file_per_rank(
-                engine, always=True, lazy=True, path=model_states_for(engine, folder)
-            ) as read,
-            _replacing_optimizer_load(load),
-        ):
-            result = original(engine, load_dir, tag, **kwargs)
-    finally:
-        bound.close()
-    load_path = result[0] if isinstance(result, tuple) else None
-    if load_path is None:
-        return ReshardOutcome(result)  # DeepSpeed said why (no such tag)
-    if not reports:
-        raise UcpError(
-            f"DeepSpeed's load of {folder} did not reach its optimizer load: the partitions were not restored",
-            subject=folder,
-        )
-    return ReshardOutcome(result, Path(load_path), reports[0], read.of(Path(load_path)))
 
 
 @contextlib.contextmanager
@@ -141,5 +91,5 @@ def stage3_universal_optimizer_load(
         return True
 
     original = surface.resolve(surface.ENGINE)._load_zero_checkpoint
-    with _replacing_optimizer_load(load):
+    with replacing_optimizer_load(load):
         yield

@@ -326,6 +326,16 @@ class Stage3Groups:
         """None: every sub-group is cut over the whole DP group."""
         return None
 
+    def names(self, sub_group: int) -> list[str]:
+        return [name for name, _ in self.sub_groups[sub_group]]
+
+    def param_group(self, sub_group: int) -> int:
+        return self.param_group_of[sub_group]
+
+    def drawn_from(self, old: "Stage3Groups", sub_group: int) -> tuple[int, ...]:
+        """The saved sub-groups the parameters of ``sub_group`` come from (another DP size cuts them anew)."""
+        return tuple(sorted({old.places[name].sub_group for name in self.names(sub_group)}))
+
     def padding_only_ranks(self) -> list[int]:
         """Ranks whose every sub-group partition is padding (no real element at all)."""
         return [r for r in range(self.dp) if not any(self.true_lengths(r))]

@@ -63,6 +63,18 @@ class Partitioned(Protocol):
         """Per group, its number of partitions when not every group has ``dp``; None: all have ``dp``."""
         ...
 
+    def names(self, group: int) -> list[str]:
+        """The parameters of ``group``, in order."""
+        ...
+
+    def param_group(self, group: int) -> int:
+        """The optimizer param group ``group`` belongs to (its hyperparameters)."""
+        ...
+
+    def drawn_from(self, old: "Partitioned", group: int) -> tuple[int, ...]:
+        """The groups of the save ``old`` whose elements this layout's ``group`` holds after a resume."""
+        ...
+
 
 @dataclass(frozen=True)
 class FlatGroups:
@@ -127,6 +139,16 @@ class FlatGroups:
 
     def partition_counts(self) -> Optional[tuple[int, ...]]:
         return tuple(geo.dp for geo in self.geometries) if self.placement.ep > 1 else None
+
+    def names(self, group: int) -> list[str]:
+        return [name for name, _ in self.shapes[group]] if self.shapes else []
+
+    def param_group(self, group: int) -> int:
+        return group
+
+    def drawn_from(self, old: "Partitioned", group: int) -> tuple[int, ...]:
+        """A flat group is the same group at every DP size."""
+        return (group,)
 
 
 def real_length(layout: Partitioned, position: int, group: int) -> int:

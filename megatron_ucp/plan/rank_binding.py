@@ -335,7 +335,8 @@ def bracket_misses(master: torch.Tensor, weight: torch.Tensor) -> int:
     missed = 0
     for lo in range(0, master.numel(), _CHUNK):
         m = master[lo : lo + _CHUNK].float()
-        w = weight[lo : lo + _CHUNK].to(m.device)
+        w = weight[lo : lo + _CHUNK]
+        w = w if w.device == m.device else w.to(m.device)
         rounded = m.to(w.dtype)
         if torch.equal(w, rounded):  # rounded to nearest, as DeepSpeed copies: the common case
             continue

@@ -19,10 +19,6 @@ HOST_ON_PURPOSE = {
         "integration/partition_load.py",
         "load_universal_partitions",
     ): "the ledger is filled on the host, moved to device() for the one all-reduce",
-    (
-        "integration/stage3_load.py",
-        "load_stage3_partitions",
-    ): "the ledger is filled on the host, moved to device() for the one all-reduce",
     ("plan/accounting.py", "new_table"): "default of the host-side ledger table",
     ("format/torchfile.py", "persistent_id"): "torch's own record of where a saved storage lived",
     ("background/trigger.py", "converter_env"): "the background converter process is CPU-only by design",

@@ -46,7 +46,6 @@ OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "zero_
 ZERO3 = dict(optimizer="zero", dp=4, zero_stage=3, uc_info=True, extra_config=SUB_GROUPS)
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 LEDGER_PLACES = {
-    "load_stage3_partitions",
     "load_universal_partitions",
     "load_native_partitions",
     "settle",
