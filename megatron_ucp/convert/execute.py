@@ -78,7 +78,6 @@ from megatron_ucp.format.torchload import TorchReaderCheck, structure_problems
 from megatron_ucp.plan.conversion import ConversionPlan, ParamPlan, build_plan, share_of, split_by_bytes
 from megatron_ucp.plan.expert_plan import build_expert_plan
 from megatron_ucp.plan.model_parallel import CoordinateInput, build_model_parallel_plan
-from megatron_ucp.plan.stage3_plan import build_stage3_plan
 from megatron_ucp.version import __version__
 
 log = logging.getLogger(__name__)
@@ -145,7 +144,7 @@ def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
     """The plan of a DP-only checkpoint (a mixture-of-experts one's expert groups over expert-DP, under global
     expert names), or the merged per-coordinate plans of a TP/PP one.
 
-    ZeRO-3 (per-parameter partitions, :func:`~megatron_ucp.plan.stage3_plan.build_stage3_plan`) keeps
+    ZeRO-3 (per-parameter partitions, :func:`~megatron_ucp.plan.conversion.build_plan`'s ``per_parameter``) keeps
     vocabulary parameters whole, marked :data:`~megatron_ucp.format.dsformat.VOCAB_ROWS_WHOLE`: stock's
     stage-3 universal loader partitions the ``param`` tensor it finds as the live parameter, padded rows
     included, and a trimmed one would land shifted."""
@@ -155,8 +154,6 @@ def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
     try:
         if not meta.model_parallel:
             recorded = meta.tp_layouts(sorted(names)) if meta.tp_layouts_known() else None
-            if stage3:
-                return build_stage3_plan(meta.model.param_groups, meta.layouts, rules, tp_layouts=recorded)
             if meta.experts is not None:
                 experts = meta.experts
                 return build_expert_plan(
@@ -168,7 +165,7 @@ def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
                     rules,
                     tp_layouts=recorded,
                 )
-            return build_plan(meta.model.param_groups, meta.layouts, rules, tp_layouts=recorded)
+            return build_plan(meta.model.param_groups, meta.layouts, rules, tp_layouts=recorded, per_parameter=stage3)
         layouts = meta.tp_layouts(sorted(names))
         coordinates = [
             CoordinateInput(
@@ -180,10 +177,7 @@ def plan_checkpoint(meta: CheckpointMeta) -> ConversionPlan:
             )
             for c in meta.coordinates
         ]
-        planner = (lambda groups, ranks: build_stage3_plan(groups, ranks)) if stage3 else None
-        return build_model_parallel_plan(
-            coordinates, meta.tp, meta.pp, layouts, rules, plan_coordinate=planner, trim_vocabulary=not stage3
-        )
+        return build_model_parallel_plan(coordinates, meta.tp, meta.pp, layouts, rules, per_parameter=stage3)
     except PlanError as exc:
         raise CheckpointFormatError(f"{meta.files.tag_dir}: {exc}", subject=meta.files.tag_dir) from exc
 

@@ -226,18 +226,23 @@ def build_plan(
     rules: MegatronPatterns = MegatronPatterns(),
     alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR,
     tp_layouts: Optional[Mapping[str, TpLayout]] = None,
+    per_parameter: bool = False,
 ) -> ConversionPlan:
     """Derive geometry from the model's parameter shapes and the rank files, check, and plan.
 
-    ``param_groups`` lists, per optimizer param group, the parameters DeepSpeed partitioned
-    (``param_shapes`` of the model-states file). ``ranks`` must hold every DP rank exactly once.
-    Raises :class:`CheckpointFormatError` naming the rank file when the files contradict the geometry.
+    ``param_groups`` lists, per group, the parameters DeepSpeed partitioned (``param_shapes`` of the
+    model-states file): ZeRO-1/2's param groups, one flat buffer each, whose fragments the files' fragment maps
+    must agree with; or (``per_parameter``) ZeRO-3's optimizer sub-groups, each parameter cut on its own, where
+    the files record no fragment map and each parameter's place follows from the shapes alone. ``ranks`` must
+    hold every DP rank exactly once. Raises :class:`CheckpointFormatError` naming the rank file when the files
+    contradict the geometry.
     """
-    ranks = checked_ranks(param_groups, ranks)
+    unit = ("optimizer sub-groups", ": files of another run, or another sub_group_size?") if per_parameter else ()
+    ranks = checked_ranks(param_groups, ranks, *unit)
     group_plans = []
     param_plans: list[ParamPlan] = []
     for g, specs in enumerate(param_groups):
-        group, params = plan_group(g, specs, ranks, rules, alignment_factor, tp_layouts)
+        group, params = plan_group(g, specs, ranks, rules, alignment_factor, tp_layouts, per_parameter)
         group_plans.append(group)
         param_plans.extend(params)
 
@@ -270,57 +275,96 @@ def plan_group(
     rules: MegatronPatterns = MegatronPatterns(),
     alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR,
     tp_layouts: Optional[Mapping[str, TpLayout]] = None,
+    per_parameter: bool = False,
 ) -> tuple[GroupPlan, list[ParamPlan]]:
-    """One param group partitioned over ``ranks`` (``RankLayout.rank`` 0..n-1, each holding group ``g``):
-    its geometry, checked against every rank's fragments, and its parameters' plans."""
+    """One group partitioned over ``ranks`` (``RankLayout.rank`` 0..n-1, each holding group ``g``): its
+    geometry, checked against every rank's file, and its parameters' plans (``per_parameter``: a ZeRO-3
+    sub-group)."""
     layouts = [r.groups[g] for r in ranks]
-    internal_padding = {lay.param_alignment_padding for lay in layouts}
-    if len(internal_padding) != 1:
-        raise PlanError(
-            f"param group {g}: rank files disagree on per-parameter alignment padding ({sorted(internal_padding)})"
+    if len({s.name for s in specs}) != len(specs):
+        raise PlanError(f"{_unit(per_parameter)} {g} lists a parameter name twice")
+    if per_parameter:
+        geo: GroupGeometry | SubGroupGeometry = SubGroupGeometry(tuple(s.numel for s in specs), len(ranks))
+    else:
+        internal_padding = {lay.param_alignment_padding for lay in layouts}
+        if len(internal_padding) != 1:
+            raise PlanError(
+                f"param group {g}: rank files disagree on per-parameter alignment padding ({sorted(internal_padding)})"
+            )
+        numel = sum(s.numel for s in specs)
+        geo = GroupGeometry(
+            numel=numel, dp=len(ranks), padded_numel=numel + internal_padding.pop(), alignment_factor=alignment_factor
         )
-    numel = sum(s.numel for s in specs)
-    geo = GroupGeometry(
-        numel=numel, dp=len(ranks), padded_numel=numel + internal_padding.pop(), alignment_factor=alignment_factor
-    )
-    states = _check_states(g, ranks, geo)
+    states = _check_states(g, ranks, geo, per_parameter)
     has_step = {lay.has_step for lay in layouts}
     if len(has_step) != 1:
-        raise PlanError(f"param group {g}: some rank files store an optimizer step and some do not")
+        raise PlanError(f"{_unit(per_parameter)} {g}: some rank files store an optimizer step and some do not")
     group = GroupPlan(
         index=g, geometry=geo, states=states, has_step=has_step.pop(), param_names=tuple(s.name for s in specs)
     )
+    if isinstance(geo, SubGroupGeometry):
+        return group, _per_parameter_plans(specs, geo, rules, tp_layouts)
     return group, _plan_group(g, specs, ranks, geo, states, rules, tp_layouts)
 
 
-def _check_states(g: int, ranks: Sequence[RankLayout], geo: GroupGeometry) -> tuple[str, ...]:
-    """All ranks must store the same sharded states; none may be longer than a partition."""
+def _unit(per_parameter: bool) -> str:
+    return "sub-group" if per_parameter else "param group"
+
+
+def _check_states(
+    g: int, ranks: Sequence[RankLayout], geo: GroupGeometry | SubGroupGeometry, exact: bool
+) -> tuple[str, ...]:
+    """All ranks must store the same sharded states; none may be longer than a partition (``exact``, ZeRO-3:
+    each exactly one partition long, since no fragment map says how much of it is real)."""
+    unit = _unit(exact)
+    size = geo.partition_size
     first = ranks[0].groups[g].state_names
     for layout in ranks:
         lay = layout.groups[g]
         if set(lay.state_names) != set(first):
             raise _fail(
                 layout.source,
-                f"param group {g} stores states {sorted(lay.state_names)}, "
-                f"rank 0 stores {sorted(first)}: files from different runs?",
+                f"{unit} {g} stores states {sorted(lay.state_names)}, rank 0 stores {sorted(first)}: files from "
+                "different runs?",
             )
         for name, length in lay.state_lengths:
-            if length > geo.partition_size:
+            if length > size or (exact and length < size):
+                cause = "truncated file?" if length < size else "files of a different DP size or model?"
                 raise _fail(
                     layout.source,
-                    f"state {name!r} of param group {g} has {length} elements, more than "
-                    f"the partition size {geo.partition_size} implied by the model's parameter shapes "
-                    f"at DP={geo.dp}: files of a different DP size or model?",
+                    f"state {name!r} of {unit} {g} has {length} elements, "
+                    f"{'fewer' if length < size else 'more'} than the partition size {size} implied by the "
+                    f"model's parameter shapes at DP={geo.dp}: {cause}",
                 )
         if lay.recorded_true_length is not None and lay.recorded_true_length != geo.true_length(layout.rank):
             raise _fail(
                 layout.source,
-                f"records true length {lay.recorded_true_length} for param group {g}, "
+                f"records true length {lay.recorded_true_length} for {unit} {g}, "
                 f"geometry gives {geo.true_length(layout.rank)} (N={geo.numel}, DP={geo.dp})",
             )
     ordered = ["fp32"] if "fp32" in first else []
     ordered += sorted(s for s in first if s != "fp32")
     return tuple(ordered)
+
+
+def _per_parameter_plans(
+    specs: Sequence[ParamSpec],
+    geo: SubGroupGeometry,
+    rules: MegatronPatterns,
+    tp_layouts: Optional[Mapping[str, TpLayout]],
+) -> list[ParamPlan]:
+    """Each parameter of a ZeRO-3 sub-group from its slice on every rank, at the place the shapes give it;
+    vocabulary parameters stay whole (:attr:`ParamPlan.vocab_whole`)."""
+    plans = []
+    for spec, part, offset in zip(specs, geo.params, geo.offsets):
+        items = tuple(
+            CopyItem(rank=r, src_offset=offset, dst_offset=part.start(r), length=part.true_length(r))
+            for r in range(geo.dp)
+            if part.true_length(r)
+        )
+        layout = tp_layouts.get(spec.name) if tp_layouts else None
+        plans.append(shape_output(spec, offset, items, rules, layout, trim_vocabulary=False))
+    return plans
 
 
 def _plan_group(
@@ -334,8 +378,6 @@ def _plan_group(
 ) -> list[ParamPlan]:
     s = geo.partition_size
     by_name = {spec.name: spec for spec in specs}
-    if len(by_name) != len(specs):
-        raise PlanError(f"param group {g} lists a parameter name twice")
     pieces: dict[str, list[tuple[int, int, int]]] = {name: [] for name in by_name}  # (rank, start, numel)
     for layout in ranks:
         lay = layout.groups[g]
@@ -542,8 +584,10 @@ def synthesize_layouts(
     flat_orders: Optional[Sequence[Sequence[str]]] = None,
     recorded_style: Optional[PaddingStyle] = None,
     fp32_cut_style: Optional[PaddingStyle] = None,
+    per_parameter: bool = False,
 ) -> list[RankLayout]:
-    """The rank layouts DeepSpeed writes for these parameters at ``dp``.
+    """The rank layouts DeepSpeed writes for these parameters at ``dp`` (``per_parameter``: ZeRO-3's, for
+    these optimizer sub-groups: every state one partition long, no fragment map).
 
     ``param_alignment`` pads every parameter but the last to a multiple (DeepSpeedZeroOptimizer's
     ``parameter_alignment``); ``flat_orders`` gives each group's flat order (``round_robin_gradients``
@@ -556,6 +600,18 @@ def synthesize_layouts(
     """
     per_rank: list[list[RankGroupLayout]] = [[] for _ in range(dp)]
     for g, specs in enumerate(param_groups):
+        if per_parameter:
+            sub = SubGroupGeometry(tuple(spec.numel for spec in specs), dp)
+            for r in range(dp):
+                per_rank[r].append(
+                    RankGroupLayout(
+                        fragments=(),
+                        state_lengths=tuple((st, sub.partition_size) for st in states),
+                        recorded_true_length=sub.true_length(r) if recorded_style is None else None,
+                        has_step=True,
+                    )
+                )
+            continue
         by_name = {spec.name: spec for spec in specs}
         order = [by_name[n] for n in flat_orders[g]] if flat_orders is not None else list(specs)
         offsets, offset = [], 0

@@ -16,7 +16,7 @@ once, every read inside its file's partition).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 from megatron_ucp.errors import PlanError
 from megatron_ucp.plan.conversion import (
@@ -71,18 +71,15 @@ def build_model_parallel_plan(
     layouts: Mapping[str, TpLayout],
     rules: MegatronPatterns = MegatronPatterns(),
     alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR,
-    plan_coordinate: Optional[Callable[[Sequence[Sequence[ParamSpec]], Sequence[RankLayout]], ConversionPlan]] = None,
-    trim_vocabulary: bool = True,
+    per_parameter: bool = False,
 ) -> ConversionPlan:
-    """Plan every coordinate, then merge TP slices and pipeline stages into whole parameters.
+    """Plan every coordinate (:func:`~megatron_ucp.plan.conversion.build_plan`; ``per_parameter``: ZeRO-3's
+    sub-groups, whose vocabulary parameters are written whole), then merge TP slices and pipeline stages into
+    whole parameters."""
+    trim_vocabulary = not per_parameter
 
-    ``plan_coordinate`` plans one coordinate from its groups and DP rank layouts (default: ZeRO-1/2's
-    :func:`~megatron_ucp.plan.conversion.build_plan`; ZeRO-3 passes its own planner, and
-    ``trim_vocabulary=False``: its vocabulary parameters are written whole)."""
-    if plan_coordinate is None:
-
-        def plan_coordinate(groups: Sequence[Sequence[ParamSpec]], ranks: Sequence[RankLayout]) -> ConversionPlan:
-            return build_plan(groups, ranks, MegatronPatterns(), alignment_factor)
+    def plan_coordinate(groups: Sequence[Sequence[ParamSpec]], ranks: Sequence[RankLayout]) -> ConversionPlan:
+        return build_plan(groups, ranks, MegatronPatterns(), alignment_factor, per_parameter=per_parameter)
 
     by_coord = {(c.pp, c.tp): c for c in coordinates}
     if sorted(by_coord) != [(p, t) for p in range(pp) for t in range(tp)]:

@@ -9,14 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ucp.errors import CheckpointFormatError, UcpError
-from megatron_ucp.plan.conversion import ParamSpec, RankGroupLayout, RankLayout
+from megatron_ucp.plan.conversion import ParamSpec, RankGroupLayout, RankLayout, build_plan, synthesize_layouts
 from megatron_ucp.plan.param_geometry import (
     ParamPartition,
     SubGroupGeometry,
     stock_stage3_problems,
     sub_groups,
 )
-from megatron_ucp.plan.stage3_plan import build_stage3_plan, stage3_layouts
 from tests.support.aurora_shapes import aurora_7b_param_groups
 
 
@@ -98,7 +97,7 @@ def _specs(groups: list[list[int]]) -> list[list[ParamSpec]]:
 @pytest.mark.parametrize("dp", [1, 3, 4, 7])
 def test_stage3_plan_places_every_element_once(dp):
     specs = _specs([[192, 27, 9], [3, 3, 0, 5]])
-    plan = build_stage3_plan(specs, stage3_layouts(specs, dp))
+    plan = build_plan(specs, synthesize_layouts(specs, dp, per_parameter=True), per_parameter=True)
     for p, spec in zip(plan.params, [s for g in specs for s in g], strict=True):
         part = ParamPartition(spec.numel, dp)
         assert sum(i.length for i in p.items) == spec.numel
@@ -110,7 +109,7 @@ def test_stage3_plan_places_every_element_once(dp):
 
 def test_aurora_7b_shapes_plan_at_dp768():
     specs = [[ParamSpec(s.name, g, s.shape) for s in group] for g, group in enumerate(aurora_7b_param_groups())]
-    plan = build_stage3_plan(specs, stage3_layouts(specs, 768))
+    plan = build_plan(specs, synthesize_layouts(specs, 768, per_parameter=True), per_parameter=True)
     norms = plan.groups[1].geometry
     assert norms.partition_size == 65 * 6
     assert sum(p.numel for p in plan.params) == sum(s.numel for g in specs for s in g)
@@ -127,20 +126,20 @@ def _with(layouts: list[RankLayout], rank: int, **changes) -> list[RankLayout]:
 
 def test_stage3_plan_refuses_files_that_contradict_the_shapes():
     specs = _specs([[192, 27], [3]])
-    layouts = stage3_layouts(specs, 4)
+    layouts = synthesize_layouts(specs, 4, per_parameter=True)
     short = _with(layouts, 2, state_lengths=(("fp32", 55), ("exp_avg", 54), ("exp_avg_sq", 55)))
     with pytest.raises(CheckpointFormatError, match=r"rank2\.pt: state 'exp_avg' of sub-group 0 has 54 .*truncated"):
-        build_stage3_plan(specs, short)
+        build_plan(specs, short, per_parameter=True)
     long = _with(layouts, 1, state_lengths=(("fp32", 60), ("exp_avg", 60), ("exp_avg_sq", 60)))
     with pytest.raises(CheckpointFormatError, match="different DP size"):
-        build_stage3_plan(specs, long)
-    lied = _with(stage3_layouts(specs, 4, record_true_lengths=True), 3, recorded_true_length=55)
+        build_plan(specs, long, per_parameter=True)
+    lied = _with(synthesize_layouts(specs, 4, per_parameter=True), 3, recorded_true_length=55)
     with pytest.raises(CheckpointFormatError, match="records true length 55 for sub-group 0"):
-        build_stage3_plan(specs, lied)
+        build_plan(specs, lied, per_parameter=True)
     other_states = _with(layouts, 1, state_lengths=(("fp32", 55), ("momentum", 55)))
     with pytest.raises(CheckpointFormatError, match="rank1.pt: sub-group 0 stores states"):
-        build_stage3_plan(specs, other_states)
+        build_plan(specs, other_states, per_parameter=True)
     fewer = list(layouts)
     fewer[3] = RankLayout(rank=3, groups=layouts[3].groups[:1], source="rank3.pt")
     with pytest.raises(CheckpointFormatError, match="rank3.pt: has 1 optimizer sub-groups, the model states list 2"):
-        build_stage3_plan(specs, fewer)
+        build_plan(specs, fewer, per_parameter=True)
