@@ -108,3 +108,25 @@ def test_each_layout_plans_its_reads_and_says_what_each_file_must_hold(dp_from, 
     assert flat.fragments(1) == (expected_fragments(shapes[0], flat.geometries[0], 1),)
     assert FlatGroups(flat.geometries, dp_from).fragments(1) is None  # no shapes: nothing to check against
     assert flat.starts(1) == [flat.geometries[0].partition_size]
+
+
+@settings(deadline=None, max_examples=40)
+@given(dp_from=st.integers(1, 12), dp_to=st.integers(1, 12), cut=st.integers(1, 300))
+def test_each_live_group_says_which_saved_groups_it_draws_from(dp_from, dp_to, cut):
+    """What the one native load installs per live group: its parameters, its param group, and the saved groups
+    whose states and step it takes. A flat group is the same group at every DP size; a ZeRO-3 sub-group cut
+    anew takes exactly the saved sub-groups its parameters came from, all of its own param group."""
+    shapes = [[("a", (7, 9)), ("b", (30,))], [("n", (5,))]]
+    flat = FlatGroups.of(shapes, dp_from)
+    live = flat.at_dp(dp_to)
+    for g in range(len(shapes)):
+        assert live.names(g) == [name for name, _ in shapes[g]] and live.param_group(g) == g
+        assert live.drawn_from(flat, g) == (g,)
+
+    old = Stage3Groups(((("a", 63), ("b", 30)), (("c", 200),), (("n", 5),)), (0, 0, 1), dp_from)
+    new = old.at_dp(dp_to, sub_group_size=cut)
+    assert [n for h in range(len(new.sub_groups)) for n in new.names(h)] == ["a", "b", "c", "n"]
+    for h in range(len(new.sub_groups)):
+        drawn = new.drawn_from(old, h)
+        assert set(drawn) == {old.places[name].sub_group for name in new.names(h)}
+        assert {old.param_group(g) for g in drawn} == {new.param_group(h)}
