@@ -1,7 +1,7 @@
 """One process plays DP rank ``r`` of a ``W``-rank resume of a synthetic ZeRO-3 save, from the native files or
 from a universal folder (the stage-3 counterpart of ``resume_probe.py``; the same JSON keys).
 
-``--native``: the native reshard's own code (``integration/stage3_files``: the facts, each old rank file the
+``--native``: the native reshard's own code (``integration/rank_files``: the facts, each old rank file the
 rank reads opened and checked through its view; ``plan/reshard``: the slice reads), each slice of fp32 and
 of every state copied into the rank's partitions and hashed at its position, as the hook does before its one
 all-reduce. Without it: the rank's slice of every parameter's state files in the universal folder
@@ -56,9 +56,9 @@ def _exact(spec: SyntheticSpec, new, rank: int, targets: list[dict]) -> bool:
 
 
 def native(args) -> dict:
+    from megatron_ucp.deepspeed.stage3_files import flat_view
     from megatron_ucp.integration.old_file_copy import OldFiles, copy_reads
-    from megatron_ucp.integration.rank_files import expectation, inspect_file
-    from megatron_ucp.integration.stage3_files import flat_view, read_stage3_facts
+    from megatron_ucp.integration.rank_files import expectation, inspect_file, read_facts
     from megatron_ucp.plan.reshard import source_ranks
 
     tag = args.folder
@@ -67,7 +67,9 @@ def native(args) -> dict:
         return tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
 
     io0, t0 = read_bytes(), time.perf_counter()
-    facts = read_stage3_facts(tag / F.zero3_model_file(0, 0), rank_file)  # the first rank's part, broadcast
+    facts = read_facts(
+        tag / F.zero3_model_file(0, 0), rank_file, per_parameter=True
+    )  # the first rank's part, broadcast
     t_facts, facts_io = time.perf_counter() - t0, read_bytes() - io0
     io0, t1 = read_bytes(), time.perf_counter()
     new = facts.layout.at_dp(args.world, SUB_GROUP_SIZE)

@@ -182,3 +182,20 @@ class RankFile:
         if F.GROUP_PADDINGS in out:  # a universal checkpoint holds no padding (as stock writes it)
             out[F.GROUP_PADDINGS] = [0] * len(out[F.GROUP_PADDINGS])
         return out
+
+
+def optimizer_state(path: Path) -> dict:
+    """The optimizer dict of an old rank file, its tensors located but not read (readahead off)."""
+    sd = load_raw(path, random_access=True)
+    optim = sd.get(F.OPTIMIZER_STATE_DICT) if isinstance(sd, dict) else None
+    if (
+        not isinstance(optim, dict)
+        or not isinstance(optim.get(F.BASE_OPTIMIZER_STATE), dict)
+        or not isinstance(optim.get(F.SINGLE_PARTITION_OF_FP32_GROUPS), list)
+    ):
+        raise CheckpointFormatError(
+            f"{path}: not a ZeRO-1/2 optimizer file (no {F.OPTIMIZER_STATE_DICT} with "
+            f"{F.BASE_OPTIMIZER_STATE} and {F.SINGLE_PARTITION_OF_FP32_GROUPS})",
+            subject=path,
+        )
+    return optim

@@ -181,3 +181,28 @@ def model_states_of_another_save(paths: Sequence[Path], first: Path, model_id: s
                 f"and the rank files are of save {model_id})"
             )
     return out
+
+
+def stage3_optimizer_state(path: Path) -> dict:
+    """A ZeRO-3 rank file's optimizer dict, tensors located but not read (readahead off)."""
+    raw = load_raw(path, random_access=True)
+    sd = raw.get(F.OPTIMIZER_STATE_DICT) if isinstance(raw, dict) else None
+    inner = sd.get(F.OPTIMIZER_STATE_DICT) if isinstance(sd, dict) else None
+    if not isinstance(sd, dict) or not isinstance(sd.get(F.FP32_FLAT_GROUPS), list) or not isinstance(inner, dict):
+        raise CheckpointFormatError(
+            f"{path}: not a ZeRO-3 optimizer file (no {F.OPTIMIZER_STATE_DICT} with {F.FP32_FLAT_GROUPS} and the "
+            "wrapped optimizer's state): a file of another ZeRO stage?",
+            subject=path,
+        )
+    return sd
+
+
+def flat_view(path: Path) -> dict:
+    """A ZeRO-3 rank file's optimizer dict under ZeRO-1/2's keys (fp32 partitions per sub-group, the wrapped
+    optimizer's state per sub-group), for the per-file checks both stages share."""
+    sd = stage3_optimizer_state(path)
+    inner = sd[F.OPTIMIZER_STATE_DICT]
+    view = {k: v for k, v in sd.items() if k not in (F.FP32_FLAT_GROUPS, F.OPTIMIZER_STATE_DICT)}
+    view[F.SINGLE_PARTITION_OF_FP32_GROUPS] = sd[F.FP32_FLAT_GROUPS]
+    view[F.BASE_OPTIMIZER_STATE] = {"state": inner.get("state", {}), "param_groups": inner.get(F.PARAM_GROUPS)}
+    return view

@@ -14,7 +14,9 @@ Call order (collective over the optimizer's DP group, every rank calls :func:`bi
    every rank here, naming the file(s), with the engine untouched.
 
 What differs between the ZeRO stages is only what their files and their live optimizers are
-(:mod:`megatron_ucp.integration.stage3_files`, :func:`megatron_ucp.integration.live_partitions.live_stage3_groups`);
+(one :func:`~megatron_ucp.integration.rank_files.read_facts`, a ZeRO-3 file seen through
+:func:`megatron_ucp.deepspeed.stage3_files.flat_view`;
+:func:`megatron_ucp.integration.live_partitions.live_stage3_groups`);
 everything after the binding (the copy, the ledger, the checks after a load) takes the :class:`BoundSave`.
 """
 
@@ -26,6 +28,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_ucp.deepspeed import surface
+from megatron_ucp.deepspeed.optimizer_files import optimizer_state
+from megatron_ucp.deepspeed.stage3_files import flat_view
 from megatron_ucp.errors import CheckpointFormatError, PlanError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import Failure, comm, decide_on_first
@@ -36,10 +40,8 @@ from megatron_ucp.integration.rank_files import (
     SavedFacts,
     Source,
     bind_rank_files,
-    optimizer_state,
     read_facts,
 )
-from megatron_ucp.integration.stage3_files import flat_view, read_stage3_facts
 from megatron_ucp.plan.param_geometry import first_difference
 from megatron_ucp.plan.partitioned import FlatGroups, Partitioned, checked_positions
 from megatron_ucp.plan.rank_binding import FileFacts
@@ -92,9 +94,8 @@ def bind_save(
     if per_parameter:  # every ZeRO-3 rank saves its own model states; the facts are in DP rank 0's
         found = F.OPTIM_FILE_RE.match(rank_file(0).name)
         model_states = model_states.parent / F.zero3_model_file(0, int(found["mp"]) if found else 0)
-        facts = decide_on_first(lambda: read_stage3_facts(model_states, rank_file, states), group)
-    else:
-        facts = decide_on_first(lambda: read_facts(model_states, rank_file, states, _live_shapes(optimizer)), group)
+    live_shapes = None if per_parameter else _live_shapes(optimizer)
+    facts = decide_on_first(lambda: read_facts(model_states, rank_file, states, live_shapes, per_parameter), group)
     if isinstance(facts, Failure):
         raise CheckpointFormatError(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
     try:

@@ -18,6 +18,7 @@ Call order (collective over the optimizer's DP group, every rank calls it):
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,7 +27,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from megatron_ucp.deepspeed import surface
+from megatron_ucp.deepspeed.optimizer_files import optimizer_state
 from megatron_ucp.deepspeed.reader import load_raw
+from megatron_ucp.deepspeed.stage3_files import flat_view, model_states_of_another_save, sub_group_owners
 from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
@@ -35,6 +38,7 @@ from megatron_ucp.format.paths import special_kind
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.integration.collectives import comm
 from megatron_ucp.plan.experts import expert_facts, recorded_experts
+from megatron_ucp.plan.param_geometry import Stage3Groups
 from megatron_ucp.plan.partitioned import FlatGroups, Partitioned
 from megatron_ucp.plan.rank_binding import (
     FileExpectation,
@@ -142,13 +146,16 @@ def read_facts(
     rank_file: RankFile,
     states: Optional[dict] = None,
     live_shapes: Optional[list[list[tuple[str, tuple[int, ...]]]]] = None,
+    per_parameter: bool = False,
 ) -> SavedFacts:
-    """Step 1 (first rank): the facts, checked for the old files' presence and DP size. ``states``:
+    """Step 1 (first rank): the facts of any save, checked for the old files' presence and DP size. ``states``:
     the model states already read from ``model_states`` (else read here, without the weights' bytes).
     ``live_shapes``: the job's param groups, taken as the saved ones for a mixture-of-experts save (its model
     states record ``num_experts``) whose model states list none (DeepSpeed before 0.19); every rank file's
-    ``param_slice_mappings`` is then checked against them, fragment by fragment, before anything is read."""
-    states, dp_from, save_id = model_states_facts(model_states, states, shapes_optional=True)
+    ``param_slice_mappings`` is then checked against them, fragment by fragment, before anything is read.
+    ``per_parameter``: a ZeRO-3 save (``model_states``: DP rank 0's), whose files are read under ZeRO-1/2's
+    keys (:func:`~megatron_ucp.deepspeed.stage3_files.flat_view`) and whose layout is its sub-groups."""
+    states, dp_from, save_id = model_states_facts(model_states, states, shapes_optional=not per_parameter)
     saved_shapes = states.get(F.PARAM_SHAPES)
     if not isinstance(saved_shapes, list):
         if live_shapes is None or not recorded_experts(states.get("num_experts")):
@@ -156,26 +163,60 @@ def read_facts(
                 f"{model_states}: no param_shapes (not a ZeRO-1/2 model-states file)", subject=model_states
             )
         saved_shapes = [dict(group) for group in live_shapes]
+    saved_shapes = [group for group in saved_shapes if isinstance(group, dict)]
     expected = check_presence(model_states, rank_file, dp_from)
-    first = optimizer_state(expected[0])  # its tensors are located, not read (nor read ahead)
-    algorithm = checksum_algorithm(first, expected[0])
+    if per_parameter:
+        _check_stage3_model_states(model_states, dp_from, save_id)
+    first = (flat_view if per_parameter else optimizer_state)(expected[0])  # tensors located, not read
     base = first[F.BASE_OPTIMIZER_STATE]
     groups = base.get("param_groups") or []
-    per_group = [base["state"].get(g, {}) for g in range(len(groups))]
-    placement = saved_placement(first.get(F.PARTITION_COUNT), dp_from, expected[0])
+    if per_parameter:
+        count = len(first[F.SINGLE_PARTITION_OF_FP32_GROUPS])
+        if len(saved_shapes) != count:
+            raise CheckpointFormatError(
+                f"{expected[0]}: has {count} optimizer sub-groups, {model_states.name} lists {len(saved_shapes)}: "
+                "files of another run, or another sub_group_size?",
+                subject=expected[0],
+            )
+        layout: Partitioned = Stage3Groups(
+            tuple(tuple((str(name), math.prod(shape)) for name, shape in group.items()) for group in saved_shapes),
+            tuple(sub_group_owners(groups, count, expected[0])),
+            dp_from,
+        )
+    else:
+        count = len(groups)
+        placement = saved_placement(first.get(F.PARTITION_COUNT), dp_from, expected[0])
+        layout = FlatGroups.of(
+            [[(name, tuple(shape)) for name, shape in group.items()] for group in saved_shapes], dp_from, placement
+        )
+    per_group = [base["state"].get(g, {}) for g in range(count)]
     return SavedFacts(
         dp_from=dp_from,
-        layout=FlatGroups.of(
-            [[(name, tuple(shape)) for name, shape in group.items()] for group in saved_shapes], dp_from, placement
-        ),
+        layout=layout,
         global_state={k: v for k, v in first.items() if k not in _PARTITIONS and k != F.UCP_SAVE_RECORD},
         param_groups=[{k: v for k, v in group.items() if k != "params"} for group in groups],
         states=tensor_states(per_group),
         steps=[in_memory(s.get(F.STEP_STATE)) for s in per_group],
-        algorithm=algorithm,
+        algorithm=checksum_algorithm(first, expected[0]),
         save_id=save_id,
         model_states=str(model_states),
+        frozen=tuple(sorted(states.get(F.FROZEN_PARAM_SHAPES) or ())) if per_parameter else (),
     )
+
+
+def _check_stage3_model_states(model_states: Path, dp_from: int, save_id: Optional[str]) -> None:
+    """Every ZeRO-3 rank saved its own model states (counters, config, frozen slices): none may be missing,
+    and, saved through the hooks, every one is of this save."""
+    mp = F.ZERO3_MODEL_FILE_RE.match(model_states.name)
+    paths = [model_states.parent / F.zero3_model_file(r, int(mp["mp"]) if mp else 0) for r in range(dp_from)]
+    for path in paths:
+        why = absent(path)
+        if why is not None:
+            raise CheckpointFormatError(f"{path}: {why} (the save's DP size is {dp_from})", subject=path)
+    if save_id is not None:
+        others = model_states_of_another_save(paths, model_states, save_id)
+        if others:
+            raise CheckpointFormatError(binding_message(model_states.parent, others), subject=others[0].split(": ")[0])
 
 
 def tensor_states(per_group: Sequence[dict]) -> list[tuple[str, ...]]:
@@ -244,23 +285,6 @@ def _step_value(value: Any) -> Any:
     if isinstance(value, RawTensor) or torch.is_tensor(value):
         return float(value) if value.numel() == 1 else ("tensor", tuple(value.shape))
     return value
-
-
-def optimizer_state(path: Path) -> dict:
-    """The optimizer dict of an old rank file, its tensors located but not read (readahead off)."""
-    sd = load_raw(path, random_access=True)
-    optim = sd.get(F.OPTIMIZER_STATE_DICT) if isinstance(sd, dict) else None
-    if (
-        not isinstance(optim, dict)
-        or not isinstance(optim.get(F.BASE_OPTIMIZER_STATE), dict)
-        or not isinstance(optim.get(F.SINGLE_PARTITION_OF_FP32_GROUPS), list)
-    ):
-        raise CheckpointFormatError(
-            f"{path}: not a ZeRO-1/2 optimizer file (no {F.OPTIMIZER_STATE_DICT} with "
-            f"{F.BASE_OPTIMIZER_STATE} and {F.SINGLE_PARTITION_OF_FP32_GROUPS})",
-            subject=path,
-        )
-    return optim
 
 
 def expectation(facts: SavedFacts, position: int, reads: Sequence[Sequence[Read]]) -> FileExpectation:

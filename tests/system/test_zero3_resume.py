@@ -428,8 +428,8 @@ def test_at_dp_768_sampled_ranks_of_both_routes_equal_the_saved_values(tmp_path)
     a middle, the last rank holding a norm weight's elements and one whose slice of it is padding (the norm:
     8 elements, so ranks 8.. of 768 hold only its padding on the old side, and of 512 and 1024 on the new)."""
     from megatron_ucp.convert.execute import ConvertOptions, convert
-    from megatron_ucp.integration.rank_files import expectation, inspect_file
-    from megatron_ucp.integration.stage3_files import flat_view, read_stage3_facts
+    from megatron_ucp.deepspeed.stage3_files import flat_view
+    from megatron_ucp.integration.rank_files import expectation, inspect_file, read_facts
     from megatron_ucp.plan.llama_shapes import LlamaShape
     from megatron_ucp.plan.param_geometry import per_parameter_reads
     from megatron_ucp.plan.reshard import source_ranks
@@ -442,7 +442,7 @@ def test_at_dp_768_sampled_ranks_of_both_routes_equal_the_saved_values(tmp_path)
     tag = write_checkpoint(tmp_path, spec, progress=False).tag_dir
     out = tmp_path / "universal"
     assert convert(ConvertOptions(source=tag, output=out, progress=False)).committed
-    facts = read_stage3_facts(tag / F.zero3_model_file(0, 0), lambda r: rank_file(tag, r))
+    facts = read_facts(tag / F.zero3_model_file(0, 0), lambda r: rank_file(tag, r), per_parameter=True)
     old = facts.layout
     folder = {
         (name, state): torch.load(out / F.UNIVERSAL_ZERO_DIR / name / f"{state}.pt", weights_only=False)[F.PARAM]
