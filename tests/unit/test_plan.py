@@ -79,15 +79,27 @@ def test_shares_partition_the_params(ck, n):
     assert shares == [share_of(plan, i, n) for i in range(n)]  # deterministic
 
 
-@pytest.mark.parametrize("src,dst", [(768, 512), (4, 3), (3, 8), (512, 768)])
-def test_reshard_from_metadata(src, dst):
-    """The same parameters at two DP sizes: both plans rebuild every parameter completely."""
+@pytest.mark.parametrize("per_parameter", [False, True], ids=["flat", "per-parameter"])
+@pytest.mark.parametrize("src,dst", [(768, 512), (4, 3), (6, 9), (3, 8), (512, 768)])
+def test_reshard_from_metadata(src, dst, per_parameter):
+    """The same parameters at two DP sizes, through the one planner for either layout (ZeRO-1/2's flat groups,
+    ZeRO-3's sub-groups; at 512 and 768 most ranks hold only padding of the small groups): both plans rebuild
+    every parameter completely, and at ZeRO-3 each rank's slice of a parameter is read where the shapes put it."""
     groups = groups_from_sizes([[96, 7, 300, 5], [3, 3, 3]])
-    a = build_plan(groups, synthesize_layouts(groups, src))
-    b = build_plan(groups, synthesize_layouts(groups, dst))
-    covered_exactly_once(a)
-    covered_exactly_once(b)
-    assert [(p.name, p.numel) for p in a.params] == [(p.name, p.numel) for p in b.params]
+    plans = [
+        build_plan(groups, synthesize_layouts(groups, dp, per_parameter=per_parameter), per_parameter=per_parameter)
+        for dp in (src, dst)
+    ]
+    for plan in plans:
+        covered_exactly_once(plan)
+        for p in plan.params:
+            assert sum(it.length for it in p.items) == p.numel
+            if per_parameter:  # every item a whole slice of its own parameter, one per rank holding any of it
+                size = -(-p.numel // plan.dp)
+                assert [(it.rank, it.src_offset, it.dst_offset) for it in p.items] == [
+                    (r, p.flat_offset, r * size) for r in range(plan.dp) if r * size < p.numel
+                ]
+    assert [(p.name, p.numel) for p in plans[0].params] == [(p.name, p.numel) for p in plans[1].params]
 
 
 def test_aurora_7b_at_dp768_from_metadata():
