@@ -1,19 +1,20 @@
 """Elastic resume straight from the native rank files: a DP change with no conversion and no second copy.
 
-For ZeRO-1/2 (``BF16_Optimizer``, ``DeepSpeedZeroOptimizer``) a rank of the resized job needs one
-contiguous range of each param group's flat order, held by a few old rank files
-(:mod:`megatron_ucp.plan.reshard`). Those files are memory-mapped and only those ranges of the fp32
-master and of every optimizer state are copied into this rank's flat partition: each old byte is read
-by one rank, nothing is written to disk.
+Every layout the same way: a rank of the resized job needs a few ranges of a few old rank files
+(``old.reads_to(new, rank)``: one contiguous range of each ZeRO-1/2 param group's flat order, a slice of each
+parameter of a ZeRO-3 sub-group; :mod:`megatron_ucp.plan.reshard`). Those files are memory-mapped and only those
+ranges of the fp32 master and of every optimizer state are copied into this rank's partitions: each old byte is
+read by one rank, nothing is written to disk.
 
 Call order (collective over the optimizer's DP group, every rank calls each step):
 
 1. :func:`megatron_ucp.integration.binding.bind_save`, before DeepSpeed's own load touches the engine
    (the one binding of every layout): the facts, the live model checked against them, the plan, and
    every old rank file bound to its position and to this save.
-2. DeepSpeed loads the module, the scheduler and the counters (the caller's part).
-3. :func:`load_native_partitions`: the fp32 masters' ranges copied first, and each compared with the
-   bf16 weights DeepSpeed just loaded (:func:`megatron_ucp.plan.rank_binding.bracket_misses`: after a
+2. DeepSpeed loads the module, the scheduler and the counters (the caller's part; at ZeRO-3 step 3 runs in
+   place of its optimizer load).
+3. :func:`load_native_partitions`: the fp32 masters' ranges copied first and, at ZeRO-1/2, each compared with
+   the bf16 weights DeepSpeed just loaded (:func:`megatron_ucp.plan.rank_binding.bracket_misses`: after a
    ZeRO-1/2 save they are the masters rounded); a file whose ranges are not is named on every rank
    before any optimizer state is read. Then the states; what landed is hashed at its place in the new
    partitions, and the source side of the ledger is the checksum each old rank file recorded of its
