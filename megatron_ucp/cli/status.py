@@ -65,16 +65,20 @@ def run(args: argparse.Namespace) -> int:
 
 def _deep(rs, progress: bool) -> dict[str, tuple[str, list[str]]]:
     """Per tag: one line saying what was read and found, and the problems (each naming its file)."""
-    from megatron_ucp.convert.verify import native_tag_problems, verify_universal  # imports torch
+    from megatron_ucp.convert.native_verify import verify_native  # these import torch
+    from megatron_ucp.convert.verify import verify_universal
 
     out: dict[str, tuple[str, list[str]]] = {}
     for row in rs.tags:
         said, problems = [], []
         native = rs.root / row.tag
         if row.native:
-            count, found = native_tag_problems(native, row.dp)
-            said.append(f"native: {count} files read, " + ("sound" if not found else f"{len(found)} problem(s)"))
-            problems += found
+            report = verify_native(native, progress=progress)
+            said.append(
+                f"native: {report.files} files read, "
+                + (f"sound ({report.elements} elements finite)" if report.ok else f"{len(report.problems)} problem(s)")
+            )
+            problems += report.problems
         if row.universal.value == "complete":
             report = verify_universal(
                 rs.root / f"{row.tag}_universal", native if row.native and not problems else None, progress=progress

@@ -1,4 +1,4 @@
-"""``megatron-ucp verify PATH [--tag T] [--source TAG_DIR]``: a universal folder, or the twin of a native tag."""
+"""``megatron-ucp verify PATH [--tag T] [--source TAG_DIR]``: a universal folder, or a native tag (and its twin)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from pathlib import Path
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify",
-        help="check a universal checkpoint (completeness; bit-exact against its native tag)",
-        description="Check that every parameter and state of a universal checkpoint is present with the shape "
-        "the model states record and matches the checksums its manifest recorded. PATH is a universal folder, "
-        "or a checkpoint root (the twin of --tag, default the tag in 'latest') or a native tag folder: then the "
-        "twin is also compared bit for bit with the native tag's fragments.",
+        help="check a native tag (whole, one save, as recorded, finite) or a universal checkpoint (bit-exact)",
+        description="PATH is a universal folder: every parameter and state present with the shape the model "
+        "states record, matching the checksums its manifest recorded. PATH is a checkpoint root (its tag --tag, "
+        "default the tag in 'latest') or a native tag folder: the tag itself is checked (every file whole, the "
+        "files one checkpoint of one save, every partition what the save recorded when it was saved through the "
+        "hooks, every real element of the masters and optimizer states finite), and its universal twin, when "
+        "there is one, is verified and compared bit for bit with the tag.",
     )
     p.add_argument("path", type=Path, help="a universal folder, a checkpoint root or a native tag folder")
     p.add_argument("--tag", help="with a checkpoint root: the tag whose twin to verify (default: 'latest')")
@@ -24,14 +26,31 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ucp.convert.verify import verify_universal, what_to_verify  # imports torch: only for this command
+    # these import torch: only for this command
+    from megatron_ucp.convert.native_verify import verify_native
+    from megatron_ucp.convert.verify import is_universal_folder, twin_of, verify_universal
 
-    folder, source = what_to_verify(args.path, args.tag)
-    source = args.source if args.source is not None else source
-    report = verify_universal(folder, source, progress=not args.no_progress)
-    for problem in report.problems[:50]:
-        print(f"  {problem}", file=sys.stderr)
-    if len(report.problems) > 50:
-        print(f"  ... and {len(report.problems) - 50} more", file=sys.stderr)
-    print(report.summary())
-    return 0 if report.ok else 1
+    reports = []
+    if args.tag is None and is_universal_folder(args.path):
+        reports.append(verify_universal(args.path, args.source, progress=not args.no_progress))
+    else:
+        tag_dir, twin = twin_of(args.path, args.tag)
+        native = verify_native(tag_dir, progress=not args.no_progress)
+        reports.append(native)
+        if twin is None:
+            print(
+                f"{tag_dir}: no universal twin to verify (`megatron-ucp convert {tag_dir.parent} --tag {tag_dir.name}` "
+                "makes it)",
+                file=sys.stderr,
+            )
+        else:
+            source = args.source if args.source is not None else tag_dir if native.ok else None
+            reports.append(verify_universal(twin, source, progress=not args.no_progress))
+    for report in reports:
+        for problem in report.problems[:50]:
+            print(f"  {problem}", file=sys.stderr)
+        if len(report.problems) > 50:
+            print(f"  ... and {len(report.problems) - 50} more", file=sys.stderr)
+    for report in reports:
+        print(report.summary())
+    return 0 if all(report.ok for report in reports) else 1

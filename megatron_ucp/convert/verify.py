@@ -115,23 +115,12 @@ def native_tag_problems(tag_dir: Path, dp: Optional[int]) -> tuple[int, list[str
     return len(files), problems
 
 
-def what_to_verify(path: os.PathLike | str, tag: Optional[str] = None) -> tuple[Path, Optional[Path]]:
-    """``(universal folder, the native tag to compare it with)`` for what a user names: a universal folder (no
-    source: ``--source`` adds one), a checkpoint root (the twin of ``tag`` or of the tag in ``latest``, against
-    that tag) or a native tag folder (its twin, against it). Raises naming the twin and the command that makes it
-    when there is none."""
-    path = Path(path)
-    if tag is None and is_universal_folder(path):
-        return path, None
-    ck = resolve_checkpoint(path, tag)
+def twin_of(path: os.PathLike | str, tag: Optional[str] = None) -> tuple[Path, Optional[Path]]:
+    """``(native tag folder, its universal twin or None)`` for what a user names: a checkpoint root (its tag
+    ``tag``, or the one in ``latest``) or a native tag folder."""
+    ck = resolve_checkpoint(Path(path), tag)
     twin = ck.tag_dir.parent / F.universal_tag(ck.tag)
-    if not twin.is_dir():
-        raise CheckpointFormatError(
-            f"{ck.tag_dir}: no universal checkpoint to verify ({twin.name} does not exist); "
-            f"`megatron-ucp convert {ck.tag_dir.parent} --tag {ck.tag}` makes it",
-            subject=twin,
-        )
-    return twin, ck.tag_dir
+    return ck.tag_dir, twin if twin.is_dir() else None
 
 
 def _expected_shape(name: str, shape: tuple, uc_info: Optional[dict], entry: dict) -> tuple:

@@ -1,0 +1,138 @@
+"""A native tag verified as it is, before anyone resumes from it or converts it: is this save sound?
+
+Four questions, each answered by the one place that already answers it for a load or a conversion, and every
+problem named by its file:
+
+1. is every ``.pt`` file whole (its zip structure as ``torch.load`` judges it, every record's CRC-32;
+   :func:`megatron_ucp.convert.verify.native_tag_problems`)?
+2. do the files make one checkpoint (the reader's cross-checks: positions, DP size, shapes, fragment maps;
+   :func:`megatron_ucp.deepspeed.reader.read_checkpoint` and the conversion plan)?
+3. saved through the hooks: is every file of this save, and every partition what the save recorded
+   (:func:`megatron_ucp.convert.save_check.check_save_record`)?
+4. is every real element of every fp32 master and optimizer state finite? A NaN or Inf that reached a save
+   (a diverged step, a bad node's memory) is a bad checkpoint even when every checksum matches: each one is named
+   by parameter, state and rank file. Padding is not read (ZeRO-3 leaves it uninitialized).
+
+Each real element is read once, by the plan's own items (the same fragments a conversion writes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from megatron_ucp.convert.execute import plan_checkpoint
+from megatron_ucp.convert.save_check import check_save_record
+from megatron_ucp.convert.verify import native_tag_problems
+from megatron_ucp.convert.writer import RankFileCache, state_fragments
+from megatron_ucp.deepspeed.reader import rank_file_count_problem, read_checkpoint
+from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.plan.conversion import ConversionPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NativeReport:
+    tag_dir: Path
+    files: int = 0
+    partitions_checked: int = 0
+    """Partitions that matched the checksum the save recorded (0: a save without the hooks' record)."""
+    elements: int = 0
+    """Real elements of masters and optimizer states read and found finite or not."""
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        if not self.ok:
+            return f"FAILED: {self.tag_dir}: {len(self.problems)} problem(s); first: {self.problems[0]}"
+        record = (
+            f"{self.partitions_checked} partitions matching the checksums the save recorded"
+            if self.partitions_checked
+            else "no recorded checksums (not saved through the hooks)"
+        )
+        return (
+            f"OK: {self.tag_dir} is sound: {self.files} files whole, {record}, {self.elements} elements of masters "
+            f"and optimizer states finite ({self.seconds:.1f} s)"
+        )
+
+
+def verify_native(tag_dir: Path, progress: bool = False) -> NativeReport:
+    """Answer the module's four questions for one native tag folder; stops after the first question that fails
+    (a file that is not whole, or files that are not one checkpoint, cannot be read further)."""
+    t0 = time.perf_counter()
+    report = NativeReport(Path(tag_dir))
+    report.files, report.problems = native_tag_problems(report.tag_dir, None)
+    if report.problems:
+        return _done(report, t0)
+    try:
+        meta = read_checkpoint(report.tag_dir)
+        plan = plan_checkpoint(meta)
+    except CheckpointFormatError as exc:
+        report.problems.append(str(exc))
+        return _done(report, t0)
+    count = _problems_of_count(meta)
+    if count:
+        report.problems.append(count)
+        return _done(report, t0)
+    cache = RankFileCache(list(meta.files.rank_files))
+    try:
+        report.partitions_checked = check_save_record(meta, cache)
+    except CheckpointFormatError as exc:
+        report.problems += _lines_of(exc)
+        return _done(report, t0)
+    report.elements, found = non_finite_problems(plan, cache, list(meta.files.rank_files), progress)
+    report.problems += found
+    return _done(report, t0)
+
+
+def non_finite_problems(
+    plan: ConversionPlan, cache: RankFileCache, rank_files: list[Path], progress: bool = False
+) -> tuple[int, list[str]]:
+    """Every real element of every state of every parameter, read once from the rank files by the plan's items
+    (TP replicas included): (elements read, one problem per parameter, state and file holding a NaN or Inf)."""
+    import torch
+
+    elements, problems = 0, []
+    for p in tqdm(plan.params, desc="finite", disable=not progress, leave=False):
+        items = list(p.items) + [item for copies in p.replicas for item in copies]
+        for state in plan.groups[p.group].states:
+            bad: dict[int, list[int]] = {}
+            for item, fragment in zip(items, state_fragments(p, state, cache, items), strict=True):
+                values = fragment.to_torch()
+                elements += values.numel()
+                if not values.is_floating_point() or bool(torch.isfinite(values).all()):
+                    continue
+                counts = bad.setdefault(item.rank, [0, 0])
+                counts[0] += int(torch.isnan(values).sum())
+                counts[1] += int(torch.isinf(values).sum())
+            problems += [
+                f"{rank_files[rank]}: {nan} NaN and {inf} Inf in {state!r} of parameter {p.name!r}"
+                for rank, (nan, inf) in sorted(bad.items())
+            ]
+    return elements, problems
+
+
+def _problems_of_count(meta: Any) -> str:
+    return rank_file_count_problem(meta.files.tag_dir, meta.dp) or ""
+
+
+def _lines_of(exc: CheckpointFormatError) -> list[str]:
+    """The problems a save check named, one per line (its first line says what was checked)."""
+    lines = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()]
+    return lines or [str(exc)]
+
+
+def _done(report: NativeReport, t0: float) -> NativeReport:
+    report.seconds = time.perf_counter() - t0
+    log.debug(report.summary())
+    return report
