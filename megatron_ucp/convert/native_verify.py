@@ -8,7 +8,7 @@ problem named by its file:
 2. do the files make one checkpoint (the reader's cross-checks: positions, DP size, shapes, fragment maps;
    :func:`megatron_ucp.deepspeed.reader.read_checkpoint` and the conversion plan)?
 3. saved through the hooks: is every file of this save, and every partition what the save recorded
-   (:func:`megatron_ucp.convert.save_check.check_save_record`)?
+   (:func:`megatron_ucp.convert.save_check.save_record_problems`, the conversion's own check)?
 4. is every real element of every fp32 master and optimizer state finite? A NaN or Inf that reached a save
    (a diverged step, a bad node's memory) is a bad checkpoint even when every checksum matches: each one is named
    by parameter, state and rank file. Padding is not read (ZeRO-3 leaves it uninitialized).
@@ -22,12 +22,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
 from megatron_ucp.convert.execute import plan_checkpoint
-from megatron_ucp.convert.save_check import check_save_record
+from megatron_ucp.convert.save_check import save_record_problems
 from megatron_ucp.convert.verify import native_tag_problems
 from megatron_ucp.convert.writer import RankFileCache, state_fragments
 from megatron_ucp.deepspeed.reader import rank_file_count_problem, read_checkpoint
@@ -80,24 +79,19 @@ def verify_native(tag_dir: Path, progress: bool = False) -> NativeReport:
     except CheckpointFormatError as exc:
         report.problems.append(str(exc))
         return _done(report, t0)
-    count = _problems_of_count(meta)
+    count = rank_file_count_problem(meta.files.tag_dir, meta.dp)
     if count:
         report.problems.append(count)
         return _done(report, t0)
     cache = RankFileCache(list(meta.files.rank_files))
-    try:
-        report.partitions_checked = check_save_record(meta, cache)
-    except CheckpointFormatError as exc:
-        report.problems += _lines_of(exc)
+    report.problems, report.partitions_checked = save_record_problems(meta, cache)
+    if report.problems:
         return _done(report, t0)
-    report.elements, found = non_finite_problems(plan, cache, list(meta.files.rank_files), progress)
-    report.problems += found
+    report.elements, report.problems = non_finite_problems(plan, cache, progress)
     return _done(report, t0)
 
 
-def non_finite_problems(
-    plan: ConversionPlan, cache: RankFileCache, rank_files: list[Path], progress: bool = False
-) -> tuple[int, list[str]]:
+def non_finite_problems(plan: ConversionPlan, cache: RankFileCache, progress: bool = False) -> tuple[int, list[str]]:
     """Every real element of every state of every parameter, read once from the rank files by the plan's items
     (TP replicas included): (elements read, one problem per parameter, state and file holding a NaN or Inf)."""
     import torch
@@ -116,20 +110,10 @@ def non_finite_problems(
                 counts[0] += int(torch.isnan(values).sum())
                 counts[1] += int(torch.isinf(values).sum())
             problems += [
-                f"{rank_files[rank]}: {nan} NaN and {inf} Inf in {state!r} of parameter {p.name!r}"
+                f"{cache.paths[rank]}: {nan} NaN and {inf} Inf in {state!r} of parameter {p.name!r}"
                 for rank, (nan, inf) in sorted(bad.items())
             ]
     return elements, problems
-
-
-def _problems_of_count(meta: Any) -> str:
-    return rank_file_count_problem(meta.files.tag_dir, meta.dp) or ""
-
-
-def _lines_of(exc: CheckpointFormatError) -> list[str]:
-    """The problems a save check named, one per line (its first line says what was checked)."""
-    lines = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()]
-    return lines or [str(exc)]
 
 
 def _done(report: NativeReport, t0: float) -> NativeReport:

@@ -36,13 +36,7 @@ SHOWN = 20
 def check_save_record(meta: CheckpointMeta, cache: RankFileCache, share_index: int = 0, share_count: int = 1) -> int:
     """Raise :class:`CheckpointFormatError` naming every file that is not what the save recorded; returns how
     many partitions were checked against their recorded checksums (0: a save without them)."""
-    problems = identity_problems(meta, cache)
-    checked = 0
-    if not problems:
-        for index in range(share_index, len(meta.files.rank_files), share_count):
-            found, count = _checksum_problems(meta, cache.get(index), index)
-            problems += found
-            checked += count
+    problems, checked = save_record_problems(meta, cache, share_index, share_count)
     if problems:
         shown = "\n  ".join(problems[:SHOWN])
         more = f"\n  ... and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
@@ -52,6 +46,21 @@ def check_save_record(meta: CheckpointMeta, cache: RankFileCache, share_index: i
             subject=problems[0].split(": ", 1)[0],
         )
     return checked
+
+
+def save_record_problems(
+    meta: CheckpointMeta, cache: RankFileCache, share_index: int = 0, share_count: int = 1
+) -> tuple[list[str], int]:
+    """Every file that is not what the save recorded (each problem naming its file), and how many partitions
+    matched their recorded checksums; this share's rank files only."""
+    problems = identity_problems(meta, cache)
+    checked = 0
+    if not problems:
+        for index in range(share_index, len(meta.files.rank_files), share_count):
+            found, count = _checksum_problems(meta, cache.get(index), index)
+            problems += found
+            checked += count
+    return problems, checked
 
 
 def _save_id(raw: Any) -> Optional[str]:

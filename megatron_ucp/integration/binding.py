@@ -94,8 +94,12 @@ def bind_save(
     if per_parameter:  # every ZeRO-3 rank saves its own model states; the facts are in DP rank 0's
         found = F.OPTIM_FILE_RE.match(rank_file(0).name)
         model_states = model_states.parent / F.zero3_model_file(0, int(found["mp"]) if found else 0)
-    live_shapes = None if per_parameter else _live_shapes(optimizer)
-    facts = decide_on_first(lambda: read_facts(model_states, rank_file, states, live_shapes, per_parameter), group)
+    facts = decide_on_first(
+        lambda: read_facts(
+            model_states, rank_file, states, None if per_parameter else _live_shapes(optimizer), per_parameter
+        ),
+        group,
+    )
     if isinstance(facts, Failure):
         raise CheckpointFormatError(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
     try:

@@ -110,13 +110,13 @@ def load_native_partitions(
     files = OldFiles.of(facts, bound.rank_file)
     ledger = files.ledger()
     table = ledger.new_table(device="cpu")
-    states = [_states_of(bound, h) for h in range(len(masters))]
-    steps = [_step_of(bound, h) for h in range(len(masters))]
     try:
+        states = [_states_of(bound, h) for h in range(len(masters))]
+        steps = [_step_of(bound, h) for h in range(len(masters))]
         targets = [_targets(base, master, names) for master, names in zip(masters, states)]
         accounting = copy_reads(files, reads, bound.sources, targets, ledger, table, (F.FP32_STATE,))
         if saved is not None:
-            _check_weights(facts, bound, targets, saved, group, strict)
+            _check_weights(bound, targets, saved, group, strict)
         rest = tuple(sorted({name for names in states for name in names}))
         accounting += copy_reads(files, reads, bound.sources, targets, ledger, table, rest)
         for master, lps, buffers, step in zip(masters, links, targets, steps):
@@ -194,11 +194,10 @@ def _step_of(bound: BoundSave, h: int) -> Any:
     return steps[0] if steps else None
 
 
-def _check_weights(
-    facts: SavedFacts, bound: BoundSave, targets: list, saved: SavedSlice, group: Any, strict: bool
-) -> None:
+def _check_weights(bound: BoundSave, targets: list, saved: SavedSlice, group: Any, strict: bool) -> None:
     """The masters just copied against the saved weights, per old file (collective): a file whose ranges are
     not its masters rounded is named on every rank before any optimizer state is read."""
+    facts = bound.facts
     tally = torch.zeros((facts.dp_from, 2), dtype=torch.int64)
     with torch.no_grad():
         for g, group_reads in enumerate(bound.reads):
