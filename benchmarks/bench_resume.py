@@ -21,6 +21,11 @@ processes (CPU, gloo; the test harness ``tests/support/dsharness``) that build t
   its save before DeepSpeed's load; after it, the masters against the saved weights and every
   partition against its recorded checksum) and without them (stock's load of the same files): what
   the same-DP checks cost a restart;
+* ``reshard-latest`` and ``fallback``: the reshard of the same tag with no tag given, as Megatron loads (the
+  restart judges the tag ``latest`` names before loading: ``integration/fallback.py``), on a root whose ``latest``
+  names it (what the judge adds to a plain restart), and on a root whose ``latest`` names a newer tag with one
+  rank file cut short (hard links but for that file), so that the restart falls back to the tag (what a fallback
+  costs over the plain reshard);
 * ``floor``: the same number of plain processes reading, with ``os.pread``, exactly the bytes of the native
   DP=8 tag that the reshard's ranks copy (their planned ranges of fp32 and every state, planned outside the
   timing by the hooks' own planner; ``benchmarks/read_floor.py``), from the same cold files, and nothing
@@ -69,6 +74,8 @@ ROUTES = (
     "native-same-dp",
     "same-dp-checked",
     "same-dp-unchecked",
+    "reshard-latest",
+    "fallback",
     "floor",
 )
 SAME_DP = {"m100-dp8": "m100-dp4"}
@@ -76,6 +83,8 @@ SAME_DP = {"m100-dp8": "m100-dp4"}
 SAME_DP_HOOKED = {"m100-dp8": "m100-dp4-hooked"}
 """The same model saved through the hooks at the resumed DP size (the same-DP checks' cost)."""
 CHECKED = ("same-dp-checked", "same-dp-unchecked")
+FROM_LATEST = ("reshard-latest", "fallback")
+"""Loads that name no tag: the restart's judge runs (and, on the damaged root, falls back)."""
 UNIVERSAL = f"{mk.TAG}_universal"
 
 
@@ -88,9 +97,11 @@ def prepare(name: str) -> dict[str, Path]:
     """The two converted roots (cached): ``ours`` and ``stock``, each with ``<tag>_universal``."""
     src = mk.build(mk.SPECS[name])
     base = mk.CACHE_DIR / f"resume-{name}"
-    roots = {"ours": base / "ours", "stock": base / "stock"}
+    roots = {"ours": base / "ours", "stock": base / "stock", "fallback": base / "fallback"}
     marker = base / "prepared.json"
     if marker.is_file() and json.loads(marker.read_text()).get("source") == (src / mk.MARKER).read_text():
+        if not roots["fallback"].is_dir():
+            _damaged_newer(src, roots["fallback"])
         return roots
     shutil.rmtree(base, ignore_errors=True)
     for tool, root in roots.items():
@@ -101,8 +112,24 @@ def prepare(name: str) -> dict[str, Path]:
             bc.run_measured(argv, env={**os.environ, "DS_ACCELERATOR": "cpu"}, log=base / f"convert-{tool}.log")
         subprocess.run(["sync"], check=False)
     (roots["ours"] / "latest_universal").unlink(missing_ok=True)  # the auto route finds the twin by itself
+    _damaged_newer(src, base / "fallback")
     marker.write_text(json.dumps({"source": (src / mk.MARKER).read_text()}))
     return roots
+
+
+NEWER = "global_step2"
+
+
+def _damaged_newer(src: Path, root: Path) -> None:
+    """The native root (hard links) with a newer tag that ``latest`` names: the same files, rank 1's optimizer
+    file cut short (a real copy, so that the source stays whole)."""
+    _linked_copy(src, root)
+    shutil.copytree(root / mk.TAG, root / NEWER, copy_function=os.link)
+    (victim,) = (root / NEWER).glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    data = victim.read_bytes()
+    victim.unlink()
+    victim.write_bytes(data[: len(data) // 2])
+    (root / "latest").write_text(NEWER)
 
 
 def universal_state_bytes(folder: Path) -> int:
@@ -126,21 +153,24 @@ def run_route(route: str, roots: dict[str, Path], spec: "mk.CkptSpec", dp: int, 
     if route == "native-same-dp" or route in CHECKED:
         root = mk.build(mk.SPECS[(SAME_DP_HOOKED if route in CHECKED else SAME_DP)[spec.name]])
         folder = root / mk.TAG
+    elif route == "fallback":
+        root = roots["fallback"]
+        folder = root / mk.TAG
     else:
         root = roots["stock" if route in ("stock", "ours-on-stock") else "ours"]
-        folder = root / (mk.TAG if route == "reshard" else UNIVERSAL)
+        folder = root / (mk.TAG if route in ("reshard", "reshard-latest") else UNIVERSAL)
     if cache == "cold":
         bc.evict(folder)
         bc.evict(root / mk.TAG)
     else:
         bc.warm(folder)
-    native = route in ("reshard", "native-same-dp", *CHECKED)
+    native = route in ("reshard", "native-same-dp", *CHECKED, *FROM_LATEST)
     run = TrainSpec(
         dp=dp,
         optimizer="zero",
         steps=1,
         load_dir=root,
-        load_tag=mk.TAG if native else UNIVERSAL,
+        load_tag=None if route in FROM_LATEST else mk.TAG if native else UNIVERSAL,
         load_universal=not native,
         plugin=route not in ("stock", "native-same-dp", "same-dp-unchecked"),
         global_batch=spec.dp,
@@ -160,7 +190,9 @@ def run_route(route: str, roots: dict[str, Path], spec: "mk.CkptSpec", dp: int, 
         if not checked:
             raise RuntimeError(f"{route}: the same-DP checks did not run:\n{res.log[-4000:]}")
     elif route not in ("stock", "native-same-dp", "same-dp-unchecked"):
-        kind = "native reshard" if route == "reshard" else "universal load"
+        if route == "fallback" and "FALLING BACK" not in res.log:
+            raise RuntimeError(f"{route}: the restart did not fall back:\n{res.log[-4000:]}")
+        kind = "native reshard" if route in ("reshard", *FROM_LATEST) else "universal load"
         summary = [line for line in res.log.splitlines() if f"megatron-ucp {kind}:" in line]
         if not summary or "every element placed exactly once" not in summary[-1]:
             raise RuntimeError(f"{route}: no clean accounting summary:\n{res.log[-4000:]}")
@@ -196,6 +228,9 @@ def summarize(runs: list[dict], needed: int) -> dict:
         out[route]["vs_same_dp"] = statistics.median(same) if same and route != "native-same-dp" else None
         floor = [rep[route] / rep["floor"] for rep in by_rep.values() if route in rep and "floor" in rep]
         out[route]["vs_floor"] = statistics.median(floor) if floor and route != "floor" else None
+        if route in FROM_LATEST:
+            plain = [rep[route] / rep["reshard"] for rep in by_rep.values() if route in rep and "reshard" in rep]
+            out[route]["vs_reshard"] = statistics.median(plain) if plain else None
         if route == "same-dp-checked":
             checks = [rep[route] / rep["same-dp-unchecked"] for rep in by_rep.values() if set(CHECKED) <= set(rep)]
             out[route]["vs_unchecked"] = statistics.median(checks) if checks else None
@@ -232,6 +267,8 @@ def markdown(result: dict, meta: dict) -> str:
         "native-same-dp": "native DP=4 tag of the same model (stock load)",
         "same-dp-checked": "native DP=4 tag saved through the hooks, loaded with them",
         "same-dp-unchecked": "the same tag, stock load",
+        "reshard-latest": "native DP=8 tag named by `latest`, no tag given (the restart's judge)",
+        "fallback": "`latest` names a newer tag with a rank file cut short: falls back to the DP=8 tag",
         "floor": "native DP=8 tag: the reshard's ranges read with `pread`, nothing else",
     }
     for route, row in result["routes"].items():
@@ -239,6 +276,8 @@ def markdown(result: dict, meta: dict) -> str:
         vs = "-" if row["vs_stock"] is None else f"{row['vs_stock']:.2f}x"
         if row.get("vs_same_dp") is not None and route not in CHECKED:
             vs += f" ({row['vs_same_dp']:.2f}x same-DP)"
+        if row.get("vs_reshard") is not None:
+            vs += f" ({row['vs_reshard']:.2f}x reshard)"
         if row.get("vs_unchecked") is not None:
             vs += f" ({row['vs_unchecked']:.2f}x unchecked)"
         floor = "-" if row.get("vs_floor") is None else f"{row['vs_floor']:.2f}x"

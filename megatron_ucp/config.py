@@ -46,6 +46,10 @@ class UcpConfig:
     """How a DP change is loaded (:data:`RESUME_ROUTES`): ``auto``/``reshard``
     copy each rank's partitions straight from the native files (a TP/PP change still goes through the
     universal folder); ``universal`` always loads the universal twin, converting it when missing."""
+    fallback: bool = True
+    """A restart that loads the tag ``latest`` names (no tag given) falls back to the newest older tag that passes
+    when that one fails its verdict, its files or its load (:mod:`megatron_ucp.integration.fallback`);
+    ``--ucp-no-fallback``: that tag's error instead."""
     module_read: str = "distributed"
     """How a restart reads the module (:data:`MODULE_READS`): ``distributed`` (each byte once across the
     job) or ``full`` (every rank the whole module, as DeepSpeed does)."""
@@ -162,6 +166,8 @@ _HELP = {
     "(files that do not belong together are refused either way)",
     "resume_route": "how a DP change loads: auto/reshard (straight from the native rank files; TP/PP changes go "
     "through the universal folder) or universal (always the universal twin, converted on demand)",
+    "fallback": "when the tag 'latest' names is not sound (its verdict, its files, or its load refusing it), a "
+    "restart that names no tag loads the newest older tag that passes, saying so; --ucp-no-fallback stops on it",
     "module_read": "how a restart reads the module: distributed (weights rebuilt from the masters each rank "
     "loads, the rest read as one 1/DP slice per rank: each byte once across the job) or full (every rank reads "
     "the whole module, as DeepSpeed does)",

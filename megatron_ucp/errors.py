@@ -22,6 +22,11 @@ class CheckpointFormatError(UcpError):
     """A checkpoint file or folder is missing, corrupt, inconsistent or not what it claims to be."""
 
 
+class SaveFailedError(UcpError):
+    """A rank could not write its files of a save: the save is not ``latest`` and the job must not go on as if
+    it were."""
+
+
 class PlanError(UcpError):
     """A conversion or load plan failed its checks (gap, overlap, out-of-bounds fragment)."""
 

@@ -55,6 +55,7 @@ from megatron_ucp.background.store import (
     read_queue,
     read_registrations,
     record_event,
+    record_verdict,
     register,
     registration_path,
     twin_path,
@@ -69,9 +70,12 @@ from megatron_ucp.convert.universal import (
     inspect_staging,
     latest_universal_target,
     move_latest_universal,
+    read_manifest,
+    source_identity,
     universal_state,
 )
-from megatron_ucp.errors import OutputExistsError, described
+from megatron_ucp.deepspeed.reader import find_checkpoint_files
+from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError, described
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
 
@@ -294,6 +298,7 @@ class Converter:
                 record_event(self.root, job.tag, B.EventKind.FAILED, str(exc), attempt=job.attempt, log=str(log_path))
         except Exception as exc:  # the conversion failed: loud in the logs, harmless to training
             log.exception("conversion of %s failed", job.tag)
+            self._judge_refused(job.tag, exc)
             record_event(
                 self.root,
                 job.tag,
@@ -331,7 +336,13 @@ class Converter:
                 log=str(log_path),
             )
             return
-        moved = move_latest_universal(self.root, output)
+        manifest = read_manifest(output) or {}
+        non_finite = list(manifest.get("non_finite") or [])
+        record_verdict(self.root, job.tag, non_finite, CHECKED_BY, manifest.get("source_files") or {})
+        if non_finite:  # a restart should not be pointed at NaN
+            moved = f"latest_universal unchanged: {job.tag}'s masters or optimizer states are not finite"
+        else:
+            moved = move_latest_universal(self.root, output)
         record_event(
             self.root,
             job.tag,
@@ -343,6 +354,19 @@ class Converter:
             seconds=round(seconds, 3),
         )
         self._retention()
+
+    def _judge_refused(self, tag: str, exc: BaseException) -> None:
+        """A conversion refused for what it found in the tag's own files (another save's file, a checksum that
+        does not match, a file that is not one checkpoint's): the tag is unsound, and the store says so."""
+        tag_dir = self.root / tag
+        subject = getattr(exc, "subject", None)
+        if not isinstance(exc, CheckpointFormatError) or subject is None or tag_dir not in Path(subject).parents:
+            return
+        try:
+            identity = source_identity(find_checkpoint_files(tag_dir).identity_files())
+        except (OSError, UcpError):
+            identity = {}
+        record_verdict(self.root, tag, [str(exc)], CHECKED_BY, identity)
 
     def _retention(self) -> None:
         keep = self.settings.keep_last
@@ -384,6 +408,9 @@ class Converter:
 
 
 _LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
+
+
+CHECKED_BY = "background conversion"
 
 
 def run_converter(root: Path, node: int, nodes: int, settings: ConverterSettings) -> int:

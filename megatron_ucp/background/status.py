@@ -20,10 +20,18 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_ucp.background import queue as B
-from megatron_ucp.background.store import PROGRESS_DIR, job_facts, read_queue, read_registrations, ucp_dir
-from megatron_ucp.convert.universal import inspect_staging, read_manifest, universal_state
-from megatron_ucp.deepspeed.reader import human_bytes, recorded_sizes
-from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.background.store import (
+    PROGRESS_DIR,
+    job_facts,
+    read_fallbacks,
+    read_queue,
+    read_registrations,
+    read_verdict,
+    ucp_dir,
+)
+from megatron_ucp.convert.universal import inspect_staging, read_manifest, source_identity, universal_state
+from megatron_ucp.deepspeed.reader import find_checkpoint_files, human_bytes, recorded_sizes
+from megatron_ucp.errors import CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.plan.resume import TwinState
@@ -124,6 +132,11 @@ class TagStatus:
     latest_universal: bool
     ep: Optional[int] = None
     """A mixture-of-experts save's expert-parallel size."""
+    verified: Optional[str] = None
+    """The native tag's recorded verdict: ``sound``, ``unsound`` or ``outdated`` (its files were rewritten since);
+    None when nothing read it whole yet."""
+    verdict: Optional[str] = None
+    """What the verdict says (the first problem, who checked)."""
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -141,6 +154,8 @@ class RootStatus:
     """One line per node's background converter that is alive."""
     problems: tuple[str, ...] = ()
     """What could not be read at the root (a ``latest`` that is a symlink loop, ...), one line each."""
+    last_fallback: Optional[dict] = None
+    """The last restart that fell back to an older tag (``.ucp/fallbacks.jsonl``), if any."""
 
     @property
     def latest_converted(self) -> bool:
@@ -180,6 +195,7 @@ class RootStatus:
             "converters": list(self.converters),
             "tags": [t.to_json() for t in self.tags],
             "problems": list(self.problems),
+            "last_fallback": self.last_fallback,
         }
 
 
@@ -326,6 +342,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
                 seconds=manifest.get("seconds") if manifest else None,
                 latest=tag == latest,
                 latest_universal=latest_universal == twin.name,
+                **_verdict(root, tag, native_dir),
             )
         )
     for name, why in sorted(unreadable.items()):
@@ -357,7 +374,23 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         tags=tuple(rows),
         converters=converters,
         problems=tuple(problems),
+        last_fallback=(read_fallbacks(root) or [None])[-1],
     )
+
+
+def _verdict(root: Path, tag: str, native_dir: Path) -> dict:
+    """The tag's recorded verdict, if any, and whether it applies to the files there now."""
+    verdict = read_verdict(root, tag)
+    if verdict is None:
+        return {}
+    try:
+        current = source_identity(find_checkpoint_files(native_dir).identity_files())
+    except (OSError, UcpError):
+        current = None
+    if current is None or not verdict.applies_to(current):
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(verdict.at))
+        return {"verified": "outdated", "verdict": f"its files changed since it was checked ({when})"}
+    return {"verified": "sound" if verdict.sound else "unsound", "verdict": verdict.describe()}
 
 
 def _size(n: Optional[int]) -> str:
@@ -367,7 +400,7 @@ def _size(n: Optional[int]) -> str:
 
 def format_status(rs: RootStatus) -> str:
     """A table, one row per tag, then the details that do not fit in it."""
-    header = ("tag", "native", "universal", "DP", "native size", "universal size", "conversion")
+    header = ("tag", "native", "verified", "universal", "DP", "native size", "universal size", "conversion")
     table = [header]
     for t in rs.tags:
         marks = (" [latest]" if t.latest else "") + (" [latest_universal]" if t.latest_universal else "")
@@ -376,6 +409,7 @@ def format_status(rs: RootStatus) -> str:
             (
                 t.tag + marks,
                 "yes" if t.native else "no",
+                (t.verified or "-") if t.native else "-",
                 uni,
                 (str(t.dp) if t.dp is not None else "-") + (f" (EP={t.ep})" if t.ep is not None else ""),
                 _size(t.native_bytes),
@@ -391,10 +425,23 @@ def format_status(rs: RootStatus) -> str:
         for t in rs.tags
         if t.detail and t.universal is not UniversalStatus.IN_PROGRESS
     ]
+    notes += [f"  {t.tag}: {t.verified}: {t.verdict}" for t in rs.tags if t.verified in ("unsound", "outdated")]
     notes += [f"  {problem}" for problem in rs.problems]
+    if rs.last_fallback is not None:
+        f = rs.last_fallback
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(f.get("at", 0))))
+        failed = "; ".join(f"{x.get('tag')}: {(x.get('problems') or ['?'])[0]}" for x in f.get("failed") or [])
+        notes.append(
+            f"  last restart that fell back ({when}): loaded {f.get('loaded')} ({f.get('lost')} lost): {failed}"
+        )
     if notes:
         lines += ["", "details:"] + notes
     lines += [""] + ([f"background converters: {c}" for c in rs.converters] or ["background converters: none running"])
+    latest_row = next((t for t in rs.tags if t.tag == rs.latest), None)
+    if latest_row is not None and latest_row.verified == "unsound":
+        sound = [t.tag for t in rs.tags if t.verified == "sound"]
+        newest = f"the newest tag found sound is {sound[-1]}" if sound else "no tag here was found sound"
+        lines.append(f"NOTE: the latest tag {rs.latest} is unsound (see details); {newest}")
     if rs.latest_missing:
         lines.append(f"NOTE: {rs.latest_problem()}: a restart would fail; {_to_repoint(rs)}")
     elif rs.latest is not None and not rs.latest_converted:

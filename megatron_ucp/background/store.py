@@ -47,6 +47,10 @@ RUNNERS_DIR = "runners"
 PROGRESS_DIR = "progress"
 
 
+VERDICTS_DIR = "verdicts"
+"""``verdicts/<tag>.json``: whether a native tag was found sound, by whom, and for which files."""
+
+
 LOCK_STALE_S = 30.0
 """A lock file older than this (or held by a dead local process) is broken: holds last milliseconds."""
 
@@ -295,6 +299,106 @@ def record_event(root: Path, tag: str, kind: B.EventKind, message: str, **extra:
         "%s", event.line()
     )
     return event
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the last full read of a native tag found: sound (every file this save's, every recorded checksum
+    matching, every master and optimizer state finite) or the problems, each naming its file."""
+
+    tag: str
+    sound: bool
+    problems: tuple[str, ...]
+    checked_by: str
+    """``background conversion`` or ``megatron-ucp verify``."""
+    source_files: dict
+    """The tag's files as they were read (:func:`megatron_ucp.convert.universal.source_identity`): a verdict
+    on files rewritten since (a re-save of the tag) does not apply to them."""
+    at: float
+
+    def applies_to(self, current: dict) -> bool:
+        return self.source_files == current
+
+    def describe(self) -> str:
+        if self.sound:
+            return f"sound (checked by {self.checked_by})"
+        more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
+        return f"{self.problems[0] if self.problems else '?'}{more} (checked by {self.checked_by})"
+
+
+VERDICT_PROBLEMS_KEPT = 20
+
+
+def record_verdict(root: Path, tag: str, problems: Sequence[str], checked_by: str, source_files: dict) -> Verdict:
+    """Write the tag's verdict into the store (replaced atomically) and log it; a store that cannot be
+    written is said in the log, never raised (the verdict's caller is a converter or a check)."""
+    verdict = Verdict(tag, not problems, tuple(problems[:VERDICT_PROBLEMS_KEPT]), checked_by, source_files, time.time())
+    folder = ucp_dir(root) / VERDICTS_DIR
+    record = {
+        "tag": tag,
+        "sound": verdict.sound,
+        "problems": list(verdict.problems),
+        "problem_count": len(problems),
+        "checked_by": checked_by,
+        "source_files": source_files,
+        "at": verdict.at,
+    }
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        quick_json(folder / f"{tag}.json", record)
+    except OSError as exc:
+        log.error("%s: cannot record the verdict on %s: %s", folder, tag, exc)
+    (log.info if verdict.sound else log.error)("%s: %s", tag, verdict.describe())
+    return verdict
+
+
+def read_verdict(root: Path, tag: str) -> Optional[Verdict]:
+    """The tag's recorded verdict; None when there is none or it cannot be read (said in the log)."""
+    path = ucp_dir(root) / VERDICTS_DIR / f"{tag}.json"
+    try:
+        raw = json.loads(path.read_text())
+        return Verdict(
+            str(raw["tag"]),
+            bool(raw["sound"]),
+            tuple(str(x) for x in raw["problems"]),
+            str(raw["checked_by"]),
+            dict(raw["source_files"]),
+            float(raw["at"]),
+        )
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("%s: unreadable verdict, ignored (%s)", path, exc)
+        return None
+
+
+FALLBACKS_LOG = "fallbacks.jsonl"
+"""One JSON line per restart that fell back to an older tag (:mod:`megatron_ucp.integration.fallback`)."""
+
+
+def record_fallback(root: Path, entry: dict) -> None:
+    """Append a restart's fallback to the store; a store that cannot be written is said in the log."""
+    try:
+        ucp_dir(root).mkdir(exist_ok=True)
+        with open(ucp_dir(root) / FALLBACKS_LOG, "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+    except OSError as exc:
+        log.error("megatron-ucp: cannot record the fallback in %s: %s", ucp_dir(root), exc)
+
+
+def read_fallbacks(root: Path) -> list[dict]:
+    """The restarts that fell back, oldest first; unreadable lines skipped."""
+    try:
+        text = (ucp_dir(root) / FALLBACKS_LOG).read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 NICE_INCREMENT = 10

@@ -16,7 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "default the tag in 'latest') or a native tag folder: the tag itself is checked (every file whole, the "
         "files one checkpoint of one save, every partition what the save recorded when it was saved through the "
         "hooks, every real element of the masters and optimizer states finite), and its universal twin, when "
-        "there is one, is verified and compared bit for bit with the tag.",
+        "there is one, is verified and compared bit for bit with the tag. A native tag's verdict is recorded in its "
+        "root's .ucp/ store, when it has one, for `megatron-ucp status`.",
     )
     p.add_argument("path", type=Path, help="a universal folder, a checkpoint root or a native tag folder")
     p.add_argument("--tag", help="with a checkpoint root: the tag whose twin to verify (default: 'latest')")
@@ -27,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # these import torch: only for this command
+    from megatron_ucp.background.store import record_verdict, ucp_dir
     from megatron_ucp.convert.native_verify import verify_native
     from megatron_ucp.convert.verify import is_universal_folder, twin_of, verify_universal
 
@@ -35,8 +37,11 @@ def run(args: argparse.Namespace) -> int:
         reports.append(verify_universal(args.path, args.source, progress=not args.no_progress))
     else:
         tag_dir, twin = twin_of(args.path, args.tag)
+        identity = _identity(tag_dir)
         native = verify_native(tag_dir, progress=not args.no_progress)
         reports.append(native)
+        if ucp_dir(tag_dir.parent).is_dir():  # a root the hooks keep a store in: status shows the verdict
+            record_verdict(tag_dir.parent, tag_dir.name, native.problems, "megatron-ucp verify", identity)
         if twin is None:
             print(
                 f"{tag_dir}: no universal twin to verify (`megatron-ucp convert {tag_dir.parent} --tag {tag_dir.name}` "
@@ -54,3 +59,15 @@ def run(args: argparse.Namespace) -> int:
     for report in reports:
         print(report.summary())
     return 0 if all(report.ok for report in reports) else 1
+
+
+def _identity(tag_dir: Path) -> dict:
+    """The tag's files as they are before they are read (what a verdict applies to); {} when unlisted."""
+    from megatron_ucp.convert.universal import source_identity
+    from megatron_ucp.deepspeed.reader import find_checkpoint_files
+    from megatron_ucp.errors import UcpError
+
+    try:
+        return source_identity(find_checkpoint_files(tag_dir).identity_files())
+    except (OSError, UcpError):
+        return {}

@@ -36,8 +36,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from tqdm import tqdm
 
+from megatron_ucp.convert.finite import FiniteCheck
 from megatron_ucp.convert.replicas import ReplicaDrift, compare_replicas
-from megatron_ucp.convert.save_check import check_save_record
+from megatron_ucp.convert.save_check import PartitionSums, check_partitions, check_save_identity, merge_records
 from megatron_ucp.convert.universal import (
     COMPLETE,
     STALE,
@@ -50,7 +51,15 @@ from megatron_ucp.convert.universal import (
     universal_state,
     write_latest_universal,
 )
-from megatron_ucp.convert.writer import Chunk, RankFileCache, Writer, save_file, torch_save_forced, write_chunk
+from megatron_ucp.convert.writer import (
+    Chunk,
+    RankFileCache,
+    ReadObserver,
+    Writer,
+    save_file,
+    torch_save_forced,
+    write_chunk,
+)
 from megatron_ucp.deepspeed.reader import (
     CheckpointFiles,
     CheckpointMeta,
@@ -500,9 +509,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
     reader_check = TorchReaderCheck(start=any(unproven(p) for p in files_copied_as_they_are(source.files)))
     try:
         meta, plan, cache = _plan(source)
-        checked = check_save_record(meta, cache, options.share_index, options.share_count)
-        if checked:
-            log.info("%s: %d partitions match the checksums the save recorded", source.ck.tag_dir, checked)
+        check_save_identity(meta, cache)
         return _write_and_commit(source, meta, plan, cache, options, force, t0, reader_check)
     finally:
         reader_check.cancel()
@@ -627,7 +634,8 @@ def _write_and_commit(
         output,
     )
     try:
-        written, sums = _write_params(mine, plan, steps, meta, staging, options, cache)
+        read, finite = PartitionSums(meta, cache), FiniteCheck(cache.paths)  # checks made as the writers read
+        written, sums = _write_params(mine, plan, steps, meta, staging, options, cache, (read.add, finite.add))
         staging.mark_share_done(
             {
                 "share": options.share_index,
@@ -636,6 +644,8 @@ def _write_and_commit(
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "checksums": sums,
+                "partition_sums": read.to_record(),
+                "non_finite": finite.to_record(),
             }
         )
         committed = False
@@ -643,13 +653,27 @@ def _write_and_commit(
             frozen = _write_common(staging, meta, plan, cache, model_files_copied=options.share_count == 1)
             if options.verify_complete:
                 check_complete(staging.path, plan, frozen)
-            drift = compare_replicas(plan, cache)
+            shares = staging.shares_done()
+            replicas_read, finite = PartitionSums(meta, cache), FiniteCheck(cache.paths)
+            drift = compare_replicas(plan, cache, on_read=_tell_all((replicas_read.add, finite.add)))
             for d in drift:
                 log.warning("%s: %s", ck.tag_dir, d.describe())
+            records = [s.get("partition_sums") for s in shares] + [replicas_read.to_record()]
+            checked = check_partitions(meta, cache, merge_records(records))
+            non_finite = finite.merge(s.get("non_finite") for s in shares).problems()
+            for line in non_finite:
+                log.warning("%s: not finite: %s", ck.tag_dir, line)
+            if checked.checked:
+                log.info(
+                    "%s: %d partitions match the checksums the save recorded (%d hashed whole, the rest as written)",
+                    ck.tag_dir,
+                    checked.checked,
+                    checked.hashed_again,
+                )
             _refuse_what_torch_refuses(reader_check, staging.path, files_copied_as_they_are(files))
-            shares = staging.shares_done()
             staging.close()
-            staging.commit(_manifest(meta, ck, plan, frozen, shares, time.perf_counter() - t0, identity, drift), force)
+            manifest = _manifest(meta, ck, plan, frozen, shares, time.perf_counter() - t0, identity, drift)
+            staging.commit({**manifest, **({"non_finite": non_finite} if non_finite else {})}, force)
             committed = True
             update = options.update_latest
             if update is None:
@@ -693,6 +717,14 @@ def _write_and_commit(
     )
 
 
+def _tell_all(observers: Sequence[ReadObserver]) -> ReadObserver:
+    def tell(*read: Any) -> None:
+        for observe in observers:
+            observe(*read)
+
+    return tell
+
+
 def _abandon(staging: Staging, options: ConvertOptions, exc: BaseException) -> None:
     """A single converter removes its staging folder; a share leaves a failure note for the others."""
     if options.share_count == 1:
@@ -710,9 +742,11 @@ def _write_params(
     staging: Staging,
     options: ConvertOptions,
     cache: RankFileCache,
+    observers: tuple[ReadObserver, ...],
 ) -> tuple[int, dict]:
     """Write this share's parameters with ``options.workers`` threads over contiguous, byte-balanced chunks;
-    return the bytes written and the state files' checksums (:attr:`Writer.sums`).
+    return the bytes written and the state files' checksums (:attr:`Writer.sums`); the ``observers`` are told
+    each fragment as it passes (the save check's sums, the finite check).
 
     Threads, not processes: the work is system calls (write, madvise, fsync) and zlib's CRC, all of
     which release the GIL, so threads overlap as well as processes would, without starting
@@ -731,7 +765,7 @@ def _write_params(
         for ps in split_by_bytes(mine, parts, per_group)
         if ps
     ]
-    writer = Writer(cache, fast=not torch_save_forced())
+    writer = Writer(cache, fast=not torch_save_forced(), on_read=_tell_all(observers))
     prefetch = [meta.files.model_states] if options.share_count == 1 else []  # the committer copies it
     prefetch += [meta.files.rank_files[r] for r in sorted({i.rank for p in mine for i in p.items})]
     threading.Thread(target=osio.read_ahead, args=(prefetch,), name="ucp-readahead", daemon=True).start()

@@ -8,12 +8,13 @@ problem named by its file:
 2. do the files make one checkpoint (the reader's cross-checks: positions, DP size, shapes, fragment maps;
    :func:`megatron_ucp.deepspeed.reader.read_checkpoint` and the conversion plan)?
 3. saved through the hooks: is every file of this save, and every partition what the save recorded
-   (:func:`megatron_ucp.convert.save_check.save_record_problems`, the conversion's own check)?
-4. is every real element of every fp32 master and optimizer state finite? A NaN or Inf that reached a save
-   (a diverged step, a bad node's memory) is a bad checkpoint even when every checksum matches: each one is named
-   by parameter, state and rank file. Padding is not read (ZeRO-3 leaves it uninitialized).
+   (:mod:`megatron_ucp.convert.save_check`, the conversion's own check)?
+4. is every real element of every fp32 master and optimizer state finite
+   (:class:`megatron_ucp.convert.finite.FiniteCheck`, the conversion's own check)? Each NaN or Inf is named by
+   parameter, state and rank file. Padding is not read (ZeRO-3 leaves it uninitialized).
 
-Each real element is read once, by the plan's own items (the same fragments a conversion writes).
+Each real element is read once, by the plan's own items (the same fragments a conversion writes), and serves
+questions 3 and 4 together.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from megatron_ucp.convert.execute import plan_checkpoint
-from megatron_ucp.convert.save_check import save_record_problems
+from megatron_ucp.convert.finite import FiniteCheck
+from megatron_ucp.convert.save_check import PartitionSums, identity_problems, merge_records, partition_problems
 from megatron_ucp.convert.verify import native_tag_problems
 from megatron_ucp.convert.writer import RankFileCache, state_fragments
 from megatron_ucp.deepspeed.reader import rank_file_count_problem, read_checkpoint
@@ -84,36 +86,27 @@ def verify_native(tag_dir: Path, progress: bool = False) -> NativeReport:
         report.problems.append(count)
         return _done(report, t0)
     cache = RankFileCache(list(meta.files.rank_files))
-    report.problems, report.partitions_checked = save_record_problems(meta, cache)
+    report.problems = identity_problems(meta, cache)
     if report.problems:
         return _done(report, t0)
-    report.elements, report.problems = non_finite_problems(plan, cache, progress)
+    sums, finite = PartitionSums(meta, cache), FiniteCheck(cache.paths)
+    read_every_element(plan, cache, (sums.add, finite.add), progress)
+    report.problems, checked = partition_problems(meta, cache, merge_records([sums.to_record()]))
+    report.partitions_checked, report.elements = checked.checked, finite.elements
+    report.problems += finite.problems()
     return _done(report, t0)
 
 
-def non_finite_problems(plan: ConversionPlan, cache: RankFileCache, progress: bool = False) -> tuple[int, list[str]]:
+def read_every_element(plan: ConversionPlan, cache: RankFileCache, observers: tuple, progress: bool = False) -> None:
     """Every real element of every state of every parameter, read once from the rank files by the plan's items
-    (TP replicas included): (elements read, one problem per parameter, state and file holding a NaN or Inf)."""
-    import torch
-
-    elements, problems = 0, []
-    for p in tqdm(plan.params, desc="finite", disable=not progress, leave=False):
+    (TP replicas included), each fragment told to every observer (a :data:`~megatron_ucp.convert.writer.
+    ReadObserver`)."""
+    for p in tqdm(plan.params, desc="verify", disable=not progress, leave=False):
         items = list(p.items) + [item for copies in p.replicas for item in copies]
         for state in plan.groups[p.group].states:
-            bad: dict[int, list[int]] = {}
-            for item, fragment in zip(items, state_fragments(p, state, cache, items), strict=True):
-                values = fragment.to_torch()
-                elements += values.numel()
-                if not values.is_floating_point() or bool(torch.isfinite(values).all()):
-                    continue
-                counts = bad.setdefault(item.rank, [0, 0])
-                counts[0] += int(torch.isnan(values).sum())
-                counts[1] += int(torch.isinf(values).sum())
-            problems += [
-                f"{cache.paths[rank]}: {nan} NaN and {inf} Inf in {state!r} of parameter {p.name!r}"
-                for rank, (nan, inf) in sorted(bad.items())
-            ]
-    return elements, problems
+            fragments = state_fragments(p, state, cache, items)
+            for observe in observers:
+                observe(p, state, items, fragments)
 
 
 def _done(report: NativeReport, t0: float) -> NativeReport:

@@ -11,10 +11,11 @@ many elements differ and by how much at most, so the user can judge. Reads the c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
-from megatron_ucp.convert.writer import RankFileCache, state_fragments
+from megatron_ucp.convert.writer import RankFileCache, ReadObserver, state_fragments
 from megatron_ucp.plan.conversion import ConversionPlan, ParamPlan
 
 _FLOAT_OF_SIZE = {2: np.float16, 4: np.float32, 8: np.float64}
@@ -47,8 +48,13 @@ class ReplicaDrift:
         }
 
 
-def _values(p: ParamPlan, state: str, items, cache: RankFileCache) -> np.ndarray:
-    parts = state_fragments(p, state, cache, sorted(items, key=lambda i: i.dst_offset))
+def _values(
+    p: ParamPlan, state: str, items, cache: RankFileCache, on_read: Optional[ReadObserver] = None
+) -> np.ndarray:
+    ordered = sorted(items, key=lambda i: i.dst_offset)
+    parts = state_fragments(p, state, cache, ordered)
+    if on_read is not None:
+        on_read(p, state, ordered, parts)
     raw = b"".join(bytes(t.bytes_view()) for t in parts)
     itemsize = parts[0].dtype.itemsize if parts else 4
     kind = parts[0].dtype.name if parts else "float32"
@@ -58,8 +64,11 @@ def _values(p: ParamPlan, state: str, items, cache: RankFileCache) -> np.ndarray
     return np.frombuffer(raw, dtype=_FLOAT_OF_SIZE.get(itemsize, np.float32))
 
 
-def compare_replicas(plan: ConversionPlan, cache: RankFileCache) -> list[ReplicaDrift]:
-    """Every replica of every replicated parameter, state by state, against the kept copy."""
+def compare_replicas(
+    plan: ConversionPlan, cache: RankFileCache, on_read: Optional[ReadObserver] = None
+) -> list[ReplicaDrift]:
+    """Every replica of every replicated parameter, state by state, against the kept copy; ``on_read`` is
+    told each replica's fragments (the kept copy's are the writers' to report)."""
     out = []
     for p in plan.params:
         if not p.replicas:
@@ -67,7 +76,7 @@ def compare_replicas(plan: ConversionPlan, cache: RankFileCache) -> list[Replica
         for state in plan.groups[p.group].states:
             kept = _values(p, state, p.items, cache)
             for copy, items in enumerate(p.replicas, start=1):
-                other = _values(p, state, items, cache)
+                other = _values(p, state, items, cache, on_read)
                 if other.tobytes() == kept.tobytes():
                     continue
                 diff = np.abs(other.astype(np.float64) - kept.astype(np.float64))

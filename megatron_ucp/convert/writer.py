@@ -180,6 +180,9 @@ class Chunk:
     zero_dir: str
 
 
+ReadObserver = Callable[[ParamPlan, str, Sequence[CopyItem], Sequence[RawTensor]], None]
+"""Told what was read: a parameter, a state, the items and their fragments."""
+
 FSYNC_THREADS = 8
 """Concurrent fsyncs at the end of a share (see :meth:`Writer.make_durable`)."""
 
@@ -192,9 +195,12 @@ class Writer:
     writeback is started as each file is finished and :meth:`make_durable` fsyncs them at the end.
     """
 
-    def __init__(self, cache: RankFileCache, fast: bool = True):
+    def __init__(self, cache: RankFileCache, fast: bool = True, on_read: Optional[ReadObserver] = None):
         self.cache = cache
         self.fast = fast
+        self.on_read = on_read
+        """Told each parameter's fragments of each state after they are written, while their pages are still
+        mapped (the save check sums them: :class:`megatron_ucp.convert.save_check.PartitionSums`)."""
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._pending: list[Path] = []
@@ -224,6 +230,9 @@ class Writer:
             kept, rows = sources[state]
             nbytes += self._write_state(p, kept, rows, path, f"{p.name}/{state}")
             written.append(path)
+            if self.on_read is not None:
+                self.on_read(p, state, kept_items, kept)
+                self.on_read(p, state, rows_items, rows)
             for t in (*kept, *rows):  # this process is done with these pages
                 if t.storage.mapped:
                     osio.done_with(t.data_ptr(), t.nbytes, t.storage.region)

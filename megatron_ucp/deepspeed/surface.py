@@ -37,6 +37,7 @@ PIPE_MODULE = "deepspeed.runtime.pipe.module:PipelineModule"
 PIPE_GRID = "deepspeed.runtime.pipe.topology:PipelineParallelGrid"
 FRAGMENT = "deepspeed.utils.tensor_fragment:tensor_fragment"
 BWC = "deepspeed.utils.bwc"
+TORCH_CKPT_ENGINE = "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine"
 ACCELERATOR = "deepspeed.accelerator"
 OPTIMIZER_LOADER = "load_hp_checkpoint_state_from_checkpoint_dir"
 
@@ -85,6 +86,12 @@ SURFACE: tuple[Internal, ...] = (
         R,
         "leaves the fork's lifted expert keys out of its MoE model states, as before 0.19 (integration/moe_save.py)",
         when=lambda facts: not facts.saves_fork_moe,
+    ),
+    Internal(
+        TORCH_CKPT_ENGINE,
+        "save",
+        C,
+        "every file of a save is written through it: watched for the length of one save (integration/save_commit.py)",
     ),
     # elastic load (integration/elastic_load.py and the loaders below it)
     Internal(ENGINE, "load_checkpoint", R, "decides the route of a load (same DP, reshard, universal)"),
@@ -285,6 +292,15 @@ def slice_parallel(module: Any) -> tuple[int, int]:
     """A pipeline model's model-parallel (slice) rank and size: which of each layer's files it loads."""
     grid = instance_attribute(module, "_grid")
     return int(grid.get_slice_parallel_rank()), int(grid.get_slice_parallel_world_size())
+
+
+def decoupled_checkpoint_engine(engine: Any) -> bool:
+    """The engine's checkpoint engine commits after ``save_checkpoint`` returns (0.17+: ``is_decoupled()``)."""
+    ce = getattr(engine, "checkpoint_engine", None)
+    try:
+        return bool(ce is not None and ce.is_decoupled())
+    except Exception:
+        return False
 
 
 def node_local_storage(engine: Any) -> bool:

@@ -99,19 +99,12 @@ def trigger_timings() -> list[float]:
     return list(_state["timings"])
 
 
-def _decoupled(engine: Any) -> bool:
-    ce = getattr(engine, "checkpoint_engine", None)
-    try:
-        return bool(ce is not None and ce.is_decoupled())
-    except Exception:
-        return False
-
-
 def _wrap_save(original: Callable[..., Any], config: UcpConfig) -> Callable[..., Any]:
     @functools.wraps(original)
     def save_checkpoint(self: Any, save_dir: str, tag: Optional[str] = None, *args: Any, **kwargs: Any) -> Any:
         result = original(self, save_dir, tag, *args, **kwargs)
-        if not _decoupled(self):  # decoupled: the files are committed later, see _wrap_decoupled
+        # decoupled: the files are committed later, see _wrap_decoupled
+        if not surface.decoupled_checkpoint_engine(self):
             _after_commit(self, save_dir, str(tag) if tag is not None else f"global_step{self.global_steps}", config)
         return result
 

@@ -67,6 +67,11 @@ class Failure:
     """An exception on the deciding rank, shipped to the others so that all raise together."""
 
     message: str
+    kind: str = "UcpError"
+    """The exception's class name: :meth:`error` raises the package's class of that name."""
+
+    def error(self, message: str, subject: Any = None) -> Exception:
+        return _error_class(self.kind)(message, subject=subject)
 
 
 T = TypeVar("T")
@@ -83,7 +88,7 @@ def decide_on_first(decide: Callable[[], T], group: Any = None) -> "T | Failure"
         try:
             outcome = decide()
         except Exception as exc:
-            outcome = Failure(described(exc))
+            outcome = Failure(described(exc), type(exc).__name__)
     return broadcast_from_first(outcome, group)
 
 

@@ -41,13 +41,14 @@ from megatron_ucp.config import UcpConfig
 from megatron_ucp.convert.universal import staging_path, universal_state
 from megatron_ucp.deepspeed import stage3_runtime, surface
 from megatron_ucp.deepspeed.reader import load_raw, rank_file_count_problem, saved_layout
-from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
+from megatron_ucp.errors import CheckpointFormatError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
 from megatron_ucp.format.rawtensor import torch_views_from_raw
 from megatron_ucp.format.torchload import structure_problems, torch_reader_problem
 from megatron_ucp.integration import log_visibility
 from megatron_ucp.integration.collectives import Failure, decide_on_first, is_first
+from megatron_ucp.integration.fallback import load_with_fallback
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.live_layout import current_layout
 from megatron_ucp.integration.model_states_load import one_model_states_file_per_rank
@@ -256,72 +257,83 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
             if load_optimizer_states and not load_module_only and not self.load_universal_checkpoint():
                 refuse_an_expert_layout_change(self, load_dir, tag, config)
             return original(self, load_dir, tag, **kwargs)
-
-        seen: dict = {}  # the first rank's read of the model states, for the facts of a reshard or a restart
-        loads_states = load_optimizer_states and not load_module_only
-        outcome = decide_on_first(lambda: _gather_and_decide(self, load_dir, tag, loads_states, config, seen))
-        if isinstance(outcome, Failure):
-            if is_first():
-                log.error("megatron-ucp: deciding how to load %s failed: %s", load_dir, outcome.message)
-            raise UcpError(f"megatron-ucp could not decide how to load {load_dir}: {outcome.message}", subject=load_dir)
-        decision, native_tag, from_latest = outcome
-        per_parameter = surface.engine_layout(self).per_parameter
-        if decision.route is Route.NATIVE:
-            if decision.checkpoint_dp is None or not loads_states:
-                return original(self, load_dir, tag, **kwargs)
-            if is_first():
-                log.info("megatron-ucp: %s", decision.message)
-            return same_dp_load(self, original, load_dir, native_tag, kwargs, config, seen.get("model_states"))
-
-        if is_first():
-            log.info("megatron-ucp: %s", decision.message)
-            if decision.warning:
-                log.warning("megatron-ucp: %s", decision.warning)
-        if decision.route is Route.RESHARD:
-            outcome = reshard_load(self, original, load_dir, decision.tag, kwargs, config, seen.get("model_states"))
-            if outcome.report is not None:
-                _finish_load(
-                    self,
-                    outcome.load_path,
-                    outcome.report,
-                    int(decision.checkpoint_dp),
-                    kwargs,
-                    config,
-                    restore_module=False,
-                    states=outcome.states,
-                )
-            return outcome.result
-        if decision.convert and surface.node_local_storage(self):
-            raise UnsupportedError(
-                f"{decision.message}, but checkpoint.use_node_local_storage keeps each node's "
-                "files on its own disk; converting needs them on one shared filesystem. Convert "
-                "with `megatron-ucp convert` where all rank files are, then load again.",
-                subject=load_dir,
+        if tag is None and config.fallback:
+            return load_with_fallback(
+                Path(load_dir),
+                lambda chosen: _load_tag(self, original, load_dir, chosen, kwargs, config),
+                universal=bool(self.load_universal_checkpoint()),
             )
-        if decision.convert:
-            convert_synchronously(Path(load_dir), native_tag, decision, from_latest, config)
-
-        _check_model_states_loadable(Path(load_dir), decision.tag)
-        token = _DEFER_ENFORCEMENT.set(True)
-        folder = _universal_folder(Path(load_dir), decision.tag)
-        try:
-            with (
-                _universal_mode(
-                    self,
-                    lazy=config.module_read == "distributed" or per_parameter,
-                    path=model_states_for(self, folder) if folder is not None else None,
-                ),
-                stage3_universal_optimizer_load(self, config, _keep_report)
-                if per_parameter
-                else contextlib.nullcontext(),
-            ):
-                result = original(self, load_dir, decision.tag, **kwargs)
-            _finish_universal_load(self, result, decision, kwargs, config)
-        finally:
-            _DEFER_ENFORCEMENT.reset(token)
-        return result
+        return _load_tag(self, original, load_dir, tag, kwargs, config)
 
     return load_checkpoint
+
+
+def _load_tag(
+    self: Any, original: Callable[..., Any], load_dir: str, tag: Optional[str], kwargs: dict, config: UcpConfig
+) -> Any:
+    """One load of ``tag`` (None: the one ``latest`` names) by the route its facts decide."""
+    load_optimizer_states, load_module_only = kwargs["load_optimizer_states"], kwargs["load_module_only"]
+    seen: dict = {}  # the first rank's read of the model states, for the facts of a reshard or a restart
+    loads_states = load_optimizer_states and not load_module_only
+    outcome = decide_on_first(lambda: _gather_and_decide(self, load_dir, tag, loads_states, config, seen))
+    if isinstance(outcome, Failure):
+        if is_first():
+            log.error("megatron-ucp: deciding how to load %s failed: %s", load_dir, outcome.message)
+        raise outcome.error(f"megatron-ucp could not decide how to load {load_dir}: {outcome.message}", load_dir)
+    decision, native_tag, from_latest = outcome
+    per_parameter = surface.engine_layout(self).per_parameter
+    if decision.route is Route.NATIVE:
+        if decision.checkpoint_dp is None or not loads_states:
+            return original(self, load_dir, tag, **kwargs)
+        if is_first():
+            log.info("megatron-ucp: %s", decision.message)
+        return same_dp_load(self, original, load_dir, native_tag, kwargs, config, seen.get("model_states"))
+
+    if is_first():
+        log.info("megatron-ucp: %s", decision.message)
+        if decision.warning:
+            log.warning("megatron-ucp: %s", decision.warning)
+    if decision.route is Route.RESHARD:
+        outcome = reshard_load(self, original, load_dir, decision.tag, kwargs, config, seen.get("model_states"))
+        if outcome.report is not None:
+            _finish_load(
+                self,
+                outcome.load_path,
+                outcome.report,
+                int(decision.checkpoint_dp),
+                kwargs,
+                config,
+                restore_module=False,
+                states=outcome.states,
+            )
+        return outcome.result
+    if decision.convert and surface.node_local_storage(self):
+        raise UnsupportedError(
+            f"{decision.message}, but checkpoint.use_node_local_storage keeps each node's "
+            "files on its own disk; converting needs them on one shared filesystem. Convert "
+            "with `megatron-ucp convert` where all rank files are, then load again.",
+            subject=load_dir,
+        )
+    if decision.convert:
+        convert_synchronously(Path(load_dir), native_tag, decision, from_latest, config)
+
+    _check_model_states_loadable(Path(load_dir), decision.tag)
+    token = _DEFER_ENFORCEMENT.set(True)
+    folder = _universal_folder(Path(load_dir), decision.tag)
+    try:
+        with (
+            _universal_mode(
+                self,
+                lazy=config.module_read == "distributed" or per_parameter,
+                path=model_states_for(self, folder) if folder is not None else None,
+            ),
+            stage3_universal_optimizer_load(self, config, _keep_report) if per_parameter else contextlib.nullcontext(),
+        ):
+            result = original(self, load_dir, decision.tag, **kwargs)
+        _finish_universal_load(self, result, decision, kwargs, config)
+    finally:
+        _DEFER_ENFORCEMENT.reset(token)
+    return result
 
 
 def _keep_report(optimizer: Any, report: AccountingReport) -> None:

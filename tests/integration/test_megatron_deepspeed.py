@@ -647,3 +647,53 @@ def test_each_rank_reads_its_share_of_the_checkpoint(trained, mds_checkout, mds_
     assert total <= 1.05 * checkpoint + dp * len(files) * 2 * page, (total, checkpoint, res.reads)
     assert any("rebuilt from the masters" in line for line in res.ucp_lines()), res.ucp_lines()
     assert_continues(res, reference, optimizer=optimizer)
+
+
+# ------------------------------------------------------------------------------------------------
+# A restart never dies on a bad checkpoint (issue 44), and a failed save never becomes latest
+# ------------------------------------------------------------------------------------------------
+
+RANK1_FILE = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+@pytest.mark.parametrize("trained", ["zero"], indirect=True)  # what a file system does does not depend on the class
+def test_a_restart_falls_back_past_a_damaged_tag_and_a_failed_save_never_becomes_latest(
+    trained, mds_checkout, mds_runs
+):
+    """Through the runner, no flag. The newest tag, global_step6 (saved through the hooks, judged sound by the
+    background conversion), loses rank 1's rank file, its path taken by a folder. Resumed at DP 3, the restart
+    judges global_step6 before anything is loaded, falls back to global_step3, says so, and continues the curve
+    at 4 and 5. Saving at 5, rank 1's write fails for real (a folder holds its file's path): every rank stops
+    at once, naming rank 1, the file and the OS error; ``latest`` still names global_step6 and Megatron's
+    ``latest_checkpointed_iteration.txt`` 6."""
+    from megatron_ucp.background.store import read_fallbacks
+
+    optimizer, root, reference = trained
+
+    def restart(folder: Path):
+        ckpt = folder / "ckpt"
+        shutil.copytree(root, ckpt)  # with its store, where the background conversion left its verdicts
+        victim = ckpt / "global_step6" / RANK1_FILE
+        victim.unlink()
+        victim.mkdir()
+        blocked = ckpt / "global_step5" / RANK1_FILE
+        blocked.mkdir(parents=True)
+        run = MdsRun(nproc=3, ckpt=ckpt, optimizer=optimizer, save_interval=5, expect_failure=True)
+        return run_mds(mds_checkout, run), ckpt, victim, blocked
+
+    res, ckpt, victim, blocked = mds_runs.get(f"fallback-{optimizer}", restart)
+    said = "\n".join(res.ucp_lines())
+    assert "names global_step6, which cannot be resumed" in res.log and str(victim) in res.log, said
+    assert "loading global_step3 instead (loses 3 iterations)" in res.log, said
+    assert "resharding global_step3 from its native rank files" in said, said
+    assert_continues(res, reference, steps=(4, 5), optimizer=optimizer)
+    (event,) = read_fallbacks(ckpt)
+    assert (event["latest"], event["loaded"]) == ("global_step6", "global_step3")
+
+    assert res.returncode != 0 and 6 not in res.losses, res.log[-3000:]
+    assert "SaveFailedError: saving global_step5" in res.log and "(global rank 1)" in res.log, res.log[-3000:]
+    assert f"{blocked}: write failed: Is a directory" in res.log, res.log[-3000:]
+    assert (ckpt / "latest").read_text().strip() == "global_step6"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    # every rank raised the one error (none waited in a barrier for the collective timeout, none was killed)
+    assert res.log.count("SaveFailedError: saving global_step5") >= 3, res.log[-3000:]

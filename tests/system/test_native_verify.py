@@ -94,3 +94,65 @@ def test_verify_checks_a_hooked_save_and_its_twin(tmp_path: Path, capsys):
     assert main(["verify", str(tag), "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert str(culprit) in err
+
+
+def _nan_in_exp_avg_sq(tag: Path, rank: int) -> tuple[Path, str]:
+    """One NaN at the first real element of ``rank``'s ``exp_avg_sq`` (the file rewritten whole by torch.save)."""
+    name, offset = _first_param_on(tag, rank)
+    culprit = _rank_file(tag, rank)
+    sd = torch.load(culprit, weights_only=False)
+    _group0_state(sd, "exp_avg_sq")[offset] = math.nan
+    torch.save(sd, culprit)
+    return culprit, name
+
+
+def _background_verdict(root: Path) -> None:
+    from megatron_ucp.background.store import ConverterSettings
+    from megatron_ucp.background.trigger import trigger, wait_for_converter
+
+    assert trigger(root, TAG, 0, 1, ConverterSettings(workers=1)).spawned
+    assert wait_for_converter(root, 0, timeout=120)
+
+
+def _row(root: Path):
+    from megatron_ucp.background.status import root_status
+
+    (row,) = [t for t in root_status(root, sizes=False).tags if t.tag == TAG]
+    return row
+
+
+def test_every_save_is_judged_in_the_background_and_status_shows_the_verdict(tmp_path: Path, capsys):
+    """The background conversion's own read is the tag's verdict (one read of the files): a NaN in a master or
+    state makes it unsound (converted, named, ``latest_universal`` left where it was), a sound save sound; a
+    verdict on files rewritten since is outdated; ``megatron-ucp verify`` records its verdict in the same store."""
+    from megatron_ucp.background.store import read_verdict
+
+    nan_root, sound_root = tmp_path / "nan", tmp_path / "sound"
+    culprit, name = _nan_in_exp_avg_sq(_save(nan_root, "zero1-bf16", record=False), 1)
+    tag = _save(sound_root, "zero1-bf16", record=True)
+    for root in (nan_root, sound_root):
+        _background_verdict(root)
+
+    verdict = read_verdict(nan_root, TAG)
+    assert verdict is not None and not verdict.sound and verdict.checked_by == "background conversion"
+    assert verdict.problems == (f"{culprit}: 1 NaN and 0 Inf in 'exp_avg_sq' of parameter {name!r}",), verdict
+    assert (nan_root / f"{TAG}_universal").is_dir() and not (nan_root / "latest_universal").exists()
+    assert _row(nan_root).verified == "unsound" and str(culprit) in _row(nan_root).verdict
+
+    assert read_verdict(sound_root, TAG).sound and _row(sound_root).verified == "sound"
+    assert (sound_root / "latest_universal").read_text().strip() == f"{TAG}_universal"
+    damaged = _rank_file(tag, 2)
+    flip_a_bit_in_the_largest_record(damaged)
+    assert _row(sound_root).verified == "outdated"  # judged before the file changed
+    _background_verdict(sound_root)  # the next conversion of the tag refuses it, and the verdict says why
+    row = _row(sound_root)
+    assert row.verified == "unsound" and "differs from the checksum its save recorded" in row.verdict, row
+    assert "background conversion" in row.verdict and str(damaged) in row.verdict
+    capsys.readouterr()
+    assert main(["verify", str(tag), "--no-progress"]) == 1
+    row = _row(sound_root)
+    assert row.verified == "unsound" and str(damaged) in row.verdict and "megatron-ucp verify" in row.verdict
+    capsys.readouterr()
+    assert main(["status", str(sound_root), "--no-sizes"]) == 0
+    out = capsys.readouterr().out
+    assert f"{TAG}: unsound: " in out and "verified" in out.splitlines()[1]

@@ -1,0 +1,209 @@
+"""A restart that falls back to the newest sound tag when the one ``latest`` names is not.
+
+A 768-rank job whose newest tag is damaged (a truncated or deleted rank file, a flipped bit, a NaN that reached
+the save, a file of another run) dies at restart until somebody edits ``latest`` by hand, although an older tag
+is sound. When a load names no tag (Megatron's and DeepSpeed's default: the tag in ``latest``), each candidate,
+newest first, is judged before anything is loaded, on the first rank, from what is already known about it:
+
+* its verdict (:func:`megatron_ucp.background.store.read_verdict`): the background conversion's read of every
+  file, or ``megatron-ucp verify``'s, when it applies to the files as they are now;
+* else what a file system does to a tag, found without reading tensor bytes: the folder and its model states
+  there, every ``.pt`` file's zip structure (headers only), as many rank files as the save's DP size.
+
+The first candidate that passes is loaded by the route it needs; when the load itself refuses the tag (our
+binding, the checksums its save recorded: one :class:`~megatron_ucp.errors.CheckpointFormatError` or
+:class:`~megatron_ucp.errors.AccountingError` on every rank), the next one is tried: a full load replaces
+everything the refused one placed. Loudly: which tag failed and why (file and problem), which loads instead, how
+many iterations that loses; the restart is recorded in the store (``.ucp/fallbacks.jsonl``) and the failed tag's
+verdict with it. Nothing of a bad tag is modified. A tag named by the user (``load_checkpoint(tag=...)``,
+Megatron's ``--load-tag``) or ``--ucp-no-fallback`` gets the error of that tag alone. If no tag passes, one
+error lists each tag's problem.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from megatron_ucp.background.store import read_verdict, record_fallback, record_verdict
+from megatron_ucp.convert.universal import COMPLETE, source_identity, universal_state
+from megatron_ucp.deepspeed.reader import find_checkpoint_files, rank_file_count_problem, saved_layout
+from megatron_ucp.errors import AccountingError, CheckpointFormatError, UcpError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format.paths import read_tag_file
+from megatron_ucp.format.torchload import structure_problems
+from megatron_ucp.integration.collectives import Failure, decide_on_first, is_first
+from megatron_ucp.plan.tags import chronological, tag_step
+
+log = logging.getLogger(__name__)
+
+MAX_LOADS = 3
+"""Loads tried before giving up: a problem of the job rather than of its tags (a changed optimizer) fails every
+tag alike, and each try at 768 ranks costs a full load."""
+CHECKED_BY = "restart"
+
+
+@dataclass(frozen=True)
+class Failed:
+    tag: str
+    problems: tuple[str, ...]
+
+    def first(self) -> str:
+        more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
+        return f"{self.problems[0]}{more}" if self.problems else "?"
+
+
+def load_with_fallback(root: Path, load: Callable[[Optional[str]], Any], universal: bool) -> Any:
+    """``load(tag)`` of the newest tag that passes (None: the tag ``latest`` names, loaded as today), falling back
+    as the module says. ``universal``: the job loads universal folders (``--universal-checkpoint``), so an older
+    tag is loaded through its complete twin."""
+    latest = read_tag_file(root / F.LATEST)
+    if latest is None:
+        return load(None)  # nothing to fall back from: DeepSpeed says there is no checkpoint
+    failed: list[Failed] = []
+    loads = 0
+    for tag in [latest, *_older_than(root, latest)]:
+        outcome = decide_on_first(lambda: _judge(root, tag, universal and tag != latest))
+        problems = _problems_of(outcome)
+        if problems:
+            failed.append(Failed(tag, problems))
+            continue
+        if loads == MAX_LOADS:
+            failed.append(Failed(tag, (f"not tried: {MAX_LOADS} loads failed before it",)))
+            break
+        loads += 1
+        if failed and is_first():
+            _announce(root, failed, tag, latest)
+        try:
+            result = load(None if tag == latest else _name_to_load(tag, universal))
+        except (CheckpointFormatError, AccountingError) as exc:  # raised on every rank alike, nothing trained
+            failed.append(Failed(tag, (str(exc),)))
+            if is_first():
+                log.error("megatron-ucp: the restart cannot load %s: %s", tag, _short(str(exc)))
+            continue
+        if failed and is_first():
+            _record(root, failed, tag, latest)
+        return result
+    raise CheckpointFormatError(_none_passed(root, failed), subject=root / F.LATEST)
+
+
+def _older_than(root: Path, latest: str) -> list[str]:
+    """Native tags under ``root`` older than ``latest``, newest first."""
+    tags = []
+    for entry in os.scandir(root):
+        if entry.name == latest or entry.name.startswith(".") or entry.name.endswith(F.UNIVERSAL_SUFFIX):
+            continue
+        if entry.is_dir() and (Path(entry.path) / F.MODEL_STATES_FILE).is_file():
+            tags.append((entry.name, entry.stat().st_mtime))
+    try:
+        mine = (latest, (root / latest).stat().st_mtime)
+    except OSError:
+        mine = (latest, float("inf"))
+    ordered = [tag for tag, _ in chronological([*tags, mine])]
+    return list(reversed(ordered[: ordered.index(latest)]))
+
+
+def _name_to_load(tag: str, universal: bool) -> str:
+    return F.universal_tag(tag) if universal else tag
+
+
+def _judge(root: Path, tag: str, through_twin: bool) -> tuple[str, ...]:
+    """The tag's problems known before anything is loaded (first rank); empty when it may be loaded.
+    ``through_twin``: an older tag under ``--universal-checkpoint``, loaded through its complete twin (the tag
+    ``latest`` names is converted at load when its twin is missing, as without a fallback)."""
+    tag_dir = root / tag
+    if not tag_dir.is_dir():
+        return (f"{tag_dir}: missing",)
+    try:
+        current = source_identity(find_checkpoint_files(tag_dir).identity_files())
+    except (OSError, UcpError) as exc:
+        return (str(exc),)
+    verdict = read_verdict(root, tag)
+    if verdict is not None and verdict.applies_to(current):
+        if not verdict.sound:
+            return tuple(f"{p} (found by {verdict.checked_by})" for p in verdict.problems)
+    else:
+        try:
+            problems = _structure(tag_dir)
+        except (OSError, UcpError) as exc:  # a file that cannot be opened as one
+            problems = [str(exc)]
+        if problems:
+            return tuple(problems)
+    if through_twin:
+        twin = root / F.universal_tag(tag)
+        if universal_state(twin, tag_dir) != COMPLETE:
+            return (f"{twin}: no complete universal twin to load with --universal-checkpoint",)
+    return ()
+
+
+def _structure(tag_dir: Path) -> list[str]:
+    """What a file system does to a tag, without reading tensor bytes: files cut short or overwritten (zip
+    headers), rank files missing."""
+    problems = [f"{path}: {p}" for path in sorted(tag_dir.glob("*.pt")) for p in structure_problems(path)[:1]]
+    if problems:
+        return problems
+    saved = saved_layout(tag_dir)
+    if saved is None or saved.layout is None:
+        return [f"{tag_dir / F.MODEL_STATES_FILE}: not a DeepSpeed model-states file"]
+    count = rank_file_count_problem(tag_dir, saved.layout.dp)
+    return [count] if count else []
+
+
+def _problems_of(outcome: Any) -> tuple[str, ...]:
+    if isinstance(outcome, Failure):  # the judge itself failed: this tag cannot be read
+        return (outcome.message,)
+    return tuple(outcome)
+
+
+def _lost(latest: str, loaded: str) -> str:
+    new, old = tag_step(latest), tag_step(loaded)
+    return f"{new - old} iterations" if new is not None and old is not None else "the iterations between them"
+
+
+def _announce(root: Path, failed: list[Failed], tag: str, latest: str) -> None:
+    lines = "\n  ".join(f"{f.tag}: {_short(f.first())}" for f in failed)
+    log.warning(
+        "megatron-ucp: !!! FALLING BACK: %s names %s, which cannot be resumed:\n  %s\n"
+        "loading %s instead (loses %s); nothing of the failed tag(s) is changed (--ucp-no-fallback: stop instead)",
+        root / F.LATEST,
+        latest,
+        lines,
+        tag,
+        _lost(latest, tag),
+    )
+
+
+def _record(root: Path, failed: list[Failed], tag: str, latest: str) -> None:
+    """The restart's fallback and each failed tag's verdict, in the store (never raises: the job goes on)."""
+    for f in failed:
+        if f.problems and not f.problems[0].endswith("(found by background conversion)"):
+            try:
+                identity = source_identity(find_checkpoint_files(root / f.tag).identity_files())
+            except (OSError, UcpError):
+                identity = {}
+            record_verdict(root, f.tag, list(f.problems), CHECKED_BY, identity)
+    entry = {
+        "at": time.time(),
+        "latest": latest,
+        "loaded": tag,
+        "lost": _lost(latest, tag),
+        "failed": [{"tag": f.tag, "problems": list(f.problems[:5])} for f in failed],
+    }
+    record_fallback(root, entry)
+
+
+def _none_passed(root: Path, failed: list[Failed]) -> str:
+    lines = "\n  ".join(f"{f.tag}: {_short(f.first())}" for f in failed)
+    return (
+        f"cannot resume from {root}: no tag passes ({len(failed)} tried, newest first); nothing was trained:\n  "
+        f"{lines}\n`megatron-ucp status {root}` shows every tag; `megatron-ucp verify {root} --tag TAG` checks one"
+    )
+
+
+def _short(message: str, limit: int = 600) -> str:
+    one = " ".join(message.split())
+    return one if len(one) <= limit else one[: limit - 3] + "..."

@@ -1,0 +1,143 @@
+"""A restart never dies on a bad newest tag: it falls back to the newest sound one, loudly, on its own.
+
+Real DeepSpeed (CPU, gloo): the session's hooked DP=4 checkpoint of BF16_Optimizer (tags global_step2 and
+global_step4, ``latest`` = global_step4), its global_step4 damaged as a file system would damage it, resumed at
+DP=3 with no tag (the tag ``latest`` names, as Megatron loads):
+
+* a rank file cut short: found before anything is loaded (its zip headers), global_step2 loaded instead;
+* one bit flipped in a hooked rank file (zip headers intact): the native reshard's own check against the save's
+  checksums refuses global_step4 on every rank, and the restart loads global_step2 instead;
+* ``--ucp-no-fallback``: the cut-short file's error, nothing trained.
+
+Each fallback loads global_step2 bit for bit, continues the uninterrupted curve, says which tag failed and why,
+which loaded and how many iterations that lost, records it in the store, and leaves global_step4 as it was. The
+judge itself (a recorded verdict, tags ordered by step) is checked on synthetic saves, without DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from megatron_ucp.background.status import format_status, root_status
+from megatron_ucp.background.store import read_fallbacks, read_verdict, record_verdict
+from megatron_ucp.cli import main
+from megatron_ucp.convert.universal import source_identity
+from megatron_ucp.deepspeed.reader import find_checkpoint_files
+from megatron_ucp.integration import fallback
+from tests.support.elastic_support import (
+    ElasticRuns,
+    assert_losses_continue,
+    assert_same_state,
+    flip_a_bit_in_the_largest_record,
+    private_copy,
+    resume,
+)
+
+OPT = "bf16"
+NEW, OLD = "global_step4", "global_step2"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> ElasticRuns:
+    return ElasticRuns(tmp_path_factory.mktemp("fallback"))
+
+
+def _rank_file(tag: Path, rank: int) -> Path:
+    (found,) = tag.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    return found
+
+
+def _digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+def _cut_short(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size * 2 // 3])
+
+
+def _resumed(ds_checkpoint, runs: ElasticRuns, damage: str, **plugin: object):
+    ck = ds_checkpoint(OPT, 4, plugin=True)
+
+    def make(folder: Path):
+        root = private_copy(ck.root, folder / "ckpt")
+        victim = _rank_file(root / NEW, 1 if damage == "cut-short" else 2)
+        if damage == "cut-short":
+            _cut_short(victim)
+        else:
+            flip_a_bit_in_the_largest_record(victim)
+        before = _digest(root / NEW)
+        res = resume(3, OPT, root, folder, plugin_kwargs=plugin, expect_failure=bool(plugin))
+        return res, root, victim, before
+
+    return ck, runs.get(f"{damage}-{sorted(plugin.items())}", make)
+
+
+@pytest.mark.parametrize("damage", ["cut-short", "flipped-bit"])
+def test_a_restart_falls_back_to_the_newest_sound_tag(ds_checkpoint, runs, damage: str):
+    ck, (res, root, victim, before) = _resumed(ds_checkpoint, runs, damage)
+    assert res.ok, res.log[-3000:]
+    assert res.loaded_step == 2 and res.steps == [3, 4]
+    assert_same_state(ck.dump("state_step2"), res.dumps["state_step2_loaded"])
+    assert_losses_continue(res, ck.loss_at)
+
+    said = res.log[res.log.index("FALLING BACK") :]
+    assert f"names {NEW}, which cannot be resumed" in said and str(victim) in said, said[:3000]
+    assert f"loading {OLD} instead (loses 2 iterations)" in said
+    if damage == "flipped-bit":  # tried, refused by the load's own check on every rank, then the older tag
+        assert f"the restart cannot load {NEW}" in res.log and "checksum" in res.log
+    else:  # found before anything was loaded
+        assert f"the restart cannot load {NEW}" not in res.log
+    assert _digest(root / NEW) == before  # nothing of the bad tag is changed
+
+    (event,) = read_fallbacks(root)
+    assert (event["latest"], event["loaded"], event["lost"]) == (NEW, OLD, "2 iterations")
+    assert [f["tag"] for f in event["failed"]] == [NEW]
+    verdict = read_verdict(root, NEW)
+    assert verdict is not None and not verdict.sound and verdict.checked_by == "restart"
+    assert str(victim) in verdict.problems[0]
+    rs = root_status(root, sizes=False)
+    (row,) = [t for t in rs.tags if t.tag == NEW]
+    assert row.verified == "unsound" and rs.last_fallback == event
+    assert f"loaded {OLD} (2 iterations lost): {NEW}: " in format_status(rs)
+
+
+def test_no_fallback_stops_on_the_bad_tag(ds_checkpoint, runs):
+    _, (res, root, victim, before) = _resumed(ds_checkpoint, runs, "cut-short", fallback=False)
+    assert res.returncode != 0 and res.losses == [], res.log[-3000:]
+    assert str(victim) in res.log and "FALLING BACK" not in res.log
+    assert read_fallbacks(root) == [] and _digest(root / NEW) == before
+
+
+SMALL = ["--layers", "1", "--hidden", "32", "--ffn", "64", "--heads", "2", "--kv-heads", "1", "--vocab", "64"]
+
+
+def test_the_judge_uses_a_recorded_verdict_and_orders_tags_by_step(tmp_path: Path):
+    """A verdict that applies is used as it is (a NaN the background conversion found: the tag is skipped without
+    reading it); one on files rewritten since is not; candidates are older native tags, newest first."""
+    root = tmp_path / "ck"
+    for step in (5, 10, 100):
+        args = ["synthesize", str(root), *SMALL, "--dp", "2", "--iteration", str(step), "--no-progress"]
+        assert main(args) == 0
+    tags = [f"global_step{s}" for s in (5, 10, 100)]
+    (root / "latest").write_text(tags[2])
+    assert fallback._older_than(root, tags[2]) == [tags[1], tags[0]]
+    assert fallback._judge(root, tags[2], through_twin=False) == ()
+
+    identity = source_identity(find_checkpoint_files(root / tags[2]).identity_files())
+    record_verdict(
+        root, tags[2], ["r1.pt: 1 NaN and 0 Inf in 'exp_avg' of parameter 'w'"], "background conversion", identity
+    )
+    assert fallback._judge(root, tags[2], through_twin=False) == (
+        "r1.pt: 1 NaN and 0 Inf in 'exp_avg' of parameter 'w' (found by background conversion)",
+    )
+    record_verdict(root, tags[1], ["stale"], "megatron-ucp verify", {"other": [1, 2]})
+    assert fallback._judge(root, tags[1], through_twin=False) == ()  # judged on other files: checked again
+    assert "no complete universal twin" in fallback._judge(root, tags[1], through_twin=True)[0]
+
+    assert fallback._lost(tags[2], tags[1]) == "90 iterations"
