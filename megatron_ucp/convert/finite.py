@@ -19,21 +19,31 @@ from megatron_ucp.plan.conversion import CopyItem, ParamPlan
 _FLOATS = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
 
 
+CHUNK = 1 << 20
+"""Elements judged at a time: the temporaries stay a few MiB whatever the parameter's size."""
+
+
 def non_finite_counts(fragment: Any) -> tuple[int, int]:
     """(NaN, Inf) in one fragment of a floating-point state; (0, 0) for any other dtype."""
     name = fragment.dtype.name
-    if name == "bfloat16":  # the high half of a float32
+    if name == "bfloat16":
         raw = np.frombuffer(fragment.bytes_view(), dtype="<u2")
-        values = (raw.astype(np.uint32) << 16).view(np.float32)
     elif name in _FLOATS:
-        values = np.frombuffer(fragment.bytes_view(), dtype=_FLOATS[name])
+        raw = np.frombuffer(fragment.bytes_view(), dtype=_FLOATS[name])
     else:
         return 0, 0
-    finite = np.isfinite(values)
-    if finite.all():
-        return 0, 0
-    nan = int(np.count_nonzero(np.isnan(values)))
-    return nan, int(values.size - np.count_nonzero(finite)) - nan
+    nan = inf = 0
+    for start in range(0, raw.size, CHUNK):
+        values = raw[start : start + CHUNK]
+        if name == "bfloat16":  # the high half of a float32
+            values = (values.astype(np.uint32) << 16).view(np.float32)
+        finite = np.isfinite(values)
+        if finite.all():
+            continue
+        bad = int(np.count_nonzero(np.isnan(values)))
+        nan += bad
+        inf += int(values.size - np.count_nonzero(finite)) - bad
+    return nan, inf
 
 
 class FiniteCheck:
