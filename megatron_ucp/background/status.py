@@ -30,6 +30,7 @@ from megatron_ucp.background.store import (
     ucp_dir,
 )
 from megatron_ucp.convert.universal import inspect_staging, read_manifest, source_identity, universal_state
+from megatron_ucp.deepspeed.folder import is_native_tag
 from megatron_ucp.deepspeed.reader import find_checkpoint_files, human_bytes, recorded_sizes
 from megatron_ucp.errors import CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
@@ -229,14 +230,6 @@ def _folder_bytes(path: Path) -> int:
     return total
 
 
-def _is_native_tag(path: Path) -> bool:
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return False
-    return any(F.MODEL_FILE_RE.match(n) or F.OPTIM_FILE_RE.match(n) for n in names)
-
-
 def _native_dp(tag_dir: Path) -> tuple[Optional[int], Optional[int]]:
     """The DP and EP sizes a native tag was saved at (EP: a mixture-of-experts save's); None when unreadable
     (status describes, it does not fail)."""
@@ -286,7 +279,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         path = Path(entry.path)
         if entry.name.endswith(F.UNIVERSAL_SUFFIX):
             tags.setdefault(entry.name[: -len(F.UNIVERSAL_SUFFIX)], entry.stat().st_mtime)
-        elif _is_native_tag(path):
+        elif is_native_tag(path):
             tags[entry.name] = entry.stat().st_mtime
     for job in (queue.active, queue.pending):
         if job is not None:
@@ -332,7 +325,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         rows.append(
             TagStatus(
                 tag=tag,
-                native=native_dir.is_dir() and _is_native_tag(native_dir),
+                native=native_dir.is_dir() and is_native_tag(native_dir),
                 universal=state,
                 detail=detail,
                 dp=dp_size,

@@ -124,6 +124,18 @@ class CheckpointFiles:
         return [*models, *self.layer_files, *(self.tag_dir / name for name in self.expert_files)]
 
 
+def is_native_tag(path: Path, model_states: bool = False) -> bool:
+    """Whether a folder holds a native save's files (model states or rank files of any ZeRO stage), by name only;
+    ``model_states``: its model states (what every save writes first; a folder of rank files alone is no save to
+    load)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    patterns = (F.MODEL_FILE_RE, F.ZERO3_MODEL_FILE_RE) + (() if model_states else (F.OPTIM_FILE_RE,))
+    return any(pattern.match(n) for n in names for pattern in patterns)
+
+
 def find_checkpoint_files(tag_dir: Path) -> CheckpointFiles:
     """List and validate the files of a ZeRO tag folder, at any TP and PP.
 

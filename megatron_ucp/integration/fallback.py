@@ -5,19 +5,21 @@ the save, a file of another run) dies at restart until somebody edits ``latest``
 is sound. When a load names no tag (Megatron's and DeepSpeed's default: the tag in ``latest``), each candidate,
 newest first, is judged before anything is loaded, on the first rank, from what is already known about it:
 
-* its verdict (:func:`megatron_ucp.background.store.read_verdict`): the background conversion's read of every
-  file, or ``megatron-ucp verify``'s, when it applies to the files as they are now;
-* else what a file system does to a tag, found without reading tensor bytes: the folder and its model states
-  there, every ``.pt`` file's zip structure (headers only), as many rank files as the save's DP size.
+* its folder there, and its verdict (:func:`megatron_ucp.background.store.read_verdict`: the background
+  conversion's read of every file, or ``megatron-ucp verify``'s) when that says unsound and applies to the
+  files as they are now (their names, sizes and modification times): nothing of the tag's bytes is read, so a
+  restart still reads each byte of the checkpoint once.
 
-The first candidate that passes is loaded by the route it needs; when the load itself refuses the tag (our
-binding, the checksums its save recorded: one :class:`~megatron_ucp.errors.CheckpointFormatError` or
-:class:`~megatron_ucp.errors.AccountingError` on every rank), the next one is tried: a full load replaces
-everything the refused one placed. Loudly: which tag failed and why (file and problem), which loads instead, how
-many iterations that loses; the restart is recorded in the store (``.ucp/fallbacks.jsonl``) and the failed tag's
-verdict with it. Nothing of a bad tag is modified. A tag named by the user (``load_checkpoint(tag=...)``,
-Megatron's ``--load-tag``) or ``--ucp-no-fallback`` gets the error of that tag alone. If no tag passes, one
-error lists each tag's problem.
+The first candidate that passes is loaded by the route it needs, and the load itself judges the rest: every
+rank file bound to its position and its save before DeepSpeed's load (a file missing, cut short, of another
+run, a folder in its place), the rank-file count, every partition against the checksums its save recorded.
+When it refuses the tag (one :class:`~megatron_ucp.errors.CheckpointFormatError` or
+:class:`~megatron_ucp.errors.AccountingError` on every rank, nothing trained), the next candidate is tried: a
+full load replaces everything the refused one placed. Loudly: which tag failed and why (file and problem),
+which loads instead, how many iterations that loses; the restart is recorded in the store
+(``.ucp/fallbacks.jsonl``) and the failed tag's verdict with it. Nothing of a bad tag is modified. A tag named
+by the user (``load_checkpoint(tag=...)``, Megatron's ``--load-tag``) or ``--ucp-no-fallback`` gets the error of
+that tag alone. If no tag passes, one error lists each tag's problem.
 """
 
 from __future__ import annotations
@@ -27,15 +29,15 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from megatron_ucp.background.store import read_verdict, record_fallback, record_verdict
 from megatron_ucp.convert.universal import COMPLETE, source_identity, universal_state
-from megatron_ucp.deepspeed.reader import find_checkpoint_files, rank_file_count_problem, saved_layout
+from megatron_ucp.deepspeed.folder import is_native_tag
+from megatron_ucp.deepspeed.reader import find_checkpoint_files
 from megatron_ucp.errors import AccountingError, CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
-from megatron_ucp.format.torchload import structure_problems
 from megatron_ucp.integration.collectives import Failure, decide_on_first, is_first
 from megatron_ucp.plan.tags import chronological, tag_step
 
@@ -66,7 +68,7 @@ def load_with_fallback(root: Path, load: Callable[[Optional[str]], Any], univers
         return load(None)  # nothing to fall back from: DeepSpeed says there is no checkpoint
     failed: list[Failed] = []
     loads = 0
-    for tag in [latest, *_older_than(root, latest)]:
+    for tag in _candidates(root, latest):
         outcome = decide_on_first(lambda: _judge(root, tag, universal and tag != latest))
         problems = _problems_of(outcome)
         if problems:
@@ -91,13 +93,23 @@ def load_with_fallback(root: Path, load: Callable[[Optional[str]], Any], univers
     raise CheckpointFormatError(_none_passed(root, failed), subject=root / F.LATEST)
 
 
+def _candidates(root: Path, latest: str) -> Iterator[str]:
+    """``latest``'s tag, then (only if it is needed: the root listed once, on the first rank) the older ones. Every
+    rank walks the same candidates in the same order, so the collectives of the judge and the loads match."""
+    yield latest
+    older = decide_on_first(lambda: _older_than(root, latest))
+    if isinstance(older, Failure):
+        raise CheckpointFormatError(f"{root}: cannot list its tags to fall back to: {older.message}", subject=root)
+    yield from older
+
+
 def _older_than(root: Path, latest: str) -> list[str]:
-    """Native tags under ``root`` older than ``latest``, newest first."""
+    """Native tags under ``root`` older than ``latest``, newest first (any ZeRO stage's files)."""
     tags = []
     for entry in os.scandir(root):
         if entry.name == latest or entry.name.startswith(".") or entry.name.endswith(F.UNIVERSAL_SUFFIX):
             continue
-        if entry.is_dir() and (Path(entry.path) / F.MODEL_STATES_FILE).is_file():
+        if entry.is_dir() and is_native_tag(Path(entry.path), model_states=True):
             tags.append((entry.name, entry.stat().st_mtime))
     try:
         mine = (latest, (root / latest).stat().st_mtime)
@@ -112,45 +124,26 @@ def _name_to_load(tag: str, universal: bool) -> str:
 
 
 def _judge(root: Path, tag: str, through_twin: bool) -> tuple[str, ...]:
-    """The tag's problems known before anything is loaded (first rank); empty when it may be loaded.
-    ``through_twin``: an older tag under ``--universal-checkpoint``, loaded through its complete twin (the tag
-    ``latest`` names is converted at load when its twin is missing, as without a fallback)."""
+    """The tag's problems known before anything is loaded (first rank), without reading any of its bytes (a restart
+    reads each byte of a checkpoint once); empty when it may be loaded. ``through_twin``: an older tag under
+    ``--universal-checkpoint``, loaded through its complete twin (the tag ``latest`` names is converted at load
+    when its twin is missing, as without a fallback)."""
     tag_dir = root / tag
     if not tag_dir.is_dir():
         return (f"{tag_dir}: missing",)
-    try:
-        current = source_identity(find_checkpoint_files(tag_dir).identity_files())
-    except (OSError, UcpError) as exc:
-        return (str(exc),)
     verdict = read_verdict(root, tag)
-    if verdict is not None and verdict.applies_to(current):
-        if not verdict.sound:
-            return tuple(f"{p} (found by {verdict.checked_by})" for p in verdict.problems)
-    else:
+    if verdict is not None and not verdict.sound:
         try:
-            problems = _structure(tag_dir)
-        except (OSError, UcpError) as exc:  # a file that cannot be opened as one
-            problems = [str(exc)]
-        if problems:
-            return tuple(problems)
+            current = source_identity(find_checkpoint_files(tag_dir).identity_files())
+        except (OSError, UcpError) as exc:
+            return (str(exc),)
+        if verdict.applies_to(current):
+            return tuple(f"{p} (found by {verdict.checked_by})" for p in verdict.problems)
     if through_twin:
         twin = root / F.universal_tag(tag)
         if universal_state(twin, tag_dir) != COMPLETE:
             return (f"{twin}: no complete universal twin to load with --universal-checkpoint",)
     return ()
-
-
-def _structure(tag_dir: Path) -> list[str]:
-    """What a file system does to a tag, without reading tensor bytes: files cut short or overwritten (zip
-    headers), rank files missing."""
-    problems = [f"{path}: {p}" for path in sorted(tag_dir.glob("*.pt")) for p in structure_problems(path)[:1]]
-    if problems:
-        return problems
-    saved = saved_layout(tag_dir)
-    if saved is None or saved.layout is None:
-        return [f"{tag_dir / F.MODEL_STATES_FILE}: not a DeepSpeed model-states file"]
-    count = rank_file_count_problem(tag_dir, saved.layout.dp)
-    return [count] if count else []
 
 
 def _problems_of(outcome: Any) -> tuple[str, ...]:
@@ -180,7 +173,7 @@ def _announce(root: Path, failed: list[Failed], tag: str, latest: str) -> None:
 def _record(root: Path, failed: list[Failed], tag: str, latest: str) -> None:
     """The restart's fallback and each failed tag's verdict, in the store (never raises: the job goes on)."""
     for f in failed:
-        if f.problems and not f.problems[0].endswith("(found by background conversion)"):
+        if f.problems and "(found by " not in f.problems[0]:  # not already a recorded verdict
             try:
                 identity = source_identity(find_checkpoint_files(root / f.tag).identity_files())
             except (OSError, UcpError):

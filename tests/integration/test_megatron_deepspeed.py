@@ -475,7 +475,7 @@ def test_moe_job_saves_through_the_hooks_and_converts_every_expert_in_the_backgr
     inspected = format_report(inspect_checkpoint(root, "global_step3", range(1, 9)))  # what `inspect` prints
     assert said in inspected and "group 2: N=49,152, 4 params (one expert-parallel rank's experts" in inspected
     status = format_status(root_status(root))  # what `status` prints
-    assert re.search(r"global_step3 +yes +complete +4 \(EP=2\)", status), status
+    assert re.search(r"global_step3 +yes +sound +complete +4 \(EP=2\)", status), status  # judged by its conversion
     from megatron_ucp.deepspeed.reader import read_checkpoint
     from megatron_ucp.errors import CheckpointFormatError
 
@@ -661,11 +661,11 @@ def test_a_restart_falls_back_past_a_damaged_tag_and_a_failed_save_never_becomes
     trained, mds_checkout, mds_runs
 ):
     """Through the runner, no flag. The newest tag, global_step6 (saved through the hooks, judged sound by the
-    background conversion), loses rank 1's rank file, its path taken by a folder. Resumed at DP 3, the restart
-    judges global_step6 before anything is loaded, falls back to global_step3, says so, and continues the curve
-    at 4 and 5. Saving at 5, rank 1's write fails for real (a folder holds its file's path): every rank stops
-    at once, naming rank 1, the file and the OS error; ``latest`` still names global_step6 and Megatron's
-    ``latest_checkpointed_iteration.txt`` 6."""
+    background conversion), loses rank 1's rank file, its path taken by a folder. Resumed at DP 3, the load's
+    binding refuses global_step6 on every rank before DeepSpeed's load; the restart falls back to global_step3,
+    says so, and continues the curve at 4 and 5. Saving at 5, rank 1's write fails for real (a folder holds its
+    file's path): every rank stops at once, naming rank 1, the file and the OS error; ``latest`` still names
+    global_step6 and Megatron's ``latest_checkpointed_iteration.txt`` 6."""
     from megatron_ucp.background.store import read_fallbacks
 
     optimizer, root, reference = trained
@@ -689,6 +689,7 @@ def test_a_restart_falls_back_past_a_damaged_tag_and_a_failed_save_never_becomes
     assert_continues(res, reference, steps=(4, 5), optimizer=optimizer)
     (event,) = read_fallbacks(ckpt)
     assert (event["latest"], event["loaded"]) == ("global_step6", "global_step3")
+    assert [f["tag"] for f in event["failed"]] == ["global_step6"]  # global_step5 holds no model states: no save
 
     assert res.returncode != 0 and 6 not in res.losses, res.log[-3000:]
     assert "SaveFailedError: saving global_step5" in res.log and "(global rank 1)" in res.log, res.log[-3000:]

@@ -4,8 +4,9 @@ Real DeepSpeed (CPU, gloo): the session's hooked DP=4 checkpoint of BF16_Optimiz
 global_step4, ``latest`` = global_step4), its global_step4 damaged as a file system would damage it, resumed at
 DP=3 with no tag (the tag ``latest`` names, as Megatron loads):
 
-* a rank file cut short: found before anything is loaded (its zip headers), global_step2 loaded instead;
-* one bit flipped in a hooked rank file (zip headers intact): the native reshard's own check against the save's
+* a rank file cut short: the binding of every rank file before DeepSpeed's load refuses global_step4 on every
+  rank, and the restart loads global_step2 instead;
+* one bit flipped in a hooked rank file (the file whole): the native reshard's own check against the save's
   checksums refuses global_step4 on every rank, and the restart loads global_step2 instead;
 * ``--ucp-no-fallback``: the cut-short file's error, nothing trained.
 
@@ -89,10 +90,10 @@ def test_a_restart_falls_back_to_the_newest_sound_tag(ds_checkpoint, runs, damag
     said = res.log[res.log.index("FALLING BACK") :]
     assert f"names {NEW}, which cannot be resumed" in said and str(victim) in said, said[:3000]
     assert f"loading {OLD} instead (loses 2 iterations)" in said
-    if damage == "flipped-bit":  # tried, refused by the load's own check on every rank, then the older tag
-        assert f"the restart cannot load {NEW}" in res.log and "checksum" in res.log
-    else:  # found before anything was loaded
-        assert f"the restart cannot load {NEW}" not in res.log
+    # tried, refused on every rank by the load's own checks (the binding of every rank file before DeepSpeed's load;
+    # the partitions against the save's checksums), then the older tag
+    assert f"the restart cannot load {NEW}" in res.log
+    assert ("checksum" if damage == "flipped-bit" else "unreadable") in res.log, res.log[-3000:]
     assert _digest(root / NEW) == before  # nothing of the bad tag is changed
 
     (event,) = read_fallbacks(root)
@@ -119,10 +120,12 @@ SMALL = ["--layers", "1", "--hidden", "32", "--ffn", "64", "--heads", "2", "--kv
 
 def test_the_judge_uses_a_recorded_verdict_and_orders_tags_by_step(tmp_path: Path):
     """A verdict that applies is used as it is (a NaN the background conversion found: the tag is skipped without
-    reading it); one on files rewritten since is not; candidates are older native tags, newest first."""
+    reading it); one on files rewritten since is not; candidates are older native tags of any stage, newest
+    first."""
     root = tmp_path / "ck"
-    for step in (5, 10, 100):
-        args = ["synthesize", str(root), *SMALL, "--dp", "2", "--iteration", str(step), "--no-progress"]
+    for step in (5, 10, 100):  # the oldest a ZeRO-3 save (its model states are per rank)
+        stage = ["--optimizer", "zero", "--zero-stage", "3"] if step == 5 else []
+        args = ["synthesize", str(root), *SMALL, "--dp", "2", *stage, "--iteration", str(step), "--no-progress"]
         assert main(args) == 0
     tags = [f"global_step{s}" for s in (5, 10, 100)]
     (root / "latest").write_text(tags[2])
