@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from megatron_ucp.convert.execute import plan_checkpoint
 from megatron_ucp.convert.finite import FiniteCheck
-from megatron_ucp.convert.save_check import PartitionSums, identity_problems, merge_records, partition_problems
+from megatron_ucp.convert.save_check import PartitionSums, identity_problems, partition_problems
 from megatron_ucp.convert.verify import native_tag_problems
 from megatron_ucp.convert.writer import RankFileCache, state_fragments
 from megatron_ucp.deepspeed.reader import rank_file_count_problem, read_checkpoint
@@ -91,7 +91,7 @@ def verify_native(tag_dir: Path, progress: bool = False) -> NativeReport:
         return _done(report, t0)
     sums, finite = PartitionSums(meta, cache), FiniteCheck(cache.paths)
     read_every_element(plan, cache, (sums.add, finite.add), progress)
-    report.problems, checked = partition_problems(meta, cache, merge_records([sums.to_record()]))
+    report.problems, checked = partition_problems(meta, cache, sums.totals())
     report.partitions_checked, report.elements = checked.checked, finite.elements
     report.problems += finite.problems()
     return _done(report, t0)

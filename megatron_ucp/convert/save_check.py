@@ -106,6 +106,10 @@ class PartitionSums:
         out.update({f"{r}/{g}/{s}": [-1, 0] for r, g, s in self.unplaced})
         return out
 
+    def totals(self) -> dict[Key, tuple[int, int]]:
+        """What :func:`partition_problems` takes: the sums per partition, unplaced ones left out (hashed whole)."""
+        return {key: value for key, value in self.sums.items() if key not in self.unplaced}
+
 
 def merge_records(records: Iterable[Optional[dict]]) -> dict[Key, tuple[int, int]]:
     """The shares' partial sums (:meth:`PartitionSums.to_record`) added up per partition (-1: not usable)."""

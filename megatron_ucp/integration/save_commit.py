@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Optional
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import SaveFailedError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.integration.collectives import comm, count_across, raise_gathered
+from megatron_ucp.integration.collectives import comm, count_across, is_first, raise_gathered
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,11 @@ class WriteWatch:
                 return save(state_dict, path, *args, **kwargs)
             except (OSError, RuntimeError) as exc:
                 self.failure = SaveFailedError(f"{path}: write failed: {_reason(exc)}", subject=path)
-                log.error("megatron-ucp: %s (global rank %s); the save will not become latest", self.failure, _rank())
+                log.error(
+                    "megatron-ucp: %s (global rank %s); the save will not become latest",
+                    self.failure,
+                    comm().get_rank(),
+                )
                 return None
 
         return watched_save
@@ -62,11 +66,6 @@ def _reason(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     found = re.search(r"strerror: (.+)$", text)
     return found.group(1) if found else text
-
-
-def _rank() -> int:
-    dist = comm()
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 @contextlib.contextmanager
@@ -105,7 +104,7 @@ def committed_save(engine: Any, original: Callable[..., Any], args: tuple, kwarg
             f"saving {tag} in {save_dir} (`latest` still names the previous tag; nothing was marked as saved)",
             subject=Path(save_dir) / tag,
         )
-    if save_latest and _rank() == 0:
+    if save_latest and is_first():
         _write_latest(Path(save_dir), tag)
     return result
 
