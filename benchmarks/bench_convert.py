@@ -8,7 +8,9 @@ order so that neither side always goes first on a noisy shared machine:
   ``--num_extract_workers W --num_merge_workers W``;
 * ``ours``: ``megatron-ucp convert TAG --output OUT --workers W`` (durable: every file fsynced);
 * ``cp``: ``cp -r TAG OUT`` (the I/O floor: the same bytes copied, page cache only);
-* ``cp+sync``: ``cp -r TAG OUT`` then ``sync`` of the copied files (the durable I/O floor).
+* ``cp+sync``: ``cp -r TAG OUT`` then ``sync`` of the copied files (the durable I/O floor);
+* ``verify`` (not in the default set): ``megatron-ucp verify TAG``, the read a background verify job makes of
+  each save (``--ucp-verify-saves``): every file whole, one save, every recorded partition, every element finite.
 
 Every tool runs as a child process; wall time and the peak resident memory of the whole process
 tree (sum of RSS over the process and its descendants, sampled every 10 ms with psutil) are
@@ -49,6 +51,8 @@ import make_checkpoint as mk  # noqa: E402
 RESULTS_DIR = BENCH_DIR / "results"
 README = BENCH_DIR / "README.md"
 TOOLS = ("stock", "ours", "cp", "cp+sync")
+EXTRA_TOOLS = ("verify",)
+"""Run only when named (``--tools``); in the results' JSON and ratios, not in the README table."""
 #: The default suite: the headline checkpoint, the DP series (fixed model; DP=768 re-partitioned from the
 #: real DP=8 run, see make_checkpoint.synthesize) and the model-size series (DP=8).
 SUITE = ("m100-dp8", "m25-dp8", "m25-dp16", "m25-dp32", "m25-dp8-as-dp768", "m50-dp8")
@@ -181,6 +185,8 @@ def tool_argv(tool: str, tag: Path, out: Path, workers: int) -> list[list[str]]:
                 "--no-progress",
             ]
         ]
+    if tool == "verify":
+        return [[python(), "-m", "megatron_ucp.cli", "verify", str(tag), "--no-progress"]]
     if tool == "cp":
         return [["cp", "-r", str(tag), str(out)]]
     if tool == "cp+sync":
@@ -329,7 +335,7 @@ def bench_one(
     # Ratios per repetition (the runs of one repetition are adjacent in time, so they share the
     # machine's load of the moment), then the median: steadier than a ratio of medians.
     ratios = {}
-    for a, b in (("stock", "ours"), ("ours", "cp"), ("ours", "cp+sync")):
+    for a, b in (("stock", "ours"), ("ours", "cp"), ("ours", "cp+sync"), ("verify", "ours"), ("verify", "stock")):
         if a in runs and b in runs:
             ratios[f"{a}/{b}"] = median([x["seconds"] / y["seconds"] for x, y in zip(runs[a], runs[b])])
     return {
@@ -440,7 +446,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--workers", type=int, default=2, help="workers for both converters (default 2)")
     ap.add_argument("--cache", choices=("warm", "cold", "both"), default="warm")
-    ap.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
+    ap.add_argument("--tools", nargs="+", choices=TOOLS + EXTRA_TOOLS, default=list(TOOLS))
     ap.add_argument("--scratch", type=Path, help="where outputs go (default: a temp folder next to the cache)")
     ap.add_argument("--no-verify", action="store_true", help="skip the bit-exact check of our outputs")
     ap.add_argument("--name", default="latest", help="results file name (benchmarks/results/<name>.{json,md})")

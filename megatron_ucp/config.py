@@ -57,6 +57,10 @@ class UcpConfig:
     # --- background conversion (issue: async conversion) ---------------------------------------
     async_convert: bool = False
     """Convert every saved tag to the universal layout in background processes."""
+    verify_saves: bool = False
+    """Without :attr:`async_convert`: read every saved tag once in the background (node 0's converter) and record
+    its verdict (whole, one save, as recorded, finite), which ``status`` shows and a restart's fallback uses. With
+    it, the conversion's own read gives the verdict."""
     keep_last: Optional[int] = None
     """Keep at most this many universal folders per checkpoint root (None: keep all)."""
     converter_workers: int = 1
@@ -172,6 +176,8 @@ _HELP = {
     "loads, the rest read as one 1/DP slice per rank: each byte once across the job) or full (every rank reads "
     "the whole module, as DeepSpeed does)",
     "async_convert": "convert every saved tag to the universal layout in the background",
+    "verify_saves": "without --ucp-async-convert: verify every saved tag in the background (every file read once: "
+    "whole, of one save, as recorded, finite) and record its verdict for status and the restart's fallback",
     "keep_last": "keep at most N universal folders per checkpoint root ('all': keep every one)",
     "converter_workers": "worker processes per converter (one converter per node)",
     "converter_threads": "OpenMP/torch threads of each converter process (torch is only used for rare fallbacks)",

@@ -34,6 +34,8 @@
 #   UCP=1                 turn megatron-ucp on (or pass --ucp)
 #   UCP_DRY_RUN=1         print the shim, the environment and the command lines; launch nothing
 #   UCP_ASYNC_CONVERT     1 (default): convert every saved checkpoint in the background
+#   UCP_VERIFY_SAVES      1 (default): with UCP_ASYNC_CONVERT=0, still verify every saved
+#                         checkpoint in the background (the conversion's read does it otherwise)
 #   UCP_KEEP_LAST         keep at most N universal folders (default: all)
 #   UCP_CONVERTER_WORKERS worker processes per converter (default 1)
 #   UCP_STRICT            0: warn instead of failing when a universal load misses a tensor
@@ -115,6 +117,7 @@ fi
 [[ "${gpus_per_node}" =~ ^[0-9]+$ ]] || gpus_per_node=0
 ucp_args=()
 if [[ "${UCP_ASYNC_CONVERT:-1}" == 1 ]]; then ucp_args+=(--ucp-async-convert); else ucp_args+=(--ucp-no-async-convert); fi
+if [[ "${UCP_ASYNC_CONVERT:-1}" != 1 && "${UCP_VERIFY_SAVES:-1}" == 1 ]]; then ucp_args+=(--ucp-verify-saves); fi
 if [[ -n "${UCP_KEEP_LAST:-}" ]]; then ucp_args+=(--ucp-keep-last "${UCP_KEEP_LAST}"); fi
 if [[ -n "${UCP_CONVERTER_WORKERS:-}" ]]; then ucp_args+=(--ucp-converter-workers "${UCP_CONVERTER_WORKERS}"); fi
 if [[ "${UCP_STRICT:-1}" == 0 ]]; then ucp_args+=(--ucp-no-strict); fi

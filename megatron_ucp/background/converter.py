@@ -58,6 +58,7 @@ from megatron_ucp.background.store import (
     record_verdict,
     register,
     registration_path,
+    tag_identity,
     twin_path,
     ucp_dir,
     unregister,
@@ -71,11 +72,9 @@ from megatron_ucp.convert.universal import (
     latest_universal_target,
     move_latest_universal,
     read_manifest,
-    source_identity,
     universal_state,
 )
-from megatron_ucp.deepspeed.reader import find_checkpoint_files
-from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError, described
+from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, described
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
 
@@ -231,7 +230,7 @@ class Converter:
                     for event in events:
                         log.info("%s", event.line())
                     if share is not None:
-                        self._convert_share(job, share)
+                        (self._verify if job.kind == B.VERIFY else self._convert_share)(job, share)
                     register(self.root, self.node, self.pid, "waiting", job.attempt)
                     self._wait_settled(job)
         finally:
@@ -312,6 +311,33 @@ class Converter:
             logging.getLogger().removeHandler(handler)
             handler.close()
 
+    def _verify(self, job: B.Job, share: int) -> None:
+        """A verify job: the tag's files read once (:func:`megatron_ucp.convert.native_verify.verify_native`: whole,
+        one save, as recorded, finite), its verdict recorded; settled by its own event (an unsound tag: rejected,
+        reported as a warning at the next save)."""
+        from megatron_ucp.convert.native_verify import verify_native
+
+        log_path = ucp_dir(self.root) / B.log_name(job.tag, share, 1, B.VERIFY)
+        handler = logging.FileHandler(log_path)
+        handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+        logging.getLogger().addHandler(handler)
+        said = dict(attempt=job.attempt, log=str(log_path), job=B.VERIFY)
+        try:
+            identity = tag_identity(self.root / job.tag)  # the files as they are before they are read
+            report = verify_native(self.root / job.tag)
+            record_verdict(self.root, job.tag, report.problems, VERIFIED_BY, identity)
+            kind = B.EventKind.COMPLETE if report.ok else B.EventKind.REJECTED
+            record_event(self.root, job.tag, kind, report.summary(), seconds=round(report.seconds, 3), **said)
+        except Terminated as exc:
+            record_event(self.root, job.tag, B.EventKind.INTERRUPTED, f"verification stopped by {exc}", **said)
+            raise
+        except Exception as exc:  # a verification that could not run: loud in the logs, harmless to training
+            log.exception("verification of %s failed", job.tag)
+            record_event(self.root, job.tag, B.EventKind.FAILED, described(exc), **said)
+        finally:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+
     def _finish(self, job: B.Job, output: Path, log_path: Path, seconds: float) -> None:
         """The committer: read-back verification, then ``latest_universal``, then retention."""
         from megatron_ucp.convert.verify import verify_universal
@@ -362,11 +388,7 @@ class Converter:
         subject = getattr(exc, "subject", None)
         if not isinstance(exc, CheckpointFormatError) or subject is None or tag_dir not in Path(subject).parents:
             return
-        try:
-            identity = source_identity(find_checkpoint_files(tag_dir).identity_files())
-        except (OSError, UcpError):
-            identity = {}
-        record_verdict(self.root, tag, [str(exc)], CHECKED_BY, identity)
+        record_verdict(self.root, tag, [str(exc)], CHECKED_BY, tag_identity(tag_dir))
 
     def _retention(self) -> None:
         keep = self.settings.keep_last
@@ -411,6 +433,7 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
 
 
 CHECKED_BY = "background conversion"
+VERIFIED_BY = "background verification"
 
 
 def run_converter(root: Path, node: int, nodes: int, settings: ConverterSettings) -> int:

@@ -54,6 +54,12 @@ class EventKind(str, enum.Enum):
 SETTLING = (EventKind.COMPLETE, EventKind.FAILED, EventKind.REJECTED)
 """Events that settle the job they name (by attempt)."""
 
+CONVERT = "convert"
+"""A job that writes the tag's universal twin (its read also judges the tag: a verdict)."""
+VERIFY = "verify"
+"""A job that only judges the tag (every file read once, its verdict recorded): a job saving without
+background conversion. Its events say ``job: verify``; the universal column of ``status`` ignores them."""
+
 
 @dataclass(frozen=True)
 class Job:
@@ -64,10 +70,17 @@ class Job:
     """Set when the job becomes active; every node's converter passes it to ``convert``."""
     activated: Optional[float] = None
     tries: int = 0
+    kind: str = CONVERT
+    """:data:`CONVERT` or :data:`VERIFY`."""
 
     def __post_init__(self) -> None:
         if self.share_count < 1:
             raise UcpError(f"job {self.tag}: share_count must be >= 1, got {self.share_count}", subject=self)
+
+    @property
+    def event_job(self) -> Optional[str]:
+        """What its events carry as ``job``: None for a conversion (as before there were other jobs)."""
+        return None if self.kind == CONVERT else self.kind
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -77,6 +90,7 @@ class Job:
             "attempt": self.attempt,
             "activated": self.activated,
             "tries": self.tries,
+            "kind": self.kind,
         }
 
     @classmethod
@@ -90,6 +104,7 @@ class Job:
             attempt=data.get("attempt"),
             activated=data.get("activated"),
             tries=int(data.get("tries", 0)),
+            kind=str(data.get("kind", CONVERT)),
         )
 
 
@@ -103,9 +118,12 @@ class Event:
     attempt: Optional[str] = None
     log: Optional[str] = None
     seconds: Optional[float] = None
+    job: Optional[str] = None
+    """None: a conversion's event; :data:`VERIFY`: a verification's."""
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "job": self.job,
             "seq": self.seq,
             "time": self.time,
             "tag": self.tag,
@@ -131,11 +149,13 @@ class Event:
             attempt=data.get("attempt"),
             log=data.get("log"),
             seconds=data.get("seconds"),
+            job=data.get("job"),
         )
 
     def line(self) -> str:
         extra = f" (log: {self.log})" if self.log else ""
-        return f"{self.tag}: {self.kind.value}: {self.message}{extra}"
+        job = f" ({self.job})" if self.job else ""
+        return f"{self.tag}: {self.kind.value}{job}: {self.message}{extra}"
 
 
 @dataclass(frozen=True)
@@ -192,9 +212,10 @@ class QueueState:
     def mark_reported(self) -> "QueueState":
         return replace(self, reported_seq=self.next_seq - 1)
 
-    def last_event(self, tag: str) -> Optional[Event]:
+    def last_event(self, tag: str, job: Optional[str] = None) -> Optional[Event]:
+        """The tag's newest event of that job kind (None: conversions)."""
         for event in reversed(self.events):
-            if event.tag == tag:
+            if event.tag == tag and event.job == job:
                 return event
         return None
 
@@ -253,9 +274,10 @@ def judge(state: QueueState, job: Job, facts: JobFacts, now: float, grace: float
 
 
 def request(
-    state: QueueState, tag: str, share_count: int, now: float, already_complete: bool = False
+    state: QueueState, tag: str, share_count: int, now: float, already_complete: bool = False, kind: str = CONVERT
 ) -> tuple[QueueState, list[Event]]:
     """A save of ``tag`` finished: make it the pending job (the newest wins; a replaced one is skipped).
+    ``kind``: :data:`CONVERT` or :data:`VERIFY` (one node's job: ``share_count`` 1).
 
     Idempotent: every node's trigger requests the same tag after the same save.
     """
@@ -271,12 +293,13 @@ def request(
         state, event = state.add(
             pending.tag,
             EventKind.SKIPPED,
-            f"not converted: {tag} was saved before its conversion could start "
-            "(saves come faster than conversions; the newest wins)",
+            f"not {'verified' if pending.kind == VERIFY else 'converted'}: {tag} was saved before its "
+            f"{pending.kind} job could start (saves come faster than that; the newest wins)",
             now,
+            job=pending.event_job,
         )
         events.append(event)
-    return replace(state, pending=Job(tag=tag, share_count=share_count, requested=now)), events
+    return replace(state, pending=Job(tag=tag, share_count=share_count, requested=now, kind=kind)), events
 
 
 def advance(
@@ -300,6 +323,7 @@ def advance(
         return state, active, events
     redo: Optional[Job] = None
     if active is not None:
+        said: Optional[tuple[EventKind, str]] = None
         if outcome is Outcome.DEAD:
             give_up = active.tries >= MAX_TRIES
             if state.pending is not None:
@@ -307,27 +331,20 @@ def advance(
             elif give_up:
                 what = f"given up after {active.tries} attempts"
             elif not redo_dead:
-                what = "the next save or `megatron-ucp convert` redoes it"
+                what = f"the next save or `megatron-ucp {active.kind}` redoes it"
             else:
-                what = "converting it again"
+                what = "converting it again" if active.kind == CONVERT else "verifying it again"
                 redo = active
-            state, event = state.add(
-                active.tag,
+            said = (
                 EventKind.INTERRUPTED,
                 f"every converter of attempt {active.attempt} stopped before it committed; {what}",
-                now,
-                attempt=active.attempt,
             )
-            events.append(event)
-        elif outcome is Outcome.COMPLETE and state.settled_by(active.attempt) is None:
-            state, event = state.add(
-                active.tag, EventKind.COMPLETE, "committed (by another converter)", now, attempt=active.attempt
-            )
-            events.append(event)
-        elif outcome is Outcome.FAILED and state.settled_by(active.attempt) is None:
-            state, event = state.add(
-                active.tag, EventKind.FAILED, "a share of the conversion failed", now, attempt=active.attempt
-            )
+        elif state.settled_by(active.attempt) is None and outcome is Outcome.COMPLETE:
+            said = (EventKind.COMPLETE, "committed (by another converter)")
+        elif state.settled_by(active.attempt) is None and outcome is Outcome.FAILED:
+            said = (EventKind.FAILED, "a share of the conversion failed")
+        if said is not None:
+            state, event = state.add(active.tag, *said, now, attempt=active.attempt, job=active.event_job)
             events.append(event)
         state = replace(state, active=None)
     nxt = state.pending if state.pending is not None else redo
@@ -415,9 +432,9 @@ def select_for_removal(
     return [name for name, _ in ordered if name not in keep]
 
 
-def log_name(tag: str, share_index: int, share_count: int) -> str:
+def log_name(tag: str, share_index: int, share_count: int, kind: str = CONVERT) -> str:
     """Per-tag converter log under ``<root>/.ucp/``: one per node when the work is split."""
-    return f"convert-{tag}.log" if share_count == 1 else f"convert-{tag}.node{share_index}.log"
+    return f"{kind}-{tag}.log" if share_count == 1 else f"{kind}-{tag}.node{share_index}.log"
 
 
 def progress_fraction(done: Sequence[int], total: Sequence[int]) -> Optional[float]:

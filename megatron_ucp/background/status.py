@@ -27,12 +27,13 @@ from megatron_ucp.background.store import (
     read_queue,
     read_registrations,
     read_verdict,
+    tag_identity,
     ucp_dir,
 )
-from megatron_ucp.convert.universal import inspect_staging, read_manifest, source_identity, universal_state
+from megatron_ucp.convert.universal import inspect_staging, read_manifest, universal_state
 from megatron_ucp.deepspeed.folder import is_native_tag
-from megatron_ucp.deepspeed.reader import find_checkpoint_files, human_bytes, recorded_sizes
-from megatron_ucp.errors import CheckpointFormatError, UcpError
+from megatron_ucp.deepspeed.reader import human_bytes, recorded_sizes
+from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.plan.resume import TwinState
@@ -295,7 +296,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         twin = root / F.universal_tag(tag)
         folder = universal_state(twin, native_dir)
         info = inspect_staging(twin)
-        is_active = queue.active is not None and queue.active.tag == tag
+        is_active = queue.active is not None and queue.active.tag == tag and queue.active.kind == B.CONVERT
         facts = TagFacts(
             tag=tag,
             folder=folder,
@@ -304,7 +305,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
             active=active_verdict
             if is_active and active_verdict in (B.Outcome.RUNNING.value, B.Outcome.DEAD.value)
             else None,
-            pending=queue.pending is not None and queue.pending.tag == tag,
+            pending=queue.pending is not None and queue.pending.tag == tag and queue.pending.kind == B.CONVERT,
             last_event=queue.last_event(tag),
             progress=_progress(root, tag, queue.active.attempt if is_active else None) if info or is_active else None,
             shares=(len(info.shares_done), info.share_count) if info is not None else None,
@@ -335,7 +336,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
                 seconds=manifest.get("seconds") if manifest else None,
                 latest=tag == latest,
                 latest_universal=latest_universal == twin.name,
-                **_verdict(root, tag, native_dir),
+                **(_verifying(queue, tag) or _verdict(root, tag, native_dir)),
             )
         )
     for name, why in sorted(unreadable.items()):
@@ -371,16 +372,21 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
     )
 
 
+def _verifying(queue: B.QueueState, tag: str) -> dict:
+    """A verify job of the tag that is active or queued (its verdict is on the way)."""
+    for job, said in ((queue.active, "verifying"), (queue.pending, "queued")):
+        if job is not None and job.tag == tag and job.kind == B.VERIFY:
+            return {"verified": said, "verdict": f"background verification {said}"}
+    return {}
+
+
 def _verdict(root: Path, tag: str, native_dir: Path) -> dict:
     """The tag's recorded verdict, if any, and whether it applies to the files there now."""
     verdict = read_verdict(root, tag)
     if verdict is None:
         return {}
-    try:
-        current = source_identity(find_checkpoint_files(native_dir).identity_files())
-    except (OSError, UcpError):
-        current = None
-    if current is None or not verdict.applies_to(current):
+    current = tag_identity(native_dir)
+    if not current or not verdict.applies_to(current):
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(verdict.at))
         return {"verified": "outdated", "verdict": f"its files changed since it was checked ({when})"}
     return {"verified": "sound" if verdict.sound else "unsound", "verdict": verdict.describe()}

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from megatron_ucp.background import queue as B
-from megatron_ucp.convert.universal import COMPLETE, inspect_staging, universal_state
+from megatron_ucp.convert.universal import COMPLETE, inspect_staging, source_identity, universal_state
+from megatron_ucp.deepspeed.reader import find_checkpoint_files
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
@@ -235,8 +236,9 @@ def twin_path(root: Path, tag: str) -> Path:
 def job_facts(root: Path, job: B.Job, regs: dict[int, Registration], stale_after: float) -> B.JobFacts:
     """Converters count as alive for the job while ``starting`` (about to join whatever is active)
     or ``converting`` it; a converter ``waiting`` for the others does not keep a job alive."""
+    verify = job.kind == B.VERIFY  # no folder of its own: settled by its event, alive by its converter
     output = twin_path(root, job.tag)
-    info = inspect_staging(output)
+    info = None if verify else inspect_staging(output)
     runners = any(
         r.alive(stale_after) and (r.phase == "starting" or (r.phase == "converting" and r.attempt == job.attempt))
         for r in regs.values()
@@ -247,7 +249,7 @@ def job_facts(root: Path, job: B.Job, regs: dict[int, Registration], stale_after
         if r.attempt == job.attempt or (r.phase == "starting" and r.since >= (job.activated or 0.0))
     ]
     return B.JobFacts(
-        universal_complete=universal_state(output, root / job.tag) == COMPLETE,
+        universal_complete=not verify and universal_state(output, root / job.tag) == COMPLETE,
         staging_live=info is not None and info.is_live(stale_after),
         runners_live=runners,
         shares_failed=info.failed if info is not None and info.attempt_id == job.attempt else (),
@@ -370,6 +372,21 @@ def read_verdict(root: Path, tag: str) -> Optional[Verdict]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("%s: unreadable verdict, ignored (%s)", path, exc)
         return None
+
+
+def tag_identity(tag_dir: Path) -> dict:
+    """The tag's files as they are now (names, sizes, modification times: what a verdict applies to); {} when
+    they cannot be listed."""
+    try:
+        return source_identity(find_checkpoint_files(tag_dir).identity_files())
+    except (OSError, UcpError):
+        return {}
+
+
+def verdict_is_current(root: Path, tag: str) -> bool:
+    """The tag has a verdict on its files as they are now (nothing to verify again)."""
+    verdict = read_verdict(root, tag)
+    return verdict is not None and verdict.applies_to(tag_identity(root / tag))
 
 
 FALLBACKS_LOG = "fallbacks.jsonl"

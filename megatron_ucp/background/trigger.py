@@ -29,6 +29,7 @@ from megatron_ucp.background.store import (
     register,
     twin_path,
     ucp_dir,
+    verdict_is_current,
     write_queue,
 )
 from megatron_ucp.convert.universal import COMPLETE, universal_state
@@ -70,8 +71,10 @@ def trigger(
     settings: ConverterSettings,
     report: bool = False,
     lock_timeout: float = 5.0,
+    kind: str = B.CONVERT,
 ) -> TriggerResult:
-    """Queue ``tag`` of ``root`` for conversion and make sure node ``node``'s converter runs.
+    """Queue ``tag`` of ``root`` for conversion (``kind`` :data:`~megatron_ucp.background.queue.VERIFY`: for
+    verification only, by node 0 alone: ``nodes`` 1) and make sure node ``node``'s converter runs.
 
     Every node's launcher calls it after the same save (idempotent). Takes the queue lock for a few
     filesystem operations and may start one process; never waits for a conversion.
@@ -83,8 +86,8 @@ def trigger(
     spawned = None
     with QueueLock(root, timeout=lock_timeout):
         state = before = read_queue(root)
-        complete = universal_state(twin_path(root, tag), root / tag) == COMPLETE  # not stale either
-        state, events = B.request(state, tag, nodes, now, already_complete=complete)
+        complete = _done(root, tag, kind)
+        state, events = B.request(state, tag, nodes, now, already_complete=complete, kind=kind)
         state, job, more = advance_locked(root, state, settings, now, redo_dead=True)
         events += more
         reg = read_registrations(root).get(node)
@@ -183,16 +186,27 @@ def wait_for_converter(
         time.sleep(min(POLL_S, max(0.05, deadline - time.monotonic())))
 
 
-def unfinished(root: Path, tags: Sequence[str]) -> list[str]:
-    """Those of ``tags`` (queued by this process) still without a complete twin, except the ones
-    skipped for a newer save or removed by retention (nothing is owed for them)."""
+def _done(root: Path, tag: str, kind: str) -> bool:
+    """A conversion: the twin is complete (not stale either); a verification: a verdict on the files as they are."""
+    if kind == B.VERIFY:
+        return verdict_is_current(root, tag)
+    return universal_state(twin_path(root, tag), root / tag) == COMPLETE
+
+
+def unfinished(root: Path, tags: Sequence[str], kind: str = B.CONVERT) -> list[str]:
+    """Those of ``tags`` (queued by this process for ``kind`` jobs) still without a complete twin (a current
+    verdict), except the ones skipped for a newer save or removed by retention (nothing is owed for them) and
+    the verifications that failed (their event says why)."""
     state = read_queue(root)
     out = []
+    job = None if kind == B.CONVERT else kind
     for tag in tags:
-        if universal_state(twin_path(root, tag), root / tag) == COMPLETE:
+        if _done(root, tag, kind):
             continue
-        last = state.last_event(tag)
+        last = state.last_event(tag, job)
         if last is not None and last.kind in (B.EventKind.SKIPPED, B.EventKind.REMOVED):
+            continue
+        if job is not None and last is not None and last.kind in B.SETTLING:
             continue
         out.append(tag)
     return out

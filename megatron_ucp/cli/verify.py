@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # these import torch: only for this command
-    from megatron_ucp.background.store import record_verdict, ucp_dir
+    from megatron_ucp.background.store import record_verdict, tag_identity, ucp_dir
     from megatron_ucp.convert.native_verify import verify_native
     from megatron_ucp.convert.verify import is_universal_folder, twin_of, verify_universal
 
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         reports.append(verify_universal(args.path, args.source, progress=not args.no_progress))
     else:
         tag_dir, twin = twin_of(args.path, args.tag)
-        identity = _identity(tag_dir)
+        identity = tag_identity(tag_dir)  # the files as they are before they are read
         native = verify_native(tag_dir, progress=not args.no_progress)
         reports.append(native)
         if ucp_dir(tag_dir.parent).is_dir():  # a root the hooks keep a store in: status shows the verdict
@@ -59,15 +59,3 @@ def run(args: argparse.Namespace) -> int:
     for report in reports:
         print(report.summary())
     return 0 if all(report.ok for report in reports) else 1
-
-
-def _identity(tag_dir: Path) -> dict:
-    """The tag's files as they are before they are read (what a verdict applies to); {} when unlisted."""
-    from megatron_ucp.convert.universal import source_identity
-    from megatron_ucp.deepspeed.reader import find_checkpoint_files
-    from megatron_ucp.errors import UcpError
-
-    try:
-        return source_identity(find_checkpoint_files(tag_dir).identity_files())
-    except (OSError, UcpError):
-        return {}

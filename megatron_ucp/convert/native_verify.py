@@ -30,7 +30,7 @@ from megatron_ucp.convert.execute import plan_checkpoint
 from megatron_ucp.convert.finite import FiniteCheck
 from megatron_ucp.convert.save_check import PartitionSums, identity_problems, partition_problems
 from megatron_ucp.convert.verify import native_tag_problems
-from megatron_ucp.convert.writer import RankFileCache, state_fragments
+from megatron_ucp.convert.writer import RankFileCache, prefetch, release, state_fragments
 from megatron_ucp.deepspeed.reader import rank_file_count_problem, read_checkpoint
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.plan.conversion import ConversionPlan
@@ -105,8 +105,10 @@ def read_every_element(plan: ConversionPlan, cache: RankFileCache, observers: tu
         items = list(p.items) + [item for copies in p.replicas for item in copies]
         for state in plan.groups[p.group].states:
             fragments = state_fragments(p, state, cache, items)
+            prefetch(fragments)
             for observe in observers:
                 observe(p, state, items, fragments)
+            release(fragments)  # one read, not one resident copy of the checkpoint
 
 
 def _done(report: NativeReport, t0: float) -> NativeReport:

@@ -149,6 +149,20 @@ def state_fragments(
     ]
 
 
+def prefetch(fragments: Sequence[RawTensor]) -> None:
+    """Readahead for the mapped fragments about to be read (cold caches)."""
+    for t in fragments:
+        if t.storage.mapped:
+            osio.will_need(t.data_ptr(), t.nbytes)
+
+
+def release(fragments: Sequence[RawTensor]) -> None:
+    """This process is done with these mapped pages: out of its RSS (they stay in the page cache)."""
+    for t in fragments:
+        if t.storage.mapped:
+            osio.done_with(t.data_ptr(), t.nbytes, t.storage.region)
+
+
 def assemble_items_torch(items: Sequence[CopyItem], shape: Sequence[int], parts: Sequence[RawTensor]) -> Any:
     """A ``torch.Tensor`` of ``shape`` copied from its fragments (imports torch)."""
     import torch
@@ -219,10 +233,7 @@ class Writer:
             )
             for state in group.states
         }
-        for kept, rows in sources.values():  # readahead for this parameter (cold caches)
-            for t in (*kept, *rows):
-                if t.storage.mapped:
-                    osio.will_need(t.data_ptr(), t.nbytes)
+        prefetch([t for kept, rows in sources.values() for t in (*kept, *rows)])
         nbytes = 0
         written: list[Path] = []
         for state in group.states:
@@ -233,9 +244,7 @@ class Writer:
             if self.on_read is not None:
                 self.on_read(p, state, kept_items, kept)
                 self.on_read(p, state, rows_items, rows)
-            for t in (*kept, *rows):  # this process is done with these pages
-                if t.storage.mapped:
-                    osio.done_with(t.data_ptr(), t.nbytes, t.storage.region)
+            release((*kept, *rows))
         if group.has_step:
             path = folder / f"{F.STEP_STATE}.pt"
             nbytes += save_file(step, path, durable=False)

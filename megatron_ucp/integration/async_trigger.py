@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 
 from megatron_ucp import launchenv
 from megatron_ucp.background import queue as B
-from megatron_ucp.background.store import ConverterSettings
+from megatron_ucp.background.store import ConverterSettings, read_queue
 from megatron_ucp.background.trigger import trigger, unfinished, wait_for_converter
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
@@ -59,7 +59,12 @@ _state: dict[str, Any] = {
 
 
 def wanted(config: UcpConfig) -> bool:
-    return config.async_convert
+    return config.async_convert or config.verify_saves
+
+
+def _job(config: UcpConfig) -> str:
+    """What each save queues: its conversion (whose read also judges it), else its verification alone."""
+    return B.CONVERT if config.async_convert else B.VERIFY
 
 
 def install(patches: Any, config: UcpConfig) -> None:
@@ -152,8 +157,9 @@ def _after_commit(engine: Any, save_dir: str, tag: str, config: UcpConfig) -> No
         )
         if where.note and rank == 0:
             _warn_once("nodes", "megatron-ucp: %s", where.note)
-        if not where.launcher:
-            return
+        kind = _job(config)
+        if not where.launcher or (kind == B.VERIFY and where.node != 0):
+            return  # a verification is one process's read: node 0's
         root = Path(save_dir).resolve()
         settings = ConverterSettings(
             workers=config.converter_workers,
@@ -161,7 +167,8 @@ def _after_commit(engine: Any, save_dir: str, tag: str, config: UcpConfig) -> No
             keep_last=config.keep_last,
             job_id=ConverterSettings.job_id_from_env(),
         )
-        result = trigger(root, tag, where.node, where.nodes, settings, report=rank == 0)
+        nodes = where.nodes if kind == B.CONVERT else 1
+        result = trigger(root, tag, where.node, nodes, settings, report=rank == 0, kind=kind)
         tags = _state["launched"].setdefault((str(root), where.node), [])
         if tag not in tags:
             tags.append(tag)
@@ -174,9 +181,10 @@ def _after_commit(engine: Any, save_dir: str, tag: str, config: UcpConfig) -> No
                 )
                 log.log(level, "megatron-ucp: background conversion: %s", event.line())
             log.info(
-                "megatron-ucp: %s queued for background conversion on %d node(s) (active: %s, pending: %s%s)",
+                "megatron-ucp: %s queued for background %s on %d node(s) (active: %s, pending: %s%s)",
                 tag,
-                where.nodes,
+                "conversion" if kind == B.CONVERT else "verification",
+                nodes,
                 result.active or "-",
                 result.pending or "-",
                 f", converter pid {result.spawned} started" if result.spawned else "",
@@ -212,30 +220,45 @@ def wait_at_end_of_run() -> None:
         return
     wait = 0 if _state["crashed"] else config.converter_exit_wait
     deadline = time.monotonic() + wait
+    kind = _job(config)
+    work, command = ("conversion", "convert") if kind == B.CONVERT else ("verification", "verify")
     for (root, node), tags in sorted(launched.items()):
         try:
-            owed = unfinished(Path(root), tags)
+            owed = unfinished(Path(root), tags, kind)
             if owed and wait > 0:
                 log.warning(
-                    "megatron-ucp: waiting up to %ds for the background conversion of %s (node %d)",
+                    "megatron-ucp: waiting up to %ds for the background %s of %s (node %d)",
                     max(0, int(deadline - time.monotonic())),
+                    work,
                     ", ".join(owed),
                     node,
                 )
             done = wait_for_converter(Path(root), node, max(0.0, deadline - time.monotonic()))
-            owed = unfinished(Path(root), tags)
+            owed = unfinished(Path(root), tags, kind)
             if owed:
                 log.warning(
-                    "megatron-ucp: background conversion of %s in %s did not finish before exit (%s). "
-                    "`megatron-ucp status %s` shows it; `megatron-ucp convert %s --tag %s` completes it.",
+                    "megatron-ucp: background %s of %s in %s did not finish before exit (%s). "
+                    "`megatron-ucp status %s` shows it; `megatron-ucp %s %s --tag %s` completes it.",
+                    work,
                     ", ".join(owed),
                     root,
                     "converter still running, detached" if not done else "converter stopped",
                     root,
+                    command,
                     root,
                     owed[-1],
                 )
+                _say_failures(Path(root), owed, kind)
             elif node == 0:
-                log.info("megatron-ucp: background conversions in %s finished (last saved: %s)", root, tags[-1])
+                log.info("megatron-ucp: background %ss in %s finished (last saved: %s)", work, root, tags[-1])
         except Exception as exc:
-            log.error("megatron-ucp: waiting for the background conversion in %s failed: %s", root, exc)
+            log.error("megatron-ucp: waiting for the background %s in %s failed: %s", work, root, exc)
+
+
+def _say_failures(root: Path, tags: list[str], kind: str) -> None:
+    """Each owed tag whose job failed or was rejected, in the job's own words (not only "did not finish")."""
+    state = read_queue(root)
+    for tag in tags:
+        last = state.last_event(tag, None if kind == B.CONVERT else kind)
+        if last is not None and last.kind in (B.EventKind.FAILED, B.EventKind.REJECTED):
+            log.error("megatron-ucp: background %s: %s", kind, last.line())

@@ -49,6 +49,7 @@ from megatron_ucp.format.torchload import structure_problems, torch_reader_probl
 from megatron_ucp.integration import log_visibility
 from megatron_ucp.integration.collectives import Failure, decide_on_first, is_first
 from megatron_ucp.integration.fallback import load_with_fallback
+from megatron_ucp.integration.finite_load import refuse_non_finite
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.live_layout import current_layout
 from megatron_ucp.integration.model_states_load import one_model_states_file_per_rank
@@ -262,6 +263,7 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
                 Path(load_dir),
                 lambda chosen: _load_tag(self, original, load_dir, chosen, kwargs, config),
                 universal=bool(self.load_universal_checkpoint()),
+                scheduler=getattr(self, "lr_scheduler", None),
             )
         return _load_tag(self, original, load_dir, tag, kwargs, config)
 
@@ -287,7 +289,8 @@ def _load_tag(
             return original(self, load_dir, tag, **kwargs)
         if is_first():
             log.info("megatron-ucp: %s", decision.message)
-        return same_dp_load(self, original, load_dir, native_tag, kwargs, config, seen.get("model_states"))
+        result = same_dp_load(self, original, load_dir, native_tag, kwargs, config, seen.get("model_states"))
+        return _finite(self, result, config)
 
     if is_first():
         log.info("megatron-ucp: %s", decision.message)
@@ -306,7 +309,7 @@ def _load_tag(
                 restore_module=False,
                 states=outcome.states,
             )
-        return outcome.result
+        return _finite(self, outcome.result, config)
     if decision.convert and surface.node_local_storage(self):
         raise UnsupportedError(
             f"{decision.message}, but checkpoint.use_node_local_storage keeps each node's "
@@ -333,6 +336,13 @@ def _load_tag(
         _finish_universal_load(self, result, decision, kwargs, config)
     finally:
         _DEFER_ENFORCEMENT.reset(token)
+    return _finite(self, result, config)
+
+
+def _finite(engine: Any, result: Any, config: UcpConfig) -> Any:
+    """The load's result, once every rank's masters and optimizer states are known to be finite."""
+    if isinstance(result, tuple) and result[0] is not None:
+        refuse_non_finite(engine, Path(result[0]).parent, config.strict)
     return result
 
 

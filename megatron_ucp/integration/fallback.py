@@ -24,6 +24,7 @@ that tag alone. If no tag passes, one error lists each tag's problem.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -31,14 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from megatron_ucp.background.store import read_verdict, record_fallback, record_verdict
+from megatron_ucp.background.store import read_verdict, record_fallback, record_verdict, tag_identity
 from megatron_ucp.convert.universal import COMPLETE, source_identity, universal_state
 from megatron_ucp.deepspeed.folder import is_native_tag
 from megatron_ucp.deepspeed.reader import find_checkpoint_files
 from megatron_ucp.errors import AccountingError, CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
-from megatron_ucp.integration.collectives import Failure, decide_on_first, is_first
+from megatron_ucp.integration.collectives import Failure, comm, count_across, decide_on_first, is_first, raise_gathered
 from megatron_ucp.plan.tags import chronological, tag_step
 
 log = logging.getLogger(__name__)
@@ -59,13 +60,17 @@ class Failed:
         return f"{self.problems[0]}{more}" if self.problems else "?"
 
 
-def load_with_fallback(root: Path, load: Callable[[Optional[str]], Any], universal: bool) -> Any:
+def load_with_fallback(
+    root: Path, load: Callable[[Optional[str]], Any], universal: bool, scheduler: Optional[Any] = None
+) -> Any:
     """``load(tag)`` of the newest tag that passes (None: the tag ``latest`` names, loaded as today), falling back
     as the module says. ``universal``: the job loads universal folders (``--universal-checkpoint``), so an older
-    tag is loaded through its complete twin."""
+    tag is loaded through its complete twin. ``scheduler``: the engine's learning-rate scheduler, put back as it
+    was before each load after a refused one (:class:`SchedulerAsBefore`)."""
     latest = read_tag_file(root / F.LATEST)
     if latest is None:
         return load(None)  # nothing to fall back from: DeepSpeed says there is no checkpoint
+    as_before = SchedulerAsBefore(scheduler)
     failed: list[Failed] = []
     loads = 0
     for tag in _candidates(root, latest):
@@ -77,11 +82,13 @@ def load_with_fallback(root: Path, load: Callable[[Optional[str]], Any], univers
         if loads == MAX_LOADS:
             failed.append(Failed(tag, (f"not tried: {MAX_LOADS} loads failed before it",)))
             break
+        if loads:
+            as_before.restore()
         loads += 1
         if failed and is_first():
             _announce(root, failed, tag, latest)
         try:
-            result = load(None if tag == latest else _name_to_load(tag, universal))
+            result = _load_agreed(load, None if tag == latest else _name_to_load(tag, universal), tag)
         except (CheckpointFormatError, AccountingError) as exc:  # raised on every rank alike, nothing trained
             failed.append(Failed(tag, (str(exc),)))
             if is_first():
@@ -91,6 +98,52 @@ def load_with_fallback(root: Path, load: Callable[[Optional[str]], Any], univers
             _record(root, failed, tag, latest)
         return result
     raise CheckpointFormatError(_none_passed(root, failed), subject=root / F.LATEST)
+
+
+class SchedulerAsBefore:
+    """A learning-rate scheduler's own values (numbers, strings, their lists) as they were before the first load.
+
+    A refused load may get as far as DeepSpeed's, which loads the scheduler; Megatron's ``OptimizerParamScheduler``
+    adds the saved step count to its own there (``step(increment=num_steps)``), so the next load would count the
+    refused tag's steps too (found under the real fork: 72 + 36 steps after falling back from global_step6 to
+    global_step3). Every other thing a load places, it replaces whole."""
+
+    def __init__(self, scheduler: Optional[Any]) -> None:
+        self.scheduler = scheduler
+        self.values = {k: copy.deepcopy(v) for k, v in vars(scheduler).items() if _plain(v)} if scheduler else {}
+
+    def restore(self) -> None:
+        for name, value in self.values.items():
+            setattr(self.scheduler, name, copy.deepcopy(value))
+
+
+def _plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return False
+
+
+def _load_agreed(load: Callable[[Optional[str]], Any], name: Optional[str], tag: str) -> Any:
+    """``load(name)``, refused on every rank of the job when it was refused on any. The load's checks agree within
+    the groups that share files (a DP group binds its rank files), so at TP or PP > 1, or with expert groups, a
+    damaged file refuses the tag on some ranks only; the others must not go on to train while those load an older
+    tag. One small all-reduce per load (a gather of the messages when some ranks only refused)."""
+    error: Optional[UcpError] = None
+    result = None
+    try:
+        result = load(name)
+    except (CheckpointFormatError, AccountingError) as exc:
+        error = exc
+    refused = count_across(1 if error is not None else 0)
+    if error is not None and refused == comm().get_world_size():
+        raise error  # every rank has its own, naming its files
+    if refused:
+        raise_gathered(error, f"loading {tag}", subject=tag)
+    return result
 
 
 def _candidates(root: Path, latest: str) -> Iterator[str]:
@@ -174,11 +227,7 @@ def _record(root: Path, failed: list[Failed], tag: str, latest: str) -> None:
     """The restart's fallback and each failed tag's verdict, in the store (never raises: the job goes on)."""
     for f in failed:
         if f.problems and "(found by " not in f.problems[0]:  # not already a recorded verdict
-            try:
-                identity = source_identity(find_checkpoint_files(root / f.tag).identity_files())
-            except (OSError, UcpError):
-                identity = {}
-            record_verdict(root, f.tag, list(f.problems), CHECKED_BY, identity)
+            record_verdict(root, f.tag, list(f.problems), CHECKED_BY, tag_identity(root / f.tag))
     entry = {
         "at": time.time(),
         "latest": latest,

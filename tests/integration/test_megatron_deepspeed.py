@@ -656,6 +656,67 @@ def test_each_rank_reads_its_share_of_the_checkpoint(trained, mds_checkout, mds_
 RANK1_FILE = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
 
+def _cut_short(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size * 2 // 3])
+
+
+def _flip_a_bit(path: Path) -> None:
+    from tests.support.elastic_support import flip_a_bit_in_the_largest_record
+
+    flip_a_bit_in_the_largest_record(path)
+
+
+def _nan_in_a_master(path: Path) -> None:
+    states = torch.load(path, weights_only=False)
+    with torch.no_grad():
+        states["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][7] = float("nan")
+    torch.save(states, path)
+
+
+def _another_saves_model_states(path: Path) -> None:
+    shutil.copyfile(path.parent.with_name("global_step3") / F.MODEL_STATES_FILE, path.parent / F.MODEL_STATES_FILE)
+
+
+DAMAGE = {  # what a file system (or a mix-up) does to global_step6, and what the load says of it
+    "cut-short": (_cut_short, RANK1_FILE, "unreadable"),
+    "flipped-bit": (_flip_a_bit, RANK1_FILE, "checksum"),
+    "nan-in-a-master": (_nan_in_a_master, RANK1_FILE, "checksum"),
+    "another-saves-model-states": (_another_saves_model_states, RANK1_FILE, F.MODEL_STATES_FILE),
+}
+
+
+@pytest.mark.parametrize("trained", ["zero"], indirect=True)
+@pytest.mark.parametrize("damage", [*DAMAGE, "no-fallback"])
+def test_a_restart_falls_back_past_each_kind_of_damage(trained, mds_checkout, mds_runs, damage: str):
+    """Through the runner, no flag: global_step6 (saved through the hooks, judged sound by the background
+    conversion) damaged as a file system or a mix-up would damage it; the resume at DP 3 refuses it on every rank
+    before anything trains, loads global_step3 instead, says which file and why, and continues the curve at 4 to 6.
+    ``--ucp-no-fallback``: the cut-short file's error, nothing trained."""
+    optimizer, root, reference = trained
+    harm, name, said_of_it = DAMAGE.get(damage, DAMAGE["cut-short"])
+
+    def restart(folder: Path):
+        ckpt = folder / "ckpt"
+        shutil.copytree(root, ckpt)
+        victim = ckpt / "global_step6" / name
+        harm(victim)
+        extra = ["--ucp-no-fallback"] if damage == "no-fallback" else []
+        run = MdsRun(
+            nproc=3, ckpt=ckpt, optimizer=optimizer, save_interval=100, expect_failure=bool(extra), extra_args=extra
+        )
+        return run_mds(mds_checkout, run), ckpt
+
+    res, ckpt = mds_runs.get(f"damage-{damage}-{optimizer}", restart)
+    if damage == "no-fallback":
+        assert res.returncode != 0 and not res.losses and "FALLING BACK" not in res.log, res.log[-3000:]
+        assert str(ckpt / "global_step6" / name) in res.log and said_of_it in res.log, res.log[-3000:]
+        return
+    said = res.log[res.log.index("FALLING BACK") :]
+    assert "names global_step6, which cannot be resumed" in said and said_of_it in said, said[:3000]
+    assert "loading global_step3 instead (loses 3 iterations)" in said, said[:3000]
+    assert_continues(res, reference, steps=(4, 5, 6), optimizer=optimizer)
+
+
 @pytest.mark.parametrize("trained", ["zero"], indirect=True)  # what a file system does does not depend on the class
 def test_a_restart_falls_back_past_a_damaged_tag_and_a_failed_save_never_becomes_latest(
     trained, mds_checkout, mds_runs

@@ -115,6 +115,33 @@ def test_no_fallback_stops_on_the_bad_tag(ds_checkpoint, runs):
     assert read_fallbacks(root) == [] and _digest(root / NEW) == before
 
 
+def _nan_in_exp_avg_sq(path: Path) -> None:
+    """A NaN that reached the save: one element of the rank file's ``exp_avg_sq``, written as DeepSpeed writes."""
+    import torch
+
+    states = torch.load(path, weights_only=False)
+    state = states["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
+    state["exp_avg_sq"][7] = float("nan")
+    torch.save(states, path)
+
+
+def test_a_nan_that_reached_a_save_is_refused_at_load_and_the_restart_falls_back(ds_checkpoint, tmp_path: Path):
+    """A save without the hooks (no checksums to differ) whose newest tag holds a NaN in one rank's ``exp_avg_sq``:
+    the reshard to DP 3 places it, the load's finite check refuses the tag on every rank, and the restart loads
+    global_step2 bit for bit instead."""
+    ck = ds_checkpoint(OPT, 4)
+    root = private_copy(ck.root, tmp_path / "ckpt")
+    victim = _rank_file(root / NEW, 2)
+    _nan_in_exp_avg_sq(victim)
+    res = resume(3, OPT, root, tmp_path)
+    assert res.ok and res.loaded_step == 2 and res.steps == [3, 4], res.log[-3000:]
+    assert_same_state(ck.dump("state_step2"), res.dumps["state_step2_loaded"])
+    assert_losses_continue(res, ck.loss_at)
+    said = res.log[res.log.index("FALLING BACK") :]
+    assert "not finite" in said and "'exp_avg_sq' of " in said and ": 1 NaN and 0 Inf of " in said, said[:3000]
+    assert f"loading {OLD} instead (loses 2 iterations)" in said
+
+
 SMALL = ["--layers", "1", "--hidden", "32", "--ffn", "64", "--heads", "2", "--kv-heads", "1", "--vocab", "64"]
 
 
@@ -144,3 +171,71 @@ def test_the_judge_uses_a_recorded_verdict_and_orders_tags_by_step(tmp_path: Pat
     assert "no complete universal twin" in fallback._judge(root, tags[1], through_twin=True)[0]
 
     assert fallback._lost(tags[2], tags[1]) == "90 iterations"
+
+
+def _refused_on_one_rank(rank: int, root: str, store: str, out: str) -> None:
+    """One rank of a two-rank job whose load of the newest tag is refused on rank 1 only (as one DP group's damaged
+    file refuses it at TP 2): both ranks must go on to the older tag together."""
+    import json
+
+    import torch.distributed as dist
+
+    from megatron_ucp.errors import CheckpointFormatError
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    tried: list = []
+
+    def load(name):
+        tried.append(name)
+        if name is None and rank == 1:
+            raise CheckpointFormatError(f"{root}/{NEW}/rank1.pt: cut short (rank {rank})", subject=root)
+        return name or NEW
+
+    try:
+        loaded = fallback.load_with_fallback(Path(root), load, universal=False)
+        dist.barrier()  # neither rank tears gloo down while the other still uses it
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"loaded": loaded, "tried": tried}))
+
+
+def test_a_tag_refused_on_some_ranks_only_is_refused_on_every_rank(tmp_path: Path):
+    """Real torch.distributed (gloo, two processes): the fallback's loads agree across the job."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    root = tmp_path / "ck"
+    for tag in (OLD, NEW):
+        (root / tag).mkdir(parents=True)
+        (root / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (root / "latest").write_text(NEW)
+    mp.spawn(_refused_on_one_rank, args=(str(root), str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        said = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert said == {"loaded": OLD, "tried": [None, OLD]}, (rank, said)
+    (event,) = read_fallbacks(root)
+    assert event["failed"][0]["tag"] == NEW and "global rank 1" in event["failed"][0]["problems"][0]
+    assert "rank1.pt: cut short" in event["failed"][0]["problems"][0]
+
+
+def test_the_scheduler_is_put_back_before_each_load_after_a_refused_one():
+    """Megatron's OptimizerParamScheduler adds the saved step count to its own at each load: a load refused after
+    DeepSpeed's own load (the scheduler loaded) would otherwise count the refused tag's steps in the next one."""
+
+    class Additive:  # what Megatron's load_state_dict does: step(increment=num_steps)
+        def __init__(self) -> None:
+            self.optimizer = object()
+            self.num_steps, self.max_lr, self.styles = 0, 1e-3, ["cosine"]
+
+        def load_state_dict(self, sd: dict) -> None:
+            self.num_steps += sd["num_steps"]
+
+    scheduler = Additive()
+    before = fallback.SchedulerAsBefore(scheduler)
+    scheduler.load_state_dict({"num_steps": 72})  # the refused tag's load got that far
+    scheduler.styles.append("x")
+    before.restore()
+    scheduler.load_state_dict({"num_steps": 36})
+    assert (scheduler.num_steps, scheduler.styles) == (36, ["cosine"])
+    assert "optimizer" not in before.values  # not copied: only the scheduler's own values

@@ -151,7 +151,7 @@ def test_wrapper_dry_run_with_the_deepspeed_launcher(checkout):
     )
     assert out.returncode == 0, out.stderr
     assert f"deepspeed --hostfile {checkout}/hostfile_deepspeed --launcher MPICH {checkout}/.cache" in out.stdout
-    assert "--ucp-no-async-convert --ucp-no-strict --ucp-ranks-per-node 12" in out.stdout
+    assert "--ucp-no-async-convert --ucp-verify-saves --ucp-no-strict --ucp-ranks-per-node 12" in out.stdout
     assert "CKPT_DIR (or LOAD) is not set" in out.stderr
 
 

@@ -300,6 +300,32 @@ def test_retention_properties(steps, keep, data):
 def test_log_names():
     assert B.log_name("global_step2", 0, 1) == "convert-global_step2.log"
     assert B.log_name("global_step2", 1, 2) == "convert-global_step2.node1.log"
+    assert B.log_name("global_step2", 0, 1, B.VERIFY) == "verify-global_step2.log"
+
+
+def test_verify_jobs_queue_like_conversions_and_say_so_in_their_events():
+    """A job saving without background conversion: one node's, settled by its own event; a skipped or interrupted
+    verification says ``job: verify`` (the universal column of status ignores it), and the queue file keeps the
+    kind."""
+    state, events = B.request(B.QueueState(), "global_step1", 1, 100.0, kind=B.VERIFY)
+    state, job, _ = B.advance(state, None, 100.0, _attempt)
+    assert job.kind == B.VERIFY and job.event_job == B.VERIFY and job.share_count == 1
+    state, events = B.request(state, "global_step2", 1, 101.0, kind=B.VERIFY)
+    state, events = B.request(state, "global_step3", 1, 102.0, kind=B.VERIFY)
+    (skipped,) = events
+    assert (skipped.tag, skipped.kind, skipped.job) == ("global_step2", B.EventKind.SKIPPED, B.VERIFY)
+    assert skipped.message.startswith("not verified: global_step3 was saved before its verify job could start")
+    assert skipped.line().startswith("global_step2: skipped (verify): ")
+    assert state.last_event("global_step2") is None and state.last_event("global_step2", B.VERIFY) == skipped
+    assert B.QueueState.from_json(state.to_json()) == state
+    # settled by its event, like a conversion's committer; no folder says "complete" for it
+    state, _ = state.add("global_step1", B.EventKind.REJECTED, "unsound", 103.0, attempt=job.attempt, job=B.VERIFY)
+    assert B.judge(state, state.active, ALIVE, 103.0) is B.Outcome.FAILED
+    state, job, events = B.advance(state, B.Outcome.FAILED, 103.0, _attempt)
+    assert job.tag == "global_step3" and job.kind == B.VERIFY and events == []
+    # its converter died: interrupted, as a verification
+    state, _, events = B.advance(state, B.Outcome.DEAD, 200.0, _attempt, redo_dead=False)
+    assert [(e.kind, e.job) for e in events] == [(B.EventKind.INTERRUPTED, B.VERIFY)]
 
 
 # ---------------------------------------------------------------------------------------------

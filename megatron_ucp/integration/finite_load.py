@@ -1,0 +1,86 @@
+"""After a load, every fp32 master and optimizer state the engine holds is finite, or the tag is refused.
+
+A NaN or Inf that reached a save (a step that diverged, a corrupt replica: NVIDIA/Megatron-LM#5281 restarted 44
+times into NaN losses) matches the checksums its save recorded, so the binding and the partition checks let it
+through, and training resumes into NaN. This check looks at what the load placed, on every route and stage, where
+the engine keeps it (host or device), in chunks; every rank learns the result (one small all-reduce), and a
+refusal is a :class:`~megatron_ucp.errors.CheckpointFormatError` on every rank: the restart falls back to the
+newest older tag (:mod:`megatron_ucp.integration.fallback`), or stops naming the folder. ``strict=False``: one
+warning per rank instead. Only real elements are looked at (:func:`~megatron_ucp.integration.live_partitions.
+live_groups`: each parameter's fragment in this rank's partition), named by parameter and state: ZeRO-3 leaves a
+partition's padding uninitialized, and what sits there is no one's value.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from megatron_ucp.deepspeed import surface
+from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.integration.collectives import comm, raise_together
+from megatron_ucp.integration.live_partitions import live_groups
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 24
+"""Elements looked at at once: the mask is 16 MiB, whatever a rank's partition holds."""
+
+
+def non_finite(tensor: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, Inf count) of a floating tensor, a chunk at a time where it lives."""
+    flat = tensor.detach().reshape(-1)
+    nan = inf = 0
+    for start in range(0, flat.numel(), CHUNK):
+        chunk = flat[start : start + CHUNK]
+        nan += int(torch.isnan(chunk).sum())
+        inf += int(torch.isinf(chunk).sum())
+    return nan, inf
+
+
+def _loaded(engine: Any) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(parameter, state, its real elements) of every master and floating optimizer state of this rank."""
+    optimizer = engine.optimizer
+    names = surface.param_names(engine)
+    base = surface.base_optimizer(optimizer)
+    for group in live_groups(optimizer, names):
+        kept = base.state.get(group.flat, {})
+        tensors = [(F.FP32_STATE, group.flat)] + [
+            (name, value)
+            for name, value in sorted(kept.items())
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == group.flat.shape
+        ]
+        for fragment in group.fragments:
+            for name, tensor in tensors:
+                yield (
+                    names.get(fragment.lp, "?"),
+                    name,
+                    tensor.reshape(-1)[fragment.offset : fragment.offset + fragment.numel],
+                )
+
+
+def refuse_non_finite(engine: Any, folder: Path, strict: bool) -> None:
+    """Collective over the job (every rank calls it after the same load): raises the same error on every rank when
+    any rank's masters or optimizer states hold NaN or Inf (``strict``), else warns on the ranks that have them."""
+    rank = comm().get_rank()
+    found = []
+    with torch.no_grad():
+        for param, name, tensor in _loaded(engine):
+            nan, inf = non_finite(tensor)
+            if nan or inf:
+                found.append(f"'{name}' of {param}: {nan} NaN and {inf} Inf of {tensor.numel()}")
+    what = (
+        f"{folder}: rank {rank} loaded masters or optimizer states that are not finite "
+        f"({'; '.join(found[:4])}{' ...' if len(found) > 4 else ''}): resuming would train on NaN"
+        if found
+        else None
+    )
+    if not strict:
+        if what:
+            log.warning("megatron-ucp (strict=False, continuing): %s", what)
+        return
+    raise_together(CheckpointFormatError(what, subject=folder) if what else None, f"loading {folder}", folder)
