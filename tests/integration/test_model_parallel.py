@@ -664,3 +664,26 @@ def test_pipeline_pp2_restart_reads_each_layer_file_once_per_dp_group(mds_checko
     assert any("rebuilt from the masters (one all-gather), proven equal" in line for line in lines), lines
     for it in (5, 6):
         assert abs(res.losses[it] - full.losses[it]) < 2e-4, (it, res.losses, full.losses)
+
+
+def test_a_tag_damaged_in_one_tp_coordinate_falls_back_on_every_rank(mds_checkout, mds_runs, tmp_path):
+    """TP=2, DP 2 -> 1, no flag: global_step6 has one bit flipped in a rank file of TP coordinate 1. Only that
+    coordinate's DP group reads it, and only its load's checksums refuse the tag; the other coordinate's load
+    passes. Every rank must learn it (one all-reduce after each load), fall back to global_step4 together and
+    continue the curve at 5 and 6 (without the agreement the two coordinates would train on different tags, or
+    wait for each other until the collective timeout)."""
+    from tests.support.elastic_support import flip_a_bit_in_the_largest_record
+
+    root, full = _train(mds_checkout, mds_runs, "tp2")
+    ckpt = _resume_copy(root, tmp_path / "ckpt", tag="global_step6")
+    victim = ckpt / "global_step6" / "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt"
+    flip_a_bit_in_the_largest_record(victim)
+    res = run_mds(
+        mds_checkout,
+        MdsRun(nproc=2, ckpt=ckpt, tp=2, train_iters=6, save_interval=100, extra_args=SAME_PADDING),
+    )
+    said = res.log[res.log.index("FALLING BACK") :]
+    assert "names global_step6, which cannot be resumed" in said and str(victim) in said, said[:3000]
+    assert "failed on 1 rank(s) (global rank 1)" in said, said[:3000]  # the other coordinate had passed
+    assert "loading global_step4 instead (loses 2 iterations)" in said, said[:3000]
+    _assert_continues(res, full, "DP changed 2 -> 1: resharding global_step4 from its native rank files")
