@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional, TypeVar
 import torch
 
 from megatron_ucp.deepspeed import surface
-from megatron_ucp.errors import described
+from megatron_ucp.errors import UcpError, described
 
 
 def comm() -> Any:
@@ -99,6 +99,27 @@ def raise_together(error: Optional[BaseException], what: str, subject: Any = Non
     all-reduce when nobody failed, and one gather of the messages when somebody did."""
     if count_across(1 if error is not None else 0, group):
         raise_gathered(error, what, subject, group)
+
+
+def agreed(step: Callable[[], T], what: str, subject: Any = None) -> T:
+    """``step()``'s value, or, when it raised a package error on any rank of the job, that error on every rank.
+
+    For a step whose own checks agree only within smaller groups (a load binds each DP group's rank files: at TP or
+    PP > 1, or with expert groups, a damaged file refuses it in one group alone) and which must not leave the other
+    ranks going on. One small all-reduce after the step (a gather of the messages when only some ranks failed).
+    Inside ``step``, no rank may start a job-wide collective after a point where another may have raised."""
+    error: Optional[UcpError] = None
+    result: Any = None
+    try:
+        result = step()
+    except UcpError as exc:
+        error = exc
+    failed = count_across(1 if error is not None else 0)
+    if error is not None and failed == comm().get_world_size():
+        raise error  # every rank has its own, naming its files
+    if failed:
+        raise_gathered(error, what, subject)
+    return result
 
 
 def raise_gathered(error: Optional[BaseException], what: str, subject: Any = None, group: Any = None) -> None:

@@ -47,7 +47,7 @@ from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
 from megatron_ucp.format.rawtensor import torch_views_from_raw
 from megatron_ucp.format.torchload import structure_problems, torch_reader_problem
 from megatron_ucp.integration import log_visibility
-from megatron_ucp.integration.collectives import Failure, decide_on_first, is_first
+from megatron_ucp.integration.collectives import Failure, agreed, decide_on_first, is_first
 from megatron_ucp.integration.fallback import load_with_fallback
 from megatron_ucp.integration.finite_load import refuse_non_finite
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
@@ -258,14 +258,20 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
             if load_optimizer_states and not load_module_only and not self.load_universal_checkpoint():
                 refuse_an_expert_layout_change(self, load_dir, tag, config)
             return original(self, load_dir, tag, **kwargs)
+
+        def load(chosen: Optional[str]) -> Any:  # refused on every rank or on none
+            return agreed(
+                lambda: _load_tag(self, original, load_dir, chosen, kwargs, config), f"loading {chosen or 'latest'}"
+            )
+
         if tag is None and config.fallback:
             return load_with_fallback(
                 Path(load_dir),
-                lambda chosen: _load_tag(self, original, load_dir, chosen, kwargs, config),
+                load,
                 universal=bool(self.load_universal_checkpoint()),
                 scheduler=getattr(self, "lr_scheduler", None),
             )
-        return _load_tag(self, original, load_dir, tag, kwargs, config)
+        return load(tag)
 
     return load_checkpoint
 

@@ -39,7 +39,7 @@ from megatron_ucp.deepspeed.reader import find_checkpoint_files
 from megatron_ucp.errors import AccountingError, CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
-from megatron_ucp.integration.collectives import Failure, comm, count_across, decide_on_first, is_first, raise_gathered
+from megatron_ucp.integration.collectives import Failure, decide_on_first, is_first
 from megatron_ucp.plan.tags import chronological, tag_step
 
 log = logging.getLogger(__name__)
@@ -64,9 +64,11 @@ def load_with_fallback(
     root: Path, load: Callable[[Optional[str]], Any], universal: bool, scheduler: Optional[Any] = None
 ) -> Any:
     """``load(tag)`` of the newest tag that passes (None: the tag ``latest`` names, loaded as today), falling back
-    as the module says. ``universal``: the job loads universal folders (``--universal-checkpoint``), so an older
-    tag is loaded through its complete twin. ``scheduler``: the engine's learning-rate scheduler, put back as it
-    was before each load after a refused one (:class:`SchedulerAsBefore`)."""
+    as the module says. ``load`` raises on every rank or on none (:func:`~megatron_ucp.integration.collectives.
+    agreed`), so that every rank walks the same candidates. ``universal``: the job loads universal folders
+    (``--universal-checkpoint``), so an older tag is loaded through its complete twin. ``scheduler``: the engine's
+    learning-rate scheduler, put back as it was before each load after a refused one (:class:`SchedulerAsBefore`).
+    """
     latest = read_tag_file(root / F.LATEST)
     if latest is None:
         return load(None)  # nothing to fall back from: DeepSpeed says there is no checkpoint
@@ -88,7 +90,7 @@ def load_with_fallback(
         if failed and is_first():
             _announce(root, failed, tag, latest)
         try:
-            result = _load_agreed(load, None if tag == latest else _name_to_load(tag, universal), tag)
+            result = load(None if tag == latest else _name_to_load(tag, universal))
         except (CheckpointFormatError, AccountingError) as exc:  # raised on every rank alike, nothing trained
             failed.append(Failed(tag, (str(exc),)))
             if is_first():
@@ -125,25 +127,6 @@ def _plain(value: Any) -> bool:
     if isinstance(value, dict):
         return all(_plain(k) and _plain(v) for k, v in value.items())
     return False
-
-
-def _load_agreed(load: Callable[[Optional[str]], Any], name: Optional[str], tag: str) -> Any:
-    """``load(name)``, refused on every rank of the job when it was refused on any. The load's checks agree within
-    the groups that share files (a DP group binds its rank files), so at TP or PP > 1, or with expert groups, a
-    damaged file refuses the tag on some ranks only; the others must not go on to train while those load an older
-    tag. One small all-reduce per load (a gather of the messages when some ranks only refused)."""
-    error: Optional[UcpError] = None
-    result = None
-    try:
-        result = load(name)
-    except (CheckpointFormatError, AccountingError) as exc:
-        error = exc
-    refused = count_across(1 if error is not None else 0)
-    if error is not None and refused == comm().get_world_size():
-        raise error  # every rank has its own, naming its files
-    if refused:
-        raise_gathered(error, f"loading {tag}", subject=tag)
-    return result
 
 
 def _candidates(root: Path, latest: str) -> Iterator[str]:

@@ -2,9 +2,10 @@
 
 A NaN or Inf that reached a save (a step that diverged, a corrupt replica: NVIDIA/Megatron-LM#5281 restarted 44
 times into NaN losses) matches the checksums its save recorded, so the binding and the partition checks let it
-through, and training resumes into NaN. This check looks at what the load placed, on every route and stage, where
-the engine keeps it (host or device), in chunks; every rank learns the result (one small all-reduce), and a
-refusal is a :class:`~megatron_ucp.errors.CheckpointFormatError` on every rank: the restart falls back to the
+through, and training resumes into NaN. This check looks at what the load placed, on every route and stage,
+where the engine keeps it (host or device), in chunks; a refusal is a
+:class:`~megatron_ucp.errors.CheckpointFormatError`, every rank's through the load's agreement
+(:func:`~megatron_ucp.integration.collectives.agreed`): the restart falls back to the
 newest older tag (:mod:`megatron_ucp.integration.fallback`), or stops naming the folder. ``strict=False``: one
 warning per rank instead. Only real elements are looked at (:func:`~megatron_ucp.integration.live_partitions.
 live_groups`: each parameter's fragment in this rank's partition), named by parameter and state: ZeRO-3 leaves a
@@ -22,7 +23,7 @@ import torch
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.integration.collectives import comm, raise_together
+from megatron_ucp.integration.collectives import comm
 from megatron_ucp.integration.live_partitions import live_groups
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,9 @@ def _loaded(engine: Any) -> Iterator[tuple[str, str, torch.Tensor]]:
 
 
 def refuse_non_finite(engine: Any, folder: Path, strict: bool) -> None:
-    """Collective over the job (every rank calls it after the same load): raises the same error on every rank when
-    any rank's masters or optimizer states hold NaN or Inf (``strict``), else warns on the ranks that have them."""
+    """Raises on the ranks whose masters or optimizer states hold NaN or Inf (``strict``; else warns there); the
+    load's agreement (:func:`~megatron_ucp.integration.collectives.agreed`) makes it every rank's error. No
+    collective here: another group's load may have failed before this point."""
     rank = comm().get_rank()
     found = []
     with torch.no_grad():
@@ -83,4 +85,5 @@ def refuse_non_finite(engine: Any, folder: Path, strict: bool) -> None:
         if what:
             log.warning("megatron-ucp (strict=False, continuing): %s", what)
         return
-    raise_together(CheckpointFormatError(what, subject=folder) if what else None, f"loading {folder}", folder)
+    if what:
+        raise CheckpointFormatError(what, subject=folder)

@@ -175,21 +175,26 @@ def test_the_judge_uses_a_recorded_verdict_and_orders_tags_by_step(tmp_path: Pat
 
 def _refused_on_one_rank(rank: int, root: str, store: str, out: str) -> None:
     """One rank of a two-rank job whose load of the newest tag is refused on rank 1 only (as one DP group's damaged
-    file refuses it at TP 2): both ranks must go on to the older tag together."""
+    file refuses it at TP 2): through the load's agreement, as the hooks load, both ranks go on to the older tag
+    together."""
     import json
 
     import torch.distributed as dist
 
     from megatron_ucp.errors import CheckpointFormatError
+    from megatron_ucp.integration.collectives import agreed
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     tried: list = []
 
     def load(name):
-        tried.append(name)
-        if name is None and rank == 1:
-            raise CheckpointFormatError(f"{root}/{NEW}/rank1.pt: cut short (rank {rank})", subject=root)
-        return name or NEW
+        def step():
+            tried.append(name)
+            if name is None and rank == 1:
+                raise CheckpointFormatError(f"{root}/{NEW}/rank1.pt: cut short (rank {rank})", subject=root)
+            return name or NEW
+
+        return agreed(step, f"loading {name or 'latest'}")
 
     try:
         loaded = fallback.load_with_fallback(Path(root), load, universal=False)
