@@ -425,18 +425,36 @@ def run_mds(co: Checkout, run: MdsRun) -> MdsResult:
         raise ValueError(f"unknown route {run.route!r}")
     cmd = [*launcher, *target, *megatron_args(co, run, config_path)]
     start = time.perf_counter()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         cmd,
         cwd=co.root,
         env=rank_env(run.env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        timeout=run.timeout,
     )
-    log = _ANSI.sub("", proc.stdout.decode(errors="replace"))
+    try:
+        out, _ = proc.communicate(timeout=run.timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        # torchrun starts each rank in its own session: killing torchrun alone would leave the ranks running (a
+        # hung job's ranks outliving the test); SIGTERM makes it stop them first
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        timed_out = True
+    log = _ANSI.sub("", out.decode(errors="replace"))
     log_path = run.ckpt.parent / f"{run.ckpt.name}-run-{time.strftime('%H%M%S')}.log"
     log_path.write_text(log)
+    if timed_out:
+        raise RuntimeError(
+            f"Megatron-DeepSpeed run timed out after {run.timeout:.0f} s (nproc={run.nproc}, "
+            f"optimizer={run.optimizer}, "
+            f"route={run.route}; its ranks stopped; full log {log_path}):\n{failure_excerpt(log)}"
+        )
     result = MdsResult(
         returncode=proc.returncode, log=log, losses=parse_losses(log), wall_s=time.perf_counter() - start
     )
