@@ -61,6 +61,11 @@ VERIFY = "verify"
 background conversion. Its events say ``job: verify``; the universal column of ``status`` ignores them."""
 
 
+def event_job(kind: str) -> Optional[str]:
+    """What the events of a ``kind`` job carry as ``job``: None for a conversion (as before there were other jobs)."""
+    return None if kind == CONVERT else kind
+
+
 @dataclass(frozen=True)
 class Job:
     tag: str
@@ -79,8 +84,7 @@ class Job:
 
     @property
     def event_job(self) -> Optional[str]:
-        """What its events carry as ``job``: None for a conversion (as before there were other jobs)."""
-        return None if self.kind == CONVERT else self.kind
+        return event_job(self.kind)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -199,7 +199,7 @@ def unfinished(root: Path, tags: Sequence[str], kind: str = B.CONVERT) -> list[s
     the verifications that failed (their event says why)."""
     state = read_queue(root)
     out = []
-    job = None if kind == B.CONVERT else kind
+    job = B.event_job(kind)
     for tag in tags:
         if _done(root, tag, kind):
             continue

@@ -259,6 +259,6 @@ def _say_failures(root: Path, tags: list[str], kind: str) -> None:
     """Each owed tag whose job failed or was rejected, in the job's own words (not only "did not finish")."""
     state = read_queue(root)
     for tag in tags:
-        last = state.last_event(tag, None if kind == B.CONVERT else kind)
+        last = state.last_event(tag, B.event_job(kind))
         if last is not None and last.kind in (B.EventKind.FAILED, B.EventKind.REJECTED):
             log.error("megatron-ucp: background %s: %s", kind, last.line())

@@ -43,8 +43,17 @@ def non_finite(tensor: torch.Tensor) -> tuple[int, int]:
     return nan, inf
 
 
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """One pass over the whole partition (padding included): the common case costs one sync per chunk of a state."""
+    flat = tensor.detach().reshape(-1)
+    return all(
+        not bool((~torch.isfinite(flat[start : start + CHUNK])).any()) for start in range(0, flat.numel(), CHUNK)
+    )
+
+
 def _loaded(engine: Any) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(parameter, state, its real elements) of every master and floating optimizer state of this rank."""
+    """(parameter, state, its real elements) of every master and floating optimizer state of this rank that holds
+    a NaN or Inf anywhere (a partition found finite whole is not cut into its parameters)."""
     optimizer = engine.optimizer
     names = surface.param_names(engine)
     base = surface.base_optimizer(optimizer)
@@ -55,8 +64,9 @@ def _loaded(engine: Any) -> Iterator[tuple[str, str, torch.Tensor]]:
             for name, value in sorted(kept.items())
             if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == group.flat.shape
         ]
+        suspects = [(name, tensor) for name, tensor in tensors if not _all_finite(tensor)]
         for fragment in group.fragments:
-            for name, tensor in tensors:
+            for name, tensor in suspects:
                 yield (
                     names.get(fragment.lp, "?"),
                     name,
