@@ -75,7 +75,7 @@ FULL_HARNESS_DESELECT := \
 # under the real Megatron-DeepSpeed (ZERO3_MATRIX below). The suite's time.
 ZERO3_HARNESS_DS ?=
 ZERO3_HARNESS := "tests/system/test_zero3_resume.py::test_the_native_reshard_equals_the_universal_route_rank_by_rank[hooked-offload]"
-# On torch 2.8 + IPEX 2.8 (TORCH28_DS), with IPEX loaded first in every process (tests/support/ipex_site);
+# On torch 2.8 + IPEX 2.8 (TORCH28_DS), with IPEX loaded first in every process (tests/support/site);
 # IPEX's import costs ~6 s of CPU per process, so each path runs once. On 0.16.9: the internals table,
 # install/uninstall, the save recording + conversion of both optimizer classes (test_deepspeed_versions),
 # and the real Megatron-DeepSpeed through the runner: training with background conversion, then
@@ -95,7 +95,7 @@ TORCH28_TESTS = $(if $(filter 0.19.5,$(1)),$(TORCH28_0195),$(ELASTIC)::test_inst
 	tests/system/test_deepspeed_versions.py \
 	--deselect "tests/system/test_deepspeed_versions.py::test_save_hook_records_and_conversion_is_bit_exact[zero-1-4]" \
 	--deselect "tests/system/test_deepspeed_versions.py::test_save_hook_records_and_conversion_is_bit_exact[zero-1-2]")
-TORCH28_ENV = PYTHONPATH=$(abspath $(MATRIX_DIR))/$(1):$(abspath tests/support/ipex_site) MEGATRON_UCP_TEST_IMPORT_IPEX=1
+TORCH28_ENV = PYTHONPATH=$(abspath $(MATRIX_DIR))/$(1):$(abspath tests/support/site) MEGATRON_UCP_TEST_IMPORT_IPEX=1
 # Optimizer classes per release (megatron_ucp/deepspeed/versions.py INTERNALS says why): 0.17.x never builds
 # BF16_Optimizer and its DeepSpeedZeroOptimizer dies on all-padding ranks (the harness model has one
 # at DP=4, the Megatron model does not); 0.18.9's DeepSpeedZeroOptimizer step breaks on torch 2.13.
@@ -126,7 +126,7 @@ export DS_ACCELERATOR := cpu
 export DS_BUILD_OPS := 0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv matrix demo test lint test-main test-matrix bench bench-scale clean-venv
+.PHONY: venv envs matrix demo test lint test-main test-matrix bench bench-scale clean-venv
 
 venv: $(STAMP)
 
@@ -138,7 +138,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-build-isolation -e '.[test]'
 	@touch $(STAMP)
 
-$(MATRIX_DIR)/%/.installed: $(STAMP)
+# After Megatron-DeepSpeed's runtime where there is one: nothing installs into .venv while an overlay builds from it.
+$(MATRIX_DIR)/%/.installed: $(STAMP) $(if $(HAVE_MDS),$(MDS_STAMP))
 	rm -rf $(MATRIX_DIR)/$*
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet --no-build-isolation --no-deps --target $(MATRIX_DIR)/$* deepspeed==$*
 	@touch $@
@@ -171,8 +172,14 @@ $(TORCH28_STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python -m demo
 
+# Every environment, two at a time: .venv (then its overlays and Megatron-DeepSpeed's runtime, in that order) beside
+# .venv-torch2.8, which shares nothing with it (on a fresh machine the two took minutes one after the other, mostly
+# downloading and unpacking wheels).
+envs:
+	@$(MAKE) --no-print-directory -j 2 --output-sync=target $(STAMP) matrix
+
 # --keep-going: a failure in the main suite does not skip the matrix and the real Megatron-DeepSpeed.
-test: $(STAMP) matrix
+test: envs
 	@rm -rf $(RESULTS) && mkdir -p $(RESULTS)
 	$(MAKE) --no-print-directory --keep-going lint test-main test-matrix; status=$$?; \
 		MEGATRON_DEEPSPEED_DIR=$(MEGATRON_DEEPSPEED_DIR) $(BIN)/python tests/support/matrix_summary.py $(RESULTS); \

@@ -114,7 +114,17 @@ def agreed(step: Callable[[], T], what: str, subject: Any = None) -> T:
         result = step()
     except UcpError as exc:
         error = exc
-    failed = count_across(1 if error is not None else 0)
+    try:
+        failed = count_across(1 if error is not None else 0)
+    except Exception as exc:  # a rank died: this rank's own error says more than the broken collective
+        if error is not None:
+            raise error from exc
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise UcpError(
+            f"megatron-ucp: {what}: the job's agreement after it failed ({type(exc).__name__}: {first}): another "
+            "rank died or failed; do not train on this engine, restart the job",
+            subject=subject,
+        ) from exc
     if error is not None and failed == comm().get_world_size():
         raise error  # every rank has its own, naming its files
     if failed:

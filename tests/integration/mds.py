@@ -17,7 +17,7 @@ applies there the environment edits below, and only those:
 * a synthetic corpus is made with the checkout's own ``tools/preprocess_data.py`` and
   ``--tokenizer-type NullTokenizer`` (no tokenizer download).
 
-The ranks get ``tests/integration/site`` on ``PYTHONPATH`` (its ``sitecustomize`` stops
+The ranks get ``tests/support/site`` on ``PYTHONPATH`` (its ``sitecustomize`` stops
 DeepSpeed's optional shared-memory kernel from being JIT-built; see there), ``DS_ACCELERATOR=cpu``,
 ``WANDB_MODE=disabled`` and one thread each. DeepSpeed is whatever the test process imports (the
 Makefile's version matrix puts one release on ``PYTHONPATH``); the launcher is torchrun (or, for
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 SNAPSHOT_ENV = "MEGATRON_DEEPSPEED_DIR"
-SITE_DIR = Path(__file__).resolve().parent / "site"
+SITE_DIR = Path(__file__).resolve().parents[1] / "support" / "site"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _KNN_IMPORT = "from megatron.model.vision.knn_monitor import compute_feature_bank\n"
 _KNN_GUARDED = (

@@ -158,7 +158,7 @@ def test_decision_lines_survive_a_library_configuring_the_root_logger():
 @pytest.mark.skipif(os.environ.get(IMPORT_IPEX) != "1", reason="only in make test's torch 2.8 + IPEX runs")
 def test_the_torch_2_8_runs_have_ipex_loaded_in_every_process():
     """What those runs claim: torch 2.8 with IPEX 2.8 imported before our code, here and in the processes
-    the tests launch (tests/support/ipex_site)."""
+    the tests launch, the real Megatron-DeepSpeed's ranks included (tests/support/site)."""
     import subprocess
     import sys
 
@@ -169,3 +169,9 @@ def test_the_torch_2_8_runs_have_ipex_loaded_in_every_process():
     code = "import sys, torch; print(torch.__version__, sys.modules['intel_extension_for_pytorch'].__version__)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.split()[-2:][1].startswith("2.8."), proc.stderr[-2000:]
+    # the real Megatron-DeepSpeed's ranks too, whose environment adds the tests' site (once shadowed: Python imports
+    # one sitecustomize, and theirs did not import IPEX)
+    from tests.integration.mds import rank_env
+
+    ranked = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=rank_env())
+    assert ranked.returncode == 0 and ranked.stdout.split()[-2:][1].startswith("2.8."), ranked.stderr[-2000:]

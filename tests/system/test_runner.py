@@ -27,6 +27,7 @@ from megatron_ucp.plan import launch as L
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = REPO / "train_scripts" / "megatron_standin" / "pretrain_gpt_standin.py"
+SITE = REPO / "tests" / "support" / "site"
 
 
 # ================================================================================================
@@ -631,14 +632,17 @@ _LOSS = re.compile(r"iteration (\d+)/4 \| consumed samples (\d+) \| lm loss (\S+
 
 
 def _launch(args, nprocs, tmp, name, env=None):
+    """The stand-in's ranks, with the tests' site on ``PYTHONPATH`` (tests/support/site: no shared-memory kernel
+    built; in the torch 2.8 runs, IPEX first)."""
     from demo.launch import launch
 
+    pythonpath = os.pathsep.join(p for p in (str(SITE), os.environ.get("PYTHONPATH", "")) if p)
     result = launch(
         ["-m", "megatron_ucp.integration.run", str(STANDIN), *MODEL, *args],
         nprocs,
         tmp / "logs",
         name=name,
-        env=env,
+        env={"PYTHONPATH": pythonpath, **(env or {})},
         cwd=REPO,
         timeout=600,
     )

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from .spec import MARKER, TrainResult, TrainSpec
+from .zygote import forks
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 #: After one rank fails, give the others this long to print their own error before killing them.
@@ -94,6 +95,47 @@ def _rank_env(spec: TrainSpec, rank: int, port: int) -> dict[str, str]:
     return env
 
 
+class _Forked:
+    """The ranks of one run forked by tests/support/dsharness/zygote.py: their exit statuses as they end, and a kill
+    of every session (each rank leads one) and of the zygote."""
+
+    def __init__(self, zygote: subprocess.Popen, folder: Path, ranks: int) -> None:
+        self.zygote, self.folder, self.ranks = zygote, folder, ranks
+
+    def codes(self) -> list[Optional[int]]:
+        out: list[Optional[int]] = []
+        for rank in range(self.ranks):
+            path = self.folder / f"rank{rank}.exit"
+            out.append(int(path.read_text()) if path.is_file() else None)
+        if self.zygote.poll() is not None:  # the zygote died before some rank was forked or reaped
+            out = [70 if code is None and not self._alive(rank) else code for rank, code in enumerate(out)]
+        return out
+
+    def _alive(self, rank: int) -> bool:
+        pid = self._pid(rank)
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _pid(self, rank: int) -> Optional[int]:
+        path = self.folder / f"rank{rank}.pid"
+        return int(path.read_text()) if path.is_file() else None
+
+    def kill(self) -> None:
+        for rank in range(self.ranks):
+            pid = self._pid(rank)
+            if pid is not None:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        _kill(self.zygote)
+
+
 def _launch_once(spec: TrainSpec, port: int) -> TrainResult:
     python = spec.python or sys.executable
     spec_json = spec.to_json()
@@ -101,27 +143,42 @@ def _launch_once(spec: TrainSpec, port: int) -> TrainResult:
     with tempfile.TemporaryDirectory(prefix="dsharness-") as tmp:
         outputs = [Path(tmp) / f"rank{r}.log" for r in range(spec.dp)]
         procs: list[subprocess.Popen] = []
+        forked: Optional[_Forked] = None
         handles = []
         try:
-            for rank in range(spec.dp):
-                handle = open(outputs[rank], "wb")
-                handles.append(handle)
-                procs.append(
-                    subprocess.Popen(
-                        [python, "-m", "tests.support.dsharness.worker", spec_json],
-                        cwd=REPO_ROOT,
-                        env=_rank_env(spec, rank, port),
-                        stdout=handle,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,
-                    )
+            if forks(child_env(python, spec.env)):
+                env = _rank_env(spec, 0, port)  # RANK and LOCAL_RANK: each forked rank sets its own
+                handles.append(open(Path(tmp) / "zygote.log", "wb"))
+                zygote = subprocess.Popen(
+                    [python, "-m", "tests.support.dsharness.zygote", spec_json, tmp],
+                    cwd=REPO_ROOT,
+                    env=env,
+                    stdout=handles[-1],
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
                 )
+                forked = _Forked(zygote, Path(tmp), spec.dp)
+            else:
+                for rank in range(spec.dp):
+                    handle = open(outputs[rank], "wb")
+                    handles.append(handle)
+                    procs.append(
+                        subprocess.Popen(
+                            [python, "-m", "tests.support.dsharness.worker", spec_json],
+                            cwd=REPO_ROOT,
+                            env=_rank_env(spec, rank, port),
+                            stdout=handle,
+                            stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL,
+                            start_new_session=True,
+                        )
+                    )
             deadline = start + spec.timeout
             failed_at = None
             timed_out = False
             while True:
-                codes = [p.poll() for p in procs]
+                codes = forked.codes() if forked is not None else [p.poll() for p in procs]
                 if all(c is not None for c in codes):
                     break
                 now = time.perf_counter()
@@ -134,12 +191,20 @@ def _launch_once(spec: TrainSpec, port: int) -> TrainResult:
                     break
                 time.sleep(0.05)
         finally:
+            if forked is not None:
+                forked.kill()
+                codes = [code if code is not None else -signal.SIGKILL for code in forked.codes()]
             for proc in procs:
                 _kill(proc)
             for handle in handles:
                 handle.close()
-        codes = [p.returncode for p in procs]
-        logs = [path.read_text(errors="replace") for path in outputs]
+        if forked is None:
+            codes = [p.returncode for p in procs]
+        logs = [path.read_text(errors="replace") if path.is_file() else "" for path in outputs]
+        if forked is not None and (Path(tmp) / "zygote.log").stat().st_size:
+            logs[0] += "\n===== harness: the zygote's own output =====\n" + (Path(tmp) / "zygote.log").read_text(
+                errors="replace"
+            )
     wall = time.perf_counter() - start
 
     parts = []
