@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Optional
 
 from .spec import MARKER, TrainResult, TrainSpec
-from .zygote import forks
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 #: After one rank fails, give the others this long to print their own error before killing them.
@@ -93,6 +92,12 @@ def _rank_env(spec: TrainSpec, rank: int, port: int) -> dict[str, str]:
     )
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
+
+
+def forks(env: dict[str, str]) -> bool:
+    """Whether a run with this environment forks its ranks from one interpreter (zygote.py): on the CPU, unless
+    ``UCP_HARNESS_FORK=0``. CUDA must not be initialised before a fork: a CUDA run starts each rank fresh."""
+    return env.get("DS_ACCELERATOR", "cpu") == "cpu" and env.get("UCP_HARNESS_FORK", "1") != "0"
 
 
 class _Forked:

@@ -9,7 +9,7 @@ nothing that starts a thread runs before it).
 
 Files in ``<dir>`` for the launcher: ``rank<r>.log`` (the rank's output), ``rank<r>.pid`` (written before the rank
 runs: the launcher kills its session on a failure or a timeout) and ``rank<r>.exit`` (its exit status, as
-``subprocess`` reports it: negative for a signal). Used for the CPU only (:func:`forks`); a CUDA run starts fresh
+``subprocess`` reports it: negative for a signal). Used for the CPU only (``launch.forks``); a CUDA run starts fresh
 interpreters, as CUDA requires.
 """
 
@@ -20,12 +20,6 @@ import importlib
 import os
 import sys
 from pathlib import Path
-
-
-def forks(env: dict[str, str]) -> bool:
-    """Whether a run with this environment is forked from one interpreter (the CPU, unless switched off)."""
-    return env.get("DS_ACCELERATOR", "cpu") == "cpu" and env.get("UCP_HARNESS_FORK", "1") != "0"
-
 
 LAZY_IMPORTS = ("deepspeed.runtime.zero.muon.muon_optimizer",)
 """What ``deepspeed.initialize`` imports on every rank (0.19.8's ZeRO optimizer check imports Muon, whose module
