@@ -53,3 +53,10 @@ def described(exc: BaseException) -> str:
     lines they were written with (a list of problems, one per line)."""
     text = f"{type(exc).__name__}: {exc}"
     return text if isinstance(exc, UcpError) else " ".join(text.split())
+
+
+def briefly(exc: BaseException, limit: int = 200) -> str:
+    """``Type: first line`` of an exception, the line cut at ``limit`` characters: a foreign failure quoted inside
+    one of this tool's messages (gloo's span several lines)."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return f"{type(exc).__name__}: {first[:limit]}"

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional, TypeVar
 import torch
 
 from megatron_ucp.deepspeed import surface
-from megatron_ucp.errors import UcpError, described
+from megatron_ucp.errors import UcpError, briefly, described
 
 
 def comm() -> Any:
@@ -119,9 +119,8 @@ def agreed(step: Callable[[], T], what: str, subject: Any = None) -> T:
     except Exception as exc:  # a rank died: this rank's own error says more than the broken collective
         if error is not None:
             raise error from exc
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise UcpError(
-            f"megatron-ucp: {what}: the job's agreement after it failed ({type(exc).__name__}: {first}): another "
+            f"megatron-ucp: {what}: the job's agreement after it failed ({briefly(exc)}): another "
             "rank died or failed; do not train on this engine, restart the job",
             subject=subject,
         ) from exc

@@ -33,7 +33,7 @@ import torch
 from megatron_ucp import faults
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.reader import flatten_module_states, load_raw
-from megatron_ucp.errors import CheckpointFormatError, UcpError
+from megatron_ucp.errors import CheckpointFormatError, UcpError, briefly
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.exact_read import RangeReader, file_offset
 from megatron_ucp.format.rawtensor import RawTensor
@@ -289,9 +289,8 @@ def exchanging(what: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UcpError(
-            f"megatron-ucp: {what} failed ({type(exc).__name__}: {first[:200]}): a rank of the data-parallel "
+            f"megatron-ucp: {what} failed ({briefly(exc)}): a rank of the data-parallel "
             "group died or its collective failed; the engine is half-loaded: do not train on it, restart the job",
             subject=what,
         ) from exc

@@ -151,8 +151,8 @@ def _launch_once(spec: TrainSpec, port: int) -> TrainResult:
         forked: Optional[_Forked] = None
         handles = []
         try:
-            if forks(child_env(python, spec.env)):
-                env = _rank_env(spec, 0, port)  # RANK and LOCAL_RANK: each forked rank sets its own
+            env = _rank_env(spec, 0, port)  # forked: RANK and LOCAL_RANK are each rank's own
+            if forks(env):
                 handles.append(open(Path(tmp) / "zygote.log", "wb"))
                 zygote = subprocess.Popen(
                     [python, "-m", "tests.support.dsharness.zygote", spec_json, tmp],

@@ -40,7 +40,6 @@ def _write(path: Path, value: int) -> None:
 
 def main(spec_json: str, folder: Path) -> None:
     import deepspeed  # noqa: F401
-    import torch
     import torch._dynamo  # noqa: F401  (the worker imports it before training; pay for it once)
 
     from . import worker
@@ -51,7 +50,6 @@ def main(spec_json: str, folder: Path) -> None:
         except ImportError:
             pass
 
-    del torch
     gc.collect()
     gc.freeze()  # the imported modules stay shared with the ranks, copy-on-write
     sys.stdout.flush()
