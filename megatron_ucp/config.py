@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from megatron_ucp.errors import UcpError
@@ -101,10 +101,6 @@ class UcpConfig:
         raise :class:`UcpError` naming the variable.
         """
         return build_settings([], os.environ if env is None else env)[0]
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 OPTION_PREFIX = "--ucp-"

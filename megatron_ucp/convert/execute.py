@@ -208,6 +208,26 @@ def _group_steps(meta: CheckpointMeta, plan: ConversionPlan, cache: RankFileCach
     return tuple(steps)
 
 
+def partition_scalars_by_param_group(meta: CheckpointMeta) -> dict[int, dict[str, tuple]]:
+    """Per param group, its states of one value per partition besides the step (portable values), which every
+    rank file and every group of the param group must agree on: one value is what carries them to another cut."""
+    seen: dict[int, tuple[tuple, int, int]] = {}
+    for index, per_group in enumerate(meta.scalars):
+        layout = meta.partitioned(meta.coordinates[index // meta.dp]) if meta.files.partitioned_weights else None
+        for g, values in enumerate(per_group):
+            pg = layout.param_group(g) if layout is not None else g
+            known = seen.setdefault(pg, (values, index, g))
+            if known[0] != values:
+                path = meta.files.rank_files[index]
+                raise CheckpointFormatError(
+                    f"{path}: the states of one value per partition of its group {g} ({dict(values)}) differ from "
+                    f"those of {meta.files.rank_files[known[1]].name}'s group {known[2]} ({dict(known[0])}) in the "
+                    "same param group: no one value carries them to another DP size",
+                    subject=path,
+                )
+    return {pg: dict(values) for pg, (values, _, _) in sorted(seen.items()) if values}
+
+
 def _frozen_params(meta: CheckpointMeta, plan: ConversionPlan) -> dict[str, Any]:
     """Module parameters the optimizer does not hold (frozen): stock writes their fp32 too."""
     if meta.files.partitioned_weights:
@@ -257,6 +277,9 @@ def _write_common(
 ) -> list[str]:
     """optimizer_state.pt, the model-states file(s) unless already copied, and fp32 of frozen parameters."""
     common = cache.get(0).common_state()
+    carried = partition_scalars_by_param_group(meta)
+    if carried:
+        common[F.UCP_PARTITION_SCALARS] = carried
     save_file(common, staging.path / F.UNIVERSAL_ZERO_DIR / F.UNIVERSAL_OPTIMIZER_STATE_FILE)
     if not model_files_copied:
         for dest in _copy_model_files(meta, staging):

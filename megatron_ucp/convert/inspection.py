@@ -71,10 +71,6 @@ class InspectReport:
     its expert groups' geometry is over expert-DP."""
     expert_groups: list[int] = field(default_factory=list)
 
-    @property
-    def stock_converter_fails(self) -> bool:
-        return bool(self.stock_converter_crashes)
-
     def to_dict(self) -> dict:
         return asdict(self)
 

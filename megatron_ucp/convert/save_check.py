@@ -23,19 +23,18 @@ the reader, and what cannot be told apart (two rank files of one stock save swap
 from __future__ import annotations
 
 import bisect
-import functools
 import logging
 import threading
 from typing import Any, Iterable, NamedTuple, Optional, Sequence
 
 from megatron_ucp.convert.writer import RankFileCache
 from megatron_ucp.deepspeed.reader import CheckpointMeta
-from megatron_ucp.deepspeed.stage3_files import model_states_of_another_save, sub_group_owners
+from megatron_ucp.deepspeed.stage3_files import model_states_of_another_save
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity, osio
 from megatron_ucp.plan.conversion import CopyItem, ParamPlan
-from megatron_ucp.plan.param_geometry import Run, Stage3Groups
+from megatron_ucp.plan.param_geometry import Run
 from megatron_ucp.plan.rank_binding import FileFacts, cross_check
 
 log = logging.getLogger(__name__)
@@ -78,7 +77,7 @@ class PartitionSums:
         algorithm = recorded.get("algorithm") if isinstance(recorded, dict) else None
         layout = None
         if algorithm in integrity.KNOWN_ALGORITHMS:
-            layout = (algorithm, [([run.offset for run in runs], runs) for runs in _runs_of(self.meta, rf, index)])
+            layout = (algorithm, [([run.offset for run in runs], runs) for runs in _runs_of(self.meta, index)])
         with self._lock:
             self._layouts[index] = layout
         return layout
@@ -235,7 +234,7 @@ def _checksum_problems(
                 except (KeyError, IndexError):
                     problems.append(f"{rf.path}: {state!r} of {unit} {g} is recorded by its save but missing")
                     continue
-                runs = runs if runs is not None else _runs_of(meta, rf, index)
+                runs = runs if runs is not None else _runs_of(meta, index)
                 n, got = _whole_partition_sum(tensor, runs[g], algorithm)
                 again += 1 if read else 0
             checked += 1
@@ -263,25 +262,8 @@ def _whole_partition_sum(tensor: Any, runs: Sequence[Run], algorithm: str) -> tu
     return sum(run.length for run in runs), got
 
 
-def _runs_of(meta: CheckpointMeta, rf: Any, index: int) -> list[list[Run]]:
-    """Per group, the real runs of this rank file's partition and where each sits in its param group: what the
-    save hook hashed. ZeRO-1/2: one run, the group's true length from ``dp_rank * partition_size``; ZeRO-3: a
-    run per parameter (:meth:`~megatron_ucp.plan.param_geometry.Stage3Groups.runs`)."""
-    r = index % meta.dp
-    if meta.files.partitioned_weights:
-        coordinate = meta.coordinates[index // meta.dp]
-        sub_groups = tuple(tuple((p.name, p.numel) for p in specs) for specs in coordinate.model.param_groups)
-        owners = tuple(sub_group_owners(rf.param_groups(), len(sub_groups), rf.path))
-        groups = _stage3_groups(sub_groups, owners, meta.dp)
-        return [groups.runs(r, h) for h in range(len(sub_groups))]
-    info = rf.sd.get(F.ZERO_PARTITION_INFO) or {}
-    true = rf.sd.get(F.GROUP_TRUE_LENGTHS) or []
-    sizes = info.get("partition_sizes") or []
-    ranks = info.get("group_dp_ranks") or [info.get("dp_rank", r)] * len(sizes)
-    return [[Run("", 0, 0, int(t), int(ranks[g]) * int(sizes[g]))] if t else [] for g, t in enumerate(true)]
-
-
-@functools.lru_cache(maxsize=8)
-def _stage3_groups(sub_groups: tuple, owners: tuple[int, ...], dp: int) -> Stage3Groups:
-    """One coordinate's layout, built once for all its rank files (they list the same sub-groups and owners)."""
-    return Stage3Groups(sub_groups, owners, dp)
+def _runs_of(meta: CheckpointMeta, index: int) -> list[list[Run]]:
+    """Per group, the real runs of rank file ``index``'s partition and where each sits in its param group: what
+    the save hook hashed, as the save's layout value says (:meth:`CheckpointMeta.partitioned`)."""
+    layout = meta.partitioned(meta.coordinates[index // meta.dp])
+    return [layout.runs(index % meta.dp, g) for g in range(len(layout.partition_sizes()))]

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_ucp.deepspeed.stage3_files import Stage3RankFile, is_stage3_state
+from megatron_ucp.deepspeed.state_kinds import partition_scalars, sharded_states
 from megatron_ucp.deepspeed.torch_files import load_raw
 from megatron_ucp.deepspeed.versions import (
     check_file_version,
 )
-from megatron_ucp.errors import CheckpointFormatError, UnsupportedError
+from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.plan.conversion import Fragment, RankGroupLayout, RankLayout
@@ -25,10 +26,6 @@ log = logging.getLogger(__name__)
 
 BF16_OPTIMIZER = "BF16_Optimizer"
 ZERO_OPTIMIZER = "DeepSpeedZeroOptimizer"
-
-
-def _is_state_tensor(value: Any) -> bool:
-    return isinstance(value, RawTensor) and value.dim() > 0
 
 
 def _load_rank_file(path: Path) -> dict:
@@ -107,18 +104,11 @@ class RankFile:
 
     def state_names(self, g: int) -> list[str]:
         """Sharded states of group ``g``, discovered from the data (``fp32`` plus the optimizer's)."""
-        names = ["fp32"]
-        for key, value in self._group_states[g].items():
-            if key == F.STEP_STATE:
-                continue
-            if not _is_state_tensor(value):
-                raise UnsupportedError(
-                    f"{self.path}: optimizer state {key!r} of param group {g} is not a per-element "
-                    f"tensor ({type(value).__name__}); the universal format has no place for it",
-                    subject=self.path,
-                )
-            names.append(str(key))
-        return names
+        return sharded_states(self._group_states[g], self.path, g, "param group")
+
+    def partition_scalars(self, g: int) -> list[tuple[str, Any]]:
+        """Group ``g``'s states of one value per partition besides its step (name, raw value)."""
+        return partition_scalars(self._group_states[g])
 
     def state_tensor(self, g: int, state: str) -> RawTensor:
         """The flat partition of one state of group ``g`` (a view of the mapped file)."""

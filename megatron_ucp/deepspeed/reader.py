@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -48,7 +48,8 @@ from megatron_ucp.deepspeed.optimizer_files import (  # noqa: F401  (re-exported
     RankFile,
     open_rank_file,
 )
-from megatron_ucp.deepspeed.stage3_files import STAGE3_OPTIMIZER, Stage3RankFile
+from megatron_ucp.deepspeed.stage3_files import STAGE3_OPTIMIZER, Stage3RankFile, sub_group_owners
+from megatron_ucp.deepspeed.state_kinds import portable
 from megatron_ucp.deepspeed.torch_files import load_raw, load_torch_file  # noqa: F401  (re-exported: the hooks open files through the reader)
 from megatron_ucp.errors import CheckpointFormatError, PlanError, UnsupportedError
 from megatron_ucp.format import dsformat as F
@@ -60,6 +61,9 @@ from megatron_ucp.plan.experts import (
 )
 from megatron_ucp.plan.geometry import PaddingStyle
 from megatron_ucp.plan.parallel_layout import ParallelLayout
+from megatron_ucp.plan.param_geometry import Stage3Groups
+from megatron_ucp.plan.partitioned import FlatGroups, Partitioned
+from megatron_ucp.plan.reshard import DENSE, Placement
 from megatron_ucp.plan.tensor_parallel import (
     SavedRecord,
     TpLayout,
@@ -86,6 +90,8 @@ class CoordinateMeta:
     """Index = DP rank; ``RankLayout.rank`` is the DP rank."""
     first_file: int
     """Index of its DP rank 0 in :attr:`CheckpointFiles.rank_files`."""
+    saved_param_groups: tuple[Any, ...] = ()
+    """ZeRO-3: the param groups its DP rank 0 file lists (each names its sub-groups)."""
 
 
 @dataclass
@@ -109,6 +115,10 @@ class CheckpointMeta:
     coordinates: tuple[CoordinateMeta, ...] = ()
     experts: Optional[ExpertFacts] = None
     """A mixture-of-experts save's experts (expert files, groups partitioned over expert-DP, EP)."""
+    scalars: list[list[tuple[tuple[str, tuple], ...]]] = field(default_factory=list)
+    """scalars[file][group]: its states of one value per partition besides the step, as
+    (name, :func:`~megatron_ucp.deepspeed.state_kinds.portable`) sorted by name."""
+    _partitioned: dict[int, Partitioned] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def layout(self) -> ParallelLayout:
@@ -117,6 +127,26 @@ class CheckpointMeta:
     @property
     def model_parallel(self) -> bool:
         return self.layout.model_parallel > 1
+
+    def partitioned(self, coordinate: CoordinateMeta) -> Partitioned:
+        """Where the real elements of each of ``coordinate``'s rank files sit, as the save partitioned them:
+        its flat groups (ZeRO-1/2; expert groups over expert-DP) or its sub-groups (ZeRO-3), the one value the
+        checks of a save and the plans of a load ask (:mod:`~megatron_ucp.plan.partitioned`)."""
+        known = self._partitioned.get(coordinate.mp)
+        if known is not None:
+            return known
+        groups = coordinate.model.param_groups
+        layout: Partitioned
+        if self.files.partitioned_weights:
+            path = self.files.coordinate_files(coordinate.mp)[0]
+            owners = sub_group_owners(list(coordinate.saved_param_groups), len(groups), path)
+            layout = Stage3Groups(tuple(tuple((p.name, p.numel) for p in g) for g in groups), tuple(owners), self.dp)
+        else:
+            ep = self.experts.ep if self.experts is not None else None
+            placement = Placement.of(ep, self.experts.expert_groups) if ep and self.experts else DENSE
+            layout = FlatGroups.of([[(p.name, p.shape) for p in g] for g in groups], self.dp, placement)
+        self._partitioned[coordinate.mp] = layout
+        return layout
 
     @property
     def padding_style(self) -> PaddingStyle:
@@ -189,7 +219,7 @@ def read_checkpoint(
     layout = ParallelLayout(tp=tp, pp=pp, dp=dp)
     if files.partitioned_weights:
         _check_zero3_model_files(files, models)
-    layouts, kinds, versions, stages, ucp, steps = [], set(), set(), set(), set(), []
+    layouts, kinds, versions, stages, ucp, steps, scalars = [], set(), set(), set(), set(), [], []
     first_kind: Optional[tuple[str, Path]] = None
     dtypes: dict[tuple[int, str], tuple[str, Path]] = {}
     coordinates = []
@@ -209,6 +239,7 @@ def read_checkpoint(
                 subject=model.path,
             )
         first = layout.rank_file_index(mp, 0)
+        saved_param_groups: tuple[Any, ...] = ()
         for r, path in enumerate(files.coordinate_files(mp)):
             index = first + r
             rf = rank_files[index] if rank_files is not None else open_rank_file(path, r)
@@ -221,11 +252,14 @@ def read_checkpoint(
             stages.add(rf.sd.get(F.ZERO_STAGE))
             ucp.add(F.GROUP_TRUE_LENGTHS in rf.sd)
             steps.append([None if rf.step(g) is None else float(rf.step(g)) for g in range(rf.num_groups)])
+            scalars.append([tuple((k, portable(v)) for k, v in rf.partition_scalars(g)) for g in range(rf.num_groups)])
             _check_state_dtypes(rf, dtypes)
+            if r == 0 and files.partitioned_weights:
+                saved_param_groups = tuple(rf.param_groups())
             del rf
         pp_rank, tp_rank = layout.coordinates_of(mp)
         coordinates.append(
-            CoordinateMeta(mp=mp, pp=pp_rank, tp=tp_rank, model=model, layouts=tuple(layouts[first:]), first_file=first)
+            CoordinateMeta(mp, pp_rank, tp_rank, model, tuple(layouts[first:]), first, saved_param_groups)
         )
     if len(kinds) > 1 or len(versions) > 1 or len(stages) > 1:
         raise CheckpointFormatError(
@@ -251,6 +285,7 @@ def read_checkpoint(
         saved_with_ucp=all(ucp),
         zero_stage=int(stage) if stage is not None else None,
         steps=steps,
+        scalars=scalars,
         dp=dp,
         tp=tp,
         pp=pp,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from megatron_ucp.deepspeed.state_kinds import partition_scalars, sharded_states
 from megatron_ucp.deepspeed.torch_files import load_raw
 from megatron_ucp.deepspeed.versions import check_file_version
 from megatron_ucp.errors import CheckpointFormatError, UnsupportedError
@@ -84,18 +85,10 @@ class Stage3RankFile:
         return len(self._flats)
 
     def state_names(self, g: int) -> list[str]:
-        names = ["fp32"]
-        for key, value in self._group_states[g].items():
-            if key == F.STEP_STATE:
-                continue
-            if not (isinstance(value, RawTensor) and value.dim() > 0):
-                raise UnsupportedError(
-                    f"{self.path}: optimizer state {key!r} of sub-group {g} is not a per-element tensor "
-                    f"({type(value).__name__}); the universal format has no place for it",
-                    subject=self.path,
-                )
-            names.append(str(key))
-        return names
+        return sharded_states(self._group_states[g], self.path, g, "sub-group")
+
+    def partition_scalars(self, g: int) -> list[tuple[str, Any]]:
+        return partition_scalars(self._group_states[g])
 
     def state_tensor(self, g: int, state: str) -> RawTensor:
         t = self._flats[g] if state == "fp32" else self._group_states[g][state]

@@ -87,6 +87,12 @@ the start of ``save_checkpoint``) binds the files of one save together: a file o
 another step, even of the same geometry, carries another."""
 UCP_SAVE_RECORD_VERSION = 1
 
+UCP_PARTITION_SCALARS = "ucp_partition_scalars"
+"""In a universal folder's ``zero/optimizer_state.pt``: per param group, ``{state: value}`` of the optimizer's
+states of one value per partition besides ``step`` (NAdam's ``mu_product``), the same in every rank file of the
+save. A universal state file is one parameter's elements; these have none. Stock DeepSpeed's loader ignores the
+key (and leaves such states as a first step makes them)."""
+
 VOCAB_ROWS_WHOLE = "ucp_vocab_rows_whole"
 """In a ZeRO-3 conversion's vocabulary state file: ``param`` holds every row, the padded ones included (stock's
 stage-3 loader partitions the tensor it finds as the live parameter, so it is not trimmed); megatron-ucp's loader

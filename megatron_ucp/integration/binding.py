@@ -22,6 +22,7 @@ everything after the binding (the copy, the ledger, the checks after a load) tak
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any, Optional
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.optimizer_files import optimizer_state
 from megatron_ucp.deepspeed.stage3_files import flat_view
+from megatron_ucp.deepspeed.state_kinds import unplaceable_error
 from megatron_ucp.errors import CheckpointFormatError, PlanError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import Failure, comm, decide_on_first
@@ -46,6 +48,8 @@ from megatron_ucp.plan.param_geometry import first_difference
 from megatron_ucp.plan.partitioned import FlatGroups, Partitioned, checked_positions
 from megatron_ucp.plan.rank_binding import FileFacts
 from megatron_ucp.plan.reshard import Read
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,6 +106,14 @@ def bind_save(
     )
     if isinstance(facts, Failure):
         raise CheckpointFormatError(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
+    if facts.unplaceable:  # the same facts on every rank: the same decision everywhere
+        name = type(surface.base_optimizer(optimizer)).__name__
+        error = unplaceable_error(facts.unplaceable_file, facts.unplaceable, name)
+        if not same_dp:
+            raise error
+        if rank == 0:
+            log.warning("megatron-ucp: %s; at the saved DP size DeepSpeed's own load reads it as it is", error)
+        return None
     try:
         new = live_layout(engine, facts, model_states, same_dp)
         reads = facts.layout.reads_to(new, rank)

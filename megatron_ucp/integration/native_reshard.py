@@ -113,14 +113,16 @@ def load_native_partitions(
     try:
         states = [_states_of(bound, h) for h in range(len(masters))]
         steps = [_step_of(bound, h) for h in range(len(masters))]
+        scalars = [_scalars_of(bound, h) for h in range(len(masters))]
         targets = [_targets(base, master, names) for master, names in zip(masters, states)]
         accounting = copy_reads(files, reads, bound.sources, targets, ledger, table, (F.FP32_STATE,))
         if saved is not None:
             _check_weights(bound, targets, saved, group, strict)
         rest = tuple(sorted({name for names in states for name in names}))
         accounting += copy_reads(files, reads, bound.sources, targets, ledger, table, rest)
-        for master, lps, buffers, step in zip(masters, links, targets, steps):
-            install_group_state(optimizer, master, lps, {k: v for k, v in buffers.items() if k != F.FP32_STATE}, step)
+        for master, lps, buffers, step, extra in zip(masters, links, targets, steps, scalars):
+            carried = {k: v for k, v in buffers.items() if k != F.FP32_STATE}
+            install_group_state(optimizer, master, lps, carried, step, extra)
         for param_group, saved_group in zip(base.param_groups, facts.param_groups):
             param_group.update(saved_group)
         restore_global_state(optimizer, facts.global_state)
@@ -130,7 +132,7 @@ def load_native_partitions(
         bound.close()
     problems: list[Problem] = []
     for h, names in enumerate(states):
-        keys = set(names) | ({F.STEP_STATE} if steps[h] is not None else set())
+        keys = set(names) | set(scalars[h]) | ({F.STEP_STATE} if steps[h] is not None else set())
         expected = expected_state_keys(base, new.param_group(h))
         problems += check_optimizer_states(h, new.names(h), expected, keys, type(base).__name__)
     old = bound.old
@@ -145,7 +147,8 @@ def load_native_partitions(
         counts=(sum(len(old.names(g)) for g in groups), n_states),
         dp_to=bound.dp_to,
         problems=problems,
-        has_step=any(step is not None for step in facts.steps),
+        carried=([F.STEP_STATE] if any(step is not None for step in facts.steps) else [])
+        + sorted({name for extra in scalars for name in extra}),
         checked=against_the_save(facts.algorithm, what + (" and the saved weights" if saved is not None else "")),
         timing=Timing(t_start, bound.seconds, accounting),
     )
@@ -192,6 +195,21 @@ def _step_of(bound: BoundSave, h: int) -> Any:
             subject=bound.facts.model_states,
         )
     return steps[0] if steps else None
+
+
+def _scalars_of(bound: BoundSave, h: int) -> dict[str, Any]:
+    """The states of one value per partition live group ``h`` gets: those of the saved groups it draws from,
+    which must agree (each saved partition's value is the same in every rank file: the binding checks)."""
+    drawn = bound.new.drawn_from(bound.old, h)
+    found = [bound.facts.scalars[g] for g in drawn if g < len(bound.facts.scalars)]
+    seen = {tuple((k, float(v) if torch.is_tensor(v) else v) for k, v in sorted(s.items())) for s in found}
+    if len(seen) > 1:
+        raise CheckpointFormatError(
+            f"{bound.facts.model_states}: the saved {bound.old.unit}s {list(drawn)} hold different values of "
+            f"their per-partition optimizer states {sorted(seen, key=str)}; the live {bound.new.unit} {h} needs one",
+            subject=bound.facts.model_states,
+        )
+    return dict(found[0]) if found else {}
 
 
 def _check_weights(bound: BoundSave, targets: list, saved: SavedSlice, group: Any, strict: bool) -> None:

@@ -150,13 +150,14 @@ def settle(
     counts: tuple[int, int],
     dp_to: int,
     problems: Sequence[Problem],
-    has_step: bool,
+    carried: Sequence[str],
     checked: str,
     timing: Timing,
 ) -> AccountingReport:
     """The ledger all-reduced over the DP group and closed: the report of the load, the same on every rank
     (``counts``: parameters and (parameter, tensor state) pairs saved; ``problems``: those found before,
-    such as missing optimizer states). Enforcing it is the caller's."""
+    such as missing optimizer states; ``carried``: the states of one value per partition installed as they were
+    saved, ``step`` among them). Enforcing it is the caller's."""
     t_wait = time.perf_counter()
     totals = table.to(device())
     comm().all_reduce(totals, group=group)
@@ -164,8 +165,7 @@ def settle(
     collective = time.perf_counter() - t_wait
     found = check_ledger(ledger, totals, source=files.source) + list(problems)
     _, _, elements, names = ledger_totals(ledger, totals)
-    if has_step:
-        names = (*names, F.STEP_STATE)
+    names = (*names, *carried)
     load = time.perf_counter() - timing.started - timing.accounting - collective
     return AccountingReport(
         counts[0],

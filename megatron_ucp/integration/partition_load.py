@@ -264,6 +264,7 @@ def load_universal_partitions(
             context = dataclasses.replace(context, common_step=_common_step(optim_sd, optim_path))
         restore_global_state(optimizer, optim_sd)
         dp_from = _source_dp(optim_sd)
+        carried = optim_sd.get(F.UCP_PARTITION_SCALARS) or {}
         loaded_groups = optim_sd.get(F.PARAM_GROUPS) or []
         if len(loaded_groups) != len(base.param_groups):
             problems.append(
@@ -278,8 +279,9 @@ def load_universal_partitions(
             loaded_groups = [None] * len(base.param_groups)
         for i, live in enumerate(groups):
             keys, buffers, step = _load_group(context, live, names[i], group_states[i])
-            restored_keys.append(keys)
-            install_group_state(optimizer, live.flat, () if per_parameter else live.lps, buffers, step)
+            scalars = {name: live_value(v) for name, v in carried.get(live.param_group, {}).items()}
+            restored_keys.append(keys | set(scalars))
+            install_group_state(optimizer, live.flat, () if per_parameter else live.lps, buffers, step, scalars)
         for param_group, saved in zip(base.param_groups, loaded_groups):
             if saved is not None:
                 param_group.update({key: value for key, value in saved.items() if key != "params"})
@@ -312,9 +314,17 @@ def load_universal_partitions(
             if not strict and expected is not None:
                 _start_missing_states_fresh(base, groups[i].flat, expected - keys)
         n_params, n_files, elements, state_names = ledger_totals(ledger, totals)
+        state_names = (*state_names, *sorted({k for keys in restored_keys for k in keys} - set(state_names)))
     load = time.perf_counter() - t_start - clock.seconds - collective
     seconds = (("load", round(load, 4)), ("accounting", round(clock.seconds, 4)), ("collective", round(collective, 4)))
     return AccountingReport(n_params, n_files, state_names, elements, dp_from, dp_to, tuple(problems), seconds=seconds)
+
+
+def live_value(portable: Any) -> Any:
+    """A state of one value per partition as the optimizer keeps it, from its portable form
+    (:func:`megatron_ucp.deepspeed.state_kinds.portable`): a 0-dim tensor of its dtype, or the value itself."""
+    kind, *rest = portable
+    return torch.tensor(rest[1], dtype=getattr(torch, rest[0])) if kind == "tensor" else rest[0]
 
 
 def _start_missing_states_fresh(base: torch.optim.Optimizer, flat: torch.Tensor, missing: Iterable[str]) -> None:
@@ -453,16 +463,24 @@ def _load_group(
 
 
 def install_group_state(
-    optimizer: Any, flat: torch.Tensor, lps: Iterable[Any], buffers: dict[str, torch.Tensor], step: Any
+    optimizer: Any,
+    flat: torch.Tensor,
+    lps: Iterable[Any],
+    buffers: dict[str, torch.Tensor],
+    step: Any,
+    scalars: Optional[dict[str, Any]] = None,
 ) -> None:
-    """Make ``buffers`` (flat, partition-sized) and ``step`` the base optimizer's state of one live group, and
-    point each of ``lps`` at its optimizer fragments in them (what DeepSpeed's ``_link_hp_params`` does at
-    ZeRO-1/2; a ZeRO-3 sub-group has no links: pass none)."""
+    """Make ``buffers`` (flat, partition-sized), ``step`` and ``scalars`` (states of one value per partition)
+    the base optimizer's state of one live group, and point each of ``lps`` at its optimizer fragments in them
+    (what DeepSpeed's ``_link_hp_params`` does at ZeRO-1/2; a ZeRO-3 sub-group has no links: pass none). A
+    scalar tensor goes where the partition is, as torch's own ``load_state_dict`` puts a non-step state."""
     state_dict = surface.base_optimizer(optimizer).state[flat]
     for state, buffer in buffers.items():
         state_dict[state] = buffer
     if step is not None:
         state_dict[F.STEP_STATE] = step.clone() if torch.is_tensor(step) else step
+    for name, value in (scalars or {}).items():
+        state_dict[name] = value.to(device=flat.device, copy=True) if torch.is_tensor(value) else value
     for lp in lps:
         surface.link_optimizer_fragments(lp, buffers)
 

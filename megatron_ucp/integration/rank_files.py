@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -30,6 +30,7 @@ from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.optimizer_files import optimizer_state
 from megatron_ucp.deepspeed.reader import load_raw
 from megatron_ucp.deepspeed.stage3_files import flat_view, model_states_of_another_save, sub_group_owners
+from megatron_ucp.deepspeed.state_kinds import partition_scalars, tensor_states, unplaceable_states
 from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
@@ -76,6 +77,12 @@ class SavedFacts:
     """Each group's tensor states in the files (``exp_avg``, ``exp_avg_sq``, ...)."""
     steps: list[Any]
     """Each group's optimizer step (old rank 0's)."""
+    scalars: list[dict[str, Any]] = field(default_factory=list)
+    """Each group's other states of one value per partition (NAdam's ``mu_product``, a flag): old rank 0's,
+    the same in every rank file (checked), so carried to any DP size as they are."""
+    unplaceable: tuple[str, ...] = ()
+    """Old rank 0's states no copy places at another DP size (:func:`unplaceable_states`)."""
+    unplaceable_file: str = ""
     algorithm: Optional[str] = None
     """The checksum algorithm of old rank 0's ``zero_partition_checksums``; None: saved without them."""
     save_id: Optional[str] = None
@@ -197,6 +204,9 @@ def read_facts(
         param_groups=[{k: v for k, v in group.items() if k != "params"} for group in groups],
         states=tensor_states(per_group),
         steps=[in_memory(s.get(F.STEP_STATE)) for s in per_group],
+        scalars=[{k: in_memory(v) for k, v in partition_scalars(s)} for s in per_group],
+        unplaceable=unplaceable_states(per_group, first[F.SINGLE_PARTITION_OF_FP32_GROUPS], layout.unit),
+        unplaceable_file=str(expected[0]),
         algorithm=checksum_algorithm(first, expected[0]),
         save_id=save_id,
         model_states=str(model_states),
@@ -217,11 +227,6 @@ def _check_stage3_model_states(model_states: Path, dp_from: int, save_id: Option
         others = model_states_of_another_save(paths, model_states, save_id)
         if others:
             raise CheckpointFormatError(binding_message(model_states.parent, others), subject=others[0].split(": ")[0])
-
-
-def tensor_states(per_group: Sequence[dict]) -> list[tuple[str, ...]]:
-    """Each group's tensor states in a rank file (its step left out)."""
-    return [tuple(k for k, v in sorted(s.items()) if isinstance(v, RawTensor) and k != F.STEP_STATE) for s in per_group]
 
 
 def saved_placement(counts: Any, dp_from: int, path: Path) -> Placement:
@@ -363,8 +368,11 @@ def inspect_file(
     sums = recorded_sums(optim, len(exp.partition_sizes)) if facts.algorithm is not None else None
     problems += _sum_problems(str(path), optim, sums, facts, exp)
     steps = tuple(_step_value(s.get(F.STEP_STATE)) if isinstance(s, dict) else None for s in states)
+    scalars = tuple(
+        tuple((k, _step_value(v)) for k, v in partition_scalars(s)) if isinstance(s, dict) else () for s in states
+    )
     save_id = str(record.get("save_id")) if record is not None and record.get("save_id") is not None else None
-    file_facts = FileFacts(exp.position, str(path), steps, save_id, tuple(problems), sums)
+    file_facts = FileFacts(exp.position, str(path), steps, save_id, tuple(problems), sums, scalars)
     if problems:
         return None, file_facts
     return Source(path, list(optim[F.SINGLE_PARTITION_OF_FP32_GROUPS]), states, sums), file_facts

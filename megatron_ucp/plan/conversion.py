@@ -211,10 +211,6 @@ class ConversionPlan:
                 return p
         raise KeyError(name)
 
-    def output_elements(self) -> int:
-        """Elements written over all parameters and sharded states."""
-        return sum(p.numel * len(self.groups[p.group].states) for p in self.params)
-
 
 def _fail(source: str, message: str) -> CheckpointFormatError:
     return CheckpointFormatError(f"{source}: {message}", subject=source)

@@ -109,6 +109,8 @@ class FileFacts:
     """What is wrong with the file on its own, each naming it."""
     sums: Optional[tuple[Mapping[str, tuple[int, int]], ...]] = field(default=None, compare=False)
     """Per group, state -> (real elements, checksum) the save recorded (None: saved without them)."""
+    scalars: tuple[tuple[tuple[str, Any], ...], ...] = ()
+    """Per group, its states of one value per partition as (name, value), sorted by name."""
 
 
 def _describe(t: Any) -> str:
@@ -253,6 +255,9 @@ def cross_check(
     for g in range(max((len(f.steps) for f in files), default=0)):
         values = [f.steps[g] if g < len(f.steps) else None for f in files]
         problems += _odd_ones_out(files, values, f"{unit} {g}'s optimizer step")
+    for g in range(max((len(f.scalars) for f in files), default=0)):
+        values = [f.scalars[g] if g < len(f.scalars) else () for f in files]
+        problems += _odd_ones_out(files, values, f"{unit} {g}'s states of one value per partition")
     return problems
 
 

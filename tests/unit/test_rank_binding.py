@@ -254,3 +254,11 @@ def test_blame_names_the_files_whose_ranges_miss_or_the_model_states_when_all_do
     alone = blame_weights("ms", paths, WeightTally({0: 10}, {0: 3}))
     assert alone[0].startswith("f0: 3 of the 10") and alone[0].endswith("(or the model states)?")
     assert blame_weights("ms", paths, WeightTally({0: 10}, {0: 0})) == []
+
+
+def test_cross_check_names_the_file_whose_per_partition_state_differs() -> None:
+    mu = (("mu_product", ("tensor", "float32", 0.25)),)
+    files = [FileFacts(r, f"f{r}", steps=(2.0,), save_id="s", scalars=(mu,)) for r in range(4)]
+    files[2] = FileFacts(2, "f2", steps=(2.0,), save_id="s", scalars=((("mu_product", ("tensor", "float32", 0.5)),),))
+    problems = cross_check("model", "s", files)
+    assert len(problems) == 1 and problems[0].startswith("f2: param group 0's states of one value per partition is")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 OPTIMIZERS = ("bf16", "zero")
+BASE_OPTIMIZERS = ("adamw", "nadam")
 #: Prefix of the lines rank 0 prints for the launcher (``UCP_HARNESS {"kind": ..., ...}``).
 MARKER = "UCP_HARNESS "
 _PATH_FIELDS = ("save_dir", "load_dir", "dump_dir")
@@ -47,6 +48,9 @@ class TrainSpec:
     extra_config: dict[str, Any] = field(default_factory=dict)
     timeout: float = 300
     expect_failure: bool = False
+    base_optimizer: str = "adamw"
+    """The torch optimizer ZeRO wraps: ``"adamw"``, or ``"nadam"`` (its ``mu_product`` is a 0-dim tensor per
+    partition: state that is not one number per element)."""
     # --- additions beyond the agreed interface (all optional) -----------------------------------
     python: Optional[str] = None
     """Interpreter for the ranks; None = the running one (``sys.executable``)."""
@@ -67,6 +71,8 @@ class TrainSpec:
         self.save_at = tuple(int(s) for s in self.save_at)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.base_optimizer not in BASE_OPTIMIZERS:
+            raise ValueError(f"base_optimizer must be one of {BASE_OPTIMIZERS}, got {self.base_optimizer!r}")
         if self.zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {self.zero_stage}")
         if self.optimizer == "bf16" and self.zero_stage != 1:

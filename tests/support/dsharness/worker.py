@@ -136,7 +136,11 @@ class Rank:
         self.mark("init_distributed")
         model = build_model(vocab=spec.vocab, hidden=spec.hidden, num_layers=spec.num_layers, seed=spec.seed)
         self.group_names = param_group_names(model)
-        optimizer = torch.optim.AdamW(tiny_model_param_groups(model, WEIGHT_DECAY), lr=LR_MAX, betas=BETAS, eps=1e-8)
+        groups = tiny_model_param_groups(model, WEIGHT_DECAY)
+        if spec.base_optimizer == "nadam":
+            optimizer = torch.optim.NAdam(groups, lr=LR_MAX, betas=BETAS, eps=1e-8, decoupled_weight_decay=True)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=LR_MAX, betas=BETAS, eps=1e-8)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(spec))
         self.mark("initialize")
         self.optimizer_class = type(self.engine.optimizer).__name__

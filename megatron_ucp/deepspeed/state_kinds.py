@@ -1,0 +1,92 @@
+"""Which optimizer states a change of DP size can carry, told from a rank file's raw values.
+
+A ZeRO rank file keeps, per group, the base optimizer's state of its one flat partition. A state of one number
+per element (Adam's ``exp_avg``) is cut and copied like the masters; a state of one value per partition
+(``step``, NAdam's ``mu_product``, a flag) is the same in every rank file and is carried as it is; anything else
+(8-bit Adam's blockwise ``absmax``, a dict of quantization settings) has no correct copy to another cut and is
+refused by name. The reader, the binding and the converter ask this module, and nothing else decides it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from megatron_ucp.errors import UnsupportedError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format.rawtensor import RawTensor
+
+
+def tensor_states(per_group: Sequence[dict]) -> list[tuple[str, ...]]:
+    """Each group's states of one number per element in a rank file (its step and other scalars left out)."""
+    return [tuple(k for k, v in sorted(s.items()) if per_element(v) and k != F.STEP_STATE) for s in per_group]
+
+
+def per_element(value: Any) -> bool:
+    """One number per element of its partition (a flat tensor; its length is the binding's to check)."""
+    return isinstance(value, RawTensor) and value.dim() > 0
+
+
+def partition_scalars(state: dict) -> list[tuple[str, Any]]:
+    """One group's states (its step left out) that are one value per partition: a 0-dim tensor, a number,
+    a flag; sorted by name."""
+    return [
+        (str(k), v)
+        for k, v in sorted(state.items())
+        if k != F.STEP_STATE and ((isinstance(v, RawTensor) and v.dim() == 0) or isinstance(v, (bool, int, float)))
+    ]
+
+
+def unplaceable_states(per_group: Sequence[dict], masters: Sequence[Any], unit: str) -> tuple[str, ...]:
+    """Every optimizer state that is neither one number per element of its partition nor one value per
+    partition (8-bit Adam's blockwise quantization state, a dict): no copy places it at another DP size."""
+    problems = []
+    for g, state in enumerate(per_group):
+        size = masters[g].numel() if g < len(masters) and isinstance(masters[g], RawTensor) else None
+        scalars = {name for name, _ in partition_scalars(state)}
+        for name, value in sorted(state.items()):
+            if name == F.STEP_STATE or name in scalars:
+                continue
+            if not per_element(value):
+                what = f"a {type(value).__name__}"
+            elif size is not None and value.numel() != size:
+                what = f"{value.numel()} elements beside a partition of {size} (blockwise or per-block state)"
+            else:
+                continue
+            problems.append(f"{name!r} of {unit} {g} is {what}")
+    return tuple(problems)
+
+
+def portable(value: Any) -> tuple:
+    """A state of one value per partition as plain data, exact and comparable: ``("tensor", dtype, number)``
+    for a 0-dim tensor (its number is exact in a Python float or int), ``("value", v)`` for a number or a flag."""
+    if isinstance(value, RawTensor):
+        return ("tensor", value.dtype.name, value.item())
+    return ("value", value)
+
+
+def sharded_states(state: dict, path: Any, g: int, unit: str) -> list[str]:
+    """``fp32`` and group ``g``'s states of one number per element, the files a universal folder holds per
+    parameter; raises :class:`UnsupportedError` naming a state that is neither that nor one value per partition."""
+    scalars = {name for name, _ in partition_scalars(state)}
+    names = [F.FP32_STATE]
+    for key, value in state.items():
+        if key == F.STEP_STATE or key in scalars:
+            continue
+        if not per_element(value):
+            raise UnsupportedError(
+                f"{path}: optimizer state {key!r} of {unit} {g} is not a per-element tensor "
+                f"({type(value).__name__}); the universal format has no place for it",
+                subject=path,
+            )
+        names.append(str(key))
+    return names
+
+
+def unplaceable_error(path: str, problems: Sequence[str], optimizer_name: str) -> UnsupportedError:
+    """The refusal of a save whose optimizer keeps :func:`unplaceable_states`, naming the class, file and states."""
+    return UnsupportedError(
+        f"{path}: {optimizer_name} keeps optimizer state that megatron-ucp cannot place at another DP size: "
+        f"{'; '.join(problems)}. Only states of one number per element of a partition, or of one value per "
+        "partition, are carried; nothing was loaded",
+        subject=path,
+    )
