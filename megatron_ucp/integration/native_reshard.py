@@ -52,8 +52,8 @@ from megatron_ucp.integration.old_file_copy import (
     refuse_changed,
     settle,
 )
+from megatron_ucp.integration.optimizer_probe import expected_state_keys
 from megatron_ucp.integration.partition_load import (
-    expected_state_keys,
     install_group_state,
     lp_groups_of,
     restore_global_state,

@@ -16,7 +16,6 @@ names are checked against what was restored.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from megatron_ucp.integration.collectives import (
 from megatron_ucp.integration.expert_names import live_expert_names
 from megatron_ucp.integration.live_layout import TpPlace, live_tp_layout, tensor_parallel_of
 from megatron_ucp.integration.live_partitions import LiveGroup, live_groups
+from megatron_ucp.integration.optimizer_probe import expected_state_keys
 from megatron_ucp.integration.saved_names import saved_names
 from megatron_ucp.integration.state_layout import StateLayout, gather, state_layout, tensor_of
 from megatron_ucp.plan.accounting import (
@@ -64,15 +64,8 @@ from megatron_ucp.plan.tensor_parallel import full_shape, runs_between, slice_ru
 
 log = logging.getLogger(__name__)
 
+
 # Optimizers outside torch.optim whose lazily created states are known (they cannot be probed on CPU).
-_KNOWN_STATES = {
-    "FusedAdam": ("step", "exp_avg", "exp_avg_sq"),
-    "DeepSpeedCPUAdam": ("step", "exp_avg", "exp_avg_sq"),
-    "FusedLamb": ("step", "exp_avg", "exp_avg_sq"),
-    "DeepSpeedCPULamb": ("step", "exp_avg", "exp_avg_sq"),
-}
-
-
 def lp_groups_of(optimizer: Any) -> list[list[Any]]:
     """The live bf16 parameters of each group, where the optimizer's layout keeps them."""
     return surface.layout_of(optimizer).groups(optimizer)
@@ -137,43 +130,6 @@ def _same_step(a: Any, b: Any) -> bool:
     if torch.is_tensor(a) or torch.is_tensor(b):
         return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
     return a == b
-
-
-def expected_state_keys(optimizer: torch.optim.Optimizer, group_index: int) -> Optional[frozenset[str]]:
-    """The per-parameter states ``optimizer`` keeps for one group, discovered without touching it.
-
-    For torch.optim classes: build a throwaway instance with the group's hyperparameters on a
-    2-element CPU tensor and take one step; for a few DeepSpeed optimizers: a table. None when
-    unknown (then only the checkpoint's own consistency is checked). States already present in the
-    live optimizer count too.
-    """
-    cls = type(optimizer)
-    group = optimizer.param_groups[group_index]
-    present: set[str] = set()
-    for p in group["params"]:
-        present.update(optimizer.state.get(p, {}).keys())
-    keys: Optional[set[str]] = None
-    if cls.__module__.startswith("torch.optim"):
-        try:
-            accepted = inspect.signature(cls.__init__).parameters
-            kwargs = {k: v for k, v in group.items() if k in accepted and k not in ("params", "self")}
-            for flag in ("fused", "capturable", "differentiable", "foreach"):
-                if flag in kwargs:
-                    kwargs[flag] = False if flag != "foreach" else None
-            probe_param = torch.zeros(2, requires_grad=True)
-            probe_param.grad = torch.ones(2)
-            probe = cls([probe_param], **kwargs)
-            probe.step()
-            keys = set(probe.state[probe_param].keys())
-        except Exception as exc:
-            log.debug("could not probe %s for its state names: %s", cls.__name__, exc)
-    if keys is None and cls.__name__ in _KNOWN_STATES:
-        keys = set(_KNOWN_STATES[cls.__name__])
-        if group.get("amsgrad"):
-            keys.add("max_exp_avg_sq")
-    if keys is None:
-        return frozenset(present) if present else None
-    return frozenset(keys | present)
 
 
 def load_universal_partitions(
