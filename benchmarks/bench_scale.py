@@ -210,6 +210,7 @@ def resume_probe(spec: SyntheticSpec, folder: Path, worlds: list[int], native: b
                     *zero3,
                     *(["--experts", str(spec.shape.experts), "--ep", str(spec.ep)] if spec.shape.experts else []),
                     *(["--native"] if native else []),
+                    *(["--base-optimizer", spec.base_optimizer] if spec.base_optimizer != "adam" else []),
                 ],
                 capture_output=True,
                 text=True,
@@ -455,6 +456,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--shares", default="1,2,4", help="converter counts for the --share scaling ('' for none)")
     parser.add_argument("--experts", type=int, default=0, help="a mixture-of-experts model: experts per MoE layer")
     parser.add_argument("--ep", type=int, default=1, help="with --experts: the expert-parallel size")
+    parser.add_argument(
+        "--base-optimizer", default="adam", help="the optimizer DeepSpeed wraps (synthetic.optimizers: adam, muon, ...)"
+    )
     args = parser.parse_args(argv)
     args.tools = [t for t in args.tools.split(",") if t]
     if "alcf" in args.tools and not ALCF_CONVERTER.is_file():
@@ -477,6 +481,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ds_version=args.ds_version,
                 flavour=args.flavour,
                 zero_stage=args.zero_stage,
+                base_optimizer=args.base_optimizer,
             )
             last = dp == max(sizes)
             rows.append(

@@ -45,8 +45,7 @@ from megatron_ucp.plan.geometry import GroupGeometry  # noqa: E402
 from megatron_ucp.plan.llama_shapes import preset  # noqa: E402
 from megatron_ucp.plan.tensor_parallel import TpLayout, runs_between, slice_runs  # noqa: E402
 from megatron_ucp.synthetic.content import SyntheticSpec, state_range  # noqa: E402
-
-STATES = ("fp32", "exp_avg", "exp_avg_sq")
+from megatron_ucp.synthetic.optimizers import BASE_OPTIMIZERS  # noqa: E402
 
 
 def peak_rss() -> int:
@@ -209,6 +208,7 @@ def main(argv=None) -> int:
     ap.add_argument("--module", action="store_true", help="with --native: also the rank's part of the model states")
     ap.add_argument("--experts", type=int, default=0, help="with --native: experts per MoE layer of the save")
     ap.add_argument("--ep", type=int, default=1, help="with --experts: its expert-parallel size (kept)")
+    ap.add_argument("--base-optimizer", default="adam", help="the optimizer DeepSpeed wrapped: its states")
     args = ap.parse_args(argv)
     if args.experts and (not args.native or args.module):
         ap.error("--experts: the native reshard's partitions only (no --module, no universal folder)")
@@ -227,12 +227,13 @@ def main(argv=None) -> int:
     algorithm = sums.algorithm if sums is not None else None
     landed = 0
     copied = []
+    states = ("fp32", *BASE_OPTIMIZERS[args.base_optimizer][0])
     for g, (geo, fragments) in enumerate(plan):
-        buffers = {s: torch.zeros(geo.partition_size) for s in STATES}
-        share += 4 * geo.partition_size * len(STATES)
+        buffers = {s: torch.zeros(geo.partition_size) for s in states}
+        share += 4 * geo.partition_size * len(states)
         for name, shape, lp_start, numel, hp_start in fragments:
             load_torch_file(zero / name / f"{F.STEP_STATE}.pt", mmap=False)
-            for state in STATES:
+            for state in states:
                 path = zero / name / f"{state}.pt"
                 entry = load_torch_file(path, mmap=True)
                 layout = state_layout(tensor_of(entry, path), entry, tuple(shape), name, state, path)

@@ -13,6 +13,7 @@ from pathlib import Path
 from megatron_ucp.deepspeed.versions import SAVED_FILES
 from megatron_ucp.errors import UcpError
 from megatron_ucp.plan.llama_shapes import PRESETS, LlamaShape, preset
+from megatron_ucp.synthetic.optimizers import BASE_OPTIMIZERS
 
 _SIZES = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "original_vocab")
 
@@ -51,6 +52,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["bf16", "zero"],
         default="bf16",
         help="bf16: BF16_Optimizer; zero: DeepSpeedZeroOptimizer (default bf16)",
+    )
+    p.add_argument(
+        "--base-optimizer",
+        choices=sorted(BASE_OPTIMIZERS),
+        default="adam",
+        help="the optimizer DeepSpeed wraps, whose states the files hold: adam (exp_avg, exp_avg_sq), nadam "
+        "(and mu_product per partition), muon (moment1, moment2, use_muon per partition), sophiag (exp_avg, "
+        "hessian); default adam",
     )
     p.add_argument(
         "--zero-stage",
@@ -114,11 +123,13 @@ def run(args: argparse.Namespace) -> int:
         iteration=args.iteration,
         seed=args.seed,
         ep=args.ep,
+        base_optimizer=args.base_optimizer,
     )
     done = write_checkpoint(args.root, spec, progress=not args.no_progress)
     print(
         f"wrote {done.tag_dir}: {done.files} files, {done.bytes / 1e9:.2f} GB in {done.seconds:.1f} s "
-        f"({spec.shape.numel() / 1e6:.1f}M parameters, {spec.layout_text()}, {spec.optimizer}, "
+        f"({spec.shape.numel() / 1e6:.1f}M parameters, {spec.layout_text()}, {spec.optimizer} around "
+        f"{spec.base_optimizer}, "
         f"DeepSpeed {spec.ds_version} files{', with the save record' if spec.record else ''})"
     )
     return 0

@@ -23,7 +23,7 @@ import collections
 import functools
 import random
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -49,6 +49,7 @@ from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.reshard import Placement
 from megatron_ucp.plan.save_record import partition_checksums, partition_record, save_identity
 from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
+from megatron_ucp.synthetic.optimizers import BASE_OPTIMIZERS
 from megatron_ucp.synthetic.values import flat_range
 
 OPTIMIZERS = {"bf16": "BF16_Optimizer", "zero": "DeepSpeedZeroOptimizer"}
@@ -91,6 +92,8 @@ class SyntheticSpec:
     grad_accumulation: int = 1
     seq_length: int = 4096
     ep: int = 1
+    base_optimizer: str = "adam"
+    """The optimizer DeepSpeed wraps (:data:`~megatron_ucp.synthetic.values.BASE_OPTIMIZERS`): its states."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -102,6 +105,8 @@ class SyntheticSpec:
             )
         if self.zero_stage == 3 and (self.pipeline or self.pp > 1):
             raise PlanError("ZeRO-3 with pipeline parallelism: DeepSpeed's pipeline engine runs stages 0 to 2 only")
+        if self.base_optimizer not in BASE_OPTIMIZERS:
+            raise PlanError(f"base optimizer must be one of {sorted(BASE_OPTIMIZERS)}, got {self.base_optimizer!r}")
         if self.flavour not in FLAVOURS:
             raise PlanError(f"flavour must be one of {FLAVOURS}, got {self.flavour!r}")
         if self.dp < 1 or self.iteration < 1:
@@ -126,6 +131,15 @@ class SyntheticSpec:
             raise PlanError(f"{where}: EP must divide DP (each expert-parallel rank's experts over DP / EP ranks)")
         if self.files.moe is None:
             raise PlanError(f"{where}: no record of how DeepSpeed {self.ds_version} writes a mixture-of-experts save")
+
+    def optimizer_states(self, part: Callable[[str], torch.Tensor]) -> dict[str, Any]:
+        """One partition's state as the wrapped optimizer keeps it: its step, each per-element state from
+        ``part(state)``, and its states of one value per partition."""
+        per_element, scalars = BASE_OPTIMIZERS[self.base_optimizer]
+        out: dict[str, Any] = {"step": torch.tensor(float(self.iteration))}
+        out.update({state: part(state) for state in per_element})
+        out.update({k: torch.tensor(v) if isinstance(v, float) else v for k, v in scalars.items()})
+        return out
 
     @property
     def optimizer_class(self) -> str:
@@ -328,11 +342,7 @@ def rank_file_state(spec: SyntheticSpec, mp_rank: int, dp_rank: int) -> dict[str
         # DeepSpeedZeroOptimizer cuts its recorded padding off the fp32 partition (Python slice
         # semantics: a padding larger than the partition leaves a wrong, positive length).
         fp32.append(master[: size - padding] if spec.optimizer == "zero" else master)
-        states[g] = {
-            "step": torch.tensor(float(spec.iteration)),
-            "exp_avg": part("exp_avg"),
-            "exp_avg_sq": part("exp_avg_sq"),
-        }
+        states[g] = spec.optimizer_states(part)
         mappings.append(_slice_mappings(layout.groups[g]))
         recorded.append(padding)
     base = {"state": states, "param_groups": [param_group_hyperparameters(spec, g) for g in range(len(geos))]}

@@ -33,7 +33,8 @@ from megatron_ucp.synthetic.content import (
     model_states,
     param_group_hyperparameters,
 )
-from megatron_ucp.synthetic.values import STATES, flat_range
+from megatron_ucp.synthetic.optimizers import BASE_OPTIMIZERS
+from megatron_ucp.synthetic.values import flat_range
 
 SUB_GROUP_SIZE = 1_000_000_000
 """DeepSpeed's default ``zero_optimization.sub_group_size``."""
@@ -83,7 +84,8 @@ def partitions(spec: SyntheticSpec, mp_rank: int, dp_rank: int) -> list[dict[str
     out = []
     for h in range(len(groups.sub_groups)):
         size = groups.geometry(h).partition_size
-        parts = {state: torch.zeros(size, dtype=torch.float32) for state in STATES}
+        per_element = BASE_OPTIMIZERS[spec.base_optimizer][0]
+        parts = {state: torch.zeros(size, dtype=torch.float32) for state in (F.FP32_STATE, *per_element)}
         for run in groups.runs(dp_rank, h):
             for state, part in parts.items():
                 part[run.offset : run.offset + run.length] = param_range(
@@ -108,10 +110,7 @@ def stage3_rank_file_state(spec: SyntheticSpec, mp_rank: int, dp_rank: int) -> d
     groups = stage3_groups(spec, mp_rank)
     parts = partitions(spec, mp_rank, dp_rank)
     fp32 = [p["fp32"] for p in parts]
-    states = {
-        h: {"step": torch.tensor(float(spec.iteration)), "exp_avg": p["exp_avg"], "exp_avg_sq": p["exp_avg_sq"]}
-        for h, p in enumerate(parts)
-    }
+    states = {h: spec.optimizer_states(p.__getitem__) for h, p in enumerate(parts)}
     scaler = LOSS_SCALER.__new__(LOSS_SCALER)
     scaler.__setstate__({"cur_scale": 1.0, "dynamic": False})
     sd: dict[str, Any] = {

@@ -17,9 +17,11 @@ import hashlib
 
 import torch
 
+from megatron_ucp.synthetic.optimizers import BASE_OPTIMIZERS, SECOND_MOMENTS
+
 BLOCK = 1 << 16
 """Elements per seeded block (256 KiB of fp32): a partition boundary wastes at most one block."""
-STATES = ("fp32", "exp_avg", "exp_avg_sq")
+STATES = ("fp32", *sorted({s for states, _ in BASE_OPTIMIZERS.values() for s in states}))
 
 
 @functools.lru_cache(maxsize=256)
@@ -32,7 +34,7 @@ def _block(seed: int, buffer: str, state: str, index: int) -> torch.Tensor:
 def _draw(seed: int, buffer: str, state: str, index: int) -> torch.Tensor:
     digest = hashlib.blake2b(f"{seed}/{buffer}/{state}/{index}".encode(), digest_size=8).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-    if state == "exp_avg_sq":  # a second moment: non-negative
+    if state in SECOND_MOMENTS:  # non-negative
         return torch.rand(BLOCK, generator=gen).mul_(1e-6)
     values = torch.randn(BLOCK, generator=gen)
     return values.mul_(0.02 if state == "fp32" else 1e-3)

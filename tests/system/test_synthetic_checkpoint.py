@@ -27,6 +27,7 @@ from megatron_ucp.convert.universal import read_manifest
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.plan.llama_shapes import LlamaShape
 from megatron_ucp.synthetic.content import SyntheticSpec
+from megatron_ucp.synthetic.optimizers import BASE_OPTIMIZERS
 from megatron_ucp.synthetic.writer import write_checkpoint
 from tests.support.dsharness.checkpoints import legacy_fixture
 from tests.support.file_structure import folder_differences, load
@@ -85,14 +86,15 @@ of both groups hold only padding."""
 
 
 def rebuild(tag_dir: Path, spec: SyntheticSpec, mp_rank: int = 0) -> dict[tuple[str, str], torch.Tensor]:
-    """Every parameter's fp32 and Adam states from one model-parallel rank's files alone: concatenate
-    the partitions (each stored tensor zero-filled to the partition size), then cut in ``param_shapes`` order."""
-    states = ("fp32", "exp_avg", "exp_avg_sq")
+    """Every parameter's fp32 and per-element optimizer states from one model-parallel rank's files alone:
+    concatenate the partitions (each stored tensor zero-filled to the partition size), then cut in
+    ``param_shapes`` order."""
+    states = ("fp32", *BASE_OPTIMIZERS[spec.base_optimizer][0])
     flats: dict[tuple[int, str], list[torch.Tensor]] = {}
     for r in range(spec.dp):
         sd = load(tag_dir / f"bf16_zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_optim_states.pt")[F.OPTIMIZER_STATE_DICT]
         for g, master in enumerate(sd[F.SINGLE_PARTITION_OF_FP32_GROUPS]):
-            size = sd[F.BASE_OPTIMIZER_STATE]["state"][g]["exp_avg"].numel()
+            size = sd[F.BASE_OPTIMIZER_STATE]["state"][g][states[1]].numel()
             pieces = {"fp32": master, **{s: sd[F.BASE_OPTIMIZER_STATE]["state"][g][s] for s in states[1:]}}
             for state, t in pieces.items():
                 full = torch.zeros(size)
@@ -109,13 +111,17 @@ def rebuild(tag_dir: Path, spec: SyntheticSpec, mp_rank: int = 0) -> dict[tuple[
     return out
 
 
-@pytest.mark.parametrize("optimizer,ds_version", [("bf16", "0.19.8"), ("zero", "0.16.2")])
+@pytest.mark.parametrize(
+    "optimizer,ds_version,base", [("bf16", "0.19.8", "adam"), ("zero", "0.16.2", "adam"), ("bf16", "0.19.8", "muon")]
+)
 def test_conversion_of_a_synthetic_checkpoint_equals_an_independent_rebuild(
-    tmp_path: Path, optimizer: str, ds_version: str
+    tmp_path: Path, optimizer: str, ds_version: str, base: str
 ):
     outputs = []
     for dp in (8, 768):
-        spec = SyntheticSpec(shape=SMALL, dp=dp, optimizer=optimizer, ds_version=ds_version, iteration=7)
+        spec = SyntheticSpec(
+            shape=SMALL, dp=dp, optimizer=optimizer, ds_version=ds_version, iteration=7, base_optimizer=base
+        )
         root = tmp_path / f"dp{dp}"
         written = write_checkpoint(root, spec, progress=False)
         convert(ConvertOptions(source=root, progress=False))
@@ -129,6 +135,9 @@ def test_conversion_of_a_synthetic_checkpoint_equals_an_independent_rebuild(
                 got = torch.cat([got, entry[F.VOCAB_PADDED_ROWS]])
             assert torch.equal(got, want), (dp, name, state)
             assert want.abs().sum() > 0, (dp, name, state)  # real values, not a zero-filled hole
+        common = torch.load(universal / F.UNIVERSAL_ZERO_DIR / F.UNIVERSAL_OPTIMIZER_STATE_FILE, weights_only=False)
+        scalars = {g: {"use_muon": ("value", False)} for g in range(2)} if base == "muon" else None
+        assert common.get(F.UCP_PARTITION_SCALARS) == scalars  # Muon's flag, once per param group
         outputs.append(universal)
     zero = outputs[0] / F.UNIVERSAL_ZERO_DIR
     files = sorted(p.relative_to(outputs[0]) for p in zero.glob("*/*.pt"))
