@@ -15,25 +15,27 @@ from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.rawtensor import RawTensor
 
+STEP, ELEMENT, SCALAR, OTHER = "step", "element", "scalar", "other"
+
+
+def kind_of(name: Any, value: Any) -> str:
+    """What a state is: the ``step``; one number per ``element`` of its partition (a flat tensor; its length is
+    the binding's to check); one value per partition (``scalar``: a 0-dim tensor, a number, a flag); or ``other``."""
+    if name == F.STEP_STATE:
+        return STEP
+    if isinstance(value, RawTensor):
+        return ELEMENT if value.dim() > 0 else SCALAR
+    return SCALAR if isinstance(value, (bool, int, float)) else OTHER
+
 
 def tensor_states(per_group: Sequence[dict]) -> list[tuple[str, ...]]:
     """Each group's states of one number per element in a rank file (its step and other scalars left out)."""
-    return [tuple(k for k, v in sorted(s.items()) if per_element(v) and k != F.STEP_STATE) for s in per_group]
-
-
-def per_element(value: Any) -> bool:
-    """One number per element of its partition (a flat tensor; its length is the binding's to check)."""
-    return isinstance(value, RawTensor) and value.dim() > 0
+    return [tuple(k for k, v in sorted(s.items()) if kind_of(k, v) == ELEMENT) for s in per_group]
 
 
 def partition_scalars(state: dict) -> list[tuple[str, Any]]:
-    """One group's states (its step left out) that are one value per partition: a 0-dim tensor, a number,
-    a flag; sorted by name."""
-    return [
-        (str(k), v)
-        for k, v in sorted(state.items())
-        if k != F.STEP_STATE and ((isinstance(v, RawTensor) and v.dim() == 0) or isinstance(v, (bool, int, float)))
-    ]
+    """One group's states (its step left out) that are one value per partition, sorted by name."""
+    return [(str(k), v) for k, v in sorted(state.items()) if kind_of(k, v) == SCALAR]
 
 
 def unplaceable_states(per_group: Sequence[dict], masters: Sequence[Any], unit: str) -> tuple[str, ...]:
@@ -42,17 +44,15 @@ def unplaceable_states(per_group: Sequence[dict], masters: Sequence[Any], unit: 
     problems = []
     for g, state in enumerate(per_group):
         size = masters[g].numel() if g < len(masters) and isinstance(masters[g], RawTensor) else None
-        scalars = {name for name, _ in partition_scalars(state)}
         for name, value in sorted(state.items()):
-            if name == F.STEP_STATE or name in scalars:
-                continue
-            if not per_element(value):
-                what = f"a {type(value).__name__}"
-            elif size is not None and value.numel() != size:
-                what = f"{value.numel()} elements beside a partition of {size} (blockwise or per-block state)"
-            else:
-                continue
-            problems.append(f"{name!r} of {unit} {g} is {what}")
+            kind = kind_of(name, value)
+            if kind == OTHER:
+                problems.append(f"{name!r} of {unit} {g} is a {type(value).__name__}")
+            elif kind == ELEMENT and size is not None and value.numel() != size:
+                problems.append(
+                    f"{name!r} of {unit} {g} is {value.numel()} elements beside a partition of {size} "
+                    "(blockwise or per-block state)"
+                )
     return tuple(problems)
 
 
@@ -67,18 +67,17 @@ def portable(value: Any) -> tuple:
 def sharded_states(state: dict, path: Any, g: int, unit: str) -> list[str]:
     """``fp32`` and group ``g``'s states of one number per element, the files a universal folder holds per
     parameter; raises :class:`UnsupportedError` naming a state that is neither that nor one value per partition."""
-    scalars = {name for name, _ in partition_scalars(state)}
     names = [F.FP32_STATE]
     for key, value in state.items():
-        if key == F.STEP_STATE or key in scalars:
-            continue
-        if not per_element(value):
+        kind = kind_of(key, value)
+        if kind == OTHER:
             raise UnsupportedError(
                 f"{path}: optimizer state {key!r} of {unit} {g} is not a per-element tensor "
                 f"({type(value).__name__}); the universal format has no place for it",
                 subject=path,
             )
-        names.append(str(key))
+        if kind == ELEMENT:
+            names.append(str(key))
     return names
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -183,33 +183,44 @@ def _states_of(bound: BoundSave, h: int) -> tuple[str, ...]:
     return found.pop() if found else ()
 
 
-def _step_of(bound: BoundSave, h: int) -> Any:
-    """The optimizer step live group ``h`` gets: that of the saved groups it draws from (one value)."""
+def _drawn_value(
+    bound: BoundSave, h: int, per_group: Sequence[Any], comparable: Callable[[Any], Any], what: str
+) -> Any:
+    """The value live group ``h`` gets of something each saved group holds once (its step, its states of one value
+    per partition): that of the saved groups it draws from, which must agree (None: it draws from none)."""
     drawn = bound.new.drawn_from(bound.old, h)
-    steps = [bound.facts.steps[g] for g in drawn]
-    values = {float(s) if torch.is_tensor(s) or isinstance(s, (int, float)) else repr(s) for s in steps}
+    found = [per_group[g] for g in drawn]
+    values = {comparable(v) for v in found}
     if len(values) > 1:
         raise CheckpointFormatError(
-            f"{bound.facts.model_states}: the saved {bound.old.unit}s {list(drawn)} are at different optimizer "
-            f"steps {sorted(values, key=str)}",
+            f"{bound.facts.model_states}: the saved {bound.old.unit}s {list(drawn)} {what} {sorted(values, key=str)}",
             subject=bound.facts.model_states,
         )
-    return steps[0] if steps else None
+    return found[0] if found else None
+
+
+def _step_of(bound: BoundSave, h: int) -> Any:
+    """The optimizer step live group ``h`` gets."""
+    return _drawn_value(
+        bound,
+        h,
+        bound.facts.steps,
+        lambda s: float(s) if torch.is_tensor(s) or isinstance(s, (int, float)) else repr(s),
+        "are at different optimizer steps",
+    )
 
 
 def _scalars_of(bound: BoundSave, h: int) -> dict[str, Any]:
-    """The states of one value per partition live group ``h`` gets: those of the saved groups it draws from,
-    which must agree (each saved partition's value is the same in every rank file: the binding checks)."""
-    drawn = bound.new.drawn_from(bound.old, h)
-    found = [bound.facts.scalars[g] for g in drawn if g < len(bound.facts.scalars)]
-    seen = {tuple((k, float(v) if torch.is_tensor(v) else v) for k, v in sorted(s.items())) for s in found}
-    if len(seen) > 1:
-        raise CheckpointFormatError(
-            f"{bound.facts.model_states}: the saved {bound.old.unit}s {list(drawn)} hold different values of "
-            f"their per-partition optimizer states {sorted(seen, key=str)}; the live {bound.new.unit} {h} needs one",
-            subject=bound.facts.model_states,
-        )
-    return dict(found[0]) if found else {}
+    """The states of one value per partition live group ``h`` gets (each saved partition's are the same in every
+    rank file: the binding checks)."""
+    found = _drawn_value(
+        bound,
+        h,
+        bound.facts.scalars,
+        lambda s: tuple((k, float(v) if torch.is_tensor(v) else v) for k, v in sorted(s.items())),
+        "hold different values of their per-partition optimizer states",
+    )
+    return dict(found or {})
 
 
 def _check_weights(bound: BoundSave, targets: list, saved: SavedSlice, group: Any, strict: bool) -> None:

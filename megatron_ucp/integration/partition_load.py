@@ -65,7 +65,6 @@ from megatron_ucp.plan.tensor_parallel import full_shape, runs_between, slice_ru
 log = logging.getLogger(__name__)
 
 
-# Optimizers outside torch.optim whose lazily created states are known (they cannot be probed on CPU).
 def lp_groups_of(optimizer: Any) -> list[list[Any]]:
     """The live bf16 parameters of each group, where the optimizer's layout keeps them."""
     return surface.layout_of(optimizer).groups(optimizer)

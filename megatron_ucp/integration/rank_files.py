@@ -30,7 +30,7 @@ from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.optimizer_files import optimizer_state
 from megatron_ucp.deepspeed.reader import load_raw
 from megatron_ucp.deepspeed.stage3_files import flat_view, model_states_of_another_save, sub_group_owners
-from megatron_ucp.deepspeed.state_kinds import partition_scalars, tensor_states, unplaceable_states
+from megatron_ucp.deepspeed.state_kinds import partition_scalars, portable, tensor_states, unplaceable_states
 from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
@@ -369,7 +369,7 @@ def inspect_file(
     problems += _sum_problems(str(path), optim, sums, facts, exp)
     steps = tuple(_step_value(s.get(F.STEP_STATE)) if isinstance(s, dict) else None for s in states)
     scalars = tuple(
-        tuple((k, _step_value(v)) for k, v in partition_scalars(s)) if isinstance(s, dict) else () for s in states
+        tuple((k, portable(v)) for k, v in partition_scalars(s)) if isinstance(s, dict) else () for s in states
     )
     save_id = str(record.get("save_id")) if record is not None and record.get("save_id") is not None else None
     file_facts = FileFacts(exp.position, str(path), steps, save_id, tuple(problems), sums, scalars)
