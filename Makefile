@@ -232,7 +232,8 @@ bench: $(STAMP)
 # stock and the ALCF converter, and the AuroraGPT-7B plan from metadata; then ZeRO-3 at DP 8 and 768
 # (conversion against stock's stage-3 converter, the native reshard's bytes read per sampled rank). llama-1b needs ~25 GB of disk
 # (one checkpoint, one output and stock's fragments at a time) and about an hour on 2 cores. Last, one optimizer that is not
-# Adam (the fork's Muon: moment1, moment2 and a flag per partition) at DP 768, converted and resharded to 512.
+# Adam (the fork's Muon: moment1, moment2 and a flag per partition) at DP 768, converted and resharded to 512. Then the
+# Hugging Face export of the same model (bf16 and fp32, two shard bounds) against a durable copy of its bytes.
 BENCH_SCALE_PRESET ?= llama-1b
 BENCH_SCALE_MOE_PRESET ?= llama-100m
 bench-scale: $(STAMP)
@@ -244,6 +245,7 @@ bench-scale: $(STAMP)
 		--dp 8,768 --tools ours,cp+sync --resume-to 512,1024 --shares '' --no-metadata
 	$(BIN)/python benchmarks/bench_scale.py --preset $(BENCH_SCALE_PRESET) --flavour megatron --base-optimizer muon \
 		--dp 768 --tools ours,cp+sync --resume-to 512 --shares '' --no-metadata --label muon
+	$(BIN)/python benchmarks/bench_hf_export.py --preset $(BENCH_SCALE_PRESET)
 
 clean-venv:
 	rm -rf $(VENV) $(MATRIX_DIR) $(TORCH28_VENV)

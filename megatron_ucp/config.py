@@ -62,7 +62,10 @@ class UcpConfig:
     its verdict (whole, one save, as recorded, finite), which ``status`` shows and a restart's fallback uses. With
     it, the conversion's own read gives the verdict."""
     keep_last: Optional[int] = None
-    """Keep at most this many universal folders per checkpoint root (None: keep all)."""
+    """Keep at most this many universal folders (and Hugging Face exports) per checkpoint root (None: keep all)."""
+    export_hf: bool = False
+    """With :attr:`async_convert`: export every converted tag as a Hugging Face model (``<tag>_hf``) in the
+    background converter, after its conversion (:mod:`megatron_ucp.export.hf_export`)."""
     converter_workers: int = 1
     """Worker processes per converter (each node runs one converter)."""
     converter_threads: int = 1
@@ -174,7 +177,10 @@ _HELP = {
     "async_convert": "convert every saved tag to the universal layout in the background",
     "verify_saves": "without --ucp-async-convert: verify every saved tag in the background (every file read once: "
     "whole, of one save, as recorded, finite) and record its verdict for status and the restart's fallback",
-    "keep_last": "keep at most N universal folders per checkpoint root ('all': keep every one)",
+    "keep_last": "keep at most N universal folders (and Hugging Face exports) per checkpoint root ('all': keep every "
+    "one)",
+    "export_hf": "with --ucp-async-convert: export every converted tag as a Hugging Face model folder <tag>_hf (bf16 "
+    "safetensors, config, tokenizer) in the background converter",
     "converter_workers": "worker processes per converter (one converter per node)",
     "converter_threads": "OpenMP/torch threads of each converter process (torch is only used for rare fallbacks)",
     "converter_exit_wait": "seconds a node waits at exit for its background converter to finish (0: do not wait)",

@@ -36,7 +36,9 @@
 #   UCP_ASYNC_CONVERT     1 (default): convert every saved checkpoint in the background
 #   UCP_VERIFY_SAVES      1 (default): with UCP_ASYNC_CONVERT=0, still verify every saved
 #                         checkpoint in the background (the conversion's read does it otherwise)
-#   UCP_KEEP_LAST         keep at most N universal folders (default: all)
+#   UCP_KEEP_LAST         keep at most N universal folders and HF exports (default: all)
+#   UCP_EXPORT_HF         1: export every converted checkpoint as a Hugging Face model folder
+#                         <tag>_hf in the background (needs UCP_ASYNC_CONVERT=1 and the [hf] extra)
 #   UCP_CONVERTER_WORKERS worker processes per converter (default 1)
 #   UCP_STRICT            0: warn instead of failing when a universal load misses a tensor
 #   UCP_ELASTIC           0: no elastic resume (DeepSpeed refuses DP changes, as stock)
@@ -119,6 +121,7 @@ ucp_args=()
 if [[ "${UCP_ASYNC_CONVERT:-1}" == 1 ]]; then ucp_args+=(--ucp-async-convert); else ucp_args+=(--ucp-no-async-convert); fi
 if [[ "${UCP_ASYNC_CONVERT:-1}" != 1 && "${UCP_VERIFY_SAVES:-1}" == 1 ]]; then ucp_args+=(--ucp-verify-saves); fi
 if [[ -n "${UCP_KEEP_LAST:-}" ]]; then ucp_args+=(--ucp-keep-last "${UCP_KEEP_LAST}"); fi
+if [[ "${UCP_EXPORT_HF:-0}" == 1 ]]; then ucp_args+=(--ucp-export-hf); fi
 if [[ -n "${UCP_CONVERTER_WORKERS:-}" ]]; then ucp_args+=(--ucp-converter-workers "${UCP_CONVERTER_WORKERS}"); fi
 if [[ "${UCP_STRICT:-1}" == 0 ]]; then ucp_args+=(--ucp-no-strict); fi
 if [[ "${UCP_ELASTIC:-1}" == 0 ]]; then ucp_args+=(--ucp-no-elastic-resume); fi

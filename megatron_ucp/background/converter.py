@@ -75,6 +75,8 @@ from megatron_ucp.convert.universal import (
     universal_state,
 )
 from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, described
+from megatron_ucp.export.hf_export import EXPORT_MARKER
+from megatron_ucp.export.hf_source import HF_SUFFIX, hf_name
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
 
@@ -82,36 +84,7 @@ log = logging.getLogger("megatron_ucp.background.converter")  # not __name__: "_
 
 HEARTBEAT_S = 5.0
 PROGRESS_EVERY_S = 2.0
-"""Fault injection for tests: ``<tag>:<seconds>:<node>[,...]`` makes that node's converter of that tag
-sleep after its first parameter (so a test can kill it mid-way, or order events, deterministically)."""
-
-
-# ================================================================================================
-# settings passed from the training process to the converter process
-# ================================================================================================
-
-
-# ================================================================================================
-# the lock and the queue file
-# ================================================================================================
-
-
-# ================================================================================================
-# converter registrations (one per node) and facts about a job
-# ================================================================================================
-
-
-# ================================================================================================
-# the trigger (training side)
-# ================================================================================================
-
-
-"""Converters this process started (reaped at the next trigger, waited for at exit)."""
-
-
-# ================================================================================================
-# the converter process
-# ================================================================================================
+"""How often a share's progress file is rewritten (``megatron-ucp status`` reads it)."""
 
 
 def lower_priority(nice: int) -> str:
@@ -379,7 +352,32 @@ class Converter:
             log=str(log_path),
             seconds=round(seconds, 3),
         )
+        if self.settings.export_hf:
+            self._export_hf(job.tag, output, log_path, finite=not non_finite)
         self._retention()
+
+    def _export_hf(self, tag: str, universal: Path, log_path: Path, finite: bool) -> None:
+        """The Hugging Face export of a converted tag, from its universal folder, in this process (never the
+        training's); its own events (``job: export-hf``): status shows them, the training's exit reports a failure."""
+        from megatron_ucp.export.hf_export import ExportOptions, export_hf
+
+        said = dict(log=str(log_path), job=B.EXPORT_HF)
+        if not finite:
+            record_event(self.root, tag, B.EventKind.SKIPPED, "not exported: its masters are not finite", **said)
+            return
+        try:
+            result = export_hf(
+                ExportOptions(source=universal, output=self.root / hf_name(tag), force=True, progress=False)
+            )
+            record_event(
+                self.root, tag, B.EventKind.COMPLETE, result.summary(), seconds=round(result.seconds, 3), **said
+            )
+        except Terminated as exc:
+            record_event(self.root, tag, B.EventKind.INTERRUPTED, f"export stopped by {exc}", **said)
+            raise
+        except Exception as exc:  # loud in the logs and the store, harmless to training and to the conversion
+            log.exception("Hugging Face export of %s failed", tag)
+            record_event(self.root, tag, B.EventKind.FAILED, described(exc), **said)
 
     def _judge_refused(self, tag: str, exc: BaseException) -> None:
         """A conversion refused for what it found in the tag's own files (another save's file, a checksum that
@@ -398,24 +396,19 @@ class Converter:
         state = read_queue(self.root)
         protected = {current[0]} if current else set()
         protected |= {F.universal_tag(j.tag) for j in (state.active, state.pending) if j is not None}
-        folders = [
-            (p.name, (p / F.MANIFEST_FILE).stat().st_mtime)
-            for p in sorted(self.root.iterdir())
-            if p.name.endswith(F.UNIVERSAL_SUFFIX) and not p.name.startswith(".") and universal_state(p) == COMPLETE
-        ]
-        for name in B.select_for_removal(folders, keep, protected):
-            path = self.root / name
+        folders = _finished(self.root, F.UNIVERSAL_SUFFIX, F.MANIFEST_FILE, lambda p: universal_state(p) == COMPLETE)
+        exports = _finished(self.root, HF_SUFFIX, EXPORT_MARKER, lambda p: True)
+        for name, suffix, job in (
+            *((n, F.UNIVERSAL_SUFFIX, None) for n in B.select_for_removal(folders, keep, protected)),
+            *((n, HF_SUFFIX, B.EXPORT_HF) for n in B.select_for_removal(exports, keep, ())),
+        ):
             try:
-                osio.remove_out_of_sight(path)  # a half-deleted folder must not look complete
+                osio.remove_out_of_sight(self.root / name)  # a half-deleted folder must not look complete
             except OSError as exc:
-                log.warning("retention: could not remove %s: %s", path, exc)
+                log.warning("retention: could not remove %s: %s", self.root / name, exc)
                 continue
-            record_event(
-                self.root,
-                name[: -len(F.UNIVERSAL_SUFFIX)],
-                B.EventKind.REMOVED,
-                f"retention (keep_last={keep}) removed {name}",
-            )
+            said = f"retention (keep_last={keep}) removed {name}"
+            record_event(self.root, name[: -len(suffix)], B.EventKind.REMOVED, said, job=job)
 
     def _wait_settled(self, job: B.Job) -> None:
         """Until the job is complete, failed or dead on every node: one conversion at a time per root."""
@@ -434,6 +427,15 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
 
 CHECKED_BY = "background conversion"
 VERIFIED_BY = "background verification"
+
+
+def _finished(root: Path, suffix: str, marker: str, complete: Any) -> list[tuple[str, float]]:
+    """The finished folders ``<tag><suffix>`` of a root, with their marker's time (what retention orders by)."""
+    return [
+        (p.name, (p / marker).stat().st_mtime)
+        for p in sorted(root.iterdir())
+        if p.name.endswith(suffix) and not p.name.startswith(".") and (p / marker).is_file() and complete(p)
+    ]
 
 
 def run_converter(root: Path, node: int, nodes: int, settings: ConverterSettings) -> int:
@@ -469,6 +471,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--keep-last", type=int, default=None)
+    p.add_argument("--export-hf", action="store_true")
     p.add_argument("--stale-after", type=float, default=STALE_AFTER_S)
     p.add_argument("--nice", type=int, default=NICE_INCREMENT)
     p.add_argument("--job-id", default="local")
@@ -479,6 +482,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         workers=args.workers,
         threads=args.threads,
         keep_last=args.keep_last,
+        export_hf=args.export_hf,
         stale_after=args.stale_after,
         nice=args.nice,
         job_id=args.job_id,

@@ -61,6 +61,11 @@ VERIFY = "verify"
 background conversion. Its events say ``job: verify``; the universal column of ``status`` ignores them."""
 
 
+EXPORT_HF = "export-hf"
+"""The events of a converted tag's Hugging Face export (made by the committer after the conversion; no job of its
+own in the queue)."""
+
+
 def event_job(kind: str) -> Optional[str]:
     """What the events of a ``kind`` job carry as ``job``: None for a conversion (as before there were other jobs)."""
     return None if kind == CONVERT else kind

@@ -34,6 +34,8 @@ from megatron_ucp.convert.universal import inspect_staging, read_manifest, unive
 from megatron_ucp.deepspeed.folder import is_native_tag
 from megatron_ucp.deepspeed.reader import human_bytes, recorded_sizes
 from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.export.hf_export import EXPORT_MARKER
+from megatron_ucp.export.hf_source import hf_name
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.plan.resume import TwinState
@@ -139,6 +141,10 @@ class TagStatus:
     None when nothing read it whole yet."""
     verdict: Optional[str] = None
     """What the verdict says (the first problem, who checked)."""
+    hf_export: Optional[str] = None
+    """The tag's Hugging Face export: ``complete`` (``<tag>_hf`` finished), else its last background event's kind
+    (``failed``, ``skipped``, ``interrupted``, ``removed``); None when nothing exported it."""
+    hf_detail: str = ""
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -337,6 +343,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
                 latest=tag == latest,
                 latest_universal=latest_universal == twin.name,
                 **(_verifying(queue, tag) or _verdict(root, tag, native_dir)),
+                **_hf_export(root, queue, tag),
             )
         )
     for name, why in sorted(unreadable.items()):
@@ -380,6 +387,16 @@ def _verifying(queue: B.QueueState, tag: str) -> dict:
     return {}
 
 
+def _hf_export(root: Path, queue: B.QueueState, tag: str) -> dict:
+    """The tag's Hugging Face export: its folder when finished, else what the background said of it last."""
+    if (root / hf_name(tag) / EXPORT_MARKER).is_file():
+        return {"hf_export": TwinState.COMPLETE.value}
+    event = queue.last_event(tag, B.EXPORT_HF)
+    if event is None:
+        return {}
+    return {"hf_export": event.kind.value, "hf_detail": event.line()}
+
+
 def _verdict(root: Path, tag: str, native_dir: Path) -> dict:
     """The tag's recorded verdict, if any, and whether it applies to the files there now."""
     verdict = read_verdict(root, tag)
@@ -399,7 +416,9 @@ def _size(n: Optional[int]) -> str:
 
 def format_status(rs: RootStatus) -> str:
     """A table, one row per tag, then the details that do not fit in it."""
+    hf = any(t.hf_export for t in rs.tags)
     header = ("tag", "native", "verified", "universal", "DP", "native size", "universal size", "conversion")
+    header += ("HF export",) if hf else ()
     table = [header]
     for t in rs.tags:
         marks = (" [latest]" if t.latest else "") + (" [latest_universal]" if t.latest_universal else "")
@@ -414,6 +433,7 @@ def format_status(rs: RootStatus) -> str:
                 _size(t.native_bytes),
                 _size(t.universal_bytes),
                 B.fmt_seconds(t.seconds),
+                *((t.hf_export or "-",) if hf else ()),
             )
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
@@ -425,6 +445,7 @@ def format_status(rs: RootStatus) -> str:
         if t.detail and t.universal is not UniversalStatus.IN_PROGRESS
     ]
     notes += [f"  {t.tag}: {t.verified}: {t.verdict}" for t in rs.tags if t.verified in ("unsound", "outdated")]
+    notes += [f"  {t.hf_detail}" for t in rs.tags if t.hf_export not in (None, TwinState.COMPLETE.value, "removed")]
     notes += [f"  {problem}" for problem in rs.problems]
     if rs.last_fallback is not None:
         f = rs.last_fallback

@@ -427,6 +427,7 @@ class ConverterSettings:
     workers: int = 1
     threads: int = 1
     keep_last: Optional[int] = None
+    export_hf: bool = False
     stale_after: float = STALE_AFTER_S
     nice: int = NICE_INCREMENT
     job_id: str = "local"
@@ -447,6 +448,8 @@ class ConverterSettings:
         ]
         if self.keep_last is not None:
             out += ["--keep-last", str(self.keep_last)]
+        if self.export_hf:
+            out += ["--export-hf"]
         return out
 
     @staticmethod

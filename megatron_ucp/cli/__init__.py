@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from megatron_ucp.errors import UcpError
 
-COMMANDS = ("convert", "inspect", "verify", "status", "synthesize")
+COMMANDS = ("convert", "inspect", "verify", "status", "synthesize", "export_hf")
 
 
 def build_parser() -> argparse.ArgumentParser:

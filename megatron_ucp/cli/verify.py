@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     # these import torch: only for this command
     from megatron_ucp.background.store import record_verdict, tag_identity, ucp_dir
     from megatron_ucp.convert.native_verify import verify_native
-    from megatron_ucp.convert.verify import is_universal_folder, twin_of, verify_universal
+    from megatron_ucp.convert.universal import is_universal_folder
+    from megatron_ucp.convert.verify import twin_of, verify_universal
 
     reports = []
     if args.tag is None and is_universal_folder(args.path):

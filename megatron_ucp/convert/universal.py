@@ -138,6 +138,11 @@ def universal_state(folder: Path, source: Optional[Path] = None) -> TwinState:
     return COMPLETE
 
 
+def is_universal_folder(path: Path) -> bool:
+    """A converted folder (its ``zero/`` holds one folder per parameter), as opposed to a root or a native tag."""
+    return (Path(path) / F.UNIVERSAL_ZERO_DIR).is_dir()
+
+
 def list_zero_folder(zero_dir: Path) -> dict[str, tuple[str, ...]]:
     """A universal folder's ``zero/``: parameter folder (relative name) -> its file names, for every
     folder holding at least one ``.pt`` file (the one walk of that tree: the loader, ``verify`` and
@@ -275,8 +280,14 @@ class Staging:
         share_count: int = 1,
         attempt_id: Optional[str] = None,
         stale_after: float = 60.0,
+        content: tuple[str, ...] = (F.UNIVERSAL_ZERO_DIR,),
+        marker: str = F.MANIFEST_FILE,
     ):
         self.output = Path(output)
+        self.content = content
+        """The folders the output holds (created empty)."""
+        self.marker = marker
+        """The file :meth:`commit` writes last: what makes the output finished."""
         self.path = staging_path(self.output)
         self.fingerprint = fingerprint
         self.share_index = share_index
@@ -316,7 +327,7 @@ class Staging:
                 shutil.rmtree(info.path, ignore_errors=True)
             if self._create():
                 break
-        for sub in ("", "zero", "shares", "heartbeats"):
+        for sub in ("", *self.content, "shares", "heartbeats"):
             (self.path / sub).mkdir(parents=True, exist_ok=True)
         attempt_file = self.path / "attempt.json"
         if not attempt_file.exists():
@@ -340,7 +351,7 @@ class Staging:
         """Make the staging folder atomically; False when another converter made one first."""
         tmp = self.path.parent / f"{self.path.name}.new-{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
         try:
-            for sub in ("zero", "shares", "heartbeats"):
+            for sub in (*self.content, "shares", "heartbeats"):
                 (tmp / sub).mkdir(parents=True, exist_ok=True)
             write_text_atomic(
                 tmp / "attempt.json",
@@ -426,7 +437,7 @@ class Staging:
                 (self.path / name).unlink()
             except FileNotFoundError:
                 pass
-        write_text_atomic(self.path / F.MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True))
+        write_text_atomic(self.path / self.marker, json.dumps(manifest, indent=1, sort_keys=True))
         for dirpath, _, _ in os.walk(self.path):
             osio.fsync_path(Path(dirpath))
         old = None

@@ -94,11 +94,6 @@ class VerifyReport:
         )
 
 
-def is_universal_folder(path: Path) -> bool:
-    """A converted folder (its ``zero/`` holds one folder per parameter), as opposed to a root or a native tag."""
-    return (path / F.UNIVERSAL_ZERO_DIR).is_dir()
-
-
 def native_tag_problems(tag_dir: Path, dp: Optional[int]) -> tuple[int, list[str]]:
     """A native tag read through, file by file: every ``.pt`` file's zip structure as ``torch.load`` judges it
     and every record's bytes against its CRC-32 (truncated, overwritten or half-copied files), and the number

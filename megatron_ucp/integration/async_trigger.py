@@ -64,6 +64,11 @@ def wanted(config: UcpConfig) -> bool:
 
 def _job(config: UcpConfig) -> str:
     """What each save queues: its conversion (whose read also judges it), else its verification alone."""
+    if config.export_hf and not config.async_convert:
+        _warn_once(
+            "export",
+            "megatron-ucp: --ucp-export-hf needs --ucp-async-convert (it exports the converted tags): no export",
+        )
     return B.CONVERT if config.async_convert else B.VERIFY
 
 
@@ -165,6 +170,7 @@ def _after_commit(engine: Any, save_dir: str, tag: str, config: UcpConfig) -> No
             workers=config.converter_workers,
             threads=config.converter_threads,
             keep_last=config.keep_last,
+            export_hf=config.export_hf,
             job_id=ConverterSettings.job_id_from_env(),
         )
         nodes = where.nodes if kind == B.CONVERT else 1
@@ -235,6 +241,8 @@ def wait_at_end_of_run() -> None:
                 )
             done = wait_for_converter(Path(root), node, max(0.0, deadline - time.monotonic()))
             owed = unfinished(Path(root), tags, kind)
+            if config.export_hf and kind == B.CONVERT:
+                _say_failures(Path(root), [t for t in tags if t not in owed], B.EXPORT_HF)
             if owed:
                 log.warning(
                     "megatron-ucp: background %s of %s in %s did not finish before exit (%s). "

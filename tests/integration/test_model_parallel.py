@@ -20,11 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_ucp.background.status import root_status
 from megatron_ucp.convert.execute import ConvertOptions, convert
 from megatron_ucp.convert.verify import verify_universal
 from megatron_ucp.deepspeed.reader import flatten_module_states
+from megatron_ucp.export.hf_export import ExportOptions, export_hf
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.plan.save_record import partition_checksums
+from tests.integration.hf_check import assert_computes, fork_logits, same_files
 from tests.integration.mds import MdsModel, MdsRun, rank_env, run_mds
 
 
@@ -42,10 +45,12 @@ class Training:
     as it trains); False: the script alone, as stock DeepSpeed saves."""
     untied: bool = True
     nproc: int = 4
+    export_hf: bool = False
+    """With ``--ucp-export-hf``: each converted tag exported as a Hugging Face model by the background converter."""
 
 
 TRAININGS = {
-    "tp2": Training(2, 1, False),
+    "tp2": Training(2, 1, False, export_hf=True),
     "pp2": Training(1, 2, True),
     "pp2-zero": Training(1, 2, True, optimizer="zero"),
     "tp2pp2": Training(2, 2, True),
@@ -83,7 +88,11 @@ def _train(mds_checkout, mds_runs, name: str):
                 optimizer=t.optimizer,
                 zero_stage=t.zero_stage,
                 model=MdsModel(untied=t.untied),
-                extra_args=(*SAME_PADDING, *(("--ucp-async-convert",) if t.hooked else ())),
+                extra_args=(
+                    *SAME_PADDING,
+                    *(("--ucp-async-convert",) if t.hooked else ()),
+                    *(("--ucp-export-hf",) if t.export_hf else ()),
+                ),
             ),
         )
 
@@ -543,6 +552,55 @@ def test_tp2_training_converts_in_the_background(mds_checkout, mds_runs):
         manifest = json.loads((root / f"{tag}_universal" / "ucp_manifest.json").read_text())
         assert manifest["parallel"] == {"tp": 2, "pp": 1, "dp": 2, "layouts_recorded": True}
     assert (root / "latest_universal").read_text() == "global_step6_universal"
+    # --ucp-export-hf: the converter exported each tag it converted, from its twin, in the background
+    rows = {t.tag: t for t in root_status(root).tags}
+    for tag in ("global_step2", "global_step6"):
+        assert rows[tag].hf_export == "complete", rows[tag]
+        marker = json.loads((root / f"{tag}_hf" / "ucp_export.json").read_text())
+        assert marker["source"] == str(root.resolve() / f"{tag}_universal") and marker["dtype"] == "bf16"
+    assert any("export-hf" in line for line in (root / ".ucp" / "events.log").read_text().splitlines())
+
+
+HF_LAYOUTS = ("tp1", "tp2", "pp2", "tp2pp2")
+
+
+def test_hf_exports_compute_the_forks_own_logits_at_every_layout(mds_checkout, mds_runs, tmp_path):
+    """ZeRO-1 saves at (TP, PP) = (1, 1) and (2, 1) of ``GPTModel``, (1, 2) and (2, 2) of ``GPTModelPipe``, exported in
+    fp32 from the universal folders the background made: each exported ``LlamaForCausalLM``'s logits are the fork's own
+    ``GPTModel`` forward's on the same tokens, from the same masters (within 1e-4 relative)."""
+    exports = []
+    for name in HF_LAYOUTS:
+        root, _ = _train(mds_checkout, mds_runs, name)
+        options = ExportOptions(source=root, tag="global_step6", output=tmp_path / name, dtype="fp32", progress=False)
+        result = export_hf(options)
+        assert not result.converted and result.tensors == 2 * 9 + 3, result
+        exports.append(result)
+    for result, want in zip(exports, fork_logits(mds_checkout, [e.universal for e in exports], tmp_path), strict=True):
+        assert_computes(result.output, want)
+
+
+def test_one_training_state_exports_byte_identical_from_another_layout(mds_checkout, mds_runs, tmp_path):
+    """``tp1``'s iteration 6 (TP 1, ``GPTModel``, DP 4) loaded at TP 2 x PP 2 (``GPTModelPipe``, DP 1) through
+    the runner and saved again at once (``--train-iters 6``: nothing trained); both export (bf16) to the same bytes."""
+    root, _ = _train(mds_checkout, mds_runs, "tp1")
+    resaved = tmp_path / "resaved"
+    res = run_mds(
+        mds_checkout,
+        MdsRun(
+            nproc=4,
+            ckpt=_resume_copy(root, tmp_path / "copy", tag="global_step6"),
+            tp=2,
+            pp=2,
+            pipeline=True,
+            train_iters=6,
+            save_interval=100,
+            extra_args=(*SAME_PADDING, "--save", str(resaved)),
+        ),
+    )
+    assert not res.losses and (resaved / "global_step6").is_dir(), res.ucp_lines()[-10:]
+    first = export_hf(ExportOptions(source=root, tag="global_step6", output=tmp_path / "tp1", progress=False))
+    again = export_hf(ExportOptions(source=resaved, output=tmp_path / "tp2pp2", progress=False))
+    assert again.converted and not same_files(first.output, again.output)
 
 
 @pytest.mark.parametrize("optimizer", ["bf16", "zero"])

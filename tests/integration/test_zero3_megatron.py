@@ -21,7 +21,9 @@ import torch
 
 from megatron_ucp.convert.universal import read_manifest, universal_state
 from megatron_ucp.convert.verify import verify_universal
+from megatron_ucp.export.hf_export import ExportOptions, export_hf
 from megatron_ucp.format import dsformat as F
+from tests.integration.hf_check import assert_computes, fork_logits, same_files
 from tests.integration.mds import MdsResult, MdsRun, point_latest_at, run_mds
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -176,6 +178,51 @@ def test_zero3_tp1_to_tp2_goes_through_the_universal_folder(trained, mds_checkou
     assert any("TP changed 1 -> 2" in line for line in lines), lines
     _accounted(res, "universal load")
     assert_continues(res, reference)
+
+
+def test_zero3_hf_exports_compute_the_forks_own_logits_at_tp1_and_tp2(trained, mds_checkout, mds_runs, tmp_path):
+    """ZeRO-3 saves at TP 1 and TP 2 (iteration 12), exported in fp32 from their background twins: each exported
+    ``LlamaForCausalLM``'s logits are the fork's own ``GPTModel`` forward's on the same tokens (within 1e-4)."""
+    roots = [trained[0], mds_runs.get("zero3-train-tp2", lambda f: _train(mds_checkout, f, tp=2))[0]]
+    exports = [
+        export_hf(
+            ExportOptions(source=r, tag="global_step12", output=tmp_path / f"tp{i + 1}", dtype="fp32", progress=False)
+        )
+        for i, r in enumerate(roots)
+    ]
+    assert not any(e.converted for e in exports)
+    for result, want in zip(exports, fork_logits(mds_checkout, [e.universal for e in exports], tmp_path), strict=True):
+        assert_computes(result.output, want)
+
+
+def test_zero3_state_exports_byte_identical_after_a_tp_change(trained, mds_checkout, tmp_path):
+    """Iteration 6 of the TP 1 training loaded at TP 2 (DP 2) and saved again at once (``--train-iters 6``): both
+    saves export (bf16) to the same bytes."""
+    ckpt, resaved = tmp_path / "ckpt", tmp_path / "resaved"
+    shutil.copytree(trained[0], ckpt, ignore=shutil.ignore_patterns(".ucp"))
+    point_latest_at(ckpt, "global_step6")
+    res = run_mds(
+        mds_checkout,
+        MdsRun(
+            nproc=4,
+            ckpt=ckpt,
+            optimizer="zero",
+            zero_stage=3,
+            tp=2,
+            train_iters=6,
+            save_interval=100,
+            extra_args=[
+                *SAME_PADDING,
+                "--save",
+                str(resaved),
+                "--use-checkpoint-opt_param-scheduler",
+            ],  # its 12 iterations
+        ),
+    )
+    assert not res.losses and (resaved / "global_step6").is_dir(), res.ucp_lines()[-10:]
+    first = export_hf(ExportOptions(source=trained[0], tag="global_step6", output=tmp_path / "tp1", progress=False))
+    again = export_hf(ExportOptions(source=resaved, output=tmp_path / "tp2", progress=False))
+    assert again.converted and not same_files(first.output, again.output)
 
 
 def test_zero3_hpz_saves_and_resumes_at_dp2(mds_checkout, mds_runs):

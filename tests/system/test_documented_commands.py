@@ -207,6 +207,14 @@ CLI = [
 @pytest.mark.parametrize("doc,command", CLI, ids=[f"{d}: {c}"[:80] for d, c in CLI])
 def test_every_documented_cli_command_runs(doc, command, saved, tmp_path, capsys):
     argv = _cli_argv(command, saved)
+    if argv[0] == "export-hf":  # each export exports: a fresh copy of the saved folder, OUT a folder of its own
+        root = tmp_path / "checkpoints"
+        shutil.copytree(saved.parent / "pristine", root)
+        argv = [str(root) if a == str(saved) else str(tmp_path / "export") if a == "OUT" else a for a in argv]
+        rc, out = _run_cli([*argv, "--no-progress"], capsys)
+        assert rc == 0, f"{doc}: `{command}` ({argv}) exited {rc}:\n{out}"
+        assert len(list(tmp_path.rglob("ucp_export.json"))) == 1, f"{doc}: `{command}` exported nothing"
+        return
     if argv[0] == "convert":  # each conversion converts: a fresh copy of the saved folder
         root = tmp_path / "checkpoints"
         shutil.copytree(saved.parent / "pristine", root)

@@ -19,8 +19,17 @@ from megatron_ucp.integration.run import ALCF_BATCH_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "tests" / "device" / "README.md"]
-COMMAND = re.compile(r"megatron-ucp (?:convert|inspect|verify|status|synthesize)\b(?:[^`|\n#\\]|\\\|)*")
-PLACEHOLDERS = {"I/N": "0/2", "N": "2", "E": "4", "SECONDS": "60", "RANGE": "1-8", "V": "0.19.8", "ID": "attempt"}
+COMMAND = re.compile(r"megatron-ucp (?:convert|inspect|verify|status|synthesize|export-hf)\b(?:[^`|\n#\\]|\\\|)*")
+PLACEHOLDERS = {
+    "I/N": "0/2",
+    "N": "2",
+    "E": "4",
+    "SECONDS": "60",
+    "RANGE": "1-8",
+    "V": "0.19.8",
+    "ID": "attempt",
+    "GIB": "1",
+}
 """Values for a synopsis's placeholders where the option takes a typed value (anything else is a path)."""
 
 
