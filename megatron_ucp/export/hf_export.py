@@ -27,7 +27,7 @@ from megatron_ucp.deepspeed.torch_files import load_raw
 from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError
 from megatron_ucp.export.hf_source import UniversalSource, hf_name, universal_source
 from megatron_ucp.export.hf_tokenizer import tokenizer_export, write_tokenizer
-from megatron_ucp.format import integrity
+from megatron_ucp.format import integrity, osio
 from megatron_ucp.format.exact_read import RangeReader, file_offset
 from megatron_ucp.format.paths import check_output_placement
 from megatron_ucp.plan.hf_llama import HfTensor, architecture, hf_tensors, shards
@@ -82,15 +82,23 @@ class ExportResult:
         )
 
 
-def bf16_bits(values: np.ndarray) -> np.ndarray:
-    """fp32 -> bf16 bit patterns, rounded to nearest even as torch's ``.to(torch.bfloat16)`` rounds (NaN kept a
-    quiet NaN of the same sign)."""
+def bf16_bits(values: np.ndarray, out: Optional[np.ndarray] = None, scratch: Optional[np.ndarray] = None) -> np.ndarray:
+    """fp32 -> bf16 bit patterns (into ``out``, uint16), rounded to nearest even as torch's ``.to(torch.bfloat16)``
+    rounds (NaN kept a quiet NaN of the same sign). In place through ``scratch`` (uint32, at least as long): no
+    temporary arrays, ``values`` untouched."""
     bits = values.view(np.uint32)
-    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    nan = np.isnan(values)
-    if nan.any():
-        rounded[nan] = ((bits[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
-    return rounded
+    out = np.empty(bits.size, dtype=np.uint16) if out is None else out
+    tmp = np.empty(bits.size, dtype=np.uint32) if scratch is None else scratch[: bits.size]
+    np.right_shift(bits, 16, out=tmp)
+    np.bitwise_and(tmp, 1, out=tmp)
+    np.add(tmp, 0x7FFF, out=tmp)
+    np.add(tmp, bits, out=tmp)
+    np.right_shift(tmp, 16, out=tmp)
+    np.copyto(out, tmp, casting="unsafe")
+    if bits.size and np.isnan(np.max(values)):  # a NaN propagates through max: one pass, no mask when there is none
+        nan = np.isnan(values)
+        out[nan] = ((bits[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
+    return out
 
 
 class _Masters:
@@ -101,6 +109,8 @@ class _Masters:
         self.source = source
         self.name: Optional[str] = None
         self.checked = 0
+        self.scratch = np.empty(_CHUNK_ELEMENTS, dtype=np.float32)
+        """Each piece is read here (the one buffer of a read: no allocation per piece)."""
 
     def _open(self, name: str) -> None:
         self._finish()
@@ -114,14 +124,17 @@ class _Masters:
         self.sum, self.seen = 0, 0
 
     def rows(self, t: HfTensor) -> Iterator[np.ndarray]:
-        """The fp32 values of ``t``'s rows, in pieces of at most ``_CHUNK_ELEMENTS`` (a fresh array each)."""
+        """The fp32 values of ``t``'s rows, in pieces of at most ``_CHUNK_ELEMENTS`` (each a view of one buffer,
+        overwritten by the next: use it before asking for the next)."""
         if t.source != self.name:
             self._open(t.source)
         step = max(1, _CHUNK_ELEMENTS // self.width)
+        if step * self.width > self.scratch.size:  # one row wider than a chunk
+            self.scratch = np.empty(step * self.width, dtype=np.float32)
         for start, stop in t.rows:
             for a in range(start, stop, step):
                 b = min(stop, a + step)
-                out = np.empty((b - a) * self.width, dtype=np.float32)
+                out = self.scratch[: (b - a) * self.width]
                 offset = file_offset(self.param, a * self.width)
                 if offset is None:
                     out[:] = np.frombuffer(self.param.bytes_view(), dtype=np.float32)[a * self.width : b * self.width]
@@ -167,17 +180,22 @@ def _write_shard(path: Path, tensors: list[HfTensor], masters: _Masters, dtype: 
     """One safetensors file of ``tensors``; bytes written."""
     name, itemsize = DTYPES[dtype]
     buffer = np.empty(sum(t.numel for t in tensors) * itemsize, dtype=np.uint8)
+    scratch = np.empty(_CHUNK_ELEMENTS, dtype=np.uint32) if dtype == "bf16" else None
     specs, at = {}, 0
     for t in tensors:
         start = at
         for piece in masters.rows(t):
-            data = bf16_bits(piece) if dtype == "bf16" else piece
-            raw = data.view(np.uint8)
-            buffer[at : at + raw.size] = raw
-            at += raw.size
-            bar.update(raw.size)
+            nbytes = piece.size * itemsize
+            if scratch is not None:
+                scratch = scratch if scratch.size >= piece.size else np.empty(piece.size, dtype=np.uint32)
+                bf16_bits(piece, buffer[at : at + nbytes].view(np.uint16), scratch)
+            else:
+                buffer[at : at + nbytes] = piece.view(np.uint8)
+            at += nbytes
+            bar.update(nbytes)
         specs[t.name] = (list(t.shape), start, at - start)
     _safetensors().serialize_file(_specs(specs, buffer, name), str(path), {"format": "pt"})
+    osio.fsync_path(path)  # durable before the commit, as every file of a universal folder
     return int(path.stat().st_size)
 
 
