@@ -166,6 +166,12 @@ class _Masters:
         self._finish()
         self.name = None
 
+    def abandon(self) -> None:
+        """Close the open master without judging it (the export failed part-way)."""
+        if self.name is not None:
+            self.reader.close()
+            self.name = None
+
 
 def _safetensors() -> Any:
     """The ``safetensors`` module (the ``[hf]`` extra; nothing else in the package imports it)."""
@@ -277,6 +283,7 @@ def export_hf(options: ExportOptions) -> ExportResult:
         }
         staging.commit(marker, force=options.force)
     except BaseException:
+        masters.abandon()
         staging.discard()
         raise
     finally:

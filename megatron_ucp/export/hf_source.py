@@ -50,8 +50,7 @@ class UniversalSource:
 
 def hf_name(tag: str) -> str:
     """The export's default folder name beside the tag: global_step100 -> global_step100_hf."""
-    base = tag[: -len(F.UNIVERSAL_SUFFIX)] if tag.endswith(F.UNIVERSAL_SUFFIX) else tag
-    return base + HF_SUFFIX
+    return tag.removesuffix(F.UNIVERSAL_SUFFIX) + HF_SUFFIX
 
 
 def universal_source(
@@ -128,10 +127,9 @@ def _read(folder: Path, tag: str, converted: bool, check: Callable[[dict[str, An
             raise CheckpointFormatError(f"{folder / F.UNIVERSAL_ZERO_DIR / name}: no fp32.pt", subject=folder)
         entry = load_raw(folder / F.UNIVERSAL_ZERO_DIR / name / f"{F.FP32_STATE}.pt", random_access=True)
         shapes[name] = tuple(entry["param"].shape)
-    stripped = tag[: -len(F.UNIVERSAL_SUFFIX)] if tag.endswith(F.UNIVERSAL_SUFFIX) else tag
     return UniversalSource(
         folder=folder,
-        tag=stripped,
+        tag=tag.removesuffix(F.UNIVERSAL_SUFFIX),
         args=args,
         original_vocab=original,
         shapes=shapes,
