@@ -41,6 +41,9 @@ MDS_STAMP := $(VENV)/.megatron-deepspeed-runtime
 # (../shared/third_party/README.md).
 MDS_RUNTIME := regex pybind11 six sentencepiece rich wandb nltk 'transformers<5' tensorboard mpi4py mpich \
 	omegaconf hydra-core plotext seaborn torchinfo xarray ambivalent click hatchling
+# The --optimizer choices of other packages that install on a CPU (tests/integration/test_optimizers.py, the 0.19.5
+# run): bitsandbytes' adam8bit, schedule-free's; pinned, as what the tests assert is their state's form.
+MDS_OPTIMIZERS := bitsandbytes==0.50.2 schedulefree==1.4.1
 # What depends on the DeepSpeed release, on every release of the matrix: the internals table and the
 # save hook + conversion for both optimizer classes (test_deepspeed_versions; where stock DeepSpeed
 # cannot train a case, it shows that instead), install/uninstall, and the elastic load (DP 4 -> 3 from
@@ -86,6 +89,7 @@ ZERO3_HARNESS := "tests/system/test_zero3_resume.py::test_the_native_reshard_equ
 # conversion (the MDS run on 0.16.9 waits for it too), and both elastic loads bit for bit in the harness (the native
 # reshard against the universal route).
 TORCH28_0195 = tests/system/test_hooks_install.py tests/unit/test_fast_io.py tests/system/test_torchless_io.py \
+	tests/unit/test_optimizer_probe.py \
 	--deselect "tests/system/test_torchless_io.py::test_real_deepspeed_files_load_as_torch_loads_them[bf16]" \
 	tests/system/test_runner.py::test_main_installs_runs_and_uninstalls \
 	"tests/system/test_native_reshard.py::test_reshard_equals_the_universal_route_rank_by_rank[$(call elastic_class,0.19.5)-3]"
@@ -145,13 +149,13 @@ $(MATRIX_DIR)/%/.installed: $(STAMP) $(if $(HAVE_MDS),$(MDS_STAMP))
 	@touch $@
 
 # Megatron-DeepSpeed's runtime and ezpz (installed from a temporary copy: the snapshot stays read-only).
-# $(1): the environment's python, $(2): extra pip options.
-install_mds_runtime = $(1) -m pip install --quiet $(2) $(MDS_RUNTIME) && \
+# $(1): the environment's python, $(2): extra pip options, $(3): more packages.
+install_mds_runtime = $(1) -m pip install --quiet $(2) $(MDS_RUNTIME) $(3) && \
 	tmp=$$(mktemp -d) && cp -r $(EZPZ_DIR) $$tmp/ezpz && chmod -R u+w $$tmp/ezpz && \
 	$(1) -m pip install --quiet --no-deps --no-build-isolation $$tmp/ezpz && rm -rf $$tmp
 
 $(MDS_STAMP): $(STAMP)
-	$(call install_mds_runtime,$(BIN)/python)
+	$(call install_mds_runtime,$(BIN)/python,,$(MDS_OPTIMIZERS))
 	@touch $@
 
 matrix: $(foreach v,$(sort $(DS_MATRIX) $(TORCH28_DS)),$(MATRIX_DIR)/$(v)/.installed) $(if $(HAVE_MDS),$(MDS_STAMP)) \
@@ -219,7 +223,7 @@ test-matrix: matrix
 			echo "=== torch 2.8 + IPEX 2.8 + DeepSpeed $(v): the real Megatron-DeepSpeed"; \
 			$(call TORCH28_ENV,$(v)) MEGATRON_DEEPSPEED_DIR=$(MEGATRON_DEEPSPEED_DIR) EZPZ_DIR=$(EZPZ_DIR) \
 				MEGATRON_UCP_REQUIRE_INTEGRATION=1 MEGATRON_UCP_MDS_CACHE=$(abspath $(RESULTS))/mds-checkout \
-				$(TORCH28_BIN)/python -m pytest -q tests/integration -k "((training or dp3_with_no_flag) and $(call mds_class,$(v))) or (moe and (background or ep4 or dp2)) or (zero3 and trains)" \
+				$(TORCH28_BIN)/python -m pytest -q tests/integration -k "((training or dp3_with_no_flag) and $(call mds_class,$(v))) or (moe and (background or ep4 or dp2)) or (zero3 and trains) or ipex_lamb" \
 				--junitxml=$(RESULTS)/megatron-deepspeed-torch2.8-$(v).xml || status=1; ,) \
 	) exit $$status
 

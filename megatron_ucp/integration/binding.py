@@ -44,7 +44,7 @@ from megatron_ucp.integration.rank_files import (
     bind_rank_files,
     read_facts,
 )
-from megatron_ucp.plan.param_geometry import first_difference
+from megatron_ucp.plan.param_geometry import first_difference, group_count_difference
 from megatron_ucp.plan.partitioned import FlatGroups, Partitioned, checked_positions
 from megatron_ucp.plan.rank_binding import FileFacts
 from megatron_ucp.plan.reshard import Read
@@ -163,9 +163,7 @@ def check_live_model(
     """The live flat groups are the saved ones (order, names, shapes), partitioned as the plan expects at
     ``dp_to``. Returns the live layout. Raises naming the first difference."""
     if len(live) != len(saved.shapes):
-        raise UcpError(
-            f"{where}: the checkpoint has {len(saved.shapes)} param groups, the optimizer {len(live)}", subject=where
-        )
+        raise UcpError(f"{where}: {group_count_difference(len(saved.shapes), len(live))}", subject=where)
     for g, (saved_params, live_params) in enumerate(zip(saved.shapes, live, strict=True)):
         if list(live_params) != list(saved_params):
             at = first_difference(saved_params, live_params)

@@ -15,8 +15,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-PROBED_MODULES = ("torch.optim", "megatron.optimizer")
-"""Optimizer classes safe to build and step once on a throwaway CPU tensor (plain PyTorch code)."""
+PROBED_MODULES = ("torch.optim", "megatron.optimizer", "intel_extension_for_pytorch.optim")
+"""Optimizer classes safe to build and step once on a throwaway CPU tensor: plain PyTorch code, and IPEX's (its
+``Lamb`` steps on the CPU with its fused kernel switched off). Not bitsandbytes' (a global manager keeps per-parameter
+settings) nor DeepSpeed's (building one compiles its kernels)."""
 
 _KNOWN_STATES = {
     "FusedAdam": ("step", "exp_avg", "exp_avg_sq"),
@@ -29,7 +31,7 @@ _KNOWN_STATES = {
 def expected_state_keys(optimizer: torch.optim.Optimizer, group_index: int) -> Optional[frozenset[str]]:
     """The per-parameter states ``optimizer`` keeps for one group, discovered without touching it.
 
-    For torch.optim classes and the fork's own (``megatron.optimizer``: Muon, Sophia, ADOPT, plain PyTorch):
+    For torch.optim classes, the fork's own (``megatron.optimizer``: Muon, Sophia, ADOPT, plain PyTorch) and IPEX's:
     build a throwaway instance with the group's hyperparameters on a 2-element CPU tensor (flat, as a ZeRO
     partition is) and take one step; for a few DeepSpeed optimizers: a table (building them would compile
     their kernels). None when unknown (then only the checkpoint's own consistency is checked). States already

@@ -60,6 +60,7 @@ from megatron_ucp.plan.accounting import (
     group_tensor_states,
     ledger_totals,
 )
+from megatron_ucp.plan.param_geometry import group_count_difference
 from megatron_ucp.plan.tensor_parallel import full_shape, runs_between, slice_runs
 
 log = logging.getLogger(__name__)
@@ -227,8 +228,8 @@ def load_universal_partitions(
                     ProblemKind.PARAM_GROUPS,
                     None,
                     None,
-                    f"the checkpoint has {len(loaded_groups)} param groups, the optimizer "
-                    f"{len(base.param_groups)}: hyperparameters not restored",
+                    f"{group_count_difference(len(loaded_groups), len(base.param_groups))}: "
+                    "hyperparameters not restored",
                 )
             )
             loaded_groups = [None] * len(base.param_groups)

@@ -358,13 +358,22 @@ def first_difference(saved: Sequence, live: Sequence) -> int:
     return next((i for i, (a, b) in enumerate(zip(saved, live)) if a != b), min(len(saved), len(live)))
 
 
+def group_count_difference(saved: int, live: int) -> str:
+    """What a load says when the save and the live optimizer have different numbers of param groups, and the usual
+    cause: Megatron-DeepSpeed builds one group at ``--zero-stage 3`` (its "1-D: no decay" rule sees ZeRO-3's
+    placeholders) and two below it, so a stage change 1/2 <-> 3 of the fork's model does this."""
+    return (
+        f"the checkpoint has {saved} param groups, the optimizer {live} (the parameters are grouped otherwise than at "
+        "the save: Megatron-DeepSpeed builds one group at --zero-stage 3 and two below it, so a ZeRO stage change "
+        "between 1/2 and 3 does this; docs/limitations.md)"
+    )
+
+
 def same_parameters(old: Stage3Groups, new: Stage3Groups) -> None:
     """The two per-parameter layouts hold the same parameters in the same param groups and order; raises
     naming the first difference (another model, or the param groups built otherwise)."""
     if len(old.param_groups) != len(new.param_groups):
-        raise PlanError(
-            f"the checkpoint has {len(old.param_groups)} param groups, the optimizer {len(new.param_groups)}"
-        )
+        raise PlanError(group_count_difference(len(old.param_groups), len(new.param_groups)))
     for g, (saved, live) in enumerate(zip(old.param_groups, new.param_groups, strict=True)):
         if saved == live:
             continue

@@ -8,16 +8,23 @@ made: the two routes give the same losses, on the uninterrupted curve (iteration
 besides its moments and step, a flag per parameter (``use_muon``): under ZeRO each flat partition is one parameter
 to it, so one flag per partition, the same on every rank. Stock DeepSpeed's universal conversion has no place for it;
 megatron-ucp carries it (a state of one value per partition), also through a TP change (TP 1 -> 2 at DP 2, through
-the universal folder). Per release, only ``adam`` runs (tests/integration/test_megatron_deepspeed.py).
+the universal folder). IPEX's ``Lamb`` (``ipex.lamb``) does the same in the torch 2.8 + IPEX environment.
+
+bitsandbytes' ``adam8bit`` keeps blockwise 8-bit state no cut can move exactly: its background conversion is refused
+in its own words, a DP change is refused by name on every rank before DeepSpeed's load, on both routes, and at its own
+DP size DeepSpeed's load takes it with one warning. The choices the fork itself cannot train on the CPU are shown
+failing without megatron-ucp. Per release, only ``adam`` runs (tests/integration/test_megatron_deepspeed.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_ucp.background.status import root_status
 from megatron_ucp.convert.universal import universal_state
 from megatron_ucp.format import dsformat as F
 from tests.integration.mds import MdsResult, MdsRun, run_mds
@@ -51,28 +58,48 @@ def _trained(mds_checkout, mds_runs, optimizer: str) -> tuple[Path, MdsResult]:
     return mds_runs.get(f"train-{optimizer}", train)
 
 
-def _resumed(mds_checkout, mds_runs, optimizer: str, route: str, tp: int = 1) -> MdsResult:
+def _resumed(mds_checkout, mds_runs, optimizer: str, route: str, tp: int = 1, nproc: int = 0) -> MdsResult:
+    """From iteration 3 on ``nproc`` ranks (DP 3 at TP 1, DP 2 at TP 2 unless given); a refused resume is returned."""
     root, _ = _trained(mds_checkout, mds_runs, optimizer)
+    nproc = nproc or (3 if tp == 1 else 4)
 
     def resume(folder: Path) -> MdsResult:
         ckpt = _restart_copy(root, folder / "ckpt")
         args = _args(optimizer, "--ucp-resume-route", route)
-        nproc = 3 if tp == 1 else 4
         run = MdsRun(
-            nproc=nproc, tp=tp, ckpt=ckpt, train_iters=6, save_interval=100, extra_args=args, ds_extra=UNTESTED
+            nproc=nproc,
+            tp=tp,
+            ckpt=ckpt,
+            train_iters=6,
+            save_interval=100,
+            extra_args=args,
+            ds_extra=UNTESTED,
+            expect_failure=True,
         )
         return run_mds(mds_checkout, run)
 
-    return mds_runs.get(f"resume-{optimizer}-{route}-tp{tp}", resume)
+    return mds_runs.get(f"resume-{optimizer}-{route}-tp{tp}-n{nproc}", resume)
 
 
 @pytest.mark.parametrize("optimizer", list(STATES))
 def test_the_forks_optimizer_converts_in_the_background_and_resumes_at_dp3_through_both_routes(
     mds_checkout, mds_runs, optimizer: str
 ):
+    _converts_and_resumes_through_both_routes(mds_checkout, mds_runs, optimizer, *STATES[optimizer])
+
+
+def test_ipex_lamb_converts_in_the_background_and_resumes_at_dp3_through_both_routes(mds_checkout, mds_runs):
+    """``--optimizer ipex.lamb`` (IPEX's ``Lamb``, CPU kernels): in the torch 2.8 + IPEX environment only."""
+    if importlib.util.find_spec("intel_extension_for_pytorch") is None:
+        pytest.skip("IPEX is not installed here (the torch 2.8 + IPEX environment runs this)")
+    _converts_and_resumes_through_both_routes(
+        mds_checkout, mds_runs, "ipex.lamb", ["exp_avg", "exp_avg_sq", "fp32", "step"], None
+    )
+
+
+def _converts_and_resumes_through_both_routes(mds_checkout, mds_runs, optimizer: str, files, scalars) -> None:
     root, reference = _trained(mds_checkout, mds_runs, optimizer)
     assert sorted(reference.losses) == [1, 2, 3, 4, 5, 6], reference.log[-3000:]
-    files, scalars = STATES[optimizer]
     for tag in ("global_step3", "global_step6"):
         twin = root / F.universal_tag(tag)
         assert universal_state(twin) == "complete", reference.ucp_lines()[-10:]
@@ -99,3 +126,71 @@ def test_muon_resumes_at_another_tp_size_with_its_flag(mds_checkout, mds_runs):
     summary = assert_accounted(res)
     assert summary.startswith("megatron-ucp universal load:") and "use_muon" in summary, summary
     assert_continues(res, reference)
+
+
+BNB_STATE = "__bnb_optimizer_quant_state__"
+"""bitsandbytes' per-partition quantization state (uint8 codes, per-block ``absmax``, code books) in one dict."""
+
+
+def test_adam8bit_is_refused_by_name_at_a_dp_change_on_every_route_and_resumes_at_its_own_size(mds_checkout, mds_runs):
+    """``--optimizer adam8bit`` (bitsandbytes' ``Adam8bit``): its blockwise state cannot be cut at another DP size
+    without requantizing (docs/limitations.md). The background conversion refuses each save in its own words, in the
+    training's log and in ``status``; a resume at DP 3 is refused by name on every rank before DeepSpeed's load, through
+    either route (the job stopped before DeepSpeed's ``get_flat_partition`` died of it); at DP 4 one warning and
+    DeepSpeed's own load, on the curve."""
+    root, reference = _trained(mds_checkout, mds_runs, "adam8bit")
+    assert sorted(reference.losses) == [1, 2, 3, 4, 5, 6], reference.log[-3000:]
+    rows = {t.tag: t for t in root_status(root).tags}
+    for tag in ("global_step3", "global_step6"):
+        assert rows[tag].universal == "failed" and BNB_STATE in rows[tag].detail, rows[tag]
+    said = [line for line in reference.ucp_lines() if BNB_STATE in line and "not a per-element tensor" in line]
+    assert said, reference.ucp_lines()[-20:]
+    for route in ("auto", "universal"):
+        refused = _resumed(mds_checkout, mds_runs, "adam8bit", route)
+        assert refused.returncode != 0 and max(refused.losses, default=0) <= 3, refused.log[-3000:]
+        raised = [line for line in refused.log.splitlines() if "megatron_ucp.errors.UnsupportedError" in line]
+        assert {line.split("]")[0] for line in raised} == {"[rank0", "[rank1", "[rank2"}, refused.log[-3000:]
+        named = "Adam8bit keeps optimizer state" if route == "auto" else "not a per-element tensor (dict)"
+        assert any(BNB_STATE in line and named in line for line in refused.log.splitlines()), refused.log[-3000:]
+        assert "get_flat_partition" not in refused.log
+    same = _resumed(mds_checkout, mds_runs, "adam8bit", "auto", nproc=4)
+    assert same.returncode == 0, same.log[-3000:]
+    warned = [line for line in same.ucp_lines() if "at the saved DP size DeepSpeed's own load" in line]
+    assert len(warned) == 1, same.ucp_lines()
+    assert_continues(same, reference)
+
+
+FORK_FAILURES = {
+    "adamwschedulefree-zero": ("adamwschedulefree", "zero", "IndexError: list index out of range"),
+    "adamwschedulefree-bf16": ("adamwschedulefree", "bf16", "number_of_skipped_iterations=  1"),
+    "sgdschedulefree-zero": ("sgdschedulefree", "zero", "IndexError: list index out of range"),
+    "galoreadamw": ("galoreadamw", "bf16", "TypeError: galoreadamw optimizer is not supported"),
+    "ds.onebitlamb": ("ds.onebitlamb", "bf16", "TypeError: ds.onebitlamb optimizer is not supported"),
+    "ds.fusedlamb": ("ds.fusedlamb", "bf16", "ValueError: This op had not been implemented on CPU backend"),
+}
+"""What the fork does with these choices on its own: schedule-free's (AdamW's, SGD's) step under
+DeepSpeedZeroOptimizer dies in DeepSpeed's ``get_flat_partition`` at iteration 2, under BF16_Optimizer it is skipped
+at every iteration (no loss, a learning rate of 0); ``--optimizer galoreadamw*`` never reaches GaLore
+(``get_megatron_optimizer`` tests for ``galore_adamw``, the argument's choices spell ``galoreadamw``) and
+``ds.onebitlamb`` has no branch there at all; DeepSpeed's ``FusedLamb`` has no CPU kernel (not tried on a GPU)."""
+
+
+@pytest.mark.parametrize("case", list(FORK_FAILURES))
+def test_the_fork_itself_cannot_run_this_optimizer_on_the_cpu(mds_checkout, tmp_path, case: str):
+    """Without megatron-ucp (the script alone), so that docs/limitations.md says what the fork does, and this test
+    fails (and the choice joins the matrix above) the day the fork trains it."""
+    optimizer, engine, failure = FORK_FAILURES[case]
+    run = MdsRun(
+        nproc=2,
+        ckpt=tmp_path / "ckpt",
+        train_iters=4,
+        save_interval=100,
+        route="plain",
+        optimizer=engine,
+        extra_args=["--optimizer", optimizer],
+        ds_extra=UNTESTED,
+        expect_failure=True,
+    )
+    res = run_mds(mds_checkout, run)
+    assert not res.losses and failure in res.log, res.log[-3000:]
+    assert (res.returncode == 0) == (case == "adamwschedulefree-bf16"), res.log[-3000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_ucp.integration.optimizer_probe import expected_state_keys
@@ -18,6 +19,14 @@ def test_a_torch_optimizer_is_probed_for_its_lazily_created_states() -> None:
     assert nadam.state == {}  # the live optimizer untouched
     adam = torch.optim.Adam([_flat()], lr=1e-3, amsgrad=True)
     assert expected_state_keys(adam, 0) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+
+
+def test_ipex_lamb_is_probed_with_its_fused_kernel_off() -> None:
+    """``--optimizer ipex.lamb`` / ``ipex.fusedlamb`` (the torch 2.8 + IPEX environment runs this)."""
+    lamb = pytest.importorskip("intel_extension_for_pytorch.optim._lamb").Lamb
+    fused = lamb([_flat()], lr=1e-3, weight_decay=0.1, fused=True)
+    assert expected_state_keys(fused, 0) == {"step", "exp_avg", "exp_avg_sq"}
+    assert fused.state == {}
 
 
 class _Elsewhere(torch.optim.SGD):
