@@ -53,6 +53,10 @@ class UcpConfig:
     module_read: str = "distributed"
     """How a restart reads the module (:data:`MODULE_READS`): ``distributed`` (each byte once across the
     job) or ``full`` (every rank the whole module, as DeepSpeed does)."""
+    requantize_8bit: bool = False
+    """At a DP change, read bitsandbytes' 8-bit optimizer state as values and quantize it again in the new partitions
+    (not exact: one more quantization; :mod:`megatron_ucp.integration.requantize`). Off: such a save is refused at a
+    DP change, by name, before anything loads."""
 
     # --- background conversion (issue: async conversion) ---------------------------------------
     async_convert: bool = False
@@ -174,6 +178,9 @@ _HELP = {
     "module_read": "how a restart reads the module: distributed (weights rebuilt from the masters each rank "
     "loads, the rest read as one 1/DP slice per rank: each byte once across the job) or full (every rank reads "
     "the whole module, as DeepSpeed does)",
+    "requantize_8bit": "at a DP change, move bitsandbytes' 8-bit optimizer state (--optimizer adam8bit) by "
+    "dequantizing and quantizing it again in the new partitions: not exact (one more quantization, measured and "
+    "reported); without it such a resume is refused by name",
     "async_convert": "convert every saved tag to the universal layout in the background",
     "verify_saves": "without --ucp-async-convert: verify every saved tag in the background (every file read once: "
     "whole, of one save, as recorded, finite) and record its verdict for status and the restart's fallback",

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from megatron_ucp.deepspeed.quantized_states import BNB_QUANT_STATE
 from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.format.blockwise8bit import Blockwise8bit
 from megatron_ucp.format.rawtensor import RawTensor
 
 STEP, ELEMENT, SCALAR, OTHER = "step", "element", "scalar", "other"
@@ -23,7 +25,7 @@ def kind_of(name: Any, value: Any) -> str:
     the binding's to check); one value per partition (``scalar``: a 0-dim tensor, a number, a flag); or ``other``."""
     if name == F.STEP_STATE:
         return STEP
-    if isinstance(value, RawTensor):
+    if isinstance(value, (RawTensor, Blockwise8bit)):  # the latter: 8-bit state read as values (--ucp-requantize-8bit)
         return ELEMENT if value.dim() > 0 else SCALAR
     return SCALAR if isinstance(value, (bool, int, float)) else OTHER
 
@@ -71,9 +73,11 @@ def sharded_states(state: dict, path: Any, g: int, unit: str) -> list[str]:
     for key, value in state.items():
         kind = kind_of(key, value)
         if kind == OTHER:
+            hint = " (bitsandbytes' 8-bit state: --ucp-requantize-8bit moves it on the native route at ZeRO-1/2)"
             raise UnsupportedError(
                 f"{path}: optimizer state {key!r} of {unit} {g} is not a per-element tensor "
-                f"({type(value).__name__}); the universal format has no place for it",
+                f"({type(value).__name__}); the universal format has no place for it"
+                f"{hint if key == BNB_QUANT_STATE else ''}",
                 subject=path,
             )
         if kind == ELEMENT:
@@ -83,9 +87,16 @@ def sharded_states(state: dict, path: Any, g: int, unit: str) -> list[str]:
 
 def unplaceable_error(path: str, problems: Sequence[str], optimizer_name: str) -> UnsupportedError:
     """The refusal of a save whose optimizer keeps :func:`unplaceable_states`, naming the class, file and states."""
+    packed = any(BNB_QUANT_STATE in problem for problem in problems)
+    option = (
+        ". bitsandbytes' 8-bit state moves to another cut only by dequantizing and quantizing it again, which is not "
+        "exact: --ucp-requantize-8bit (MEGATRON_UCP_REQUANTIZE_8BIT=1) does that, on the native route at ZeRO-1/2"
+        if packed
+        else ""
+    )
     return UnsupportedError(
         f"{path}: {optimizer_name} keeps optimizer state that megatron-ucp cannot place at another DP size: "
         f"{'; '.join(problems)}. Only states of one number per element of a partition, or of one value per "
-        "partition, are carried; nothing was loaded",
+        f"partition, are carried{option}; nothing was loaded",
         subject=path,
     )

@@ -44,6 +44,7 @@ from megatron_ucp.integration.rank_files import (
     bind_rank_files,
     read_facts,
 )
+from megatron_ucp.integration.requantize import blocksize_of_live
 from megatron_ucp.plan.param_geometry import first_difference, group_count_difference
 from megatron_ucp.plan.partitioned import FlatGroups, Partitioned, checked_positions
 from megatron_ucp.plan.rank_binding import FileFacts
@@ -82,14 +83,20 @@ class BoundSave:
 
 
 def bind_save(
-    engine: Any, model_states: Path, rank_file: RankFile, states: Optional[dict] = None, same_dp: bool = False
+    engine: Any,
+    model_states: Path,
+    rank_file: RankFile,
+    states: Optional[dict] = None,
+    same_dp: bool = False,
+    requantize: bool = False,
 ) -> Optional[BoundSave]:
     """Steps 1 to 3 (collective over the optimizer's DP group); raises the same error on every rank when the
     files do not belong together. ``model_states``: this rank's model-states file as the engine names it (at
     ZeRO-3 the facts are read from DP rank 0's). ``states``: the model states the first rank already read
     (else read here, without the weights). ``same_dp``: a restart at the saved DP size, where DeepSpeed reads
     each rank's own file itself; a ZeRO-1/2 model the flat plan cannot describe (per-parameter padding, other
-    names) is then left to DeepSpeed unbound (returns None) instead of refused."""
+    names) is then left to DeepSpeed unbound (returns None) instead of refused. ``requantize``: at a DP change,
+    bitsandbytes' 8-bit state is read as values, to be quantized again (``--ucp-requantize-8bit``)."""
     t0 = time.perf_counter()
     optimizer = engine.optimizer
     group = surface.dp_group(optimizer)
@@ -100,12 +107,25 @@ def bind_save(
         model_states = model_states.parent / F.zero3_model_file(0, int(found["mp"]) if found else 0)
     facts = decide_on_first(
         lambda: read_facts(
-            model_states, rank_file, states, None if per_parameter else _live_shapes(optimizer), per_parameter
+            model_states,
+            rank_file,
+            states,
+            None if per_parameter else _live_shapes(optimizer),
+            per_parameter,
+            requantize=requantize and not same_dp,
         ),
         group,
     )
     if isinstance(facts, Failure):
         raise CheckpointFormatError(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
+    if facts.requantized:  # the same facts on every rank; the live optimizer is the same class everywhere
+        blocksize_of_live(surface.base_optimizer(optimizer))
+        if rank == 0:
+            log.warning(
+                "megatron-ucp: --ucp-requantize-8bit: bitsandbytes' 8-bit states %s are read as values and quantized "
+                "again in the new partitions (not exact: one more quantization, measured in the summary)",
+                "/".join(facts.requantized),
+            )
     if facts.unplaceable:  # the same facts on every rank: the same decision everywhere
         name = type(surface.base_optimizer(optimizer)).__name__
         error = unplaceable_error(facts.unplaceable_file, facts.unplaceable, name)
@@ -124,7 +144,7 @@ def bind_save(
             return None  # the same answer on every rank: the facts and the live model are the same everywhere
         raise
     positions = checked_positions(facts.layout, new.dp, rank, reads)
-    view = flat_view if per_parameter else optimizer_state
+    view = facts.view(flat_view if per_parameter else optimizer_state)
     sources, files = bind_rank_files(facts, reads, positions, rank_file, group, view)
     return BoundSave(facts, new, reads, sources, rank_file, rank, time.perf_counter() - t0, files)
 

@@ -38,7 +38,7 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.exact_read import RangeReader, file_offset
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.integration.collectives import comm, device
-from megatron_ucp.integration.rank_files import read_tensor_range
+from megatron_ucp.integration.tensor_reads import read_tensor_range
 
 log = logging.getLogger(__name__)
 

@@ -59,6 +59,7 @@ from megatron_ucp.integration.partition_load import (
     restore_global_state,
 )
 from megatron_ucp.integration.rank_files import RankFile, SavedFacts, binding_message
+from megatron_ucp.integration.requantize import requantize_partitions
 from megatron_ucp.plan.accounting import (
     AccountingReport,
     Problem,
@@ -135,11 +136,13 @@ def load_native_partitions(
         keys = set(names) | set(scalars[h]) | ({F.STEP_STATE} if steps[h] is not None else set())
         expected = expected_state_keys(base, new.param_group(h))
         problems += check_optimizer_states(h, new.names(h), expected, keys, type(base).__name__)
+    # after the check of what the live optimizer holds: its 8-bit form adds scales and code books to the states
+    requantized = requantize_partitions(base, masters, group) if facts.requantized else None
     old = bound.old
     groups = range(len(old.partition_sizes()))
     n_states = sum(len(old.names(g)) * (1 + len(facts.states[g])) for g in groups)
     what = f"{old.unit}s {len(groups)} -> {len(masters)}; rank files bound to their positions"
-    return settle(
+    report = settle(
         files,
         ledger,
         table,
@@ -152,6 +155,7 @@ def load_native_partitions(
         checked=against_the_save(facts.algorithm, what + (" and the saved weights" if saved is not None else "")),
         timing=Timing(t_start, bound.seconds, accounting),
     )
+    return report.with_more(extras=[requantized]) if requantized else report
 
 
 def _targets(base: Any, master: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:

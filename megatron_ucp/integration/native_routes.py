@@ -133,7 +133,9 @@ def reshard_load(
     per_parameter = surface.engine_layout(engine).per_parameter
     why_full = None if per_parameter else full_module_reason(engine, config, kwargs)
     distributed = why_full is None and not per_parameter
-    bound = bind_save(engine, model_states, rank_file, seen_states if is_first() else None)
+    bound = bind_save(
+        engine, model_states, rank_file, seen_states if is_first() else None, requantize=config.requantize_8bit
+    )
     reports: list[AccountingReport] = []
 
     def partitions(self: Any, _dir: str, _tag: str, load_optimizer_states: bool) -> bool:

@@ -28,16 +28,18 @@ import torch
 
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.optimizer_files import optimizer_state
+from megatron_ucp.deepspeed.quantized_states import dequantized_view, expanded, packed_states
 from megatron_ucp.deepspeed.reader import load_raw
 from megatron_ucp.deepspeed.stage3_files import flat_view, model_states_of_another_save, sub_group_owners
 from megatron_ucp.deepspeed.state_kinds import partition_scalars, portable, tensor_states, unplaceable_states
 from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
-from megatron_ucp.format.exact_read import RangeReader, file_offset
+from megatron_ucp.format.exact_read import RangeReader
 from megatron_ucp.format.paths import special_kind
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.integration.collectives import comm
+from megatron_ucp.integration.tensor_reads import read_tensor_range
 from megatron_ucp.plan.experts import expert_facts, recorded_experts
 from megatron_ucp.plan.param_geometry import Stage3Groups
 from megatron_ucp.plan.partitioned import FlatGroups, Partitioned
@@ -90,6 +92,13 @@ class SavedFacts:
     model_states: str = ""
     frozen: tuple[str, ...] = ()
     """Frozen parameters of a ZeRO-3 save: their slices live in every rank's model states."""
+    requantized: tuple[str, ...] = ()
+    """bitsandbytes' states read as values out of its 8-bit dict (``--ucp-requantize-8bit``): copied like any
+    per-element state, quantized again in the live optimizer; never in the save's partition checksums."""
+
+    def view(self, view: Callable[[Path], dict]) -> Callable[[Path], dict]:
+        """How each rank file of this save is read: ``view``, with bitsandbytes' dicts expanded when requantizing."""
+        return dequantized_view(view) if self.requantized else view
 
 
 def absent(path: Path) -> Optional[str]:
@@ -154,6 +163,7 @@ def read_facts(
     states: Optional[dict] = None,
     live_shapes: Optional[list[list[tuple[str, tuple[int, ...]]]]] = None,
     per_parameter: bool = False,
+    requantize: bool = False,
 ) -> SavedFacts:
     """Step 1 (first rank): the facts of any save, checked for the old files' presence and DP size. ``states``:
     the model states already read from ``model_states`` (else read here, without the weights' bytes).
@@ -161,7 +171,9 @@ def read_facts(
     states record ``num_experts``) whose model states list none (DeepSpeed before 0.19); every rank file's
     ``param_slice_mappings`` is then checked against them, fragment by fragment, before anything is read.
     ``per_parameter``: a ZeRO-3 save (``model_states``: DP rank 0's), whose files are read under ZeRO-1/2's
-    keys (:func:`~megatron_ucp.deepspeed.stage3_files.flat_view`) and whose layout is its sub-groups."""
+    keys (:func:`~megatron_ucp.deepspeed.stage3_files.flat_view`) and whose layout is its sub-groups.
+    ``requantize``: bitsandbytes' 8-bit dicts are read as their two states (``--ucp-requantize-8bit``; ZeRO-1/2 at
+    a DP change)."""
     states, dp_from, save_id = model_states_facts(model_states, states, shapes_optional=not per_parameter)
     saved_shapes = states.get(F.PARAM_SHAPES)
     if not isinstance(saved_shapes, list):
@@ -175,6 +187,11 @@ def read_facts(
     if per_parameter:
         _check_stage3_model_states(model_states, dp_from, save_id)
     first = (flat_view if per_parameter else optimizer_state)(expected[0])  # tensors located, not read
+    packed = packed_states(first[F.BASE_OPTIMIZER_STATE].get("state", {}).values()) if requantize else ()
+    if packed and not per_parameter:
+        first = expanded(first, expected[0])
+    else:
+        packed = ()
     base = first[F.BASE_OPTIMIZER_STATE]
     groups = base.get("param_groups") or []
     if per_parameter:
@@ -211,6 +228,7 @@ def read_facts(
         save_id=save_id,
         model_states=str(model_states),
         frozen=tuple(sorted(states.get(F.FROZEN_PARAM_SHAPES) or ())) if per_parameter else (),
+        requantized=packed,
     )
 
 
@@ -336,21 +354,6 @@ class Source:
             self.reader.close()
 
 
-def read_tensor_range(reader: RangeReader, tensor: RawTensor, start: int, dest: torch.Tensor) -> None:
-    """Elements ``[start, start + dest.numel())`` of a (flat, contiguous) mapped tensor into ``dest``,
-    exactly those bytes (:class:`~megatron_ucp.format.exact_read.RangeReader`); a tensor already in
-    memory is copied."""
-    length = dest.numel()
-    offset = file_offset(tensor, start)
-    if offset is None:  # a small record already in memory, or a tensor torch mapped
-        dest.copy_(tensor.narrow(0, start, length).to_torch())
-        return
-    buffer = dest if dest.device.type == "cpu" and dest.is_contiguous() else torch.empty(length, dtype=dest.dtype)
-    reader.read(offset, memoryview(buffer.detach().view(torch.uint8).numpy()).cast("B"))
-    if buffer is not dest:
-        dest.copy_(buffer)
-
-
 def inspect_file(
     path: Path, facts: SavedFacts, exp: FileExpectation, view: Callable[[Path], dict] = optimizer_state
 ) -> tuple[Optional[Source], FileFacts]:
@@ -390,7 +393,7 @@ def _sum_problems(path: str, optim: dict, sums: Any, facts: SavedFacts, exp: Fil
             "although old rank 0's file has them (a rank file of another save?)"
         ]
     for g, real in enumerate(exp.true_lengths or ()):
-        for state in (F.FP32_STATE, *facts.states[g]):
+        for state in (F.FP32_STATE, *(name for name in facts.states[g] if name not in facts.requantized)):
             entry = sums[g].get(state)
             if entry is None or entry[0] != real:
                 return [f"{path}: {exp.unit} {g}'s recorded checksum of {state!r} is {entry!r}, not [{real}, <sum>]"]

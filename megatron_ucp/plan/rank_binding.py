@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.format.blockwise8bit import Blockwise8bit
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.plan.geometry import GroupGeometry
 
@@ -120,6 +121,9 @@ def _describe(t: Any) -> str:
 
 
 def _flat_fp32(t: Any) -> bool:
+    """A flat fp32 tensor of a file, or one stored in 8-bit blocks and read as its fp32 values."""
+    if isinstance(t, Blockwise8bit):
+        return True
     return isinstance(t, RawTensor) and t.dim() == 1 and t.is_contiguous() and t.dtype.name == "float32"
 
 

@@ -1,0 +1,34 @@
+"""Exact ranges of tensors located in a file, read into torch tensors: the bytes of a plain tensor, or the values of
+one stored in 8-bit blocks (its codes, the scales of their blocks and its code book; ``--ucp-requantize-8bit``)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_ucp.format.blockwise8bit import Blockwise8bit
+from megatron_ucp.format.exact_read import RangeReader, file_offset
+from megatron_ucp.format.rawtensor import RawTensor
+
+
+def read_tensor_range(reader: RangeReader, tensor: RawTensor, start: int, dest: torch.Tensor) -> None:
+    """Elements ``[start, start + dest.numel())`` of a (flat, contiguous) mapped tensor into ``dest``,
+    exactly those bytes (:class:`~megatron_ucp.format.exact_read.RangeReader`); a tensor already in
+    memory is copied; one in 8-bit blocks lands as its fp32 values."""
+    if isinstance(tensor, Blockwise8bit):  # its codes, block scales and code book read; their values land
+        in_place = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == torch.float32
+        decoded = dest if in_place else torch.empty(dest.numel(), dtype=torch.float32)
+        tensor.decode(
+            lambda raw, at, out: read_tensor_range(reader, raw, at, torch.from_numpy(out)), start, decoded.numpy()
+        )
+        if decoded is not dest:
+            dest.copy_(decoded)
+        return
+    length = dest.numel()
+    offset = file_offset(tensor, start)
+    if offset is None:  # a small record already in memory, or a tensor torch mapped
+        dest.copy_(tensor.narrow(0, start, length).to_torch())
+        return
+    buffer = dest if dest.device.type == "cpu" and dest.is_contiguous() else torch.empty(length, dtype=dest.dtype)
+    reader.read(offset, memoryview(buffer.detach().view(torch.uint8).numpy()).cast("B"))
+    if buffer is not dest:
+        dest.copy_(buffer)
