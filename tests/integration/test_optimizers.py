@@ -1,14 +1,15 @@
 """The fork's own optimizers under megatron-ucp, on the real Megatron-DeepSpeed (``--optimizer``).
 
-Each of the fork's own choices that trains on this CPU (``megatron/optimizer/``: ``muon``, ``sophiag``, ``adopt``)
-trains at DP 4 (BF16_Optimizer, ZeRO-1) through the runner with background conversion, saving at 3 and 6; from
-iteration 3 it resumes at DP 3 through the native reshard and through the universal folder the background converter
-made: the two routes give the same losses, on the uninterrupted curve (iterations 4-6, 2e-4). SophiaG keeps
-``exp_avg`` and ``hessian``, ADOPT ``exp_avg`` and ``exp_avg_sq``: one number per element, as Adam's. Muon keeps,
-besides its moments and step, a flag per parameter (``use_muon``): under ZeRO each flat partition is one parameter
-to it, so one flag per partition, the same on every rank. Stock DeepSpeed's universal conversion has no place for it;
-megatron-ucp carries it (a state of one value per partition). Each also resumes at TP 2 (TP 1 -> 2 at DP 2, through
-the universal folder), on the curve. IPEX's ``Lamb`` (``ipex.lamb``) does the same in the torch 2.8 + IPEX environment.
+Each of the fork's own choices that trains on this CPU (``megatron/optimizer/``: ``muon``, ``muonclip``,
+``sophiag``, ``adopt``) trains at DP 4 (BF16_Optimizer, ZeRO-1) through the runner with background conversion, saving
+at 3 and 6; from iteration 3 it resumes at DP 3 through the native reshard and through the universal folder the
+background converter made: the two routes give the same losses, on the uninterrupted curve (iterations 4-6, 2e-4).
+SophiaG keeps ``exp_avg`` and ``hessian``, ADOPT ``exp_avg`` and ``exp_avg_sq``: one number per element, as Adam's.
+Muon (and MuonClip, its subclass) keeps, besides its moments and step, a flag per parameter (``use_muon``): under ZeRO
+each flat partition is one parameter to it, so one flag per partition, the same on every rank. Stock DeepSpeed's
+universal conversion has no place for it; megatron-ucp carries it (a state of one value per partition). Each also
+resumes at TP 2 (TP 1 -> 2 at DP 2, through the universal folder), on the curve. IPEX's ``Lamb`` (``ipex.lamb``)
+does the same in the torch 2.8 + IPEX environment.
 
 bitsandbytes' ``adam8bit`` keeps blockwise 8-bit state no cut can move exactly: its background conversion is refused
 in its own words, a DP change is refused by name on every rank before DeepSpeed's load, on both routes, and at its own
@@ -38,6 +39,7 @@ SAME_PADDING = ["--make-vocab-size-divisible-by", "256"]
 """The vocabulary padded to 512 rows at TP 1 and TP 2 alike, so that a TP change carries every row's state."""
 STATES = {
     "muon": (["fp32", "moment1", "moment2", "step"], {"use_muon": ("value", False)}),
+    "muonclip": (["fp32", "moment1", "moment2", "step"], {"use_muon": ("value", False)}),
     "sophiag": (["exp_avg", "fp32", "hessian", "step"], None),
     "adopt": (["exp_avg", "exp_avg_sq", "fp32", "step"], None),
 }
