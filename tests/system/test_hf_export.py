@@ -14,6 +14,7 @@ and the background export, in seconds).
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ from megatron_ucp.background.status import format_status, root_status
 from megatron_ucp.background.store import ConverterSettings, read_queue
 from megatron_ucp.background.trigger import trigger, wait_for_converter
 from megatron_ucp.cli import main as cli_main
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.integration import async_trigger
 from megatron_ucp.plan.llama_shapes import LlamaShape
 from megatron_ucp.synthetic.writer import SyntheticSpec, write_checkpoint
 
@@ -127,7 +130,7 @@ def test_a_model_the_export_cannot_map_is_refused_before_anything_is_written(tmp
     assert sorted(p.name for p in tag_dir.parent.iterdir()) == listing
 
 
-def test_background_export_follows_each_conversion_and_its_failure_reaches_status(tmp_path):
+def test_background_export_follows_each_conversion_and_its_failure_reaches_status(tmp_path, monkeypatch, caplog):
     root, moe = tmp_path / "dense", tmp_path / "moe"
     settings = ConverterSettings(keep_last=1, export_hf=True)
     for iteration in (10, 20):
@@ -152,3 +155,11 @@ def test_background_export_follows_each_conversion_and_its_failure_reaches_statu
     text = format_status(status)
     assert "HF export" in text.splitlines()[1]
     assert "global_step100: failed (export-hf): " in text and "mixture of experts (--num-experts [4])" in text
+    # and the training's exit says it in the export's own words (the job's end-of-run wait, as the runner calls it)
+    monkeypatch.setitem(async_trigger._state, "config", UcpConfig(async_convert=True, export_hf=True))
+    monkeypatch.setitem(async_trigger._state, "launched", {(str(moe), 0): ["global_step100"]})
+    with caplog.at_level(logging.INFO, logger="megatron_ucp"):
+        async_trigger.wait_at_end_of_run()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(said) == 1 and said[0].startswith("megatron-ucp: background export-hf: "), said
+    assert "global_step100" in said[0] and "mixture of experts (--num-experts [4])" in said[0], said
