@@ -35,13 +35,13 @@ class Blockwise8bit:
     def dim(self) -> int:
         return 1
 
-    def decode(self, read: Read, start: int, out: np.ndarray) -> None:
+    def decode(self, read: Read, start: int, out: np.ndarray) -> np.ndarray:
         """Elements ``[start, start + out.size)`` as fp32 values into ``out``: their codes, the scales of the blocks
-        they lie in and the code book read, nothing else."""
+        they lie in and the code book read, nothing else. Returns the codes (what a save's checksum is of)."""
         n = out.size
-        if n == 0:
-            return
         codes = np.empty(n, dtype=np.uint8)
+        if n == 0:
+            return codes
         read(self.codes, start, codes)
         first, last = start // self.blocksize, (start + n - 1) // self.blocksize
         scales = np.empty(last - first + 1, dtype=np.float32)
@@ -50,3 +50,4 @@ class Blockwise8bit:
         read(self.qmap, 0, book)
         blocks = np.arange(start, start + n, dtype=np.int64) // self.blocksize - first
         np.multiply(book[codes], scales[blocks], out=out)
+        return codes

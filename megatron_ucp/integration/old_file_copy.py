@@ -52,9 +52,6 @@ class OldFiles:
     layout: Partitioned
     states: Sequence[tuple[str, ...]]
     algorithm: Optional[str]
-    decoded: tuple[str, ...] = ()
-    """States read as values out of another encoding (bitsandbytes' 8-bit codes): their save-time checksums are of
-    the codes, so they are checked for placement and counts only."""
 
     @property
     def unit(self) -> str:
@@ -73,7 +70,7 @@ class OldFiles:
     @classmethod
     def of(cls, facts: SavedFacts, rank_file: RankFile) -> "OldFiles":
         """A save's files from its facts (its layout, states and checksum algorithm)."""
-        return cls(rank_file, facts.layout, facts.states, facts.algorithm, facts.requantized)
+        return cls(rank_file, facts.layout, facts.states, facts.algorithm)
 
     def row(self, position: int, group: int) -> str:
         return f"{self.rank_file(position)}: {self.unit} {group}"
@@ -120,18 +117,17 @@ def copy_reads(
                 first = read.source_offset == firsts[key]
                 for state, target in wanted:
                     stored = src.fp32[g] if state == F.FP32_STATE else src.states[g][state]
-                    record = src.sums[g].get(state) if src.sums is not None and state not in files.decoded else None
                     landed = target.narrow(0, read.target_offset, read.length)
-                    src.read_into(stored, read.source_offset, landed)
+                    held = src.read_into(stored, read.source_offset, landed)  # 8-bit codes: what the save hashed
                     t0 = time.perf_counter()
                     enter_old_file_copy(
                         table,
                         ledger.index(files.row(read.source_rank, g), state),
                         read.length,
-                        checksum(landed, read.position, algorithm),  # the same at the old and the new size
+                        checksum(held, read.position, algorithm),  # the same at the old and the new size
                         files.true_length(g, read.source_rank) if first else None,
-                        int(record[1]) if first and record is not None else None,
-                        has_record=record is not None,
+                        int(src.sums[g][state][1]) if first and src.sums is not None else None,
+                        has_record=src.sums is not None,
                     )
                     accounting += time.perf_counter() - t0
     return accounting

@@ -94,7 +94,7 @@ class SavedFacts:
     """Frozen parameters of a ZeRO-3 save: their slices live in every rank's model states."""
     requantized: tuple[str, ...] = ()
     """bitsandbytes' states read as values out of its 8-bit dict (``--ucp-requantize-8bit``): copied like any
-    per-element state, quantized again in the live optimizer; never in the save's partition checksums."""
+    per-element state (their codes hashed against the save's checksums), quantized again in the live optimizer."""
 
     def view(self, view: Callable[[Path], dict]) -> Callable[[Path], dict]:
         """How each rank file of this save is read: ``view``, with bitsandbytes' dicts expanded when requantizing."""
@@ -340,9 +340,10 @@ class Source:
     """Per group, state -> (real elements, checksum) recorded at save (None: saved without them)."""
     reader: Optional[RangeReader] = None
 
-    def read_into(self, tensor: RawTensor, start: int, dest: torch.Tensor) -> None:
-        """Elements ``[start, start + dest.numel())`` of ``tensor`` into ``dest``."""
-        read_tensor_range(self.reader_of(), tensor, start, dest)
+    def read_into(self, tensor: RawTensor, start: int, dest: torch.Tensor) -> torch.Tensor:
+        """Elements ``[start, start + dest.numel())`` of ``tensor`` into ``dest``; returns what to hash (``dest``, or
+        the 8-bit codes of a state read as values)."""
+        return read_tensor_range(self.reader_of(), tensor, start, dest)
 
     def reader_of(self) -> RangeReader:
         if self.reader is None:
@@ -393,7 +394,7 @@ def _sum_problems(path: str, optim: dict, sums: Any, facts: SavedFacts, exp: Fil
             "although old rank 0's file has them (a rank file of another save?)"
         ]
     for g, real in enumerate(exp.true_lengths or ()):
-        for state in (F.FP32_STATE, *(name for name in facts.states[g] if name not in facts.requantized)):
+        for state in (F.FP32_STATE, *facts.states[g]):
             entry = sums[g].get(state)
             if entry is None or entry[0] != real:
                 return [f"{path}: {exp.unit} {g}'s recorded checksum of {state!r} is {entry!r}, not [{real}, <sum>]"]

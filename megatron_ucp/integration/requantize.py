@@ -100,6 +100,6 @@ def requantize_partitions(base: Any, masters: Sequence[torch.Tensor], group: Any
     return (
         f"bitsandbytes' 8-bit states read as values and quantized again (--ucp-requantize-8bit, not exact): partitions "
         f"of {int(totals.item())} elements in 8-bit blocks of {blocksize}, largest change {worst.item():.3g} of a "
-        "block's scale, smaller partitions kept in fp32 as bitsandbytes keeps them; those states checked for "
-        "placement and counts (the save's checksums are of their codes)"
+        "block's scale, smaller partitions kept in fp32 as bitsandbytes keeps them; the codes read checked against the "
+        "save's checksums"
     )

@@ -10,25 +10,27 @@ from megatron_ucp.format.exact_read import RangeReader, file_offset
 from megatron_ucp.format.rawtensor import RawTensor
 
 
-def read_tensor_range(reader: RangeReader, tensor: RawTensor, start: int, dest: torch.Tensor) -> None:
+def read_tensor_range(reader: RangeReader, tensor: RawTensor, start: int, dest: torch.Tensor) -> torch.Tensor:
     """Elements ``[start, start + dest.numel())`` of a (flat, contiguous) mapped tensor into ``dest``,
     exactly those bytes (:class:`~megatron_ucp.format.exact_read.RangeReader`); a tensor already in
-    memory is copied; one in 8-bit blocks lands as its fp32 values."""
+    memory is copied; one in 8-bit blocks lands as its fp32 values. Returns what the file holds of the range, as
+    its save hashed it: ``dest``, or the 8-bit codes."""
     if isinstance(tensor, Blockwise8bit):  # its codes, block scales and code book read; their values land
         in_place = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == torch.float32
         decoded = dest if in_place else torch.empty(dest.numel(), dtype=torch.float32)
-        tensor.decode(
+        codes = tensor.decode(
             lambda raw, at, out: read_tensor_range(reader, raw, at, torch.from_numpy(out)), start, decoded.numpy()
         )
         if decoded is not dest:
             dest.copy_(decoded)
-        return
+        return torch.from_numpy(codes)
     length = dest.numel()
     offset = file_offset(tensor, start)
     if offset is None:  # a small record already in memory, or a tensor torch mapped
         dest.copy_(tensor.narrow(0, start, length).to_torch())
-        return
+        return dest
     buffer = dest if dest.device.type == "cpu" and dest.is_contiguous() else torch.empty(length, dtype=dest.dtype)
     reader.read(offset, memoryview(buffer.detach().view(torch.uint8).numpy()).cast("B"))
     if buffer is not dest:
         dest.copy_(buffer)
+    return dest
