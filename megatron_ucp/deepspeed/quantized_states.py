@@ -21,6 +21,11 @@ BNB_QUANT_STATE = "__bnb_optimizer_quant_state__"
 """The key bitsandbytes' ``state_dict`` packs a parameter's quantization state under."""
 STATES = (("state1", "absmax1", "qmap1"), ("state2", "absmax2", "qmap2"))
 """Each state bitsandbytes keeps per element, with its scales and code book when quantized."""
+REQUANTIZE_HINT = (
+    "bitsandbytes' 8-bit state moves to another DP size only by dequantizing and quantizing it again, which is not "
+    "exact: --ucp-requantize-8bit (MEGATRON_UCP_REQUANTIZE_8BIT=1) does that, on the native route at ZeRO-1/2"
+)
+"""What a refusal of bitsandbytes' state says the user can do."""
 BLOCKSIZES = (256, 2048)
 """The block sizes bitsandbytes' optimizers quantize with: 256 (the 0.50 series) and 2048 (earlier releases)."""
 

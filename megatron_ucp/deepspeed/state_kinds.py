@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from megatron_ucp.deepspeed.quantized_states import BNB_QUANT_STATE
+from megatron_ucp.deepspeed.quantized_states import BNB_QUANT_STATE, REQUANTIZE_HINT
 from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.blockwise8bit import Blockwise8bit
@@ -73,11 +73,10 @@ def sharded_states(state: dict, path: Any, g: int, unit: str) -> list[str]:
     for key, value in state.items():
         kind = kind_of(key, value)
         if kind == OTHER:
-            hint = " (bitsandbytes' 8-bit state: --ucp-requantize-8bit moves it on the native route at ZeRO-1/2)"
             raise UnsupportedError(
                 f"{path}: optimizer state {key!r} of {unit} {g} is not a per-element tensor "
                 f"({type(value).__name__}); the universal format has no place for it"
-                f"{hint if key == BNB_QUANT_STATE else ''}",
+                f"{f' ({REQUANTIZE_HINT})' if key == BNB_QUANT_STATE else ''}",
                 subject=path,
             )
         if kind == ELEMENT:
@@ -87,13 +86,7 @@ def sharded_states(state: dict, path: Any, g: int, unit: str) -> list[str]:
 
 def unplaceable_error(path: str, problems: Sequence[str], optimizer_name: str) -> UnsupportedError:
     """The refusal of a save whose optimizer keeps :func:`unplaceable_states`, naming the class, file and states."""
-    packed = any(BNB_QUANT_STATE in problem for problem in problems)
-    option = (
-        ". bitsandbytes' 8-bit state moves to another cut only by dequantizing and quantizing it again, which is not "
-        "exact: --ucp-requantize-8bit (MEGATRON_UCP_REQUANTIZE_8BIT=1) does that, on the native route at ZeRO-1/2"
-        if packed
-        else ""
-    )
+    option = f". {REQUANTIZE_HINT}" if any(BNB_QUANT_STATE in problem for problem in problems) else ""
     return UnsupportedError(
         f"{path}: {optimizer_name} keeps optimizer state that megatron-ucp cannot place at another DP size: "
         f"{'; '.join(problems)}. Only states of one number per element of a partition, or of one value per "

@@ -187,11 +187,10 @@ def read_facts(
     if per_parameter:
         _check_stage3_model_states(model_states, dp_from, save_id)
     first = (flat_view if per_parameter else optimizer_state)(expected[0])  # tensors located, not read
-    packed = packed_states(first[F.BASE_OPTIMIZER_STATE].get("state", {}).values()) if requantize else ()
-    if packed and not per_parameter:
+    per_group_states = first[F.BASE_OPTIMIZER_STATE].get("state", {}).values()
+    packed = packed_states(per_group_states) if requantize and not per_parameter else ()
+    if packed:
         first = expanded(first, expected[0])
-    else:
-        packed = ()
     base = first[F.BASE_OPTIMIZER_STATE]
     groups = base.get("param_groups") or []
     if per_parameter:
