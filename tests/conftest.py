@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# No test reaches a hub: Hugging Face's libraries read this once, at their import, so it is set before any test
+# module can import them (the export tests check that it took effect).
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 from tests.support.dsharness.checkpoints import CheckpointCache, LegacyFixture, session_cache  # noqa: E402
 from tests.support.dsharness.checkpoints import legacy_fixture as _legacy_fixture  # noqa: E402

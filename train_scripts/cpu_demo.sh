@@ -51,8 +51,8 @@ if ! [[ "${NPROC}" =~ ^[1-9][0-9]*$ ]]; then
 fi
 
 # A tiny GPT whose no-weight-decay group (3 RMSNorm weights of size 3) is 9 elements long:
-# at DP=4 the ZeRO alignment (2 x DP = 8) pads it to 16 and ranks 2 and 3 hold only padding
-# (shared/DESIGN.md's reproduction of the AuroraGPT DP=768 failure).
+# at DP=4 the ZeRO alignment (2 x DP = 8) pads it to 16, 4 per rank: rank 2 holds one element and rank 3
+# only padding (the AuroraGPT DP=768 failure in miniature: docs/how-it-works.md).
 defaults=(
 	--num-layers 1 --hidden-size 3 --num-attention-heads 1 --ffn-hidden-size 32
 	--seq-length 16 --max-position-embeddings 16

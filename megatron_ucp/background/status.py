@@ -32,16 +32,24 @@ from megatron_ucp.background.store import (
 )
 from megatron_ucp.convert.universal import inspect_staging, read_manifest, universal_state
 from megatron_ucp.deepspeed.folder import is_native_tag
-from megatron_ucp.deepspeed.reader import human_bytes, recorded_sizes
+from megatron_ucp.deepspeed.reader import recorded_sizes
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.export.hf_export import EXPORT_MARKER
 from megatron_ucp.export.hf_source import hf_name
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.plan.resume import TwinState
-from megatron_ucp.plan.tags import chronological
+from megatron_ucp.plan.tags import chronological, tag_step
 
-__all__ = ["UniversalStatus", "TagFacts", "TagStatus", "RootStatus", "classify", "root_status", "format_status"]
+__all__ = [
+    "UniversalStatus",
+    "TagFacts",
+    "TagStatus",
+    "RootStatus",
+    "ResumeAnswer",
+    "classify",
+    "root_status",
+]
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +98,9 @@ def classify(f: TagFacts) -> tuple[UniversalStatus, str]:
         return UniversalStatus.COMPLETE, ""
     if f.folder == TwinState.STALE:
         return UniversalStatus.STALE, (
-            f"converted from an earlier save of {f.tag}; the next save or resume "
-            f"reconverts it, or `megatron-ucp convert {f.root} --tag {f.tag} --force`"
+            f"the native files of {f.tag} changed since it was converted (re-saved, or damaged): "
+            f"`megatron-ucp verify {f.root} --tag {f.tag}` reads them; once they are sound, "
+            f"`megatron-ucp convert {f.root} --tag {f.tag} --force` converts them again"
         )
     if f.folder == TwinState.FOREIGN:
         return UniversalStatus.FOREIGN, "exists without a megatron-ucp manifest (stock converter, or copied)"
@@ -153,6 +162,21 @@ class TagStatus:
 
 
 @dataclass(frozen=True)
+class ResumeAnswer:
+    """What a restart would load (:meth:`RootStatus.resume_answer`)."""
+
+    tag: Optional[str]
+    """The tag it loads; None: none (it starts from scratch or stops)."""
+    said: str
+    fallback: bool = False
+
+
+def _iterations(latest: str, loaded: str) -> str:
+    new, old = tag_step(latest), tag_step(loaded)
+    return f"{new - old} iterations" if new is not None and old is not None else "the iterations between them"
+
+
+@dataclass(frozen=True)
 class RootStatus:
     root: Path
     latest: Optional[str]
@@ -179,19 +203,47 @@ class RootStatus:
         return next((t.tag for t in reversed(self.tags) if t.native), None)
 
     def latest_problem(self) -> Optional[str]:
-        """Why the tag in ``latest`` cannot be resumed at another DP size yet, in words (None: it can)."""
+        """Why the tag in ``latest`` cannot be loaded as it is named, in words (None: nothing known against it)."""
         if self.latest is None:
             return f"{self.root}: no '{F.LATEST}' file: nothing to resume from"
         if self.latest_missing:
             return f"{self.root / F.LATEST} names {self.latest}, which is not a checkpoint under {self.root}"
-        if self.latest_converted:
-            return None
         row = next(t for t in self.tags if t.tag == self.latest)
-        detail = f" ({row.detail})" if row.detail else ""
-        return (
-            f"the latest tag {self.latest} has no complete universal checkpoint: its twin is "
-            f"{row.universal.value}{detail}"
-        )
+        return f"{self.latest}: {row.verdict}" if row.verified == "unsound" else None
+
+    def resume_answer(self) -> "ResumeAnswer":
+        """What a restart of this root does (the hooks' fallback on, any DP size: a DP change reads the native
+        files), from what is known without reading a rank file: the tags' folders and their recorded verdicts.
+        The fallback's own order: the tag ``latest`` names, then the older native tags, newest first."""
+        if self.latest is None:
+            newest = self.newest_native()
+            if newest is None:
+                return ResumeAnswer(None, f"{self.root}: no '{F.LATEST}' file and no checkpoint: nothing to resume")
+            return ResumeAnswer(
+                None,
+                f"{self.root}: no '{F.LATEST}' file: a restart starts from scratch (DeepSpeed and Megatron load what "
+                f"it names); {to_repoint(self)}",
+            )
+        rows = [t for t in self.tags if t.universal is not UniversalStatus.UNREADABLE]
+        names = [t.tag for t in rows]
+        older = rows[: names.index(self.latest)] if self.latest in names else rows
+        refused = [] if self.latest in names else [f"{self.latest}: not a checkpoint under {self.root}"]
+        for row in [r for r in rows if r.tag == self.latest] + [r for r in reversed(older) if r.native]:
+            if not row.native:
+                refused.append(f"{row.tag}: not a checkpoint under {self.root}")
+            elif row.verified == "unsound":
+                refused.append(f"{row.tag}: {row.verdict}")
+            else:
+                known = "found sound" if row.verified == "sound" else "not read yet: its load checks it"
+                if not refused:
+                    return ResumeAnswer(row.tag, f"a restart resumes from {row.tag} ({known})")
+                return ResumeAnswer(
+                    row.tag,
+                    f"a restart falls back to {row.tag} ({known}; loses {_iterations(self.latest, row.tag)}): "
+                    + "; ".join(refused),
+                    fallback=True,
+                )
+        return ResumeAnswer(None, "no tag here can be resumed: " + "; ".join(refused))
 
     def to_json(self) -> dict:
         return {
@@ -409,86 +461,8 @@ def _verdict(root: Path, tag: str, native_dir: Path) -> dict:
     return {"verified": "sound" if verdict.sound else "unsound", "verdict": verdict.describe()}
 
 
-def _size(n: Optional[int]) -> str:
-
-    return "-" if n is None else human_bytes(n)
-
-
-def format_status(rs: RootStatus) -> str:
-    """A table, one row per tag, then the details that do not fit in it."""
-    hf = any(t.hf_export for t in rs.tags)
-    header = ("tag", "native", "verified", "universal", "DP", "native size", "universal size", "conversion")
-    header += ("HF export",) if hf else ()
-    table = [header]
-    for t in rs.tags:
-        marks = (" [latest]" if t.latest else "") + (" [latest_universal]" if t.latest_universal else "")
-        uni = t.universal.value + (f" {t.detail}" if t.universal is UniversalStatus.IN_PROGRESS and t.detail else "")
-        table.append(
-            (
-                t.tag + marks,
-                "yes" if t.native else "no",
-                (t.verified or "-") if t.native else "-",
-                uni,
-                (str(t.dp) if t.dp is not None else "-") + (f" (EP={t.ep})" if t.ep is not None else ""),
-                _size(t.native_bytes),
-                _size(t.universal_bytes),
-                B.fmt_seconds(t.seconds),
-                *((t.hf_export or "-",) if hf else ()),
-            )
-        )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = [f"{rs.root}: latest = {rs.latest or '-'}, latest_universal = {rs.latest_universal or '-'}"]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
-    notes = [
-        f"  {t.tag}: {t.universal.value}: {t.detail}"
-        for t in rs.tags
-        if t.detail and t.universal is not UniversalStatus.IN_PROGRESS
-    ]
-    notes += [f"  {t.tag}: {t.verified}: {t.verdict}" for t in rs.tags if t.verified in ("unsound", "outdated")]
-    notes += [f"  {t.hf_detail}" for t in rs.tags if t.hf_export not in (None, TwinState.COMPLETE.value, "removed")]
-    notes += [f"  {problem}" for problem in rs.problems]
-    if rs.last_fallback is not None:
-        f = rs.last_fallback
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(f.get("at", 0))))
-        failed = "; ".join(f"{x.get('tag')}: {(x.get('problems') or ['?'])[0]}" for x in f.get("failed") or [])
-        notes.append(
-            f"  last restart that fell back ({when}): loaded {f.get('loaded')} ({f.get('lost')} lost): {failed}"
-        )
-    if notes:
-        lines += ["", "details:"] + notes
-    lines += [""] + ([f"background converters: {c}" for c in rs.converters] or ["background converters: none running"])
-    latest_row = next((t for t in rs.tags if t.tag == rs.latest), None)
-    if latest_row is not None and latest_row.verified == "unsound":
-        sound = [t.tag for t in rs.tags if t.verified == "sound"]
-        newest = f"the newest tag found sound is {sound[-1]}" if sound else "no tag here was found sound"
-        lines.append(f"NOTE: the latest tag {rs.latest} is unsound (see details); {newest}")
-    if rs.latest_missing:
-        lines.append(f"NOTE: {rs.latest_problem()}: a restart would fail; {_to_repoint(rs)}")
-    elif rs.latest is not None and not rs.latest_converted:
-        lines.append(f"NOTE: the latest tag {rs.latest} has no complete universal checkpoint yet; {_to_convert(rs)}")
-    lines.append(CHECKED_SHALLOW)
-    return "\n".join(lines)
-
-
-def _to_repoint(rs: RootStatus) -> str:
+def to_repoint(rs: RootStatus) -> str:
     newest = rs.newest_native()
     if newest is None:
         return "no native tag is here to point it at"
     return f"`echo {newest} > {rs.root / F.LATEST}` points it at the newest tag here"
-
-
-def _to_convert(rs: RootStatus) -> str:
-    """The command that converts the latest tag as its twin stands now (a folder already there needs --force;
-    one a converter is writing needs nothing but time)."""
-    row = next(t for t in rs.tags if t.tag == rs.latest)
-    if row.universal in (UniversalStatus.IN_PROGRESS, UniversalStatus.PENDING):
-        return f"the background converter is on it ({row.universal.value})"
-    twin = rs.root / F.universal_tag(row.tag)
-    force = " --force" if twin.exists() or twin.is_symlink() else ""
-    return f"`megatron-ucp convert {rs.root} --tag {row.tag}{force}` makes it"
-
-
-CHECKED_SHALLOW = (
-    "checked: folder names, markers, manifests and the model states' sizes; no rank file or tensor was read "
-    "(--deep reads and verifies every file)"
-)

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-shard-size", type=float, default=2.0, metavar="GIB", help="per safetensors file (2)")
     p.add_argument("--workers", type=int, default=2, help="writer threads of a conversion run first (2)")
     p.add_argument("--force", action="store_true", help="replace an existing export folder")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 

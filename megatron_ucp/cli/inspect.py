@@ -42,6 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--ds-version", default="0.19.8", help="DeepSpeed version for --group-numels")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="accepted as every command accepts it (inspect reads metadata only and shows no progress bar)",
+    )
     p.set_defaults(func=run)
 
 

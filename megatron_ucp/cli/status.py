@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_ucp.background.status import format_status, root_status
+from megatron_ucp.background.status import root_status
+from megatron_ucp.background.status_text import format_status, not_a_root
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,8 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--check",
         action="store_true",
-        help="exit 1, saying why, when the tag in 'latest' cannot be resumed at another DP size yet "
-        "(no such tag, or no complete universal checkpoint)",
+        help="say what a restart would load (the tag in 'latest', or the tag the fallback would load instead, from "
+        "the verdicts recorded; with --deep, after reading every file) and exit 1 when it would load none",
     )
     p.add_argument(
         "--deep",
@@ -35,12 +36,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "file count, each complete universal folder against its manifest and, bit for bit, its native tag; "
         "exit 1 when any is damaged",
     )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (with --deep)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    wrong = not_a_root(args.root)
+    if wrong is not None:
+        print(f"megatron-ucp status: {wrong}", file=sys.stderr)
+        return 1
     rs = root_status(args.root, sizes=not args.no_sizes)
-    deep = _deep(rs, progress=not args.json) if args.deep else None
+    deep = None
+    if args.deep:
+        deep = _deep(rs, progress=not args.json and not args.no_progress)
+        rs = root_status(args.root, sizes=not args.no_sizes)  # with the verdicts the deep check recorded
     if args.json:
         out = rs.to_json()
         if deep is not None:
@@ -56,15 +65,16 @@ def run(args: argparse.Namespace) -> int:
     if deep is not None and any(problems for _, problems in deep.values()):
         code = 1
     if args.check:
-        problem = rs.latest_problem()
-        if problem is not None:
-            print(f"megatron-ucp status --check: {problem}", file=sys.stderr)
+        answer = rs.resume_answer()
+        print(f"megatron-ucp status --check: {answer.said}", file=sys.stderr)
+        if answer.tag is None:
             code = 1
     return code
 
 
 def _deep(rs, progress: bool) -> dict[str, tuple[str, list[str]]]:
     """Per tag: one line saying what was read and found, and the problems (each naming its file)."""
+    from megatron_ucp.background.store import record_verdict, tag_identity
     from megatron_ucp.convert.native_verify import verify_native  # these import torch
     from megatron_ucp.convert.verify import verify_universal
 
@@ -73,7 +83,9 @@ def _deep(rs, progress: bool) -> dict[str, tuple[str, list[str]]]:
         said, problems = [], []
         native = rs.root / row.tag
         if row.native:
+            identity = tag_identity(native)  # the files as they are before they are read
             report = verify_native(native, progress=progress)
+            record_verdict(rs.root, row.tag, report.problems, "megatron-ucp status --deep", identity)
             said.append(
                 f"native: {report.files} files read, "
                 + (f"sound ({report.elements} elements finite)" if report.ok else f"{len(report.problems)} problem(s)")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from packaging.version import Version
+
 from megatron_ucp.deepspeed.versions import SAVED_FILES
 from megatron_ucp.errors import UcpError
 from megatron_ucp.plan.llama_shapes import PRESETS, LlamaShape, preset
@@ -71,8 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--ds-version",
         choices=sorted(SAVED_FILES),
-        default="0.19.8",
-        help="the DeepSpeed release whose files to write (default 0.19.8)",
+        help="the DeepSpeed release whose files to write (default 0.19.8; with --experts the newest release whose "
+        "mixture-of-experts files are on record, 0.19.5: the fork does not import 0.19.8)",
     )
     p.add_argument("--record", action="store_true", help="as saved with megatron-ucp's hooks (true lengths, ...)")
     p.add_argument(
@@ -81,10 +83,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="megatron",
         help="megatron: Megatron-DeepSpeed's client state (default); plain: a bare DeepSpeed engine",
     )
-    p.add_argument("--iteration", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--iteration", type=int, default=100, help="the iteration saved: the tag is global_stepN (default 100)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic values (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
+
+
+def default_release(experts: bool) -> str:
+    """0.19.8, or with experts the newest release whose mixture-of-experts files are on record."""
+    if not experts:
+        return "0.19.8"
+    return max((v for v, facts in SAVED_FILES.items() if facts.moe is not None), key=Version)
 
 
 def shape_from(args: argparse.Namespace) -> LlamaShape:
@@ -117,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         pipeline=args.pipeline or args.pp > 1,
         optimizer=args.optimizer,
         zero_stage=args.zero_stage,
-        ds_version=args.ds_version,
+        ds_version=args.ds_version or default_release(bool(args.experts)),
         record=args.record,
         flavour=args.flavour,
         iteration=args.iteration,

@@ -17,18 +17,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "files one checkpoint of one save, every partition what the save recorded when it was saved through the "
         "hooks, every real element of the masters and optimizer states finite), and its universal twin, when "
         "there is one, is verified and compared bit for bit with the tag. A native tag's verdict is recorded in its "
-        "root's .ucp/ store, when it has one, for `megatron-ucp status`.",
+        "root's .ucp/ store, for `megatron-ucp status` and a restart's fallback.",
     )
     p.add_argument("path", type=Path, help="a universal folder, a checkpoint root or a native tag folder")
     p.add_argument("--tag", help="with a checkpoint root: the tag whose twin to verify (default: 'latest')")
     p.add_argument("--source", type=Path, help="compare with this native tag folder (or root) instead")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     # these import torch: only for this command
-    from megatron_ucp.background.store import record_verdict, tag_identity, ucp_dir
+    from megatron_ucp.background.store import record_verdict, tag_identity
     from megatron_ucp.convert.native_verify import verify_native
     from megatron_ucp.convert.universal import is_universal_folder
     from megatron_ucp.convert.verify import twin_of, verify_universal
@@ -41,14 +41,12 @@ def run(args: argparse.Namespace) -> int:
         identity = tag_identity(tag_dir)  # the files as they are before they are read
         native = verify_native(tag_dir, progress=not args.no_progress)
         reports.append(native)
-        if ucp_dir(tag_dir.parent).is_dir():  # a root the hooks keep a store in: status shows the verdict
-            record_verdict(tag_dir.parent, tag_dir.name, native.problems, "megatron-ucp verify", identity)
+        # in the root's store (made if needed), where `megatron-ucp status` and a restart's fallback read it
+        record_verdict(tag_dir.parent, tag_dir.name, native.problems, "megatron-ucp verify", identity)
         if twin is None:
-            print(
-                f"{tag_dir}: no universal twin to verify (`megatron-ucp convert {tag_dir.parent} --tag {tag_dir.name}` "
-                "makes it)",
-                file=sys.stderr,
-            )
+            if native.ok:  # nothing missing: a DP change reads the native files; the twin is for other changes
+                absent = f"{tag_dir}: no universal twin (`megatron-ucp convert {tag_dir.parent} --tag {tag_dir.name}`"
+                print(f"{absent} makes one, for --universal-checkpoint or a TP or PP change)", file=sys.stderr)
         else:
             source = args.source if args.source is not None else tag_dir if native.ok else None
             reports.append(verify_universal(twin, source, progress=not args.no_progress))

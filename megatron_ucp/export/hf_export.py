@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,6 +202,7 @@ def _write_shard(path: Path, tensors: list[HfTensor], masters: _Masters, dtype: 
             bar.update(nbytes)
         specs[t.name] = (list(t.shape), start, at - start)
     _safetensors().serialize_file(_specs(specs, buffer, name), str(path), {"format": "pt"})
+    os.chmod(path, 0o644)  # safetensors writes through a private temporary file (0600): readable as every other file
     osio.fsync_path(path)  # durable before the commit, as every file of a universal folder
     return int(path.stat().st_size)
 

@@ -49,7 +49,7 @@ from megatron_ucp.format.torchload import structure_problems, torch_reader_probl
 from megatron_ucp.integration import log_visibility
 from megatron_ucp.integration.collectives import Failure, agreed, decide_on_first, is_first
 from megatron_ucp.integration.fallback import load_with_fallback
-from megatron_ucp.integration.finite_load import refuse_non_finite
+from megatron_ucp.integration.finite_load import Origins, refuse_non_finite
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.live_layout import current_layout
 from megatron_ucp.integration.model_states_load import one_model_states_file_per_rank
@@ -315,7 +315,7 @@ def _load_tag(
                 restore_module=False,
                 states=outcome.states,
             )
-        return _finite(self, outcome.result, config)
+        return _finite(self, outcome.result, config, outcome.origins)
     if decision.convert and surface.node_local_storage(self):
         raise UnsupportedError(
             f"{decision.message}, but checkpoint.use_node_local_storage keeps each node's "
@@ -345,10 +345,11 @@ def _load_tag(
     return _finite(self, result, config)
 
 
-def _finite(engine: Any, result: Any, config: UcpConfig) -> Any:
-    """The load's result, once every rank's masters and optimizer states are known to be finite."""
+def _finite(engine: Any, result: Any, config: UcpConfig, origins: Optional[Origins] = None) -> Any:
+    """The load's result, once every rank's masters and optimizer states are known to be finite (``origins``: a
+    native reshard's, naming the old rank files a finding came from)."""
     if isinstance(result, tuple) and result[0] is not None:
-        refuse_non_finite(engine, Path(result[0]).parent, config.strict)
+        refuse_non_finite(engine, Path(result[0]).parent, config.strict, origins)
     return result
 
 

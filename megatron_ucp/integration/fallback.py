@@ -25,6 +25,8 @@ that tag alone. If no tag passes, one error lists each tag's problem.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import logging
 import os
 import time
@@ -32,7 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from megatron_ucp.background.store import read_verdict, record_fallback, record_verdict, tag_identity
+from megatron_ucp.background.store import (
+    FALLBACKS_LOG,
+    read_fallbacks,
+    read_verdict,
+    record_fallback,
+    record_verdict,
+    tag_identity,
+    ucp_dir,
+)
 from megatron_ucp.convert.universal import COMPLETE, source_identity, universal_state
 from megatron_ucp.deepspeed.folder import is_native_tag
 from megatron_ucp.deepspeed.reader import find_checkpoint_files
@@ -88,7 +98,7 @@ def load_with_fallback(
             as_before.restore()
         loads += 1
         if failed and is_first():
-            _announce(root, failed, tag, latest)
+            _announce(root, failed, tag, latest, _repeats(root, latest, tag))
         try:
             result = load(None if tag == latest else _name_to_load(tag, universal))
         except (CheckpointFormatError, AccountingError) as exc:  # raised on every rank alike, nothing trained
@@ -97,7 +107,7 @@ def load_with_fallback(
                 log.error("megatron-ucp: the restart cannot load %s: %s", tag, _short(str(exc)))
             continue
         if failed and is_first():
-            _record(root, failed, tag, latest)
+            _record(root, failed, tag, latest, _repeats(root, latest, tag))
         return result
     raise CheckpointFormatError(_none_passed(root, failed), subject=root / F.LATEST)
 
@@ -193,8 +203,38 @@ def _lost(latest: str, loaded: str) -> str:
     return f"{new - old} iterations" if new is not None and old is not None else "the iterations between them"
 
 
-def _announce(root: Path, failed: list[Failed], tag: str, latest: str) -> None:
+def _repeats(root: Path, latest: str, tag: str) -> int:
+    """How many earlier restarts (the store's record) fell back from ``latest``, its files as they are now, to
+    ``tag``: the same work lost again at each (a later save of ``latest`` that is damaged anew starts a new count)."""
+    files = _identity(root, latest)
+    return sum(
+        1
+        for e in read_fallbacks(root)
+        if e.get("latest") == latest and e.get("loaded") == tag and e.get("latest_files", files) == files
+    )
+
+
+def _identity(root: Path, tag: str) -> str:
+    """A digest of the tag's files as they are (names, sizes, times; a 768-rank save lists 800 files)."""
+    return hashlib.sha256(json.dumps(tag_identity(root / tag), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _announce(root: Path, failed: list[Failed], tag: str, latest: str, repeats: int) -> None:
     lines = "\n  ".join(f"{f.tag}: {_short(f.first())}" for f in failed)
+    if repeats:
+        new, old = tag_step(latest), tag_step(tag)
+        total = f"{(repeats + 1) * (new - old)} iterations" if new is not None and old is not None else "more"
+        log.error(
+            "megatron-ucp: !!! REPEATED FALLBACK: this is restart %d to fall back from %s to %s (%s lost in all, "
+            "recorded in %s): every restart since the first has trained the same iterations again. The job does "
+            "not get past %s: look at its log before requeueing it (docs/resume.md: stopping a requeue loop)",
+            repeats + 1,
+            latest,
+            tag,
+            total,
+            ucp_dir(root) / FALLBACKS_LOG,
+            latest,
+        )
     log.warning(
         "megatron-ucp: !!! FALLING BACK: %s names %s, which cannot be resumed:\n  %s\n"
         "loading %s instead (loses %s); nothing of the failed tag(s) is changed (--ucp-no-fallback: stop instead)",
@@ -206,7 +246,7 @@ def _announce(root: Path, failed: list[Failed], tag: str, latest: str) -> None:
     )
 
 
-def _record(root: Path, failed: list[Failed], tag: str, latest: str) -> None:
+def _record(root: Path, failed: list[Failed], tag: str, latest: str, repeats: int) -> None:
     """The restart's fallback and each failed tag's verdict, in the store (never raises: the job goes on)."""
     for f in failed:
         if f.problems and "(found by " not in f.problems[0]:  # not already a recorded verdict
@@ -216,6 +256,8 @@ def _record(root: Path, failed: list[Failed], tag: str, latest: str) -> None:
         "latest": latest,
         "loaded": tag,
         "lost": _lost(latest, tag),
+        "repeat": repeats + 1,
+        "latest_files": _identity(root, latest),
         "failed": [{"tag": f.tag, "problems": list(f.problems[:5])} for f in failed],
     }
     record_fallback(root, entry)

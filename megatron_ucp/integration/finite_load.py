@@ -9,14 +9,16 @@ where the engine keeps it (host or device), in chunks; a refusal is a
 newest older tag (:mod:`megatron_ucp.integration.fallback`), or stops naming the folder. ``strict=False``: one
 warning per rank instead. Only real elements are looked at (:func:`~megatron_ucp.integration.live_partitions.
 live_groups`: each parameter's fragment in this rank's partition), named by parameter and state: ZeRO-3 leaves a
-partition's padding uninitialized, and what sits there is no one's value.
+partition's padding uninitialized, and what sits there is no one's value. After a native reshard (:class:`Origins`)
+each finding names the old rank file(s) its elements were copied from: the file to look at, or to restore.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -25,6 +27,7 @@ from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import comm
 from megatron_ucp.integration.live_partitions import live_groups
+from megatron_ucp.plan.reshard import Read, pieces_in
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +54,32 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     )
 
 
-def _loaded(engine: Any) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(parameter, state, its real elements) of every master and floating optimizer state of this rank that holds
-    a NaN or Inf anywhere (a partition found finite whole is not cut into its parameters)."""
+@dataclass(frozen=True)
+class Origins:
+    """Where a native reshard's copy took this rank's partitions from: its reads per live partition (the order
+    :func:`live_groups` gives) and old position -> rank file."""
+
+    reads: Sequence[Sequence[Read]]
+    rank_file: Callable[[int], Path]
+
+    def files(self, group: int, offset: int, tensor: torch.Tensor) -> list[str]:
+        """The names of the old rank files whose elements in ``tensor`` (at ``offset`` of partition ``group``) are
+        not finite."""
+        ranks = {
+            rank
+            for rank, first, end in pieces_in(self.reads[group], offset, offset + tensor.numel())
+            if not _all_finite(tensor[first - offset : end - offset])
+        }
+        return [self.rank_file(rank).name for rank in sorted(ranks)]
+
+
+def _loaded(engine: Any) -> Iterator[tuple[int, int, str, str, torch.Tensor]]:
+    """(partition, offset in it, parameter, state, its real elements) of every master and floating optimizer state
+    of this rank that holds a NaN or Inf anywhere (a partition found finite whole is not cut into its parameters)."""
     optimizer = engine.optimizer
     names = surface.param_names(engine)
     base = surface.base_optimizer(optimizer)
-    for group in live_groups(optimizer, names):
+    for index, group in enumerate(live_groups(optimizer, names)):
         kept = base.state.get(group.flat, {})
         tensors = [(F.FP32_STATE, group.flat)] + [
             (name, value)
@@ -68,23 +90,28 @@ def _loaded(engine: Any) -> Iterator[tuple[str, str, torch.Tensor]]:
         for fragment in group.fragments:
             for name, tensor in suspects:
                 yield (
+                    index,
+                    fragment.offset,
                     names.get(fragment.lp, "?"),
                     name,
                     tensor.reshape(-1)[fragment.offset : fragment.offset + fragment.numel],
                 )
 
 
-def refuse_non_finite(engine: Any, folder: Path, strict: bool) -> None:
+def refuse_non_finite(engine: Any, folder: Path, strict: bool, origins: Optional[Origins] = None) -> None:
     """Raises on the ranks whose masters or optimizer states hold NaN or Inf (``strict``; else warns there); the
     load's agreement (:func:`~megatron_ucp.integration.collectives.agreed`) makes it every rank's error. No
-    collective here: another group's load may have failed before this point."""
+    collective here: another group's load may have failed before this point. ``origins``: a native reshard's,
+    so that each finding names the old rank file(s) it came from."""
     rank = comm().get_rank()
     found = []
     with torch.no_grad():
-        for param, name, tensor in _loaded(engine):
+        for index, offset, param, name, tensor in _loaded(engine):
             nan, inf = non_finite(tensor)
             if nan or inf:
-                found.append(f"'{name}' of {param}: {nan} NaN and {inf} Inf of {tensor.numel()}")
+                files = origins.files(index, offset, tensor) if origins is not None else []
+                source = f", copied from {' and '.join(files)}" if files else ""
+                found.append(f"'{name}' of {param}: {nan} NaN and {inf} Inf of {tensor.numel()}{source}")
     what = (
         f"{folder}: rank {rank} loaded masters or optimizer states that are not finite "
         f"({'; '.join(found[:4])}{' ...' if len(found) > 4 else ''}): resuming would train on NaN"

@@ -34,6 +34,7 @@ from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.binding import BoundSave, bind_save
 from megatron_ucp.integration.collectives import is_first
+from megatron_ucp.integration.finite_load import Origins
 from megatron_ucp.integration.model_states_load import ClientStates, one_model_states_file_per_rank
 from megatron_ucp.integration.module_read import (
     SavedWeights,
@@ -113,6 +114,8 @@ class ReshardOutcome:
     load_path: Optional[Path] = None
     report: Optional[AccountingReport] = None
     states: Optional[dict] = None
+    origins: Optional[Origins] = None
+    """Where the copy took this rank's partitions from (a NaN found after the load names its old rank file)."""
 
 
 def reshard_load(
@@ -137,6 +140,7 @@ def reshard_load(
         engine, model_states, rank_file, seen_states if is_first() else None, requantize=config.requantize_8bit
     )
     reports: list[AccountingReport] = []
+    origins = Origins(bound.reads, rank_file)
 
     def partitions(self: Any, _dir: str, _tag: str, load_optimizer_states: bool) -> bool:
         reports.append(load_native_partitions(self.optimizer, bound, strict=config.strict))
@@ -170,7 +174,7 @@ def reshard_load(
                 "not restored",
                 subject=Path(load_dir) / tag,
             )
-        return ReshardOutcome(result, Path(load_path), reports[0], read.of(Path(load_path)))
+        return ReshardOutcome(result, Path(load_path), reports[0], read.of(Path(load_path)), origins)
     saved = _saved_slices(engine, bound, model_states) if distributed else None
     try:
         report = load_native_partitions(engine.optimizer, bound, strict=config.strict, saved=saved)
@@ -191,7 +195,7 @@ def reshard_load(
             if refreshed
             else ""
         )
-    return ReshardOutcome(result, Path(load_path), report.with_more(extras=[module]), read.of(Path(load_path)))
+    return ReshardOutcome(result, Path(load_path), report.with_more(extras=[module]), read.of(Path(load_path)), origins)
 
 
 _NO_STATES = {"load_optimizer_states": False}

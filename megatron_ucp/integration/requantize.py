@@ -60,6 +60,8 @@ class Requantized:
     """Elements quantized to 8 bits (0: the partition keeps fp32 values, as bitsandbytes would for its size)."""
     max_error: float
     """Largest |value after - value before| over both states, relative to its block's scale."""
+    kept: int = 0
+    """Elements of a partition under ``min_8bit_size``, whose states stay fp32 values."""
 
 
 def requantize_partition(base: Any, flat: torch.Tensor, blocksize: int) -> Requantized:
@@ -73,7 +75,7 @@ def requantize_partition(base: Any, flat: torch.Tensor, blocksize: int) -> Requa
     )
     config = base.get_config(gindex, pindex, base.param_groups[gindex])
     if config["optim_bits"] != 8 or flat.numel() < config["min_8bit_size"]:
-        return Requantized(0, 0.0)
+        return Requantized(0, 0.0, flat.numel())
     if "dynamic" not in base.name2qmap:
         base.fill_qmap()
     worst = 0.0
@@ -93,13 +95,16 @@ def requantize_partitions(base: Any, masters: Sequence[torch.Tensor], group: Any
     are the job's); returns the summary's words for it."""
     blocksize = blocksize_of_live(base)
     done = [requantize_partition(base, master, blocksize) for master in masters]
-    totals = torch.tensor([float(sum(d.elements for d in done))], dtype=torch.float64, device=device())
+    totals = torch.tensor(
+        [float(sum(d.elements for d in done)), float(sum(d.kept for d in done))], dtype=torch.float64, device=device()
+    )
     worst = torch.tensor([max((d.max_error for d in done), default=0.0)], dtype=torch.float64, device=device())
     comm().all_reduce(totals, group=group)
     comm().all_reduce(worst, op=comm().ReduceOp.MAX, group=group)
+    quantized, kept = (int(x) for x in totals.tolist())
     return (
         f"bitsandbytes' 8-bit states read as values and quantized again (--ucp-requantize-8bit, not exact): partitions "
-        f"of {int(totals.item())} elements in 8-bit blocks of {blocksize}, largest change {worst.item():.3g} of a "
-        "block's scale, smaller partitions kept in fp32 as bitsandbytes keeps them; the codes read checked against the "
-        "save's checksums"
+        f"of {quantized} elements in 8-bit blocks of {blocksize}, largest change {worst.item():.3g} of a block's "
+        f"scale; partitions of {kept} elements kept in fp32 (each under bitsandbytes' min_8bit_size, as bitsandbytes "
+        "keeps them); the codes read checked against the save's checksums"
     )

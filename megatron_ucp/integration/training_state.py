@@ -18,7 +18,7 @@ from megatron_ucp.deepspeed.reader import flatten_module_states, load_torch_file
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.plan.accounting import Problem, ProblemKind
 from megatron_ucp.plan.names import counterpart_names
-from megatron_ucp.plan.resume import restored_global_samples
+from megatron_ucp.plan.resume import SCHEDULE_FLAGS, restored_global_samples, schedule_difference
 
 
 def check_training_state(
@@ -69,17 +69,26 @@ def check_training_state(
                     "the engine has an LR scheduler but the checkpoint saved none: it would restart its schedule",
                 )
             )
-        elif scheduler.state_dict() != saved:
-            problems.append(
-                Problem(
-                    ProblemKind.TRAINING_STATE,
-                    None,
-                    "lr_scheduler",
-                    f"scheduler state {scheduler.state_dict()} differs from the checkpoint's {saved}",
-                )
-            )
         else:
-            extras.append("lr scheduler restored")
+            progress, settings = schedule_difference(scheduler.state_dict(), saved)
+            if getattr(scheduler, "override_opt_param_scheduler", False):
+                settings = []  # the run asked for its own values (Megatron keeps them over the checkpoint's)
+            if progress:
+                what = "; ".join(progress)
+                problems.append(Problem(ProblemKind.TRAINING_STATE, None, "lr_scheduler", f"not restored: {what}"))
+            if settings:
+                problems.append(
+                    Problem(
+                        ProblemKind.COMMAND_LINE,
+                        None,
+                        "lr_scheduler",
+                        f"this run's learning-rate schedule is not the checkpoint's ({'; '.join(settings)}): this "
+                        "run's --train-iters, --lr-decay-iters, --lr-warmup-iters, --lr or --min-lr set it; "
+                        f"{SCHEDULE_FLAGS}",
+                    )
+                )
+            if not progress and not settings:
+                extras.append("lr scheduler restored")
     elif saved is not None and scheduler is None:
         extras.append("lr scheduler state left to the client (no DeepSpeed scheduler)")
     return problems, extras

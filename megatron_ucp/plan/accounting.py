@@ -81,6 +81,7 @@ class ProblemKind(enum.Enum):
     TRAINING_STATE = "training state not restored"
     MODULE_TENSOR = "module buffer or frozen parameter not restored"
     RANK_FAILURE = "a rank failed while loading"
+    COMMAND_LINE = "this run's command line differs from the checkpoint"
 
 
 @dataclass(frozen=True)
@@ -155,8 +156,12 @@ class AccountingReport:
             raise AccountingError(
                 f"{'universal checkpoint load' if self.route == 'universal load' else self.route} is incomplete "
                 f"({len(self.problems)} problem(s)):\n  {shown}{more}\n"
-                "Fix or reconvert the checkpoint; pass strict=False (MEGATRON_UCP_STRICT=0) only for a "
-                "deliberate partial load.",
+                + (
+                    "The checkpoint is not at fault: run with the checkpoint's values, or with the flag named above."
+                    if all(p.kind is ProblemKind.COMMAND_LINE for p in self.problems)
+                    else "Fix or reconvert the checkpoint; pass strict=False (MEGATRON_UCP_STRICT=0) only for a "
+                    "deliberate partial load."
+                ),
                 subject=list(self.problems),
             )
         if not verbose:

@@ -129,3 +129,15 @@ def reshard_reads(
 def source_ranks(reads: Sequence[Sequence[Read]]) -> list[int]:
     """The old rank files a new rank opens (sorted, each once)."""
     return sorted({read.source_rank for group in reads for read in group})
+
+
+def pieces_in(reads: Sequence[Read], start: int, stop: int) -> list[tuple[int, int, int]]:
+    """``(old rank file position, first, end)`` of each read of one live partition (``reads``: that partition's)
+    that landed in ``[start, stop)`` of it, clipped to it, in order: where the values found there came from (a
+    NaN found after the copy is named with its file). Offsets no read covers are padding (zero-filled)."""
+    out = []
+    for read in sorted(reads, key=lambda r: r.target_offset):
+        first, end = max(start, read.target_offset), min(stop, read.target_offset + read.length)
+        if first < end:
+            out.append((read.source_rank, first, end))
+    return out

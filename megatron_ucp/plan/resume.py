@@ -277,7 +277,7 @@ def check_global_batch(
     return (
         f"GLOBAL BATCH CHANGED on resume: the checkpoint was trained with a global batch of {checkpoint_batch} "
         f"(DP={checkpoint_dp}), this run uses {current_batch} (DP={current_dp}). The LR schedule and "
-        "consumed-sample counts assume the old batch; set train_batch_size to "
+        "consumed-sample counts assume the old batch; set train_batch_size (Megatron's --global-batch-size) to "
         f"{checkpoint_batch} to continue the same run."
     )
 
@@ -295,3 +295,22 @@ def restored_global_samples(
     if steps is None:
         return None
     return int(steps) * int(checkpoint_batch if checkpoint_batch is not None else current_batch)
+
+
+SCHEDULE_PROGRESS = ("num_steps",)
+"""The learning-rate scheduler's own progress: the one value of its state a load must restore from the checkpoint
+(every other value is set by the run's command line)."""
+SCHEDULE_FLAGS = (
+    "Megatron's --override-opt_param-scheduler trains on with this run's values, "
+    "--use-checkpoint-opt_param-scheduler with the checkpoint's"
+)
+
+
+def schedule_difference(live: Mapping[str, Any], saved: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """How a loaded learning-rate scheduler's state differs from the checkpoint's, in words: (its progress, which
+    the load failed to restore; the schedule's settings, which this run's command line chose: ``--train-iters``,
+    ``--lr-decay-iters``, ``--lr``, ...). Each entry ``key this-run vs checkpoint``."""
+    keys = sorted(set(live) | set(saved), key=str)
+    differ = [k for k in keys if live.get(k) != saved.get(k)]
+    said = {k: f"{k} {live.get(k)!r} (this run) vs {saved.get(k)!r} (the checkpoint)" for k in differ}
+    return [said[k] for k in differ if k in SCHEDULE_PROGRESS], [said[k] for k in differ if k not in SCHEDULE_PROGRESS]

@@ -8,7 +8,6 @@ over the tokenizer's rows. Shared by the model-parallel and ZeRO-3 tests, whose 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,9 +52,10 @@ def same_files(a: Path, b: Path) -> list[str]:
 
 def assert_computes(export: Path, want: torch.Tensor) -> float:
     """The export's logits equal ``want`` (the fork's, padded vocabulary) within :data:`RELATIVE`; the error."""
+    import huggingface_hub.constants
     import transformers
 
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is True  # read at its import: tests/conftest.py set it first
     model = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         got = model(torch.tensor([TOKENS])).logits

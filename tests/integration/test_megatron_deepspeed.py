@@ -31,6 +31,7 @@ from megatron_ucp.convert.universal import read_manifest, universal_state
 from megatron_ucp.convert.verify import verify_universal
 from megatron_ucp.format import dsformat as F
 from tests.integration.mds import MdsModel, MdsResult, MdsRun, point_latest_at, run_mds
+from tests.support.elastic_support import fallback_announcements
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -469,7 +470,8 @@ def test_moe_job_saves_through_the_hooks_and_converts_every_expert_in_the_backgr
     assert sorted(p.name for p in out.glob("layer_*_expert_*")) == experts
     report = verify_universal(out, source=root / "global_step3")
     assert report.ok and report.params == 22, report.problems[:5]
-    from megatron_ucp.background.status import format_status, root_status
+    from megatron_ucp.background.status import root_status
+    from megatron_ucp.background.status_text import format_status
     from megatron_ucp.convert.inspection import format_report, inspect_checkpoint
 
     inspected = format_report(inspect_checkpoint(root, "global_step3", range(1, 9)))  # what `inspect` prints
@@ -674,13 +676,32 @@ def _another_saves_model_states(path: Path) -> None:
 
 
 DAMAGE = {  # what a file system (or a mix-up) does to global_step6, and what the load says of it
-    "flipped-bit": (_flip_a_bit, RANK1_FILE, "checksum"),
-    "nan-in-a-master": (_nan_in_a_master, RANK1_FILE, "checksum"),
+    "flipped-bit": (_flip_a_bit, RANK1_FILE, "checksum mismatch"),
+    "nan-in-a-master": (_nan_in_a_master, RANK1_FILE, "checksum mismatch"),
     "another-saves-model-states": (_another_saves_model_states, RANK1_FILE, F.MODEL_STATES_FILE),
 }
 """A rank file cut short or replaced (unreadable, refused at the binding): the harness's fallback test
 (tests/system/test_fallback.py) and the failed save's below (a folder in its place); a stock save with a NaN: the
 harness's too."""
+
+
+def _damaged_restart(trained, mds_checkout, mds_runs, damage: str) -> tuple[MdsResult, Path]:
+    """The trained run's copy with global_step6 damaged, restarted at DP 3 to iteration 6 (which the fork saves at
+    the end of training): the run, and the copy's root."""
+    optimizer, root, _ = trained
+    harm, name, _ = DAMAGE.get(damage, DAMAGE["another-saves-model-states"])
+
+    def restart(folder: Path):
+        ckpt = folder / "ckpt"
+        shutil.copytree(root, ckpt)
+        harm(ckpt / "global_step6" / name)
+        extra = ["--ucp-no-fallback"] if damage == "no-fallback" else []
+        run = MdsRun(
+            nproc=3, ckpt=ckpt, optimizer=optimizer, save_interval=100, expect_failure=bool(extra), extra_args=extra
+        )
+        return run_mds(mds_checkout, run), ckpt
+
+    return mds_runs.get(f"damage-{damage}-{optimizer}", restart)
 
 
 @pytest.mark.parametrize("trained", ["zero"], indirect=True)
@@ -693,28 +714,44 @@ def test_a_restart_falls_back_past_each_kind_of_damage(trained, mds_checkout, md
     Megatron's additive learning-rate scheduler: the fallback's load must not add to it). ``--ucp-no-fallback``, with
     another save's model states in place: the binding's refusal naming the file, nothing trained."""
     optimizer, root, reference = trained
-    harm, name, said_of_it = DAMAGE.get(damage, DAMAGE["another-saves-model-states"])
-
-    def restart(folder: Path):
-        ckpt = folder / "ckpt"
-        shutil.copytree(root, ckpt)
-        victim = ckpt / "global_step6" / name
-        harm(victim)
-        extra = ["--ucp-no-fallback"] if damage == "no-fallback" else []
-        run = MdsRun(
-            nproc=3, ckpt=ckpt, optimizer=optimizer, save_interval=100, expect_failure=bool(extra), extra_args=extra
-        )
-        return run_mds(mds_checkout, run), ckpt
-
-    res, ckpt = mds_runs.get(f"damage-{damage}-{optimizer}", restart)
+    _, name, said_of_it = DAMAGE.get(damage, DAMAGE["another-saves-model-states"])
+    res, ckpt = _damaged_restart(trained, mds_checkout, mds_runs, damage)
     if damage == "no-fallback":
         assert res.returncode != 0 and not res.losses and "FALLING BACK" not in res.log, res.log[-3000:]
         assert str(ckpt / "global_step6" / F.MODEL_STATES_FILE) in res.log and said_of_it in res.log, res.log[-3000:]
         return
-    said = res.log[res.log.index("FALLING BACK") :]
-    assert "names global_step6, which cannot be resumed" in said and said_of_it in said, said[:3000]
-    assert "loading global_step3 instead (loses 3 iterations)" in said, said[:3000]
+    (said,) = fallback_announcements(res.log)  # the announcement alone: the older tag's own load says other things
+    assert "names global_step6, which cannot be resumed" in said, said
+    assert str(ckpt / "global_step6" / name) in said and said_of_it in said, said
+    assert "loading global_step3 instead (loses 3 iterations)" in said, said
     assert_continues(res, reference, steps=(4, 5, 6), optimizer=optimizer)
+
+
+@pytest.mark.parametrize("trained", ["zero"], indirect=True)
+def test_the_tag_saved_again_after_a_fallback_holds_one_save_and_the_next_restart_resumes_from_it(
+    trained, mds_checkout, mds_runs
+):
+    """The sequence a requeued job meets, under the real fork: global_step6 (DP 4) with a bit flipped, the restart at
+    DP 3 falls back to global_step3 and, training to 6, saves global_step6 again at DP 3 into the same folder (the
+    previous test's run). That folder then holds the DP-3 save alone, and the next restart at DP 3 resumes from it,
+    with no fallback (it used to find the DP-4 save's fourth rank file there, refuse the folder, fall back to
+    global_step3 again and retrain the same iterations at every restart)."""
+    optimizer = trained[0]
+    res, ckpt = _damaged_restart(trained, mds_checkout, mds_runs, "flipped-bit")
+    assert len(fallback_announcements(res.log)) == 1, res.log[-3000:]
+    assert any("already holds a save of global_step6; this save replaces it" in line for line in res.ucp_lines())
+    files = sorted(p.name for p in (ckpt / "global_step6").glob("*optim_states.pt"))
+    assert files == [f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)], files
+    assert (ckpt / "latest").read_text().strip() == "global_step6"
+
+    def again(folder: Path):
+        run = MdsRun(nproc=3, ckpt=ckpt, optimizer=optimizer, save_interval=100, train_iters=6)
+        return run_mds(mds_checkout, run)
+
+    second = mds_runs.get(f"damage-flipped-bit-again-{optimizer}", again)
+    assert second.returncode == 0 and fallback_announcements(second.log) == [], second.log[-3000:]
+    assert "successfully loaded checkpoint from" in second.log and "at iteration 6" in second.log, second.log[-3000:]
+    assert not second.losses  # nothing left to train: it resumed where the re-saved tag ends
 
 
 @pytest.mark.parametrize("trained", ["zero"], indirect=True)  # what a file system does does not depend on the class
@@ -757,5 +794,7 @@ def test_a_restart_falls_back_past_a_damaged_tag_and_a_failed_save_never_becomes
     assert f"{blocked}: write failed: Is a directory" in res.log, res.log[-3000:]
     assert (ckpt / "latest").read_text().strip() == "global_step6"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
-    # every rank raised the one error (none waited in a barrier for the collective timeout, none was killed)
-    assert res.log.count("SaveFailedError: saving global_step5") >= 3, res.log[-3000:]
+    # every rank raised the one error (none waited in a barrier for the collective timeout, none was killed): each
+    # rank's own traceback (torch's "[rankN]:" prefix) ends in it
+    raised = [line for line in res.log.splitlines() if "SaveFailedError: saving global_step5" in line]
+    assert sorted(line.split("]")[0] for line in raised) == ["[rank0", "[rank1", "[rank2"], raised

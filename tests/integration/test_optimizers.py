@@ -20,6 +20,8 @@ failing without megatron-ucp. Per release, only ``adam`` runs (tests/integration
 from __future__ import annotations
 
 import importlib.util
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,14 @@ def _trained(mds_checkout, mds_runs, optimizer: str) -> tuple[Path, MdsResult]:
         return root, run_mds(mds_checkout, run)
 
     return mds_runs.get(f"train-{optimizer}", train)
+
+
+def assert_resumed_and_saved(res: MdsResult) -> None:
+    """A resume ran to its end: trained to iteration 6, saved there through the hooks (the fork saves at the end of
+    training when ``--save`` is set), and exited 0 (a failure in that save or at exit is not hidden by the refused
+    resumes' ``expect_failure``)."""
+    assert res.returncode == 0 and max(res.losses, default=0) == 6, res.log[-3000:]
+    assert "successfully saved checkpoint at iteration       6" in res.log, res.log[-3000:]
 
 
 def _resumed(mds_checkout, mds_runs, optimizer: str, route: str, tp: int = 1, nproc: int = 0, *more: str) -> MdsResult:
@@ -113,6 +123,7 @@ def _converts_and_resumes_through_both_routes(mds_checkout, mds_runs, optimizer:
     native = _resumed(mds_checkout, mds_runs, optimizer, "auto")
     universal = _resumed(mds_checkout, mds_runs, optimizer, "universal")
     for res, route in ((native, "native reshard"), (universal, "universal load")):
+        assert_resumed_and_saved(res)
         summary = assert_accounted(res)
         assert summary.startswith(f"megatron-ucp {route}:") and "DP 4 -> 3" in summary, summary
         assert all(name in summary for name in (scalars or {})), summary
@@ -120,6 +131,7 @@ def _converts_and_resumes_through_both_routes(mds_checkout, mds_runs, optimizer:
     assert {k: universal.losses[k] for k in (4, 5, 6)} == {k: native.losses[k] for k in (4, 5, 6)}
     # TP 1 -> 2 (DP 4 -> 2): through the universal folder, where each TP slice's partitions get the states
     res = _resumed(mds_checkout, mds_runs, optimizer, "auto", tp=2)
+    assert_resumed_and_saved(res)
     assert any("TP changed 1 -> 2" in line for line in res.ucp_lines()), res.ucp_lines()
     summary = assert_accounted(res)
     assert summary.startswith("megatron-ucp universal load:"), summary
@@ -159,20 +171,74 @@ def test_adam8bit_is_refused_by_name_at_a_dp_change_on_every_route_and_resumes_a
     assert_continues(same, reference)
 
 
+REQUANTIZED = re.compile(
+    r"partitions of (\d+) elements in 8-bit blocks of (\d+), largest change ([0-9.e+-]+) of a block's scale; "
+    r"partitions of (\d+) elements kept in fp32"
+)
+
+
+def _group_sizes_at(root: Path, tag: str, dp: int) -> list[int]:
+    """Each param group's elements at ``dp`` (padded to a multiple of ``2 * dp`` as DeepSpeed pads a flat group), from
+    the parameter shapes the save wrote: independent of the project's reader and planner."""
+    shapes = torch.load(root / tag / F.MODEL_STATES_FILE, weights_only=False)["param_shapes"]
+    numels = [sum(math.prod(shape) for shape in group.values()) for group in shapes]
+    return [-(-n // (2 * dp)) * 2 * dp for n in numels]
+
+
 def test_adam8bit_moves_to_dp3_when_asked_to_requantize(mds_checkout, mds_runs):
     """``--ucp-requantize-8bit``: the same save at DP 3 through the native reshard, every 8-bit code read as its
-    value, accounted for, and quantized again by bitsandbytes in the new partitions (the 80-element group's partitions
-    stay fp32, as bitsandbytes keeps them): the summary says so and how far one quantization moved the states; the
-    losses continue the uninterrupted curve (not bit for bit: measured in the test's tolerance)."""
-    _, reference = _trained(mds_checkout, mds_runs, "adam8bit")
+    value, accounted for, and quantized again by bitsandbytes in the new partitions (the norms' group's partitions,
+    108 elements each, stay fp32, as bitsandbytes keeps them): the summary says so, how many elements each way and how
+    far one quantization moved the states; the losses continue the uninterrupted curve (not bit for bit: measured in
+    the test's tolerance)."""
+    root, reference = _trained(mds_checkout, mds_runs, "adam8bit")
     res = _resumed(mds_checkout, mds_runs, "adam8bit", "auto", 1, 3, "--ucp-requantize-8bit")
-    assert res.returncode == 0, res.log[-3000:]
+    assert_resumed_and_saved(res)
     summary = assert_accounted(res)
     assert summary.startswith("megatron-ucp native reshard:") and "DP 4 -> 3" in summary, summary
     assert "state1" in summary and "quantized again (--ucp-requantize-8bit, not exact)" in summary, summary
+    (found,) = REQUANTIZED.findall(summary)
+    quantized, blocksize, change, kept = int(found[0]), int(found[1]), float(found[2]), int(found[3])
+    big, norms = _group_sizes_at(root, "global_step3", 3)
+    # the norms' group: 5 RMSNorm weights of 64 (2 layers x 2, the final one), 320 elements padded to 324 at DP 3;
+    # bitsandbytes' min_8bit_size (4096) between its partitions and the large group's
+    assert norms == 324 and norms // 3 < 4096 <= big // 3, (big, norms)
+    assert (quantized, blocksize, kept) == (big, 256, norms), summary
+    assert 0 < change < 0.02, summary  # one 8-bit rounding of the dynamic map: under 2% of its block's scale
     warned = [line for line in res.ucp_lines() if "--ucp-requantize-8bit: bitsandbytes' 8-bit states" in line]
     assert len(warned) == 1, res.ucp_lines()
     assert_continues(res, reference)
+
+
+def _flip_a_code(path: Path) -> None:
+    """One 8-bit code of param group 0's ``state1`` changed in a rank file (rewritten whole by torch.save)."""
+    states = torch.load(path, weights_only=False)
+    packed = states["optimizer_state_dict"]["base_optimizer_state"]["state"][0][BNB_STATE]
+    assert packed["state1"].dtype == torch.uint8, packed["state1"].dtype
+    packed["state1"][100] ^= 1
+    torch.save(states, path)
+
+
+def test_a_flipped_8bit_code_is_refused_naming_its_file_and_state(mds_checkout, mds_runs, tmp_path: Path):
+    """The codes ``--ucp-requantize-8bit`` reads are checked against the save's own checksums (which are of the codes):
+    one code changed in rank 1's file stops the DP 3 load on every rank, naming that file, param group 0 and
+    ``state1``; nothing trains."""
+    root, _ = _trained(mds_checkout, mds_runs, "adam8bit")
+    ckpt = _restart_copy(root, tmp_path / "ckpt")
+    victim = ckpt / "global_step3" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    _flip_a_code(victim)
+    args = _args("adam8bit", "--ucp-requantize-8bit")
+    run = MdsRun(
+        nproc=3, ckpt=ckpt, train_iters=6, save_interval=100, extra_args=args, ds_extra=UNTESTED, expect_failure=True
+    )
+    res = run_mds(mds_checkout, run)
+    assert res.returncode != 0 and max(res.losses, default=0) <= 3, res.log[-3000:]
+    for rank in range(3):  # each rank's own traceback (torch's "[rankN]:" prefix) ends in the one refusal
+        said = [line for line in res.log.splitlines() if line.startswith(f"[rank{rank}]: ")]
+        raised = [line for line in said if "megatron_ucp.errors.CheckpointFormatError: cannot resume from" in line]
+        why = [line for line in said if line.startswith(f"[rank{rank}]:   global_step3: ")]
+        assert len(raised) == 1 and len(why) == 1, (rank, said[-10:])
+        assert "checksum mismatch" in why[0] and f"{victim}, param group 0's 'state1'" in why[0], why
 
 
 FORK_FAILURES = {

@@ -32,6 +32,23 @@ def ucp_lines(log: str) -> list[str]:
     return [m.group(1) for line in log.splitlines() if (m := UCP_LINE.search(line))]
 
 
+FALLBACK_START = "!!! FALLING BACK: "
+FALLBACK_END = "(--ucp-no-fallback: stop instead)"
+
+
+def fallback_announcements(log: str) -> list[str]:
+    """Each fallback's announcement, from its first words to its last, and nothing else of the log: what a claim of
+    "says which file and why" is checked in (the older tag's own load, logged after it, says other things)."""
+    out = []
+    start = log.find(FALLBACK_START)
+    while start >= 0:
+        end = log.find(FALLBACK_END, start)
+        assert end > start, log[start : start + 3000]
+        out.append(log[start : end + len(FALLBACK_END)])
+        start = log.find(FALLBACK_START, end)
+    return out
+
+
 def summary_lines(log: str) -> list[str]:
     return [line for line in ucp_lines(log) if line.startswith("megatron-ucp universal load:")]
 

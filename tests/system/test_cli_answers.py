@@ -47,38 +47,84 @@ def test_status_of_a_latest_that_names_no_tag_suggests_what_runs(root: Path, cap
     out = capsys.readouterr().out
     note = next(line for line in out.splitlines() if line.startswith("NOTE:"))
     assert "global_step999" in note and "not a checkpoint" in note and "convert" not in note, note
-    assert main(["status", str(root), "--check", "--no-sizes"]) == 1
+    # the restart's fallback loads the tag that is here: --check says so, and that it resumes
+    assert main(["status", str(root), "--check", "--no-sizes"]) == 0
     err = capsys.readouterr().err
-    assert err.startswith("megatron-ucp status --check:") and "global_step999" in err and "not a checkpoint" in err
+    assert err.startswith(f"megatron-ucp status --check: a restart falls back to {TAG} (not read yet"), err
+    assert "loses 899 iterations" in err and "global_step999: not a checkpoint" in err, err
     (command,) = _suggested(note)
     assert _run_suggested(command) == 0
     assert (root / F.LATEST).read_text().strip() == TAG
-    # now the tag exists but is not converted: --check says so, and the command it suggests converts it
-    assert main(["status", str(root), "--check", "--no-sizes"]) == 1
+    # now the tag exists, not converted: a restart resumes from it all the same (a DP change reads the native
+    # files); what the missing twin is for is said, with the command that makes it
+    assert main(["status", str(root), "--check", "--no-sizes"]) == 0
     out, err = capsys.readouterr()
-    assert TAG in err and "no complete universal checkpoint" in err and "absent" in err, err
+    assert err.startswith(f"megatron-ucp status --check: a restart resumes from {TAG}"), err
     note = next(line for line in out.splitlines() if line.startswith("NOTE:"))
+    assert "no complete universal checkpoint" in note and "--universal-checkpoint" in note, note
     (command,) = _suggested(note)
     assert command == f"megatron-ucp convert {root.resolve()} --tag {TAG}"
     assert _run_suggested(command + " --no-progress") == 0
     capsys.readouterr()
     assert main(["status", str(root), "--check", "--no-sizes"]) == 0
     out, err = capsys.readouterr()
-    assert err == "" and "NOTE" not in out
+    assert err.startswith(f"megatron-ucp status --check: a restart resumes from {TAG}") and "NOTE" not in out
     assert out.rstrip().splitlines()[-1].startswith("checked:") and "--deep" in out  # says what it read
 
 
-def test_a_stale_twin_is_suggested_with_force(root: Path, capsys):
+def test_a_stale_twin_suggests_verify_and_then_force(root: Path, capsys):
+    """A twin whose tag's files were written again (a re-save) is stale: status suggests reading the files first,
+    then converting again; both run as printed."""
     assert main(["convert", str(root), "--no-progress"]) == 0
     rank0 = next((root / TAG).glob("*_optim_states.pt"))
     rank0.write_bytes(rank0.read_bytes())  # written again, as a re-save of the tag would
     capsys.readouterr()
     assert main(["status", str(root), "--no-sizes"]) == 0
     out = capsys.readouterr().out
-    note = next(line for line in out.splitlines() if line.startswith("NOTE:"))
-    (command,) = _suggested(note)
-    assert command.endswith("--force"), note
-    assert _run_suggested(command + " --no-progress") == 0
+    stale = next(line for line in out.splitlines() if line.strip().startswith(f"{TAG}: stale:"))
+    verify, convert = _suggested(stale)
+    assert verify == f"megatron-ucp verify {root.resolve()} --tag {TAG}" and convert.endswith("--force"), stale
+    assert _run_suggested(verify + " --no-progress") == 0
+    assert _run_suggested(convert + " --no-progress") == 0
+
+
+def test_a_damaged_tag_is_not_called_stale_advice_and_the_restart_answer_follow_the_verdict(root: Path, capsys):
+    """A twin whose tag lost the end of a rank file: status says the files changed and suggests verify (not a
+    conversion that would fail); verify names the file and records its verdict, after which status calls the tag
+    unsound and says a restart cannot resume (no older tag here), and --check exits 1."""
+    assert main(["convert", str(root), "--no-progress"]) == 0
+    victim = root / TAG / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    with open(victim, "r+b") as fh:
+        fh.truncate(victim.stat().st_size - 100)
+    capsys.readouterr()
+    assert main(["status", str(root), "--no-sizes"]) == 0
+    out = capsys.readouterr().out
+    stale = next(line for line in out.splitlines() if line.strip().startswith(f"{TAG}: stale:"))
+    assert "re-saved, or damaged" in stale and "verify" in _suggested(stale)[0], stale
+    assert not any(line.startswith("NOTE:") and "convert" in line for line in out.splitlines()), out
+    assert main(["verify", str(root), "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert str(victim) in captured.err and "no universal twin" not in captured.err, captured.err
+    assert main(["status", str(root), "--check", "--no-sizes"]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("megatron-ucp status --check: no tag here can be resumed: ") and str(victim) in err, err
+    row = next(line for line in out.splitlines() if line.startswith(TAG))
+    assert " unsound " in row, row
+
+
+@pytest.mark.parametrize("where", ["empty", "tag", "parent"])
+def test_status_of_a_folder_that_is_not_a_checkpoint_root_says_so_and_where_the_root_is(
+    root: Path, tmp_path: Path, capsys, where: str
+):
+    path = {"empty": tmp_path / "empty", "tag": root / TAG, "parent": root.parent}[where]
+    path.mkdir(exist_ok=True)
+    capsys.readouterr()
+    assert main(["status", str(path), "--no-sizes"]) == 1
+    err = capsys.readouterr().err
+    said = {"empty": "holds no checkpoint", "tag": "is a tag folder", "parent": "checkpoint roots under it: ck"}
+    assert err.startswith("megatron-ucp status: ") and said[where] in err, err
+    for command in _suggested(err):
+        assert _run_suggested(command + " --no-sizes") == 0
 
 
 def test_status_deep_reads_the_files_and_names_the_damaged_one(root: Path, capsys):

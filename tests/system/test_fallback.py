@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ucp.background.status import format_status, root_status
+from megatron_ucp.background.status import root_status
+from megatron_ucp.background.status_text import format_status
 from megatron_ucp.background.store import read_fallbacks, read_verdict, record_verdict
 from megatron_ucp.cli import main
 from megatron_ucp.convert.universal import source_identity
@@ -32,6 +33,7 @@ from tests.support.elastic_support import (
     ElasticRuns,
     assert_losses_continue,
     assert_same_state,
+    fallback_announcements,
     flip_a_bit_in_the_largest_record,
     private_copy,
     resume,
@@ -79,6 +81,10 @@ def _resumed(ds_checkpoint, runs: ElasticRuns, damage: str, **plugin: object):
     return ck, runs.get(f"{damage}-{sorted(plugin.items())}", make)
 
 
+WHY = {"cut-short": "unreadable", "flipped-bit": "checksum mismatch"}
+"""What the announcement says of each damage (the older tag's own load, logged after it, mentions checksums too)."""
+
+
 @pytest.mark.parametrize("damage", ["cut-short", "flipped-bit"])
 def test_a_restart_falls_back_to_the_newest_sound_tag(ds_checkpoint, runs, damage: str):
     ck, (res, root, victim, before) = _resumed(ds_checkpoint, runs, damage)
@@ -87,13 +93,13 @@ def test_a_restart_falls_back_to_the_newest_sound_tag(ds_checkpoint, runs, damag
     assert_same_state(ck.dump("state_step2"), res.dumps["state_step2_loaded"])
     assert_losses_continue(res, ck.loss_at)
 
-    said = res.log[res.log.index("FALLING BACK") :]
-    assert f"names {NEW}, which cannot be resumed" in said and str(victim) in said, said[:3000]
+    (said,) = fallback_announcements(res.log)
+    assert f"names {NEW}, which cannot be resumed" in said and str(victim) in said, said
     assert f"loading {OLD} instead (loses 2 iterations)" in said
     # tried, refused on every rank by the load's own checks (the binding of every rank file before DeepSpeed's load;
-    # the partitions against the save's checksums), then the older tag
+    # the partitions against the save's checksums), then the older tag: the announcement says why
+    assert WHY[damage] in said, said
     assert f"the restart cannot load {NEW}" in res.log
-    assert ("checksum" if damage == "flipped-bit" else "unreadable") in res.log, res.log[-3000:]
     assert _digest(root / NEW) == before  # nothing of the bad tag is changed
 
     (event,) = read_fallbacks(root)
@@ -137,8 +143,9 @@ def test_a_nan_that_reached_a_save_is_refused_at_load_and_the_restart_falls_back
     assert res.ok and res.loaded_step == 2 and res.steps == [3, 4], res.log[-3000:]
     assert_same_state(ck.dump("state_step2"), res.dumps["state_step2_loaded"])
     assert_losses_continue(res, ck.loss_at)
-    said = res.log[res.log.index("FALLING BACK") :]
-    assert "not finite" in said and "'exp_avg_sq' of " in said and ": 1 NaN and 0 Inf of " in said, said[:3000]
+    (said,) = fallback_announcements(res.log)
+    assert "not finite" in said and "'exp_avg_sq' of " in said and ": 1 NaN and 0 Inf of " in said, said
+    assert f", copied from {victim.name}" in said, said  # the old rank file it came from, named
     assert f"loading {OLD} instead (loses 2 iterations)" in said
 
 
@@ -244,3 +251,66 @@ def test_the_scheduler_is_put_back_before_each_load_after_a_refused_one():
     scheduler.load_state_dict({"num_steps": 36})
     assert (scheduler.num_steps, scheduler.styles) == (36, ["cosine"])
     assert "optimizer" not in before.values  # not copied: only the scheduler's own values
+
+
+def _check(root: Path) -> tuple[int, str]:
+    """``megatron-ucp status ROOT --check``: its exit status and what it says a restart would load."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["status", str(root), "--check", "--no-sizes"])
+    (said,) = [line for line in err.getvalue().splitlines() if line.startswith("megatron-ucp status --check: ")]
+    return code, said.removeprefix("megatron-ucp status --check: ")
+
+
+def test_a_fallback_then_a_save_of_the_same_tag_leaves_one_save_and_the_next_restart_resumes_from_it(
+    ds_checkpoint, tmp_path: Path
+):
+    """The sequence a requeued job meets: global_step4 (DP 4) cut short; the restart at DP 3 falls back to
+    global_step2, trains 3 and 4 and saves global_step4 again, at DP 3, into the same folder. The folder then holds
+    that save alone (three rank files, the earlier save's four moved aside and removed once the new one committed);
+    the next restart at DP 3 resumes from it, with no fallback, instead of losing the same iterations again."""
+    ck = ds_checkpoint(OPT, 4, plugin=True)
+    root = private_copy(ck.root, tmp_path / "ckpt")
+    _cut_short(_rank_file(root / NEW, 1))
+    # what status answers before and after the files are read, and what verify says, agree with the restart
+    assert _check(root) == (0, f"a restart resumes from {NEW} (not read yet: its load checks it)")
+    assert main(["verify", str(root), "--tag", NEW, "--no-progress"]) == 1
+    code, said = _check(root)
+    assert code == 0 and said.startswith(f"a restart falls back to {OLD} (not read yet: its load checks it; loses 2"), (
+        said
+    )
+    first = resume(3, OPT, root, tmp_path / "first", save_dir=root, save_at=(4,))
+    assert first.ok and first.loaded_step == 2 and first.steps == [3, 4], first.log[-3000:]
+    assert len(fallback_announcements(first.log)) == 1
+    assert_losses_continue(first, ck.loss_at)
+    replaced = [line for line in first.log.splitlines() if f"already holds a save of {NEW}; this save replaces" in line]
+    assert len(replaced) == 1, first.log[-3000:]
+    rank_files = sorted(p.name for p in (root / NEW).glob("*optim_states.pt"))
+    assert rank_files == [f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)], rank_files
+    assert (root / "latest").read_text().strip() == NEW
+    assert not any((root / ".ucp" / "replaced").iterdir())  # removed once the new save committed
+    # the earlier save's verdict went with it: the new save is judged afresh
+    assert _check(root) == (0, f"a restart resumes from {NEW} (not read yet: its load checks it)")
+    assert main(["verify", str(root), "--tag", NEW, "--no-progress"]) == 0
+    assert _check(root) == (0, f"a restart resumes from {NEW} (found sound)")
+
+    again = resume(3, OPT, root, tmp_path / "again", steps=5)
+    assert again.ok and again.loaded_step == 4 and again.steps == [5], again.log[-3000:]
+    assert fallback_announcements(again.log) == []
+    assert len(read_fallbacks(root)) == 1  # the first restart's, and no other
+
+
+def test_a_restart_that_falls_back_again_for_the_same_reason_says_so_loudly(ds_checkpoint, runs):
+    """The cut-short save restarted a second time (nothing saved in between, as a job that dies before its next save
+    is requeued): the second fallback from global_step4 to global_step2 says it is the second, how many iterations
+    that loses in all and where the record is; the record counts it, for a requeue script to stop on."""
+    _, (first, root, _, _) = _resumed(ds_checkpoint, runs, "cut-short")
+    assert first.ok and "REPEATED FALLBACK" not in first.log, first.log[-3000:]
+    again = runs.get("cut-short-again", lambda folder: resume(3, OPT, root, folder))
+    assert again.ok and again.loaded_step == 2, again.log[-3000:]
+    (said,) = [line for line in again.log.splitlines() if "!!! REPEATED FALLBACK" in line]
+    assert f"restart 2 to fall back from {NEW} to {OLD} (4 iterations lost in all" in said, said
+    assert [(e["latest"], e["loaded"], e["repeat"]) for e in read_fallbacks(root)] == [(NEW, OLD, 1), (NEW, OLD, 2)]

@@ -118,7 +118,7 @@ def test_checkpoint_files_and_dumps(ds_checkpoint, optimizer: str, cls: str) -> 
         assert model_states_file(tag).is_file()
         assert all(rank_file(tag, r).is_file() for r in range(4))
     osds = _rank_files(ck.tag_dir(2))
-    # What stock DeepSpeed 0.19.8 records (shared/DESIGN.md): BF16_Optimizer puts the whole padding
+    # What stock DeepSpeed 0.19.8 records (docs/how-it-works.md): BF16_Optimizer puts the whole padding
     # on the last rank and saves full-length fp32 partitions; ZeRO records per-rank padding and saves
     # fp32 partitions cut to their true length.
     if optimizer == "bf16":

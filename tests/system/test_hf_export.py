@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from megatron_ucp.background import queue as B
-from megatron_ucp.background.status import format_status, root_status
+from megatron_ucp.background.status import root_status
+from megatron_ucp.background.status_text import format_status
 from megatron_ucp.background.store import ConverterSettings, read_queue
 from megatron_ucp.background.trigger import trigger, wait_for_converter
 from megatron_ucp.cli import main as cli_main
@@ -55,9 +56,13 @@ def _master(root: Path, name: str) -> torch.Tensor:
     return torch.load(root / "global_step100_universal" / "zero" / name / "fp32.pt", weights_only=False)["param"]
 
 
-def test_export_loads_offline_and_holds_every_master_row(tp2, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_export_loads_offline_and_holds_every_master_row(tp2):
+    import huggingface_hub.constants
+
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is True  # read at its import: tests/conftest.py set it first
     out = tp2 / "global_step100_hf"
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert all(mode & 0o044 == 0o044 for mode in modes.values()), modes  # a shared file system's group reads them
     assert json.loads((out / "ucp_export.json").read_text())["masters_checked"] == 2 * 6 + 3
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     hf = dict(model.named_parameters())

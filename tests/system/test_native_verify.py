@@ -16,8 +16,6 @@ import pytest
 import torch
 
 from megatron_ucp.cli import main
-from megatron_ucp.convert.execute import plan_checkpoint
-from megatron_ucp.deepspeed.reader import read_checkpoint
 from tests.support.elastic_support import flip_a_bit_in_the_largest_record
 
 TAG = "global_step100"
@@ -49,13 +47,30 @@ def _group0_state(sd: dict, state: str) -> torch.Tensor:
     return None
 
 
-def _first_param_on(tag: Path, rank: int) -> tuple[str, int]:
-    """The parameter holding the first real element of ``rank``'s partition of group 0, and that element's offset
-    (from the conversion plan)."""
-    plan = plan_checkpoint(read_checkpoint(tag))
-    where = [(item.src_offset, p.name) for p in plan.params if p.group == 0 for item in p.items if item.rank == rank]
-    offset, name = min(where)
-    return name, offset
+def _first_param_on(tag: Path, rank: int, stage: str) -> tuple[str, int]:
+    """The parameter holding the first real element of ``rank``'s partition of group 0, and that element's offset in
+    the partition, from what DeepSpeed wrote and its partitioning rule alone (not the project's reader or planner):
+    the parameter shapes of group 0 in order (``param_shapes``) and, at ZeRO-1/2, the partition size (the flat group
+    cut into equal partitions); at ZeRO-3 each parameter cut on its own into ``ceil(n / 4)`` per rank."""
+    (states_file, *_) = sorted(tag.glob("*model_states.pt"))
+    numels = [
+        (name, math.prod(shape))
+        for name, shape in torch.load(states_file, weights_only=False)["param_shapes"][0].items()
+    ]
+    if stage == "zero3":
+        offset = 0
+        for name, n in numels:
+            share = -(-n // 4)
+            if n > share * rank:
+                return name, offset
+            offset += share
+        raise AssertionError(f"rank {rank} holds no real element of group 0")
+    position = _group0_state(torch.load(_rank_file(tag, rank), weights_only=False), "exp_avg_sq").numel() * rank
+    for name, n in numels:
+        if position < n:
+            return name, 0
+        position -= n
+    raise AssertionError(f"rank {rank} holds no real element of group 0")
 
 
 @pytest.mark.parametrize("stage", sorted(STAGES))
@@ -66,7 +81,7 @@ def test_verify_names_a_nan_by_parameter_state_and_file(tmp_path: Path, capsys, 
     out = capsys.readouterr().out
     assert "is sound" in out and "no recorded checksums" in out
 
-    name, offset = _first_param_on(tag, 1)
+    name, offset = _first_param_on(tag, 1, stage)
     culprit = _rank_file(tag, 1)
     sd = torch.load(culprit, weights_only=False)
     target = _group0_state(sd, "exp_avg_sq")
@@ -96,9 +111,9 @@ def test_verify_checks_a_hooked_save_and_its_twin(tmp_path: Path, capsys):
     assert str(culprit) in err
 
 
-def _nan_in_exp_avg_sq(tag: Path, rank: int) -> tuple[Path, str]:
+def _nan_in_exp_avg_sq(tag: Path, rank: int, stage: str = "zero1-bf16") -> tuple[Path, str]:
     """One NaN at the first real element of ``rank``'s ``exp_avg_sq`` (the file rewritten whole by torch.save)."""
-    name, offset = _first_param_on(tag, rank)
+    name, offset = _first_param_on(tag, rank, stage)
     culprit = _rank_file(tag, rank)
     sd = torch.load(culprit, weights_only=False)
     _group0_state(sd, "exp_avg_sq")[offset] = math.nan

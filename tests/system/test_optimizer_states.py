@@ -13,6 +13,7 @@ installs it; both routes give the same partitions bit for bit, at ZeRO-1 and ZeR
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -137,4 +138,12 @@ def test_state_no_copy_can_place_is_refused_at_a_dp_change_and_left_to_deepspeed
         assert res.ok and res.steps == [3, 4] and res.log.count(said) == 1, res.log[-3000:]
         assert_losses_continue(res, source.loss_at)
     else:  # refused on every rank before DeepSpeed's load touched the engine
-        assert res.returncode != 0 and res.losses == [] and "nothing was loaded" in res.log
+        assert res.returncode != 0 and res.losses == [], res.log[-3000:]
+        sections = res.rank_logs()
+        assert sorted(sections) == [0, 1, 2], res.log[-3000:]
+        for rank, section in sections.items():
+            # the traceback's last line (torch's error handler prefixes it with "[rankN]: ")
+            raised = [
+                line for line in section.splitlines() if re.match(r"(\[rank\d+\]: )?megatron_ucp\.errors\.", line)
+            ]
+            assert len(raised) == 1 and said in raised[0] and "nothing was loaded" in raised[0], (rank, section[-3000:])

@@ -500,7 +500,6 @@ def test_patched_zero_optimizer_records_geometry_and_loads_universal(patched_ds,
 def test_hooks_and_patches_agree(optimizer, request):
     """Stock DeepSpeed + megatron-ucp hooks vs patched DeepSpeed without hooks: the same recorded
     keys on every rank, and the same tensors."""
-    pytest.importorskip("megatron_ucp.integration.save_recording")
     from tests.support.ckpt_cache import built_checkpoint
 
     patched_root, _ = request.getfixturevalue(f"{optimizer}_patched")

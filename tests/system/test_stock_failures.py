@@ -1,6 +1,6 @@
 """The two stock DeepSpeed failures that megatron-ucp fixes, reproduced with real DeepSpeed.
 
-These tests document upstream bugs (see shared/DESIGN.md, "The two stock failures"); they pass
+These tests document upstream bugs (docs/how-it-works.md); they pass
 while stock DeepSpeed still fails. Nothing of megatron-ucp is installed here.
 
 The tiny model's no-weight-decay group is 3 norm weights of 3 elements: N = 9. At DP=4 the

@@ -377,3 +377,15 @@ def test_standin_universal_checkpoint_info(standin):
     info = standin.universal_checkpoint_info(args)
     assert info["vocabulary_parameter_patterns"] == ["embedding.word_embeddings.weight", "output_layer.weight"]
     assert (info["original_vocab_size"], info["padded_vocab_size"]) == (100, 128)
+
+
+def test_the_demo_builds_deepspeeds_kernel_in_a_cache_of_its_own_and_explains_only_the_padding_crash():
+    """Another DeepSpeed release's JIT-built ``deepspeed_shm_comm`` in the shared cache made the demo's stock runs
+    die of an AttributeError it then explained as the padding crash: the cache is the interpreter's own (an explicit
+    one wins), and the padding explanation is kept for the error it explains."""
+    env = demo.private_extensions({})
+    assert "megatron-ucp-demo-extensions" in env["TORCH_EXTENSIONS_DIR"]
+    assert demo.private_extensions({"TORCH_EXTENSIONS_DIR": "/x"})["TORCH_EXTENSIONS_DIR"] == "/x"
+    assert demo.STOCK_PADDING_CRASH in demo.last_error(LOG)
+    shm = "AttributeError: module 'deepspeed_shm_comm' has no attribute 'vector_kernel_level'"
+    assert demo.STOCK_PADDING_CRASH not in demo.last_error(f"Traceback (most recent call last):\n{shm}\n")

@@ -230,3 +230,17 @@ def test_report_raises_in_strict_mode_and_warns_otherwise(caplog):
     ok = AccountingReport(4, 12, ("fp32",), 100, None, 2).with_more(extras=["lr scheduler restored"], dp_from=3)
     assert "DP 3 -> 2" in ok.summary_line() and "exactly once" in ok.summary_line()
     assert ok.summary_line().endswith("lr scheduler restored")
+
+
+def test_a_refusal_caused_by_the_command_line_does_not_blame_the_checkpoint():
+    from megatron_ucp.plan.accounting import AccountingReport, Problem, ProblemKind
+
+    flagged = Problem(ProblemKind.COMMAND_LINE, None, "lr_scheduler", "this run's schedule is not the checkpoint's")
+    lost = Problem(ProblemKind.TRAINING_STATE, None, "lr_scheduler", "not restored: num_steps")
+    report = AccountingReport(1, 1, ("fp32",), 10, 4, 3)
+    with pytest.raises(AccountingError) as only_flags:
+        report.with_more(problems=[flagged]).enforce(True, logging.getLogger("t"))
+    assert "not at fault" in str(only_flags.value) and "reconvert" not in str(only_flags.value)
+    with pytest.raises(AccountingError) as both:
+        report.with_more(problems=[flagged, lost]).enforce(True, logging.getLogger("t"))
+    assert "Fix or reconvert the checkpoint" in str(both.value)

@@ -123,3 +123,19 @@ def test_every_local_link_and_section_named_exists():
             if section not in headings[REPO / "README.md"]:
                 broken.append(f'{doc.name}: names the README\'s "{section}", which has no such section')
     assert not broken, "\n".join(broken)
+
+
+def test_every_option_of_every_command_has_help_and_every_command_takes_no_progress():
+    """``--help`` is the first document a user reads: no option without its line; ``--no-progress`` (which scripts
+    pass to every command) accepted by each."""
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(getattr(a, "choices", None), dict)]
+    silent = [
+        (name, a.option_strings)
+        for name, sub in commands.choices.items()
+        for a in sub._actions
+        if a.option_strings and a.help is None
+    ]
+    assert not silent, silent
+    for name, sub in commands.choices.items():  # but the training runner, whose options are the job's
+        assert name == "run" or any("--no-progress" in a.option_strings for a in sub._actions), name

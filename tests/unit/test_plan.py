@@ -85,7 +85,8 @@ def test_reshard_from_metadata(src, dst, per_parameter):
     """The same parameters at two DP sizes, through the one planner for either layout (ZeRO-1/2's flat groups,
     ZeRO-3's sub-groups; at 512 and 768 most ranks hold only padding of the small groups): both plans rebuild
     every parameter completely, and at ZeRO-3 each rank's slice of a parameter is read where the shapes put it."""
-    groups = groups_from_sizes([[96, 7, 300, 5], [3, 3, 3]])
+    sizes = [[96, 7, 300, 5], [3, 3, 3]]
+    groups = groups_from_sizes(sizes)
     plans = [
         build_plan(groups, synthesize_layouts(groups, dp, per_parameter=per_parameter), per_parameter=per_parameter)
         for dp in (src, dst)
@@ -96,8 +97,12 @@ def test_reshard_from_metadata(src, dst, per_parameter):
             assert sum(it.length for it in p.items) == p.numel
             if per_parameter:  # every item a whole slice of its own parameter, one per rank holding any of it
                 size = -(-p.numel // plan.dp)
+                # where the slice sits in each rank's partition, from the sizes alone: after the slices
+                # (ceil(n / dp) each, padded) of the parameters before it in its group
+                index = [q.name for q in plan.params if q.group == p.group].index(p.name)
+                offset = sum(-(-n // plan.dp) for n in sizes[p.group][:index])
                 assert [(it.rank, it.src_offset, it.dst_offset) for it in p.items] == [
-                    (r, p.flat_offset, r * size) for r in range(plan.dp) if r * size < p.numel
+                    (r, offset, r * size) for r in range(plan.dp) if r * size < p.numel
                 ]
     assert [(p.name, p.numel) for p in plans[0].params] == [(p.name, p.numel) for p in plans[1].params]
 

@@ -7,7 +7,7 @@ import pytest
 from megatron_ucp.errors import PlanError
 from megatron_ucp.plan.geometry import GroupGeometry, at_dp
 from megatron_ucp.plan.llama_shapes import preset
-from megatron_ucp.plan.reshard import DENSE, Placement, partition_reads, reshard_reads, source_ranks
+from megatron_ucp.plan.reshard import DENSE, Placement, partition_reads, pieces_in, reshard_reads, source_ranks
 
 
 def _cover(old: GroupGeometry, dp_to: int) -> list[int]:
@@ -99,3 +99,20 @@ def test_an_expert_placement_needs_dp_a_multiple_of_ep():
     with pytest.raises(PlanError, match="DP=6 is not a multiple of EP=4"):
         placement.size(0, 6)
     assert Placement.of(1, [0]) == DENSE
+
+
+@pytest.mark.parametrize("numel,dp_from,dp_to", [(1000, 4, 3), (9, 4, 3), (130, 3, 8)])
+def test_each_offset_of_a_new_partition_is_traced_to_the_old_rank_file_holding_that_element(numel, dp_from, dp_to):
+    """Where a value found after the copy came from (a NaN named with its file): for every offset of every new
+    partition, the old rank whose partition holds that flat element (``position // S_old``), from the geometry
+    alone; padding offsets come from no file."""
+    old, new = GroupGeometry(numel, dp_from), GroupGeometry(numel, dp_to)
+    for rank in range(dp_to):
+        reads = partition_reads(old, new, rank)
+        size = new.partition_size
+        for offset in range(size):
+            element = rank * size + offset
+            want = [element // old.partition_size] if element < numel else []
+            assert [r for r, _, _ in pieces_in(reads, offset, offset + 1)] == want, (rank, offset)
+        whole = pieces_in(reads, 0, size)
+        assert sum(end - first for _, first, end in whole) == max(0, min(size, numel - rank * size))

@@ -14,6 +14,7 @@ from megatron_ucp.plan.resume import (
     checkpoint_global_batch,
     decide_resume,
     restored_global_samples,
+    schedule_difference,
 )
 
 
@@ -237,3 +238,14 @@ def test_a_mixture_of_experts_save_reshards_a_dp_change_and_converts_an_ep_chang
     assert (
         no_states.route is Route.NATIVE and "EP changed 8 -> 16 but no optimizer states are loaded" in no_states.message
     )
+
+
+def test_a_schedule_that_differs_is_told_apart_from_a_schedule_not_restored():
+    """A learning-rate schedule whose settings differ (another --train-iters) is the command line's doing; one whose
+    progress differs is the load's."""
+    saved = {"max_lr": 1e-3, "num_steps": 72, "decay_steps": 144, "decay_style": "cosine"}
+    progress, settings = schedule_difference({**saved, "decay_steps": 240}, saved)
+    assert progress == [] and settings == ["decay_steps 240 (this run) vs 144 (the checkpoint)"]
+    progress, settings = schedule_difference({**saved, "num_steps": 0}, saved)
+    assert progress == ["num_steps 0 (this run) vs 72 (the checkpoint)"] and settings == []
+    assert schedule_difference(saved, dict(saved)) == ([], [])

@@ -7,8 +7,22 @@ A static scan of every test module (``ast``, nothing imported or run):
 * a timed assertion (a duration measured with the clock and compared), flaky on two busy cores: timings
   belong in ``benchmarks/``;
 * a Hypothesis test without ``deadline=None`` (its default deadline is a timed assertion too);
-* ``pytest.skip`` decided by the result of the code under test (a call to ``megatron_ucp`` in the
-  condition), which turns a broken feature into a skip.
+* a skip decided by the code under test, which turns a broken feature into a skip: ``pytest.skip`` under a
+  condition that calls into ``megatron_ucp`` directly or through one of the module's own functions that does
+  (a skip behind a helper), ``pytest.mark.skipif`` on such a condition, ``pytest.importorskip`` of a
+  ``megatron_ucp`` module;
+* a log read from a marker to its end (``log[log.index("...") :]``), where what follows the marker is other
+  output too (a later load's summary says words the marked section is meant to say): the section is cut at
+  both ends (a helper of the suite that returns it) or the claim is made of the one line;
+* "at least N" counted over a combined log (``log.count(...) >= N``), where N ranks each saying it once and
+  one rank saying it N times read the same: per rank section, exact;
+* a module that launches runs expecting them to fail (``expect_failure=`` anything but ``False``) and never
+  reads an exit status (``returncode``, ``ok``): a run that should have succeeded and crashed passes unseen.
+
+What the scan cannot find mechanically, a reviewer must: a substring asserted over a whole log that is always
+there for another reason (the scan does not know what else the log says; the suite's convention is to assert in
+the section the claim is about: ``TrainResult.rank_logs``, ``elastic_support.fallback_announcements``), an
+exit status read in one test of a module and not in another, and an oracle that shares the code under test.
 
 Each rule is also run on a small bad example, so that the scan itself is seen to catch what it names.
 """
@@ -148,25 +162,97 @@ def _imported_from_us(tree: ast.Module) -> set[str]:
     return names
 
 
-def skips_decided_by_the_code(tree: ast.Module) -> list[int]:
-    """``if <call of megatron_ucp>: pytest.skip(...)``: the code under test chooses not to be tested."""
+def _calls_into(node: ast.AST, names: set[str]) -> bool:
+    """Whether ``node`` calls a name in ``names`` (``f(...)``, ``f.g(...)``, ``module.f(...)``)."""
+    for c in ast.walk(node):
+        if isinstance(c, ast.Call):
+            root = c.func
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in names:
+                return True
+    return False
+
+
+def _ours_and_helpers(tree: ast.Module) -> set[str]:
+    """Names imported from ``megatron_ucp`` and the module's own functions that call them, directly or through
+    another such function (fixpoint)."""
     ours = _imported_from_us(tree)
+    functions = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    changed = True
+    while changed:
+        changed = False
+        for name, fn in functions.items():
+            if name not in ours and not name.startswith("test_") and _calls_into(fn, ours):
+                ours.add(name)
+                changed = True
+    return ours
+
+
+def skips_decided_by_the_code(tree: ast.Module) -> list[int]:
+    """``if <call into megatron_ucp>: pytest.skip(...)`` (directly or through a helper),
+    ``@pytest.mark.skipif(<such a call>)``, ``pytest.importorskip("megatron_ucp...")``: the code under test
+    chooses not to be tested."""
+    ours = _ours_and_helpers(tree)
     out = []
     for node in ast.walk(tree):
-        if not isinstance(node, ast.If):
-            continue
-        skips = any(isinstance(c, ast.Call) and _called_name(c) == "skip" for s in node.body for c in ast.walk(s))
-        if not skips:
-            continue
-        for c in ast.walk(node.test):
-            if isinstance(c, ast.Call):
-                root = c.func
-                while isinstance(root, ast.Attribute):
-                    root = root.value
-                if isinstance(root, ast.Name) and root.id in ours:
-                    out.append(node.lineno)
-                    break
+        if isinstance(node, ast.If):
+            skips = any(isinstance(c, ast.Call) and _called_name(c) == "skip" for s in node.body for c in ast.walk(s))
+            if skips and _calls_into(node.test, ours):
+                out.append(node.lineno)
+        elif isinstance(node, ast.Call) and _called_name(node) == "skipif" and node.args:
+            if _calls_into(node.args[0], ours):
+                out.append(node.lineno)
+        elif isinstance(node, ast.Call) and _called_name(node) == "importorskip" and node.args:
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and str(first.value).startswith("megatron_ucp"):
+                out.append(node.lineno)
     return out
+
+
+def _is_log(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "log") or (isinstance(node, ast.Name) and node.id == "log")
+
+
+def logs_read_to_the_end(tree: ast.Module) -> list[int]:
+    """``<log>[<log>.index(...) :]`` or ``.find``: a section with no end."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and _is_log(node.value) and isinstance(node.slice, ast.Slice):
+            lower, upper = node.slice.lower, node.slice.upper
+            if (
+                upper is None
+                and isinstance(lower, ast.Call)
+                and _called_name(lower) in ("index", "find")
+                and isinstance(lower.func, ast.Attribute)
+                and _is_log(lower.func.value)
+            ):
+                out.append(node.lineno)
+    return out
+
+
+def counts_at_least_over_a_log(tree: ast.Module) -> list[int]:
+    """``<log>.count(...) >= N`` (or ``>``)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) and _called_name(node.left) == "count":
+            func = node.left.func
+            if isinstance(func, ast.Attribute) and _is_log(func.value) and isinstance(node.ops[0], (ast.GtE, ast.Gt)):
+                out.append(node.lineno)
+    return out
+
+
+def failures_expected_and_never_read(tree: ast.Module) -> list[int]:
+    """The lines passing ``expect_failure=`` (not ``False``) in a module that reads no ``returncode`` or ``ok``."""
+    expecting = [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.keyword)
+        and node.arg == "expect_failure"
+        and not (isinstance(node.value, ast.Constant) and node.value.value is False)
+    ]
+    reads = any(isinstance(n, ast.Attribute) and n.attr in ("returncode", "ok") for n in ast.walk(tree))
+    return [] if reads else expecting
 
 
 def _scan() -> dict[str, list[str]]:
@@ -181,6 +267,9 @@ def _scan() -> dict[str, list[str]]:
             ("timed assertion", timed_assertions(tree)),
             ("Hypothesis test without deadline=None", hypothesis_without_deadline(tree)),
             ("skip decided by the code under test", skips_decided_by_the_code(tree)),
+            ("log read from a marker to its end", logs_read_to_the_end(tree)),
+            ("at-least count over a combined log", counts_at_least_over_a_log(tree)),
+            ("failure expected, exit status never read", failures_expected_and_never_read(tree)),
         ):
             for hit in hits:
                 found.setdefault(what, []).append(f"{rel}: {hit}")
@@ -229,6 +318,28 @@ def helper():
 
 def test_through_a_helper():
     helper()
+
+def _unsupported(a):
+    return osio.exchange(a, a)
+
+def test_skipped_behind_a_helper(a):
+    if _unsupported(a):
+        pytest.skip("unsupported")
+    assert True
+
+@pytest.mark.skipif(osio.exchange(1, 2), reason="the code says so")
+def test_skipif(a):
+    assert a
+
+def test_importorskip():
+    pytest.importorskip("megatron_ucp.integration.save_recording")
+    assert True
+
+def test_sections(res):
+    said = res.log[res.log.index("FALLING BACK") :]
+    assert "checksum" in said
+    assert res.log.count("Error") >= 3
+    assert run(expect_failure=True)
 """
 
 
@@ -239,4 +350,8 @@ def test_the_scan_catches_each_pattern():
     assert len(zips_without_strict(tree)) == 1
     assert len(timed_assertions(tree)) == 2
     assert [h.split(" ")[0] for h in hypothesis_without_deadline(tree)] == ["test_default_deadline"]
-    assert len(skips_decided_by_the_code(tree)) == 1
+    assert len(skips_decided_by_the_code(tree)) == 4
+    assert len(logs_read_to_the_end(tree)) == 1
+    assert len(counts_at_least_over_a_log(tree)) == 1
+    assert len(failures_expected_and_never_read(tree)) == 1
+    assert failures_expected_and_never_read(ast.parse("run(expect_failure=True).returncode")) == []

@@ -43,7 +43,7 @@ def copy_tree(src: Path, dest: Path) -> Path:
 
 @dataclass(frozen=True)
 class Geometry:
-    """Default ZeRO-1/2 geometry of one param group (see shared/DESIGN.md): the test's oracle."""
+    """Default ZeRO-1/2 geometry of one param group (docs/how-it-works.md): the test's oracle."""
 
     numel: int
     dp: int

@@ -134,3 +134,14 @@ class TrainResult:
 
     def loss_at(self, step: int) -> float:
         return self.losses[self.steps.index(step)]
+
+    def rank_logs(self) -> dict[int, str]:
+        """Each rank's own output (its section of :attr:`log`), by rank: a claim "on every rank" is checked in each
+        one, never as a count over the combined log (where one rank's traceback can repeat a line)."""
+        sections = {}
+        for section in self.log.split("===== rank ")[1:]:
+            head, _, text = section.partition("\n")
+            rank = head.split(" ", 1)[0]
+            if rank.isdigit():
+                sections[int(rank)] = text.split("\n===== harness: ", 1)[0]
+        return sections

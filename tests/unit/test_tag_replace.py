@@ -1,0 +1,62 @@
+"""An earlier save of a tag being saved again: moved aside whole, removed once the new save commits, put back when
+it fails (real files, no DeepSpeed: the save around it is tests/system/test_fallback.py's sequence)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_ucp.background.store import VERDICTS_DIR, ucp_dir
+from megatron_ucp.integration.tag_replace import REPLACED_DIR, set_aside
+
+TAG = "global_step20"
+
+
+def _earlier_save(root: Path) -> dict[str, bytes]:
+    """A DP-4 save of TAG with its twin, export and verdict: path (relative to root) -> bytes."""
+    files = {f"{TAG}/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt": bytes([r]) * 8 for r in range(4)}
+    files[f"{TAG}/mp_rank_00_model_states.pt"] = b"model"
+    files[f"{TAG}_universal/zero/w/fp32.pt"] = b"twin"
+    files[f"{TAG}_hf/config.json"] = b"{}"
+    files[f".ucp/{VERDICTS_DIR}/{TAG}.json"] = b'{"sound": false}'
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return files
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_failed_save_puts_the_earlier_one_back_and_keeps_its_own_files_aside(tmp_path: Path):
+    earlier = _earlier_save(tmp_path)
+    aside = set_aside(tmp_path, TAG)
+    assert aside is not None and aside.folder.parent == ucp_dir(tmp_path) / REPLACED_DIR
+    assert not (tmp_path / TAG).exists() and not (tmp_path / f"{TAG}_universal").exists()
+    assert not (tmp_path / f"{TAG}_hf").exists() and not (ucp_dir(tmp_path) / VERDICTS_DIR / f"{TAG}.json").exists()
+    # the new save (DP 3) writes part of its files, then fails
+    (tmp_path / TAG).mkdir()
+    (tmp_path / TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"new")
+    aside.put_back()
+    after = _tree(tmp_path)
+    assert {k: v for k, v in after.items() if REPLACED_DIR not in k} == earlier
+    kept = [k for k in after if REPLACED_DIR in k]
+    assert kept == [
+        str((aside.folder / "failed-save" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").relative_to(tmp_path))
+    ]
+
+
+def test_a_committed_save_removes_the_earlier_one(tmp_path: Path):
+    _earlier_save(tmp_path)
+    aside = set_aside(tmp_path, TAG)
+    (tmp_path / TAG).mkdir()
+    (tmp_path / TAG / "mp_rank_00_model_states.pt").write_bytes(b"new")
+    aside.drop().join(timeout=30)
+    assert not aside.folder.exists()
+    assert _tree(tmp_path) == {f"{TAG}/mp_rank_00_model_states.pt": b"new"}
+
+
+def test_only_a_folder_holding_a_save_is_moved(tmp_path: Path):
+    assert set_aside(tmp_path, TAG) is None  # no folder
+    (tmp_path / TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").mkdir(parents=True)  # a directory: no file
+    assert set_aside(tmp_path, TAG) is None and (tmp_path / TAG).is_dir()
