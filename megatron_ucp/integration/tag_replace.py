@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_ucp.background.store import VERDICTS_DIR, ucp_dir
+from megatron_ucp.export.hf_source import hf_name
 from megatron_ucp.format import dsformat as F
 
 log = logging.getLogger(__name__)
 
 REPLACED_DIR = "replaced"
 """Under the store (``<save_dir>/.ucp/``): earlier saves of a tag being saved again, until the new one commits."""
-HF_SUFFIX = "_hf"
 CHECKPOINT_FILE_ENDINGS = ("optim_states.pt", "model_states.pt")
 """The files of a save that a load binds (every layout's rank files and model states)."""
 
@@ -43,7 +43,7 @@ def _companions(save_dir: Path, tag: str) -> dict[str, Path]:
     return {
         tag: save_dir / tag,
         F.universal_tag(tag): save_dir / F.universal_tag(tag),
-        tag + HF_SUFFIX: save_dir / (tag + HF_SUFFIX),
+        hf_name(tag): save_dir / hf_name(tag),
         f"verdict-{tag}.json": ucp_dir(save_dir) / VERDICTS_DIR / f"{tag}.json",
     }
 
