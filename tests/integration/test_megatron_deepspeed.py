@@ -685,6 +685,13 @@ DAMAGE = {  # what a file system (or a mix-up) does to global_step6, and what th
 harness's too."""
 
 
+def assert_refused_on(res: MdsResult, rank: int, error: str, then: str) -> None:
+    """Rank ``rank``'s own traceback (torch prints each rank's with a "[rankN]:" prefix) ends in one ``error``
+    followed by ``then``."""
+    raised = [line for line in res.log.splitlines() if line.startswith(f"[rank{rank}]: ") and error in line]
+    assert len(raised) == 1 and then in raised[0], (rank, raised, res.log[-3000:])
+
+
 def _damaged_restart(trained, mds_checkout, mds_runs, damage: str) -> tuple[MdsResult, Path]:
     """The trained run's copy with global_step6 damaged, restarted at DP 3 to iteration 6 (which the fork saves at
     the end of training): the run, and the copy's root."""
@@ -718,7 +725,14 @@ def test_a_restart_falls_back_past_each_kind_of_damage(trained, mds_checkout, md
     res, ckpt = _damaged_restart(trained, mds_checkout, mds_runs, damage)
     if damage == "no-fallback":
         assert res.returncode != 0 and not res.losses and "FALLING BACK" not in res.log, res.log[-3000:]
-        assert str(ckpt / "global_step6" / F.MODEL_STATES_FILE) in res.log and said_of_it in res.log, res.log[-3000:]
+        for rank in range(3):  # each rank's own traceback (torch's "[rankN]:" prefix): the binding's refusal, why
+            assert_refused_on(
+                res, rank, "CheckpointFormatError: cannot resume from", f"{ckpt / 'global_step6'}: its files"
+            )
+            why = [
+                line for line in res.log.splitlines() if line.startswith(f"[rank{rank}]:   {ckpt / 'global_step6'}/")
+            ]
+            assert len(why) == 1 and f"{said_of_it}: from another save" in why[0], why
         return
     (said,) = fallback_announcements(res.log)  # the announcement alone: the older tag's own load says other things
     assert "names global_step6, which cannot be resumed" in said, said
