@@ -5,8 +5,9 @@ Run with the prepared checkout first on ``PYTHONPATH`` (``tests/integration/mds.
     python fork_forward.py TOKENS_JSON OUT_DIR UNIVERSAL_DIR [UNIVERSAL_DIR ...]
 
 It builds the fork's model at TP = PP = 1 from the run's own saved args (``initialize_megatron``, gloo, one rank;
-every folder's model flags must be the first's), and for each folder fills every parameter from
-``zero/<name>/fp32.pt`` (a pipeline save's names mapped by megatron-ucp's name map; Megatron's padding rows of the
+every folder's model flags must be the first's): ``GPTModel``, or for a pipeline save ``GPTModelPipe`` at PP 1,
+whose parameters are named as that save names them (nothing of megatron-ucp's name map between the save and the
+oracle). For each folder it fills every parameter from ``zero/<name>/fp32.pt`` (Megatron's padding rows of the
 vocabulary zero: no token reaches them and the comparison drops their logits) and writes the fp32 logits of the
 tokens to ``OUT_DIR/<i>.pt``: what the exported Hugging Face model must compute.
 """
@@ -63,9 +64,12 @@ def _saved_args(universal: Path):
     return torch.load(files[0], weights_only=False)["args"]
 
 
-def main(tokens_file: Path, out: Path, universals: list[Path]) -> None:
-    from megatron_ucp.plan.names import name_map
+def _pipeline_names(listing: list[str]) -> bool:
+    """A pipeline save names its parameters by layer index (``1.word_embeddings.weight``)."""
+    return any(name.split(".", 1)[0].isdigit() for name in listing)
 
+
+def main(tokens_file: Path, out: Path, universals: list[Path]) -> None:
     saved = _saved_args(universals[0])
     for other in universals[1:]:
         if _flags(_saved_args(other)) != _flags(saved):
@@ -74,34 +78,56 @@ def main(tokens_file: Path, out: Path, universals: list[Path]) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.argv = ["fork_forward", *_flags(saved)]
+    sys.argv = ["fork_forward", *_flags(saved), "--deepspeed"]  # --deepspeed: GPTModelPipe can be built too
     from megatron.arguments import core_transformer_config_from_args
     from megatron.core.enums import ModelType
     from megatron.global_vars import get_args
     from megatron.initialize import initialize_megatron
-    from megatron.model import GPTModel
+    from megatron.model import GPTModel, GPTModelPipe
+    from megatron.utils import update_rotary_pos_emb
 
     initialize_megatron()
     args = get_args()
     args.model_type = ModelType.encoder_or_decoder  # what pretrain() sets for GPT
-    model = GPTModel(core_transformer_config_from_args(args), num_tokentypes=0, parallel_output=False)
-    model.eval()
-    live = dict(model.named_parameters())
+    config = core_transformer_config_from_args(args)
+    models = {}
+
+    def model_for(pipeline: bool):
+        """The fork's GPTModel, or for a pipeline save its GPTModelPipe at PP 1 (its parameters named as the save
+        names them: no name map of ours between), each built once as the fork's model_provider builds it."""
+        if pipeline not in models:
+            if pipeline:
+                args.attn_mask = (torch.tril(torch.ones(1, 1, args.seq_length, args.seq_length)) < 0.5).to(torch.bool)
+                update_rotary_pos_emb(args.seq_length)
+                models[pipeline] = GPTModelPipe(config, num_tokentypes=0, parallel_output=False)
+            else:
+                models[pipeline] = GPTModel(config, num_tokentypes=0, parallel_output=False)
+            models[pipeline].eval()
+        return models[pipeline]
+
     tokens = torch.tensor([json.loads(tokens_file.read_text())])
     seq = tokens.shape[1]
     position_ids = torch.arange(seq).unsqueeze(0)
     mask = torch.tril(torch.ones(1, 1, seq, seq)) < 0.5
     for i, universal in enumerate(universals):
         listing = sorted(p.parent.name for p in (universal / "zero").glob("*/fp32.pt"))
-        mapping = name_map(set(live), listing) or {name: name for name in live}
+        pipeline = _pipeline_names(listing)
+        model = model_for(pipeline)
+        live = dict(model.named_parameters())
+        if set(live) != set(listing):
+            raise SystemExit(f"{universal}: parameters {sorted(set(live) ^ set(listing))} on one side only")
         with torch.no_grad():
             for name, param in live.items():
-                master = torch.load(universal / "zero" / mapping[name] / "fp32.pt", weights_only=False)["param"]
+                master = torch.load(universal / "zero" / name / "fp32.pt", weights_only=False)["param"]
                 param.zero_()
                 param[: master.shape[0]].copy_(master)
-            logits = model(tokens, position_ids, mask)[0]
+            if pipeline:  # [sequence, batch, vocabulary], the pipeline's activations' order
+                logits = model((tokens, position_ids, mask)).transpose(0, 1)
+            else:
+                logits = model(tokens, position_ids, mask)[0]
         torch.save(logits.float().contiguous(), out / f"{i}.pt")
-        print(f"fork forward: {len(live)} parameters from {universal}, logits {tuple(logits.shape)}")
+        kind = "GPTModelPipe" if pipeline else "GPTModel"
+        print(f"fork forward ({kind}): {len(live)} parameters from {universal}, logits {tuple(logits.shape)}")
 
 
 if __name__ == "__main__":
