@@ -97,8 +97,9 @@ def load_with_fallback(
         if loads:
             as_before.restore()
         loads += 1
+        repeats = _repeats(root, latest, tag) if failed and is_first() else 0  # the store read once per tag loaded
         if failed and is_first():
-            _announce(root, failed, tag, latest, _repeats(root, latest, tag))
+            _announce(root, failed, tag, latest, repeats)
         try:
             result = load(None if tag == latest else _name_to_load(tag, universal))
         except (CheckpointFormatError, AccountingError) as exc:  # raised on every rank alike, nothing trained
@@ -107,7 +108,7 @@ def load_with_fallback(
                 log.error("megatron-ucp: the restart cannot load %s: %s", tag, _short(str(exc)))
             continue
         if failed and is_first():
-            _record(root, failed, tag, latest, _repeats(root, latest, tag))
+            _record(root, failed, tag, latest, repeats)
         return result
     raise CheckpointFormatError(_none_passed(root, failed), subject=root / F.LATEST)
 

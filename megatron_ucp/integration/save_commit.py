@@ -121,8 +121,7 @@ def committed_save(engine: Any, original: Callable[..., Any], args: tuple, kwarg
     with _watched(engine, watch):
         result = original(*bound.args, **bound.kwargs)
     if count_across(1 if watch.failure is not None else 0):
-        if aside is not None and is_first():
-            _put_back(aside)
+        _put_back(aside)
         raise_gathered(
             watch.failure,
             f"saving {tag} in {save_dir} (`latest` still names the previous tag; nothing was marked as saved)",
@@ -132,8 +131,7 @@ def committed_save(engine: Any, original: Callable[..., Any], args: tuple, kwarg
     written = gather_names(watch.written)
     strays = decide_on_first(lambda: _not_written(folder, written))
     if strays or isinstance(strays, Failure):
-        if aside is not None and is_first():
-            _put_back(aside)
+        _put_back(aside)
         raise SaveFailedError(
             f"saving {tag} in {save_dir}: the folder holds checkpoint files this save did not write, which a load "
             f"would refuse ({strays.message if isinstance(strays, Failure) else ', '.join(strays[:4])}); `latest` "
@@ -147,7 +145,10 @@ def committed_save(engine: Any, original: Callable[..., Any], args: tuple, kwarg
     return result
 
 
-def _put_back(aside: SetAside) -> None:
+def _put_back(aside: Optional[SetAside]) -> None:
+    """A failed save: the earlier save of its tag, if one was moved aside, back in place (the first rank)."""
+    if aside is None or not is_first():
+        return
     try:
         aside.put_back()
     except OSError as exc:

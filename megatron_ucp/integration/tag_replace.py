@@ -8,7 +8,7 @@ losing the same iterations at every restart.
 
 Before a hooked save writes (:func:`set_aside`, the first rank; every rank waits for it), an existing folder of the
 tag is moved aside whole, with the universal twin, Hugging Face export and verdict made of it, into
-``<save_dir>/.ucp/replaced/<tag>.<time>/``, by renames (instant on one file system). When the new save commits,
+``<save_dir>/.ucp/replaced/<tag>.<time>.<pid>/``, by renames (instant on one file system). When the new save commits,
 that folder is removed (:meth:`SetAside.drop`, in the background: the earlier save was replaced by the user's own
 save); when the save fails, the partial new folder is moved there in its turn and the earlier save put back
 (:meth:`SetAside.put_back`): a failed save changes nothing, and the earlier save is never deleted before its
@@ -68,11 +68,11 @@ class SetAside:
     def put_back(self) -> None:
         """The new save failed: its partial files moved aside in turn (``<folder>/failed-save``), the earlier save
         back where it was."""
-        partial = _companions(self.save_dir, self.tag)[self.tag]
-        if partial.exists():
-            os.replace(partial, self.folder / "failed-save")
+        places = _companions(self.save_dir, self.tag)
+        if places[self.tag].exists():
+            os.replace(places[self.tag], self.folder / "failed-save")
         for name in self.moved:
-            os.replace(self.folder / name, _companions(self.save_dir, self.tag)[name])
+            os.replace(self.folder / name, places[name])
         log.error(
             "megatron-ucp: the save of %s failed: the earlier save of it is back in %s; the failed save's files are in "
             "%s",
