@@ -36,10 +36,10 @@ def _has_floor(tree: Path) -> bool:
     return '"floor"' in (tree / "benchmarks" / "bench_resume.py").read_text()
 
 
-def one_run(tree: Path, routes: list[str], reps: int, stem: str) -> list[dict]:
+def one_run(tree: Path, routes: list[str], reps: int, stem: str, cache: str = "cold") -> list[dict]:
     """One ``bench_resume.py`` run of ``tree``; its runs, each with the run's stem."""
     wanted = [*routes, "floor"] if _has_floor(tree) else routes
-    argv = [sys.executable, "benchmarks/bench_resume.py", "--routes", *wanted, "--reps", str(reps)]
+    argv = [sys.executable, "benchmarks/bench_resume.py", "--routes", *wanted, "--reps", str(reps), "--cache", cache]
     argv += ["--no-readme", "--results", stem]
     subprocess.run(argv, cwd=tree, env={**os.environ, "DS_ACCELERATOR": "cpu"}, check=True)
     runs = json.loads((tree / "benchmarks" / "results" / f"{stem}.json").read_text())["runs"]
@@ -110,6 +110,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--routes", nargs="+", default=list(DEFAULT_ROUTES))
+    ap.add_argument("--cache", choices=("cold", "warm"), default="cold", help="bench_resume.py's page cache (cold)")
     ap.add_argument("--name", required=True)
     args = ap.parse_args(argv)
     trees = {"A": args.a.resolve(), "B": args.b.resolve()}
@@ -117,7 +118,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for round_ in range(args.rounds):
         order = ("B", "A") if round_ % 2 == 0 else ("A", "B")
         for tree in order:
-            runs[tree] += one_run(trees[tree], args.routes, args.reps, f"{args.name}-{tree}-{round_}")
+            runs[tree] += one_run(trees[tree], args.routes, args.reps, f"{args.name}-{tree}-{round_}", args.cache)
     meta = {
         "machine": bc.machine(),
         "date": time.strftime("%Y-%m-%d"),

@@ -22,9 +22,9 @@ processes (CPU, gloo; the test harness ``tests/support/dsharness``) that build t
   partition against its recorded checksum) and without them (stock's load of the same files): what
   the same-DP checks cost a restart;
 * ``reshard-latest`` and ``fallback``: the reshard of the same tag with no tag given, as Megatron loads (the
-  restart judges the tag ``latest`` names before loading: ``integration/fallback.py``), on a root whose ``latest``
-  names it (what the judge adds to a plain restart), and on a root whose ``latest`` names a newer tag with one
-  rank file cut short (hard links but for that file), so that the restart falls back to the tag (what a fallback
+  restart judges the tag ``latest`` names before loading: ``integration/resume/fallback.py``), on a root whose
+  ``latest`` names it (what the judge adds to a plain restart), and on a root whose ``latest`` names a newer tag with
+  one rank file cut short (hard links but for that file), so that the restart falls back to the tag (what a fallback
   costs over the plain reshard);
 * ``floor``: the same number of plain processes reading, with ``os.pread``, exactly the bytes of the native
   DP=8 tag that the reshard's ranks copy (their planned ranges of fp32 and every state, planned outside the

@@ -74,7 +74,7 @@ def _worker(cfg: WorkerConfig) -> None:
     sys.path.insert(0, str(REPO_ROOT))
     import megatron_ucp
     from megatron_ucp.background.store import read_registrations
-    from megatron_ucp.integration.async_trigger import trigger_timings
+    from megatron_ucp.integration.save.async_trigger import trigger_timings
     from tests.support.dsharness import TrainSpec
     from tests.support.dsharness.model import rank_batch
     from tests.support.dsharness.worker import Rank
@@ -97,7 +97,7 @@ def _worker(cfg: WorkerConfig) -> None:
     rank.setup()
     engine, torch, dist = rank.engine, rank.torch, rank.dist
     root = Path(cfg.root)
-    from megatron_ucp.integration import save_recording
+    from megatron_ucp.integration.save import recording as save_recording
 
     record_seconds: list[float] = []
     hashing = save_recording.partition_checksums

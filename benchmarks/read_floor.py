@@ -2,7 +2,7 @@
 
 A native reshard's rank reads, of the old rank files, the fp32 master and every optimizer state of the ranges
 its plan names (and a little metadata). The floor plans those ranges with the hooks' own planner
-(:func:`megatron_ucp.integration.rank_files.read_facts`, ``layout.reads_to``), outside the timing, then starts one
+(:func:`megatron_ucp.deepspeed.rank_files.read_facts`, ``layout.reads_to``), outside the timing, then starts one
 plain process per new rank (no torch, no DeepSpeed, no process group), lines them up on a barrier and has each
 ``os.pread`` its ranges (adjacent ones merged) from the cold files. The time is the slowest rank's, between the
 barrier and its last byte: what any route that reads each needed byte once cannot beat on this machine. Left out
@@ -45,9 +45,9 @@ def rank_file_of(tag: Path):
 
 def plan_ranges(tag: Path, dp_to: int) -> list[Ranges]:
     """Per new rank, the byte ranges of the old rank files its reshard copies (fp32 and every state)."""
+    from megatron_ucp.deepspeed.rank_files import open_source, read_facts
     from megatron_ucp.format import dsformat as F
     from megatron_ucp.format.exact_read import file_offset
-    from megatron_ucp.integration.rank_files import open_source, read_facts
 
     rank_file = rank_file_of(tag)
     facts = read_facts(tag / F.MODEL_STATES_FILE, rank_file)

@@ -1,6 +1,6 @@
 """One process plays DP rank ``r`` of a ``W``-rank resume, from a universal folder or from the native files.
 
-What ``integration/partition_load._load_group`` does on that rank, with its own primitives: the
+What ``integration/resume/universal/partition_load._load_group`` does on that rank, with its own primitives: the
 rank's fragments of every parameter (its partition of each group at DP ``W``: the read plan), then
 per fragment and state the memory-mapped load of the state file (``load_torch_file``), the flat
 layout of the whole parameter (``state_layout``, kept vocabulary rows included), the runs
@@ -12,7 +12,7 @@ the rank's share in bytes, peak RSS, and whether every copied partition equals t
 checkpoint's values at that place (``synthetic.values``: the source, independently of any file).
 
 With ``--native`` the folder is the native tag and the rank runs the native reshard's own code
-(``integration/native_reshard``: the facts, the live-model check, the read plan, each old rank
+(``integration/resume/native/reshard``: the facts, the live-model check, the read plan, each old rank
 file it needs opened and checked, ``copy_reads`` with the ledger), as the hook does before its
 one all-reduce. With ``--experts E --ep EP`` (native only) the tag is a mixture-of-experts save: the
 expert group's partitions come from the files of this rank's expert-parallel rank, over expert-DP. ::
@@ -39,7 +39,7 @@ from megatron_ucp.convert.universal import read_manifest  # noqa: E402
 from megatron_ucp.deepspeed.reader import load_torch_file  # noqa: E402
 from megatron_ucp.format import dsformat as F  # noqa: E402
 from megatron_ucp.format.integrity import recorded_checksums  # noqa: E402
-from megatron_ucp.integration.state_layout import gather, state_layout, tensor_of  # noqa: E402
+from megatron_ucp.integration.resume.universal.state_layout import gather, state_layout, tensor_of  # noqa: E402
 from megatron_ucp.plan.accounting import checksum  # noqa: E402
 from megatron_ucp.plan.geometry import GroupGeometry  # noqa: E402
 from megatron_ucp.plan.llama_shapes import preset  # noqa: E402
@@ -102,9 +102,9 @@ def exact_against_source(args, copied) -> bool:
 
 
 def native(args) -> int:
-    from megatron_ucp.integration.binding import check_live_model
-    from megatron_ucp.integration.old_file_copy import OldFiles, copy_reads
-    from megatron_ucp.integration.rank_files import open_source, read_facts
+    from megatron_ucp.deepspeed.rank_files import open_source, read_facts
+    from megatron_ucp.integration.resume.native.binding import check_live_model
+    from megatron_ucp.integration.resume.native.old_file_copy import OldFiles, copy_reads
     from megatron_ucp.plan.reshard import source_ranks
 
     tag = args.folder
@@ -169,7 +169,7 @@ def module_part(args, tag: Path, facts, new: list, targets: list) -> dict:
     lazy loader) and its partition's range of the saved weights, compared with its masters rounded (the
     proof a same-DP restart needs); bytes from storage, the weights' share."""
     from megatron_ucp.deepspeed.reader import load_raw
-    from megatron_ucp.integration.module_read import SavedWeights
+    from megatron_ucp.integration.resume.module_read import SavedWeights
 
     path = tag / F.MODEL_STATES_FILE
     io0 = read_bytes()

@@ -1,7 +1,7 @@
 """One process plays DP rank ``r`` of a ``W``-rank resume of a synthetic ZeRO-3 save, from the native files or
 from a universal folder (the stage-3 counterpart of ``resume_probe.py``; the same JSON keys).
 
-``--native``: the native reshard's own code (``integration/rank_files``: the facts, each old rank file the
+``--native``: the native reshard's own code (``deepspeed/rank_files``: the facts, each old rank file the
 rank reads opened and checked through its view; ``plan/reshard``: the slice reads), each slice of fp32 and
 of every state copied into the rank's partitions and hashed at its position, as the hook does before its one
 all-reduce. Without it: the rank's slice of every parameter's state files in the universal folder
@@ -30,7 +30,7 @@ from resume_probe import peak_rss, read_bytes  # noqa: E402
 
 from megatron_ucp.deepspeed.reader import load_torch_file  # noqa: E402
 from megatron_ucp.format import dsformat as F  # noqa: E402
-from megatron_ucp.integration.state_layout import gather, state_layout, tensor_of  # noqa: E402
+from megatron_ucp.integration.resume.universal.state_layout import gather, state_layout, tensor_of  # noqa: E402
 from megatron_ucp.plan.llama_shapes import preset  # noqa: E402
 from megatron_ucp.plan.tensor_parallel import TpLayout, runs_between, slice_runs  # noqa: E402
 from megatron_ucp.synthetic.content import SyntheticSpec  # noqa: E402
@@ -56,9 +56,9 @@ def _exact(spec: SyntheticSpec, new, rank: int, targets: list[dict]) -> bool:
 
 
 def native(args) -> dict:
+    from megatron_ucp.deepspeed.rank_files import expectation, inspect_file, read_facts
     from megatron_ucp.deepspeed.stage3_files import flat_view
-    from megatron_ucp.integration.old_file_copy import OldFiles, copy_reads
-    from megatron_ucp.integration.rank_files import expectation, inspect_file, read_facts
+    from megatron_ucp.integration.resume.native.old_file_copy import OldFiles, copy_reads
     from megatron_ucp.plan.reshard import source_ranks
 
     tag = args.folder

@@ -48,15 +48,15 @@ class UcpConfig:
     universal folder); ``universal`` always loads the universal twin, converting it when missing."""
     fallback: bool = True
     """A restart that loads the tag ``latest`` names (no tag given) falls back to the newest older tag that passes
-    when that one fails its verdict, its files or its load (:mod:`megatron_ucp.integration.fallback`);
+    when that one fails its verdict, its files or its load (:mod:`megatron_ucp.integration.resume.fallback`);
     ``--ucp-no-fallback``: that tag's error instead."""
     module_read: str = "distributed"
     """How a restart reads the module (:data:`MODULE_READS`): ``distributed`` (each byte once across the
     job) or ``full`` (every rank the whole module, as DeepSpeed does)."""
     requantize_8bit: bool = False
     """At a DP change, read bitsandbytes' 8-bit optimizer state as values and quantize it again in the new partitions
-    (not exact: one more quantization; :mod:`megatron_ucp.integration.requantize`). Off: such a save is refused at a
-    DP change, by name, before anything loads."""
+    (not exact: one more quantization; :mod:`megatron_ucp.integration.resume.native.requantize`). Off: such a save
+    is refused at a DP change, by name, before anything loads."""
 
     # --- background conversion (issue: async conversion) ---------------------------------------
     async_convert: bool = False

@@ -7,7 +7,8 @@ and a non-zero exit; nothing is reported with ``assert``.
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Sequence
 
 
 class UcpError(Exception):
@@ -60,3 +61,15 @@ def briefly(exc: BaseException, limit: int = 200) -> str:
     one of this tool's messages (gloo's span several lines)."""
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return f"{type(exc).__name__}: {first[:limit]}"
+
+
+def refuse_or_warn(
+    strict: bool, error: UcpError, warnings: Sequence[str], logger: logging.Logger, say: bool, then: str = "continuing"
+) -> None:
+    """Strictness, decided in one place: ``error`` raised (``strict``, the default everywhere), else each of
+    ``warnings`` logged, by the rank that speaks (``say``), saying what happens ``then``."""
+    if strict:
+        raise error
+    if say:
+        for warning in warnings:
+            logger.warning("megatron-ucp (strict=False, %s): %s", then, warning)

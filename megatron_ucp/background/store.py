@@ -390,7 +390,7 @@ def verdict_is_current(root: Path, tag: str) -> bool:
 
 
 FALLBACKS_LOG = "fallbacks.jsonl"
-"""One JSON line per restart that fell back to an older tag (:mod:`megatron_ucp.integration.fallback`)."""
+"""One JSON line per restart that fell back to an older tag (:mod:`megatron_ucp.integration.resume.fallback`)."""
 
 
 def record_fallback(root: Path, entry: dict) -> None:

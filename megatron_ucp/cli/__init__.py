@@ -1,7 +1,8 @@
 """The ``megatron-ucp`` command: parses arguments, calls the library, maps errors to exit codes.
 
 Each subcommand lives in ``megatron_ucp/cli/<name>.py`` and exposes
-``register(subparsers)``, which adds its parser and sets ``func(args) -> int``.
+``register(subparsers)``, which adds its parser and sets ``func(args) -> int``. The options several commands share
+are declared once (:data:`SHARED_OPTIONS`, added by :func:`add_shared` with the command's own help).
 """
 
 from __future__ import annotations
@@ -10,11 +11,31 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
 from megatron_ucp.errors import UcpError
 
 COMMANDS = ("convert", "inspect", "verify", "status", "synthesize", "export_hf")
+
+SHARED_OPTIONS: dict[str, dict[str, Any]] = {
+    "root": dict(type=Path),
+    "path": dict(type=Path),
+    "--tag": dict(),
+    "--output": dict(type=Path),
+    "--force": dict(action="store_true"),
+    "--workers": dict(type=int, default=1),
+    "--json": dict(action="store_true", help="machine-readable output"),
+    "--no-progress": dict(action="store_true", help="no progress bar"),
+}
+"""How each option several commands take is spelled and parsed, in one place; each command says what it means."""
+
+
+def add_shared(parser: argparse.ArgumentParser, name: str, help: Optional[str] = None, **kwargs: Any) -> None:
+    """``name`` from :data:`SHARED_OPTIONS` on ``parser``, with this command's ``help`` (and any setting of its own,
+    e.g. another default)."""
+    spec = {**SHARED_OPTIONS[name], **kwargs, **({"help": help} if help is not None else {})}
+    parser.add_argument(name, **spec)
 
 
 def build_parser() -> argparse.ArgumentParser:

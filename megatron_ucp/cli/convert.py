@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_ucp.cli import add_shared
 from megatron_ucp.convert.distributed import DistributedConvertError, convert_distributed, detect_launch, launch_summary
 from megatron_ucp.convert.execute import ConvertOptions, convert
 from megatron_ucp.errors import AlreadyConvertedError, UcpError
@@ -33,16 +34,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "DeepSpeed's universal layout, bit-exactly, streaming, without temporary fragment files. A tag already "
         "converted is left as it is (exit 0; --force reconverts it).",
     )
-    p.add_argument("root", type=Path, help="checkpoint root (holding 'latest') or a tag folder (global_stepN)")
-    p.add_argument("--tag", help="tag to convert (default: the root's 'latest')")
-    p.add_argument("--output", type=Path, help="output folder (default: ROOT/<tag>_universal)")
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        help="parallel writers (threads) in this process (default 1; the number of cores is a good choice)",
+    add_shared(p, "root", "checkpoint root (holding 'latest') or a tag folder (global_stepN)")
+    add_shared(p, "--tag", "tag to convert (default: the root's 'latest')")
+    add_shared(p, "--output", "output folder (default: ROOT/<tag>_universal)")
+    add_shared(
+        p, "--workers", "parallel writers (threads) in this process (default 1; the number of cores is a good choice)"
     )
-    p.add_argument("--force", action="store_true", help="replace an existing output folder")
+    add_shared(p, "--force", "replace an existing output folder")
     p.add_argument("--no-latest", action="store_true", help="do not update ROOT/latest_universal")
     p.add_argument(
         "--share",
@@ -52,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="convert share I of N (one converter per node); the last share to finish commits",
     )
     p.add_argument("--attempt-id", help="id shared by the N converters of one conversion (required with --share)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_shared(p, "--no-progress")
     p.add_argument(
         "--distributed",
         action="store_true",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+from megatron_ucp.cli import add_shared
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,14 +18,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Any TP, PP, DP and ZeRO stage; a model LlamaForCausalLM cannot compute (experts, biases, LayerNorm, "
         "learned positions) is refused, listing why. Needs the [hf] extra (safetensors).",
     )
-    p.add_argument("path", type=Path, help="a checkpoint root, a native tag folder, or a universal folder")
-    p.add_argument("--tag", help="with a checkpoint root: the tag to export (default: the tag in 'latest')")
-    p.add_argument("--output", type=Path, help="the export folder (default: <root>/<tag>_hf)")
+    add_shared(p, "path", "a checkpoint root, a native tag folder, or a universal folder")
+    add_shared(p, "--tag", "with a checkpoint root: the tag to export (default: the tag in 'latest')")
+    add_shared(p, "--output", "the export folder (default: <root>/<tag>_hf)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights' dtype (default bf16)")
     p.add_argument("--max-shard-size", type=float, default=2.0, metavar="GIB", help="per safetensors file (2)")
-    p.add_argument("--workers", type=int, default=2, help="writer threads of a conversion run first (2)")
-    p.add_argument("--force", action="store_true", help="replace an existing export folder")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_shared(p, "--workers", "writer threads of a conversion run first (2)", default=2)
+    add_shared(p, "--force", "replace an existing export folder")
+    add_shared(p, "--no-progress")
     p.set_defaults(func=run)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
+from megatron_ucp.cli import add_shared
 from megatron_ucp.convert.inspection import format_report, inspect_checkpoint, inspect_geometry
 from megatron_ucp.deepspeed.reader import BF16_OPTIMIZER, ZERO_OPTIMIZER, padding_style
 from megatron_ucp.errors import UcpError
@@ -22,8 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "padding, ranks holding only padding, whether stock ds_to_universal would crash, and at which "
         "target DP sizes stock DeepSpeed's universal loader would crash. Reads metadata only.",
     )
-    p.add_argument("root", type=Path, nargs="?", help="checkpoint root or tag folder")
-    p.add_argument("--tag", help="tag (default: the root's 'latest')")
+    add_shared(p, "root", nargs="?", help="checkpoint root or tag folder")
+    add_shared(p, "--tag", "tag (default: the root's 'latest')")
     p.add_argument(
         "--target-dp",
         metavar="RANGE",
@@ -41,11 +41,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="optimizer class for --group-numels (bf16: BF16_Optimizer, zero: DeepSpeedZeroOptimizer)",
     )
     p.add_argument("--ds-version", default="0.19.8", help="DeepSpeed version for --group-numels")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument(
+    add_shared(p, "--json")
+    add_shared(
+        p,
         "--no-progress",
-        action="store_true",
-        help="accepted as every command accepts it (inspect reads metadata only and shows no progress bar)",
+        "accepted as every command accepts it (inspect reads metadata only and shows no progress bar)",
     )
     p.set_defaults(func=run)
 

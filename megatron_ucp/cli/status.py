@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from megatron_ucp.background.status import root_status
 from megatron_ucp.background.status_text import format_status, not_a_root
+from megatron_ucp.cli import add_shared
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,8 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "/ skipped / absent, DP size, sizes on disk, conversion time; and the background converters. "
         "Reads folder names, markers and manifests only, unless --deep.",
     )
-    p.add_argument("root", type=Path, help="checkpoint root (the --save folder)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_shared(p, "root", "checkpoint root (the --save folder)")
+    add_shared(p, "--json")
     p.add_argument("--no-sizes", action="store_true", help="skip walking the folders for their sizes")
     p.add_argument(
         "--check",
@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "file count, each complete universal folder against its manifest and, bit for bit, its native tag; "
         "exit 1 when any is damaged",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (with --deep)")
+    add_shared(p, "--no-progress", "no progress bars (with --deep)")
     p.set_defaults(func=run)
 
 

@@ -8,10 +8,10 @@ torch) is imported only when the command runs: the other commands stay torch-fre
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from packaging.version import Version
 
+from megatron_ucp.cli import add_shared
 from megatron_ucp.deepspeed.versions import SAVED_FILES
 from megatron_ucp.errors import UcpError
 from megatron_ucp.plan.llama_shapes import PRESETS, LlamaShape, preset
@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Megatron-DeepSpeed llama model at the given TP, PP and DP: the same file names, keys, flat "
         "partitions and paddings, reproducible values (the same at every DP size).",
     )
-    p.add_argument("root", type=Path, help="checkpoint root to write into (the tag must not exist)")
+    add_shared(p, "root", "checkpoint root to write into (the tag must not exist)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named shape; the size options override it")
     for name in _SIZES:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"model {name.replace('_', ' ')}")

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_ucp.cli import add_shared
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -19,10 +21,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "there is one, is verified and compared bit for bit with the tag. A native tag's verdict is recorded in its "
         "root's .ucp/ store, for `megatron-ucp status` and a restart's fallback.",
     )
-    p.add_argument("path", type=Path, help="a universal folder, a checkpoint root or a native tag folder")
-    p.add_argument("--tag", help="with a checkpoint root: the tag whose twin to verify (default: 'latest')")
+    add_shared(p, "path", "a universal folder, a checkpoint root or a native tag folder")
+    add_shared(p, "--tag", "with a checkpoint root: the tag whose twin to verify (default: 'latest')")
     p.add_argument("--source", type=Path, help="compare with this native tag folder (or root) instead")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_shared(p, "--no-progress", "no progress bars")
     p.set_defaults(func=run)
 
 

@@ -5,7 +5,7 @@ Under ZeRO each flat partition is one parameter to bitsandbytes: its state is ``
 ``min_8bit_size``) or uint8 codes with ``absmax1``/``absmax2`` (one scale per block of B consecutive elements from the
 partition's first) and ``qmap1``/``qmap2`` (the code books). :func:`expand` turns the dict into the two states, the
 quantized ones as :class:`~megatron_ucp.format.blockwise8bit.Blockwise8bit` (decoded exactly on read). Quantizing
-again at a new cut is not exact and is the option's to say (:mod:`megatron_ucp.integration.requantize`).
+again at a new cut is not exact and is the option's to say (:mod:`megatron_ucp.integration.resume.native.requantize`).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class Internal:
 
 R, C = Use.REPLACE, Use.CALL
 SURFACE: tuple[Internal, ...] = (
-    # save hook (integration/save_recording.py)
+    # save hook (integration/save/recording.py)
     Internal(
         ENGINE, "_save_checkpoint", R, "adds each parameter's TP layout and the save's identity to the model states"
     ),
@@ -78,22 +78,23 @@ SURFACE: tuple[Internal, ...] = (
         "_save_moe_checkpoint",
         R,
         "the MoE save of _save_checkpoint: adds the TP layout and the save's identity; on 0.19 also hands Megatron's "
-        "universal_checkpoint_info to it as the dict 0.19 wants (integration/moe_save.py)",
+        "universal_checkpoint_info to it as the dict 0.19 wants (integration/save/experts.py)",
     ),
     Internal(
         ENGINE,
         "_get_non_moe_state_dict",
         R,
-        "leaves the fork's lifted expert keys out of its MoE model states, as before 0.19 (integration/moe_save.py)",
+        "leaves the fork's lifted expert keys out of its MoE model states, as before 0.19 "
+        "(integration/save/experts.py)",
         when=lambda facts: not facts.saves_fork_moe,
     ),
     Internal(
         TORCH_CKPT_ENGINE,
         "save",
         C,
-        "every file of a save is written through it: watched for the length of one save (integration/save_commit.py)",
+        "every file of a save is written through it: watched for the length of one save (integration/save/commit.py)",
     ),
-    # elastic load (integration/elastic_load.py and the loaders below it)
+    # elastic load (integration/resume/elastic_load.py and the loaders below it)
     Internal(ENGINE, "load_checkpoint", R, "decides the route of a load (same DP, reshard, universal)"),
     Internal(ZERO_BASE, OPTIMIZER_LOADER, R, "our universal loader for BF16_Optimizer and DeepSpeedZeroOptimizer"),
     Internal(SD_LOADERS, "get_sd_loader", R, "for one load: one model-states file per rank, read as it is"),
@@ -131,7 +132,7 @@ SURFACE: tuple[Internal, ...] = (
     Internal(BWC, "bwc_tensor_model_parallel_world_size", C, "TP size of the live model from its mpu"),
     Internal(BWC, "bwc_tensor_model_parallel_rank", C, "this rank's TP place from the mpu"),
     Internal(BWC, "bwc_pipeline_parallel_world_size", C, "PP size of the live model from its mpu"),
-    # async trigger (integration/async_trigger.py)
+    # async trigger (integration/save/async_trigger.py)
     Internal(
         ENGINE,
         "_commit_decoupled_checkpoint",

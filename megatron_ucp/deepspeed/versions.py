@@ -61,7 +61,7 @@ class Internals:
     """A mixture-of-experts save of the ALCF fork's ``GPTModel`` works. From 0.19,
     ``_save_moe_checkpoint`` calls ``dict()`` on the module's ``universal_checkpoint_info``, which that
     model defines as a method: the save dies inside DeepSpeed (``TypeError: 'method' object is not
-    iterable``) without megatron-ucp; the hooks hand it the info as it wants (``integration/moe_save.py``)."""
+    iterable``) without megatron-ucp; the hooks hand it the info as it wants (``integration/save/experts.py``)."""
     zero_trains_with_torch_2_13: bool = True
     """Stock DeepSpeedZeroOptimizer's step works with torch 2.13 (the torch this project tests
     with). 0.18.9's ``all_gather_into_tensor_dp_groups`` writes into ``torch.split`` views, which

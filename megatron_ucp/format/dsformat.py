@@ -116,6 +116,16 @@ def zero3_model_file(dp_rank: int, mp_rank: int) -> str:
     return f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt"
 
 
+def mp_rank_of(name: str) -> int:
+    """The model-parallel rank in a DeepSpeed file's name (an optimizer file, a model-states file of either kind);
+    0 for any other name, as a job without model parallelism names its files."""
+    for pattern in (OPTIM_FILE_RE, MODEL_FILE_RE, ZERO3_MODEL_FILE_RE):
+        found = pattern.match(name)
+        if found is not None:
+            return int(found["mp"])
+    return 0
+
+
 def universal_tag(tag: str) -> str:
     """The universal twin's tag for a native tag: global_step100 -> global_step100_universal."""
     return tag if tag.endswith(UNIVERSAL_SUFFIX) else tag + UNIVERSAL_SUFFIX

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 from typing import Any, Optional
 
@@ -19,16 +20,16 @@ from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed.surface import PatchSet, check_surface
 from megatron_ucp.deepspeed.versions import check_hooks_supported
 
-__all__ = ["PatchSet", "active_config", "install", "uninstall"]
+__all__ = ["PatchSet", "active_config", "install", "make_visible", "restore_visibility", "uninstall"]
 
 log = logging.getLogger(__name__)
 
 # Order matters only for readability of logs: save-time recording, load path, background conversion.
 HOOK_MODULES = (
-    "megatron_ucp.integration.save_recording",
-    "megatron_ucp.integration.moe_save",
-    "megatron_ucp.integration.elastic_load",
-    "megatron_ucp.integration.async_trigger",
+    "megatron_ucp.integration.save.recording",
+    "megatron_ucp.integration.save.experts",
+    "megatron_ucp.integration.resume.elastic_load",
+    "megatron_ucp.integration.save.async_trigger",
 )
 
 _lock = threading.Lock()
@@ -95,3 +96,46 @@ def _uninstall_locked() -> None:
     patches.undo()
     _state.update(patches=None, config=None, modules=[])
     log.info("megatron-ucp hooks uninstalled")
+
+
+# ================================================================================================
+# The decision and summary lines of the hooks reach the training log, whoever configured logging.
+#
+# When the ``megatron_ucp`` logger has no level of its own, it gets INFO on the first rank (WARNING on
+# the others, so that 768 ranks do not repeat it): a root logger left at WARNING, or configured by a
+# library at import (intel-extension-for-pytorch calls ``logging.basicConfig``), would otherwise drop
+# them. A handler is added only when neither that logger nor the root logger has one (the lines then
+# go to the application's handlers in its format). An application that sets the ``megatron_ucp``
+# logger's level or handlers keeps full control. :func:`restore_visibility` undoes it (uninstall).
+# ================================================================================================
+
+_handler: Optional[logging.Handler] = None
+_level_set = False
+
+
+def make_visible() -> None:
+    """A level (and, where nobody has one, a handler) for the ``megatron_ucp`` logger; see above."""
+    global _handler, _level_set
+    pkg = logging.getLogger("megatron_ucp")
+    if pkg.level == logging.NOTSET:
+        pkg.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
+        _level_set = True
+    if _handler is not None or pkg.handlers or logging.getLogger().handlers:
+        return
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[megatron-ucp] %(levelname)s %(message)s"))
+    pkg.addHandler(_handler)
+    pkg.propagate = False
+
+
+def restore_visibility() -> None:
+    """Remove the log handler and level :func:`make_visible` added, if any."""
+    global _handler, _level_set
+    pkg = logging.getLogger("megatron_ucp")
+    if _handler is not None:
+        pkg.removeHandler(_handler)
+        pkg.propagate = True
+        _handler = None
+    if _level_set:
+        pkg.setLevel(logging.NOTSET)
+        _level_set = False

@@ -55,7 +55,7 @@ from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import stand_ins_for_unimportable
 from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
-from megatron_ucp.integration.async_trigger import wait_at_end_of_run
+from megatron_ucp.integration.save.async_trigger import wait_at_end_of_run
 from megatron_ucp.plan.launch import (
     CheckpointFacts,
     MegatronArgs,

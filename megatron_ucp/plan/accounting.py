@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_ucp.errors import AccountingError
+from megatron_ucp.errors import AccountingError, refuse_or_warn
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
 
@@ -150,10 +150,10 @@ class AccountingReport:
 
         ``verbose``: log the warnings and the summary line (the hooks pass True on one rank only).
         """
-        if self.problems and strict:
+        if self.problems:
             shown = "\n  ".join(str(p) for p in self.problems[:40])
             more = f"\n  ... and {len(self.problems) - 40} more" if len(self.problems) > 40 else ""
-            raise AccountingError(
+            error = AccountingError(
                 f"{'universal checkpoint load' if self.route == 'universal load' else self.route} is incomplete "
                 f"({len(self.problems)} problem(s)):\n  {shown}{more}\n"
                 + (
@@ -164,11 +164,9 @@ class AccountingReport:
                 ),
                 subject=list(self.problems),
             )
-        if not verbose:
-            return
-        for problem in self.problems:
-            logger.warning("megatron-ucp (strict=False, continuing): %s", problem)
-        logger.info("%s", self.summary_line())
+            refuse_or_warn(strict, error, [str(p) for p in self.problems], logger, say=verbose)
+        if verbose:
+            logger.info("%s", self.summary_line())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """What a ``load_checkpoint`` call should do when the DP size may have changed: pure decisions.
 
-The elastic-load hook (:mod:`megatron_ucp.integration.elastic_load`) gathers the facts (the DP size the
+The elastic-load hook (:mod:`megatron_ucp.integration.resume.elastic_load`) gathers the facts (the DP size the
 requested tag was saved at, the current DP size, the ``load_universal`` flag, the state of the
 universal twin ``<tag>_universal``) and asks :func:`decide_resume` what to do. Keeping the
 decision here, free of I/O and of ``torch.distributed``, means every rank reaches the same answer

@@ -1,6 +1,6 @@
 """What the save hook adds to each rank's optimizer state dict: the geometry (pure) and the partitions' checksums.
 
-The hook (``integration/save_recording``) calls it with the live optimizer's sizes; the
+The hook (``integration/save/recording``) calls it with the live optimizer's sizes; the
 synthetic-checkpoint writer (``synthetic/``) with a model shape's. One function, so that a
 synthetic checkpoint "with our save record" carries exactly what a hooked save carries.
 """

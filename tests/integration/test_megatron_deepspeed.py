@@ -84,11 +84,12 @@ def assert_continues(resumed: MdsResult, reference: MdsResult, steps=(4, 5, 6), 
 
 
 def assert_accounted(res: MdsResult) -> str:
-    """Strict accounting passed and said so in one summary line; returns it."""
+    """Strict accounting passed and said so in one summary line; returns it, from its first word (the ranks share
+    one output stream: another rank's unfinished line may precede it on the same line)."""
     lines = [line for line in res.ucp_lines() if "every element placed exactly once" in line]
     assert lines, "\n".join(res.ucp_lines()[-20:])
     assert not any("ERROR" in line or "AccountingError" in line for line in res.ucp_lines())
-    return lines[0]
+    return lines[0][lines[0].index("megatron-ucp ") :]
 
 
 @pytest.fixture(scope="module", params=["bf16", "zero"])
@@ -431,7 +432,7 @@ def test_moe_job_saves_through_the_hooks_and_converts_every_expert_in_the_backgr
     expert as a parameter of its own under its global index, each state bit for bit what an independent rebuild
     from the rank files gives (torch.load and the saved mappings); inspect and status show EP. On releases whose
     own MoE save of this fork dies inside DeepSpeed (``versions.Internals.saves_fork_moe``: 0.19's ``dict()`` of
-    the model's method), the hooks hand the save Megatron's info as it wants it (``integration/moe_save.py``)."""
+    the model's method), the hooks hand the save Megatron's info as it wants it (``integration/save/experts.py``)."""
     root, res = _moe_trained(mds_checkout, mds_runs)
     assert sorted(res.losses) == [1, 2, 3, 4, 5, 6], res.log[-3000:]
     assert not [line for line in res.ucp_lines() if "WARNING" in line or "not handled" in line], res.ucp_lines()
@@ -528,7 +529,7 @@ def _moe_rank_files_are_bound_to_their_places(tag: Path, swapped: Path) -> None:
     expert groups' partitions at their expert-DP place (the files of one expert-parallel rank, 1 and 3, swapped;
     then files of two expert-parallel ranks, 0 and 1)."""
     from megatron_ucp.deepspeed.reader import read_checkpoint
-    from megatron_ucp.integration.rank_files import bind_folder
+    from tests.support.elastic_support import bind_folder
 
     def rank_file(folder: Path, r: int) -> Path:
         return next(folder.glob(f"*zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))

@@ -12,11 +12,11 @@ from typing import Any
 HOST_ON_PURPOSE = {
     ("deepspeed/torch_files.py", "load_torch_file"): "checkpoint files are read into host memory (mapped)",
     (
-        "integration/native_reshard.py",
+        "integration/resume/native/reshard.py",
         "load_native_partitions",
     ): "the ledger is filled on the host, moved to device() for the one all-reduce",
     (
-        "integration/partition_load.py",
+        "integration/resume/universal/partition_load.py",
         "load_universal_partitions",
     ): "the ledger is filled on the host, moved to device() for the one all-reduce",
     ("plan/accounting.py", "new_table"): "default of the host-side ledger table",

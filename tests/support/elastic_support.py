@@ -14,10 +14,11 @@ import struct
 import threading
 import zipfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_ucp.deepspeed.rank_files import expectation, inspect_file, read_facts, verdict
 from tests.support.dsharness import TrainResult, TrainSpec, run_training
 
 #: bf16 reduction order differs between DP sizes; everything else must match exactly.
@@ -158,3 +159,22 @@ def rewrite_manifest_checksums(folder: Path, algorithm: str) -> None:
             record["rows_sum"] = checksum(entry[F.VOCAB_PADDED_ROWS], entry[F.PARAM].numel(), algorithm)
     manifest["checksums"]["algorithm"] = algorithm
     path.write_text(json.dumps(manifest))
+
+
+def bind_folder(
+    model_states: Path,
+    rank_file: Callable[[int], Path],
+    shapes: Optional[list[list[tuple[str, tuple[int, ...]]]]] = None,
+) -> list[str]:
+    """Every rank file of a save bound to its position and to the save, in one process, through the reader a resume
+    uses: the problems a resume would name, or none. ``shapes``: the param groups, for a mixture-of-experts save
+    whose model states list none (as a resume takes the job's)."""
+    facts = read_facts(model_states, rank_file, live_shapes=shapes)
+    seen = []
+    for position in range(facts.dp_from):
+        reads = facts.layout.reads_to(facts.layout, position)
+        source, file_facts = inspect_file(rank_file(position), facts, expectation(facts, position, reads))
+        if source is not None:
+            source.close()
+        seen.append(file_facts)
+    return verdict(facts, seen)

@@ -351,7 +351,7 @@ def test_layout_restores_kept_rows_and_zero_fills_without_them() -> None:
     smaller of the saved and the new padded size; a folder without them (stock's) zero-fills them
     and does not count them. Any fragment, also one straddling the kept rows, is cut out without
     building the whole tensor."""
-    from megatron_ucp.integration.state_layout import state_layout as _layout
+    from megatron_ucp.integration.resume.universal.state_layout import state_layout as _layout
     from megatron_ucp.plan.accounting import checksum
 
     def whole(layout):
@@ -378,7 +378,7 @@ def test_layout_restores_kept_rows_and_zero_fills_without_them() -> None:
 
 
 def test_buffers_and_frozen_parameters_are_restored(tmp_path: Path) -> None:
-    from megatron_ucp.integration.training_state import restore_module_tensors
+    from megatron_ucp.integration.resume.finish import restore_module_tensors
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
@@ -425,7 +425,7 @@ def test_buffers_and_frozen_parameters_are_restored(tmp_path: Path) -> None:
 def test_megatron_nested_module_states_are_flattened(tmp_path: Path) -> None:
     """Megatron-DeepSpeed saves ``state_dict_for_save_checkpoint``: dicts of dicts."""
     from megatron_ucp.deepspeed.reader import flatten_module_states
-    from megatron_ucp.integration.training_state import restore_module_tensors
+    from megatron_ucp.integration.resume.finish import restore_module_tensors
 
     class Inner(torch.nn.Module):
         def __init__(self) -> None:
@@ -451,7 +451,7 @@ def test_megatron_nested_module_states_are_flattened(tmp_path: Path) -> None:
 
 def test_buffers_saved_by_the_pipeline_model_reach_the_non_pipeline_one(tmp_path: Path) -> None:
     """GPTModelPipe saves module tensors per layer file; a GPTModel resuming from it gets them through the name map."""
-    from megatron_ucp.integration.training_state import restore_module_tensors
+    from megatron_ucp.integration.resume.finish import restore_module_tensors
 
     class Layer(torch.nn.Module):
         def __init__(self) -> None:

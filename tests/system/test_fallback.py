@@ -28,7 +28,7 @@ from megatron_ucp.background.store import read_fallbacks, read_verdict, record_v
 from megatron_ucp.cli import main
 from megatron_ucp.convert.universal import source_identity
 from megatron_ucp.deepspeed.reader import find_checkpoint_files
-from megatron_ucp.integration import fallback
+from megatron_ucp.integration.resume import fallback
 from tests.support.elastic_support import (
     ElasticRuns,
     assert_losses_continue,

@@ -27,7 +27,7 @@ from megatron_ucp.background.store import ConverterSettings, read_queue
 from megatron_ucp.background.trigger import trigger, wait_for_converter
 from megatron_ucp.cli import main as cli_main
 from megatron_ucp.config import UcpConfig
-from megatron_ucp.integration import async_trigger
+from megatron_ucp.integration.save import async_trigger
 from megatron_ucp.plan.llama_shapes import LlamaShape
 from megatron_ucp.synthetic.writer import SyntheticSpec, write_checkpoint
 

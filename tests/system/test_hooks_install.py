@@ -139,7 +139,7 @@ def test_decision_lines_survive_a_library_configuring_the_root_logger():
         "logging.basicConfig(format='ROOT %(message)s')\n"
         "import megatron_ucp\n"
         "megatron_ucp.install()\n"
-        "logging.getLogger('megatron_ucp.integration.elastic_load').info('decided')\n"
+        "logging.getLogger('megatron_ucp.integration.resume.elastic_load').info('decided')\n"
         "megatron_ucp.uninstall()\n"
         "print('level', logging.getLogger('megatron_ucp').level, len(logging.getLogger('megatron_ucp').handlers))\n"
     )

@@ -88,7 +88,7 @@ def _synthetic(base: Path, dp: int = 4, iteration: int = 2, seed: int = 0, recor
 
 
 def _bind(tag: Path) -> list[str]:
-    from megatron_ucp.integration.rank_files import bind_folder
+    from tests.support.elastic_support import bind_folder
 
     return bind_folder(model_states_file(tag), lambda r: rank_file(tag, r))
 

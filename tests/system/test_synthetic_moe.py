@@ -18,10 +18,10 @@ from megatron_ucp.convert.universal import read_manifest
 from megatron_ucp.errors import UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import PICKLE_MODULE
-from megatron_ucp.integration.rank_files import bind_folder
 from megatron_ucp.plan.llama_shapes import EXPERTS, LlamaShape
 from megatron_ucp.synthetic.content import SyntheticSpec, state_range
 from megatron_ucp.synthetic.writer import write_checkpoint
+from tests.support.elastic_support import bind_folder
 from tests.support.file_structure import load
 
 SHAPE = LlamaShape(layers=4, hidden=8, ffn=16, heads=2, kv_heads=2, vocab=40, original_vocab=37, experts=8)

@@ -428,8 +428,8 @@ def test_at_dp_768_sampled_ranks_of_both_routes_equal_the_saved_values(tmp_path)
     a middle, the last rank holding a norm weight's elements and one whose slice of it is padding (the norm:
     8 elements, so ranks 8.. of 768 hold only its padding on the old side, and of 512 and 1024 on the new)."""
     from megatron_ucp.convert.execute import ConvertOptions, convert
+    from megatron_ucp.deepspeed.rank_files import expectation, inspect_file, read_facts
     from megatron_ucp.deepspeed.stage3_files import flat_view
-    from megatron_ucp.integration.rank_files import expectation, inspect_file, read_facts
     from megatron_ucp.plan.llama_shapes import LlamaShape
     from megatron_ucp.plan.param_geometry import per_parameter_reads
     from megatron_ucp.plan.reshard import source_ranks

@@ -9,7 +9,8 @@ import pytest
 
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.surface import OPTIMIZER_LAYOUTS
-from megatron_ucp.integration import handled, save_recording
+from megatron_ucp.integration import handled
+from megatron_ucp.integration.save import recording as save_recording
 
 
 class BF16_Optimizer:  # the class name selects the layout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ucp.integration.optimizer_probe import expected_state_keys
+from megatron_ucp.integration.live_job import expected_state_keys
 
 
 def _flat(n: int = 6) -> torch.nn.Parameter:

@@ -10,11 +10,11 @@ import torch
 
 from megatron_ucp.deepspeed.quantized_states import BNB_QUANT_STATE, expand, expanded, packed_states
 from megatron_ucp.deepspeed.state_kinds import ELEMENT, kind_of, unplaceable_error
+from megatron_ucp.deepspeed.tensor_reads import read_tensor_range
 from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.blockwise8bit import Blockwise8bit
 from megatron_ucp.format.rawtensor import RawTensor, from_torch
-from megatron_ucp.integration.tensor_reads import read_tensor_range
 
 BLOCK = 256
 
@@ -99,7 +99,7 @@ def test_the_refusal_without_the_option_names_it() -> None:
 def test_a_live_bitsandbytes_optimizer_gets_its_own_8bit_form_and_steps_on_it() -> None:
     bnb = pytest.importorskip("bitsandbytes")
     functional = pytest.importorskip("bitsandbytes.functional")
-    from megatron_ucp.integration.requantize import blocksize_of_live, requantize_partition
+    from megatron_ucp.integration.resume.native.requantize import blocksize_of_live, requantize_partition
 
     big, small = torch.nn.Parameter(torch.zeros(5000)), torch.nn.Parameter(torch.zeros(100))
     opt = bnb.optim.Adam8bit([big, small], lr=1e-3)

@@ -332,7 +332,7 @@ def test_skipif(a):
     assert a
 
 def test_importorskip():
-    pytest.importorskip("megatron_ucp.integration.save_recording")
+    pytest.importorskip("megatron_ucp.integration.save.recording")
     assert True
 
 def test_sections(res):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_ucp.background.store import VERDICTS_DIR, ucp_dir
-from megatron_ucp.integration.tag_replace import REPLACED_DIR, set_aside
+from megatron_ucp.integration.save.commit import REPLACED_DIR, set_aside
 
 TAG = "global_step20"
 

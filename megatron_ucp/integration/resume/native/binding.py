@@ -3,48 +3,51 @@ engine: one entry for every layout and every route that reads the native files.
 
 Call order (collective over the optimizer's DP group, every rank calls :func:`bind_save`):
 
-1. the facts, read once by the group's first rank and broadcast (:class:`~megatron_ucp.integration.rank_files.
+1. the facts, read once by the group's first rank and broadcast (:class:`~megatron_ucp.deepspeed.rank_files.
    SavedFacts`, whose ``layout`` says where every saved element sits);
 2. the live optimizer described by a layout of the same kind (:func:`live_layout`), checked against the facts
    (the same parameters, in the same groups, partitioned as the plan expects) and this rank's reads planned
    from one layout to the other (``facts.layout.reads_to(new, rank)``);
 3. every old file this rank reads, and the padding-only ones that fall to it, opened (metadata only) and
    checked against what its position must hold, and one verdict on every rank
-   (:func:`megatron_ucp.integration.rank_files.bind_rank_files`). Files that do not belong together stop
+   (:func:`megatron_ucp.deepspeed.rank_files.bind_rank_files`). Files that do not belong together stop
    every rank here, naming the file(s), with the engine untouched.
 
 What differs between the ZeRO stages is only what their files and their live optimizers are
-(one :func:`~megatron_ucp.integration.rank_files.read_facts`, a ZeRO-3 file seen through
+(one :func:`~megatron_ucp.deepspeed.rank_files.read_facts`, a ZeRO-3 file seen through
 :func:`megatron_ucp.deepspeed.stage3_files.flat_view`;
-:func:`megatron_ucp.integration.live_partitions.live_stage3_groups`);
+:func:`megatron_ucp.integration.live_job.live_stage3_groups`);
 everything after the binding (the copy, the ledger, the checks after a load) takes the :class:`BoundSave`.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.optimizer_files import optimizer_state
+from megatron_ucp.deepspeed.rank_files import (
+    RankFile,
+    SavedFacts,
+    Source,
+    binding_message,
+    expectation,
+    inspect_file,
+    read_facts,
+    verdict,
+)
 from megatron_ucp.deepspeed.stage3_files import flat_view
 from megatron_ucp.deepspeed.state_kinds import unplaceable_error
 from megatron_ucp.errors import CheckpointFormatError, PlanError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import Failure, comm, decide_on_first
-from megatron_ucp.integration.live_partitions import live_stage3_groups
-from megatron_ucp.integration.partition_load import lp_groups_of
-from megatron_ucp.integration.rank_files import (
-    RankFile,
-    SavedFacts,
-    Source,
-    bind_rank_files,
-    read_facts,
-)
-from megatron_ucp.integration.requantize import blocksize_of_live
+from megatron_ucp.integration.live_job import LiveJob, live_stage3_groups, lp_groups_of
+from megatron_ucp.integration.resume.native.requantize import blocksize_of_live
 from megatron_ucp.plan.param_geometry import first_difference, group_count_difference
 from megatron_ucp.plan.partitioned import FlatGroups, Partitioned, checked_positions
 from megatron_ucp.plan.rank_binding import FileFacts
@@ -84,6 +87,7 @@ class BoundSave:
 
 def bind_save(
     engine: Any,
+    job: LiveJob,
     model_states: Path,
     rank_file: RankFile,
     states: Optional[dict] = None,
@@ -101,10 +105,9 @@ def bind_save(
     optimizer = engine.optimizer
     group = surface.dp_group(optimizer)
     rank = comm().get_rank(group=group)
-    per_parameter = surface.engine_layout(engine).per_parameter
+    per_parameter = job.per_parameter
     if per_parameter:  # every ZeRO-3 rank saves its own model states; the facts are in DP rank 0's
-        found = F.OPTIM_FILE_RE.match(rank_file(0).name)
-        model_states = model_states.parent / F.zero3_model_file(0, int(found["mp"]) if found else 0)
+        model_states = model_states.parent / F.zero3_model_file(0, F.mp_rank_of(rank_file(0).name))
     facts = decide_on_first(
         lambda: read_facts(
             model_states,
@@ -135,7 +138,7 @@ def bind_save(
             log.warning("megatron-ucp: %s; at the saved DP size DeepSpeed's own load reads it as it is", error)
         return None
     try:
-        new = live_layout(engine, facts, model_states, same_dp)
+        new = live_layout(engine, job, facts, model_states, same_dp)
         reads = facts.layout.reads_to(new, rank)
     except PlanError as exc:  # the same facts and model on every rank: the same error everywhere
         raise UcpError(f"{model_states.parent}: {exc}", subject=model_states.parent) from exc
@@ -149,7 +152,7 @@ def bind_save(
     return BoundSave(facts, new, reads, sources, rank_file, rank, time.perf_counter() - t0, files)
 
 
-def live_layout(engine: Any, facts: SavedFacts, model_states: Path, same_dp: bool = False) -> Partitioned:
+def live_layout(engine: Any, job: LiveJob, facts: SavedFacts, model_states: Path, same_dp: bool = False) -> Partitioned:
     """The live optimizer as a layout of the save's kind, checked against the facts; raises naming the first
     difference (another model, another expert layout, padding the plan does not describe). ``same_dp``: a
     restart at the saved DP size and sub-groups (DeepSpeed's own load follows)."""
@@ -162,7 +165,7 @@ def live_layout(engine: Any, facts: SavedFacts, model_states: Path, same_dp: boo
                 "live in every rank's model states and are not resharded yet; resume at the saved DP size",
                 subject=model_states,
             )
-        return live_stage3_groups(optimizer, surface.param_names(engine))
+        return live_stage3_groups(optimizer, job.names)
     dist = comm()
     dp_to = dist.get_world_size(group=surface.dp_group(optimizer))
     rank = dist.get_rank(group=surface.dp_group(optimizer))
@@ -224,3 +227,73 @@ def check_expert_groups(optimizer: Any, saved: FlatGroups, dp_to: int, rank: int
                 f"{placement.index(g, rank)}): an expert-parallel change goes through the universal folder",
                 subject=where,
             )
+
+
+def engine_save_files(engine: Any, load_dir: str, tag: str) -> tuple[RankFile, Path]:
+    """How the engine names the files of a tag for this rank: old DP rank -> its optimizer file of this
+    rank's model-parallel coordinate, and this rank's model-states file."""
+    own = Path(surface.own_optimizer_file(engine, load_dir, tag)).name
+    found = re.search(r"_mp_rank_(\d+)_optim_states\.pt$", own)
+    if found is None:
+        raise UnsupportedError(
+            f"this DeepSpeed names its optimizer files {own!r}; the native reshard does not know "
+            "the pattern (use --ucp-resume-route universal)",
+            subject=own,
+        )
+    mp_rank, bf16 = int(found.group(1)), own.startswith("bf16_")
+
+    def rank_file(dp_rank: int) -> Path:
+        return Path(surface.rank_optimizer_file(engine, load_dir, tag, mp_rank, dp_rank, bf16))
+
+    return rank_file, Path(surface.model_states_file(engine, load_dir, tag))
+
+
+def bind_rank_files(
+    facts: SavedFacts,
+    reads: Sequence[Sequence[Read]],
+    positions: Sequence[int],
+    rank_file: RankFile,
+    group: Any,
+    view: Callable[[Path], dict] = optimizer_state,
+) -> tuple[dict[int, Source], list[FileFacts]]:
+    """Steps 2 and 3 (collective over ``group``): this rank opens ``positions`` (the files it reads,
+    and the padding-only ones that fall to it), every rank shares what it saw, and every rank
+    raises the same error when any file, or the set, is wrong. Returns the sources this rank reads and
+    what every rank saw of every file (the same on every rank). ``view``: as :func:`inspect_file`."""
+    readers = {r.source_rank for g in reads for r in g}
+
+    def inspect(position: int) -> tuple[Optional[Source], FileFacts]:
+        return inspect_file(rank_file(position), facts, expectation(facts, position, reads), view)
+
+    return bind_positions(facts, positions, readers, inspect, group)
+
+
+def bind_positions(
+    facts: SavedFacts,
+    positions: Sequence[int],
+    readers: set[int],
+    inspect: Callable[[int], tuple[Optional[Source], FileFacts]],
+    group: Any,
+) -> tuple[dict[int, Source], list[FileFacts]]:
+    """The collective part of binding (over ``group``): this rank inspects ``positions`` and keeps the
+    sources of those it reads (``readers``), every rank shares what it saw, and every rank raises the
+    same error when any file, or the set, is wrong."""
+    mine: list[FileFacts] = []
+    sources: dict[int, Source] = {}
+    for position in positions:
+        source, seen = inspect(position)
+        mine.append(replace(seen, sums=None))
+        if source is not None and position in readers:
+            sources[position] = source
+    dist = comm()
+    everyone: list[Any] = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(everyone, mine, group=group)
+    seen = [f for box in everyone for f in box]
+    problems = verdict(facts, seen)
+    if problems:
+        for source in sources.values():
+            source.close()
+        raise CheckpointFormatError(
+            binding_message(Path(facts.model_states).parent, problems), subject=problems[0].split(": ", 1)[0]
+        )
+    return sources, seen

@@ -1,24 +1,135 @@
-"""After a universal load: what DeepSpeed's universal mode skips, restored and checked.
+"""The one finish of every route's load: the training state and the global batch checked, what universal mode skips
+restored, every master and optimizer state known to be finite, one summary line and one report.
 
 Universal mode loads no module state dict and no client state beyond the model-states file:
-:func:`restore_module_tensors` brings back buffers and frozen parameters (strict about what the
-checkpoint holds, listing what it never held), and :func:`check_training_state` compares the
-iteration, sample counters and learning-rate schedule with the checkpoint's, so that one summary
-line says what was and was not restored.
+:func:`restore_module_tensors` brings back buffers and frozen parameters (strict about what the checkpoint holds,
+listing what it never held), and :func:`check_training_state` compares the iteration, sample counters and
+learning-rate schedule with the checkpoint's, so that one summary line says what was and was not restored.
+
+A NaN or Inf that reached a save (a step that diverged, a corrupt replica: NVIDIA/Megatron-LM#5281 restarted 44
+times into NaN losses) matches the checksums its save recorded, so the binding and the partition checks let it
+through, and training resumes into NaN. :func:`refuse_non_finite` looks at what the load placed, on every route and
+stage, where the engine keeps it (host or device), in chunks; a refusal is a
+:class:`~megatron_ucp.errors.CheckpointFormatError`, every rank's through the load's agreement
+(:func:`~megatron_ucp.integration.collectives.agreed`): the restart falls back to the newest older tag
+(:mod:`megatron_ucp.integration.resume.fallback`), or stops naming the folder. ``strict=False``: one warning per
+rank instead. Only real elements are looked at (:func:`~megatron_ucp.integration.live_job.live_groups`: each
+parameter's fragment in this rank's partition), named by parameter and state: ZeRO-3 leaves a partition's padding
+uninitialized, and what sits there is no one's value. After a native reshard
+(:class:`~megatron_ucp.integration.resume.engine_load.CopiedFrom`) each finding names the old rank file(s) its elements
+were copied from: the file to look at, or to restore.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
-from megatron_ucp.deepspeed.reader import flatten_module_states, load_torch_file
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.deepspeed import surface
+from megatron_ucp.deepspeed.reader import flatten_module_states, load_raw, load_torch_file
+from megatron_ucp.errors import CheckpointFormatError, refuse_or_warn
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.format.rawtensor import torch_views_from_raw
+from megatron_ucp.integration.collectives import comm, is_first
+from megatron_ucp.integration.live_job import LiveJob, live_groups
+from megatron_ucp.integration.resume.engine_load import CopiedFrom, LoadOutcome, loaded_path
+from megatron_ucp.integration.resume.module_read import with_the_rest_exchanged
 from megatron_ucp.plan.accounting import Problem, ProblemKind
 from megatron_ucp.plan.names import counterpart_names
-from megatron_ucp.plan.resume import SCHEDULE_FLAGS, restored_global_samples, schedule_difference
+from megatron_ucp.plan.reshard import pieces_in
+from megatron_ucp.plan.resume import (
+    SCHEDULE_FLAGS,
+    check_global_batch,
+    checkpoint_global_batch,
+    restored_global_samples,
+    schedule_difference,
+)
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 24
+"""Elements looked at at once: the mask is 16 MiB, whatever a rank's partition holds."""
+
+
+def non_finite(tensor: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, Inf count) of a floating tensor, a chunk at a time where it lives."""
+    flat = tensor.detach().reshape(-1)
+    nan = inf = 0
+    for start in range(0, flat.numel(), CHUNK):
+        chunk = flat[start : start + CHUNK]
+        nan += int(torch.isnan(chunk).sum())
+        inf += int(torch.isinf(chunk).sum())
+    return nan, inf
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """One pass over the whole partition (padding included): the common case costs one sync per chunk of a state."""
+    flat = tensor.detach().reshape(-1)
+    return all(
+        not bool((~torch.isfinite(flat[start : start + CHUNK])).any()) for start in range(0, flat.numel(), CHUNK)
+    )
+
+
+def _copied_from(origins: CopiedFrom, group: int, offset: int, tensor: torch.Tensor) -> list[str]:
+    """The names of the old rank files whose elements in ``tensor`` (at ``offset`` of partition ``group``) are not
+    finite."""
+    ranks = {
+        rank
+        for rank, first, end in pieces_in(origins.reads[group], offset, offset + tensor.numel())
+        if not _all_finite(tensor[first - offset : end - offset])
+    }
+    return [origins.rank_file(rank).name for rank in sorted(ranks)]
+
+
+def _loaded(engine: Any) -> Iterator[tuple[int, int, str, str, torch.Tensor]]:
+    """(partition, offset in it, parameter, state, its real elements) of every master and floating optimizer state
+    of this rank that holds a NaN or Inf anywhere (a partition found finite whole is not cut into its parameters)."""
+    optimizer = engine.optimizer
+    names = surface.param_names(engine)
+    base = surface.base_optimizer(optimizer)
+    for index, group in enumerate(live_groups(optimizer, names)):
+        kept = base.state.get(group.flat, {})
+        tensors = [(F.FP32_STATE, group.flat)] + [
+            (name, value)
+            for name, value in sorted(kept.items())
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == group.flat.shape
+        ]
+        suspects = [(name, tensor) for name, tensor in tensors if not _all_finite(tensor)]
+        for fragment in group.fragments:
+            for name, tensor in suspects:
+                yield (
+                    index,
+                    fragment.offset,
+                    names.get(fragment.lp, "?"),
+                    name,
+                    tensor.reshape(-1)[fragment.offset : fragment.offset + fragment.numel],
+                )
+
+
+def refuse_non_finite(engine: Any, folder: Path, strict: bool, origins: Optional[CopiedFrom] = None) -> None:
+    """Raises on the ranks whose masters or optimizer states hold NaN or Inf (``strict``; else warns there); the
+    load's agreement (:func:`~megatron_ucp.integration.collectives.agreed`) makes it every rank's error. No
+    collective here: another group's load may have failed before this point. ``origins``: a native reshard's,
+    so that each finding names the old rank file(s) it came from."""
+    rank = comm().get_rank()
+    found = []
+    with torch.no_grad():
+        for index, offset, param, name, tensor in _loaded(engine):
+            nan, inf = non_finite(tensor)
+            if nan or inf:
+                files = _copied_from(origins, index, offset, tensor) if origins is not None else []
+                source = f", copied from {' and '.join(files)}" if files else ""
+                found.append(f"'{name}' of {param}: {nan} NaN and {inf} Inf of {tensor.numel()}{source}")
+    if found:
+        what = (
+            f"{folder}: rank {rank} loaded masters or optimizer states that are not finite "
+            f"({'; '.join(found[:4])}{' ...' if len(found) > 4 else ''}): resuming would train on NaN"
+        )
+        refuse_or_warn(strict, CheckpointFormatError(what, subject=folder), [what], log, say=True)
 
 
 def check_training_state(
@@ -216,3 +327,61 @@ def restore_module_tensors(
             "them: " + ", ".join(never_held)
         )
     return problems, extras
+
+
+# ================================================================================================
+# the finish
+# ================================================================================================
+
+ENGINE_REPORT_ATTR = "megatron_ucp_load_report"
+"""The engine attribute holding the last accounted load's :class:`AccountingReport` (for tools)."""
+
+
+def finish(engine: Any, job: LiveJob, outcome: LoadOutcome, kwargs: dict, config: UcpConfig) -> Any:
+    """Every route's end: where the route accounted for the tensors (its report), the training state and the batch
+    checked, the module tensors universal mode skips restored, one summary line, enforced as ``config.strict``
+    says; then, on every route, every master and optimizer state finite. Returns DeepSpeed's result."""
+    if outcome.report is not None and outcome.load_path is not None:
+        _account(engine, job, outcome, kwargs, config)
+    loaded = loaded_path(outcome.result)
+    if loaded is not None:
+        refuse_non_finite(engine, loaded.parent, config.strict, outcome.origins)
+    return outcome.result
+
+
+def _account(engine: Any, job: LiveJob, outcome: LoadOutcome, kwargs: dict, config: UcpConfig) -> None:
+    """The report completed with the training state's and the module's checks, kept on the engine, enforced.
+    The model states are what the load already read (the reshard route), else the file mapped, so that only the
+    parts read here are paged in."""
+    load_path, dp_from = outcome.load_path, outcome.dp_from
+    folder = load_path.parent
+    dp_to = job.layout.dp
+    problems: list[Problem] = []
+    extras: list[str] = []
+    states = outcome.states
+    if states is None:  # the pickle only (our reader: readahead off), tensors read when used
+        states = torch_views_from_raw(load_raw(load_path, random_access=True))
+    if not isinstance(states, dict):
+        raise CheckpointFormatError(f"{load_path}: not a DeepSpeed model-states dict", subject=load_path)
+
+    current_batch = int(engine.train_batch_size())
+    ckpt_batch = checkpoint_global_batch(states.get(F.DS_CONFIG), dp_from)
+    if dp_from is not None and int(dp_from) != dp_to:
+        warning = check_global_batch(ckpt_batch, current_batch, dp_from, dp_to)
+        if warning and is_first():
+            log.warning("megatron-ucp: !!! %s", warning)
+
+    if not kwargs["load_module_only"]:
+        p, e = check_training_state(engine, states, ckpt_batch, current_batch, kwargs["load_lr_scheduler_states"])
+        problems += p
+        extras += e
+    if outcome.restore_module:
+        optimized = set(job.optimized)
+        if config.module_read == "distributed":  # what has no master, read once across the DP group
+            states = with_the_rest_exchanged(states, optimized, load_path, surface.dp_group(engine.optimizer))
+        p, e = restore_module_tensors(engine.module, optimized, folder, states)
+        problems += p
+        extras += e
+    report = outcome.report.with_more(problems, extras, dp_from=dp_from)
+    setattr(engine, ENGINE_REPORT_ATTR, report)
+    report.enforce(config.strict, log, verbose=is_first())

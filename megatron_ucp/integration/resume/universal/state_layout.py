@@ -1,6 +1,6 @@
 """A universal state file's tensor as the flat layout of the whole live parameter, never materialized.
 
-The loader (:mod:`megatron_ucp.integration.partition_load`) cuts each rank's fragment out of the
+The loader (:mod:`megatron_ucp.integration.resume.universal.partition_load`) cuts each rank's fragment out of the
 memory-mapped file through a :class:`StateLayout`: the file's tensor, then the padded vocabulary
 rows megatron-ucp's converter kept beside it, then zeros; and it hashes exactly what it restored.
 """

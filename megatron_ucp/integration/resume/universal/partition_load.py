@@ -1,13 +1,13 @@
 """Our loader of ZeRO partitions from a universal folder, with the accounting that proves it.
 
 Replaces ``load_hp_checkpoint_state_from_checkpoint_dir`` for BF16_Optimizer and
-DeepSpeedZeroOptimizer (installed by :mod:`megatron_ucp.integration.elastic_load`), and DeepSpeed's whole
-optimizer load for ZeRO-3 for one load (:mod:`megatron_ucp.integration.stage3_routes`). Call order in
+DeepSpeedZeroOptimizer (installed by :mod:`megatron_ucp.integration.resume.elastic_load`), and DeepSpeed's whole
+optimizer load for ZeRO-3 for one load (:mod:`megatron_ucp.integration.resume.universal.route`). Call order in
 :func:`load_universal_partitions`: the group's first rank lists ``zero/`` and reads the manifest's
 checksums once, everyone learns them; each rank restores the global optimizer state, then per live
 group (:class:`LiveGroup`: a ZeRO-1/2 param group's flat partition, or a ZeRO-3 sub-group's) copies only
 its fragments (:class:`LiveFragment`) of fp32 and of every optimizer state out of the memory-mapped files
-(:class:`~megatron_ucp.integration.state_layout.StateLayout`), hashes what landed, and adds the file's
+(:class:`~megatron_ucp.integration.resume.universal.state_layout.StateLayout`), hashes what landed, and adds the file's
 recorded count and checksum when it owns the parameter's first element; one all-reduce of the
 ledger (:mod:`megatron_ucp.plan.accounting`) closes the account, and the live optimizer's state
 names are checked against what was restored.
@@ -40,12 +40,19 @@ from megatron_ucp.integration.collectives import (
     is_first,
     raise_gathered,
 )
-from megatron_ucp.integration.expert_names import live_expert_names
-from megatron_ucp.integration.live_layout import TpPlace, live_tp_layout, tensor_parallel_of
-from megatron_ucp.integration.live_partitions import LiveGroup, live_groups
-from megatron_ucp.integration.optimizer_probe import expected_state_keys
-from megatron_ucp.integration.saved_names import saved_names
-from megatron_ucp.integration.state_layout import StateLayout, gather, state_layout, tensor_of
+from megatron_ucp.integration.live_job import (
+    LiveGroup,
+    TpPlace,
+    expected_state_keys,
+    install_group_state,
+    live_groups,
+    live_tp_layout,
+    live_value,
+    restore_global_state,
+    tensor_parallel_of,
+)
+from megatron_ucp.integration.resume.universal.names import live_expert_names, saved_names
+from megatron_ucp.integration.resume.universal.state_layout import StateLayout, gather, state_layout, tensor_of
 from megatron_ucp.plan.accounting import (
     AccountingReport,
     Column,
@@ -64,11 +71,6 @@ from megatron_ucp.plan.param_geometry import group_count_difference
 from megatron_ucp.plan.tensor_parallel import full_shape, runs_between, slice_runs
 
 log = logging.getLogger(__name__)
-
-
-def lp_groups_of(optimizer: Any) -> list[list[Any]]:
-    """The live bf16 parameters of each group, where the optimizer's layout keeps them."""
-    return surface.layout_of(optimizer).groups(optimizer)
 
 
 def _state_listing(zero_dir: Path) -> dict[str, tuple[str, ...]]:
@@ -276,13 +278,6 @@ def load_universal_partitions(
     return AccountingReport(n_params, n_files, state_names, elements, dp_from, dp_to, tuple(problems), seconds=seconds)
 
 
-def live_value(portable: Any) -> Any:
-    """A state of one value per partition as the optimizer keeps it, from its portable form
-    (:func:`megatron_ucp.deepspeed.state_kinds.portable`): a 0-dim tensor of its dtype, or the value itself."""
-    kind, *rest = portable
-    return torch.tensor(rest[1], dtype=getattr(torch, rest[0])) if kind == "tensor" else rest[0]
-
-
 def _start_missing_states_fresh(base: torch.optim.Optimizer, flat: torch.Tensor, missing: Iterable[str]) -> None:
     """Non-strict partial load: a state the checkpoint lacks starts at zero, as a fresh one would."""
     state = base.state[flat]
@@ -416,34 +411,3 @@ def _load_group(
                         add_sum(table, row, False, value)
 
     return set(buffers) | ({F.STEP_STATE} if group_step is not None else set()), buffers, group_step
-
-
-def install_group_state(
-    optimizer: Any,
-    flat: torch.Tensor,
-    lps: Iterable[Any],
-    buffers: dict[str, torch.Tensor],
-    step: Any,
-    scalars: Optional[dict[str, Any]] = None,
-) -> None:
-    """Make ``buffers`` (flat, partition-sized), ``step`` and ``scalars`` (states of one value per partition)
-    the base optimizer's state of one live group, and point each of ``lps`` at its optimizer fragments in them
-    (what DeepSpeed's ``_link_hp_params`` does at ZeRO-1/2; a ZeRO-3 sub-group has no links: pass none). A
-    scalar tensor goes where the partition is, as torch's own ``load_state_dict`` puts a non-step state."""
-    state_dict = surface.base_optimizer(optimizer).state[flat]
-    for state, buffer in buffers.items():
-        state_dict[state] = buffer
-    if step is not None:
-        state_dict[F.STEP_STATE] = step.clone() if torch.is_tensor(step) else step
-    for name, value in (scalars or {}).items():
-        state_dict[name] = value.to(device=flat.device, copy=True) if torch.is_tensor(value) else value
-    for lp in lps:
-        surface.link_optimizer_fragments(lp, buffers)
-
-
-def restore_global_state(optimizer: Any, state: dict) -> None:
-    """The optimizer's state outside its partitions (loss scaler, clipping, ...), where its stage keeps it."""
-    if surface.layout_of(optimizer).per_parameter:
-        stage3_runtime.load_stage3_global_state(optimizer, state)
-    else:
-        surface.load_global_state(optimizer, state)

@@ -1,22 +1,27 @@
-"""For one load, DeepSpeed's model-states loader replaced: each rank reads one existing
-``mp_rank_XX_model_states.pt`` as it is, once (:func:`one_model_states_file_per_rank`).
+"""DeepSpeed's own ``load_checkpoint`` as every route calls it, and what a route's load gives.
 
-The replacement goes through :func:`megatron_ucp.deepspeed.surface.scoped_replace` and is undone when
-the load returns or raises.
+For one load, through :func:`megatron_ucp.deepspeed.surface.scoped_replace` (undone when the load returns or
+raises): DeepSpeed's model-states loader replaced, each rank reading one existing ``mp_rank_XX_model_states.pt``
+as it is, once (:func:`one_model_states_file_per_rank`); a ZeRO-3 engine's optimizer load replaced
+(:func:`replacing_optimizer_load`), and the model-states file a ZeRO-3 rank reads where DeepSpeed's own name finds
+none (:func:`model_states_for`). Every route returns one :class:`LoadOutcome` to the one finish.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.reader import load_raw, load_torch_file
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.rawtensor import torch_views_from_raw
+from megatron_ucp.plan.accounting import AccountingReport
+from megatron_ucp.plan.reshard import Read
 
 LayerHook = Callable[[Path, dict], dict]
 """A pipeline model's layer file (path, its state dict as read) -> the state dict its layer loads."""
@@ -57,7 +62,7 @@ def one_model_states_file_per_rank(
     the same file twice on every rank (``check_ckpt_list`` loads the first file whole to compare
     its ``mp_world_size``): here each rank reads its own file once and the count is checked on it.
     ``lazy``: the file is memory-mapped and only its pickle read; a tensor's bytes are read when
-    something uses it (:mod:`megatron_ucp.integration.module_read` reads each of them once across the
+    something uses it (:mod:`megatron_ucp.integration.resume.module_read` reads each of them once across the
     job). ``layer_hook``: what a pipeline model's layer file (read lazily) gives its layer, by path (the
     optimized weights left alone, the rest read once across the DP group). ``path``: the file this rank
     reads, whatever DeepSpeed's names find (a ZeRO-3 rank beyond the saved DP size has no file of its own;
@@ -133,3 +138,67 @@ class ClientStateLoader:
             self.read.states = {k: v for k, v in states.items() if k != F.MODULE}
             self.read.module = states.get(F.MODULE)
         return path, states, None
+
+
+@dataclass(frozen=True)
+class CopiedFrom:
+    """Where a native reshard's copy took this rank's partitions from: its reads per live partition (the order
+    :func:`~megatron_ucp.integration.live_job.live_groups` gives) and old position -> rank file (a NaN found after
+    the load names the file it came from)."""
+
+    reads: Sequence[Sequence[Read]]
+    rank_file: Callable[[int], Path]
+
+
+@dataclass
+class LoadOutcome:
+    """What one route's load gives the finish: DeepSpeed's result and, when the route accounted for the tensors,
+    the report and what the finish checks against (none for a same-DP restart, which checks what DeepSpeed loaded
+    itself)."""
+
+    result: Any
+    load_path: Optional[Path] = None
+    """The model-states file DeepSpeed loaded (its result's first element)."""
+    report: Optional[AccountingReport] = None
+    dp_from: Optional[int] = None
+    restore_module: bool = False
+    """Universal mode: restore the module tensors DeepSpeed skips (buffers, frozen parameters)."""
+    states: Optional[dict] = None
+    """What the load already read from ``load_path`` less the module (else the finish maps the file)."""
+    origins: Optional[CopiedFrom] = None
+    """A native reshard's: where each partition was copied from."""
+
+
+def loaded_path(result: Any) -> Optional[Path]:
+    """The model-states file DeepSpeed's ``load_checkpoint`` says it loaded (None: it loaded nothing)."""
+    return Path(result[0]) if isinstance(result, tuple) and result[0] is not None else None
+
+
+def model_states_for(engine: Any, folder: Path) -> Optional[Path]:
+    """The model-states file this rank reads from ``folder`` when DeepSpeed's own name for it is not there
+    (None: DeepSpeed finds its own). A ZeRO-3 rank beyond the saved DP size reads DP rank 0's; a load
+    across ZeRO stages reads the other stage's file of its model-parallel rank (universal mode reads only
+    the client state from it, which every file holds alike)."""
+    own = Path(surface.model_states_file(engine, str(folder.parent), folder.name))
+    if own.is_file():
+        return None
+    mp = F.mp_rank_of(own.name)
+    for name in (F.zero3_model_file(0, mp), f"mp_rank_{mp:02d}_model_states.pt"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def replacing_optimizer_load(load: Callable[[Any, str, str, bool], bool]) -> Any:
+    """For one load of a ZeRO-3 engine, ``_load_zero_checkpoint`` replaced by ``load(engine, load_dir, tag,
+    load_optimizer_states)``: DeepSpeed's stage-3 optimizer load reads this rank's own rank file (and refuses
+    another DP size) or, in universal mode, every parameter's whole state files on every rank."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def _load_zero_checkpoint(self: Any, load_dir: str, tag: str, load_optimizer_states: bool = True) -> bool:
+            return load(self, load_dir, tag, load_optimizer_states)
+
+        return _load_zero_checkpoint
+
+    return surface.scoped_replace(surface.ENGINE, "_load_zero_checkpoint", make)

@@ -39,8 +39,8 @@ from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import broadcast_from_first, comm
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
-from megatron_ucp.integration.live_layout import tp_layout_record
-from megatron_ucp.integration.save_commit import committed_save
+from megatron_ucp.integration.live_job import tp_layout_record
+from megatron_ucp.integration.save.commit import committed_save
 from megatron_ucp.plan.param_geometry import Stage3Groups
 from megatron_ucp.plan.save_record import (
     partition_checksums,
@@ -185,7 +185,7 @@ def _record_tp_layout(original: Any) -> Any:
 
 def _identify_save(original: Any) -> Any:
     """Around DeepSpeed's save: every rank agrees on one new save identity, and the save becomes ``latest``
-    only when every rank wrote its files (:func:`~megatron_ucp.integration.save_commit.committed_save`); a job
+    only when every rank wrote its files (:func:`~megatron_ucp.integration.save.commit.committed_save`); a job
     the hooks do not handle saves as stock does, with one warning."""
 
     @functools.wraps(original)

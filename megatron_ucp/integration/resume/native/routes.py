@@ -2,13 +2,13 @@
 same-DP restart.
 
 Both bind every old rank file to its position and its save before DeepSpeed's own load touches the
-engine (:func:`megatron_ucp.integration.binding.bind_save`), then let DeepSpeed load what it
+engine (:func:`megatron_ucp.integration.resume.native.binding.bind_save`), then let DeepSpeed load what it
 loads, then finish: the reshard copies each rank's new partitions out of the old files, the same-DP
 restart checks what DeepSpeed loaded.
 
 With ``module_read = distributed`` (the default) neither reads the module's weights: DeepSpeed's
 model-states loader reads the pickle only and its module load takes only what has no master, read
-once across the DP group (:mod:`megatron_ucp.integration.module_read`); the weights are rebuilt from
+once across the DP group (:mod:`megatron_ucp.integration.resume.module_read`); the weights are rebuilt from
 the loaded masters with one all-gather. A restart at the saved DP size must give exactly what
 DeepSpeed's own load gives, the saved weights: it rebuilds only when it has proven, on every rank,
 that the masters round to them (the save's recorded checksums, or each rank's 1/DP slice of the saved
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -32,27 +31,32 @@ from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.integration.binding import BoundSave, bind_save
 from megatron_ucp.integration.collectives import is_first
-from megatron_ucp.integration.finite_load import Origins
-from megatron_ucp.integration.model_states_load import ClientStates, one_model_states_file_per_rank
-from megatron_ucp.integration.module_read import (
+from megatron_ucp.integration.live_job import LiveJob
+from megatron_ucp.integration.resume.engine_load import (
+    ClientStates,
+    CopiedFrom,
+    LoadOutcome,
+    model_states_for,
+    one_model_states_file_per_rank,
+    replacing_optimizer_load,
+)
+from megatron_ucp.integration.resume.module_read import (
     SavedWeights,
     layer_hook,
     module_from_masters,
     rebuild,
     rebuild_from_masters,
+    refresh_lp_params,
     weight_sources,
 )
-from megatron_ucp.integration.native_reshard import (
+from megatron_ucp.integration.resume.native.binding import BoundSave, bind_save, engine_save_files
+from megatron_ucp.integration.resume.native.reshard import (
     SavedSlice,
     load_native_partitions,
     loaded_weights,
-    refresh_lp_params,
     verify_loaded,
 )
-from megatron_ucp.integration.rank_files import engine_save_files
-from megatron_ucp.integration.stage3_routes import model_states_for, replacing_optimizer_load
 from megatron_ucp.plan.accounting import AccountingReport
 
 log = logging.getLogger(__name__)
@@ -108,39 +112,30 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-@dataclass
-class ReshardOutcome:
-    result: Any
-    load_path: Optional[Path] = None
-    report: Optional[AccountingReport] = None
-    states: Optional[dict] = None
-    origins: Optional[Origins] = None
-    """Where the copy took this rank's partitions from (a NaN found after the load names its old rank file)."""
-
-
 def reshard_load(
     engine: Any,
+    job: LiveJob,
     original: Callable[..., Any],
     load_dir: str,
     tag: str,
+    dp_from: int,
     kwargs: dict,
     config: UcpConfig,
     seen_states: Optional[dict] = None,
-) -> ReshardOutcome:
+) -> LoadOutcome:
     """Route RESHARD, every stage, up to the report: files bound, DeepSpeed's load of everything but the
     optimizer states (and, distributed, but the optimized weights), the partitions from the old rank files
-    (:func:`~megatron_ucp.integration.native_reshard.load_native_partitions`), the weights the masters round to.
+    (:func:`~megatron_ucp.integration.resume.native.reshard.load_native_partitions`), the weights the masters round to.
     ZeRO-1/2 load the partitions after DeepSpeed's load (``load_optimizer_states`` off); ZeRO-3 in place of its
     optimizer load, which restores the module from the masters. The caller finishes (training state, summary)."""
     rank_file, model_states = engine_save_files(engine, load_dir, tag)
-    per_parameter = surface.engine_layout(engine).per_parameter
+    per_parameter = job.per_parameter
     why_full = None if per_parameter else full_module_reason(engine, config, kwargs)
     distributed = why_full is None and not per_parameter
-    bound = bind_save(
-        engine, model_states, rank_file, seen_states if is_first() else None, requantize=config.requantize_8bit
-    )
+    first_read = seen_states if is_first() else None
+    bound = bind_save(engine, job, model_states, rank_file, first_read, requantize=config.requantize_8bit)
     reports: list[AccountingReport] = []
-    origins = Origins(bound.reads, rank_file)
+    origins = CopiedFrom(bound.reads, rank_file)
 
     def partitions(self: Any, _dir: str, _tag: str, load_optimizer_states: bool) -> bool:
         reports.append(load_native_partitions(self.optimizer, bound, strict=config.strict))
@@ -166,7 +161,7 @@ def reshard_load(
     if load_path is None or per_parameter:
         bound.close()
     if load_path is None:
-        return ReshardOutcome(result)  # DeepSpeed said why (no such tag)
+        return LoadOutcome(result)  # DeepSpeed said why (no such tag)
     if per_parameter:
         if not reports:
             raise UcpError(
@@ -174,7 +169,9 @@ def reshard_load(
                 "not restored",
                 subject=Path(load_dir) / tag,
             )
-        return ReshardOutcome(result, Path(load_path), reports[0], read.of(Path(load_path)), origins)
+        return LoadOutcome(
+            result, Path(load_path), reports[0], dp_from, states=read.of(Path(load_path)), origins=origins
+        )
     saved = _saved_slices(engine, bound, model_states) if distributed else None
     try:
         report = load_native_partitions(engine.optimizer, bound, strict=config.strict, saved=saved)
@@ -195,7 +192,8 @@ def reshard_load(
             if refreshed
             else ""
         )
-    return ReshardOutcome(result, Path(load_path), report.with_more(extras=[module]), read.of(Path(load_path)), origins)
+    report = report.with_more(extras=[module])
+    return LoadOutcome(result, Path(load_path), report, dp_from, states=read.of(Path(load_path)), origins=origins)
 
 
 _NO_STATES = {"load_optimizer_states": False}
@@ -203,23 +201,24 @@ _NO_STATES = {"load_optimizer_states": False}
 
 def same_dp_load(
     engine: Any,
+    job: LiveJob,
     original: Callable[..., Any],
     load_dir: str,
     tag: Optional[str],
     kwargs: dict,
     config: UcpConfig,
     seen_states: Optional[dict] = None,
-) -> Any:
+) -> LoadOutcome:
     """Route NATIVE at the saved DP size, every ZeRO stage: the old rank files bound before DeepSpeed's own
     load (each rank its own file, named when it is another position's or another save's), then DeepSpeed's
     load as it is (ZeRO-1/2 distributed: without the optimized weights), then what it loaded checked
-    (:func:`~megatron_ucp.integration.native_reshard.verify_loaded`) and, at ZeRO-1/2, the weights rebuilt or
+    (:func:`~megatron_ucp.integration.resume.native.reshard.verify_loaded`) and, at ZeRO-1/2, the weights rebuilt or
     read (ZeRO-3's own load restores them from the masters)."""
     if tag is None:
-        return original(engine, load_dir, tag, **kwargs)
+        return LoadOutcome(original(engine, load_dir, tag, **kwargs))
     rank_file, model_states = engine_save_files(engine, load_dir, tag)
-    bound = bind_save(engine, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
-    flat = not surface.engine_layout(engine).per_parameter
+    bound = bind_save(engine, job, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
+    flat = not job.per_parameter
     why_full = full_module_reason(engine, config, kwargs)
     distributed = bound is not None and flat and why_full is None
     try:
@@ -239,7 +238,7 @@ def same_dp_load(
     if bound is None or not isinstance(result, tuple) or result[0] is None:
         if bound is not None:
             bound.close()
-        return result
+        return LoadOutcome(result)
     t0 = time.perf_counter()
     saved = _saved_slices(engine, bound, model_states) if distributed else None
     try:
@@ -266,7 +265,7 @@ def same_dp_load(
             bound.seconds,
             time.perf_counter() - t0,
         )
-    return result
+    return LoadOutcome(result)
 
 
 def _read_in_full(engine: Any, read: ClientStates, model_states: Path, kwargs: dict) -> str:

@@ -2,7 +2,7 @@
 
 A native load at a new size (ZeRO-1/2 flat groups, expert groups, ZeRO-3 sub-groups alike) is a list of
 :class:`~megatron_ucp.plan.reshard.Read` per live group, planned by :mod:`megatron_ucp.plan.reshard`, and a
-set of old rank files bound to their positions and their save (:mod:`megatron_ucp.integration.rank_files`).
+set of old rank files bound to their positions and their save (:mod:`megatron_ucp.deepspeed.rank_files`).
 What differs between layouts is only where a file's real elements sit in its partition, which
 :class:`OldFiles` says; the copy, the ledger rows (one per old file, group and state), the all-reduce that
 closes them, the report and the refusal of a partition changed since its save are written once here.
@@ -18,11 +18,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.deepspeed.rank_files import RankFile, SavedFacts, Source, binding_message
+from megatron_ucp.errors import CheckpointFormatError, refuse_or_warn
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
 from megatron_ucp.integration.collectives import comm, device
-from megatron_ucp.integration.rank_files import RankFile, SavedFacts, Source, binding_message
 from megatron_ucp.plan.accounting import (
     AccountingReport,
     Ledger,
@@ -224,8 +224,5 @@ def refuse_changed(culprits: Sequence[str], folder: Path, strict: bool, group: A
         f"{path}: a partition differs from the checksum its save recorded (changed on disk since the save)"
         for path in culprits
     ]
-    if strict:
-        raise CheckpointFormatError(binding_message(folder, problems, loaded=True), subject=culprits[0])
-    if comm().get_rank(group=group) == 0:
-        for problem in problems:
-            log.warning("megatron-ucp (strict=False, continuing): %s", problem)
+    error = CheckpointFormatError(binding_message(folder, problems, loaded=True), subject=culprits[0])
+    refuse_or_warn(strict, error, problems, log, say=comm().get_rank(group=group) == 0)

@@ -19,27 +19,24 @@ from __future__ import annotations
 
 import logging
 import math
-import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.optimizer_files import optimizer_state
 from megatron_ucp.deepspeed.quantized_states import dequantized_view, expanded, packed_states
 from megatron_ucp.deepspeed.reader import load_raw
 from megatron_ucp.deepspeed.stage3_files import flat_view, model_states_of_another_save, sub_group_owners
 from megatron_ucp.deepspeed.state_kinds import partition_scalars, portable, tensor_states, unplaceable_states
-from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError
+from megatron_ucp.deepspeed.tensor_reads import read_tensor_range
+from megatron_ucp.errors import CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
 from megatron_ucp.format.exact_read import RangeReader
 from megatron_ucp.format.paths import special_kind
 from megatron_ucp.format.rawtensor import RawTensor
-from megatron_ucp.integration.collectives import comm
-from megatron_ucp.integration.tensor_reads import read_tensor_range
 from megatron_ucp.plan.experts import expert_facts, recorded_experts
 from megatron_ucp.plan.param_geometry import Stage3Groups
 from megatron_ucp.plan.partitioned import FlatGroups, Partitioned
@@ -110,25 +107,6 @@ def absent(path: Path) -> Optional[str]:
     if kind is not None:
         return f"is {kind}, not a rank file"
     return "is a dangling symbolic link" if path.is_symlink() else "is missing"
-
-
-def engine_save_files(engine: Any, load_dir: str, tag: str) -> tuple[RankFile, Path]:
-    """How the engine names the files of a tag for this rank: old DP rank -> its optimizer file of this
-    rank's model-parallel coordinate, and this rank's model-states file."""
-    own = Path(surface.own_optimizer_file(engine, load_dir, tag)).name
-    found = re.search(r"_mp_rank_(\d+)_optim_states\.pt$", own)
-    if found is None:
-        raise UnsupportedError(
-            f"this DeepSpeed names its optimizer files {own!r}; the native reshard does not know "
-            "the pattern (use --ucp-resume-route universal)",
-            subject=own,
-        )
-    mp_rank, bf16 = int(found.group(1)), own.startswith("bf16_")
-
-    def rank_file(dp_rank: int) -> Path:
-        return Path(surface.rank_optimizer_file(engine, load_dir, tag, mp_rank, dp_rank, bf16))
-
-    return rank_file, Path(surface.model_states_file(engine, load_dir, tag))
 
 
 def _tag_rank_files(folder: Path, like: Path) -> list[str]:
@@ -234,8 +212,7 @@ def read_facts(
 def _check_stage3_model_states(model_states: Path, dp_from: int, save_id: Optional[str]) -> None:
     """Every ZeRO-3 rank saved its own model states (counters, config, frozen slices): none may be missing,
     and, saved through the hooks, every one is of this save."""
-    mp = F.ZERO3_MODEL_FILE_RE.match(model_states.name)
-    paths = [model_states.parent / F.zero3_model_file(r, int(mp["mp"]) if mp else 0) for r in range(dp_from)]
+    paths = [model_states.parent / F.zero3_model_file(r, F.mp_rank_of(model_states.name)) for r in range(dp_from)]
     for path in paths:
         why = absent(path)
         if why is not None:
@@ -408,78 +385,10 @@ def open_source(path: Path, rank: int, facts: SavedFacts, reads: Sequence[Sequen
     return source
 
 
-def bind_rank_files(
-    facts: SavedFacts,
-    reads: Sequence[Sequence[Read]],
-    positions: Sequence[int],
-    rank_file: RankFile,
-    group: Any,
-    view: Callable[[Path], dict] = optimizer_state,
-) -> tuple[dict[int, Source], list[FileFacts]]:
-    """Steps 2 and 3 (collective over ``group``): this rank opens ``positions`` (the files it reads,
-    and the padding-only ones that fall to it), every rank shares what it saw, and every rank
-    raises the same error when any file, or the set, is wrong. Returns the sources this rank reads and
-    what every rank saw of every file (the same on every rank). ``view``: as :func:`inspect_file`."""
-    readers = {r.source_rank for g in reads for r in g}
-
-    def inspect(position: int) -> tuple[Optional[Source], FileFacts]:
-        return inspect_file(rank_file(position), facts, expectation(facts, position, reads), view)
-
-    return bind_positions(facts, positions, readers, inspect, group)
-
-
-def bind_positions(
-    facts: SavedFacts,
-    positions: Sequence[int],
-    readers: set[int],
-    inspect: Callable[[int], tuple[Optional[Source], FileFacts]],
-    group: Any,
-) -> tuple[dict[int, Source], list[FileFacts]]:
-    """The collective part of binding (over ``group``): this rank inspects ``positions`` and keeps the
-    sources of those it reads (``readers``), every rank shares what it saw, and every rank raises the
-    same error when any file, or the set, is wrong."""
-    mine: list[FileFacts] = []
-    sources: dict[int, Source] = {}
-    for position in positions:
-        source, seen = inspect(position)
-        mine.append(replace(seen, sums=None))
-        if source is not None and position in readers:
-            sources[position] = source
-    dist = comm()
-    everyone: list[Any] = [None] * dist.get_world_size(group=group)
-    dist.all_gather_object(everyone, mine, group=group)
-    seen = [f for box in everyone for f in box]
-    problems = verdict(facts, seen)
-    if problems:
-        for source in sources.values():
-            source.close()
-        raise CheckpointFormatError(
-            binding_message(Path(facts.model_states).parent, problems), subject=_culprit(problems[0])
-        )
-    return sources, seen
-
-
 def verdict(facts: SavedFacts, seen: Sequence[FileFacts]) -> list[str]:
     """Every problem the files of a save have, on their own (by position) and together."""
     problems = list(dict.fromkeys(p for f in sorted(seen, key=lambda f: f.position) for p in f.problems))
     return problems + cross_check(facts.model_states, facts.save_id, seen, facts.layout.unit)
-
-
-def bind_folder(
-    model_states: Path, rank_file: RankFile, shapes: Optional[list[list[tuple[str, tuple[int, ...]]]]] = None
-) -> list[str]:
-    """Every rank file of a save bound to its position and to the save, in one process (tools, tests):
-    the problems a resume would name, or none. ``shapes``: the param groups, for a mixture-of-experts save
-    whose model states list none (as a resume takes the job's)."""
-    facts = read_facts(model_states, rank_file, live_shapes=shapes)
-    seen = []
-    for position in range(facts.dp_from):
-        reads = facts.layout.reads_to(facts.layout, position)
-        source, file_facts = inspect_file(rank_file(position), facts, expectation(facts, position, reads))
-        if source is not None:
-            source.close()
-        seen.append(file_facts)
-    return verdict(facts, seen)
 
 
 def binding_message(folder: Path, problems: Sequence[str], loaded: bool = False) -> str:
@@ -491,7 +400,3 @@ def binding_message(folder: Path, problems: Sequence[str], loaded: bool = False)
         f"cannot resume from {folder}: its files do not belong together ({len(problems)} problem(s)); {state}:"
         f"\n  {shown}{more}"
     )
-
-
-def _culprit(problem: str) -> str:
-    return problem.split(": ", 1)[0]

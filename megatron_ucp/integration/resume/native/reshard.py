@@ -8,7 +8,7 @@ read by one rank, nothing is written to disk.
 
 Call order (collective over the optimizer's DP group, every rank calls each step):
 
-1. :func:`megatron_ucp.integration.binding.bind_save`, before DeepSpeed's own load touches the engine
+1. :func:`megatron_ucp.integration.resume.native.binding.bind_save`, before DeepSpeed's own load touches the engine
    (the one binding of every layout): the facts, the live model checked against them, the plan, and
    every old rank file bound to its position and to this save.
 2. DeepSpeed loads the module, the scheduler and the counters (the caller's part; at ZeRO-3 step 3 runs in
@@ -39,11 +39,18 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from megatron_ucp.deepspeed import stage3_runtime, surface
-from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.deepspeed.rank_files import RankFile, SavedFacts, binding_message
+from megatron_ucp.errors import CheckpointFormatError, refuse_or_warn
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.integration.binding import BoundSave
-from megatron_ucp.integration.collectives import comm, count_across, device
-from megatron_ucp.integration.old_file_copy import (
+from megatron_ucp.integration.collectives import comm, device
+from megatron_ucp.integration.live_job import (
+    expected_state_keys,
+    install_group_state,
+    lp_groups_of,
+    restore_global_state,
+)
+from megatron_ucp.integration.resume.native.binding import BoundSave
+from megatron_ucp.integration.resume.native.old_file_copy import (
     OldFiles,
     Timing,
     against_the_save,
@@ -52,14 +59,7 @@ from megatron_ucp.integration.old_file_copy import (
     refuse_changed,
     settle,
 )
-from megatron_ucp.integration.optimizer_probe import expected_state_keys
-from megatron_ucp.integration.partition_load import (
-    install_group_state,
-    lp_groups_of,
-    restore_global_state,
-)
-from megatron_ucp.integration.rank_files import RankFile, SavedFacts, binding_message
-from megatron_ucp.integration.requantize import requantize_partitions
+from megatron_ucp.integration.resume.native.requantize import requantize_partitions
 from megatron_ucp.plan.accounting import (
     AccountingReport,
     Problem,
@@ -267,15 +267,11 @@ def _judge_weights(facts: SavedFacts, rank_file: RankFile, totals: list[list[int
                     problem,
                 )
         return
-    if strict:
-        folder = Path(facts.model_states).parent
-        raise CheckpointFormatError(
-            binding_message(folder, problems, loaded=True) + f"\n({STRICT_OVERRIDE})",
-            subject=problems[0].split(": ", 1)[0],
-        )
-    if comm().get_rank(group=group) == 0:
-        for problem in problems:
-            log.warning("megatron-ucp (strict=False, the fp32 masters win): %s", problem)
+    error = CheckpointFormatError(
+        binding_message(Path(facts.model_states).parent, problems, loaded=True) + f"\n({STRICT_OVERRIDE})",
+        subject=problems[0].split(": ", 1)[0],
+    )
+    refuse_or_warn(strict, error, problems, log, say=comm().get_rank(group=group) == 0, then="the fp32 masters win")
 
 
 def verify_loaded(optimizer: Any, bound: BoundSave, strict: bool = True, saved: Optional[SavedSlice] = None) -> str:
@@ -322,27 +318,3 @@ def verify_loaded(optimizer: Any, bound: BoundSave, strict: bool = True, saved: 
         if facts.algorithm
         else "the masters checked against the saved weights (rank files without partition checksums)"
     )
-
-
-def refresh_lp_params(optimizer: Any) -> bool:
-    """The bf16 weights made the rounded fp32 masters, as ``update_lp_params`` does after a universal
-    load, but its all-gather only when some rank's weights differ: DeepSpeed saved the module after
-    copying the masters into it, so the weights it just loaded already are (1.1 s of a 1.6 s reshard
-    of 100M parameters on 4 CPU ranks, for nothing). Collective over the DP group. Returns whether
-    the weights had to be refreshed."""
-    dist = comm()
-    layout = surface.layout_of(optimizer)
-    stale = 1
-    if layout is not None:  # layout_of checked that the class has its partitions and masters
-        stale = 0
-        groups = surface.group_dp_groups(optimizer)
-        with torch.no_grad():
-            for parts, master, group in zip(
-                layout.lp_partitions_of(optimizer), layout.masters(optimizer), groups, strict=True
-            ):
-                mine = parts[dist.get_rank(group=group)]
-                stale += int(not torch.equal(mine, master.to(mine.dtype)))
-    if count_across(stale, surface.dp_group(optimizer)):
-        optimizer.update_lp_params()
-        return True
-    return False

@@ -1,0 +1,158 @@
+"""Elastic resume's entry: ``engine.load_checkpoint`` at any DP size, with every tensor accounted for.
+
+One load is one straight path, read top to bottom here: the live job read once (:func:`~megatron_ucp.integration.
+live_job.live_job`); with no tag given, the restart's judge and fallback around the rest
+(:mod:`~megatron_ucp.integration.resume.fallback`); one decision made on the first rank and agreed
+(:mod:`~megatron_ucp.integration.resume.decide`); one route (:func:`_route`: the same-DP restart and the native
+reshard of :mod:`~megatron_ucp.integration.resume.native.routes`, the universal twin of
+:mod:`~megatron_ucp.integration.resume.universal.route`, or DeepSpeed's own load where nothing of ours applies),
+each returning one :class:`~megatron_ucp.integration.resume.engine_load.LoadOutcome`; and one finish
+(:func:`~megatron_ucp.integration.resume.finish.finish`). The whole load is agreed across the job
+(:func:`~megatron_ucp.integration.collectives.agreed`): refused on every rank or on none.
+
+Two DeepSpeed attributes are replaced (entries of :data:`megatron_ucp.deepspeed.surface.SURFACE`, through the
+install's :class:`~megatron_ucp.deepspeed.surface.PatchSet`, so ``uninstall()`` restores them):
+``DeepSpeedEngine.load_checkpoint`` (the entry above) and ZeRO-1/2's
+``load_hp_checkpoint_state_from_checkpoint_dir`` (our partition loader for a universal folder, installed by the
+universal route: zeros where a rank holds only padding, where stock DeepSpeed dies with ``IndexError``, and one
+``all_reduce`` proving that every element of every file landed exactly once). A job no optimizer layout handles
+loads as stock DeepSpeed loads it, with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.deepspeed import surface
+from megatron_ucp.integration.collectives import agreed, is_first
+from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
+from megatron_ucp.integration.install import make_visible, restore_visibility
+from megatron_ucp.integration.live_job import LiveJob, live_job
+from megatron_ucp.integration.resume.decide import Decided, decide, refuse_an_expert_layout_change
+from megatron_ucp.integration.resume.engine_load import LoadOutcome
+from megatron_ucp.integration.resume.fallback import load_with_fallback
+from megatron_ucp.integration.resume.finish import finish
+from megatron_ucp.integration.resume.native.routes import reshard_load, same_dp_load
+from megatron_ucp.integration.resume.universal.route import install_partition_loader, universal_load
+from megatron_ucp.plan.resume import Route
+
+log = logging.getLogger(__name__)
+
+
+def wanted(config: UcpConfig) -> bool:
+    return config.elastic_resume
+
+
+def install(patches: Any, config: UcpConfig) -> None:
+    """Patch the engine's load entry point and the ZeRO-1/2 universal loader (the install checked the
+    whole surface they rely on)."""
+    surface.replace(patches, surface.ENGINE, "load_checkpoint", lambda original: _engine_load(original, config))
+    install_partition_loader(patches, config)
+    make_visible()
+
+
+def on_uninstall() -> None:
+    restore_visibility()
+
+
+def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_checkpoint(
+        self: Any,
+        load_dir: str,
+        tag: Optional[str] = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Optional[Callable] = None,
+    ) -> Any:
+        kwargs = dict(
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            custom_load_fn=custom_load_fn,
+        )
+        reason = unhandled_reason(self)
+        if reason is not None:  # an optimizer class, stage or grouping no layout handles: stock, one warning
+            warn_once(reason, STOCK)
+            if load_optimizer_states and not load_module_only and not self.load_universal_checkpoint():
+                refuse_an_expert_layout_change(self, load_dir, tag, config)
+            return original(self, load_dir, tag, **kwargs)
+        job = live_job(self)  # read once; everything after reads this
+
+        def load(chosen: Optional[str]) -> Any:  # refused on every rank or on none
+            return agreed(
+                lambda: _load_tag(self, job, original, load_dir, chosen, kwargs, config),
+                f"loading {chosen or 'latest'}",
+            )
+
+        if tag is None and config.fallback:
+            return load_with_fallback(
+                Path(load_dir),
+                load,
+                universal=bool(self.load_universal_checkpoint()),
+                scheduler=getattr(self, "lr_scheduler", None),
+            )
+        return load(tag)
+
+    return load_checkpoint
+
+
+def _load_tag(
+    engine: Any,
+    job: LiveJob,
+    original: Callable[..., Any],
+    load_dir: str,
+    tag: Optional[str],
+    kwargs: dict,
+    config: UcpConfig,
+) -> Any:
+    """One load of ``tag`` (None: the one ``latest`` names): decide, route, finish."""
+    loads_states = kwargs["load_optimizer_states"] and not kwargs["load_module_only"]
+    decided = decide(engine, job, load_dir, tag, loads_states, config)
+    decision = decided.decision
+    if decision.route is Route.NATIVE and (decision.checkpoint_dp is None or not loads_states):
+        return original(engine, load_dir, tag, **kwargs)  # nothing of ours to do: stock DeepSpeed's load
+    if is_first():
+        log.info("megatron-ucp: %s", decision.message)
+        if decision.warning and decision.route is not Route.NATIVE:
+            log.warning("megatron-ucp: %s", decision.warning)
+    outcome = _route(engine, job, original, load_dir, decided, kwargs, config)
+    return finish(engine, job, outcome, kwargs, config)
+
+
+def _route(
+    engine: Any,
+    job: LiveJob,
+    original: Callable[..., Any],
+    load_dir: str,
+    decided: Decided,
+    kwargs: dict,
+    config: UcpConfig,
+) -> LoadOutcome:
+    """The decided route's load, up to its report: each a straight function of the live job, the saved facts the
+    decision read, and the decision."""
+    decision = decided.decision
+    if decision.route is Route.NATIVE:
+        return same_dp_load(engine, job, original, load_dir, decided.native_tag, kwargs, config, decided.model_states)
+    if decision.route is Route.RESHARD:
+        return reshard_load(
+            engine,
+            job,
+            original,
+            load_dir,
+            decision.tag,
+            int(decision.checkpoint_dp),
+            kwargs,
+            config,
+            decided.model_states,
+        )
+    return universal_load(
+        engine, original, load_dir, decision, decided.native_tag, decided.from_latest, kwargs, config, job.per_parameter
+    )

@@ -1,0 +1,289 @@
+"""The universal route: a tag's universal twin (``<tag>_universal``) loaded by DeepSpeed's universal mode.
+
+:func:`universal_load` converts the twin first when the decision says so (one converter per node, every rank
+waiting: :func:`convert_synchronously`), then runs DeepSpeed's ``load_checkpoint`` with the engine's
+``load_universal`` flag set for the call and restored afterwards. DeepSpeed's universal mode calls the optimizer's
+own loader: for BF16_Optimizer and DeepSpeedZeroOptimizer (ZeRO-1/2) ours replaces it for good
+(:func:`install_partition_loader`), for a ZeRO-3 engine its whole optimizer load is replaced for the call; both read
+the folder with :func:`~megatron_ucp.integration.resume.universal.partition_load.load_universal_partitions`, each
+rank only its slice of each parameter's state files, with the ledger. Inside this route the loader hands its report
+to the route (one context variable: DeepSpeed calls the loader, not us), which returns it in its
+:class:`~megatron_ucp.integration.resume.engine_load.LoadOutcome` for the one finish; called by stock DeepSpeed
+outside the route (a job the hooks leave to it), the loader enforces its report itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from megatron_ucp import launchenv
+from megatron_ucp.background.queue import node_assignment
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.convert.execute import ConvertOptions, convert
+from megatron_ucp.convert.universal import COMPLETE, ConversionInProgress, inspect_staging, universal_state
+from megatron_ucp.deepspeed import surface
+from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError, UnsupportedError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format.paths import read_tag_file
+from megatron_ucp.format.torchload import structure_problems, torch_reader_problem
+from megatron_ucp.integration.collectives import broadcast_from_first, comm, is_first, raise_together
+from megatron_ucp.integration.live_job import TpPlace
+from megatron_ucp.integration.resume.engine_load import (
+    ClientStates,
+    LoadOutcome,
+    loaded_path,
+    model_states_for,
+    one_model_states_file_per_rank,
+    replacing_optimizer_load,
+)
+from megatron_ucp.integration.resume.universal.partition_load import load_universal_partitions
+from megatron_ucp.plan.accounting import AccountingReport, Problem, ProblemKind
+from megatron_ucp.plan.resume import ResumeDecision
+
+log = logging.getLogger(__name__)
+
+_REPORTS: contextvars.ContextVar[Optional[list[AccountingReport]]] = contextvars.ContextVar(
+    "megatron_ucp_universal_reports", default=None
+)
+"""Inside :func:`universal_load`: where the partition loader DeepSpeed calls puts its report."""
+
+
+def install_partition_loader(patches: Any, config: UcpConfig) -> None:
+    """Our loader in place of ZeRO-1/2's ``load_hp_checkpoint_state_from_checkpoint_dir`` (every universal load,
+    ours or stock DeepSpeed's)."""
+    surface.replace(
+        patches, surface.ZERO_BASE, surface.OPTIMIZER_LOADER, lambda original: _partition_loader(original, config)
+    )
+
+
+def _partition_loader(original: Callable[..., Any], config: UcpConfig) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_hp_checkpoint_state_from_checkpoint_dir(self: Any, lp_groups_name: str, checkpoint_dir: str) -> None:
+        layout = surface.layout_of(self)
+        if layout is None or layout.lp_groups != lp_groups_name:
+            return original(self, lp_groups_name, checkpoint_dir)
+        _hand_in(load_universal_partitions(self, Path(checkpoint_dir), strict=config.strict), config, self)
+
+    return load_hp_checkpoint_state_from_checkpoint_dir
+
+
+def _hand_in(report: AccountingReport, config: UcpConfig, optimizer: Any) -> None:
+    """To the route when inside it (one summary with the training state's checks), else enforced here."""
+    box = _REPORTS.get()
+    if box is not None:
+        box.append(report)
+    else:
+        report.enforce(config.strict, log, verbose=is_first(surface.dp_group(optimizer)))
+
+
+@contextlib.contextmanager
+def _stage3_partition_loader(engine: Any, config: UcpConfig) -> Iterator[None]:
+    """For one universal load of a ZeRO-3 engine: our loader of its partitions in place of DeepSpeed's optimizer
+    load. A load without optimizer states (the weights only) stays DeepSpeed's."""
+
+    def load(self: Any, load_dir: str, tag: str, load_optimizer_states: bool) -> bool:
+        if not load_optimizer_states:
+            return original(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
+        report = load_universal_partitions(
+            self.optimizer,
+            Path(load_dir) / tag,
+            strict=config.strict,
+            names=surface.param_names(self),
+            tensor_parallel=TpPlace(*surface.tp_size_and_rank(getattr(self, "mpu", None))),
+        )
+        _hand_in(report, config, self.optimizer)
+        return True
+
+    original = surface.resolve(surface.ENGINE)._load_zero_checkpoint
+    with replacing_optimizer_load(load):
+        yield
+
+
+def universal_load(
+    engine: Any,
+    original: Callable[..., Any],
+    load_dir: str,
+    decision: ResumeDecision,
+    native_tag: Optional[str],
+    from_latest: bool,
+    kwargs: dict,
+    config: UcpConfig,
+    per_parameter: bool,
+) -> LoadOutcome:
+    """Route UNIVERSAL (a TP/PP change, ``--ucp-resume-route universal``, or the explicit universal flag): the twin
+    converted when missing or stale, then DeepSpeed's universal load with our partition loader; the report and
+    what the finish restores (the module tensors universal mode skips)."""
+    if decision.convert and surface.node_local_storage(engine):
+        raise UnsupportedError(
+            f"{decision.message}, but checkpoint.use_node_local_storage keeps each node's "
+            "files on its own disk; converting needs them on one shared filesystem. Convert "
+            "with `megatron-ucp convert` where all rank files are, then load again.",
+            subject=load_dir,
+        )
+    if decision.convert:
+        convert_synchronously(Path(load_dir), native_tag, decision, from_latest, config)
+    _check_model_states_loadable(Path(load_dir), decision.tag)
+    folder = _universal_folder(Path(load_dir), decision.tag)
+    reports: list[AccountingReport] = []
+    token = _REPORTS.set(reports)
+    try:
+        with (
+            _universal_mode(
+                engine,
+                lazy=config.module_read == "distributed" or per_parameter,
+                path=model_states_for(engine, folder) if folder is not None else None,
+            ) as read,
+            _stage3_partition_loader(engine, config) if per_parameter else contextlib.nullcontext(),
+        ):
+            result = original(engine, load_dir, decision.tag, **kwargs)
+    finally:
+        _REPORTS.reset(token)
+    load_path = loaded_path(result)
+    if load_path is None:
+        return LoadOutcome(result)
+    dp_from = engine.loaded_checkpoint_dp_world_size
+    report = reports[-1] if reports else None  # the last, as DeepSpeed calls it once per load
+    if report is None:
+        report = AccountingReport(0, 0, (), 0, dp_from, int(engine.seq_dp_world_size)).with_more(
+            [
+                Problem(
+                    ProblemKind.TRAINING_STATE,
+                    None,
+                    None,
+                    f"the optimizer did not load {load_path.parent / F.UNIVERSAL_ZERO_DIR}: no tensors were restored",
+                )
+            ]
+        )
+    states = read.of(load_path)  # what DeepSpeed's load read of the file, for the finish: not read again
+    if states is not None:
+        states = {**states, F.MODULE: read.module}
+    return LoadOutcome(result, load_path, report, dp_from, restore_module=True, states=states)
+
+
+def _universal_folder(load_dir: Path, tag: Optional[str]) -> Optional[Path]:
+    """The universal folder a load reads: the tag given, else the one ``latest_universal`` names."""
+    tag = tag if tag is not None else read_tag_file(load_dir / F.LATEST_UNIVERSAL)
+    return load_dir / tag if tag is not None else None
+
+
+def _check_model_states_loadable(load_dir: Path, tag: Optional[str]) -> None:
+    """DeepSpeed's load starts with ``torch.load`` of the folder's model states, whose errors name no
+    file (``PytorchStreamReader failed reading zip archive``): check its structure, and open it with
+    torch's own zip reader, first and say which file is damaged. Headers only (a few ``pread`` calls)."""
+
+    if tag is None:
+        return
+    folder = load_dir / tag
+    path = folder / F.MODEL_STATES_FILE
+    if not folder.is_dir() or not path.is_file():
+        return  # DeepSpeed reports a missing tag or file in its own words
+    problems = structure_problems(path) or [p for p in (torch_reader_problem(path),) if p]
+    if problems:
+        raise CheckpointFormatError(
+            f"{path}: damaged ({problems[0]}); torch.load cannot read it. Reconvert: "
+            f"megatron-ucp convert {load_dir} --tag {tag.removesuffix(F.UNIVERSAL_SUFFIX)} "
+            "--force",
+            subject=path,
+        )
+
+
+@contextlib.contextmanager
+def _universal_mode(engine: Any, lazy: bool = False, path: Optional[Path] = None) -> Iterator[ClientStates]:
+    """Set the engine's ``load_universal`` flag for one load; restore it whatever happens. At another
+    TP/PP size each rank reads one model-states file as it is (:func:`one_model_states_file_per_rank`);
+    ``lazy``: at any size, and only its pickle (universal mode loads no module weights from it); ``path``:
+    the file to read where DeepSpeed's own name finds none (a folder converted from another ZeRO stage). Yields what
+    the load read of the model-states file (:class:`ClientStates`)."""
+    cfg = surface.engine_config(engine)
+    before = cfg.load_universal_checkpoint
+    cfg.load_universal_checkpoint = True
+    try:
+        with one_model_states_file_per_rank(engine, always=lazy, lazy=lazy, path=path) as read:
+            yield read
+    finally:
+        cfg.load_universal_checkpoint = before
+
+
+# ================================================================================================
+# Converting a tag to its universal twin at load time, while every rank waits. One converter per node
+# (:func:`~megatron_ucp.background.queue.node_assignment` picks it) runs its share; when another live
+# converter (the asynchronous one) already owns the twin, it waits for that one instead. Every rank then
+# checks the twin is complete before anyone loads it.
+# ================================================================================================
+
+
+def convert_synchronously(
+    load_dir: Path, native_tag: Optional[str], decision: ResumeDecision, from_latest: bool, config: UcpConfig
+) -> None:
+    """Convert the native tag to its universal twin while every rank waits (one converter per node)."""
+    dist = comm()
+    if native_tag is None or decision.tag is None:
+        raise UcpError("internal: a conversion needs a native tag", subject=decision)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    where = node_assignment(
+        rank, world, launchenv.local_rank(os.environ), launchenv.local_size(os.environ), config.ranks_per_node
+    )
+    share = (where.node, where.nodes) if where.launcher else None
+    attempt = broadcast_from_first(f"elastic-load-{uuid.uuid4().hex}" if rank == 0 else None)
+    twin = load_dir / decision.tag
+    error: Optional[BaseException] = None
+    t0 = time.perf_counter()
+    if share is not None:
+        try:
+            _convert_or_wait(load_dir / native_tag, twin, share, attempt, from_latest, config)
+        except Exception as exc:
+            error = exc
+            log.error("megatron-ucp: converting %s on rank %d failed: %s", native_tag, rank, exc)
+    # also the barrier: every converter finished
+    raise_together(error, f"converting {native_tag} to {decision.tag}", subject=twin)
+    if universal_state(twin) != COMPLETE:
+        raise UcpError(
+            f"{twin}: conversion reported success but the folder is not complete on rank {rank} "
+            "(is the checkpoint directory shared by every node?)",
+            subject=twin,
+        )
+    if rank == 0:
+        log.info("megatron-ucp: converted %s -> %s in %.1fs", native_tag, decision.tag, time.perf_counter() - t0)
+
+
+def _convert_or_wait(
+    source: Path, twin: Path, share: tuple[int, int], attempt: str, from_latest: bool, config: UcpConfig
+) -> None:
+    """Run this rank's share; if another live converter (e.g. the async one) owns it, wait for it."""
+    options = ConvertOptions(
+        source=source,
+        output=twin,
+        workers=config.converter_workers,
+        replace_stale=True,
+        update_latest=from_latest,
+        share_index=share[0],
+        share_count=share[1],
+        attempt_id=attempt,
+        progress=False,
+    )
+    for _ in range(2):
+        try:
+            convert(options)
+            return
+        except OutputExistsError:
+            if universal_state(twin, source) == COMPLETE:
+                return
+            raise
+        except ConversionInProgress as exc:
+            log.info("megatron-ucp: %s; waiting for it", exc)
+            while universal_state(twin) != COMPLETE:
+                info = inspect_staging(twin)
+                if info is None or not info.is_live(options.stale_after):
+                    break
+                time.sleep(2.0)
+            if universal_state(twin) == COMPLETE:
+                return
+    raise UcpError(f"{twin}: could not convert (another converter kept failing or died)", subject=twin)
