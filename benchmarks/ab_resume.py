@@ -81,7 +81,8 @@ def markdown(summary: dict, meta: dict) -> str:
         f"DeepSpeed {m['deepspeed']})",
         "",
         f"A = `{meta['a']}`, B = `{meta['b']}`; {meta['rounds']} rounds of `bench_resume.py` per tree (alternating, "
-        f"{meta['reps']} repetitions each, cache cold), {meta['checkpoint']} -> DP {meta['dp']}. Load: the slowest "
+        f"{meta['reps']} repetitions each, cache {meta.get('cache', 'cold')}), {meta['checkpoint']} -> "
+        f"DP {meta['dp']}. Load: the slowest "
         "rank's `engine.load_checkpoint`, median over every repetition; `vs stock`: median of the per-repetition "
         "ratios to stock's universal load in the same run; `vs floor`: to the floor of the same round and "
         "repetition (the same ranks reading the same bytes of the same cold files, nothing else).",
@@ -126,6 +127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "b": str(args.b),
         "rounds": args.rounds,
         "reps": args.reps,
+        "cache": args.cache,
         "checkpoint": "m100-dp8",
         "dp": 4,
     }

@@ -104,7 +104,8 @@ def prepare(name: str) -> dict[str, Path]:
             _damaged_newer(src, roots["fallback"])
         return roots
     shutil.rmtree(base, ignore_errors=True)
-    for tool, root in roots.items():
+    for tool in ("ours", "stock"):  # the fallback's root is the native one, damaged (below)
+        root = roots[tool]
         _linked_copy(src, root)
         out = root / UNIVERSAL
         print(f"[bench_resume] converting {name} with {tool} ...", flush=True)
