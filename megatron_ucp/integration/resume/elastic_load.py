@@ -154,5 +154,5 @@ def _route(
             decided.model_states,
         )
     return universal_load(
-        engine, original, load_dir, decision, decided.native_tag, decided.from_latest, kwargs, config, job.per_parameter
+        engine, original, load_dir, decision, decided.native_tag, decided.from_latest, kwargs, config, job
     )

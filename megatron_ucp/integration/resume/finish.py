@@ -85,11 +85,10 @@ def _copied_from(origins: CopiedFrom, group: int, offset: int, tensor: torch.Ten
     return [origins.rank_file(rank).name for rank in sorted(ranks)]
 
 
-def _loaded(engine: Any) -> Iterator[tuple[int, int, str, str, torch.Tensor]]:
+def _loaded(engine: Any, names: dict[Any, str]) -> Iterator[tuple[int, int, str, str, torch.Tensor]]:
     """(partition, offset in it, parameter, state, its real elements) of every master and floating optimizer state
     of this rank that holds a NaN or Inf anywhere (a partition found finite whole is not cut into its parameters)."""
     optimizer = engine.optimizer
-    names = surface.param_names(engine)
     base = surface.base_optimizer(optimizer)
     for index, group in enumerate(live_groups(optimizer, names)):
         kept = base.state.get(group.flat, {})
@@ -110,7 +109,9 @@ def _loaded(engine: Any) -> Iterator[tuple[int, int, str, str, torch.Tensor]]:
                 )
 
 
-def refuse_non_finite(engine: Any, folder: Path, strict: bool, origins: Optional[CopiedFrom] = None) -> None:
+def refuse_non_finite(
+    engine: Any, names: dict[Any, str], folder: Path, strict: bool, origins: Optional[CopiedFrom] = None
+) -> None:
     """Raises on the ranks whose masters or optimizer states hold NaN or Inf (``strict``; else warns there); the
     load's agreement (:func:`~megatron_ucp.integration.collectives.agreed`) makes it every rank's error. No
     collective here: another group's load may have failed before this point. ``origins``: a native reshard's,
@@ -118,7 +119,7 @@ def refuse_non_finite(engine: Any, folder: Path, strict: bool, origins: Optional
     rank = comm().get_rank()
     found = []
     with torch.no_grad():
-        for index, offset, param, name, tensor in _loaded(engine):
+        for index, offset, param, name, tensor in _loaded(engine, names):
             nan, inf = non_finite(tensor)
             if nan or inf:
                 files = _copied_from(origins, index, offset, tensor) if origins is not None else []
@@ -345,7 +346,7 @@ def finish(engine: Any, job: LiveJob, outcome: LoadOutcome, kwargs: dict, config
         _account(engine, job, outcome, kwargs, config)
     loaded = loaded_path(outcome.result)
     if loaded is not None:
-        refuse_non_finite(engine, loaded.parent, config.strict, outcome.origins)
+        refuse_non_finite(engine, job.names, loaded.parent, config.strict, outcome.origins)
     return outcome.result
 
 

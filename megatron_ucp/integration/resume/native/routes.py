@@ -37,6 +37,7 @@ from megatron_ucp.integration.resume.engine_load import (
     ClientStates,
     CopiedFrom,
     LoadOutcome,
+    loaded_path,
     model_states_for,
     one_model_states_file_per_rank,
     replacing_optimizer_load,
@@ -157,7 +158,7 @@ def reshard_load(
     except BaseException:
         bound.close()
         raise
-    load_path = result[0] if isinstance(result, tuple) else None
+    load_path = loaded_path(result)
     if load_path is None or per_parameter:
         bound.close()
     if load_path is None:
@@ -169,9 +170,7 @@ def reshard_load(
                 "not restored",
                 subject=Path(load_dir) / tag,
             )
-        return LoadOutcome(
-            result, Path(load_path), reports[0], dp_from, states=read.of(Path(load_path)), origins=origins
-        )
+        return LoadOutcome(result, load_path, reports[0], dp_from, states=read.of(load_path), origins=origins)
     saved = _saved_slices(engine, bound, model_states) if distributed else None
     try:
         report = load_native_partitions(engine.optimizer, bound, strict=config.strict, saved=saved)
@@ -193,7 +192,7 @@ def reshard_load(
             else ""
         )
     report = report.with_more(extras=[module])
-    return LoadOutcome(result, Path(load_path), report, dp_from, states=read.of(Path(load_path)), origins=origins)
+    return LoadOutcome(result, load_path, report, dp_from, states=read.of(load_path), origins=origins)
 
 
 _NO_STATES = {"load_optimizer_states": False}
@@ -235,7 +234,7 @@ def same_dp_load(
         if bound is not None:
             bound.close()
         raise
-    if bound is None or not isinstance(result, tuple) or result[0] is None:
+    if bound is None or loaded_path(result) is None:
         if bound is not None:
             bound.close()
         return LoadOutcome(result)

@@ -35,7 +35,7 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.format.torchload import structure_problems, torch_reader_problem
 from megatron_ucp.integration.collectives import broadcast_from_first, comm, is_first, raise_together
-from megatron_ucp.integration.live_job import TpPlace
+from megatron_ucp.integration.live_job import LiveJob, TpPlace
 from megatron_ucp.integration.resume.engine_load import (
     ClientStates,
     LoadOutcome,
@@ -85,7 +85,7 @@ def _hand_in(report: AccountingReport, config: UcpConfig, optimizer: Any) -> Non
 
 
 @contextlib.contextmanager
-def _stage3_partition_loader(engine: Any, config: UcpConfig) -> Iterator[None]:
+def _stage3_partition_loader(engine: Any, job: LiveJob, config: UcpConfig) -> Iterator[None]:
     """For one universal load of a ZeRO-3 engine: our loader of its partitions in place of DeepSpeed's optimizer
     load. A load without optimizer states (the weights only) stays DeepSpeed's."""
 
@@ -96,7 +96,7 @@ def _stage3_partition_loader(engine: Any, config: UcpConfig) -> Iterator[None]:
             self.optimizer,
             Path(load_dir) / tag,
             strict=config.strict,
-            names=surface.param_names(self),
+            names=job.names,
             tensor_parallel=TpPlace(*surface.tp_size_and_rank(getattr(self, "mpu", None))),
         )
         _hand_in(report, config, self.optimizer)
@@ -116,7 +116,7 @@ def universal_load(
     from_latest: bool,
     kwargs: dict,
     config: UcpConfig,
-    per_parameter: bool,
+    job: LiveJob,
 ) -> LoadOutcome:
     """Route UNIVERSAL (a TP/PP change, ``--ucp-resume-route universal``, or the explicit universal flag): the twin
     converted when missing or stale, then DeepSpeed's universal load with our partition loader; the report and
@@ -138,10 +138,10 @@ def universal_load(
         with (
             _universal_mode(
                 engine,
-                lazy=config.module_read == "distributed" or per_parameter,
+                lazy=config.module_read == "distributed" or job.per_parameter,
                 path=model_states_for(engine, folder) if folder is not None else None,
             ) as read,
-            _stage3_partition_loader(engine, config) if per_parameter else contextlib.nullcontext(),
+            _stage3_partition_loader(engine, job, config) if job.per_parameter else contextlib.nullcontext(),
         ):
             result = original(engine, load_dir, decision.tag, **kwargs)
     finally:
