@@ -199,15 +199,20 @@ def saved_layout(tag_dir: Path) -> Optional[SavedLayout]:
 
 
 def _saved_ep(tag_dir: Path, dp: int) -> int:
-    """A mixture-of-experts save's EP from the partition counts in its first rank file (the pickle only); 1 when
-    it has none (ZeRO-3, or experts partitioned over DP) or they do not add up (the reader says why)."""
-    first = next(iter(sorted(tag_dir.glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))), None)
+    """A mixture-of-experts save's EP from its partition counts; 1 when it has none (ZeRO-3, or experts partitioned
+    over DP) or they do not add up (the reader says why)."""
+    found = saved_partition_counts(tag_dir)
+    experts = expert_facts((), found[1], dp) if found is not None else None
+    return (experts.ep or 1) if experts is not None else 1
+
+
+def saved_partition_counts(tag_dir: Path) -> Optional[tuple[Path, tuple[int, ...]]]:
+    """The first ZeRO-1/2 rank file of a tag and its ``partition_count`` per param group (the pickle only: an
+    expert group's is DP / EP); None without one."""
+    first = next(iter(sorted(Path(tag_dir).glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))), None)
     raw = load_raw(first, random_access=True) if first is not None else None
     counts = raw.get(F.OPTIMIZER_STATE_DICT, {}).get(F.PARTITION_COUNT) if isinstance(raw, dict) else None
-    if not isinstance(counts, (list, tuple)):
-        return 1
-    experts = expert_facts((), counts, dp)
-    return (experts.ep or 1) if experts is not None else 1
+    return (first, tuple(int(c) for c in counts)) if isinstance(counts, (list, tuple)) else None
 
 
 def rank_file_count_problem(tag_dir: Path, dp: int) -> Optional[str]:

@@ -41,6 +41,7 @@ from megatron_ucp.deepspeed.model_states import (  # noqa: F401  (re-exported)
     read_model_states,
     recorded_sizes,
     saved_layout,
+    saved_partition_counts,
 )
 from megatron_ucp.deepspeed.optimizer_files import (  # noqa: F401  (re-exported)
     BF16_OPTIMIZER,

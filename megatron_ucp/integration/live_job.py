@@ -20,6 +20,7 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
@@ -99,23 +100,106 @@ def current_layout(engine: Any) -> ParallelLayout:
 @dataclass(frozen=True)
 class LiveJob:
     """The live job as one load reads it, once, at its start: what every step after it (the decision, the routes,
-    the finish) reads instead of asking the engine again."""
+    the finish) reads instead of asking the engine again. The engine itself is kept for what only it can do: run
+    DeepSpeed's own load and take what was read."""
 
     layout: ParallelLayout
     """TP and PP from the engine's ``mpu``, DP (the ranks that share one optimizer partition), EP."""
+    tp: TpPlace
     zero_stage: Optional[int]
     per_parameter: bool
     """ZeRO-3: each parameter partitioned on its own (else one flat partition per param group)."""
+    load_universal: bool
+    """The engine loads universal folders (``--universal-checkpoint``)."""
+    engine: Any = field(compare=False, repr=False)
     optimizer: Any = field(compare=False, repr=False)
     names: dict[Any, str] = field(compare=False, repr=False)
     """Live parameter -> name (the engine's map)."""
 
+    # What a load asks of the live optimizer, each read when first asked (an explicit universal load asks little).
+
     @functools.cached_property
+    def optimizer_layout(self) -> surface.OptimizerLayout:
+        return surface.layout_of(self.optimizer)
+
+    @functools.cached_property
+    def dp_group(self) -> Any:
+        return surface.dp_group(self.optimizer)
+
+    @functools.cached_property
+    def dp_rank(self) -> int:
+        return comm().get_rank(group=self.dp_group)
+
+    @functools.cached_property
+    def dp_size(self) -> int:
+        """The optimizer's DP group's size: the partitions each group is cut into (the dense ones)."""
+        return comm().get_world_size(group=self.dp_group)
+
+    @functools.cached_property
+    def base(self) -> Any:
+        """The torch optimizer the ZeRO optimizer wraps (its param groups and states)."""
+        return surface.base_optimizer(self.optimizer)
+
+    @functools.cached_property
+    def groups(self) -> list[list[Any]]:
+        """The live bf16 parameters of each group, where the optimizer's layout keeps them."""
+        return self.optimizer_layout.groups(self.optimizer)
+
+    @functools.cached_property
+    def group_dp_groups(self) -> list[Any]:
+        """One DP process group per param group (an expert group's is its expert-data-parallel group)."""
+        return surface.group_dp_groups(self.optimizer)
+
+    @functools.cached_property
+    def group_dp_sizes(self) -> list[int]:
+        return [int(comm().get_world_size(group=pg)) for pg in self.group_dp_groups]
+
+    @functools.cached_property
+    def optimized_params(self) -> dict[str, Any]:
+        """The optimized parameters on this rank by name (the first rank is model-parallel rank 0)."""
+        return {self.names[lp]: lp for group in self.groups for lp in group}
+
+    @property
     def optimized(self) -> frozenset[str]:
-        """The optimized parameters' names on this rank (the first rank is model-parallel rank 0); read when first
-        asked (an explicit universal load never asks)."""
-        groups = surface.layout_of(self.optimizer).groups(self.optimizer)
-        return frozenset(self.names[lp] for group in groups for lp in group)
+        return frozenset(self.optimized_params)
+
+    def masters(self) -> list[torch.Tensor]:
+        """This rank's fp32 partitions (asked anew: a load may replace them)."""
+        return self.optimizer_layout.masters(self.optimizer)
+
+    def lp_partitions(self) -> list[list[torch.Tensor]]:
+        """Each group's bf16 weights as the DP ranks' partitions of them."""
+        return self.optimizer_layout.lp_partitions_of(self.optimizer)
+
+    # What a load asks of the engine.
+
+    @functools.cached_property
+    def pipeline(self) -> bool:
+        """A pipeline model: its weights are in per-layer files."""
+        return surface.pipeline_module(self.engine)
+
+    @functools.cached_property
+    def slice_parallel(self) -> tuple[int, int]:
+        """A pipeline model's model-parallel (slice) rank and size: which of each layer's files it loads."""
+        return surface.slice_parallel(self.engine.module)
+
+    @functools.cached_property
+    def loads_fp32_masters(self) -> bool:
+        return surface.loads_fp32_masters(self.engine)
+
+    @functools.cached_property
+    def node_local_storage(self) -> bool:
+        return surface.node_local_storage(self.engine)
+
+    def model_states_file(self, load_dir: str, tag: str) -> Path:
+        """This rank's model-states file of a tag, as the engine names it."""
+        return Path(surface.model_states_file(self.engine, load_dir, tag))
+
+    def own_optimizer_file(self, load_dir: str, tag: str) -> Path:
+        return Path(surface.own_optimizer_file(self.engine, load_dir, tag))
+
+    def rank_optimizer_file(self, load_dir: str, tag: str, mp_rank: int, dp_rank: int, bf16: bool) -> Path:
+        return Path(surface.rank_optimizer_file(self.engine, load_dir, tag, mp_rank, dp_rank, bf16))
 
 
 def live_job(engine: Any) -> LiveJob:
@@ -123,8 +207,11 @@ def live_job(engine: Any) -> LiveJob:
     None for it)."""
     return LiveJob(
         layout=current_layout(engine),
+        tp=TpPlace(*surface.tp_size_and_rank(getattr(engine, "mpu", None))),
         zero_stage=surface.zero_stage(engine),
         per_parameter=surface.engine_layout(engine).per_parameter,
+        load_universal=bool(engine.load_universal_checkpoint()),
+        engine=engine,
         optimizer=engine.optimizer,
         names=surface.param_names(engine),
     )
@@ -139,8 +226,14 @@ def live_ep(engine: Any) -> int:
     layout = surface.engine_layout(engine)
     if layout is None or layout.per_parameter:
         return 1
-    sizes = surface.group_dp_sizes(optimizer)
+    sizes = live_group_dp_sizes(engine)
     return max(sizes) // min(sizes)
+
+
+def live_group_dp_sizes(engine: Any) -> list[int]:
+    """Each param group's DP size (an expert group's is the expert-data-parallel size), also of an engine the hooks
+    leave to stock DeepSpeed."""
+    return surface.group_dp_sizes(engine.optimizer)
 
 
 @dataclass(frozen=True)

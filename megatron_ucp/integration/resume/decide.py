@@ -27,15 +27,14 @@ from typing import Any, Optional
 
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.convert.universal import staging_path, universal_state
-from megatron_ucp.deepspeed import stage3_runtime, surface
-from megatron_ucp.deepspeed.reader import rank_file_count_problem, saved_layout
-from megatron_ucp.deepspeed.torch_files import load_raw
+from megatron_ucp.deepspeed import stage3_runtime
+from megatron_ucp.deepspeed.reader import rank_file_count_problem, saved_layout, saved_partition_counts
 from megatron_ucp.errors import CheckpointFormatError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
 from megatron_ucp.integration.collectives import Failure, count_across, decide_on_first, is_first
 from megatron_ucp.integration.handled import warn_once
-from megatron_ucp.integration.live_job import LiveJob
+from megatron_ucp.integration.live_job import LiveJob, live_group_dp_sizes
 from megatron_ucp.plan.experts import expert_layout_change, recorded_experts
 from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.resume import ResumeDecision, TwinState, decide_resume
@@ -55,13 +54,11 @@ class Decided:
     """The first rank's read of the tag's model states (no weight bytes); None on the other ranks."""
 
 
-def decide(
-    engine: Any, job: LiveJob, load_dir: str, tag: Optional[str], loads_states: bool, config: UcpConfig
-) -> Decided:
+def decide(job: LiveJob, load_dir: str, tag: Optional[str], loads_states: bool, config: UcpConfig) -> Decided:
     """Collective: the first rank reads the facts and decides, every rank learns the decision; a failure to decide
     is every rank's error."""
     seen: dict = {}
-    outcome = decide_on_first(lambda: _decide_from_facts(engine, job, load_dir, tag, loads_states, config, seen))
+    outcome = decide_on_first(lambda: _decide_from_facts(job, load_dir, tag, loads_states, config, seen))
     if isinstance(outcome, Failure):
         if is_first():
             log.error("megatron-ucp: deciding how to load %s failed: %s", load_dir, outcome.message)
@@ -71,7 +68,6 @@ def decide(
 
 
 def _decide_from_facts(
-    engine: Any,
     job: LiveJob,
     load_dir: str,
     tag: Optional[str],
@@ -82,7 +78,7 @@ def _decide_from_facts(
     """First-rank side: read the facts from disk and decide. Returns (decision, native tag, tag from latest).
     ``seen`` receives the model states read for the decision (no weight bytes), for this rank's next steps."""
 
-    universal_flag = bool(engine.load_universal_checkpoint())
+    universal_flag = job.load_universal
     lag = lagging_universal_pointer(Path(load_dir)) if universal_flag and tag is None else None
     follow_latest = lag is not None
     if lag is not None and lag[1] is not None:
@@ -123,7 +119,7 @@ def _decide_from_facts(
             unlisted = not saved.param_names and bool(recorded_experts((saved.states or {}).get("num_experts")))
             names_match = unlisted or saved.param_names == job.optimized
             stage_change = _stage_change(job, saved.per_parameter)
-            regrouped = stage_change is None and _regrouped(engine, job, saved.states)
+            regrouped = stage_change is None and _regrouped(job, saved.states)
             seen["model_states"] = saved.states
             if loads_optimizer_states and not tag_is_universal and saved_as is not None:
                 problem = rank_file_count_problem(tag_dir, saved_as.dp)
@@ -169,12 +165,12 @@ def _stage_change(job: LiveJob, saved_per_parameter: bool) -> Optional[str]:
     return f"{'3' if saved_per_parameter else '1/2'} -> {job.zero_stage if not job.per_parameter else 3}"
 
 
-def _regrouped(engine: Any, job: LiveJob, states: Optional[dict]) -> bool:
+def _regrouped(job: LiveJob, states: Optional[dict]) -> bool:
     """ZeRO-3 saved and live, and the optimizer cut its parameters into other sub-groups than the save's."""
     if not isinstance(states, dict) or not job.per_parameter:
         return False
     saved = [[str(n) for n in group] for group in states.get(F.PARAM_SHAPES) or [] if isinstance(group, dict)]
-    live, _ = stage3_runtime.stage3_sub_groups(engine.optimizer, job.names)
+    live, _ = stage3_runtime.stage3_sub_groups(job.optimizer, job.names)
     return saved != [[n for n, _ in group] for group in live]
 
 
@@ -204,14 +200,8 @@ def refuse_an_expert_layout_change(engine: Any, load_dir: str, tag: Optional[str
 
 def _expert_change(engine: Any, root: Path, tag: Optional[str]) -> Optional[str]:
     tag = tag or read_tag_file(root / F.LATEST)
-    if tag is None or not (root / tag).is_dir():
+    found = saved_partition_counts(root / tag) if tag is not None and (root / tag).is_dir() else None
+    if found is None:
         return None
-    files = sorted((root / tag).glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))
-    if not files:
-        return None
-    saved = load_raw(files[0], random_access=True)  # the pickle only
-    counts = saved.get(F.OPTIMIZER_STATE_DICT, {}).get(F.PARTITION_COUNT) if isinstance(saved, dict) else None
-    if not isinstance(counts, (list, tuple)):
-        return None
-    change = expert_layout_change(counts, surface.group_dp_sizes(engine.optimizer))
-    return None if change is None else f"{files[0]}: {change}"
+    change = expert_layout_change(found[1], live_group_dp_sizes(engine))
+    return None if change is None else f"{found[0]}: {change}"

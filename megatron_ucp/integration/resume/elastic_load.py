@@ -37,7 +37,8 @@ from megatron_ucp.integration.resume.engine_load import LoadOutcome
 from megatron_ucp.integration.resume.fallback import load_with_fallback
 from megatron_ucp.integration.resume.finish import finish
 from megatron_ucp.integration.resume.native.routes import reshard_load, same_dp_load
-from megatron_ucp.integration.resume.universal.route import install_partition_loader, universal_load
+from megatron_ucp.integration.resume.universal.partition_load import install_partition_loader
+from megatron_ucp.integration.resume.universal.route import universal_load
 from megatron_ucp.plan.resume import Route
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
 
         def load(chosen: Optional[str]) -> Any:  # refused on every rank or on none
             return agreed(
-                lambda: _load_tag(self, job, original, load_dir, chosen, kwargs, config),
+                lambda: _load_tag(job, original, load_dir, chosen, kwargs, config),
                 f"loading {chosen or 'latest'}",
             )
 
@@ -96,7 +97,7 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
             return load_with_fallback(
                 Path(load_dir),
                 load,
-                universal=bool(self.load_universal_checkpoint()),
+                universal=job.load_universal,
                 scheduler=getattr(self, "lr_scheduler", None),
             )
         return load(tag)
@@ -105,7 +106,6 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
 
 
 def _load_tag(
-    engine: Any,
     job: LiveJob,
     original: Callable[..., Any],
     load_dir: str,
@@ -115,20 +115,19 @@ def _load_tag(
 ) -> Any:
     """One load of ``tag`` (None: the one ``latest`` names): decide, route, finish."""
     loads_states = kwargs["load_optimizer_states"] and not kwargs["load_module_only"]
-    decided = decide(engine, job, load_dir, tag, loads_states, config)
+    decided = decide(job, load_dir, tag, loads_states, config)
     decision = decided.decision
     if decision.route is Route.NATIVE and (decision.checkpoint_dp is None or not loads_states):
-        return original(engine, load_dir, tag, **kwargs)  # nothing of ours to do: stock DeepSpeed's load
+        return original(job.engine, load_dir, tag, **kwargs)  # nothing of ours to do: stock DeepSpeed's load
     if is_first():
         log.info("megatron-ucp: %s", decision.message)
         if decision.warning and decision.route is not Route.NATIVE:
             log.warning("megatron-ucp: %s", decision.warning)
-    outcome = _route(engine, job, original, load_dir, decided, kwargs, config)
-    return finish(engine, job, outcome, kwargs, config)
+    outcome = _route(job, original, load_dir, decided, kwargs, config)
+    return finish(job, outcome, kwargs, config)
 
 
 def _route(
-    engine: Any,
     job: LiveJob,
     original: Callable[..., Any],
     load_dir: str,
@@ -140,10 +139,9 @@ def _route(
     decision read, and the decision."""
     decision = decided.decision
     if decision.route is Route.NATIVE:
-        return same_dp_load(engine, job, original, load_dir, decided.native_tag, kwargs, config, decided.model_states)
+        return same_dp_load(job, original, load_dir, decided.native_tag, kwargs, config, decided.model_states)
     if decision.route is Route.RESHARD:
         return reshard_load(
-            engine,
             job,
             original,
             load_dir,
@@ -153,6 +151,4 @@ def _route(
             config,
             decided.model_states,
         )
-    return universal_load(
-        engine, original, load_dir, decision, decided.native_tag, decided.from_latest, kwargs, config, job
-    )
+    return universal_load(job, original, load_dir, decision, decided.native_tag, decided.from_latest, kwargs, config)

@@ -20,6 +20,7 @@ from megatron_ucp.deepspeed.reader import load_raw, load_torch_file
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.rawtensor import torch_views_from_raw
+from megatron_ucp.integration.live_job import LiveJob
 from megatron_ucp.plan.accounting import AccountingReport
 from megatron_ucp.plan.reshard import Read
 
@@ -174,12 +175,12 @@ def loaded_path(result: Any) -> Optional[Path]:
     return Path(result[0]) if isinstance(result, tuple) and result[0] is not None else None
 
 
-def model_states_for(engine: Any, folder: Path) -> Optional[Path]:
+def model_states_for(job: LiveJob, folder: Path) -> Optional[Path]:
     """The model-states file this rank reads from ``folder`` when DeepSpeed's own name for it is not there
     (None: DeepSpeed finds its own). A ZeRO-3 rank beyond the saved DP size reads DP rank 0's; a load
     across ZeRO stages reads the other stage's file of its model-parallel rank (universal mode reads only
     the client state from it, which every file holds alike)."""
-    own = Path(surface.model_states_file(engine, str(folder.parent), folder.name))
+    own = job.model_states_file(str(folder.parent), folder.name)
     if own.is_file():
         return None
     mp = F.mp_rank_of(own.name)
@@ -189,16 +190,33 @@ def model_states_for(engine: Any, folder: Path) -> Optional[Path]:
     return None
 
 
-def replacing_optimizer_load(load: Callable[[Any, str, str, bool], bool]) -> Any:
-    """For one load of a ZeRO-3 engine, ``_load_zero_checkpoint`` replaced by ``load(engine, load_dir, tag,
+def replacing_optimizer_load(load: Callable[[Callable[..., bool], Any, str, str, bool], bool]) -> Any:
+    """For one load of a ZeRO-3 engine, ``_load_zero_checkpoint`` replaced by ``load(original, engine, load_dir, tag,
     load_optimizer_states)``: DeepSpeed's stage-3 optimizer load reads this rank's own rank file (and refuses
     another DP size) or, in universal mode, every parameter's whole state files on every rank."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def _load_zero_checkpoint(self: Any, load_dir: str, tag: str, load_optimizer_states: bool = True) -> bool:
-            return load(self, load_dir, tag, load_optimizer_states)
+            return load(original, self, load_dir, tag, load_optimizer_states)
 
         return _load_zero_checkpoint
 
     return surface.scoped_replace(surface.ENGINE, "_load_zero_checkpoint", make)
+
+
+@contextlib.contextmanager
+def universal_mode(engine: Any, lazy: bool = False, path: Optional[Path] = None) -> Iterator[ClientStates]:
+    """Set the engine's ``load_universal`` flag for one load; restore it whatever happens. At another
+    TP/PP size each rank reads one model-states file as it is (:func:`one_model_states_file_per_rank`);
+    ``lazy``: at any size, and only its pickle (universal mode loads no module weights from it); ``path``:
+    the file to read where DeepSpeed's own name finds none (a folder converted from another ZeRO stage). Yields what
+    the load read of the model-states file (:class:`ClientStates`)."""
+    cfg = surface.engine_config(engine)
+    before = cfg.load_universal_checkpoint
+    cfg.load_universal_checkpoint = True
+    try:
+        with one_model_states_file_per_rank(engine, always=lazy, lazy=lazy, path=path) as read:
+            yield read
+    finally:
+        cfg.load_universal_checkpoint = before

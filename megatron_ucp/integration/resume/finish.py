@@ -29,7 +29,6 @@ from typing import Any, Iterator, Optional
 import torch
 
 from megatron_ucp.config import UcpConfig
-from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.reader import flatten_module_states, load_raw, load_torch_file
 from megatron_ucp.errors import CheckpointFormatError, refuse_or_warn
 from megatron_ucp.format import dsformat as F
@@ -85,13 +84,11 @@ def _copied_from(origins: CopiedFrom, group: int, offset: int, tensor: torch.Ten
     return [origins.rank_file(rank).name for rank in sorted(ranks)]
 
 
-def _loaded(engine: Any, names: dict[Any, str]) -> Iterator[tuple[int, int, str, str, torch.Tensor]]:
+def _loaded(job: LiveJob) -> Iterator[tuple[int, int, str, str, torch.Tensor]]:
     """(partition, offset in it, parameter, state, its real elements) of every master and floating optimizer state
     of this rank that holds a NaN or Inf anywhere (a partition found finite whole is not cut into its parameters)."""
-    optimizer = engine.optimizer
-    base = surface.base_optimizer(optimizer)
-    for index, group in enumerate(live_groups(optimizer, names)):
-        kept = base.state.get(group.flat, {})
+    for index, group in enumerate(live_groups(job.optimizer, job.names)):
+        kept = job.base.state.get(group.flat, {})
         tensors = [(F.FP32_STATE, group.flat)] + [
             (name, value)
             for name, value in sorted(kept.items())
@@ -103,15 +100,13 @@ def _loaded(engine: Any, names: dict[Any, str]) -> Iterator[tuple[int, int, str,
                 yield (
                     index,
                     fragment.offset,
-                    names.get(fragment.lp, "?"),
+                    job.names.get(fragment.lp, "?"),
                     name,
                     tensor.reshape(-1)[fragment.offset : fragment.offset + fragment.numel],
                 )
 
 
-def refuse_non_finite(
-    engine: Any, names: dict[Any, str], folder: Path, strict: bool, origins: Optional[CopiedFrom] = None
-) -> None:
+def refuse_non_finite(job: LiveJob, folder: Path, strict: bool, origins: Optional[CopiedFrom] = None) -> None:
     """Raises on the ranks whose masters or optimizer states hold NaN or Inf (``strict``; else warns there); the
     load's agreement (:func:`~megatron_ucp.integration.collectives.agreed`) makes it every rank's error. No
     collective here: another group's load may have failed before this point. ``origins``: a native reshard's,
@@ -119,7 +114,7 @@ def refuse_non_finite(
     rank = comm().get_rank()
     found = []
     with torch.no_grad():
-        for index, offset, param, name, tensor in _loaded(engine, names):
+        for index, offset, param, name, tensor in _loaded(job):
             nan, inf = non_finite(tensor)
             if nan or inf:
                 files = _copied_from(origins, index, offset, tensor) if origins is not None else []
@@ -338,22 +333,23 @@ ENGINE_REPORT_ATTR = "megatron_ucp_load_report"
 """The engine attribute holding the last accounted load's :class:`AccountingReport` (for tools)."""
 
 
-def finish(engine: Any, job: LiveJob, outcome: LoadOutcome, kwargs: dict, config: UcpConfig) -> Any:
+def finish(job: LiveJob, outcome: LoadOutcome, kwargs: dict, config: UcpConfig) -> Any:
     """Every route's end: where the route accounted for the tensors (its report), the training state and the batch
     checked, the module tensors universal mode skips restored, one summary line, enforced as ``config.strict``
     says; then, on every route, every master and optimizer state finite. Returns DeepSpeed's result."""
     if outcome.report is not None and outcome.load_path is not None:
-        _account(engine, job, outcome, kwargs, config)
+        _account(job, outcome, kwargs, config)
     loaded = loaded_path(outcome.result)
     if loaded is not None:
-        refuse_non_finite(engine, job.names, loaded.parent, config.strict, outcome.origins)
+        refuse_non_finite(job, loaded.parent, config.strict, outcome.origins)
     return outcome.result
 
 
-def _account(engine: Any, job: LiveJob, outcome: LoadOutcome, kwargs: dict, config: UcpConfig) -> None:
+def _account(job: LiveJob, outcome: LoadOutcome, kwargs: dict, config: UcpConfig) -> None:
     """The report completed with the training state's and the module's checks, kept on the engine, enforced.
     The model states are what the load already read (the reshard route), else the file mapped, so that only the
     parts read here are paged in."""
+    engine = job.engine
     load_path, dp_from = outcome.load_path, outcome.dp_from
     folder = load_path.parent
     dp_to = job.layout.dp
@@ -379,7 +375,7 @@ def _account(engine: Any, job: LiveJob, outcome: LoadOutcome, kwargs: dict, conf
     if outcome.restore_module:
         optimized = set(job.optimized)
         if config.module_read == "distributed":  # what has no master, read once across the DP group
-            states = with_the_rest_exchanged(states, optimized, load_path, surface.dp_group(engine.optimizer))
+            states = with_the_rest_exchanged(states, optimized, load_path, job.dp_group)
         p, e = restore_module_tensors(engine.module, optimized, folder, states)
         problems += p
         extras += e

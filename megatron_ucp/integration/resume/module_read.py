@@ -39,6 +39,7 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.exact_read import RangeReader, file_offset
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.integration.collectives import comm, device
+from megatron_ucp.integration.live_job import LiveJob
 
 log = logging.getLogger(__name__)
 
@@ -89,30 +90,33 @@ class SavedWeights:
             reader.close()
 
 
-def weight_sources(engine: Any, model_states: Path) -> dict[str, tuple[Path, RawTensor]]:
+def weight_sources(job: LiveJob, model_states: Path) -> dict[str, tuple[Path, RawTensor]]:
     """Each optimized parameter's saved tensor (mapped, not read) and its file, by the name the optimizer
     files use: from the model states' module, or, for a pipeline model, from its stage's layer files,
     matched to the live parameters by identity (a layer file's keys are the layer's own)."""
-    optimizer = engine.optimizer
-    names = surface.param_names(optimizer)
-    if not surface.pipeline_module(engine):
+    if not job.pipeline:
         raw = load_raw(model_states, random_access=True)
         module = raw.get(F.MODULE) if isinstance(raw, dict) else None
         return {n: (model_states, t) for n, t in flatten_module_states(module).items() if isinstance(t, RawTensor)}
-    optimized = {id(lp): lp for group in surface.layout_of(optimizer).groups(optimizer) for lp in group}
+    optimized = _optimized_ids(job)
     out: dict[str, tuple[Path, RawTensor]] = {}
-    for path, layer in _layer_files(engine, model_states.parent):
+    for path, layer in _layer_files(job, model_states.parent):
         raw = load_raw(path, random_access=True)
         for key, live in layer.state_dict(keep_vars=True).items():
             saved = raw.get(key) if isinstance(raw, dict) else None
             if id(live) in optimized and isinstance(saved, RawTensor):
-                out[names[optimized[id(live)]]] = (path, saved)
+                out[optimized[id(live)]] = (path, saved)
     return out
 
 
-def _layer_files(engine: Any, folder: Path) -> list[tuple[Path, Any]]:
+def _optimized_ids(job: LiveJob) -> dict[int, str]:
+    """A layer's tensors are the live parameters themselves: the optimized ones by identity, to their names."""
+    return {id(lp): name for name, lp in job.optimized_params.items()}
+
+
+def _layer_files(job: LiveJob, folder: Path) -> list[tuple[Path, Any]]:
     """This rank's stage's layers with state, and the layer file of this model-parallel rank each loads."""
-    module = engine.module
+    module = job.engine.module
     out = []
     for idx, layer in enumerate(module.forward_funcs):
         if not hasattr(layer, "load_state_dict"):
@@ -120,7 +124,7 @@ def _layer_files(engine: Any, folder: Path) -> list[tuple[Path, Any]]:
         files = sorted(module.ckpt_layer_path_list(str(folder), idx))
         if not files:
             continue
-        rank, world = surface.slice_parallel(module)
+        rank, world = job.slice_parallel
         out.append((Path(files[min(rank * len(files) // max(1, world), len(files) - 1)]), layer))
     return out
 
@@ -197,14 +201,12 @@ def with_the_rest_exchanged(states: dict, optimized: set[str], model_states: Pat
     return {**states, F.MODULE: _replaced(saved, rest)} if rest else states
 
 
-def layer_hook(engine: Any, folder: Path) -> Callable[[Path, dict], dict]:
+def layer_hook(job: LiveJob, folder: Path) -> Callable[[Path, dict], dict]:
     """For a pipeline model's layer files (read lazily by the per-load state-dict loader): the layer gets
     its optimized weights as they are (identity with the live tensors) and the rest read once across the
     DP group. Collective when the rest is not empty (every rank of the group loads the same files)."""
-    optimizer = engine.optimizer
-    optimized = {id(lp) for group in surface.layout_of(optimizer).groups(optimizer) for lp in group}
-    group = surface.dp_group(optimizer)
-    layers = {path.name: layer for path, layer in _layer_files(engine, folder)}
+    optimized = _optimized_ids(job)
+    layers = {path.name: layer for path, layer in _layer_files(job, folder)}
 
     def give(path: Path, states: dict) -> dict:
         layer = layers.get(path.name)
@@ -212,33 +214,29 @@ def layer_hook(engine: Any, folder: Path) -> Callable[[Path, dict], dict]:
             return states
         own = {k: t.detach() for k, t in layer.state_dict(keep_vars=True).items() if id(t) in optimized}
         names = sorted(k for k in states if k not in own)
-        rest = _read_the_rest(path, names, group, key=None) if names else {}
+        rest = _read_the_rest(path, names, job.dp_group, key=None) if names else {}
         return {**states, **{k: v for k, v in own.items() if k in states}, **rest}
 
     return give
 
 
 @contextlib.contextmanager
-def module_from_masters(engine: Any, model_states: Path) -> Iterator[None]:
+def module_from_masters(job: LiveJob, model_states: Path) -> Iterator[None]:
     """For one load: DeepSpeed's ``load_module_state_dict`` leaves the optimized parameters as they are
     (:func:`rebuild_from_masters` rebuilds them after the optimizer load) and gives the module the rest
     (frozen parameters, persistent buffers) read once across the DP group. Megatron's own
     ``load_state_dict`` still sees every key of the saved module, so strictness is DeepSpeed's."""
-    optimizer = engine.optimizer
-    names = surface.param_names(optimizer)
-    layout = surface.layout_of(optimizer)
-    optimized = {names[lp]: lp for group in layout.groups(optimizer) for lp in group}
-    group = surface.dp_group(optimizer)
+    optimized = job.optimized_params
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def load_module_state_dict(self: Any, checkpoint: Any, strict: bool = True, *args: Any, **kwargs: Any) -> Any:
             saved = checkpoint.get(F.MODULE) if isinstance(checkpoint, dict) else None
-            if self is not engine or not isinstance(saved, dict) or kwargs.get("custom_load_fn"):
+            if self is not job.engine or not isinstance(saved, dict) or kwargs.get("custom_load_fn"):
                 return original(self, checkpoint, strict, *args, **kwargs)
             leaves = dict(_leaves(saved))
             own = {name: optimized[name].detach() for name in leaves if name in optimized}
             names = sorted(n for n in leaves if n not in own)  # the same on every rank: one file per group
-            rest = _read_the_rest(model_states, names, group) if names else {}
+            rest = _read_the_rest(model_states, names, job.dp_group) if names else {}
             module = _replaced(saved, {**own, **rest})
             return original(self, {**checkpoint, F.MODULE: module}, strict, *args, **kwargs)
 
@@ -253,43 +251,34 @@ def module_from_masters(engine: Any, model_states: Path) -> Iterator[None]:
 # ------------------------------------------------------------------------------------------------
 
 
-def rebuild_from_masters(optimizer: Any, real_lengths: list[int], saved: Callable[[int], torch.Tensor]) -> bool:
+def rebuild_from_masters(job: LiveJob, real_lengths: list[int], saved: Callable[[int], torch.Tensor]) -> bool:
     """Collective over the DP group: whether the weights this rank's masters round to are exactly the
     saved ones (``saved(g)``: this rank's real range of them, read) on every rank; if so they are rebuilt
     (one all-gather) and True is returned. The caller reads the module in full when False."""
-    masters = surface.layout_of(optimizer).masters(optimizer)
-    pairs = ((master[:real], saved(g)) for g, (master, real) in enumerate(zip(masters, real_lengths)))
-    exact = _masters_round_to(optimizer, pairs, "comparing the masters with the saved weights (all-reduce)")
+    pairs = ((master[:real], saved(g)) for g, (master, real) in enumerate(zip(job.masters(), real_lengths)))
+    exact = _masters_round_to(job, pairs, "comparing the masters with the saved weights (all-reduce)")
     if exact:
-        rebuild(optimizer)
+        rebuild(job)
     return exact
 
 
-def refresh_lp_params(optimizer: Any) -> bool:
+def refresh_lp_params(job: LiveJob) -> bool:
     """The bf16 weights made the rounded fp32 masters, as ``update_lp_params`` does after a universal
     load, but its all-gather only when some rank's weights differ: DeepSpeed saved the module after
     copying the masters into it, so the weights it just loaded already are (1.1 s of a 1.6 s reshard
     of 100M parameters on 4 CPU ranks, for nothing). Collective over the DP group. Returns whether
     the weights had to be refreshed."""
-    layout = surface.layout_of(optimizer)
-    fresh = False
-    if layout is not None:  # layout_of checked that the class has its partitions and masters
-        mine = (
-            (master, parts[comm().get_rank(group=group)])
-            for parts, master, group in zip(
-                layout.lp_partitions_of(optimizer),
-                layout.masters(optimizer),
-                surface.group_dp_groups(optimizer),
-                strict=True,
-            )
-        )
-        fresh = _masters_round_to(optimizer, mine, "comparing the weights with the masters (all-reduce)")
+    mine = (
+        (master, parts[comm().get_rank(group=group)])
+        for parts, master, group in zip(job.lp_partitions(), job.masters(), job.group_dp_groups, strict=True)
+    )
+    fresh = _masters_round_to(job, mine, "comparing the weights with the masters (all-reduce)")
     if not fresh:
-        rebuild(optimizer)
+        rebuild(job)
     return not fresh
 
 
-def _masters_round_to(optimizer: Any, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], what: str) -> bool:
+def _masters_round_to(job: LiveJob, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], what: str) -> bool:
     """Collective over the DP group: whether, on every rank, each master of ``pairs`` rounds exactly to its weights
     (compared where the masters live)."""
     differ = 0
@@ -299,15 +288,15 @@ def _masters_round_to(optimizer: Any, pairs: Iterable[tuple[torch.Tensor, torch.
             differ += int(not torch.equal(master.to(weights.dtype), weights))
     total = torch.tensor([differ], dtype=torch.int64, device=device())
     with exchanging(what):
-        comm().all_reduce(total, group=surface.dp_group(optimizer))
+        comm().all_reduce(total, group=job.dp_group)
     return int(total.item()) == 0
 
 
-def rebuild(optimizer: Any) -> None:
+def rebuild(job: LiveJob) -> None:
     """The weights the masters round to, on every rank: DeepSpeed's own ``update_lp_params`` (each rank
     rounds its masters, one all-gather on the DP group), with a failure said once on every rank."""
     with exchanging("rebuilding the module weights from the masters (all-gather)"):
-        optimizer.update_lp_params()
+        job.optimizer.update_lp_params()
 
 
 @contextlib.contextmanager

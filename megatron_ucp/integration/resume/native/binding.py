@@ -29,7 +29,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.optimizer_files import optimizer_state
 from megatron_ucp.deepspeed.rank_files import (
     RankFile,
@@ -46,7 +45,7 @@ from megatron_ucp.deepspeed.state_kinds import unplaceable_error
 from megatron_ucp.errors import CheckpointFormatError, PlanError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import Failure, comm, decide_on_first
-from megatron_ucp.integration.live_job import LiveJob, live_stage3_groups, lp_groups_of
+from megatron_ucp.integration.live_job import LiveJob, live_stage3_groups
 from megatron_ucp.integration.resume.native.requantize import blocksize_of_live
 from megatron_ucp.plan.param_geometry import first_difference, group_count_difference
 from megatron_ucp.plan.partitioned import FlatGroups, Partitioned, checked_positions
@@ -86,7 +85,6 @@ class BoundSave:
 
 
 def bind_save(
-    engine: Any,
     job: LiveJob,
     model_states: Path,
     rank_file: RankFile,
@@ -102,9 +100,7 @@ def bind_save(
     names) is then left to DeepSpeed unbound (returns None) instead of refused. ``requantize``: at a DP change,
     bitsandbytes' 8-bit state is read as values, to be quantized again (``--ucp-requantize-8bit``)."""
     t0 = time.perf_counter()
-    optimizer = engine.optimizer
-    group = surface.dp_group(optimizer)
-    rank = comm().get_rank(group=group)
+    group, rank = job.dp_group, job.dp_rank
     per_parameter = job.per_parameter
     if per_parameter:  # every ZeRO-3 rank saves its own model states; the facts are in DP rank 0's
         model_states = model_states.parent / F.zero3_model_file(0, F.mp_rank_of(rank_file(0).name))
@@ -113,7 +109,7 @@ def bind_save(
             model_states,
             rank_file,
             states,
-            None if per_parameter else _live_shapes(optimizer),
+            None if per_parameter else _live_shapes(job),
             per_parameter,
             requantize=requantize and not same_dp,
         ),
@@ -122,7 +118,7 @@ def bind_save(
     if isinstance(facts, Failure):
         raise CheckpointFormatError(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
     if facts.requantized:  # the same facts on every rank; the live optimizer is the same class everywhere
-        blocksize_of_live(surface.base_optimizer(optimizer))
+        blocksize_of_live(job.base)
         if rank == 0:
             log.warning(
                 "megatron-ucp: --ucp-requantize-8bit: bitsandbytes' 8-bit states %s are read as values and quantized "
@@ -130,7 +126,7 @@ def bind_save(
                 "/".join(facts.requantized),
             )
     if facts.unplaceable:  # the same facts on every rank: the same decision everywhere
-        name = type(surface.base_optimizer(optimizer)).__name__
+        name = type(job.base).__name__
         error = unplaceable_error(facts.unplaceable_file, facts.unplaceable, name)
         if not same_dp:
             raise error
@@ -138,7 +134,7 @@ def bind_save(
             log.warning("megatron-ucp: %s; at the saved DP size DeepSpeed's own load reads it as it is", error)
         return None
     try:
-        new = live_layout(engine, job, facts, model_states, same_dp)
+        new = live_layout(job, facts, model_states, same_dp)
         reads = facts.layout.reads_to(new, rank)
     except PlanError as exc:  # the same facts and model on every rank: the same error everywhere
         raise UcpError(f"{model_states.parent}: {exc}", subject=model_states.parent) from exc
@@ -152,11 +148,10 @@ def bind_save(
     return BoundSave(facts, new, reads, sources, rank_file, rank, time.perf_counter() - t0, files)
 
 
-def live_layout(engine: Any, job: LiveJob, facts: SavedFacts, model_states: Path, same_dp: bool = False) -> Partitioned:
+def live_layout(job: LiveJob, facts: SavedFacts, model_states: Path, same_dp: bool = False) -> Partitioned:
     """The live optimizer as a layout of the save's kind, checked against the facts; raises naming the first
     difference (another model, another expert layout, padding the plan does not describe). ``same_dp``: a
     restart at the saved DP size and sub-groups (DeepSpeed's own load follows)."""
-    optimizer = engine.optimizer
     where = model_states.parent
     if not isinstance(facts.layout, FlatGroups):
         if facts.frozen and not same_dp:
@@ -165,19 +160,16 @@ def live_layout(engine: Any, job: LiveJob, facts: SavedFacts, model_states: Path
                 "live in every rank's model states and are not resharded yet; resume at the saved DP size",
                 subject=model_states,
             )
-        return live_stage3_groups(optimizer, job.names)
-    dist = comm()
-    dp_to = dist.get_world_size(group=surface.dp_group(optimizer))
-    rank = dist.get_rank(group=surface.dp_group(optimizer))
-    check_expert_groups(optimizer, facts.layout, dp_to, rank, where)
-    flats = [g["params"][0] for g in surface.base_optimizer(optimizer).param_groups]
-    return check_live_model(facts.layout, _live_shapes(optimizer), [f.numel() for f in flats], dp_to, where)
+        return live_stage3_groups(job.optimizer, job.names)
+    dp_to = job.dp_size
+    check_expert_groups(job, facts.layout, dp_to, where)
+    flats = [g["params"][0] for g in job.base.param_groups]
+    return check_live_model(facts.layout, _live_shapes(job), [f.numel() for f in flats], dp_to, where)
 
 
-def _live_shapes(optimizer: Any) -> list[list[tuple[str, tuple[int, ...]]]]:
+def _live_shapes(job: LiveJob) -> list[list[tuple[str, tuple[int, ...]]]]:
     """The live flat groups' parameters, in flat order, with their shapes."""
-    names = surface.param_names(optimizer)
-    return [[(names[lp], tuple(lp.shape)) for lp in lps] for lps in lp_groups_of(optimizer)]
+    return [[(job.names[lp], tuple(lp.shape)) for lp in lps] for lps in job.groups]
 
 
 def check_live_model(
@@ -208,13 +200,13 @@ def check_live_model(
     return new
 
 
-def check_expert_groups(optimizer: Any, saved: FlatGroups, dp_to: int, rank: int, where: Path) -> None:
+def check_expert_groups(job: LiveJob, saved: FlatGroups, dp_to: int, where: Path) -> None:
     """The live groups are partitioned over as many ranks as the save's placement gives them at this DP size
     (the same expert-parallel size), and this rank holds the partition the placement says (its place in each
     group's own process group). Raises naming what differs: an expert layout change is the universal route's."""
     dist = comm()
-    placement = saved.placement
-    groups = surface.group_dp_groups(optimizer)
+    placement, rank = saved.placement, job.dp_rank
+    groups = job.group_dp_groups
     if placement.ep == 1 and all(dist.get_world_size(group=pg) == dp_to for pg in groups):
         return  # no experts on either side: every group over the DP group, as the plan takes it
     for g, pg in enumerate(groups):
@@ -229,10 +221,10 @@ def check_expert_groups(optimizer: Any, saved: FlatGroups, dp_to: int, rank: int
             )
 
 
-def engine_save_files(engine: Any, load_dir: str, tag: str) -> tuple[RankFile, Path]:
+def engine_save_files(job: LiveJob, load_dir: str, tag: str) -> tuple[RankFile, Path]:
     """How the engine names the files of a tag for this rank: old DP rank -> its optimizer file of this
     rank's model-parallel coordinate, and this rank's model-states file."""
-    own = Path(surface.own_optimizer_file(engine, load_dir, tag)).name
+    own = job.own_optimizer_file(load_dir, tag).name
     found = re.search(r"_mp_rank_(\d+)_optim_states\.pt$", own)
     if found is None:
         raise UnsupportedError(
@@ -243,9 +235,9 @@ def engine_save_files(engine: Any, load_dir: str, tag: str) -> tuple[RankFile, P
     mp_rank, bf16 = int(found.group(1)), own.startswith("bf16_")
 
     def rank_file(dp_rank: int) -> Path:
-        return Path(surface.rank_optimizer_file(engine, load_dir, tag, mp_rank, dp_rank, bf16))
+        return job.rank_optimizer_file(load_dir, tag, mp_rank, dp_rank, bf16)
 
-    return rank_file, Path(surface.model_states_file(engine, load_dir, tag))
+    return rank_file, job.model_states_file(load_dir, tag)
 
 
 def bind_rank_files(

@@ -38,17 +38,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from megatron_ucp.deepspeed import stage3_runtime, surface
+from megatron_ucp.deepspeed import stage3_runtime
 from megatron_ucp.deepspeed.rank_files import RankFile, SavedFacts, binding_message
 from megatron_ucp.errors import CheckpointFormatError, refuse_or_warn
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import comm, device
-from megatron_ucp.integration.live_job import (
-    expected_state_keys,
-    install_group_state,
-    lp_groups_of,
-    restore_global_state,
-)
+from megatron_ucp.integration.live_job import LiveJob, expected_state_keys, install_group_state, restore_global_state
 from megatron_ucp.integration.resume.native.binding import BoundSave
 from megatron_ucp.integration.resume.native.old_file_copy import (
     OldFiles,
@@ -82,17 +77,17 @@ DeepSpeed loaded, or the range read from the model-states file); None: not compa
 hooks, whose records bind the files instead)."""
 
 
-def loaded_weights(optimizer: Any, bound: BoundSave) -> SavedSlice:
+def loaded_weights(job: LiveJob, bound: BoundSave) -> SavedSlice:
     """The saved weights as DeepSpeed's own module load put them in this rank's partition."""
     new = bound.new
-    lp = surface.layout_of(optimizer).lp_partitions_of(optimizer)
+    lp = job.lp_partitions()
     parts = [parts[new.index(g, bound.rank)] for g, parts in enumerate(lp)]
     reals = new.true_lengths(bound.rank)
     return lambda g: parts[g][: reals[g]]
 
 
 def load_native_partitions(
-    optimizer: Any, bound: BoundSave, strict: bool = True, saved: Optional[SavedSlice] = None
+    job: LiveJob, bound: BoundSave, strict: bool = True, saved: Optional[SavedSlice] = None
 ) -> AccountingReport:
     """Steps 3 and 4, every layout: this rank's partitions of a save at another DP size (or another ZeRO-3
     sub-group cut), from the files step 1 bound, after DeepSpeed loaded the rest (``saved``: where the saved
@@ -100,14 +95,12 @@ def load_native_partitions(
     same on every rank); enforcing it is the caller's, except for saved weights that are not the masters
     rounded (raised here when ``strict``)."""
     t_start = time.perf_counter()
-    group = surface.dp_group(optimizer)
+    optimizer, group, base = job.optimizer, job.dp_group, job.base
     facts, new, reads = bound.facts, bound.new, bound.reads
-    layout = surface.layout_of(optimizer)
-    base = surface.base_optimizer(optimizer)
-    masters = layout.masters(optimizer)
-    links = [[] for _ in masters] if layout.per_parameter else lp_groups_of(optimizer)
-    if saved is None and not layout.per_parameter:
-        saved = loaded_weights(optimizer, bound)
+    masters = job.masters()
+    links = [[] for _ in masters] if job.per_parameter else job.groups
+    if saved is None and not job.per_parameter:
+        saved = loaded_weights(job, bound)
     files = OldFiles.of(facts, bound.rank_file)
     ledger = files.ledger()
     table = ledger.new_table(device="cpu")
@@ -127,7 +120,7 @@ def load_native_partitions(
         for param_group, saved_group in zip(base.param_groups, facts.param_groups):
             param_group.update(saved_group)
         restore_global_state(optimizer, facts.global_state)
-        if layout.per_parameter:  # inside DeepSpeed's stage-3 load, which rounds them itself after its own
+        if job.per_parameter:  # inside DeepSpeed's stage-3 load, which rounds them itself after its own
             stage3_runtime.stage3_weights_from_masters(optimizer)
     finally:
         bound.close()
@@ -274,15 +267,13 @@ def _judge_weights(facts: SavedFacts, rank_file: RankFile, totals: list[list[int
     refuse_or_warn(strict, error, problems, log, say=comm().get_rank(group=group) == 0, then="the fp32 masters win")
 
 
-def verify_loaded(optimizer: Any, bound: BoundSave, strict: bool = True, saved: Optional[SavedSlice] = None) -> str:
+def verify_loaded(job: LiveJob, bound: BoundSave, strict: bool = True, saved: Optional[SavedSlice] = None) -> str:
     """After DeepSpeed's own load at the saved DP size, any ZeRO stage (collective over the DP group): the masters
     it loaded against the saved weights (``saved``, where the route has them; None: not compared), and, saved
     through the hooks, every partition against the checksum its file recorded. Raises the same error on every
     rank naming the file(s) (``strict``; else warns once). Returns what was checked, for the log."""
-    group = surface.dp_group(optimizer)
+    group, base, masters = job.dp_group, job.base, job.masters()
     facts, rank = bound.facts, bound.rank
-    masters = surface.layout_of(optimizer).masters(optimizer)
-    base = surface.base_optimizer(optimizer)
     tally = torch.zeros((facts.dp_from, 3), dtype=torch.int64)
     mine = bound.sources.get(rank)
     with torch.no_grad():

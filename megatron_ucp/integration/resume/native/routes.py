@@ -28,7 +28,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_ucp.config import UcpConfig
-from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import is_first
@@ -65,7 +64,7 @@ log = logging.getLogger(__name__)
 REBUILT = "module weights rebuilt from the masters (one all-gather; of the module, only what has no master read)"
 
 
-def full_module_reason(engine: Any, config: UcpConfig, kwargs: dict) -> Optional[str]:
+def full_module_reason(job: LiveJob, config: UcpConfig, kwargs: dict) -> Optional[str]:
     """Why this load reads the module as DeepSpeed does (every rank, whole); None: once across the job."""
     if config.module_read != "distributed":
         return f"module_read={config.module_read}"
@@ -73,29 +72,28 @@ def full_module_reason(engine: Any, config: UcpConfig, kwargs: dict) -> Optional
         return "no optimizer states to rebuild the weights from"
     if kwargs.get("custom_load_fn") is not None:
         return "a custom module load function"
-    if getattr(engine, "has_moe_layers", False):
+    if getattr(job.engine, "has_moe_layers", False):
         return "mixture of experts: the experts' weights are in their own files, which DeepSpeed's module load reads"
-    if not surface.loads_fp32_masters(engine):
+    if not job.loads_fp32_masters:
         return "zero_optimization.load_from_fp32_weights is off: DeepSpeed derives the masters from the weights"
     return None
 
 
-def _module_reads(engine: Any, model_states: Path, distributed: bool) -> Any:
-    return module_from_masters(engine, model_states) if distributed else contextlib.nullcontext()
+def _module_reads(job: LiveJob, model_states: Path, distributed: bool) -> Any:
+    return module_from_masters(job, model_states) if distributed else contextlib.nullcontext()
 
 
-def _layers(engine: Any, model_states: Path, distributed: bool) -> Any:
+def _layers(job: LiveJob, model_states: Path, distributed: bool) -> Any:
     """A pipeline model's layer files, read the same way (distributed), else None."""
-    return layer_hook(engine, model_states.parent) if distributed and surface.pipeline_module(engine) else None
+    return layer_hook(job, model_states.parent) if distributed and job.pipeline else None
 
 
-def _saved_slices(engine: Any, bound: BoundSave, model_states: Path) -> SavedSlice:
+def _saved_slices(job: LiveJob, bound: BoundSave, model_states: Path) -> SavedSlice:
     """This rank's real range of the saved weights per group, read from the model-states file (or the
     pipeline model's layer files) on first use (1/DP of the weights)."""
-    optimizer = engine.optimizer
-    weights = SavedWeights(bound.facts.layout.shapes, weight_sources(engine, model_states))
+    weights = SavedWeights(bound.facts.layout.shapes, weight_sources(job, model_states))
     starts, reals = bound.new.starts(bound.rank), bound.new.true_lengths(bound.rank)
-    dtypes = [parts[0].dtype for parts in surface.layout_of(optimizer).lp_partitions_of(optimizer)]
+    dtypes = [parts[0].dtype for parts in job.lp_partitions()]
     cache: dict[int, torch.Tensor] = {}
 
     def saved(g: int) -> torch.Tensor:
@@ -114,7 +112,6 @@ def _mb(n: float) -> str:
 
 
 def reshard_load(
-    engine: Any,
     job: LiveJob,
     original: Callable[..., Any],
     load_dir: str,
@@ -129,17 +126,18 @@ def reshard_load(
     (:func:`~megatron_ucp.integration.resume.native.reshard.load_native_partitions`), the weights the masters round to.
     ZeRO-1/2 load the partitions after DeepSpeed's load (``load_optimizer_states`` off); ZeRO-3 in place of its
     optimizer load, which restores the module from the masters. The caller finishes (training state, summary)."""
-    rank_file, model_states = engine_save_files(engine, load_dir, tag)
+    engine = job.engine
+    rank_file, model_states = engine_save_files(job, load_dir, tag)
     per_parameter = job.per_parameter
-    why_full = None if per_parameter else full_module_reason(engine, config, kwargs)
+    why_full = None if per_parameter else full_module_reason(job, config, kwargs)
     distributed = why_full is None and not per_parameter
     first_read = seen_states if is_first() else None
-    bound = bind_save(engine, job, model_states, rank_file, first_read, requantize=config.requantize_8bit)
+    bound = bind_save(job, model_states, rank_file, first_read, requantize=config.requantize_8bit)
     reports: list[AccountingReport] = []
     origins = CopiedFrom(bound.reads, rank_file)
 
-    def partitions(self: Any, _dir: str, _tag: str, load_optimizer_states: bool) -> bool:
-        reports.append(load_native_partitions(self.optimizer, bound, strict=config.strict))
+    def partitions(_original: Any, _engine: Any, _dir: str, _tag: str, _load_optimizer_states: bool) -> bool:
+        reports.append(load_native_partitions(job, bound, strict=config.strict))
         return True
 
     try:
@@ -148,10 +146,10 @@ def reshard_load(
                 engine,
                 always=True,
                 lazy=distributed or per_parameter,
-                layer_hook=_layers(engine, model_states, distributed),
-                path=model_states_for(engine, Path(load_dir) / tag) if per_parameter else None,
+                layer_hook=_layers(job, model_states, distributed),
+                path=model_states_for(job, Path(load_dir) / tag) if per_parameter else None,
             ) as read,
-            _module_reads(engine, model_states, distributed),
+            _module_reads(job, model_states, distributed),
             replacing_optimizer_load(partitions) if per_parameter else contextlib.nullcontext(),
         ):
             result = original(engine, load_dir, tag, **(kwargs if per_parameter else {**kwargs, **_NO_STATES}))
@@ -171,20 +169,20 @@ def reshard_load(
                 subject=Path(load_dir) / tag,
             )
         return LoadOutcome(result, load_path, reports[0], dp_from, states=read.of(load_path), origins=origins)
-    saved = _saved_slices(engine, bound, model_states) if distributed else None
+    saved = _saved_slices(job, bound, model_states) if distributed else None
     try:
-        report = load_native_partitions(engine.optimizer, bound, strict=config.strict, saved=saved)
+        report = load_native_partitions(job, bound, strict=config.strict, saved=saved)
     finally:
         getattr(saved, "close", lambda: None)()
     if distributed:
-        rebuild(engine.optimizer)  # the weights the masters round to, as the universal route gives
+        rebuild(job)  # the weights the masters round to, as the universal route gives
         optimizer_bytes = sum(src.reader.bytes_read for src in bound.sources.values() if src.reader is not None)
         module = (
             f"{REBUILT}; rank {bound.rank} read {_mb(optimizer_bytes)} of the old rank files and "
             f"{_mb(saved.bytes_read())} of the saved weights"
         )
     else:
-        refreshed = refresh_lp_params(engine.optimizer)
+        refreshed = refresh_lp_params(job)
         module = f"module read in full ({why_full})" + (
             "; its weights were not the masters rounded to nearest: refreshed from the masters, as a universal "
             "load does"
@@ -199,7 +197,6 @@ _NO_STATES = {"load_optimizer_states": False}
 
 
 def same_dp_load(
-    engine: Any,
     job: LiveJob,
     original: Callable[..., Any],
     load_dir: str,
@@ -213,21 +210,22 @@ def same_dp_load(
     load as it is (ZeRO-1/2 distributed: without the optimized weights), then what it loaded checked
     (:func:`~megatron_ucp.integration.resume.native.reshard.verify_loaded`) and, at ZeRO-1/2, the weights rebuilt or
     read (ZeRO-3's own load restores them from the masters)."""
+    engine = job.engine
     if tag is None:
         return LoadOutcome(original(engine, load_dir, tag, **kwargs))
-    rank_file, model_states = engine_save_files(engine, load_dir, tag)
-    bound = bind_save(engine, job, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
+    rank_file, model_states = engine_save_files(job, load_dir, tag)
+    bound = bind_save(job, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
     flat = not job.per_parameter
-    why_full = full_module_reason(engine, config, kwargs)
+    why_full = full_module_reason(job, config, kwargs)
     distributed = bound is not None and flat and why_full is None
     try:
         with (
             one_model_states_file_per_rank(
-                engine, always=True, lazy=True, layer_hook=_layers(engine, model_states, distributed)
+                engine, always=True, lazy=True, layer_hook=_layers(job, model_states, distributed)
             )
             if distributed
             else contextlib.nullcontext(ClientStates()) as read,
-            _module_reads(engine, model_states, distributed),
+            _module_reads(job, model_states, distributed),
         ):
             result = original(engine, load_dir, tag, **kwargs)
     except BaseException:
@@ -239,12 +237,12 @@ def same_dp_load(
             bound.close()
         return LoadOutcome(result)
     t0 = time.perf_counter()
-    saved = _saved_slices(engine, bound, model_states) if distributed else None
+    saved = _saved_slices(job, bound, model_states) if distributed else None
     try:
-        weights = (saved or loaded_weights(engine.optimizer, bound)) if flat else None
-        what = verify_loaded(engine.optimizer, bound, config.strict, weights)
+        weights = (saved or loaded_weights(job, bound)) if flat else None
+        what = verify_loaded(job, bound, config.strict, weights)
         if distributed:
-            exact = rebuild_from_masters(engine.optimizer, bound.new.true_lengths(bound.rank), saved)
+            exact = rebuild_from_masters(job, bound.new.true_lengths(bound.rank), saved)
             what += "; " + (
                 "module weights rebuilt from the masters (one all-gather), proven equal to the saved ones "
                 f"(rank {bound.rank} read {_mb(saved.bytes_read())} of them, its 1/DP)"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import CheckpointFormatError, PlanError, UnsupportedError
 from megatron_ucp.integration.collectives import comm, count_across, gather_names, is_first
 from megatron_ucp.plan.experts import global_expert_names
@@ -56,18 +55,19 @@ def saved_names(names: dict[Any, str], listing: dict[str, tuple[str, ...]], grou
     return mapping
 
 
-def live_expert_names(optimizer: Any, names: dict[Any, str]) -> dict[Any, str]:
+def live_expert_names(
+    names: dict[Any, str], groups: list[list[Any]], group_dp_groups: list[Any], dp_group: Any
+) -> dict[Any, str]:
     """Live parameter -> global name, for the expert parameters this rank holds (empty without expert groups).
-    ``names``: live parameter -> the optimizer's (local) name."""
-    sizes = surface.group_dp_sizes(optimizer)
+    ``names``: live parameter -> the optimizer's (local) name; ``groups``: each param group's live parameters,
+    partitioned over its process group of ``group_dp_groups``."""
+    dist = comm()
+    sizes = [int(dist.get_world_size(group=pg)) for pg in group_dp_groups]
     if len(set(sizes)) == 1:
         return {}
-    dist = comm()
-    dp_group = surface.dp_group(optimizer)
     dp, d = dist.get_world_size(group=dp_group), dist.get_rank(group=dp_group)
     out: dict[Any, str] = {}
-    layout_groups = surface.layout_of(optimizer).groups(optimizer)
-    for g, (size, group, lps) in enumerate(zip(sizes, surface.group_dp_groups(optimizer), layout_groups)):
+    for g, (size, group, lps) in enumerate(zip(sizes, group_dp_groups, groups)):
         if size == dp:
             continue
         try:

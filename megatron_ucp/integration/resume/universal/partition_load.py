@@ -1,8 +1,10 @@
 """Our loader of ZeRO partitions from a universal folder, with the accounting that proves it.
 
 Replaces ``load_hp_checkpoint_state_from_checkpoint_dir`` for BF16_Optimizer and
-DeepSpeedZeroOptimizer (installed by :mod:`megatron_ucp.integration.resume.elastic_load`), and DeepSpeed's whole
-optimizer load for ZeRO-3 for one load (:mod:`megatron_ucp.integration.resume.universal.route`). Call order in
+DeepSpeedZeroOptimizer (:func:`install_partition_loader`, at the install), and DeepSpeed's whole optimizer load for
+ZeRO-3 for one load (:mod:`megatron_ucp.integration.resume.universal.route`). Inside the universal route the loader
+hands its report to the route (:func:`collecting_reports`: DeepSpeed calls the loader, not the route); called by stock
+DeepSpeed outside it (a job the hooks leave to it), the loader enforces its report itself. Call order in
 :func:`load_universal_partitions`: the group's first rank lists ``zero/`` and reads the manifest's
 checksums once, everyone learns them; each rank restores the global optimizer state, then per live
 group (:class:`LiveGroup`: a ZeRO-1/2 param group's flat partition, or a ZeRO-3 sub-group's) copies only
@@ -15,15 +17,19 @@ names are checked against what was restored.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
+from megatron_ucp.config import UcpConfig
 from megatron_ucp.convert.universal import list_zero_folder, read_manifest
 from megatron_ucp.deepspeed import stage3_runtime, surface
 from megatron_ucp.deepspeed.reader import load_torch_file
@@ -48,6 +54,7 @@ from megatron_ucp.integration.live_job import (
     live_groups,
     live_tp_layout,
     live_value,
+    lp_groups_of,
     restore_global_state,
     tensor_parallel_of,
 )
@@ -71,6 +78,52 @@ from megatron_ucp.plan.param_geometry import group_count_difference
 from megatron_ucp.plan.tensor_parallel import full_shape, runs_between, slice_runs
 
 log = logging.getLogger(__name__)
+
+
+_REPORTS: contextvars.ContextVar[Optional[list[AccountingReport]]] = contextvars.ContextVar(
+    "megatron_ucp_universal_reports", default=None
+)
+"""Inside the universal route (:func:`collecting_reports`): where the loader DeepSpeed calls puts its report."""
+
+
+def install_partition_loader(patches: Any, config: UcpConfig) -> None:
+    """Our loader in place of ZeRO-1/2's ``load_hp_checkpoint_state_from_checkpoint_dir`` (every universal load,
+    ours or stock DeepSpeed's)."""
+    surface.replace(
+        patches, surface.ZERO_BASE, surface.OPTIMIZER_LOADER, lambda original: _partition_loader(original, config)
+    )
+
+
+def _partition_loader(original: Callable[..., Any], config: UcpConfig) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_hp_checkpoint_state_from_checkpoint_dir(self: Any, lp_groups_name: str, checkpoint_dir: str) -> None:
+        layout = surface.layout_of(self)
+        if layout is None or layout.lp_groups != lp_groups_name:
+            return original(self, lp_groups_name, checkpoint_dir)
+        hand_in(load_universal_partitions(self, Path(checkpoint_dir), strict=config.strict), config, self)
+
+    return load_hp_checkpoint_state_from_checkpoint_dir
+
+
+@contextlib.contextmanager
+def collecting_reports() -> Iterator[list[AccountingReport]]:
+    """For one universal load: the reports the loader makes (DeepSpeed calls it, not the route) go to the list
+    yielded instead of being enforced by the loader."""
+    reports: list[AccountingReport] = []
+    token = _REPORTS.set(reports)
+    try:
+        yield reports
+    finally:
+        _REPORTS.reset(token)
+
+
+def hand_in(report: AccountingReport, config: UcpConfig, optimizer: Any) -> None:
+    """To the route when inside it (one summary with the training state's checks), else enforced here."""
+    box = _REPORTS.get()
+    if box is not None:
+        box.append(report)
+    else:
+        report.enforce(config.strict, log, verbose=is_first(surface.dp_group(optimizer)))
 
 
 def _state_listing(zero_dir: Path) -> dict[str, tuple[str, ...]]:
@@ -169,7 +222,13 @@ def load_universal_partitions(
     base = surface.base_optimizer(optimizer)
     per_parameter = surface.layout_of(optimizer).per_parameter
     live_names = names if names is not None else surface.param_names(optimizer)
-    experts = {} if per_parameter else live_expert_names(optimizer, live_names)
+    experts = (
+        {}
+        if per_parameter
+        else live_expert_names(
+            live_names, lp_groups_of(optimizer), surface.group_dp_groups(optimizer), surface.dp_group(optimizer)
+        )
+    )
     if experts:  # this rank's experts under their global names, as the folder keeps them
         live_names = {**live_names, **experts}
     # Every rank counts every file when ranks hold different parameters (TP slices, pipeline stages, experts)

@@ -4,111 +4,71 @@
 waiting: :func:`convert_synchronously`), then runs DeepSpeed's ``load_checkpoint`` with the engine's
 ``load_universal`` flag set for the call and restored afterwards. DeepSpeed's universal mode calls the optimizer's
 own loader: for BF16_Optimizer and DeepSpeedZeroOptimizer (ZeRO-1/2) ours replaces it for good
-(:func:`install_partition_loader`), for a ZeRO-3 engine its whole optimizer load is replaced for the call; both read
-the folder with :func:`~megatron_ucp.integration.resume.universal.partition_load.load_universal_partitions`, each
-rank only its slice of each parameter's state files, with the ledger. Inside this route the loader hands its report
-to the route (one context variable: DeepSpeed calls the loader, not us), which returns it in its
-:class:`~megatron_ucp.integration.resume.engine_load.LoadOutcome` for the one finish; called by stock DeepSpeed
-outside the route (a job the hooks leave to it), the loader enforces its report itself.
+(:func:`~megatron_ucp.integration.resume.universal.partition_load.install_partition_loader`), for a ZeRO-3 engine its
+whole optimizer load is replaced for the call; both read the folder with
+:func:`~megatron_ucp.integration.resume.universal.partition_load.load_universal_partitions`, each rank only its slice
+of each parameter's state files, with the ledger. The loader hands its report to this route
+(:func:`~megatron_ucp.integration.resume.universal.partition_load.collecting_reports`), which returns it in its
+:class:`~megatron_ucp.integration.resume.engine_load.LoadOutcome` for the one finish.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
 import logging
 import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from megatron_ucp import launchenv
 from megatron_ucp.background.queue import node_assignment
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.convert.execute import ConvertOptions, convert
 from megatron_ucp.convert.universal import COMPLETE, ConversionInProgress, inspect_staging, universal_state
-from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.format.torchload import structure_problems, torch_reader_problem
-from megatron_ucp.integration.collectives import broadcast_from_first, comm, is_first, raise_together
-from megatron_ucp.integration.live_job import LiveJob, TpPlace
+from megatron_ucp.integration.collectives import broadcast_from_first, comm, raise_together
+from megatron_ucp.integration.live_job import LiveJob
 from megatron_ucp.integration.resume.engine_load import (
-    ClientStates,
     LoadOutcome,
     loaded_path,
     model_states_for,
-    one_model_states_file_per_rank,
     replacing_optimizer_load,
+    universal_mode,
 )
-from megatron_ucp.integration.resume.universal.partition_load import load_universal_partitions
+from megatron_ucp.integration.resume.universal.partition_load import (
+    collecting_reports,
+    hand_in,
+    load_universal_partitions,
+)
 from megatron_ucp.plan.accounting import AccountingReport, Problem, ProblemKind
 from megatron_ucp.plan.resume import ResumeDecision
 
 log = logging.getLogger(__name__)
 
-_REPORTS: contextvars.ContextVar[Optional[list[AccountingReport]]] = contextvars.ContextVar(
-    "megatron_ucp_universal_reports", default=None
-)
-"""Inside :func:`universal_load`: where the partition loader DeepSpeed calls puts its report."""
 
-
-def install_partition_loader(patches: Any, config: UcpConfig) -> None:
-    """Our loader in place of ZeRO-1/2's ``load_hp_checkpoint_state_from_checkpoint_dir`` (every universal load,
-    ours or stock DeepSpeed's)."""
-    surface.replace(
-        patches, surface.ZERO_BASE, surface.OPTIMIZER_LOADER, lambda original: _partition_loader(original, config)
-    )
-
-
-def _partition_loader(original: Callable[..., Any], config: UcpConfig) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def load_hp_checkpoint_state_from_checkpoint_dir(self: Any, lp_groups_name: str, checkpoint_dir: str) -> None:
-        layout = surface.layout_of(self)
-        if layout is None or layout.lp_groups != lp_groups_name:
-            return original(self, lp_groups_name, checkpoint_dir)
-        _hand_in(load_universal_partitions(self, Path(checkpoint_dir), strict=config.strict), config, self)
-
-    return load_hp_checkpoint_state_from_checkpoint_dir
-
-
-def _hand_in(report: AccountingReport, config: UcpConfig, optimizer: Any) -> None:
-    """To the route when inside it (one summary with the training state's checks), else enforced here."""
-    box = _REPORTS.get()
-    if box is not None:
-        box.append(report)
-    else:
-        report.enforce(config.strict, log, verbose=is_first(surface.dp_group(optimizer)))
-
-
-@contextlib.contextmanager
-def _stage3_partition_loader(engine: Any, job: LiveJob, config: UcpConfig) -> Iterator[None]:
+def _stage3_partition_loader(job: LiveJob, config: UcpConfig) -> Any:
     """For one universal load of a ZeRO-3 engine: our loader of its partitions in place of DeepSpeed's optimizer
     load. A load without optimizer states (the weights only) stays DeepSpeed's."""
 
-    def load(self: Any, load_dir: str, tag: str, load_optimizer_states: bool) -> bool:
+    def load(original: Callable[..., bool], engine: Any, load_dir: str, tag: str, load_optimizer_states: bool) -> bool:
         if not load_optimizer_states:
-            return original(self, load_dir, tag, load_optimizer_states=load_optimizer_states)
+            return original(engine, load_dir, tag, load_optimizer_states=load_optimizer_states)
         report = load_universal_partitions(
-            self.optimizer,
-            Path(load_dir) / tag,
-            strict=config.strict,
-            names=job.names,
-            tensor_parallel=TpPlace(*surface.tp_size_and_rank(getattr(self, "mpu", None))),
+            job.optimizer, Path(load_dir) / tag, strict=config.strict, names=job.names, tensor_parallel=job.tp
         )
-        _hand_in(report, config, self.optimizer)
+        hand_in(report, config, job.optimizer)
         return True
 
-    original = surface.resolve(surface.ENGINE)._load_zero_checkpoint
-    with replacing_optimizer_load(load):
-        yield
+    return replacing_optimizer_load(load)
 
 
 def universal_load(
-    engine: Any,
+    job: LiveJob,
     original: Callable[..., Any],
     load_dir: str,
     decision: ResumeDecision,
@@ -116,12 +76,12 @@ def universal_load(
     from_latest: bool,
     kwargs: dict,
     config: UcpConfig,
-    job: LiveJob,
 ) -> LoadOutcome:
     """Route UNIVERSAL (a TP/PP change, ``--ucp-resume-route universal``, or the explicit universal flag): the twin
     converted when missing or stale, then DeepSpeed's universal load with our partition loader; the report and
     what the finish restores (the module tensors universal mode skips)."""
-    if decision.convert and surface.node_local_storage(engine):
+    engine = job.engine
+    if decision.convert and job.node_local_storage:
         raise UnsupportedError(
             f"{decision.message}, but checkpoint.use_node_local_storage keeps each node's "
             "files on its own disk; converting needs them on one shared filesystem. Convert "
@@ -132,20 +92,16 @@ def universal_load(
         convert_synchronously(Path(load_dir), native_tag, decision, from_latest, config)
     _check_model_states_loadable(Path(load_dir), decision.tag)
     folder = _universal_folder(Path(load_dir), decision.tag)
-    reports: list[AccountingReport] = []
-    token = _REPORTS.set(reports)
-    try:
-        with (
-            _universal_mode(
-                engine,
-                lazy=config.module_read == "distributed" or job.per_parameter,
-                path=model_states_for(engine, folder) if folder is not None else None,
-            ) as read,
-            _stage3_partition_loader(engine, job, config) if job.per_parameter else contextlib.nullcontext(),
-        ):
-            result = original(engine, load_dir, decision.tag, **kwargs)
-    finally:
-        _REPORTS.reset(token)
+    with (
+        collecting_reports() as reports,
+        universal_mode(
+            engine,
+            lazy=config.module_read == "distributed" or job.per_parameter,
+            path=model_states_for(job, folder) if folder is not None else None,
+        ) as read,
+        _stage3_partition_loader(job, config) if job.per_parameter else contextlib.nullcontext(),
+    ):
+        result = original(engine, load_dir, decision.tag, **kwargs)
     load_path = loaded_path(result)
     if load_path is None:
         return LoadOutcome(result)
@@ -193,23 +149,6 @@ def _check_model_states_loadable(load_dir: Path, tag: Optional[str]) -> None:
             "--force",
             subject=path,
         )
-
-
-@contextlib.contextmanager
-def _universal_mode(engine: Any, lazy: bool = False, path: Optional[Path] = None) -> Iterator[ClientStates]:
-    """Set the engine's ``load_universal`` flag for one load; restore it whatever happens. At another
-    TP/PP size each rank reads one model-states file as it is (:func:`one_model_states_file_per_rank`);
-    ``lazy``: at any size, and only its pickle (universal mode loads no module weights from it); ``path``:
-    the file to read where DeepSpeed's own name finds none (a folder converted from another ZeRO stage). Yields what
-    the load read of the model-states file (:class:`ClientStates`)."""
-    cfg = surface.engine_config(engine)
-    before = cfg.load_universal_checkpoint
-    cfg.load_universal_checkpoint = True
-    try:
-        with one_model_states_file_per_rank(engine, always=lazy, lazy=lazy, path=path) as read:
-            yield read
-    finally:
-        cfg.load_universal_checkpoint = before
 
 
 # ================================================================================================
