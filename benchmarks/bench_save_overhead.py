@@ -44,8 +44,11 @@ from pathlib import Path
 from typing import Optional
 
 BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
 REPO_ROOT = BENCH_DIR.parent
 RESULTS = BENCH_DIR / "results"
+from worker_launch import run_worker  # noqa: E402
+
 MARKER = "SAVE_OVERHEAD "
 
 MODELS = {
@@ -193,30 +196,7 @@ def _worker(cfg: WorkerConfig) -> None:
 
 
 def _launch(cfg: WorkerConfig, log_dir: Path) -> dict:
-    from demo.launch import launch
-    from tests.support.dsharness.launch import extensions_dir
-
-    env = {
-        "PYTHONPATH": os.pathsep.join(
-            [str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-        ),
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(extensions_dir(sys.executable))),
-        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-    }
-    res = launch(
-        [str(Path(__file__).resolve()), "--worker", json.dumps(asdict(cfg))],
-        cfg.dp,
-        log_dir,
-        name=cfg.model,
-        env=env,
-        cwd=REPO_ROOT,
-        timeout=3600,
-    )
-    text = res.output(0)
-    if not res.ok:
-        raise RuntimeError(f"{cfg.model} failed (exit codes {res.returncodes}); see {res.logs}:\n{text[-4000:]}")
-    line = next(x for x in text.splitlines() if x.startswith(MARKER))
-    return json.loads(line[len(MARKER) :])
+    return run_worker(Path(__file__), asdict(cfg), cfg.dp, log_dir, cfg.model, MARKER)
 
 
 def _median_ms(values: list) -> Optional[float]:

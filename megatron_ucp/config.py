@@ -58,6 +58,14 @@ class UcpConfig:
     (not exact: one more quantization; :mod:`megatron_ucp.integration.resume.native.requantize`). Off: such a save
     is refused at a DP change, by name, before anything loads."""
 
+    # --- asynchronous saves ---------------------------------------------------------------------
+    async_save: bool = False
+    """``save_checkpoint`` returns once each rank's state is copied into host memory; the files are written in the
+    background and the save committed (``latest``, Megatron's tracker) when every rank's are durable
+    (:mod:`megatron_ucp.integration.save.async_save`)."""
+    saves_in_flight: int = 1
+    """With :attr:`async_save`: how many saves may be written at once (each holds a host copy of the state)."""
+
     # --- background conversion (issue: async conversion) ---------------------------------------
     async_convert: bool = False
     """Convert every saved tag to the universal layout in background processes."""
@@ -87,6 +95,8 @@ class UcpConfig:
     def __post_init__(self) -> None:
         if self.keep_last is not None and self.keep_last < 1:
             raise UcpError(f"keep_last must be >= 1 or None, got {self.keep_last}")
+        if self.saves_in_flight < 1:
+            raise UcpError(f"saves_in_flight must be >= 1, got {self.saves_in_flight}")
         if self.converter_workers < 1:
             raise UcpError(f"converter_workers must be >= 1, got {self.converter_workers}")
         if self.converter_threads < 1:
@@ -181,6 +191,11 @@ _HELP = {
     "requantize_8bit": "at a DP change, move bitsandbytes' 8-bit optimizer state (--optimizer adam8bit) by "
     "dequantizing and quantizing it again in the new partitions: not exact (one more quantization, measured and "
     "reported); without it such a resume is refused by name",
+    "async_save": "return from each save once every rank's state is copied into host memory; write the files in "
+    "the background and make the save latest only when every rank's files are durable (costs host memory: one copy "
+    "of what each rank saves, per save in flight)",
+    "saves_in_flight": "with --ucp-async-save: how many saves may be written at once (a save that finds as many "
+    "still writing waits for them)",
     "async_convert": "convert every saved tag to the universal layout in the background",
     "verify_saves": "without --ucp-async-convert: verify every saved tag in the background (every file read once: "
     "whole, of one save, as recorded, finite) and record its verdict for status and the restart's fallback",

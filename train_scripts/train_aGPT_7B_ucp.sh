@@ -37,6 +37,8 @@
 #   UCP_VERIFY_SAVES      1 (default): with UCP_ASYNC_CONVERT=0, still verify every saved
 #                         checkpoint in the background (the conversion's read does it otherwise)
 #   UCP_KEEP_LAST         keep at most N universal folders and HF exports (default: all)
+#   UCP_ASYNC_SAVE        1: saves return once each rank's state is in host memory; the files are
+#                         written in the background, latest names a save once all are durable
 #   UCP_EXPORT_HF         1: export every converted checkpoint as a Hugging Face model folder
 #                         <tag>_hf in the background (needs UCP_ASYNC_CONVERT=1 and the [hf] extra)
 #   UCP_CONVERTER_WORKERS worker processes per converter (default 1)
@@ -122,6 +124,7 @@ if [[ "${UCP_ASYNC_CONVERT:-1}" == 1 ]]; then ucp_args+=(--ucp-async-convert); e
 if [[ "${UCP_ASYNC_CONVERT:-1}" != 1 && "${UCP_VERIFY_SAVES:-1}" == 1 ]]; then ucp_args+=(--ucp-verify-saves); fi
 if [[ -n "${UCP_KEEP_LAST:-}" ]]; then ucp_args+=(--ucp-keep-last "${UCP_KEEP_LAST}"); fi
 if [[ "${UCP_EXPORT_HF:-0}" == 1 ]]; then ucp_args+=(--ucp-export-hf); fi
+if [[ "${UCP_ASYNC_SAVE:-0}" == 1 ]]; then ucp_args+=(--ucp-async-save); fi
 if [[ -n "${UCP_CONVERTER_WORKERS:-}" ]]; then ucp_args+=(--ucp-converter-workers "${UCP_CONVERTER_WORKERS}"); fi
 if [[ "${UCP_STRICT:-1}" == 0 ]]; then ucp_args+=(--ucp-no-strict); fi
 if [[ "${UCP_ELASTIC:-1}" == 0 ]]; then ucp_args+=(--ucp-no-elastic-resume); fi

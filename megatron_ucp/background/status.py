@@ -22,6 +22,7 @@ from typing import Optional
 from megatron_ucp.background import queue as B
 from megatron_ucp.background.store import (
     PROGRESS_DIR,
+    failed_saves,
     job_facts,
     read_fallbacks,
     read_queue,
@@ -420,6 +421,10 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         for r in sorted(regs.values(), key=lambda r: r.node)
         if r.alive()
     )
+    problems += [
+        f"{record.get('tag')}: an asynchronous save of it failed and did not become {F.LATEST}: {record.get('failure')}"
+        for record in failed_saves(root)
+    ]
     return RootStatus(
         root=root,
         latest=latest,

@@ -125,10 +125,7 @@ class QueueLock:
     def __exit__(self, *exc: Any) -> None:
         if self._held:
             self._held = False
-            try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
+            self.path.unlink(missing_ok=True)
 
 
 def read_queue(root: Path) -> B.QueueState:
@@ -391,31 +388,53 @@ def verdict_is_current(root: Path, tag: str) -> bool:
 
 FALLBACKS_LOG = "fallbacks.jsonl"
 """One JSON line per restart that fell back to an older tag (:mod:`megatron_ucp.integration.resume.fallback`)."""
+SAVES_LOG = "async-saves.jsonl"
+"""One JSON line per asynchronous save's outcome (:mod:`megatron_ucp.integration.save.async_save`): committed, or
+failed with why."""
 
 
-def record_fallback(root: Path, entry: dict) -> None:
-    """Append a restart's fallback to the store; a store that cannot be written is said in the log."""
+def _append_line(root: Path, name: str, entry: dict, what: str) -> None:
+    """One JSON line appended to a log of the store; a store that cannot be written is said in the log."""
     try:
         ucp_dir(root).mkdir(exist_ok=True)
-        with open(ucp_dir(root) / FALLBACKS_LOG, "a") as fh:
+        with open(ucp_dir(root) / name, "a") as fh:
             fh.write(json.dumps(entry) + "\n")
     except OSError as exc:
-        log.error("megatron-ucp: cannot record the fallback in %s: %s", ucp_dir(root), exc)
+        log.error("megatron-ucp: cannot record %s in %s: %s", what, ucp_dir(root), exc)
 
 
-def read_fallbacks(root: Path) -> list[dict]:
-    """The restarts that fell back, oldest first; unreadable lines skipped."""
+def _read_lines(root: Path, name: str) -> list[dict]:
+    """A log of the store, oldest first; unreadable lines skipped."""
     try:
-        text = (ucp_dir(root) / FALLBACKS_LOG).read_text()
+        lines = (ucp_dir(root) / name).read_text().splitlines()
     except OSError:
         return []
     out = []
-    for line in text.splitlines():
-        try:
+    for line in lines:
+        with contextlib.suppress(ValueError):
             out.append(json.loads(line))
-        except ValueError:
-            continue
     return out
+
+
+def record_fallback(root: Path, entry: dict) -> None:
+    """Append a restart's fallback to the store."""
+    _append_line(root, FALLBACKS_LOG, entry, "the fallback")
+
+
+def read_fallbacks(root: Path) -> list[dict]:
+    """The restarts that fell back, oldest first."""
+    return _read_lines(root, FALLBACKS_LOG)
+
+
+def record_save_outcome(root: Path, tag: str, failure: Optional[str] = None) -> None:
+    """An asynchronous save of ``tag`` committed (``failure`` None) or failed, never becoming ``latest``."""
+    _append_line(root, SAVES_LOG, {"tag": tag, "at": time.time(), "failure": failure}, f"the save of {tag}")
+
+
+def failed_saves(root: Path) -> list[dict]:
+    """The tags whose last asynchronous save failed (a later save of the tag that committed clears it)."""
+    last = {entry.get("tag"): entry for entry in _read_lines(root, SAVES_LOG)}
+    return [entry for entry in last.values() if entry.get("failure")]
 
 
 NICE_INCREMENT = 10

@@ -94,6 +94,13 @@ SURFACE: tuple[Internal, ...] = (
         C,
         "every file of a save is written through it: watched for the length of one save (integration/save/commit.py)",
     ),
+    Internal(
+        ENGINE,
+        "_take_model_step",
+        R,
+        "an asynchronous save commits at the optimizer step, where DeepSpeed's decoupled engine commits "
+        "(integration/save/async_save.py)",
+    ),
     # elastic load (integration/resume/elastic_load.py and the loaders below it)
     Internal(ENGINE, "load_checkpoint", R, "decides the route of a load (same DP, reshard, universal)"),
     Internal(ZERO_BASE, OPTIMIZER_LOADER, R, "our universal loader for BF16_Optimizer and DeepSpeedZeroOptimizer"),

@@ -30,6 +30,7 @@ HOOK_MODULES = (
     "megatron_ucp.integration.save.experts",
     "megatron_ucp.integration.resume.elastic_load",
     "megatron_ucp.integration.save.async_trigger",
+    "megatron_ucp.integration.save.async_save",
 )
 
 _lock = threading.Lock()

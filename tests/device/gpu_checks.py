@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -266,6 +267,31 @@ def check_device_save(report: Report, device: str, out: Path) -> None:
         _on_curve(report, label, res, _losses(trained), SAME_DEVICE)
 
 
+def check_device_async_save(report: Report, device: str, out: Path) -> None:
+    """An asynchronous save on the device (device-to-host copies into pinned buffers, written in the background): the
+    run and its files those of a synchronous save, and the time it held training, in absolute terms."""
+    from tests.support.state_compare import tag_differences
+
+    name, work, runs = "zero1-bf16", out / f"{device}-async-save", {}
+    for mode in ("sync", "async"):
+        root = work / mode / "ckpt"
+        hooks = {**HOOKS, "async_save": mode == "async"}
+        spec = _spec(name, 1, device, work / mode, save_dir=root, save_at=(2, 4), plugin=True, plugin_kwargs=hooks)
+        runs[mode] = (root, run_training(spec))
+    (sync_root, sync), (root, res) = runs["sync"], runs["async"]
+    report.check(
+        f"async save on {device}: the synchronous save's losses", _losses(res) == _losses(sync), f"{_losses(res)}"
+    )
+    for tag in ("global_step2", "global_step4"):
+        diffs = tag_differences(root / tag, sync_root / tag)
+        report.check(
+            f"async save on {device}: {tag} tensor for tensor the synchronous save's", not diffs, str(diffs[:5])
+        )
+    copies = re.findall(r"copied into host memory in ([0-9.]+)s \(([0-9.]+) MB", res.log)
+    report.check(f"async save on {device}: returned after the copy into host memory", len(copies) == 2, f"{copies}")
+    report.check(f"async save on {device}: latest names the last save", (root / "latest").read_text() == "global_step4")
+
+
 def _markdown(report: Report, seconds: float) -> str:
     card = (
         torch.cuda.get_device_name(0)
@@ -322,6 +348,7 @@ def check(base: Path, device: str, out: Path, runs: Path) -> int:
         for name in SOURCES:
             check_source(report, base, name, device, runs)
         report.guarded(f"save on {device}", lambda: check_device_save(report, device, runs))
+        report.guarded(f"async save on {device}", lambda: check_device_async_save(report, device, runs))
     (out / "report.json").write_text(json.dumps(report.__dict__, indent=1, default=str))
     (out / "report.md").write_text(_markdown(report, time.perf_counter() - t0))
     failed = [c["check"] for c in report.checks if not c["ok"]]

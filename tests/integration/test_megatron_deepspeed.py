@@ -32,6 +32,7 @@ from megatron_ucp.convert.verify import verify_universal
 from megatron_ucp.format import dsformat as F
 from tests.integration.mds import MdsModel, MdsResult, MdsRun, point_latest_at, run_mds
 from tests.support.elastic_support import fallback_announcements
+from tests.support.state_compare import tag_differences
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -42,7 +43,7 @@ PADDING_MODEL = MdsModel(layers=1, hidden=6, heads=3, kv_heads=3, ffn=16)
 holds only padding."""
 
 
-def _train(co, folder: Path, optimizer: str, model: MdsModel = MdsModel()) -> tuple[Path, MdsResult]:
+def _train(co, folder: Path, optimizer: str, model: MdsModel = MdsModel(), args=(), **fields) -> tuple[Path, MdsResult]:
     root = folder / "ckpt"
     res = run_mds(
         co,
@@ -53,7 +54,8 @@ def _train(co, folder: Path, optimizer: str, model: MdsModel = MdsModel()) -> tu
             model=model,
             train_iters=6,
             save_interval=3,
-            extra_args=["--ucp-async-convert"],
+            extra_args=["--ucp-async-convert", *args],
+            **fields,
         ),
     )
     return root, res
@@ -813,3 +815,54 @@ def test_a_restart_falls_back_past_a_damaged_tag_and_a_failed_save_never_becomes
     # rank's own traceback (torch's "[rankN]:" prefix) ends in it
     raised = [line for line in res.log.splitlines() if "SaveFailedError: saving global_step5" in line]
     assert sorted(line.split("]")[0] for line in raised) == ["[rank0", "[rank1", "[rank2"], raised
+
+
+# ================================================================================================
+# asynchronous saves (--ucp-async-save): the same training, the same files, committed after every rank's
+# ================================================================================================
+
+ASYNC_SAVE = ["--ucp-async-save"]
+
+
+@pytest.fixture(scope="module")
+def trained_async(mds_checkout, mds_runs):
+    """The BF16_Optimizer training again, its saves asynchronous."""
+    return mds_runs.get("train-bf16-async-save", lambda f: _train(mds_checkout, f, "bf16", args=ASYNC_SAVE))
+
+
+def test_an_async_save_trains_saves_and_converts_as_a_synchronous_save(trained_async, mds_checkout, mds_runs):
+    sync_root, sync = mds_runs.get("train-bf16", lambda f: _train(mds_checkout, f, "bf16"))
+    root, res = trained_async
+    assert res.losses == sync.losses and sorted(res.losses) == [1, 2, 3, 4, 5, 6]
+    for tag in ("global_step3", "global_step6"):
+        assert tag_differences(root / tag, sync_root / tag, (str(root.parent), str(sync_root.parent))) == [], tag
+        assert universal_state(root / F.universal_tag(tag)) == "complete", tag  # converted after its commit
+    assert (root / F.LATEST).read_text() == "global_step6"
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "6"
+    said = "\n".join(res.ucp_lines())
+    assert "global_step3 committed: every rank's files durable" in said, said[-3000:]
+    assert "global_step6 committed at the end of the run" in said, said[-3000:]
+
+
+def test_a_job_killed_while_an_async_save_is_written_resumes_from_the_previous_one_at_dp3_on_the_curve(
+    trained_async, mds_checkout, tmp_path
+):
+    """Rank 1 dies writing its first file of iteration 6: ``latest`` and Megatron's tracker still name iteration 3
+    (saved asynchronously), from which the restart at DP 3 reshards, on the curve, and saves iteration 6 again over the
+    partial folder."""
+    _, reference = trained_async
+    ckpt = tmp_path / "ckpt"
+    die = {"MEGATRON_UCP_TEST_DIE": "async write global_step6:1"}
+    killed = run_mds(
+        mds_checkout,
+        MdsRun(nproc=4, ckpt=ckpt, optimizer="bf16", extra_args=ASYNC_SAVE, env=die, expect_failure=True),
+    )
+    assert killed.returncode != 0 and "exits at async write global_step6" in killed.log, killed.log[-3000:]
+    assert (ckpt / F.LATEST).read_text() == "global_step3"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+    resumed = run_mds(mds_checkout, MdsRun(nproc=3, ckpt=ckpt, optimizer="bf16", extra_args=ASYNC_SAVE))
+    assert assert_accounted(resumed).startswith("megatron-ucp native reshard:")
+    assert_continues(resumed, reference)
+    assert (ckpt / F.LATEST).read_text() == "global_step6"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
+    assert len(list((ckpt / "global_step6").glob("*optim_states.pt"))) == 3  # the new save alone

@@ -265,13 +265,15 @@ def _check(root: Path) -> tuple[int, str]:
     return code, said.removeprefix("megatron-ucp status --check: ")
 
 
+@pytest.mark.parametrize("saving", ["sync", "async"])
 def test_a_fallback_then_a_save_of_the_same_tag_leaves_one_save_and_the_next_restart_resumes_from_it(
-    ds_checkpoint, tmp_path: Path
+    ds_checkpoint, tmp_path: Path, saving: str
 ):
     """The sequence a requeued job meets: global_step4 (DP 4) cut short; the restart at DP 3 falls back to
-    global_step2, trains 3 and 4 and saves global_step4 again, at DP 3, into the same folder. The folder then holds
-    that save alone (three rank files, the earlier save's four moved aside and removed once the new one committed);
-    the next restart at DP 3 resumes from it, with no fallback, instead of losing the same iterations again."""
+    global_step2, trains 3 and 4 and saves global_step4 again, at DP 3, into the same folder (synchronously, or
+    asynchronously: committed at the end of the run). The folder then holds that save alone (three rank files, the
+    earlier save's four moved aside and removed once the new one committed); the next restart at DP 3 resumes from
+    it, with no fallback, instead of losing the same iterations again."""
     ck = ds_checkpoint(OPT, 4, plugin=True)
     root = private_copy(ck.root, tmp_path / "ckpt")
     _cut_short(_rank_file(root / NEW, 1))
@@ -282,7 +284,9 @@ def test_a_fallback_then_a_save_of_the_same_tag_leaves_one_save_and_the_next_res
     assert code == 0 and said.startswith(f"a restart falls back to {OLD} (not read yet: its load checks it; loses 2"), (
         said
     )
-    first = resume(3, OPT, root, tmp_path / "first", save_dir=root, save_at=(4,))
+    first = resume(
+        3, OPT, root, tmp_path / "first", save_dir=root, save_at=(4,), plugin_kwargs={"async_save": saving == "async"}
+    )
     assert first.ok and first.loaded_step == 2 and first.steps == [3, 4], first.log[-3000:]
     assert len(fallback_announcements(first.log)) == 1
     assert_losses_continue(first, ck.loss_at)

@@ -44,6 +44,7 @@ from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.versions import internals
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
+from megatron_ucp.integration.save import async_save
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def install(patches: Any, config: UcpConfig) -> None:
     """Wrap the engine's save (and, on releases with decoupled checkpoint engines, its commit); the
     install checked the surface."""
     # stacked: the save recording wraps save_checkpoint too (it installs first); undone in reverse order
+    async_save.after_commit(lambda engine, save_dir, tag: _after_commit(engine, save_dir, tag, config))
     surface.replace(
         patches, surface.ENGINE, "save_checkpoint", lambda original: _wrap_save(original, config), stack=True
     )
@@ -113,8 +115,8 @@ def _wrap_save(original: Callable[..., Any], config: UcpConfig) -> Callable[...,
     @functools.wraps(original)
     def save_checkpoint(self: Any, save_dir: str, tag: Optional[str] = None, *args: Any, **kwargs: Any) -> Any:
         result = original(self, save_dir, tag, *args, **kwargs)
-        # decoupled: the files are committed later, see _wrap_decoupled
-        if not surface.decoupled_checkpoint_engine(self):
+        # decoupled: the files are committed later, see _wrap_decoupled; asynchronous: at its commit (after_commit)
+        if not surface.decoupled_checkpoint_engine(self) and not (async_save.enabled() and async_save.supported(self)):
             _after_commit(self, save_dir, str(tag) if tag is not None else f"global_step{self.global_steps}", config)
         return result
 
@@ -139,17 +141,18 @@ def _warn_once(key: str, message: str, *args: Any) -> None:
         log.warning(message, *args)
 
 
-def _after_commit(engine: Any, save_dir: str, tag: str, config: UcpConfig) -> None:
-    """Queue the conversion on each node's launcher; never raises (training goes on regardless)."""
+def _after_commit(engine: Optional[Any], save_dir: str, tag: str, config: UcpConfig) -> None:
+    """Queue the conversion on each node's launcher; never raises (training goes on regardless). ``engine`` None: an
+    asynchronous save committed at the end of the run (its engine was handled when it saved)."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
     try:
-        reason = unhandled_reason(engine)
+        reason = unhandled_reason(engine) if engine is not None else None  # None: an asynchronous save's commit
         if reason is not None:
             warn_once(reason, STOCK)
             return
-        if surface.node_local_storage(engine):
+        if engine is not None and surface.node_local_storage(engine):
             _warn_once(
                 "local",
                 "megatron-ucp: async conversion skipped: checkpoint.use_node_local_storage puts "
@@ -220,6 +223,7 @@ def wait_at_end_of_run() -> None:
     hooks themselves; the runner calls it when the script ends normally, before it uninstalls the
     hooks (which would stop the wait). Not after a crash: the job should end now."""
 
+    async_save.finish_in_flight()  # the last saves committed first: only then are they converted
     config: Optional[UcpConfig] = _state["config"]
     launched: dict = _state["launched"]
     if config is None or not launched:

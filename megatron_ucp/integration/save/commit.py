@@ -151,31 +151,39 @@ class WriteWatch:
     """The first write of this rank that failed (the rest of the save is then not written), and the files it
     wrote."""
 
-    def __init__(self) -> None:
+    def __init__(self, tag: str = "the save", rank: Optional[int] = None) -> None:
+        self.tag = tag
+        self.rank = rank
+        """This rank's (given where the writes may outlive the process group), else asked when said."""
         self.failure: Optional[SaveFailedError] = None
         self.written: list[str] = []
 
+    def write(self, write: Callable[[], Any], path: Any) -> Any:
+        """``write()`` (one file of the save, at ``path``) unless an earlier one failed; a failure is kept and said."""
+        if self.failure is not None:
+            return None
+        try:
+            done = write()
+            self.written.append(os.path.abspath(str(path)))
+            return done
+        except (OSError, RuntimeError) as exc:
+            self.failure = SaveFailedError(f"{path}: write failed: {reason_of(exc)}", subject=path)
+            log.error(
+                "megatron-ucp: %s (global rank %s); %s will not become latest",
+                self.failure,
+                self.rank if self.rank is not None else comm().get_rank(),
+                self.tag,
+            )
+            return None
+
     def wrap(self, save: Callable[..., Any]) -> Callable[..., Any]:
         def watched_save(state_dict: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.failure is not None:
-                return None
-            try:
-                done = save(state_dict, path, *args, **kwargs)
-                self.written.append(os.path.abspath(str(path)))
-                return done
-            except (OSError, RuntimeError) as exc:
-                self.failure = SaveFailedError(f"{path}: write failed: {_reason(exc)}", subject=path)
-                log.error(
-                    "megatron-ucp: %s (global rank %s); the save will not become latest",
-                    self.failure,
-                    comm().get_rank(),
-                )
-                return None
+            return self.write(lambda: save(state_dict, path, *args, **kwargs), path)
 
         return watched_save
 
 
-def _reason(exc: BaseException) -> str:
+def reason_of(exc: BaseException) -> str:
     """The OS error in words: torch's writer wraps it (``[enforce fail at ...] ... strerror: No space left``)."""
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
@@ -185,13 +193,13 @@ def _reason(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _watched(engine: Any, watch: WriteWatch) -> Iterator[None]:
-    """The engine's checkpoint engine writes through ``watch`` for one save (an instance attribute, removed
-    after)."""
+def watched_writes(engine: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """For one save, the engine's checkpoint engine writes through ``wrap(its save)`` (an instance attribute,
+    removed after)."""
     ce = engine.checkpoint_engine
     had = "save" in vars(ce)
     before = vars(ce).get("save")
-    ce.save = watch.wrap(ce.save)
+    ce.save = wrap(ce.save)
     try:
         yield
     finally:
@@ -201,16 +209,36 @@ def _watched(engine: Any, watch: WriteWatch) -> Iterator[None]:
             del ce.save
 
 
-def committed_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """``original(engine, *args, **kwargs)`` (DeepSpeed's ``save_checkpoint``), made ``latest`` only when
-    every rank wrote its files (the module docstring)."""
-    if surface.decoupled_checkpoint_engine(engine) or surface.node_local_storage(engine):
-        return original(engine, *args, **kwargs)
+@dataclass(frozen=True)
+class OpenSave:
+    """A hooked save between its start and its commit: where it goes, and the earlier save of its tag set aside."""
+
+    save_dir: Path
+    tag: str
+    save_latest: bool
+    aside: Optional[SetAside]
+
+    @property
+    def folder(self) -> Path:
+        return self.save_dir / self.tag
+
+
+def open_save(
+    engine: Any,
+    original: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    before: Callable[[Path, str], None] = lambda save_dir, tag: None,
+) -> tuple[Any, OpenSave]:
+    """DeepSpeed's ``save_checkpoint`` arguments bound (``save_latest`` off: written at the commit), and the save
+    opened: ``before(save_dir, tag)``, then an earlier save of its tag moved aside (collective: the first rank moves,
+    every rank learns)."""
     bound = inspect.signature(original).bind(engine, *args, **kwargs)
     bound.apply_defaults()
     save_dir, tag, save_latest = bound.arguments["save_dir"], bound.arguments["tag"], bound.arguments["save_latest"]
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    bound.arguments["save_latest"] = False  # written below, once every rank wrote its files
+    bound.arguments["save_latest"] = False  # written at the commit, once every rank wrote its files
+    before(Path(save_dir), tag)
     aside = decide_on_first(lambda: set_aside(Path(save_dir), tag))
     if isinstance(aside, Failure):
         if is_first():
@@ -218,31 +246,51 @@ def committed_save(engine: Any, original: Callable[..., Any], args: tuple, kwarg
                 "megatron-ucp: cannot move the earlier save of %s aside (%s); saving over it", tag, aside.message
             )
         aside = None
-    watch = WriteWatch()
-    with _watched(engine, watch):
-        result = original(*bound.args, **bound.kwargs)
-    if count_across(1 if watch.failure is not None else 0):
-        _put_back(aside)
+    return bound, OpenSave(Path(save_dir), tag, bool(save_latest), aside)
+
+
+def close_save(
+    save: OpenSave, failure: Optional[SaveFailedError], written: list[str], then: Callable[[], None] = lambda: None
+) -> None:
+    """Collective: the save committed (``latest`` names it, then ``then()`` on the first rank, the earlier save of
+    its tag removed) when every rank wrote its files and the folder holds no other save's; else the earlier save
+    put back and one :class:`SaveFailedError` raised on every rank, naming each failed rank's file."""
+    if count_across(1 if failure is not None else 0):
+        _put_back(save.aside)
         raise_gathered(
-            watch.failure,
-            f"saving {tag} in {save_dir} (`latest` still names the previous tag; nothing was marked as saved)",
-            subject=Path(save_dir) / tag,
+            failure,
+            f"saving {save.tag} in {save.save_dir} (`latest` still names the previous tag; nothing was marked as "
+            "saved)",
+            subject=save.folder,
         )
-    folder = Path(save_dir) / tag
-    written = gather_names(watch.written)
-    strays = decide_on_first(lambda: _not_written(folder, written))
+    every = gather_names(written)
+    strays = decide_on_first(lambda: _not_written(save.folder, every))
     if strays or isinstance(strays, Failure):
-        _put_back(aside)
+        _put_back(save.aside)
         raise SaveFailedError(
-            f"saving {tag} in {save_dir}: the folder holds checkpoint files this save did not write, which a load "
-            f"would refuse ({strays.message if isinstance(strays, Failure) else ', '.join(strays[:4])}); `latest` "
-            "still names the previous tag",
-            subject=folder,
+            f"saving {save.tag} in {save.save_dir}: the folder holds checkpoint files this save did not write, which a "
+            f"load would refuse ({strays.message if isinstance(strays, Failure) else ', '.join(strays[:4])}); "
+            "`latest` still names the previous tag",
+            subject=save.folder,
         )
-    if save_latest and is_first():
-        _write_latest(Path(save_dir), tag)
-    if aside is not None and is_first():
-        aside.drop()
+    if is_first():
+        if save.save_latest:
+            write_pointer(save.save_dir / F.LATEST, save.tag)
+        then()
+        if save.aside is not None:
+            save.aside.drop()
+
+
+def committed_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``original(engine, *args, **kwargs)`` (DeepSpeed's ``save_checkpoint``), made ``latest`` only when
+    every rank wrote its files (the module docstring)."""
+    if surface.decoupled_checkpoint_engine(engine) or surface.node_local_storage(engine):
+        return original(engine, *args, **kwargs)
+    bound, save = open_save(engine, original, args, kwargs)
+    watch = WriteWatch()
+    with watched_writes(engine, watch.wrap):
+        result = original(*bound.args, **bound.kwargs)
+    close_save(save, watch.failure, watch.written)
     return result
 
 
@@ -265,9 +313,9 @@ def _not_written(folder: Path, written: set[str]) -> list[str]:
     )
 
 
-def _write_latest(save_dir: Path, tag: str) -> None:
-    """``latest`` replaced by rename: a reader sees the previous tag or this one, never a partial name."""
-    path = save_dir / F.LATEST
-    tmp = path.with_name(f".{F.LATEST}.tmp-{os.getpid()}")
-    tmp.write_text(tag)
+def write_pointer(path: Path, value: str) -> None:
+    """A pointer file (``latest``, Megatron's tracker) replaced by rename: a reader sees the previous value or this
+    one, never a partial one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(value)
     os.replace(tmp, path)

@@ -40,6 +40,7 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import broadcast_from_first, comm
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.live_job import tp_layout_record
+from megatron_ucp.integration.save import async_save
 from megatron_ucp.integration.save.commit import committed_save
 from megatron_ucp.plan.param_geometry import Stage3Groups
 from megatron_ucp.plan.save_record import (
@@ -200,6 +201,8 @@ def _identify_save(original: Any) -> Any:
                 _STOCK_SAVE.reset(stock)
         token = _SAVE_ID.set(_new_save_id())
         try:
+            if async_save.enabled() and async_save.supported(self):
+                return async_save.async_save(self, original, args, kwargs, _SAVE_ID.get())
             return committed_save(self, original, args, kwargs)
         finally:
             _SAVE_ID.reset(token)

@@ -1,0 +1,260 @@
+"""What a save costs training: stock DeepSpeed, its decoupled engine, the hooked save, the asynchronous save.
+
+For each mode, one real DeepSpeed run (CPU, gloo, ``--dp`` processes, DeepSpeedZeroOptimizer = bf16 + ZeRO-1, the
+harness's GPT-like model) trains and saves ``--saves`` times, ``--gap`` steps apart:
+
+* ``stock``: DeepSpeed's own save, no hooks;
+* ``decoupled``: DeepSpeed's decoupled checkpoint engine (``checkpoint.writer``: python writer, decoupled; 0.17+),
+  no hooks;
+* ``sync``: the hooks' save (record, commit across the job);
+* ``async``: the hooks with ``async_save`` (the state copied into host memory, written in the background).
+
+Per save, on the slowest rank: the time inside ``save_checkpoint``, and the extra time of the next step over an idle
+step (a write that still holds the CPU, the commit's all-reduce, a decoupled engine's commit); their sum is the
+**stall**. Also: the steps' time while a save is written against idle, the bytes each rank copied (async), the
+**copy floor** (those bytes copied once in memory by the same ranks, one ``copy_`` into a buffer allocated before),
+and the peak RSS. Medians over the saves, because these machines are noisy; never asserted. ::
+
+    python benchmarks/bench_async_save.py --model m100 --dp 2
+    python benchmarks/bench_async_save.py --model m100 --dp 4 --saves 3
+
+Results: a table on stdout and ``benchmarks/results/async_save-<model>-dp<N>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+REPO_ROOT = BENCH_DIR.parent
+RESULTS = BENCH_DIR / "results"
+from worker_launch import run_worker  # noqa: E402
+
+MARKER = "ASYNC_SAVE "
+MODES = ("stock", "decoupled", "sync", "async")
+MODELS = {
+    "demo": dict(hidden=3, num_layers=1, vocab=64, seq=4),
+    "m100": dict(hidden=768, num_layers=12, vocab=10240, seq=16),
+    "llama1b": dict(hidden=2048, num_layers=16, vocab=32000, seq=16),
+}
+DECOUPLED = {"checkpoint": {"writer": {"type": "python", "decoupled": True}}}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str
+    mode: str
+    dp: int
+    saves: int
+    gap: int
+    root: str
+
+
+def _worker(cfg: WorkerConfig) -> None:
+    sys.path.insert(0, str(REPO_ROOT))
+    from tests.support.dsharness import TrainSpec
+    from tests.support.dsharness.model import rank_batch
+    from tests.support.dsharness.worker import Rank
+
+    shape = MODELS[cfg.model]
+    hooked = cfg.mode in ("sync", "async")
+    spec = TrainSpec(
+        dp=cfg.dp,
+        optimizer="zero",
+        steps=0,
+        global_batch=cfg.dp,
+        plugin=hooked,
+        plugin_kwargs={"async_save": cfg.mode == "async"} if hooked else {},
+        extra_config=DECOUPLED if cfg.mode == "decoupled" else {},
+        **shape,
+    )
+    if cfg.mode == "decoupled":  # what DeepSpeed's own launcher exports, which its decoupled writer reads
+        for name, value in (("CROSS_SIZE", "1"), ("CROSS_RANK", "0"), ("LOCAL_SIZE", str(cfg.dp))):
+            os.environ.setdefault(name, value)
+    rank = Rank(spec)
+    rank.setup()
+    engine, torch, dist = rank.engine, rank.torch, rank.dist
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        tokens, labels = rank_batch(
+            engine.global_steps, rank.rank, rank.world, spec.global_batch, spec.seq, spec.vocab, spec.seed
+        )
+        loss = engine(tokens, labels)
+        engine.backward(loss)
+        engine.step()
+        return time.perf_counter() - t0
+
+    def slowest(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    for _ in range(2):  # warm-up
+        step()
+    out: dict[str, list] = {"save": [], "next": [], "idle": [], "copied": []}
+    for _ in range(cfg.saves):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(cfg.root)
+        out["save"].append(slowest(time.perf_counter() - t0))
+        out["next"].append(slowest(step()))
+        for _ in range(cfg.gap - 1):
+            out["idle"].append(slowest(step()))
+        if cfg.mode == "async":
+            from megatron_ucp.integration.save import async_save
+
+            out["copied"].append(async_save.last_copied_bytes())
+    if cfg.mode == "async":
+        import megatron_ucp
+
+        megatron_ucp.uninstall()  # the last save committed while the ranks still meet
+    nbytes = max(out["copied"] or [0])
+    floor = []
+    if nbytes:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        for _ in range(3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            floor.append(slowest(time.perf_counter() - t0))
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss], dtype=torch.int64)
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    dist.barrier()
+    if rank.rank == 0:
+        out.update(floor=floor, rss_kb=int(rss.item()), params=sum(p.numel() for p in engine.module.parameters()))
+        print(MARKER + json.dumps(out), flush=True)
+
+
+def _launch(cfg: WorkerConfig, log_dir: Path) -> dict:
+    return run_worker(Path(__file__), asdict(cfg), cfg.dp, log_dir, f"{cfg.model}-{cfg.mode}", MARKER)
+
+
+def _median(values: list) -> Optional[float]:
+    return round(statistics.median(values), 4) if values else None
+
+
+def run_mode(model: str, mode: str, dp: int, saves: int, gap: int, work: Path) -> dict:
+    root = work / f"{model}-{mode}"
+    shutil.rmtree(root, ignore_errors=True)
+    t0 = time.perf_counter()
+    raw = _launch(WorkerConfig(model, mode, dp, saves, gap, str(root)), work / "logs")
+    shutil.rmtree(root, ignore_errors=True)
+    idle = _median(raw["idle"])
+    stalls = [s + max(0.0, n - idle) for s, n in zip(raw["save"], raw["next"], strict=True)]
+    return {
+        "model": model,
+        "mode": mode,
+        "dp": dp,
+        "params": raw["params"],
+        "saves": saves,
+        "save_s": _median(raw["save"]),
+        "next_step_s": _median(raw["next"]),
+        "idle_step_s": idle,
+        "stall_s": _median(stalls),
+        "copied_mb": round(max(raw["copied"]) / 1e6, 1) if raw["copied"] else None,
+        "floor_s": _median(raw["floor"]),
+        "peak_rss_mb": round(raw["rss_kb"] / 1024, 1),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "raw": {k: raw[k] for k in ("save", "next", "idle", "floor")},
+    }
+
+
+def table(results: list[dict]) -> str:
+    stock = next((r["stall_s"] for r in results if r["mode"] == "stock"), None)
+    rows = [("mode", "DP", "in save (s)", "next step (s)", "idle step (s)", "stall (s)", "x stock", "copy floor (s)")]
+    rows[0] += ("x floor", "copied MB", "peak RSS MB")
+    for r in results:
+        x_stock = f"{r['stall_s'] / stock:.2f}" if stock else "-"
+        x_floor = f"{r['stall_s'] / r['floor_s']:.2f}" if r["floor_s"] else "-"
+        rows.append(
+            tuple(
+                str(v)
+                for v in (
+                    r["mode"],
+                    r["dp"],
+                    r["save_s"],
+                    r["next_step_s"],
+                    r["idle_step_s"],
+                    r["stall_s"],
+                    x_stock,
+                    r["floor_s"] or "-",
+                    x_floor,
+                    r["copied_mb"] or "-",
+                    r["peak_rss_mb"],
+                )
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    import deepspeed
+
+    where = f"{platform.machine()}, {os.cpu_count()} cores"
+    return f"{where}, Python {platform.python_version()}, DeepSpeed {deepspeed.__version__}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model", choices=list(MODELS), default="demo")
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--saves", type=int, default=4)
+    ap.add_argument("--gap", type=int, default=4, help="steps from one save to the next")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    args = ap.parse_args(argv)
+    if args.worker:
+        _worker(WorkerConfig(**json.loads(args.worker)))
+        return 0
+    sys.path.insert(0, str(REPO_ROOT))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from megatron_ucp.deepspeed.versions import internals
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-async-save-"))
+    results, skipped = [], []
+    for mode in args.modes.split(","):
+        if mode == "decoupled" and not internals().decoupled_commit:
+            print("decoupled: this DeepSpeed has no decoupled checkpoint engine; skipped", file=sys.stderr)
+            continue
+        try:
+            r = run_mode(args.model, mode, args.dp, args.saves, args.gap, work)
+        except RuntimeError as exc:  # DeepSpeed's decoupled engine does not start everywhere: said, not measured
+            if mode != "decoupled":
+                raise
+            error = next((line for line in reversed(str(exc).splitlines()) if "Error" in line), str(exc)[-300:])
+            print(f"decoupled: did not start: {error.strip()}", file=sys.stderr)
+            skipped.append({"mode": mode, "error": error.strip()})
+            continue
+        r["machine"] = machine()
+        results.append(r)
+        print(table(results), flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = {"results": results, "not_measured": skipped}
+    (RESULTS / f"async_save-{args.model}-dp{args.dp}.json").write_text(json.dumps(out, indent=1))
+    print(f"machine: {machine()}")
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,515 @@
+"""An asynchronous save (``--ucp-async-save``): ``save_checkpoint`` returns once this rank's state is in host memory;
+the files are written beside training and the save is committed across the job when every rank's are durable.
+
+Inside a hooked save (:func:`async_save`) every file DeepSpeed saves through its checkpoint engine is copied into
+reusable host buffers (:mod:`megatron_ucp.integration.save.host_copy`) instead of written; when DeepSpeed's save
+returns, this process's writer thread writes them with the checkpoint engine's own ``save`` (the same files a
+synchronous save writes) to a temporary name, ``fsync``s them and renames them into place. ``latest`` is not
+written by DeepSpeed (``save_latest`` off), and Megatron's ``latest_checkpointed_iteration.txt``, which Megatron
+writes as soon as the save returns, is redirected aside for that one write (:func:`redirect_megatron_tracker`): both
+name the save only at its commit.
+
+The commit is agreed where training already meets, never from a background thread: at each optimizer step
+(``_take_model_step``, where DeepSpeed's own decoupled engine commits) while a save is in flight, and at the next
+save, one small all-reduce asks whether every rank's writer finished; when all did, the commit of
+:func:`~megatron_ucp.integration.save.commit.close_save` runs (a write that failed anywhere: the earlier save put
+back and the failure said on every rank, naming the file; training goes on), then the background conversion of
+the save is queued. At the end of the run, when the ranks no longer meet (a script may have left its process group),
+each rank records its outcome in the store and the first rank commits from those records (:func:`at_end_of_run`).
+
+At most ``saves_in_flight`` saves are written at once: a save that finds as many still writing waits for them, and
+says how long. A copy that cannot get host memory makes that save synchronous, with one warning.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import functools
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from megatron_ucp import faults
+from megatron_ucp.background.store import record_save_outcome, ucp_dir
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.deepspeed import surface
+from megatron_ucp.errors import SaveFailedError
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.integration.collectives import comm, count_across, device, is_first
+from megatron_ucp.integration.save.commit import (
+    OpenSave,
+    WriteWatch,
+    close_save,
+    open_save,
+    watched_writes,
+    write_pointer,
+)
+from megatron_ucp.integration.save.host_copy import HostBuffers, HostCopy, HostMemoryShort
+
+log = logging.getLogger(__name__)
+
+OUTCOMES_DIR = "async-saves"
+"""Under the store (``<save_dir>/.ucp/``): one folder per save committed at the end of the run (``<tag>.<save id>``),
+with each rank's outcome and the first rank's verdict."""
+VERDICT_FILE = "verdict.json"
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@dataclass
+class InFlight:
+    """One save of this rank, from its return to its commit."""
+
+    save: OpenSave
+    iteration: Optional[int]
+    """Megatron's iteration (its client state's), for its tracker at the commit; None: not Megatron's save."""
+    files: list[tuple[Callable[..., Any], Any, str]] = field(default_factory=list)
+    """(the checkpoint engine's save, the host copy of a state dict, its path), in DeepSpeed's order."""
+    save_id: str = ""
+    """The save's identity (the same on every rank): its records at the end of the run are its own."""
+    rank: int = 0
+    world: int = 1
+    """This process's place in the job at the save (the end of the run may come after the process group is gone)."""
+    watch: WriteWatch = field(default_factory=WriteWatch)
+    """Which files this rank wrote, and its first failed write."""
+    done: threading.Event = field(default_factory=threading.Event)
+    returned: float = 0.0
+    copied_bytes: int = 0
+
+
+@dataclass
+class _State:
+    config: Optional[UcpConfig] = None
+    in_flight: collections.deque = field(default_factory=collections.deque)
+    slots: list[HostBuffers] = field(default_factory=list)
+    saves: int = 0
+    work: "queue.Queue[Optional[InFlight]]" = field(default_factory=queue.Queue)
+    writer: Optional[threading.Thread] = None
+    trackers: dict[str, str] = field(default_factory=dict)
+    """Save folder -> where Megatron's next tracker write goes instead (set by a save, taken by that write)."""
+    failed: list[str] = field(default_factory=list)
+    short_warned: bool = False
+    unsupported_warned: bool = False
+    reported: bool = False
+    last_copied: int = 0
+    redirected: Optional[str] = None
+    """Why Megatron's tracker is not redirected ("" once it is; None: not tried yet)."""
+
+
+_state = _State()
+_AFTER_COMMIT: list[Callable[[Any, str, str], None]] = []
+"""What runs on every rank once a save commits (``(engine, save_dir, tag)``: the background conversion's trigger)."""
+
+
+def wanted(config: UcpConfig) -> bool:
+    return config.async_save
+
+
+def install(patches: Any, config: UcpConfig) -> None:
+    """Asynchronous saves for this process: the save hook routes here (:func:`enabled`); each optimizer step
+    commits what every rank finished writing; the end of the run commits the rest."""
+    _state.config = config
+    _state.slots = [HostBuffers(pin=_pinning()) for _ in range(config.saves_in_flight)]
+    surface.replace(patches, surface.ENGINE, "_take_model_step", _committing_step)
+    atexit.register(_at_exit)
+
+
+def on_uninstall() -> None:
+    atexit.unregister(_at_exit)
+    finish_in_flight()
+    reset()
+
+
+def after_commit(callback: Callable[[Any, str, str], None]) -> None:
+    """``callback(engine, save_dir, tag)`` on every rank once an asynchronous save commits."""
+    _AFTER_COMMIT[:] = [callback]
+
+
+def _committing_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _take_model_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _state.in_flight:
+            settle(self, block=False)
+        return original(self, *args, **kwargs)
+
+    return _take_model_step
+
+
+def _pinning() -> Optional[Callable[[Any], Any]]:
+    """How host buffers are pinned where the state lives on an accelerator (page-locked: copies at the link's speed,
+    overlapped), through the accelerator's own ``pin_memory``; None on the CPU."""
+    import torch
+
+    return None if torch.empty(0, device=device()).is_cpu else surface.accelerator().pin_memory
+
+
+def enabled() -> bool:
+    return _state.config is not None and _state.config.async_save
+
+
+def supported(engine: Any) -> bool:
+    """Whether this engine's saves can be asynchronous: not with a decoupled checkpoint engine (it writes after the
+    save itself) nor with node-local storage, which keep DeepSpeed's own save, with one warning."""
+    if surface.decoupled_checkpoint_engine(engine) or surface.node_local_storage(engine):
+        if not _state.unsupported_warned:
+            _state.unsupported_warned = True
+            log.warning(
+                "megatron-ucp: --ucp-async-save: a decoupled checkpoint engine or node-local storage saves its own "
+                "way: DeepSpeed's save as it is"
+            )
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# the save: copied into host memory, handed to the writer
+# ------------------------------------------------------------------------------------------------
+
+
+def async_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: dict, save_id: str) -> Any:
+    """DeepSpeed's ``save_checkpoint``, returning once this rank's files are copied into host memory."""
+    if _state.redirected is None:
+        _state.redirected = redirect_megatron_tracker() or ""
+        if _state.redirected:
+            log.debug("megatron-ucp: Megatron's tracker not redirected: %s", _state.redirected)
+    bound, save = open_save(engine, original, args, kwargs, lambda folder, tag: _make_room(engine, folder / tag))
+    client = bound.arguments.get("client_state")
+    iteration = client.get("iteration") if isinstance(client, dict) else None
+    rank = comm().get_rank()
+    flight = InFlight(
+        save,
+        iteration if isinstance(iteration, int) else None,
+        save_id=save_id,
+        rank=rank,
+        world=comm().get_world_size(),
+        watch=WriteWatch(save.tag, rank),
+    )
+    host = HostCopy(_state.slots[_state.saves % len(_state.slots)])
+    _state.saves += 1
+    t0 = time.perf_counter()
+    with watched_writes(engine, lambda ce_save: _capture(ce_save, flight, host)):
+        result = original(*bound.args, **bound.kwargs)
+    host.finish(surface.accelerator().synchronize)
+    flight.copied_bytes, flight.returned = host.copied_bytes, time.monotonic()
+    _state.last_copied = host.copied_bytes
+    if flight.iteration is not None:  # Megatron's save writes its tracker next: aside, named at the commit
+        ucp_dir(save.save_dir).mkdir(parents=True, exist_ok=True)
+        _state.trackers[os.path.abspath(save.save_dir)] = str(ucp_dir(save.save_dir) / f".tracker-{os.getpid()}")
+    _state.in_flight.append(flight)
+    _start_writer().put(flight)
+    if is_first():
+        log.info(
+            "megatron-ucp: %s copied into host memory in %.3fs (%.1f MB on this rank); written in the background, "
+            "committed when every rank's files are durable",
+            save.tag,
+            time.perf_counter() - t0,
+            host.copied_bytes / 1e6,
+        )
+    return result
+
+
+def _capture(ce_save: Callable[..., Any], flight: InFlight, host: HostCopy) -> Callable[..., Any]:
+    def save(state_dict: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            copied = host.of(state_dict)
+        except HostMemoryShort as exc:
+            if not _state.short_warned:
+                _state.short_warned = True
+                log.warning("megatron-ucp: %s: this save's files are written before it returns", exc)
+            _write(flight, lambda target: ce_save(state_dict, target, *args, **kwargs), str(path))
+            return None
+        flight.files.append((lambda s, target: ce_save(s, target, *args, **kwargs), copied, str(path)))
+        return None
+
+    return save
+
+
+# ------------------------------------------------------------------------------------------------
+# the writer thread: each file to a temporary name, fsync'd, renamed into place
+# ------------------------------------------------------------------------------------------------
+
+
+def _start_writer() -> "queue.Queue[Optional[InFlight]]":
+    if _state.writer is None or not _state.writer.is_alive():
+        _state.writer = threading.Thread(target=_write_saves, name="megatron-ucp-writer", daemon=True)
+        _state.writer.start()
+    return _state.work
+
+
+def _write_saves() -> None:
+    while True:
+        flight = _state.work.get()
+        if flight is None:
+            return
+        try:
+            for ce_save, copied, path in flight.files:
+                _write(flight, lambda target, ce_save=ce_save, copied=copied: ce_save(copied, target), path)
+            flight.files.clear()  # the host copies go back to their buffers
+            _fsync_folders(flight)
+        finally:
+            flight.done.set()
+
+
+def _write(flight: InFlight, save: Callable[[str], Any], path: str) -> None:
+    """One file written durably under a temporary name, then renamed; the first failure stops the save's writes."""
+    target = Path(path)
+    partial = target.with_name(f".{target.name}.ucp-writing")
+
+    def durably() -> None:
+        faults.die_point(f"async write {flight.save.tag}")
+        try:
+            save(str(partial))
+            with open(partial, "rb") as handle:
+                os.fsync(handle.fileno())
+            os.replace(partial, target)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+
+    flight.watch.write(durably, path)
+
+
+def _fsync_folders(flight: InFlight) -> None:
+    """The renames durable: each folder written into, fsync'd once."""
+    for folder in sorted({os.path.dirname(p) for p in flight.watch.written}):
+        try:
+            fd = os.open(folder, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------
+# the commit: agreed at the step boundary and at the next save
+# ------------------------------------------------------------------------------------------------
+
+
+def _make_room(engine: Any, folder: Path) -> None:
+    """Before a save into ``folder``: the saves in flight beyond the limit, and one into the same folder, written (this
+    rank waits for its writer, saying how long) and committed; the rest asked once."""
+    limit = _state.config.saves_in_flight if _state.config is not None else 1
+
+    def full() -> bool:
+        return len(_state.in_flight) >= limit or any(f.save.folder == folder for f in _state.in_flight)
+
+    t0 = time.perf_counter()
+    was_full = full()
+    while full():
+        settle(engine, block=True)
+    if was_full and time.perf_counter() - t0 > 0.01 and is_first():  # the wait for every rank's writer
+        log.warning(
+            "megatron-ucp: this save waited %.2fs for the previous one's files (%d save(s) may be written at once)",
+            time.perf_counter() - t0,
+            limit,
+        )
+    settle(engine, block=False)
+
+
+def settle(engine: Any, block: bool = False) -> None:
+    """Collective (every rank, in step): commit, oldest first, each save in flight that every rank finished writing.
+    ``block``: the oldest is waited for (this rank's writer, then the others') and committed first."""
+    must = block
+    while _state.in_flight:
+        oldest: InFlight = _state.in_flight[0]
+        if must:
+            oldest.done.wait()
+        if count_across(0 if oldest.done.is_set() else 1):  # the same sum on every rank: every rank goes the same way
+            if not must:
+                return
+            time.sleep(0.05)  # another rank still writes: ask again
+            continue
+        must = False
+        _state.in_flight.popleft()
+        _commit(engine, oldest)
+
+
+def _commit(engine: Any, flight: InFlight) -> None:
+    save = flight.save
+    try:
+        close_save(save, flight.watch.failure, flight.watch.written, then=lambda: _megatron_tracker(flight))
+    except SaveFailedError as exc:
+        log.error("megatron-ucp: %s; training goes on (the save is lost, the previous one stays latest)", exc)
+        _failed(flight, str(exc))
+        return
+    if is_first():
+        record_save_outcome(save.save_dir, save.tag)
+        log.info(
+            "megatron-ucp: %s committed: every rank's files durable (%.2fs after the save returned)",
+            save.tag,
+            time.monotonic() - flight.returned,
+        )
+    for callback in _AFTER_COMMIT:
+        callback(engine, str(save.save_dir), save.tag)
+
+
+def _megatron_tracker(flight: InFlight) -> None:
+    """Megatron's tracker names the committed save's iteration (Megatron's own write of it went aside)."""
+    redirected = _state.trackers.pop(os.path.abspath(flight.save.save_dir), None)
+    if flight.iteration is None or redirected is None or not Path(redirected).exists():
+        return  # not Megatron's save: it writes no tracker
+    Path(redirected).unlink(missing_ok=True)
+    write_pointer(flight.save.save_dir / MEGATRON_TRACKER, str(flight.iteration))
+
+
+# ------------------------------------------------------------------------------------------------
+# Megatron's tracker, written by Megatron when the save returns: aside until the commit
+# ------------------------------------------------------------------------------------------------
+
+
+def redirect_megatron_tracker() -> Optional[str]:
+    """Megatron's ``get_checkpoint_tracker_filename`` made to name a file aside for the one write that follows an
+    asynchronous save (its reads, at a load, are left alone). Returns why it could not (no Megatron: nothing to do)."""
+    module = sys.modules.get("megatron.checkpointing")
+    original = getattr(module, "get_checkpoint_tracker_filename", None) if module is not None else None
+    if original is None:
+        return "megatron.checkpointing.get_checkpoint_tracker_filename not found"
+    if getattr(original, "megatron_ucp_redirect", False):
+        return None
+
+    def get_checkpoint_tracker_filename(checkpoints_path: str) -> str:
+        aside = _state.trackers.get(os.path.abspath(checkpoints_path))
+        return (
+            aside
+            if aside is not None and threading.current_thread() is threading.main_thread()
+            else original(checkpoints_path)
+        )
+
+    get_checkpoint_tracker_filename.megatron_ucp_redirect = True  # type: ignore[attr-defined]
+    get_checkpoint_tracker_filename.__wrapped__ = original  # type: ignore[attr-defined]
+    module.get_checkpoint_tracker_filename = get_checkpoint_tracker_filename
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# the end of the run: outcomes through the store, the first rank commits
+# ------------------------------------------------------------------------------------------------
+
+
+def at_end_of_run(wait: float) -> None:
+    """Every save still in flight written (this rank's writer) and its outcome recorded in the store; the first rank
+    commits from every rank's record and records the verdict, which the others wait for (each up to ``wait`` seconds):
+    no collective, the ranks may have left their process group."""
+    while _state.in_flight:
+        flight: InFlight = _state.in_flight.popleft()
+        if not flight.done.is_set():
+            log.warning("megatron-ucp: waiting for this rank's files of %s to be written", flight.save.tag)
+            flight.done.wait()
+        folder = ucp_dir(flight.save.save_dir) / OUTCOMES_DIR / f"{flight.save.tag}.{flight.save_id}"
+        folder.mkdir(parents=True, exist_ok=True)
+        failure = None if flight.watch.failure is None else str(flight.watch.failure)
+        write_pointer(folder / f"rank-{flight.rank}.json", json.dumps({"failure": failure}))
+        if flight.rank == 0:
+            why = _commit_from_records(flight, [folder / f"rank-{r}.json" for r in range(flight.world)], wait)
+            write_pointer(folder / VERDICT_FILE, json.dumps({"failure": why}))
+        else:
+            found = _records([folder / VERDICT_FILE], time.monotonic() + wait)
+            why = found[0]["failure"] if found else "the first rank did not say whether it committed"
+            if why is not None:
+                log.error("megatron-ucp: %s was not committed at the end of the run: %s", flight.save.tag, why)
+                _state.failed.append(f"saving {flight.save.tag} in {flight.save.save_dir}: {why}")
+        if why is None and _process_group_alive():
+            for callback in _AFTER_COMMIT:
+                callback(None, str(flight.save.save_dir), flight.save.tag)
+
+
+def _records(paths: list[Path], deadline: float) -> list[dict]:
+    """The JSON records at ``paths``, waiting until ``deadline`` for all of them; those found."""
+    found: dict[Path, dict] = {}
+    while True:
+        for path in paths:
+            if path not in found:
+                with contextlib.suppress(OSError, ValueError):
+                    found[path] = json.loads(path.read_text())
+        if len(found) == len(paths) or time.monotonic() >= deadline:
+            return list(found.values())
+        time.sleep(0.2)
+
+
+def _commit_from_records(flight: InFlight, records: list[Path], wait: float) -> Optional[str]:
+    """The first rank's commit at the end of the run, from every rank's record; returns why not (None: committed)."""
+    save = flight.save
+    found = _records(records, time.monotonic() + wait)
+    failures = [record["failure"] for record in found if record.get("failure")]
+    why = "; ".join(failures[:4]) or (
+        f"{len(records) - len(found)} rank(s) did not say they finished writing" if len(found) < len(records) else None
+    )
+    if why is not None:
+        log.error(
+            "megatron-ucp: %s was not committed at the end of the run (%s); `latest` names the previous save",
+            save.tag,
+            why,
+        )
+        _failed(flight, f"saving {save.tag} in {save.save_dir}: {why}")
+        if save.aside is not None:
+            save.aside.put_back()
+        return why
+    if save.save_latest:
+        write_pointer(save.save_dir / F.LATEST, save.tag)
+    _megatron_tracker(flight)
+    record_save_outcome(save.save_dir, save.tag)
+    if save.aside is not None:
+        save.aside.drop().join()  # the process ends next: the earlier save removed before it does
+    log.info("megatron-ucp: %s committed at the end of the run (every rank's files durable)", save.tag)
+    return None
+
+
+def _process_group_alive() -> bool:
+    dist = comm()
+    return dist.is_available() and dist.is_initialized()
+
+
+def last_copied_bytes() -> int:
+    """The bytes this rank's last asynchronous save copied into host memory (what the copy floor is measured on)."""
+    return _state.last_copied
+
+
+def _failed(flight: InFlight, message: str) -> None:
+    """A save that did not commit: kept for the end of the run's report, and (first rank) for ``status``."""
+    _state.failed.append(message)
+    if flight.rank == 0:
+        record_save_outcome(flight.save.save_dir, flight.save.tag, message)
+
+
+def finish_in_flight() -> None:
+    """The end of the run (the runner, the exit handler, the uninstall): what is still in flight written and
+    committed (:func:`at_end_of_run`)."""
+    config = _state.config
+    if config is not None and _state.in_flight:
+        at_end_of_run(float(config.converter_exit_wait))
+    if _state.failed and not _state.reported:
+        _state.reported = True
+        log.error(
+            "megatron-ucp: %d asynchronous save(s) of this run failed and did not become latest:\n  %s",
+            len(_state.failed),
+            "\n  ".join(_state.failed),
+        )
+
+
+def _at_exit() -> None:
+    finish_in_flight()
+
+
+def reset() -> None:
+    """This process's asynchronous saves forgotten (the writer told to stop once its queue is empty), Megatron's
+    tracker name given back."""
+    global _state
+    module = sys.modules.get("megatron.checkpointing")
+    redirect = getattr(module, "get_checkpoint_tracker_filename", None)
+    if getattr(redirect, "megatron_ucp_redirect", False):
+        module.get_checkpoint_tracker_filename = redirect.__wrapped__
+    if _state.writer is not None and _state.writer.is_alive():
+        _state.work.put(None)
+    _state = _State()

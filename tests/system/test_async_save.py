@@ -1,0 +1,72 @@
+"""An asynchronous save (``async_save``) under real DeepSpeed (CPU, gloo, DP=2; ZeRO-1 with BF16_Optimizer, ZeRO-3).
+
+The run saves at steps 2 and 4 as the shared synchronous run does: the losses are the synchronous run's step for
+step, every file of every tag holds the same tensors (torch.load'ed and compared, the save's random identity
+aside), the step-2 save commits at an optimizer step and the step-4 save (the last: no step follows) at the end of
+the run, from every rank's record. A background write that fails (its path taken by a folder: the ``OSError`` a
+full or failing file system gives) is said on every rank, naming the file, never becomes ``latest``, and training
+goes on.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.dsharness import TrainSpec, run_training
+from tests.support.dsharness.checkpoints import session_cache
+from tests.support.state_compare import tag_differences
+
+ASYNC = {"async_save": True}
+LAYOUTS = {"zero1": {"optimizer": "bf16"}, "zero3": {"optimizer": "zero", "zero_stage": 3}}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_an_async_save_writes_what_a_synchronous_save_writes_and_commits_after_every_rank(tmp_path: Path, layout):
+    fields = LAYOUTS[layout]
+    sync = session_cache()(dp=2, plugin=True, **fields)
+    save = tmp_path / "ckpt"
+    res = run_training(
+        TrainSpec(dp=2, steps=4, save_dir=save, save_at=(2, 4), plugin=True, plugin_kwargs=ASYNC, **fields)
+    )
+    assert res.returncode == 0, res.log[-3000:]
+    assert res.losses == sync.result.losses and len(res.losses) == 4
+    assert (save / "latest").read_text().strip() == "global_step4"
+    for tag in ("global_step2", "global_step4"):
+        assert len(list((save / tag).glob("*.pt"))) == (3 if layout == "zero1" else 4)
+        assert tag_differences(save / tag, sync.root / tag) == []
+        assert not [p for p in (save / tag).iterdir() if p.name.endswith(".ucp-writing")]
+    said = res.log
+    assert "global_step2 copied into host memory" in said and "global_step2 committed: every rank's files" in said
+    assert "global_step4 committed at the end of the run" in said
+    assert said.index("global_step2 committed") < said.index("global_step4 copied into host memory")
+
+
+def test_a_background_write_that_fails_is_said_on_every_rank_never_latest_and_training_goes_on(tmp_path: Path):
+    save = tmp_path / "ckpt"
+    taken = [save / f"global_step{s}" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt" for s in (2, 4)]
+    for path in taken:
+        path.mkdir(parents=True)
+    res = run_training(
+        TrainSpec(dp=2, steps=4, save_dir=save, save_at=(1, 2, 4), plugin=True, plugin_kwargs=ASYNC, timeout=300)
+    )
+    assert res.returncode == 0 and res.steps[-1] == 4, res.log[-3000:]  # training went on
+    assert (save / "latest").read_text().strip() == "global_step1"
+    sections = res.rank_logs()
+    assert sorted(sections) == [0, 1], res.log[-3000:]
+    for rank, section in sections.items():  # the step-2 failure, agreed at step 3: said on both ranks, by name
+        said = f"{taken[0]}: write failed: Is a directory; training goes on (the save is lost"
+        assert said in section, (rank, section[-3000:])
+        # and again at the end of the run, with the step-4 failure (agreed from each rank's record)
+        end = section[section.index("asynchronous save(s) of this run failed") :]
+        assert str(taken[0]) in end and str(taken[1]) in end, (rank, end)
+    assert f"global_step4 was not committed at the end of the run ({taken[1]}: write failed" in sections[0]
+    status = subprocess.run(
+        [sys.executable, "-m", "megatron_ucp.cli", "status", str(save), "--no-sizes"], capture_output=True, text=True
+    )
+    assert status.returncode == 0, status.stderr
+    for tag in ("global_step2", "global_step4"):
+        assert f"{tag}: an asynchronous save of it failed and did not become latest" in status.stdout, status.stdout
