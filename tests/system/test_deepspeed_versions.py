@@ -52,7 +52,7 @@ def test_the_surface_table_resolves_and_install_replaces_only_what_it_lists(monk
     replaced = {(e.owner, e.name) for e in surface.SURFACE if e.use is surface.Use.REPLACE and e.when(internals())}
     megatron_ucp.uninstall()
     try:
-        megatron_ucp.install(async_convert=True)  # every hook module
+        megatron_ucp.install(async_convert=True, async_save=True)  # every hook module
         patched = {
             (e.owner, e.name)
             for e in surface.SURFACE

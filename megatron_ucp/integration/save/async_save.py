@@ -6,8 +6,8 @@ reusable host buffers (:mod:`megatron_ucp.integration.save.host_copy`) instead o
 returns, this process's writer thread writes them with the checkpoint engine's own ``save`` (the same files a
 synchronous save writes) to a temporary name, ``fsync``s them and renames them into place. ``latest`` is not
 written by DeepSpeed (``save_latest`` off), and Megatron's ``latest_checkpointed_iteration.txt``, which Megatron
-writes as soon as the save returns, is redirected aside for that one write (:func:`redirect_megatron_tracker`): both
-name the save only at its commit.
+writes as soon as the save returns, is redirected aside for that one write
+(:mod:`megatron_ucp.integration.save.megatron_tracker`): both name the save only at its commit.
 
 The commit is agreed where training already meets, never from a background thread: at each optimizer step
 (``_take_model_step``, where DeepSpeed's own decoupled engine commits) while a save is in flight, and at the next
@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import SaveFailedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import comm, count_across, device, is_first
+from megatron_ucp.integration.save import megatron_tracker
 from megatron_ucp.integration.save.commit import (
     OpenSave,
     WriteWatch,
@@ -61,7 +61,6 @@ OUTCOMES_DIR = "async-saves"
 """Under the store (``<save_dir>/.ucp/``): one folder per save committed at the end of the run (``<tag>.<save id>``),
 with each rank's outcome and the first rank's verdict."""
 VERDICT_FILE = "verdict.json"
-MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 
 
 @dataclass
@@ -93,8 +92,6 @@ class _State:
     saves: int = 0
     work: "queue.Queue[Optional[InFlight]]" = field(default_factory=queue.Queue)
     writer: Optional[threading.Thread] = None
-    trackers: dict[str, str] = field(default_factory=dict)
-    """Save folder -> where Megatron's next tracker write goes instead (set by a save, taken by that write)."""
     failed: list[str] = field(default_factory=list)
     short_warned: bool = False
     unsupported_warned: bool = False
@@ -177,7 +174,7 @@ def supported(engine: Any) -> bool:
 def async_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: dict, save_id: str) -> Any:
     """DeepSpeed's ``save_checkpoint``, returning once this rank's files are copied into host memory."""
     if _state.redirected is None:
-        _state.redirected = redirect_megatron_tracker() or ""
+        _state.redirected = megatron_tracker.redirect() or ""
         if _state.redirected:
             log.debug("megatron-ucp: Megatron's tracker not redirected: %s", _state.redirected)
     bound, save = open_save(engine, original, args, kwargs, lambda folder, tag: _make_room(engine, folder / tag))
@@ -201,8 +198,7 @@ def async_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: d
     flight.copied_bytes, flight.returned = host.copied_bytes, time.monotonic()
     _state.last_copied = host.copied_bytes
     if flight.iteration is not None:  # Megatron's save writes its tracker next: aside, named at the commit
-        ucp_dir(save.save_dir).mkdir(parents=True, exist_ok=True)
-        _state.trackers[os.path.abspath(save.save_dir)] = str(ucp_dir(save.save_dir) / f".tracker-{os.getpid()}")
+        megatron_tracker.aside_next_write(save.save_dir)
     _state.in_flight.append(flight)
     _start_writer().put(flight)
     if is_first():
@@ -339,7 +335,12 @@ def settle(engine: Any, block: bool = False) -> None:
 def _commit(engine: Any, flight: InFlight) -> None:
     save = flight.save
     try:
-        close_save(save, flight.watch.failure, flight.watch.written, then=lambda: _megatron_tracker(flight))
+        close_save(
+            save,
+            flight.watch.failure,
+            flight.watch.written,
+            then=lambda: megatron_tracker.name_at_commit(save.save_dir, flight.iteration),
+        )
     except SaveFailedError as exc:
         log.error("megatron-ucp: %s; training goes on (the save is lost, the previous one stays latest)", exc)
         _failed(flight, str(exc))
@@ -353,44 +354,6 @@ def _commit(engine: Any, flight: InFlight) -> None:
         )
     for callback in _AFTER_COMMIT:
         callback(engine, str(save.save_dir), save.tag)
-
-
-def _megatron_tracker(flight: InFlight) -> None:
-    """Megatron's tracker names the committed save's iteration (Megatron's own write of it went aside)."""
-    redirected = _state.trackers.pop(os.path.abspath(flight.save.save_dir), None)
-    if flight.iteration is None or redirected is None or not Path(redirected).exists():
-        return  # not Megatron's save: it writes no tracker
-    Path(redirected).unlink(missing_ok=True)
-    write_pointer(flight.save.save_dir / MEGATRON_TRACKER, str(flight.iteration))
-
-
-# ------------------------------------------------------------------------------------------------
-# Megatron's tracker, written by Megatron when the save returns: aside until the commit
-# ------------------------------------------------------------------------------------------------
-
-
-def redirect_megatron_tracker() -> Optional[str]:
-    """Megatron's ``get_checkpoint_tracker_filename`` made to name a file aside for the one write that follows an
-    asynchronous save (its reads, at a load, are left alone). Returns why it could not (no Megatron: nothing to do)."""
-    module = sys.modules.get("megatron.checkpointing")
-    original = getattr(module, "get_checkpoint_tracker_filename", None) if module is not None else None
-    if original is None:
-        return "megatron.checkpointing.get_checkpoint_tracker_filename not found"
-    if getattr(original, "megatron_ucp_redirect", False):
-        return None
-
-    def get_checkpoint_tracker_filename(checkpoints_path: str) -> str:
-        aside = _state.trackers.get(os.path.abspath(checkpoints_path))
-        return (
-            aside
-            if aside is not None and threading.current_thread() is threading.main_thread()
-            else original(checkpoints_path)
-        )
-
-    get_checkpoint_tracker_filename.megatron_ucp_redirect = True  # type: ignore[attr-defined]
-    get_checkpoint_tracker_filename.__wrapped__ = original  # type: ignore[attr-defined]
-    module.get_checkpoint_tracker_filename = get_checkpoint_tracker_filename
-    return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -458,7 +421,7 @@ def _commit_from_records(flight: InFlight, records: list[Path], wait: float) -> 
         return why
     if save.save_latest:
         write_pointer(save.save_dir / F.LATEST, save.tag)
-    _megatron_tracker(flight)
+    megatron_tracker.name_at_commit(save.save_dir, flight.iteration)
     record_save_outcome(save.save_dir, save.tag)
     if save.aside is not None:
         save.aside.drop().join()  # the process ends next: the earlier save removed before it does
@@ -506,10 +469,7 @@ def reset() -> None:
     """This process's asynchronous saves forgotten (the writer told to stop once its queue is empty), Megatron's
     tracker name given back."""
     global _state
-    module = sys.modules.get("megatron.checkpointing")
-    redirect = getattr(module, "get_checkpoint_tracker_filename", None)
-    if getattr(redirect, "megatron_ucp_redirect", False):
-        module.get_checkpoint_tracker_filename = redirect.__wrapped__
+    megatron_tracker.restore()
     if _state.writer is not None and _state.writer.is_alive():
         _state.work.put(None)
     _state = _State()
