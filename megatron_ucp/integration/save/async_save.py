@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_ucp import faults
-from megatron_ucp.background.store import record_save_outcome, ucp_dir
+from megatron_ucp.background.store import NICE_INCREMENT, record_save_outcome, ucp_dir
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import SaveFailedError
@@ -241,6 +241,7 @@ def _start_writer() -> "queue.Queue[Optional[InFlight]]":
 
 
 def _write_saves() -> None:
+    _lower_priority()
     while True:
         flight = _state.work.get()
         if flight is None:
@@ -252,6 +253,15 @@ def _write_saves() -> None:
             _fsync_folders(flight)
         finally:
             flight.done.set()
+
+
+def _lower_priority() -> None:
+    """The writer thread yields the CPU to training (Linux nices a thread on its own): the files go out on the cycles
+    training leaves; elsewhere it keeps the process's priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + NICE_INCREMENT)
+    except (AttributeError, OSError) as exc:
+        log.debug("megatron-ucp: the writer thread keeps the process's priority: %s", exc)
 
 
 def _write(flight: InFlight, save: Callable[[str], Any], path: str) -> None:
