@@ -41,7 +41,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 REPO_ROOT = BENCH_DIR.parent
 RESULTS = BENCH_DIR / "results"
-from worker_launch import run_worker  # noqa: E402
+from worker_launch import run_worker, timed_step  # noqa: E402
+from worker_launch import slowest as _slowest  # noqa: E402
 
 MARKER = "ASYNC_SAVE "
 MODES = ("stock", "decoupled", "sync", "async")
@@ -66,7 +67,6 @@ class WorkerConfig:
 def _worker(cfg: WorkerConfig) -> None:
     sys.path.insert(0, str(REPO_ROOT))
     from tests.support.dsharness import TrainSpec
-    from tests.support.dsharness.model import rank_batch
     from tests.support.dsharness.worker import Rank
 
     shape = MODELS[cfg.model]
@@ -89,19 +89,10 @@ def _worker(cfg: WorkerConfig) -> None:
     engine, torch, dist = rank.engine, rank.torch, rank.dist
 
     def step() -> float:
-        t0 = time.perf_counter()
-        tokens, labels = rank_batch(
-            engine.global_steps, rank.rank, rank.world, spec.global_batch, spec.seq, spec.vocab, spec.seed
-        )
-        loss = engine(tokens, labels)
-        engine.backward(loss)
-        engine.step()
-        return time.perf_counter() - t0
+        return timed_step(rank)
 
     def slowest(value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+        return _slowest(rank, value)
 
     for _ in range(2):  # warm-up
         step()

@@ -47,7 +47,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 REPO_ROOT = BENCH_DIR.parent
 RESULTS = BENCH_DIR / "results"
-from worker_launch import run_worker  # noqa: E402
+from worker_launch import run_worker, timed_step  # noqa: E402
+from worker_launch import slowest as _slowest  # noqa: E402
 
 MARKER = "SAVE_OVERHEAD "
 
@@ -79,7 +80,6 @@ def _worker(cfg: WorkerConfig) -> None:
     from megatron_ucp.background.store import read_registrations
     from megatron_ucp.integration.save.async_trigger import trigger_timings
     from tests.support.dsharness import TrainSpec
-    from tests.support.dsharness.model import rank_batch
     from tests.support.dsharness.worker import Rank
 
     shape = MODELS[cfg.model]
@@ -115,19 +115,10 @@ def _worker(cfg: WorkerConfig) -> None:
     save_recording.partition_checksums = timed_checksums
 
     def step() -> float:
-        t0 = time.perf_counter()
-        tokens, labels = rank_batch(
-            engine.global_steps, rank.rank, rank.world, spec.global_batch, spec.seq, spec.vocab, spec.seed
-        )
-        loss = engine(tokens, labels)
-        engine.backward(loss)
-        engine.step()
-        return time.perf_counter() - t0
+        return timed_step(rank)
 
     def slowest(value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+        return _slowest(rank, value)
 
     def converting() -> bool:
         flag = int(rank.rank == 0 and any(r.alive() for r in read_registrations(root).values()))

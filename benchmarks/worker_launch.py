@@ -38,3 +38,27 @@ def run_worker(script: Path, config: dict, nproc: int, log_dir: Path, name: str,
         raise RuntimeError(f"{name} failed (exit codes {res.returncodes}); see {res.logs}:\n{text[-4000:]}")
     line = next(x for x in text.splitlines() if x.startswith(marker))
     return json.loads(line[len(marker) :])
+
+
+def timed_step(rank: "object") -> float:
+    """One training step of a harness rank (``tests.support.dsharness.worker.Rank``, set up), in seconds."""
+    import time
+
+    from tests.support.dsharness.model import rank_batch
+
+    engine, spec = rank.engine, rank.spec
+    t0 = time.perf_counter()
+    tokens, labels = rank_batch(
+        engine.global_steps, rank.rank, rank.world, spec.global_batch, spec.seq, spec.vocab, spec.seed
+    )
+    loss = engine(tokens, labels)
+    engine.backward(loss)
+    engine.step()
+    return time.perf_counter() - t0
+
+
+def slowest(rank: "object", value: float) -> float:
+    """``value`` on the slowest rank (an all-reduce of the maximum)."""
+    t = rank.torch.tensor([value], dtype=rank.torch.float64)
+    rank.dist.all_reduce(t, op=rank.dist.ReduceOp.MAX)
+    return float(t.item())

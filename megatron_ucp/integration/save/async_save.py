@@ -42,14 +42,15 @@ from megatron_ucp.background.store import NICE_INCREMENT, record_save_outcome, u
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import SaveFailedError
-from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import comm, count_across, device, is_first
 from megatron_ucp.integration.save import megatron_tracker
 from megatron_ucp.integration.save.commit import (
     OpenSave,
     WriteWatch,
     close_save,
+    commit_on_first,
     open_save,
+    put_back,
     watched_writes,
     write_pointer,
 )
@@ -81,7 +82,6 @@ class InFlight:
     """Which files this rank wrote, and its first failed write."""
     done: threading.Event = field(default_factory=threading.Event)
     returned: float = 0.0
-    copied_bytes: int = 0
 
 
 @dataclass
@@ -195,7 +195,7 @@ def async_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: d
     with watched_writes(engine, lambda ce_save: _capture(ce_save, flight, host)):
         result = original(*bound.args, **bound.kwargs)
     host.finish(surface.accelerator().synchronize)
-    flight.copied_bytes, flight.returned = host.copied_bytes, time.monotonic()
+    flight.returned = time.monotonic()
     _state.last_copied = host.copied_bytes
     if flight.iteration is not None:  # Megatron's save writes its tracker next: aside, named at the commit
         megatron_tracker.aside_next_write(save.save_dir)
@@ -426,15 +426,11 @@ def _commit_from_records(flight: InFlight, records: list[Path], wait: float) -> 
             why,
         )
         _failed(flight, f"saving {save.tag} in {save.save_dir}: {why}")
-        if save.aside is not None:
-            save.aside.put_back()
+        put_back(save.aside)
         return why
-    if save.save_latest:
-        write_pointer(save.save_dir / F.LATEST, save.tag)
-    megatron_tracker.name_at_commit(save.save_dir, flight.iteration)
+    # the process ends next: the earlier save removed before it does
+    commit_on_first(save, lambda: megatron_tracker.name_at_commit(save.save_dir, flight.iteration), wait=True)
     record_save_outcome(save.save_dir, save.tag)
-    if save.aside is not None:
-        save.aside.drop().join()  # the process ends next: the earlier save removed before it does
     log.info("megatron-ucp: %s committed at the end of the run (every rank's files durable)", save.tag)
     return None
 

@@ -256,7 +256,8 @@ def close_save(
     its tag removed) when every rank wrote its files and the folder holds no other save's; else the earlier save
     put back and one :class:`SaveFailedError` raised on every rank, naming each failed rank's file."""
     if count_across(1 if failure is not None else 0):
-        _put_back(save.aside)
+        if is_first():
+            put_back(save.aside)
         raise_gathered(
             failure,
             f"saving {save.tag} in {save.save_dir} (`latest` still names the previous tag; nothing was marked as "
@@ -266,7 +267,8 @@ def close_save(
     every = gather_names(written)
     strays = decide_on_first(lambda: _not_written(save.folder, every))
     if strays or isinstance(strays, Failure):
-        _put_back(save.aside)
+        if is_first():
+            put_back(save.aside)
         raise SaveFailedError(
             f"saving {save.tag} in {save.save_dir}: the folder holds checkpoint files this save did not write, which a "
             f"load would refuse ({strays.message if isinstance(strays, Failure) else ', '.join(strays[:4])}); "
@@ -274,11 +276,19 @@ def close_save(
             subject=save.folder,
         )
     if is_first():
-        if save.save_latest:
-            write_pointer(save.save_dir / F.LATEST, save.tag)
-        then()
-        if save.aside is not None:
-            save.aside.drop()
+        commit_on_first(save, then)
+
+
+def commit_on_first(save: OpenSave, then: Callable[[], None] = lambda: None, wait: bool = False) -> None:
+    """The first rank's part of a commit every rank agreed on: ``latest`` names the save, then ``then()``, then the
+    earlier save of its tag is removed (``wait``: before this returns, as when the process ends next)."""
+    if save.save_latest:
+        write_pointer(save.save_dir / F.LATEST, save.tag)
+    then()
+    if save.aside is not None:
+        remover = save.aside.drop()
+        if wait:
+            remover.join()
 
 
 def committed_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -294,9 +304,9 @@ def committed_save(engine: Any, original: Callable[..., Any], args: tuple, kwarg
     return result
 
 
-def _put_back(aside: Optional[SetAside]) -> None:
-    """A failed save: the earlier save of its tag, if one was moved aside, back in place (the first rank)."""
-    if aside is None or not is_first():
+def put_back(aside: Optional[SetAside]) -> None:
+    """A failed save (the first rank's part): the earlier save of its tag, if one was moved aside, back in place."""
+    if aside is None:
         return
     try:
         aside.put_back()
