@@ -215,17 +215,21 @@ def saved_partition_counts(tag_dir: Path) -> Optional[tuple[Path, tuple[int, ...
     return (first, tuple(int(c) for c in counts)) if isinstance(counts, (list, tuple)) else None
 
 
-def rank_file_count_problem(tag_dir: Path, dp: int) -> Optional[str]:
-    """Whether the folder holds the ``dp`` optimizer files of model-parallel rank 0 its model states
-    say; else which side is wrong (the files' own ``partition_count`` breaks the tie), in words.
-    None when they agree, or when the folder holds no ZeRO-1/2 optimizer files at all."""
+def rank_file_count_problem(tag_dir: Path, dp: int, like: Optional[str] = None) -> Optional[str]:
+    """Whether the folder holds the ``dp`` optimizer files its model states say, of one model-parallel rank (``like``'s,
+    a rank file's name; else rank 0's, any prefix); else which side is wrong (the files' own ``partition_count``
+    breaks the tie), in words. None when they agree, or when the folder holds no such optimizer file at all."""
+    wanted = F.OPTIM_FILE_RE.match(like) if like is not None else None
     found = {}
     for path in Path(tag_dir).iterdir():
         match = F.OPTIM_FILE_RE.match(path.name)
-        if match and int(match["mp"]) == 0:
+        if match is None or int(match["mp"]) != (int(wanted["mp"]) if wanted else 0):
+            continue
+        if wanted is None or match["prefix"] == wanted["prefix"]:
             found[int(match["dp"])] = path
     if not found or sorted(found) == list(range(dp)):
         return None
+    mp = int(wanted["mp"]) if wanted else 0
     model = model_states_path(Path(tag_dir))
     first = found[min(found)]
     try:
@@ -236,7 +240,7 @@ def rank_file_count_problem(tag_dir: Path, dp: int) -> Optional[str]:
         saved_at = None
     if saved_at == len(found) and sorted(found) == list(range(saved_at)):
         return (
-            f"{model}: says DP={dp}, but the folder's {len(found)} rank files of model-parallel rank 0 were "
+            f"{model}: says DP={dp}, but the folder's {len(found)} rank files of model-parallel rank {mp} were "
             f"saved at DP={saved_at}: the model states of another save?"
         )
     extra = [found[r].name for r in sorted(found) if r >= dp]
@@ -244,12 +248,12 @@ def rank_file_count_problem(tag_dir: Path, dp: int) -> Optional[str]:
     says = model.name if model is not None else "the model states"
     if missing and not extra:
         prefix = F.OPTIM_FILE_RE.match(first.name).group("prefix") or ""
-        name = f"{prefix}zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt"
+        name = f"{prefix}zero_pp_rank_{missing[0]}_mp_rank_{mp:02d}_optim_states.pt"
         more = f" (DP ranks {missing[:5]} have none)" if len(missing) > 1 else ""
         return f"{Path(tag_dir) / name}: is missing{more}; {says} says DP={dp}"
     detail = f"extra: {', '.join(extra[:3])}" if extra else f"missing DP ranks {missing[:5]}"
     return (
-        f"{tag_dir}: {len(found)} rank files of model-parallel rank 0 ({detail}), but {says} says DP={dp}: "
+        f"{tag_dir}: {len(found)} rank files of model-parallel rank {mp} ({detail}), but {says} says DP={dp}: "
         "files of another save in the folder?"
     )
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from megatron_ucp.deepspeed.model_states import rank_file_count_problem
 from megatron_ucp.deepspeed.optimizer_files import optimizer_state
 from megatron_ucp.deepspeed.quantized_states import dequantized_view, expanded, packed_states
 from megatron_ucp.deepspeed.reader import load_raw
@@ -107,13 +108,6 @@ def absent(path: Path) -> Optional[str]:
     if kind is not None:
         return f"is {kind}, not a rank file"
     return "is a dangling symbolic link" if path.is_symlink() else "is missing"
-
-
-def _tag_rank_files(folder: Path, like: Path) -> list[str]:
-    """The optimizer files of ``like``'s model-parallel rank in the tag folder (any DP index)."""
-    head, _, tail = like.name.partition("_pp_rank_")
-    suffix = tail[tail.index("_mp_rank_") :]
-    return sorted(p.name for p in folder.iterdir() if p.name.startswith(head + "_pp_rank_") and p.name.endswith(suffix))
 
 
 def model_states_facts(
@@ -248,15 +242,9 @@ def check_presence(model_states: Path, rank_file: RankFile, dp_from: int) -> lis
         path, why = unreadable[0]
         more = f" ({len(unreadable)} of the {dp_from} rank files the model states' DP={dp_from} needs are unreadable)"
         raise CheckpointFormatError(f"{path}: {why}{more if len(unreadable) > 1 else ''}", subject=path)
-    present = _tag_rank_files(model_states.parent, expected[0])
-    if len(present) != dp_from:
-        extra = sorted(set(present) - {p.name for p in expected})
-        raise CheckpointFormatError(
-            f"{model_states.parent}: {len(present)} rank files of this model-parallel rank "
-            f"({', '.join(extra[:3]) or expected[0].name} ...), but the model states say DP={dp_from}: files of "
-            "another save in the same folder?",
-            subject=model_states.parent,
-        )
+    problem = rank_file_count_problem(model_states.parent, dp_from, like=expected[0].name)
+    if problem is not None:
+        raise CheckpointFormatError(problem, subject=model_states.parent)
     return expected
 
 

@@ -20,8 +20,10 @@ applies there the environment edits below, and only those:
 The ranks get ``tests/support/site`` on ``PYTHONPATH`` (its ``sitecustomize`` stops
 DeepSpeed's optional shared-memory kernel from being JIT-built; see there), ``DS_ACCELERATOR=cpu``,
 ``WANDB_MODE=disabled`` and one thread each. DeepSpeed is whatever the test process imports (the
-Makefile's version matrix puts one release on ``PYTHONPATH``); the launcher is torchrun (or, for
-the wrapper test, ``ezpz launch`` through ``ALCF/helpers.sh``).
+Makefile's version matrix puts one release on ``PYTHONPATH``). The ranks are forked from a process that has
+imported torch, DeepSpeed and transformers once for the session (``tests/support/preload``: torchrun's environment
+and failure handling, each rank running the script as a fresh interpreter would); ``UCP_PRELOAD=0`` launches them
+with torchrun instead, and the wrapper test through ``ezpz launch`` (``ALCF/helpers.sh``) as users do.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tests.support.preload import pool as preload_pool
+
 SNAPSHOT_ENV = "MEGATRON_DEEPSPEED_DIR"
 SITE_DIR = Path(__file__).resolve().parents[1] / "support" / "site"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +56,9 @@ _KNN_GUARDED = (
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _EXCEPTION_LINE = re.compile(r"(^|\]: |\s)[A-Za-z_.]*(Error|Exception|Interrupt)\b: ")
 _LOSS = re.compile(r"iteration=\s*(\d+)/\s*\d+ \|.*?\| lm loss=([0-9.eE+-]+) \|")
+MDS_IMPORTS = ("transformers", "wandb", "rich")
+"""What a rank of Megatron-DeepSpeed imports beside torch and DeepSpeed (its tokenizer module, its script), done once
+by the preload server."""
 CORPUS_TOKENS = 256
 """``--vocab-size`` of the NullTokenizer: 256 ids + end-of-document = 257, padded to 384 (128-divisible)."""
 
@@ -403,7 +410,9 @@ def run_mds(co: Checkout, run: MdsRun) -> MdsResult:
     run.ckpt.parent.mkdir(parents=True, exist_ok=True)
     config_path = run.ckpt.parent / f"{run.ckpt.name}-ds-config-{run.optimizer}-{run.global_batch}-{run.nproc}.json"
     config_path.write_text(json.dumps(ds_config(run)))
-    launcher = [
+    env = rank_env(run.env)
+    port = _free_port()
+    launcher = preload_pool.launch_command(env, run.nproc, port, imports=MDS_IMPORTS) or [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -412,7 +421,7 @@ def run_mds(co: Checkout, run: MdsRun) -> MdsResult:
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(_free_port()),
+        str(port),
     ]
     if run.route == "runner":
         target = ["-m", "megatron_ucp.integration.run", str(co.entry)]
@@ -428,7 +437,7 @@ def run_mds(co: Checkout, run: MdsRun) -> MdsResult:
     proc = subprocess.Popen(
         cmd,
         cwd=co.root,
-        env=rank_env(run.env),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,

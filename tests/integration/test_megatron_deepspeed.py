@@ -844,6 +844,26 @@ def test_an_async_save_trains_saves_and_converts_as_a_synchronous_save(trained_a
     assert "global_step6 committed at the end of the run" in said, said[-3000:]
 
 
+def test_an_async_save_resumes_at_dp3_through_its_universal_twin_on_the_curve(trained_async, mds_checkout, mds_runs):
+    root, reference = trained_async
+
+    def resume(folder: Path) -> MdsResult:
+        run = MdsRun(
+            nproc=3,
+            ckpt=_restart_copy(root, folder / "ckpt"),
+            optimizer="bf16",
+            save_interval=100,
+            extra_args=["--ucp-resume-route", "universal"],
+        )
+        return run_mds(mds_checkout, run)
+
+    res = mds_runs.get("dp3-universal-async", resume)
+    decided = [line for line in res.ucp_lines() if "DP changed 4 -> 3" in line]
+    assert decided and "global_step3_universal" in decided[0], res.ucp_lines()
+    assert_accounted(res)
+    assert_continues(res, reference)
+
+
 def test_a_job_killed_while_an_async_save_is_written_resumes_from_the_previous_one_at_dp3_on_the_curve(
     trained_async, mds_checkout, tmp_path
 ):

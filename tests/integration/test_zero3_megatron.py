@@ -234,3 +234,29 @@ def test_zero3_hpz_saves_and_resumes_at_dp2(mds_checkout, mds_runs):
     assert decided and "resharding global_step6" in decided[0], res.ucp_lines()
     _accounted(res, "native reshard")
     assert_continues(res, reference)
+
+
+def test_zero3_async_save_writes_what_a_synchronous_save_writes_and_resumes_through_its_universal_twin(
+    trained, mds_checkout, mds_runs
+):
+    """``--ucp-async-save`` at ZeRO-3: the synchronous run's losses and files (every rank's model states and rank
+    file, the save's random identity aside), each save converted once committed; resumed at DP 3 from the universal
+    twin of the asynchronous save (``--ucp-resume-route universal``), on the curve."""
+    from tests.support.state_compare import tag_differences
+
+    sync_root, sync = trained
+    root, res = mds_runs.get("zero3-train-async", lambda f: _train(mds_checkout, f, args=["--ucp-async-save"]))
+    assert res.losses == sync.losses and sorted(res.losses) == list(range(1, 13)), res.log[-3000:]
+    for tag in ("global_step6", "global_step12"):
+        assert tag_differences(root / tag, sync_root / tag, (str(root.parent), str(sync_root.parent))) == [], tag
+        assert universal_state(root / F.universal_tag(tag)) == "complete", tag
+    assert (root / F.LATEST).read_text() == "global_step12"
+    said = "\n".join(res.ucp_lines())
+    assert "global_step6 committed: every rank's files durable" in said, said[-3000:]
+    resumed = mds_runs.get(
+        "zero3-async-dp3-universal",
+        lambda f: _resume(mds_checkout, root, f, 3, args=["--ucp-resume-route", "universal"]),
+    )
+    assert any("global_step6_universal" in line for line in resumed.ucp_lines()), resumed.ucp_lines()[-20:]
+    _accounted(resumed, "universal load")
+    assert_continues(resumed, sync)

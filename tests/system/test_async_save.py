@@ -3,7 +3,8 @@
 The run saves at steps 2 and 4 as the shared synchronous run does: the losses are the synchronous run's step for
 step, every file of every tag holds the same tensors (torch.load'ed and compared, the save's random identity
 aside), the step-2 save commits at an optimizer step and the step-4 save (the last: no step follows) at the end of
-the run, from every rank's record. A background write that fails (its path taken by a folder: the ``OSError`` a
+the run, from every rank's record, and (ZeRO-1) each is converted in the background once committed, the last after
+the ranks left their process group. A background write that fails (its path taken by a folder: the ``OSError`` a
 full or failing file system gives) is said on every rank, naming the file, never becomes ``latest``, and training
 goes on.
 """
@@ -16,12 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ucp.convert.universal import universal_state
+from megatron_ucp.format import dsformat as F
 from tests.support.dsharness import TrainSpec, run_training
 from tests.support.dsharness.checkpoints import session_cache
 from tests.support.state_compare import tag_differences
 
 ASYNC = {"async_save": True}
 LAYOUTS = {"zero1": {"optimizer": "bf16"}, "zero3": {"optimizer": "zero", "zero_stage": 3}}
+CONVERTED = {"zero1": True, "zero3": False}
+"""With the background conversion: each save converted once committed, the last one after the process group is gone
+(the worker leaves it before it exits)."""
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -30,7 +36,15 @@ def test_an_async_save_writes_what_a_synchronous_save_writes_and_commits_after_e
     sync = session_cache()(dp=2, plugin=True, **fields)
     save = tmp_path / "ckpt"
     res = run_training(
-        TrainSpec(dp=2, steps=4, save_dir=save, save_at=(2, 4), plugin=True, plugin_kwargs=ASYNC, **fields)
+        TrainSpec(
+            dp=2,
+            steps=4,
+            save_dir=save,
+            save_at=(2, 4),
+            plugin=True,
+            plugin_kwargs={**ASYNC, "async_convert": CONVERTED[layout]},
+            **fields,
+        )
     )
     assert res.returncode == 0, res.log[-3000:]
     assert res.losses == sync.result.losses and len(res.losses) == 4
@@ -43,6 +57,9 @@ def test_an_async_save_writes_what_a_synchronous_save_writes_and_commits_after_e
     assert "global_step2 copied into host memory" in said and "global_step2 committed: every rank's files" in said
     assert "global_step4 committed at the end of the run" in said
     assert said.index("global_step2 committed") < said.index("global_step4 copied into host memory")
+    if CONVERTED[layout]:
+        for tag in ("global_step2", "global_step4"):
+            assert universal_state(save / F.universal_tag(tag)) == "complete", (tag, said[-3000:])
 
 
 def test_a_background_write_that_fails_is_said_on_every_rank_never_latest_and_training_goes_on(tmp_path: Path):

@@ -9,7 +9,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from megatron_ucp.integration.save.host_copy import HostBuffers, HostCopy, HostMemoryShort
+from megatron_ucp.integration.save.host_copy import HostBuffers, HostCopy, HostMemoryShort, WhenWritten, written_form
 
 
 def _state() -> dict:
@@ -75,3 +75,18 @@ def test_a_parameter_stays_a_parameter():
     p = torch.nn.Parameter(torch.ones(3), requires_grad=False)
     snap = HostCopy(HostBuffers()).of({"p": p})
     assert isinstance(snap["p"], torch.nn.Parameter) and not snap["p"].requires_grad and torch.equal(snap["p"], p)
+
+
+def test_a_value_computed_when_written_is_computed_from_the_copies_not_the_live_tensors():
+    live = _state()
+    exp_avg = live["optimizer"]["state"][0]["exp_avg"]
+    live["optimizer"]["record"] = WhenWritten(lambda t, scale: float(t.float().sum()) * scale, (exp_avg, 2))
+    snap = HostCopy(HostBuffers()).of(live)
+    exp_avg.mul_(10)  # training goes on after the save returned
+    written = written_form(snap)
+    assert written["optimizer"]["record"] == 10.0  # five ones, times two: the saved values
+    assert written["module"] is snap["module"]  # what holds no deferred value is not rebuilt
+    assert isinstance(snap["optimizer"]["record"], WhenWritten)  # the copy itself is left as it was
+    assert written_form(live)["optimizer"]["record"] == 100.0  # computed at once where nothing was copied
+    with pytest.raises(TypeError, match="unresolved"):
+        _saved(snap)  # never written as it is

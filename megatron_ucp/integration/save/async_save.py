@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import contextvars
 import functools
 import json
 import logging
@@ -54,7 +55,7 @@ from megatron_ucp.integration.save.commit import (
     watched_writes,
     write_pointer,
 )
-from megatron_ucp.integration.save.host_copy import HostBuffers, HostCopy, HostMemoryShort
+from megatron_ucp.integration.save.host_copy import HostBuffers, HostCopy, HostMemoryShort, WhenWritten, written_form
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,13 @@ class _State:
 
 
 _state = _State()
-_AFTER_COMMIT: list[Callable[[Any, str, str], None]] = []
-"""What runs on every rank once a save commits (``(engine, save_dir, tag)``: the background conversion's trigger)."""
+_COPYING: contextvars.ContextVar[bool] = contextvars.ContextVar("megatron_ucp_async_copying", default=False)
+"""True inside the save of :func:`async_save`: what its state dicts compute from their tensors may wait for the
+writer (:func:`when_written`)."""
+_AFTER_COMMIT: list[Callable[[Any, str, str, Optional[tuple[int, int]]], None]] = []
+"""What runs on every rank once a save commits (``(engine, save_dir, tag, place)``: the background conversion's
+trigger; ``place``, the rank and world size at the save, is given at the end of the run, where the process group may
+be gone)."""
 
 
 def wanted(config: UcpConfig) -> bool:
@@ -125,8 +131,8 @@ def on_uninstall() -> None:
     reset()
 
 
-def after_commit(callback: Callable[[Any, str, str], None]) -> None:
-    """``callback(engine, save_dir, tag)`` on every rank once an asynchronous save commits."""
+def after_commit(callback: Callable[[Any, str, str, Optional[tuple[int, int]]], None]) -> None:
+    """``callback(engine, save_dir, tag, place)`` on every rank once an asynchronous save commits."""
     _AFTER_COMMIT[:] = [callback]
 
 
@@ -192,8 +198,12 @@ def async_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: d
     host = HostCopy(_state.slots[_state.saves % len(_state.slots)])
     _state.saves += 1
     t0 = time.perf_counter()
-    with watched_writes(engine, lambda ce_save: _capture(ce_save, flight, host)):
-        result = original(*bound.args, **bound.kwargs)
+    copying = _COPYING.set(True)
+    try:
+        with watched_writes(engine, lambda ce_save: _capture(ce_save, flight, host)):
+            result = original(*bound.args, **bound.kwargs)
+    finally:
+        _COPYING.reset(copying)
     host.finish(surface.accelerator().synchronize)
     flight.returned = time.monotonic()
     _state.last_copied = host.copied_bytes
@@ -212,6 +222,12 @@ def async_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: d
     return result
 
 
+def when_written(compute: Callable[..., Any], *args: Any) -> Any:
+    """``compute(*args)`` now, or, inside an asynchronous save, when the file is written: from the host copies of the
+    tensors in ``args``, by the writer thread (the save record's checksums: not part of the stall)."""
+    return WhenWritten(compute, args) if _COPYING.get() else compute(*args)
+
+
 def _capture(ce_save: Callable[..., Any], flight: InFlight, host: HostCopy) -> Callable[..., Any]:
     def save(state_dict: Any, path: Any, *args: Any, **kwargs: Any) -> None:
         try:
@@ -220,7 +236,7 @@ def _capture(ce_save: Callable[..., Any], flight: InFlight, host: HostCopy) -> C
             if not _state.short_warned:
                 _state.short_warned = True
                 log.warning("megatron-ucp: %s: this save's files are written before it returns", exc)
-            _write(flight, lambda target: ce_save(state_dict, target, *args, **kwargs), str(path))
+            _write(flight, lambda target: ce_save(written_form(state_dict), target, *args, **kwargs), str(path))
             return None
         flight.files.append((lambda s, target: ce_save(s, target, *args, **kwargs), copied, str(path)))
         return None
@@ -248,7 +264,7 @@ def _write_saves() -> None:
             return
         try:
             for ce_save, copied, path in flight.files:
-                _write(flight, lambda target, ce_save=ce_save, copied=copied: ce_save(copied, target), path)
+                _write(flight, lambda target, save=ce_save, copied=copied: save(written_form(copied), target), path)
             flight.files.clear()  # the host copies go back to their buffers
             _fsync_folders(flight)
         finally:
@@ -363,7 +379,7 @@ def _commit(engine: Any, flight: InFlight) -> None:
             time.monotonic() - flight.returned,
         )
     for callback in _AFTER_COMMIT:
-        callback(engine, str(save.save_dir), save.tag)
+        callback(engine, str(save.save_dir), save.tag, None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,9 +409,9 @@ def at_end_of_run(wait: float) -> None:
             if why is not None:
                 log.error("megatron-ucp: %s was not committed at the end of the run: %s", flight.save.tag, why)
                 _state.failed.append(f"saving {flight.save.tag} in {flight.save.save_dir}: {why}")
-        if why is None and _process_group_alive():
+        if why is None:  # the process group may be gone: each rank's place as it saved
             for callback in _AFTER_COMMIT:
-                callback(None, str(flight.save.save_dir), flight.save.tag)
+                callback(None, str(flight.save.save_dir), flight.save.tag, (flight.rank, flight.world))
 
 
 def _records(paths: list[Path], deadline: float) -> list[dict]:
@@ -433,11 +449,6 @@ def _commit_from_records(flight: InFlight, records: list[Path], wait: float) -> 
     record_save_outcome(save.save_dir, save.tag)
     log.info("megatron-ucp: %s committed at the end of the run (every rank's files durable)", save.tag)
     return None
-
-
-def _process_group_alive() -> bool:
-    dist = comm()
-    return dist.is_available() and dist.is_initialized()
 
 
 def last_copied_bytes() -> int:

@@ -77,7 +77,7 @@ def install(patches: Any, config: UcpConfig) -> None:
     """Wrap the engine's save (and, on releases with decoupled checkpoint engines, its commit); the
     install checked the surface."""
     # stacked: the save recording wraps save_checkpoint too (it installs first); undone in reverse order
-    async_save.after_commit(lambda engine, save_dir, tag: _after_commit(engine, save_dir, tag, config))
+    async_save.after_commit(lambda engine, save_dir, tag, place: _after_commit(engine, save_dir, tag, config, place))
     surface.replace(
         patches, surface.ENGINE, "save_checkpoint", lambda original: _wrap_save(original, config), stack=True
     )
@@ -141,9 +141,12 @@ def _warn_once(key: str, message: str, *args: Any) -> None:
         log.warning(message, *args)
 
 
-def _after_commit(engine: Optional[Any], save_dir: str, tag: str, config: UcpConfig) -> None:
+def _after_commit(
+    engine: Optional[Any], save_dir: str, tag: str, config: UcpConfig, place: Optional[tuple[int, int]] = None
+) -> None:
     """Queue the conversion on each node's launcher; never raises (training goes on regardless). ``engine`` None: an
-    asynchronous save committed at the end of the run (its engine was handled when it saved)."""
+    asynchronous save committed at the end of the run (its engine was handled when it saved); ``place``: this
+    process's (rank, world size) at that save, when the process group may be gone."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
@@ -159,7 +162,7 @@ def _after_commit(engine: Optional[Any], save_dir: str, tag: str, config: UcpCon
                 "each node's files on its own disk; conversion needs them on one shared filesystem",
             )
             return
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, world = place if place is not None else (dist.get_rank(), dist.get_world_size())
         where = B.node_assignment(
             rank, world, launchenv.local_rank(os.environ), launchenv.local_size(os.environ), config.ranks_per_node
         )

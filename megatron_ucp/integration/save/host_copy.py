@@ -10,6 +10,10 @@ The host buffers are allocated once and reused by the next save of the same stru
 save's k-th storage goes to the k-th buffer when it fits. On an accelerator they are pinned (page-locked), so that
 the device-to-host copies run at the link's speed and overlap; one synchronisation ends the copy before the save
 returns. A buffer that cannot be had raises :class:`HostMemoryShort`: the caller saves synchronously instead.
+
+A value computed from saved tensors (the save record's checksums) may wait for the copy (:class:`WhenWritten`): its
+tensors are copied with the rest, and it is computed from the copies by the writer, just before the file is written
+(:func:`written_form`), so that the hashing is not part of the save's stall; it describes the bytes written.
 """
 
 from __future__ import annotations
@@ -54,6 +58,36 @@ class HostBuffers:
 
 
 @dataclass
+class WhenWritten:
+    """A value of a saved dict computed from saved tensors when its file is written: ``compute(*args)``."""
+
+    compute: Callable[..., Any]
+    args: tuple
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a value computed when its file is written reached pickle unresolved (see written_form)")
+
+
+def written_form(value: Any) -> Any:
+    """``value`` as it is written: each :class:`WhenWritten` in it (containers rebuilt) replaced by its value."""
+    if isinstance(value, WhenWritten):
+        return value.compute(*value.args)
+    if isinstance(value, dict) and _holds_deferred(value):
+        out = copy.copy(value)
+        for key, item in value.items():
+            out[key] = written_form(item)
+        return out
+    if isinstance(value, list) and _holds_deferred(value):
+        return [written_form(item) for item in value]
+    return value
+
+
+def _holds_deferred(value: Any) -> bool:
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return any(isinstance(item, WhenWritten) or _holds_deferred(item) for item in items)
+
+
+@dataclass
 class HostCopy:
     """One save's copy: its storages copied once each, in the order met."""
 
@@ -95,6 +129,8 @@ class HostCopy:
 def _rebuild(value: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         return tensor(value)
+    if isinstance(value, WhenWritten):  # computed from the copies
+        return WhenWritten(value.compute, _rebuild(value.args, tensor))
     if isinstance(value, dict):
         out = copy.copy(value)  # the same dict type (OrderedDict and the like), then each entry replaced
         for key, item in value.items():

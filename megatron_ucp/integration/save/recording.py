@@ -75,6 +75,14 @@ def _base_states(optimizer: Any, flats: list[Any]) -> list[dict[str, Any]]:
     return [dict(surface.base_optimizer(optimizer).state.get(flat, {})) for flat in flats]
 
 
+def _checksums(flats: list[Any], states: list[dict[str, Any]], record: dict[str, Any]) -> dict[str, Any]:
+    return partition_checksums(flats, states, record)[F.ZERO_PARTITION_CHECKSUMS]
+
+
+def _stage3_checksums(flats: list[Any], states: list[dict[str, Any]], groups: Stage3Groups, rank: int) -> dict:
+    return stage3_partition_checksums(flats, states, groups, rank)[F.ZERO_PARTITION_CHECKSUMS]
+
+
 def _record(layout: OptimizerLayout) -> Callable[[Any], dict[str, Any]]:
     """What one optimizer class adds to the dict it saves, read where its layout keeps it."""
 
@@ -98,7 +106,12 @@ def _record(layout: OptimizerLayout) -> Callable[[Any], dict[str, Any]]:
                 record[F.GROUP_PADDINGS],
             )
         flats = layout.masters(optimizer)
-        out = {**record, **partition_checksums(flats, _base_states(optimizer, flats), record)}
+        out = {
+            **record,
+            F.ZERO_PARTITION_CHECKSUMS: async_save.when_written(
+                _checksums, flats, _base_states(optimizer, flats), record
+            ),
+        }
         save_id = _SAVE_ID.get()
         if save_id is not None:  # the DP group's place (a mixture-of-experts job's expert groups are smaller)
             group = surface.dp_group(optimizer)
@@ -129,7 +142,9 @@ def _record_stage3(layout: OptimizerLayout) -> Callable[[Any], dict[str, Any]]:
             )
         out = {
             **stage3_partition_record(groups, rank),
-            **stage3_partition_checksums(flats, _base_states(optimizer, flats), groups, rank),
+            F.ZERO_PARTITION_CHECKSUMS: async_save.when_written(
+                _stage3_checksums, flats, _base_states(optimizer, flats), groups, rank
+            ),
         }
         save_id = _SAVE_ID.get()
         if save_id is not None:

@@ -9,11 +9,11 @@
     res.losses, res.steps, res.optimizer_class, res.dumps["state_step4"]
 
 ``run_training`` runs ``spec.dp`` ranks of ``tests.support.dsharness.worker`` from the repository root (gloo
-rendezvous on a free local port, ``DS_ACCELERATOR=cpu``, ``OMP_NUM_THREADS=1``): on the CPU forked from one
-interpreter that imported torch and DeepSpeed once (``zygote.py``: a DP 4 run took 8.9 s, 4.2 s now;
-``UCP_HARNESS_FORK=0`` starts each rank as its own ``python -m tests.support.dsharness.worker <spec-json>``, as a
-CUDA run always does). It kills every rank when one dies or on timeout, and raises ``RuntimeError`` with the log tail
-on a non-zero exit unless ``spec.expect_failure``.
+rendezvous on a free local port, ``DS_ACCELERATOR=cpu``, ``OMP_NUM_THREADS=1``): on the CPU forked from a process
+that imported torch and DeepSpeed once for the session (``tests/support/preload``; ``UCP_PRELOAD=0`` starts each rank
+as its own ``python -m tests.support.dsharness.worker <spec-json>``, as a CUDA run always does). It kills every rank
+when one dies or on timeout, and raises ``RuntimeError`` with the log tail on a non-zero exit unless
+``spec.expect_failure``.
 
 Dumps (when ``spec.dump_dir`` is set), written right after a load (suffix ``_loaded``) and after
 every save; ``N`` is ``engine.global_steps``:

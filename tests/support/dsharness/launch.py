@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from tests.support.preload import pool as preload_pool
+
 from .spec import MARKER, TrainResult, TrainSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -21,6 +23,8 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 FAILURE_GRACE_S = 3.0
 _PORT_IN_USE = ("address already in use", "eaddrinuse")
 _LOG_TAIL_CHARS = 6000
+HARNESS_IMPORTS = ("tests.support.dsharness.worker",)
+"""Imported once by the preload server beside torch and DeepSpeed (the worker imports nothing else heavy)."""
 
 
 def free_port() -> int:
@@ -94,25 +98,19 @@ def _rank_env(spec: TrainSpec, rank: int, port: int) -> dict[str, str]:
     return env
 
 
-def forks(env: dict[str, str]) -> bool:
-    """Whether a run with this environment forks its ranks from one interpreter (zygote.py): on the CPU, unless
-    ``UCP_HARNESS_FORK=0``. CUDA must not be initialised before a fork: a CUDA run starts each rank fresh."""
-    return env.get("DS_ACCELERATOR", "cpu") == "cpu" and env.get("UCP_HARNESS_FORK", "1") != "0"
-
-
 class _Forked:
-    """The ranks of one run forked by tests/support/dsharness/zygote.py: their exit statuses as they end, and a kill
-    of every session (each rank leads one) and of the zygote."""
+    """The ranks of one run forked by a preload server (tests/support/preload): their exit statuses as they end, and a
+    kill of every session (each rank leads one) and of the client that stands for the job."""
 
-    def __init__(self, zygote: subprocess.Popen, folder: Path, ranks: int) -> None:
-        self.zygote, self.folder, self.ranks = zygote, folder, ranks
+    def __init__(self, client: subprocess.Popen, folder: Path, ranks: int) -> None:
+        self.client, self.folder, self.ranks = client, folder, ranks
 
     def codes(self) -> list[Optional[int]]:
         out: list[Optional[int]] = []
         for rank in range(self.ranks):
             path = self.folder / f"rank{rank}.exit"
             out.append(int(path.read_text()) if path.is_file() else None)
-        if self.zygote.poll() is not None:  # the zygote died before some rank was forked or reaped
+        if self.client.poll() is not None:  # the job ended before some rank was forked or reaped
             out = [70 if code is None and not self._alive(rank) else code for rank, code in enumerate(out)]
         return out
 
@@ -138,7 +136,7 @@ class _Forked:
                     os.killpg(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-        _kill(self.zygote)
+        _kill(self.client)
 
 
 def _launch_once(spec: TrainSpec, port: int) -> TrainResult:
@@ -151,11 +149,19 @@ def _launch_once(spec: TrainSpec, port: int) -> TrainResult:
         forked: Optional[_Forked] = None
         handles = []
         try:
-            env = _rank_env(spec, 0, port)  # forked: RANK and LOCAL_RANK are each rank's own
-            if forks(env):
-                handles.append(open(Path(tmp) / "zygote.log", "wb"))
-                zygote = subprocess.Popen(
-                    [python, "-m", "tests.support.dsharness.zygote", spec_json, tmp],
+            env = _rank_env(spec, 0, port)  # forked: the agent sets each rank's RANK and LOCAL_RANK
+            client = preload_pool.launch_command(
+                env,
+                spec.dp,
+                port,
+                python,
+                imports=HARNESS_IMPORTS,
+                options=("--rank-logs", tmp, "--no-stop-on-failure"),
+            )
+            if client is not None:
+                handles.append(open(Path(tmp) / "launcher.log", "wb"))
+                proc = subprocess.Popen(
+                    [*client, "-m", "tests.support.dsharness.worker", spec_json],
                     cwd=REPO_ROOT,
                     env=env,
                     stdout=handles[-1],
@@ -163,7 +169,7 @@ def _launch_once(spec: TrainSpec, port: int) -> TrainResult:
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
-                forked = _Forked(zygote, Path(tmp), spec.dp)
+                forked = _Forked(proc, Path(tmp), spec.dp)
             else:
                 for rank in range(spec.dp):
                     handle = open(outputs[rank], "wb")
@@ -206,8 +212,8 @@ def _launch_once(spec: TrainSpec, port: int) -> TrainResult:
         if forked is None:
             codes = [p.returncode for p in procs]
         logs = [path.read_text(errors="replace") if path.is_file() else "" for path in outputs]
-        if forked is not None and (Path(tmp) / "zygote.log").stat().st_size:
-            logs[0] += "\n===== harness: the zygote's own output =====\n" + (Path(tmp) / "zygote.log").read_text(
+        if forked is not None and (Path(tmp) / "launcher.log").stat().st_size:
+            logs[0] += "\n===== harness: the launcher's own output =====\n" + (Path(tmp) / "launcher.log").read_text(
                 errors="replace"
             )
     wall = time.perf_counter() - start

@@ -557,29 +557,20 @@ def _tear_down() -> None:
 
 
 def run_rank(argv: list[str]) -> NoReturn:
-    """This process as one rank, to its end: a fresh interpreter's (``python -m``) or a forked one's
-    (tests/support/dsharness/zygote.py). Past the barrier and the group's teardown every rank's work is on disk. The
-    exit handlers run as at any exit (megatron-ucp's end-of-run wait for background conversions is one), then the
-    process leaves without the rest of interpreter finalization, where a C++ thread left behind still aborted a
-    finished rank once ("terminate called without an active exception", exit -6, after every rank had passed the
-    final barrier). An exception ends it as the interpreter would: ``sys.excepthook``, the exit handlers, status 1."""
-    import atexit
-    import threading
+    """This process as one rank, to its end: a fresh interpreter's (``python -m``) or one forked by a preload server
+    (tests/support/preload). An exception ends it as the interpreter would: ``sys.excepthook``, status 1; then
+    :func:`tests.support.preload.rank.exit_as_the_interpreter_would` (past the barrier and the group's teardown every
+    rank's work is on disk)."""
+    from tests.support.preload.rank import exit_as_the_interpreter_would, status_of
 
     try:
         code = main(argv)
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        code = status_of(exc)
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()  # what finalization would wait for
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_as_the_interpreter_would(code)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,13 @@ class _DisableShmComm(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, _DisableShmComm())
 
-if os.environ.get("UCP_TEST_PRIVATE_LOAD") == "1" and "RANK" in os.environ and "--load" in sys.argv:  # ranks only
-    at = sys.argv.index("--load") + 1
-    sys.argv[at] = f"{sys.argv[at]}.rank{os.environ.get('RANK', '0')}"
+
+def edit_rank_process() -> None:
+    """What is per process (3. above): run at a fresh interpreter's start, and by a rank forked from a preload server
+    (tests/support/preload/rank.py) once its environment and arguments are its own."""
+    if os.environ.get("UCP_TEST_PRIVATE_LOAD") == "1" and "RANK" in os.environ and "--load" in sys.argv:  # ranks only
+        at = sys.argv.index("--load") + 1
+        sys.argv[at] = f"{sys.argv[at]}.rank{os.environ.get('RANK', '0')}"
+
+
+edit_rank_process()
