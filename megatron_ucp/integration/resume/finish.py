@@ -36,12 +36,13 @@ from megatron_ucp.format.rawtensor import torch_views_from_raw
 from megatron_ucp.integration.collectives import comm, is_first
 from megatron_ucp.integration.live_job import LiveJob, live_groups
 from megatron_ucp.integration.resume.engine_load import CopiedFrom, LoadOutcome, loaded_path
-from megatron_ucp.integration.resume.module_read import with_the_rest_exchanged
+from megatron_ucp.integration.resume.module_read import how_module_is_read, with_the_rest_exchanged
 from megatron_ucp.plan.accounting import Problem, ProblemKind
 from megatron_ucp.plan.names import counterpart_names
 from megatron_ucp.plan.reshard import pieces_in
 from megatron_ucp.plan.resume import (
     SCHEDULE_FLAGS,
+    Route,
     check_global_batch,
     checkpoint_global_batch,
     restored_global_samples,
@@ -374,7 +375,7 @@ def _account(job: LiveJob, outcome: LoadOutcome, kwargs: dict, config: UcpConfig
         extras += e
     if outcome.restore_module:
         optimized = set(job.optimized)
-        if config.module_read == "distributed":  # what has no master, read once across the DP group
+        if how_module_is_read(job, config, kwargs, Route.UNIVERSAL_EXISTING).distributed:  # once across the DP group
             states = with_the_rest_exchanged(states, optimized, load_path, job.dp_group)
         p, e = restore_module_tensors(engine.module, optimized, folder, states)
         problems += p

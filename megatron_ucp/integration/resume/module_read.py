@@ -19,18 +19,23 @@ and each rank loads 1/DP of the masters. So, for one load (:func:`module_from_ma
    otherwise by a fused optimizer, or the file edited since): the module is read in full, as DeepSpeed
    reads it, with one warning naming the file. A checksum the save hook records could not stand in
    for the read: it is taken on each rank's memory, not on the file the model states hold.
+
+Whether a load reads the module so, and how each route reads the model-states file, is decided in one place:
+:func:`how_module_is_read`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from megatron_ucp import faults
+from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.reader import flatten_module_states, load_raw
 from megatron_ucp.deepspeed.tensor_reads import read_tensor_range
@@ -40,8 +45,56 @@ from megatron_ucp.format.exact_read import RangeReader, file_offset
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.integration.collectives import comm, device
 from megatron_ucp.integration.live_job import LiveJob
+from megatron_ucp.plan.resume import Route
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModuleRead:
+    """How one load reads the module: once across the job (``distributed``: the optimized weights from the masters,
+    what has no master read as 1/DP slices and exchanged) or whole on every rank, as DeepSpeed reads it
+    (``why_full`` says why); ``lazy``: DeepSpeed's model-states loader reads the pickle without the weights' bytes."""
+
+    why_full: Optional[str]
+    lazy: bool
+
+    @property
+    def distributed(self) -> bool:
+        return self.why_full is None
+
+
+ZERO3_OWN_READ = "ZeRO-3: DeepSpeed's own optimizer load restores the module from the masters"
+
+
+def how_module_is_read(job: LiveJob, config: UcpConfig, kwargs: dict, route: Route) -> ModuleRead:
+    """The one decision, per route. A universal load restores the module tensors from its folder, so only
+    ``module_read`` decides; a native load of ZeRO-3 leaves the module to DeepSpeed's optimizer load (the reshard,
+    which replaces that load, reads the model states lazily); a native load of ZeRO-1/2 reads the module once
+    across the job unless :func:`full_module_reason` says why not."""
+    if route is not Route.NATIVE and route is not Route.RESHARD:
+        why = None if config.module_read == "distributed" else f"module_read={config.module_read}"
+        return ModuleRead(why, lazy=why is None or job.per_parameter)
+    if job.per_parameter:
+        return ModuleRead(ZERO3_OWN_READ, lazy=route is Route.RESHARD)
+    why = full_module_reason(job, config, kwargs)
+    return ModuleRead(why, lazy=why is None)
+
+
+def full_module_reason(job: LiveJob, config: UcpConfig, kwargs: dict) -> Optional[str]:
+    """Why a ZeRO-1/2 native load reads the module as DeepSpeed does (every rank, whole); None: once across the
+    job."""
+    if config.module_read != "distributed":
+        return f"module_read={config.module_read}"
+    if kwargs.get("load_module_only") or not kwargs.get("load_optimizer_states", True):
+        return "no optimizer states to rebuild the weights from"
+    if kwargs.get("custom_load_fn") is not None:
+        return "a custom module load function"
+    if getattr(job.engine, "has_moe_layers", False):
+        return "mixture of experts: the experts' weights are in their own files, which DeepSpeed's module load reads"
+    if not job.loads_fp32_masters:
+        return "zero_optimization.load_from_fp32_weights is off: DeepSpeed derives the masters from the weights"
+    return None
 
 
 class SavedWeights:

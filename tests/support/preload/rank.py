@@ -18,15 +18,15 @@ STARTUP_FAILED = 70
 
 
 def exit_as_the_interpreter_would(code: int) -> NoReturn:
-    """Wait for the non-daemon threads, run the exit handlers (megatron-ucp's end-of-run commit and wait are some),
-    flush, and leave without the rest of interpreter finalization, where a C++ thread left behind once aborted a
-    finished rank ("terminate called without an active exception", exit -6, after every rank had passed the final
-    barrier)."""
+    """What the interpreter does at exit, in its order: ``threading._shutdown`` (the thread pools' exit hooks, which
+    tell their idle workers to leave, then the non-daemon threads joined: joining them without the hooks waits
+    forever on a pool torch's compiler started), the exit handlers (megatron-ucp's end-of-run commit and wait are
+    some), the streams flushed; then it leaves without the rest of interpreter finalization, where a C++ thread left
+    behind once aborted a finished rank ("terminate called without an active exception", exit -6, after every rank
+    had passed the final barrier)."""
     import atexit
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

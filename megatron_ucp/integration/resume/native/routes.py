@@ -43,6 +43,7 @@ from megatron_ucp.integration.resume.engine_load import (
 )
 from megatron_ucp.integration.resume.module_read import (
     SavedWeights,
+    how_module_is_read,
     layer_hook,
     module_from_masters,
     rebuild,
@@ -58,25 +59,11 @@ from megatron_ucp.integration.resume.native.reshard import (
     verify_loaded,
 )
 from megatron_ucp.plan.accounting import AccountingReport
+from megatron_ucp.plan.resume import Route
 
 log = logging.getLogger(__name__)
 
 REBUILT = "module weights rebuilt from the masters (one all-gather; of the module, only what has no master read)"
-
-
-def full_module_reason(job: LiveJob, config: UcpConfig, kwargs: dict) -> Optional[str]:
-    """Why this load reads the module as DeepSpeed does (every rank, whole); None: once across the job."""
-    if config.module_read != "distributed":
-        return f"module_read={config.module_read}"
-    if kwargs.get("load_module_only") or not kwargs.get("load_optimizer_states", True):
-        return "no optimizer states to rebuild the weights from"
-    if kwargs.get("custom_load_fn") is not None:
-        return "a custom module load function"
-    if getattr(job.engine, "has_moe_layers", False):
-        return "mixture of experts: the experts' weights are in their own files, which DeepSpeed's module load reads"
-    if not job.loads_fp32_masters:
-        return "zero_optimization.load_from_fp32_weights is off: DeepSpeed derives the masters from the weights"
-    return None
 
 
 def _module_reads(job: LiveJob, model_states: Path, distributed: bool) -> Any:
@@ -129,8 +116,8 @@ def reshard_load(
     engine = job.engine
     rank_file, model_states = engine_save_files(job, load_dir, tag)
     per_parameter = job.per_parameter
-    why_full = None if per_parameter else full_module_reason(job, config, kwargs)
-    distributed = why_full is None and not per_parameter
+    how = how_module_is_read(job, config, kwargs, Route.RESHARD)
+    distributed = how.distributed
     first_read = seen_states if is_first() else None
     bound = bind_save(job, model_states, rank_file, first_read, requantize=config.requantize_8bit)
     reports: list[AccountingReport] = []
@@ -145,7 +132,7 @@ def reshard_load(
             one_model_states_file_per_rank(
                 engine,
                 always=True,
-                lazy=distributed or per_parameter,
+                lazy=how.lazy,
                 layer_hook=_layers(job, model_states, distributed),
                 path=model_states_for(job, Path(load_dir) / tag) if per_parameter else None,
             ) as read,
@@ -183,7 +170,7 @@ def reshard_load(
         )
     else:
         refreshed = refresh_lp_params(job)
-        module = f"module read in full ({why_full})" + (
+        module = f"module read in full ({how.why_full})" + (
             "; its weights were not the masters rounded to nearest: refreshed from the masters, as a universal "
             "load does"
             if refreshed
@@ -216,12 +203,12 @@ def same_dp_load(
     rank_file, model_states = engine_save_files(job, load_dir, tag)
     bound = bind_save(job, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
     flat = not job.per_parameter
-    why_full = full_module_reason(job, config, kwargs)
-    distributed = bound is not None and flat and why_full is None
+    how = how_module_is_read(job, config, kwargs, Route.NATIVE)
+    distributed = bound is not None and how.distributed
     try:
         with (
             one_model_states_file_per_rank(
-                engine, always=True, lazy=True, layer_hook=_layers(job, model_states, distributed)
+                engine, always=True, lazy=how.lazy, layer_hook=_layers(job, model_states, distributed)
             )
             if distributed
             else contextlib.nullcontext(ClientStates()) as read,
@@ -250,7 +237,7 @@ def same_dp_load(
                 else _read_in_full(engine, read, model_states, kwargs)
             )
         elif flat:
-            what += f"; module read in full ({why_full})"
+            what += f"; module read in full ({how.why_full})"
     finally:
         getattr(saved, "close", lambda: None)()
     if is_first():

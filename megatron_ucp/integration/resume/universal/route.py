@@ -40,6 +40,7 @@ from megatron_ucp.integration.resume.engine_load import (
     replacing_optimizer_load,
     universal_mode,
 )
+from megatron_ucp.integration.resume.module_read import how_module_is_read
 from megatron_ucp.integration.resume.universal.partition_load import (
     collecting_reports,
     hand_in,
@@ -96,7 +97,7 @@ def universal_load(
         collecting_reports() as reports,
         universal_mode(
             engine,
-            lazy=config.module_read == "distributed" or job.per_parameter,
+            lazy=how_module_is_read(job, config, kwargs, decision.route).lazy,
             path=model_states_for(job, folder) if folder is not None else None,
         ) as read,
         _stage3_partition_loader(job, config) if job.per_parameter else contextlib.nullcontext(),
