@@ -231,6 +231,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_convert.py
 	$(BIN)/python benchmarks/bench_resume.py
 	$(BIN)/python benchmarks/bench_reads.py
+	set -e; $(foreach dp,1 2 4,$(BIN)/python benchmarks/bench_async_save.py --model m100 --dp $(dp) --saves 3;)
 
 # Synthetic checkpoints at DP up to 768 (megatron_ucp.synthetic): conversion against DP and against
 # stock and the ALCF converter, and the AuroraGPT-7B plan from metadata; then ZeRO-3 at DP 8 and 768
