@@ -11,6 +11,7 @@ goes on.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,26 @@ def test_a_background_write_that_fails_is_said_on_every_rank_never_latest_and_tr
     assert status.returncode == 0, status.stderr
     for tag in ("global_step2", "global_step4"):
         assert f"{tag}: an asynchronous save of it failed and did not become latest" in status.stdout, status.stdout
+
+
+def test_retention_removes_a_twin_only_once_a_newer_save_committed(tmp_path: Path):
+    """``keep_last=1`` with a save every step: the newest committed save's universal twin is never removed while a
+    newer save is still in flight (each removal comes after a later save's commit; the last twin stays)."""
+    from megatron_ucp.background.queue import EventKind
+    from megatron_ucp.background.store import SAVES_LOG, read_queue, ucp_dir
+
+    save = tmp_path / "ckpt"
+    kwargs = {**ASYNC, "async_convert": True, "keep_last": 1}
+    res = run_training(TrainSpec(dp=2, steps=4, save_dir=save, save_at=(1, 2, 3, 4), plugin=True, plugin_kwargs=kwargs))
+    assert res.returncode == 0, res.log[-3000:]
+    assert sorted(p.name for p in save.glob("global_step*_universal")) == ["global_step4_universal"]
+    assert universal_state(save / "global_step4_universal") == "complete"
+    lines = [json.loads(line) for line in (ucp_dir(save) / SAVES_LOG).read_text().splitlines()]
+    committed = {entry["tag"]: entry["at"] for entry in lines if not entry["failure"]}
+    assert sorted(committed) == [f"global_step{s}" for s in (1, 2, 3, 4)], lines
+    removed = [e for e in read_queue(save).events if e.kind is EventKind.REMOVED]
+    assert removed, read_queue(save).events  # retention ran
+    for event in removed:
+        step = int(event.tag.removeprefix("global_step"))
+        newer = [at for tag, at in committed.items() if int(tag.removeprefix("global_step")) > step]
+        assert newer and min(newer) <= event.time, (event, committed)
