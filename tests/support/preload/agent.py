@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Iterator, NoReturn, Optional
 
 from . import rank as rank_process
 
@@ -70,6 +70,18 @@ def _own_output(folder: Path, rank: int) -> None:
     os.close(log)
 
 
+def finished_children() -> Iterator[tuple[int, int]]:
+    """Each child process that has ended, as ``(pid, raw status)``, reaped without waiting for the others."""
+    while True:
+        try:
+            pid, raw = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, raw
+
+
 class _Job:
     def __init__(self, pids: dict[int, int], rank_logs: Optional[Path], stop_on_failure: bool) -> None:
         self.pids = pids  # pid -> rank
@@ -94,13 +106,7 @@ class _Job:
             self.kill_at = time.monotonic() + STOP_GRACE_S
 
     def reap(self) -> None:
-        while self.running():
-            try:
-                pid, raw = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, raw in finished_children():
             if pid in self.pids:
                 rank = self.pids[pid]
                 self.codes[rank] = _status(raw)

@@ -63,16 +63,6 @@ def receive(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), fds
 
 
-def _reap() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
 def serve(path: Path, modules: list[str]) -> None:
     from . import agent
 
@@ -82,7 +72,8 @@ def serve(path: Path, modules: list[str]) -> None:
     listener.bind(str(path))
     listener.listen(16)
     while os.getppid() == parent:
-        _reap()
+        for _ in agent.finished_children():  # the agents of jobs that ended
+            pass
         if not select.select([listener], [], [], 1.0)[0]:
             continue
         conn, _ = listener.accept()
