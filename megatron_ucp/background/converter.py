@@ -55,6 +55,7 @@ from megatron_ucp.background.store import (
     read_queue,
     read_registrations,
     record_event,
+    record_refusal,
     record_verdict,
     register,
     registration_path,
@@ -74,7 +75,7 @@ from megatron_ucp.convert.universal import (
     read_manifest,
     universal_state,
 )
-from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, described
+from megatron_ucp.errors import OutputExistsError, described
 from megatron_ucp.export.hf_export import EXPORT_MARKER
 from megatron_ucp.export.hf_source import HF_SUFFIX, hf_name
 from megatron_ucp.format import dsformat as F
@@ -270,7 +271,7 @@ class Converter:
                 record_event(self.root, job.tag, B.EventKind.FAILED, str(exc), attempt=job.attempt, log=str(log_path))
         except Exception as exc:  # the conversion failed: loud in the logs, harmless to training
             log.exception("conversion of %s failed", job.tag)
-            self._judge_refused(job.tag, exc)
+            record_refusal(self.root, job.tag, exc, CHECKED_BY)
             record_event(
                 self.root,
                 job.tag,
@@ -378,15 +379,6 @@ class Converter:
         except Exception as exc:  # loud in the logs and the store, harmless to training and to the conversion
             log.exception("Hugging Face export of %s failed", tag)
             record_event(self.root, tag, B.EventKind.FAILED, described(exc), **said)
-
-    def _judge_refused(self, tag: str, exc: BaseException) -> None:
-        """A conversion refused for what it found in the tag's own files (another save's file, a checksum that
-        does not match, a file that is not one checkpoint's): the tag is unsound, and the store says so."""
-        tag_dir = self.root / tag
-        subject = getattr(exc, "subject", None)
-        if not isinstance(exc, CheckpointFormatError) or subject is None or tag_dir not in Path(subject).parents:
-            return
-        record_verdict(self.root, tag, [str(exc)], CHECKED_BY, tag_identity(tag_dir))
 
     def _retention(self) -> None:
         keep = self.settings.keep_last

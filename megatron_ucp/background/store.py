@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 from megatron_ucp.background import queue as B
 from megatron_ucp.convert.universal import COMPLETE, inspect_staging, source_identity, universal_state
 from megatron_ucp.deepspeed.reader import find_checkpoint_files
-from megatron_ucp.errors import UcpError
+from megatron_ucp.errors import CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
 
@@ -369,6 +369,18 @@ def read_verdict(root: Path, tag: str) -> Optional[Verdict]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("%s: unreadable verdict, ignored (%s)", path, exc)
         return None
+
+
+def record_refusal(root: Path, tag: str, exc: BaseException, checked_by: str) -> Optional[Verdict]:
+    """A conversion refused for what it found in the tag's own files (another save's file, a checksum that does not
+    match, a file that is not one checkpoint's): the tag is unsound, and the store says so, so that ``status`` and the
+    next restart's fallback know it without reading the tag again. Any other failure (the output, the disk, an
+    interruption) says nothing of the tag: None, nothing recorded."""
+    tag_dir = Path(root) / tag
+    subject = getattr(exc, "subject", None)
+    if not isinstance(exc, CheckpointFormatError) or subject is None or tag_dir not in Path(subject).parents:
+        return None
+    return record_verdict(root, tag, [str(exc)], checked_by, tag_identity(tag_dir))
 
 
 def tag_identity(tag_dir: Path) -> dict:

@@ -8,10 +8,11 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_ucp.background.store import record_refusal
 from megatron_ucp.cli import add_shared
 from megatron_ucp.convert.distributed import DistributedConvertError, convert_distributed, detect_launch, launch_summary
-from megatron_ucp.convert.execute import ConvertOptions, convert
-from megatron_ucp.errors import AlreadyConvertedError, UcpError
+from megatron_ucp.convert.execute import ConvertOptions, convert, resolve_checkpoint
+from megatron_ucp.errors import AlreadyConvertedError, CheckpointFormatError, UcpError
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +84,25 @@ def run(args: argparse.Namespace) -> int:
     except AlreadyConvertedError as done:  # the job is done already: not an error
         print(f"megatron-ucp convert: {done}")
         return 0
+    except CheckpointFormatError as refused:  # the tag's own files are at fault: its verdict says so
+        _judge(args, refused)
+        raise
     print(result.summary)
     _exit_now_if_program(0)
     return 0
+
+
+CHECKED_BY = "megatron-ucp convert"
+
+
+def _judge(args: argparse.Namespace, refused: CheckpointFormatError) -> None:
+    """The tag's verdict after a conversion refused for what it found in the tag's files (``status`` and the next
+    restart read it); nothing when the tag itself cannot be resolved."""
+    try:
+        ck = resolve_checkpoint(args.root, tag=args.tag)
+    except UcpError:
+        return
+    record_refusal(ck.tag_dir.parent, ck.tag, refused, CHECKED_BY)
 
 
 def _options(args: argparse.Namespace, **more: object) -> ConvertOptions:

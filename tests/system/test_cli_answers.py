@@ -112,6 +112,23 @@ def test_a_damaged_tag_is_not_called_stale_advice_and_the_restart_answer_follow_
     assert " unsound " in row, row
 
 
+def test_a_conversion_refused_for_the_tags_own_files_records_its_verdict(root: Path, capsys):
+    """``convert`` of a tag whose rank file lost its end fails naming the file, and what it found is the tag's verdict:
+    status no longer says a restart resumes from it unread (the restart would only find it damaged again)."""
+    victim = root / TAG / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    with open(victim, "r+b") as fh:
+        fh.truncate(victim.stat().st_size - 100)
+    assert main(["status", str(root), "--check", "--no-sizes"]) == 0  # nothing has read it yet
+    assert "(not read yet" in capsys.readouterr().err
+    assert main(["convert", str(root), "--no-progress"]) == 2
+    assert str(victim) in capsys.readouterr().err
+    assert main(["status", str(root), "--check", "--no-sizes"]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("megatron-ucp status --check: no tag here can be resumed: ") and str(victim) in err, err
+    row = next(line for line in out.splitlines() if line.startswith(TAG))
+    assert " unsound " in row and "checked by megatron-ucp convert" in out, out
+
+
 @pytest.mark.parametrize("where", ["empty", "tag", "parent"])
 def test_status_of_a_folder_that_is_not_a_checkpoint_root_says_so_and_where_the_root_is(
     root: Path, tmp_path: Path, capsys, where: str
