@@ -55,16 +55,14 @@ from megatron_ucp.background.store import (
     read_queue,
     read_registrations,
     record_event,
-    record_refusal,
-    record_verdict,
     register,
     registration_path,
-    tag_identity,
     twin_path,
     ucp_dir,
     unregister,
     write_queue,
 )
+from megatron_ucp.background.verdicts import record_refusal, record_verdict, tag_identity
 from megatron_ucp.convert.execute import ConvertOptions, convert
 from megatron_ucp.convert.universal import (
     COMPLETE,

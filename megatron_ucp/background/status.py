@@ -27,10 +27,9 @@ from megatron_ucp.background.store import (
     read_fallbacks,
     read_queue,
     read_registrations,
-    read_verdict,
-    tag_identity,
     ucp_dir,
 )
+from megatron_ucp.background.verdicts import read_verdict, tag_identity
 from megatron_ucp.convert.universal import inspect_staging, read_manifest, universal_state
 from megatron_ucp.deepspeed.folder import is_native_tag
 from megatron_ucp.deepspeed.reader import recorded_sizes

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from megatron_ucp.background import queue as B
-from megatron_ucp.convert.universal import COMPLETE, inspect_staging, source_identity, universal_state
-from megatron_ucp.deepspeed.reader import find_checkpoint_files
-from megatron_ucp.errors import CheckpointFormatError, UcpError
+from megatron_ucp.convert.universal import COMPLETE, inspect_staging, universal_state
+from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
 
@@ -46,10 +45,6 @@ RUNNERS_DIR = "runners"
 
 
 PROGRESS_DIR = "progress"
-
-
-VERDICTS_DIR = "verdicts"
-"""``verdicts/<tag>.json``: whether a native tag was found sound, by whom, and for which files."""
 
 
 LOCK_STALE_S = 30.0
@@ -298,104 +293,6 @@ def record_event(root: Path, tag: str, kind: B.EventKind, message: str, **extra:
         "%s", event.line()
     )
     return event
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What the last full read of a native tag found: sound (every file this save's, every recorded checksum
-    matching, every master and optimizer state finite) or the problems, each naming its file."""
-
-    tag: str
-    sound: bool
-    problems: tuple[str, ...]
-    checked_by: str
-    """``background conversion`` or ``megatron-ucp verify``."""
-    source_files: dict
-    """The tag's files as they were read (:func:`megatron_ucp.convert.universal.source_identity`): a verdict
-    on files rewritten since (a re-save of the tag) does not apply to them."""
-    at: float
-
-    def applies_to(self, current: dict) -> bool:
-        return self.source_files == current
-
-    def describe(self) -> str:
-        if self.sound:
-            return f"sound (checked by {self.checked_by})"
-        more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
-        return f"{self.problems[0] if self.problems else '?'}{more} (checked by {self.checked_by})"
-
-
-VERDICT_PROBLEMS_KEPT = 20
-
-
-def record_verdict(root: Path, tag: str, problems: Sequence[str], checked_by: str, source_files: dict) -> Verdict:
-    """Write the tag's verdict into the store (replaced atomically) and log it; a store that cannot be
-    written is said in the log, never raised (the verdict's caller is a converter or a check)."""
-    verdict = Verdict(tag, not problems, tuple(problems[:VERDICT_PROBLEMS_KEPT]), checked_by, source_files, time.time())
-    folder = ucp_dir(root) / VERDICTS_DIR
-    record = {
-        "tag": tag,
-        "sound": verdict.sound,
-        "problems": list(verdict.problems),
-        "problem_count": len(problems),
-        "checked_by": checked_by,
-        "source_files": source_files,
-        "at": verdict.at,
-    }
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        quick_json(folder / f"{tag}.json", record)
-    except OSError as exc:
-        log.error("%s: cannot record the verdict on %s: %s", folder, tag, exc)
-    (log.info if verdict.sound else log.error)("%s: %s", tag, verdict.describe())
-    return verdict
-
-
-def read_verdict(root: Path, tag: str) -> Optional[Verdict]:
-    """The tag's recorded verdict; None when there is none or it cannot be read (said in the log)."""
-    path = ucp_dir(root) / VERDICTS_DIR / f"{tag}.json"
-    try:
-        raw = json.loads(path.read_text())
-        return Verdict(
-            str(raw["tag"]),
-            bool(raw["sound"]),
-            tuple(str(x) for x in raw["problems"]),
-            str(raw["checked_by"]),
-            dict(raw["source_files"]),
-            float(raw["at"]),
-        )
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("%s: unreadable verdict, ignored (%s)", path, exc)
-        return None
-
-
-def record_refusal(root: Path, tag: str, exc: BaseException, checked_by: str) -> Optional[Verdict]:
-    """A conversion refused for what it found in the tag's own files (another save's file, a checksum that does not
-    match, a file that is not one checkpoint's): the tag is unsound, and the store says so, so that ``status`` and the
-    next restart's fallback know it without reading the tag again. Any other failure (the output, the disk, an
-    interruption) says nothing of the tag: None, nothing recorded."""
-    tag_dir = Path(root) / tag
-    subject = getattr(exc, "subject", None)
-    if not isinstance(exc, CheckpointFormatError) or subject is None or tag_dir not in Path(subject).parents:
-        return None
-    return record_verdict(root, tag, [str(exc)], checked_by, tag_identity(tag_dir))
-
-
-def tag_identity(tag_dir: Path) -> dict:
-    """The tag's files as they are now (names, sizes, modification times: what a verdict applies to); {} when
-    they cannot be listed."""
-    try:
-        return source_identity(find_checkpoint_files(tag_dir).identity_files())
-    except (OSError, UcpError):
-        return {}
-
-
-def verdict_is_current(root: Path, tag: str) -> bool:
-    """The tag has a verdict on its files as they are now (nothing to verify again)."""
-    verdict = read_verdict(root, tag)
-    return verdict is not None and verdict.applies_to(tag_identity(root / tag))
 
 
 FALLBACKS_LOG = "fallbacks.jsonl"

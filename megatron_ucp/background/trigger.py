@@ -29,9 +29,9 @@ from megatron_ucp.background.store import (
     register,
     twin_path,
     ucp_dir,
-    verdict_is_current,
     write_queue,
 )
+from megatron_ucp.background.verdicts import verdict_is_current
 from megatron_ucp.convert.universal import COMPLETE, universal_state
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_ucp.background.store import record_refusal
+from megatron_ucp.background.verdicts import record_refusal
 from megatron_ucp.cli import add_shared
 from megatron_ucp.convert.distributed import DistributedConvertError, convert_distributed, detect_launch, launch_summary
 from megatron_ucp.convert.execute import ConvertOptions, convert, resolve_checkpoint

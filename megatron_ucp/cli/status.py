@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _deep(rs, progress: bool) -> dict[str, tuple[str, list[str]]]:
     """Per tag: one line saying what was read and found, and the problems (each naming its file)."""
-    from megatron_ucp.background.store import record_verdict, tag_identity
+    from megatron_ucp.background.verdicts import record_verdict, tag_identity
     from megatron_ucp.convert.native_verify import verify_native  # these import torch
     from megatron_ucp.convert.verify import verify_universal
 

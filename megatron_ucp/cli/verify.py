@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # these import torch: only for this command
-    from megatron_ucp.background.store import record_verdict, tag_identity
+    from megatron_ucp.background.verdicts import record_verdict, tag_identity
     from megatron_ucp.convert.native_verify import verify_native
     from megatron_ucp.convert.universal import is_universal_folder
     from megatron_ucp.convert.verify import twin_of, verify_universal

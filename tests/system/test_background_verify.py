@@ -10,8 +10,9 @@ from pathlib import Path
 
 from megatron_ucp.background import queue as B
 from megatron_ucp.background.status import root_status
-from megatron_ucp.background.store import ConverterSettings, read_queue, read_verdict, verdict_is_current
+from megatron_ucp.background.store import ConverterSettings, read_queue
 from megatron_ucp.background.trigger import trigger, unfinished, wait_for_converter
+from megatron_ucp.background.verdicts import read_verdict, verdict_is_current
 from megatron_ucp.format import dsformat as F
 from tests.support.dsharness import TrainSpec, run_training
 from tests.support.elastic_support import flip_a_bit_in_the_largest_record

@@ -24,7 +24,8 @@ import pytest
 
 from megatron_ucp.background.status import root_status
 from megatron_ucp.background.status_text import format_status
-from megatron_ucp.background.store import read_fallbacks, read_verdict, record_verdict
+from megatron_ucp.background.store import read_fallbacks
+from megatron_ucp.background.verdicts import read_verdict, record_verdict
 from megatron_ucp.cli import main
 from megatron_ucp.convert.universal import source_identity
 from megatron_ucp.deepspeed.reader import find_checkpoint_files

@@ -140,7 +140,7 @@ def test_every_save_is_judged_in_the_background_and_status_shows_the_verdict(tmp
     """The background conversion's own read is the tag's verdict (one read of the files): a NaN in a master or
     state makes it unsound (converted, named, ``latest_universal`` left where it was), a sound save sound; a
     verdict on files rewritten since is outdated; ``megatron-ucp verify`` records its verdict in the same store."""
-    from megatron_ucp.background.store import read_verdict
+    from megatron_ucp.background.verdicts import read_verdict
 
     nan_root, sound_root = tmp_path / "nan", tmp_path / "sound"
     culprit, name = _nan_in_exp_avg_sq(_save(nan_root, "zero1-bf16", record=False), 1)

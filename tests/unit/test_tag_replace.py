@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_ucp.background.store import VERDICTS_DIR, ucp_dir
+from megatron_ucp.background.store import ucp_dir
+from megatron_ucp.background.verdicts import VERDICTS_DIR
 from megatron_ucp.integration.save.commit import REPLACED_DIR, set_aside
 
 TAG = "global_step20"
@@ -60,3 +61,25 @@ def test_only_a_folder_holding_a_save_is_moved(tmp_path: Path):
     assert set_aside(tmp_path, TAG) is None  # no folder
     (tmp_path / TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").mkdir(parents=True)  # a directory: no file
     assert set_aside(tmp_path, TAG) is None and (tmp_path / TAG).is_dir()
+
+
+def test_latest_universal_goes_aside_with_the_twin_it_names_and_comes_back_with_it(tmp_path: Path):
+    """A pointer left naming a twin moved aside would send a universal load to a folder that is not there; moved with
+    it, a universal load of the new save converts it first, and a failed save puts the pointer back with its twin."""
+    earlier = _earlier_save(tmp_path)
+    earlier["latest_universal"] = f"{TAG}_universal".encode()
+    (tmp_path / "latest_universal").write_bytes(earlier["latest_universal"])
+    aside = set_aside(tmp_path, TAG)
+    assert not (tmp_path / "latest_universal").exists()
+    aside.put_back()
+    assert {k: v for k, v in _tree(tmp_path).items() if REPLACED_DIR not in k} == earlier
+    aside = set_aside(tmp_path, TAG)
+    aside.drop().join(timeout=30)
+    assert _tree(tmp_path) == {}
+
+
+def test_a_latest_universal_naming_another_twin_stays(tmp_path: Path):
+    _earlier_save(tmp_path)
+    (tmp_path / "latest_universal").write_text("global_step30_universal")  # a newer tag's twin
+    set_aside(tmp_path, TAG).drop().join(timeout=30)
+    assert _tree(tmp_path) == {"latest_universal": b"global_step30_universal"}

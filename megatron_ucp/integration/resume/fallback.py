@@ -5,7 +5,7 @@ the save, a file of another run) dies at restart until somebody edits ``latest``
 is sound. When a load names no tag (Megatron's and DeepSpeed's default: the tag in ``latest``), each candidate,
 newest first, is judged before anything is loaded, on the first rank, from what is already known about it:
 
-* its folder there, and its verdict (:func:`megatron_ucp.background.store.read_verdict`: the background
+* its folder there, and its verdict (:func:`megatron_ucp.background.verdicts.read_verdict`: the background
   conversion's read of every file, or ``megatron-ucp verify``'s) when that says unsound and applies to the
   files as they are now (their names, sizes and modification times): nothing of the tag's bytes is read, so a
   restart still reads each byte of the checkpoint once.
@@ -34,15 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from megatron_ucp.background.store import (
-    FALLBACKS_LOG,
-    read_fallbacks,
-    read_verdict,
-    record_fallback,
-    record_verdict,
-    tag_identity,
-    ucp_dir,
-)
+from megatron_ucp.background.store import FALLBACKS_LOG, read_fallbacks, record_fallback, ucp_dir
+from megatron_ucp.background.verdicts import read_verdict, record_verdict, tag_identity
 from megatron_ucp.convert.universal import COMPLETE, source_identity, universal_state
 from megatron_ucp.deepspeed.folder import is_native_tag
 from megatron_ucp.deepspeed.reader import find_checkpoint_files

@@ -27,12 +27,12 @@ later load refuses the folder ("files of another save in the folder?"), falls ba
 losing the same iterations at every restart.
 
 Before a hooked save writes (:func:`set_aside`, the first rank; every rank waits for it), an existing folder of the
-tag is moved aside whole, with the universal twin, Hugging Face export and verdict made of it, into
-``<save_dir>/.ucp/replaced/<tag>.<time>.<pid>/``, by renames (instant on one file system). When the new save commits,
-that folder is removed (:meth:`SetAside.drop`, in the background: the earlier save was replaced by the user's own
-save); when the save fails, the partial new folder is moved there in its turn and the earlier save put back
-(:meth:`SetAside.put_back`): a failed save changes nothing, and the earlier save is never deleted before its
-replacement commits.
+tag is moved aside whole, with the universal twin, Hugging Face export and verdict made of it (and ``latest_universal``
+when it names that twin), into ``<save_dir>/.ucp/replaced/<tag>.<time>.<pid>.<unique>/``, by renames (instant on one
+file system). When the new save commits, that folder is removed (:meth:`SetAside.drop`, in the background: the earlier
+save was replaced by the user's own save); when the save fails, the partial new folder is moved there in its turn and
+the earlier save put back (:meth:`SetAside.put_back`): a failed save changes nothing, and the earlier save is never
+deleted before its replacement commits.
 """
 
 from __future__ import annotations
@@ -43,17 +43,20 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from megatron_ucp.background.store import VERDICTS_DIR, ucp_dir
+from megatron_ucp.background.store import ucp_dir
+from megatron_ucp.background.verdicts import VERDICTS_DIR
 from megatron_ucp.deepspeed import surface
-from megatron_ucp.errors import SaveFailedError
+from megatron_ucp.errors import CheckpointFormatError, SaveFailedError
 from megatron_ucp.export.hf_source import hf_name
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.integration.collectives import (
     Failure,
     comm,
@@ -73,13 +76,27 @@ CHECKPOINT_FILE_ENDINGS = ("optim_states.pt", "model_states.pt")
 
 
 def _companions(save_dir: Path, tag: str) -> dict[str, Path]:
-    """What belongs to the tag's save: its folder, its universal twin, its export, its verdict (name -> path)."""
+    """What belongs to the tag's save: its folder, its universal twin, its export, its verdict, and
+    ``latest_universal`` when it names that twin (name -> path)."""
     return {
         tag: save_dir / tag,
         F.universal_tag(tag): save_dir / F.universal_tag(tag),
         hf_name(tag): save_dir / hf_name(tag),
         f"verdict-{tag}.json": ucp_dir(save_dir) / VERDICTS_DIR / f"{tag}.json",
+        F.LATEST_UNIVERSAL: save_dir / F.LATEST_UNIVERSAL,
     }
+
+
+def _belongs(name: str, path: Path, tag: str) -> bool:
+    """Whether ``path`` (one of :func:`_companions`) is there and is the tag's: ``latest_universal`` only while it
+    names the tag's twin (moved aside with it, a pointer to a folder no longer there would send a universal load to
+    nothing; a load without it converts the new save first)."""
+    if name != F.LATEST_UNIVERSAL:
+        return path.exists()
+    try:
+        return path.is_file() and read_tag_file(path) == F.universal_tag(tag)
+    except CheckpointFormatError:  # not a pointer this save can judge: left where it is
+        return False
 
 
 @dataclass(frozen=True)
@@ -129,11 +146,12 @@ def set_aside(save_dir: Path, tag: str) -> Optional[SetAside]:
     existing = _companions(save_dir, tag)
     if not holds_a_save(existing[tag]):
         return None
-    folder = ucp_dir(save_dir) / REPLACED_DIR / f"{tag}.{time.strftime('%Y%m%d-%H%M%S')}.{os.getpid()}"
-    folder.mkdir(parents=True)
+    (ucp_dir(save_dir) / REPLACED_DIR).mkdir(parents=True, exist_ok=True)
+    stamp = f"{tag}.{time.strftime('%Y%m%d-%H%M%S')}.{os.getpid()}."  # unique: a tag may be set aside twice a second
+    folder = Path(tempfile.mkdtemp(prefix=stamp, dir=ucp_dir(save_dir) / REPLACED_DIR))
     moved = []
     for name, path in existing.items():
-        if path.exists():
+        if _belongs(name, path, tag):
             os.replace(path, folder / name)
             moved.append(name)
     log.warning(
