@@ -87,11 +87,8 @@ PROGRESS_EVERY_S = 2.0
 
 
 def lower_priority(nice: int) -> str:
-    """Lowest best-effort I/O class level and ``nice``: training and data loading come first.
-
-    Called first thing in the converter's main thread, so the threads and processes it starts inherit
-    both. Returns what was applied, for the log.
-    """
+    """Lowest best-effort I/O class level and ``nice``: training and data loading come first. Called first thing in
+    the converter's main thread, so the threads and processes it starts inherit both. Returns what was applied."""
     applied = []
     if nice:
         try:
@@ -223,6 +220,7 @@ class Converter:
             ucp_dir(self.root) / PROGRESS_DIR / f"{job.tag}.node{share}.json", job.attempt, job.tag, self.node
         )
         t0 = time.perf_counter()
+        read = tag_identity(self.root / job.tag)  # the files as they are before they are read
         try:
             log.info(
                 "converting %s, share %d of %d (attempt %s, %d worker(s))",
@@ -250,7 +248,7 @@ class Converter:
             )
             log.info("%s", result.summary)
             if result.committed:
-                self._finish(job, output, log_path, time.perf_counter() - t0)
+                self._finish(job, output, log_path, time.perf_counter() - t0, read)
         except Terminated as exc:  # say so before the process ends (the queue would only see it die)
             record_event(
                 self.root,
@@ -269,15 +267,9 @@ class Converter:
                 record_event(self.root, job.tag, B.EventKind.FAILED, str(exc), attempt=job.attempt, log=str(log_path))
         except Exception as exc:  # the conversion failed: loud in the logs, harmless to training
             log.exception("conversion of %s failed", job.tag)
-            record_refusal(self.root, job.tag, exc, CHECKED_BY)
-            record_event(
-                self.root,
-                job.tag,
-                B.EventKind.FAILED,
-                described(exc),
-                attempt=job.attempt,
-                log=str(log_path),
-            )
+            record_refusal(self.root, job.tag, exc, CHECKED_BY, read)
+            record_event(self.root, job.tag, B.EventKind.FAILED, described(exc), attempt=job.attempt, log=str(log_path))
+            self._again_if_saved_again(job, read)
         finally:
             progress.remove()
             logging.getLogger().removeHandler(handler)
@@ -300,6 +292,7 @@ class Converter:
             record_verdict(self.root, job.tag, report.problems, VERIFIED_BY, identity)
             kind = B.EventKind.COMPLETE if report.ok else B.EventKind.REJECTED
             record_event(self.root, job.tag, kind, report.summary(), seconds=round(report.seconds, 3), **said)
+            self._again_if_saved_again(job, identity)
         except Terminated as exc:
             record_event(self.root, job.tag, B.EventKind.INTERRUPTED, f"verification stopped by {exc}", **said)
             raise
@@ -310,8 +303,9 @@ class Converter:
             logging.getLogger().removeHandler(handler)
             handler.close()
 
-    def _finish(self, job: B.Job, output: Path, log_path: Path, seconds: float) -> None:
-        """The committer: read-back verification, then ``latest_universal``, then retention."""
+    def _finish(self, job: B.Job, output: Path, log_path: Path, seconds: float, read: dict) -> None:
+        """The committer: read-back verification, then ``latest_universal``, then retention; a tag saved again while
+        it was read is converted again (``read``: its files before the conversion read them)."""
         from megatron_ucp.convert.verify import verify_universal
 
         try:
@@ -337,8 +331,11 @@ class Converter:
         manifest = read_manifest(output) or {}
         non_finite = list(manifest.get("non_finite") or [])
         record_verdict(self.root, job.tag, non_finite, CHECKED_BY, manifest.get("source_files") or {})
+        resaved = tag_identity(self.root / job.tag) != read
         if non_finite:  # a restart should not be pointed at NaN
             moved = f"latest_universal unchanged: {job.tag}'s masters or optimizer states are not finite"
+        elif resaved:  # the twin is of the earlier save: stale at birth
+            moved = f"latest_universal unchanged: {job.tag} was saved again while it was converted"
         else:
             moved = move_latest_universal(self.root, output)
         record_event(
@@ -351,9 +348,22 @@ class Converter:
             log=str(log_path),
             seconds=round(seconds, 3),
         )
+        if resaved:
+            self._again_if_saved_again(job, read)
+            return
         if self.settings.export_hf:
             self._export_hf(job.tag, output, log_path, finite=not non_finite)
         self._retention()
+
+    def _again_if_saved_again(self, job: B.Job, read: dict) -> None:
+        """A job settled on files replaced while it read them (a save of the tag again, as Megatron's last iteration,
+        whose own request joined this active job): the tag is requested again, for its newest save."""
+        if tag_identity(self.root / job.tag) == read:
+            return
+        with QueueLock(self.root, timeout=60.0):
+            state, events = B.request(read_queue(self.root), job.tag, job.share_count, time.time(), kind=job.kind)
+            write_queue(self.root, state, events)
+        log.warning("%s was saved again while its %s job read it: queued again for its newest save", job.tag, job.kind)
 
     def _export_hf(self, tag: str, universal: Path, log_path: Path, finite: bool) -> None:
         """The Hugging Face export of a converted tag, from its universal folder, in this process (never the

@@ -95,16 +95,21 @@ def read_verdict(root: Path, tag: str) -> Optional[Verdict]:
         return None
 
 
-def record_refusal(root: Path, tag: str, exc: BaseException, checked_by: str) -> Optional[Verdict]:
+def record_refusal(root: Path, tag: str, exc: BaseException, checked_by: str, read: dict) -> Optional[Verdict]:
     """A conversion refused for what it found in the tag's own files (another save's file, a checksum that does not
     match, a file that is not one checkpoint's): the tag is unsound, and the store says so, so that ``status`` and the
-    next restart's fallback know it without reading the tag again. Any other failure (the output, the disk, an
-    interruption) says nothing of the tag: None, nothing recorded."""
+    next restart's fallback know it without reading the tag again. ``read``: the tag's files as they were before the
+    conversion read them (:func:`tag_identity`). Nothing is recorded (None) for any other failure (the output, the disk,
+    an interruption), nor when the files changed while they were read (a save of the tag replacing them: what was
+    refused may be the mixture, never the new save)."""
     tag_dir = Path(root) / tag
     subject = getattr(exc, "subject", None)
     if not isinstance(exc, CheckpointFormatError) or subject is None or tag_dir not in Path(subject).parents:
         return None
-    return record_verdict(root, tag, [str(exc)], checked_by, tag_identity(tag_dir))
+    if tag_identity(tag_dir) != read:
+        log.warning("%s: its files changed while they were read (saved again?): no verdict on it from this read", tag)
+        return None
+    return record_verdict(root, tag, [str(exc)], checked_by, read)
 
 
 def tag_identity(tag_dir: Path) -> dict:

@@ -7,11 +7,13 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
-from megatron_ucp.background.verdicts import record_refusal
+from megatron_ucp.background.verdicts import record_refusal, tag_identity
 from megatron_ucp.cli import add_shared
 from megatron_ucp.convert.distributed import DistributedConvertError, convert_distributed, detect_launch, launch_summary
 from megatron_ucp.convert.execute import ConvertOptions, convert, resolve_checkpoint
+from megatron_ucp.deepspeed.folder import ResolvedCheckpoint
 from megatron_ucp.errors import AlreadyConvertedError, CheckpointFormatError, UcpError
 
 log = logging.getLogger(__name__)
@@ -79,13 +81,16 @@ def run(args: argparse.Namespace) -> int:
         log.warning("launched as %s but --distributed not given: this process converts everything alone", hint)
     if count > 1 and not args.attempt_id:
         raise UcpError("--share I/N needs --attempt-id (the same for all N converters)")
+    tag = _resolved(args)
+    read = tag_identity(tag.tag_dir) if tag is not None else {}  # the files as they are before they are read
     try:
         result = convert(_options(args, share_index=index, share_count=count, progress=not args.no_progress))
     except AlreadyConvertedError as done:  # the job is done already: not an error
         print(f"megatron-ucp convert: {done}")
         return 0
     except CheckpointFormatError as refused:  # the tag's own files are at fault: its verdict says so
-        _judge(args, refused)
+        if tag is not None:
+            record_refusal(tag.tag_dir.parent, tag.tag, refused, CHECKED_BY, read)
         raise
     print(result.summary)
     _exit_now_if_program(0)
@@ -95,14 +100,12 @@ def run(args: argparse.Namespace) -> int:
 CHECKED_BY = "megatron-ucp convert"
 
 
-def _judge(args: argparse.Namespace, refused: CheckpointFormatError) -> None:
-    """The tag's verdict after a conversion refused for what it found in the tag's files (``status`` and the next
-    restart read it); nothing when the tag itself cannot be resolved."""
+def _resolved(args: argparse.Namespace) -> Optional[ResolvedCheckpoint]:
+    """The tag the command converts, for its verdict; None when it cannot be resolved (the conversion says why)."""
     try:
-        ck = resolve_checkpoint(args.root, tag=args.tag)
+        return resolve_checkpoint(args.root, tag=args.tag)
     except UcpError:
-        return
-    record_refusal(ck.tag_dir.parent, ck.tag, refused, CHECKED_BY)
+        return None
 
 
 def _options(args: argparse.Namespace, **more: object) -> ConvertOptions:

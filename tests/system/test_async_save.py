@@ -11,6 +11,7 @@ goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ucp.convert.universal import universal_state
+from megatron_ucp.faults import PAUSE_ENV
 from megatron_ucp.format import dsformat as F
 from tests.support.dsharness import TrainSpec, run_training
 from tests.support.dsharness.checkpoints import session_cache
@@ -111,3 +113,64 @@ def test_retention_removes_a_twin_only_once_a_newer_save_committed(tmp_path: Pat
         step = int(event.tag.removeprefix("global_step"))
         newer = [at for tag, at in committed.items() if int(tag.removeprefix("global_step")) > step]
         assert newer and min(newer) <= event.time, (event, committed)
+
+
+def test_a_job_the_hooks_leave_to_deepspeed_saves_and_loads_as_stock_with_async_save_asked_for(tmp_path: Path):
+    """No ZeRO (DeepSpeed's bf16 data parallelism: no layout of the hooks'): with ``async_save`` asked for, every save
+    is stock DeepSpeed's own, written before it returns, with one warning; ``latest`` names the last; a restart from
+    the first save continues the run exactly."""
+    import torch
+
+    from megatron_ucp.integration.handled import STOCK
+
+    save = tmp_path / "ckpt"
+    fields = dict(dp=2, optimizer="zero", zero_stage=0, plugin=True, plugin_kwargs=ASYNC)
+    first = run_training(TrainSpec(steps=4, save_dir=save, save_at=(2, 4), **fields))
+    assert first.returncode == 0, first.log[-3000:]
+    warned = [line for line in first.log.splitlines() if "is not one of the layouts megatron-ucp handles" in line]
+    assert len(warned) == 1 and STOCK in warned[0], warned
+    assert "copied into host memory" not in first.log and "committed" not in first.log, first.log[-3000:]
+    assert (save / F.LATEST).read_text().strip() == "global_step4"
+    for tag in ("global_step2", "global_step4"):
+        assert not [p for p in (save / tag).iterdir() if p.name.endswith(".ucp-writing")]
+        states = torch.load(save / tag / F.MODEL_STATES_FILE, weights_only=False)
+        assert F.UCP_SAVE_RECORD not in states and states["optimizer"] is not None  # stock's files, whole
+    assert not (save / ".ucp").exists()  # nothing of ours: no record, no commit, no conversion
+    resumed = run_training(TrainSpec(steps=4, load_dir=save, load_tag="global_step2", **fields))
+    assert resumed.returncode == 0 and resumed.loaded_step == 2, resumed.log[-3000:]
+    assert resumed.steps == [3, 4] and resumed.losses == first.losses[2:]
+
+
+@pytest.mark.parametrize("plugin_kwargs", [{}, ASYNC], ids=["sync", "async"])
+def test_a_step_saved_twice_with_the_background_conversion_ends_with_one_save_and_its_twin(
+    tmp_path: Path, plugin_kwargs
+):
+    """Megatron saves its last iteration twice when it falls on a save interval (the interval's save, then the end of
+    training's): the second save replaces the first while the first is being converted in the background. The folder
+    ends with the second save alone, its twin made from it (not stale), no verdict against it, and a restart resumes
+    from it, as status says."""
+    from megatron_ucp.background.verdicts import read_verdict
+    from megatron_ucp.cli import main as cli
+
+    save = tmp_path / "ckpt"
+    kwargs = {**plugin_kwargs, "async_convert": True}
+    # the race, each time: the first save's conversion pauses after its first parameter, the second save comes then
+    slow = {PAUSE_ENV: "global_step2:4:0"}
+    spec = TrainSpec(dp=2, steps=2, save_dir=save, save_at=(2, 2), resave_pause=2.0, plugin=True, plugin_kwargs=kwargs)
+    res = run_training(dataclasses.replace(spec, env=slow))
+    assert res.returncode == 0, res.log[-3000:]
+    assert "already holds a save of global_step2; this save replaces it" in res.log, res.log[-3000:]
+    if not plugin_kwargs:  # the race happened (an asynchronous first save commits only as the second one starts)
+        events = (save / ".ucp" / "events.log").read_text()
+        assert "global_step2 was saved again while it was converted" in events, events
+    tag = save / "global_step2"
+    assert len(list(tag.glob("*optim_states.pt"))) == 2
+    assert universal_state(save / F.universal_tag("global_step2"), tag) == "complete", res.log[-3000:]
+    assert (save / F.LATEST_UNIVERSAL).read_text().strip() == F.universal_tag("global_step2")
+    verdict = read_verdict(save, "global_step2")
+    assert verdict is None or verdict.sound, verdict
+    assert not list((save / ".ucp" / "replaced").iterdir())  # the first save removed once the second committed
+    assert cli(["status", str(save), "--check", "--no-sizes"]) == 0
+    restart = run_training(TrainSpec(dp=2, steps=3, load_dir=save, plugin=True, plugin_kwargs=kwargs))
+    assert restart.returncode == 0 and restart.loaded_step == 2, restart.log[-3000:]
+    assert "FALLING BACK" not in restart.log

@@ -21,7 +21,8 @@ class TrainSpec:
 
     ``optimizer="bf16"``: BF16_Optimizer (bf16 + ZeRO-1 + ``data_types.grad_accum_dtype: fp32``).
     ``optimizer="zero"``: DeepSpeedZeroOptimizer (bf16 + ZeRO stage ``zero_stage``, no fp32 grad accum);
-    at ``zero_stage=3``, DeepSpeedZeroOptimizer_Stage3 (``extra_config`` can set ``sub_group_size``).
+    at ``zero_stage=3``, DeepSpeedZeroOptimizer_Stage3 (``extra_config`` can set ``sub_group_size``); at
+    ``zero_stage=0``, no ZeRO (DeepSpeed's bf16 data parallelism: a job the hooks leave to stock DeepSpeed).
     Training runs until ``engine.global_steps == steps``; after every step in ``save_at`` it calls
     ``engine.save_checkpoint(save_dir)`` (tag ``global_step{N}``). See ``tests/support/dsharness/__init__.py``.
     """
@@ -48,6 +49,8 @@ class TrainSpec:
     extra_config: dict[str, Any] = field(default_factory=dict)
     timeout: float = 300
     expect_failure: bool = False
+    resave_pause: float = 0.0
+    """Seconds between two saves of one step (a step listed twice in ``save_at``)."""
     base_optimizer: str = "adamw"
     """The torch optimizer ZeRO wraps: ``"adamw"``, or ``"nadam"`` (its ``mu_product`` is a 0-dim tensor per
     partition: state that is not one number per element)."""
@@ -73,8 +76,8 @@ class TrainSpec:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.base_optimizer not in BASE_OPTIMIZERS:
             raise ValueError(f"base_optimizer must be one of {BASE_OPTIMIZERS}, got {self.base_optimizer!r}")
-        if self.zero_stage not in (1, 2, 3):
-            raise ValueError(f"zero_stage must be 1, 2 or 3, got {self.zero_stage}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.optimizer == "bf16" and self.zero_stage != 1:
             raise ValueError("optimizer='bf16' (BF16_Optimizer) is ZeRO stage 1 only")
         if self.dp < 1:

@@ -416,7 +416,9 @@ class Rank:
             step = engine.global_steps
             if self.rank == 0:
                 _report("step", step=step, loss=mean, lr=[g["lr"] for g in engine.optimizer.param_groups])
-            if step in spec.save_at:
+            for again in range(spec.save_at.count(step)):  # a step listed twice is saved twice, as Megatron's last
+                if again:
+                    time.sleep(spec.resave_pause)
                 client_state: dict[str, Any] = {"iteration": step}
                 if spec.uc_info:
                     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
