@@ -11,9 +11,14 @@ harness's GPT-like model) trains and saves ``--saves`` times, ``--gap`` steps ap
 
 Per save, on the slowest rank: the time inside ``save_checkpoint``, and the extra time of the next step over an idle
 step (a write that still holds the CPU, the commit's all-reduce, a decoupled engine's commit); their sum is the
-**stall**. Also: the steps' time while a save is written against idle, the bytes each rank copied (async), the
-**copy floor** (those bytes copied once in memory by the same ranks, one ``copy_`` into a buffer allocated before),
-and the peak RSS. Medians over the saves, because these machines are noisy; never asserted. ::
+**stall**. *Idle* steps are the ``--gap`` steps trained before the first save, while nothing is written (a step after a
+save may still share the cores with its write). Also: the steps after the next one until the next save against idle
+(*beside*: the training time the write still takes from the steps it runs beside, summed per save), the bytes each rank
+copied (async), the **copy floor** (those bytes copied once in memory by the same ranks, one ``copy_`` into a buffer
+allocated before), and the peak RSS of the ranks (a decoupled engine's writer processes not included). Medians over the
+saves, because these machines are noisy; never asserted. ``--optimizer bf16`` runs BF16_Optimizer (DeepSpeed's
+decoupled engine cannot save DeepSpeedZeroOptimizer's state: its writer process is handed a tensor that requires
+grad). ::
 
     python benchmarks/bench_async_save.py --model m100 --dp 2
     python benchmarks/bench_async_save.py --model m100 --dp 4 --saves 3
@@ -51,13 +56,21 @@ MODELS = {
     "m100": dict(hidden=768, num_layers=12, vocab=10240, seq=16),
     "llama1b": dict(hidden=2048, num_layers=16, vocab=32000, seq=16),
 }
-DECOUPLED = {"checkpoint": {"writer": {"type": "python", "decoupled": True}}}
+DECOUPLED = {"checkpoint": {"writer": {"type": "python", "decoupled": True, "data_parallel": "replica"}}}
+"""``data_parallel: replica`` (every rank writes its own files): with the default (none), 0.19.8's writer config asks a
+job without an ``mpu`` for a field it does not have (``'UniversalParallelInfo' object has no attribute 'dp_rank'``)."""
+OPTIMIZERS = {"zero": "DeepSpeedZeroOptimizer", "bf16": "BF16_Optimizer"}
+DECOUPLED_ZERO = (
+    "its first save fails in the writer process's queue (RuntimeError: Cowardly refusing to serialize non-leaf tensor "
+    "which requires_grad; 0.19.8, seen at DP 2) or hangs (DP 4): measured with --optimizer bf16"
+)
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str
     mode: str
+    optimizer: str
     dp: int
     saves: int
     gap: int
@@ -73,7 +86,7 @@ def _worker(cfg: WorkerConfig) -> None:
     hooked = cfg.mode in ("sync", "async")
     spec = TrainSpec(
         dp=cfg.dp,
-        optimizer="zero",
+        optimizer=cfg.optimizer,
         steps=0,
         global_batch=cfg.dp,
         plugin=hooked,
@@ -96,15 +109,15 @@ def _worker(cfg: WorkerConfig) -> None:
 
     for _ in range(2):  # warm-up
         step()
-    out: dict[str, list] = {"save": [], "next": [], "idle": [], "copied": []}
+    out: dict[str, list] = {"save": [], "next": [], "idle": [], "after": [], "copied": []}
+    out["idle"] = [slowest(step()) for _ in range(cfg.gap)]  # nothing saved yet: nothing written beside them
     for _ in range(cfg.saves):
         dist.barrier()
         t0 = time.perf_counter()
         engine.save_checkpoint(cfg.root)
         out["save"].append(slowest(time.perf_counter() - t0))
         out["next"].append(slowest(step()))
-        for _ in range(cfg.gap - 1):
-            out["idle"].append(slowest(step()))
+        out["after"].append([slowest(step()) for _ in range(cfg.gap - 1)])
         if cfg.mode == "async":
             from megatron_ucp.integration.save import async_save
 
@@ -113,6 +126,9 @@ def _worker(cfg: WorkerConfig) -> None:
         import megatron_ucp
 
         megatron_ucp.uninstall()  # the last save committed while the ranks still meet
+    if cfg.mode == "decoupled":  # its last save committed and its writer process ended (it outlives the rank else)
+        engine._commit_decoupled_checkpoint()
+        engine.checkpoint_engine.cleanup()
     nbytes = max(out["copied"] or [0])
     floor = []
     if nbytes:
@@ -139,17 +155,19 @@ def _median(values: list) -> Optional[float]:
     return round(statistics.median(values), 4) if values else None
 
 
-def run_mode(model: str, mode: str, dp: int, saves: int, gap: int, work: Path) -> dict:
+def run_mode(model: str, mode: str, optimizer: str, dp: int, saves: int, gap: int, work: Path) -> dict:
     root = work / f"{model}-{mode}"
     shutil.rmtree(root, ignore_errors=True)
     t0 = time.perf_counter()
-    raw = _launch(WorkerConfig(model, mode, dp, saves, gap, str(root)), work / "logs")
+    raw = _launch(WorkerConfig(model, mode, optimizer, dp, saves, gap, str(root)), work / "logs")
     shutil.rmtree(root, ignore_errors=True)
     idle = _median(raw["idle"])
     stalls = [s + max(0.0, n - idle) for s, n in zip(raw["save"], raw["next"], strict=True)]
+    beside = [sum(max(0.0, step - idle) for step in after) for after in raw["after"]]
     return {
         "model": model,
         "mode": mode,
+        "optimizer": OPTIMIZERS[optimizer],
         "dp": dp,
         "params": raw["params"],
         "saves": saves,
@@ -157,18 +175,20 @@ def run_mode(model: str, mode: str, dp: int, saves: int, gap: int, work: Path) -
         "next_step_s": _median(raw["next"]),
         "idle_step_s": idle,
         "stall_s": _median(stalls),
+        "after_step_s": _median([step for after in raw["after"] for step in after]),
+        "beside_s": _median(beside),
         "copied_mb": round(max(raw["copied"]) / 1e6, 1) if raw["copied"] else None,
         "floor_s": _median(raw["floor"]),
         "peak_rss_mb": round(raw["rss_kb"] / 1024, 1),
         "wall_s": round(time.perf_counter() - t0, 1),
-        "raw": {k: raw[k] for k in ("save", "next", "idle", "floor")},
+        "raw": {k: raw[k] for k in ("save", "next", "idle", "after", "floor")},
     }
 
 
 def table(results: list[dict]) -> str:
     stock = next((r["stall_s"] for r in results if r["mode"] == "stock"), None)
     rows = [("mode", "DP", "in save (s)", "next step (s)", "idle step (s)", "stall (s)", "x stock", "copy floor (s)")]
-    rows[0] += ("x floor", "copied MB", "peak RSS MB")
+    rows[0] += ("x floor", "steps after (s)", "beside (s)", "copied MB", "peak RSS MB")
     for r in results:
         x_stock = f"{r['stall_s'] / stock:.2f}" if stock else "-"
         x_floor = f"{r['stall_s'] / r['floor_s']:.2f}" if r["floor_s"] else "-"
@@ -185,6 +205,8 @@ def table(results: list[dict]) -> str:
                     x_stock,
                     r["floor_s"] or "-",
                     x_floor,
+                    r["after_step_s"],
+                    r["beside_s"],
                     r["copied_mb"] or "-",
                     r["peak_rss_mb"],
                 )
@@ -211,6 +233,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--saves", type=int, default=4)
     ap.add_argument("--gap", type=int, default=4, help="steps from one save to the next")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZERS),
+        default="zero",
+        help="zero: DeepSpeedZeroOptimizer (bf16 + ZeRO-1); bf16: BF16_Optimizer (fp32 gradient accumulation)",
+    )
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     args = ap.parse_args(argv)
     if args.worker:
@@ -226,8 +254,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if mode == "decoupled" and not internals().decoupled_commit:
             print("decoupled: this DeepSpeed has no decoupled checkpoint engine; skipped", file=sys.stderr)
             continue
+        if mode == "decoupled" and args.optimizer == "zero":
+            skipped.append({"mode": mode, "error": DECOUPLED_ZERO})
+            print(f"decoupled: not with DeepSpeedZeroOptimizer: {DECOUPLED_ZERO}", file=sys.stderr)
+            continue
         try:
-            r = run_mode(args.model, mode, args.dp, args.saves, args.gap, work)
+            r = run_mode(args.model, mode, args.optimizer, args.dp, args.saves, args.gap, work)
         except RuntimeError as exc:  # DeepSpeed's decoupled engine does not start everywhere: said, not measured
             if mode != "decoupled":
                 raise
@@ -240,7 +272,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(table(results), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"results": results, "not_measured": skipped}
-    (RESULTS / f"async_save-{args.model}-dp{args.dp}.json").write_text(json.dumps(out, indent=1))
+    suffix = "" if args.optimizer == "zero" else f"-{args.optimizer}"
+    (RESULTS / f"async_save-{args.model}-dp{args.dp}{suffix}.json").write_text(json.dumps(out, indent=1))
     print(f"machine: {machine()}")
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
