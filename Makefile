@@ -109,9 +109,10 @@ TORCH28_ENV = PYTHONPATH=$(abspath $(MATRIX_DIR))/$(1):$(abspath tests/support/s
 ZERO3_MATRIX := (zero3 and (trains or dp3))
 # What the real Megatron-DeepSpeed runs on the releases other than DS_INTEGRATION_FULL: the training through the runner
 # with background conversion and the DP 4 -> 3 resume with no flag (the universal route's load on each release is the
-# harness's, ELASTIC_TESTS), ZeRO-3's, and a GPTModelPipe PP=2 save resumed at another DP on the oldest release.
-MDS_RELEASE = ((training or dp3_with_no_flag$(if $(filter 0.16.2,$(1)), or pp2_hooked)) and $(call mds_class,$(1))) \
-	or $(ZERO3_MATRIX)
+# harness's, ELASTIC_TESTS), the same training with asynchronous saves (its files against the synchronous ones), ZeRO-3's,
+# and a GPTModelPipe PP=2 save resumed at another DP on the oldest release.
+MDS_RELEASE = ((training or dp3_with_no_flag or async_save_trains$(if $(filter 0.16.2,$(1)), or pp2_hooked)) \
+	and $(call mds_class,$(1))) or $(ZERO3_MATRIX)
 # Left out of the full run (the suite's time), each covered elsewhere: DeepSpeedZeroOptimizer's universal route
 # under the real Megatron-DeepSpeed is every MoE resume's (and the harness compares it with the native reshard rank
 # by rank, bit for bit); the same-DP restart's per-rank reads are measured in the harness (test_module_read), the
@@ -231,7 +232,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_convert.py
 	$(BIN)/python benchmarks/bench_resume.py
 	$(BIN)/python benchmarks/bench_reads.py
-	set -e; $(foreach dp,1 2 4,$(BIN)/python benchmarks/bench_async_save.py --model m100 --dp $(dp) --saves 3;)
+	set -e; $(foreach opt,zero bf16,$(foreach dp,1 2 4,\
+		$(BIN)/python benchmarks/bench_async_save.py --model m100 --dp $(dp) --saves 3 --optimizer $(opt);))
 
 # Synthetic checkpoints at DP up to 768 (megatron_ucp.synthetic): conversion against DP and against
 # stock and the ALCF converter, and the AuroraGPT-7B plan from metadata; then ZeRO-3 at DP 8 and 768

@@ -824,15 +824,21 @@ def test_a_restart_falls_back_past_a_damaged_tag_and_a_failed_save_never_becomes
 ASYNC_SAVE = ["--ucp-async-save"]
 
 
-@pytest.fixture(scope="module")
-def trained_async(mds_checkout, mds_runs):
-    """The BF16_Optimizer training again, its saves asynchronous."""
-    return mds_runs.get("train-bf16-async-save", lambda f: _train(mds_checkout, f, "bf16", args=ASYNC_SAVE))
+@pytest.fixture(scope="module", params=["bf16"])
+def trained_async(request, mds_checkout, mds_runs):
+    """The training of ``trained`` again (BF16_Optimizer unless a test asks for another class), its saves
+    asynchronous."""
+    optimizer = request.param
+    root, res = mds_runs.get(
+        f"train-{optimizer}-async-save", lambda f: _train(mds_checkout, f, optimizer, args=ASYNC_SAVE)
+    )
+    return optimizer, root, res
 
 
+@pytest.mark.parametrize("trained_async", ["bf16", "zero"], indirect=True)
 def test_an_async_save_trains_saves_and_converts_as_a_synchronous_save(trained_async, mds_checkout, mds_runs):
-    sync_root, sync = mds_runs.get("train-bf16", lambda f: _train(mds_checkout, f, "bf16"))
-    root, res = trained_async
+    optimizer, root, res = trained_async
+    sync_root, sync = mds_runs.get(f"train-{optimizer}", lambda f: _train(mds_checkout, f, optimizer))
     assert res.losses == sync.losses and sorted(res.losses) == [1, 2, 3, 4, 5, 6]
     for tag in ("global_step3", "global_step6"):
         assert tag_differences(root / tag, sync_root / tag, (str(root.parent), str(sync_root.parent))) == [], tag
@@ -845,7 +851,7 @@ def test_an_async_save_trains_saves_and_converts_as_a_synchronous_save(trained_a
 
 
 def test_an_async_save_resumes_at_dp3_through_its_universal_twin_on_the_curve(trained_async, mds_checkout, mds_runs):
-    root, reference = trained_async
+    _, root, reference = trained_async
 
     def resume(folder: Path) -> MdsResult:
         run = MdsRun(
@@ -870,7 +876,7 @@ def test_a_job_killed_while_an_async_save_is_written_resumes_from_the_previous_o
     """Rank 1 dies writing its first file of iteration 6: ``latest`` and Megatron's tracker still name iteration 3
     (saved asynchronously), from which the restart at DP 3 reshards, on the curve, and saves iteration 6 again over the
     partial folder."""
-    _, reference = trained_async
+    _, _, reference = trained_async
     ckpt = tmp_path / "ckpt"
     die = {"MEGATRON_UCP_TEST_DIE": "async write global_step6:1"}
     killed = run_mds(
