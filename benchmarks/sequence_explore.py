@@ -5,18 +5,23 @@ path each; this explores more: per seed, a random sequence of steps over one che
 harness's tiny model (real DeepSpeed, CPU, gloo, the hooks installed):
 
 * ``train``: a restart (auto route, fallback on) at a random DP size, training two more iterations and saving
-  each second one into the same root (a fresh start when the root is empty);
+  each second one into the same root (a fresh start when the root is empty), its saves synchronous or asynchronous
+  and converted in the background or not, at random; the last iteration is saved twice, as Megatron does when it
+  falls on a save interval;
+* ``kill``: the same with asynchronous saves, one rank killed while it writes the last save;
 * ``damage``: one file of the newest tag cut short, one bit flipped in a rank file, or a NaN written into one
   rank file's ``exp_avg_sq``;
 * ``verify``: ``megatron-ucp verify ROOT --tag`` of the newest tag (its verdict recorded);
 * ``convert``: ``megatron-ucp convert ROOT`` (the tag in ``latest``).
 
-After every step, ``megatron-ucp status ROOT --check`` is asked what a restart would load, and the next restart is
-held to it: a tag said to be found sound loads as said; a fallback said loads that tag or an older one; "not read
-yet" loads it or falls back, saying so. After every restart: the losses follow an uninterrupted run at DP 4 (bf16
-reduction noise, 1e-3), a tag saved holds that save's rank files alone, and a fallback that repeats an earlier one
-(the same tag, unchanged, to the same tag) says so. Each broken promise is a finding; the findings and the steps
-that led to them are printed and written to ``benchmarks/results/sequence-explore-<date>.json``.
+After every step, ``latest`` must name a folder holding one whole save (its rank files, none half-written) and
+``latest_universal`` a complete universal folder, and ``megatron-ucp status ROOT --check`` is asked what a restart
+would load; the next restart is held to it: a tag said to be found sound loads as said; a fallback said loads that
+tag or an older one; "not read yet" loads it or falls back, saying so. After every restart: the losses follow an
+uninterrupted run at DP 4 (bf16 reduction noise, 1e-3), a tag saved holds that save's rank files alone, a fallback
+that repeats an earlier one (the same tag, unchanged, to the same tag) says so, and a run with a rank killed fails.
+Each broken promise is a finding; the findings and the steps that led to them are printed and written to
+``benchmarks/results/sequence-explore-<date>.json``.
 
     python benchmarks/sequence_explore.py --seeds 3 --steps 10
 """
@@ -76,14 +81,17 @@ def _damage(root: Path, rng: random.Random) -> str:
     newest = root / f"global_step{_tags(root)[-1]}"
     victim = rng.choice(sorted(newest.glob("*optim_states.pt")))
     kind = rng.choice(["cut-short", "flipped-bit", "nan"])
+    try:
+        if kind == "flipped-bit":
+            flip_a_bit_in_the_largest_record(victim)
+        elif kind == "nan":
+            states = torch.load(victim, weights_only=False)
+            states["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg_sq"][0] = float("nan")
+            torch.save(states, victim)
+    except Exception:  # not a whole file any more (cut short before, or left half-written by a killed save)
+        kind = "cut-short"
     if kind == "cut-short":
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size * 2 // 3])
-    elif kind == "flipped-bit":
-        flip_a_bit_in_the_largest_record(victim)
-    else:
-        states = torch.load(victim, weights_only=False)
-        states["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg_sq"][0] = float("nan")
-        torch.save(states, victim)
     return f"damage {kind} {victim.relative_to(root)}"
 
 
@@ -99,16 +107,18 @@ class Explorer:
         done: list[str] = []
         answer = _check(root) if root.exists() else (1, "")
         for i in range(steps):
-            ops = ["train"] if not _tags(root) else ["train", "train", "damage", "verify", "convert"]
+            ops = ["train"] if not _tags(root) else ["train", "train", "kill", "damage", "verify", "convert"]
             op = rng.choice(ops)
-            if op == "train":
-                said = self._train(root, rng, answer, i, seed)
+            if op in ("train", "kill"):
+                said = self._train(root, rng, answer, i, seed, killed=op == "kill")
             elif op == "damage":
                 said = _damage(root, rng)
             elif op == "verify":
                 said = f"verify -> exit {_quiet('verify', str(root), '--tag', f'global_step{_tags(root)[-1]}')}"
             else:
                 said = f"convert -> exit {_quiet('convert', str(root))}"
+            for problem in _pointer_problems(root):
+                self._finding(seed, i, f"after {said}: {problem}")
             answer = _check(root)
             done.append(f"{said}; status --check: exit {answer[0]}: {answer[1]}")
             print(f"  seed {seed} step {i}: {done[-1]}", flush=True)
@@ -118,25 +128,35 @@ class Explorer:
         self.findings.append({"seed": seed, "step": step, "finding": what})
         print(f"  FINDING (seed {seed}, step {step}): {what}", flush=True)
 
-    def _train(self, root: Path, rng: random.Random, answer: tuple[int, str], step: int, seed: int) -> str:
+    def _train(
+        self, root: Path, rng: random.Random, answer: tuple[int, str], step: int, seed: int, killed: bool = False
+    ) -> str:
         dp = rng.choice(DP_SIZES)
         tags = _tags(root)
         start = tags[-1] if tags else 0
         target = min(start + 2, REFERENCE_STEPS)
         before = len(_fallback_lines(root))
+        options = {"async_save": killed or rng.random() < 0.5, "async_convert": rng.random() < 0.5}
         spec = TrainSpec(
             dp=dp,
             steps=target,
             save_dir=root,
-            save_at=tuple(range(2, target + 1, 2)),  # every even step it trains, a damaged tag included
+            # every even step it trains (a damaged tag included), the last one twice (as Megatron's last iteration)
+            save_at=(*range(2, target + 1, 2), target) if target % 2 == 0 else tuple(range(2, target + 1, 2)),
             load_dir=root if tags else None,
             plugin=True,
+            plugin_kwargs=options,
             expect_failure=True,
             timeout=600,
+            env={"MEGATRON_UCP_TEST_DIE": f"async write global_step{target}:{dp - 1}"} if killed else {},
         )
         res = run_training(spec)
         loaded = res.loaded_step or 0
-        said = f"train at DP {dp} to {target}: exit {res.returncode}, loaded {loaded}, trained {res.steps}"
+        how = "+".join(k for k, on in options.items() if on) or "sync"
+        said = (
+            f"{'kill' if killed else 'train'} at DP {dp} to {target} ({how}): exit {res.returncode}, loaded {loaded}, "
+        )
+        said += f"trained {res.steps}"
         code, text = answer
         if tags:
             if code == 1 and res.ok:
@@ -152,6 +172,8 @@ class Explorer:
         for s, loss in zip(res.steps, res.losses, strict=True):
             if s in self.reference and abs(loss - self.reference[s]) > LOSS_TOLERANCE * max(1.0, abs(loss)):
                 self._finding(seed, step, f"loss at {s}: {loss} vs uninterrupted {self.reference[s]}")
+        if killed and res.ok:
+            self._finding(seed, step, "a rank was killed writing the last save, and the run exited 0")
         for s in spec.save_at:
             if res.ok and s in res.steps:  # saved by this run
                 files = sorted((root / f"global_step{s}").glob("*optim_states.pt"))
@@ -164,6 +186,25 @@ class Explorer:
         if fallback_announcements(res.log):
             said += " (fell back)"
         return said
+
+
+def _pointer_problems(root: Path) -> list[str]:
+    """What ``latest`` and ``latest_universal`` name that is not whole."""
+    from megatron_ucp.convert.universal import universal_state
+
+    problems = []
+    latest, pointer = root / "latest", root / "latest_universal"
+    if latest.is_file():
+        tag = root / latest.read_text().strip()
+        files = sorted(tag.glob("*optim_states.pt")) if tag.is_dir() else []
+        dp = {int(f.name.split("_rank_")[1].split("_")[0]) for f in files}
+        if not files or dp != set(range(len(files))) or not (tag / "mp_rank_00_model_states.pt").is_file():
+            problems.append(f"latest names {tag.name}, which holds {[f.name for f in files]}")
+        if tag.is_dir() and [f.name for f in tag.iterdir() if f.name.endswith(".ucp-writing")]:
+            problems.append(f"latest names {tag.name}, which holds half-written files")
+    if pointer.is_file() and universal_state(root / pointer.read_text().strip()) != "complete":
+        problems.append(f"latest_universal names {pointer.read_text().strip()}, which is not a complete folder")
+    return problems
 
 
 def _fallback_lines(root: Path) -> list[dict]:

@@ -62,7 +62,8 @@ from megatron_ucp.background.store import (
     unregister,
     write_queue,
 )
-from megatron_ucp.background.verdicts import record_refusal, record_verdict, tag_identity
+from megatron_ucp.background.verdicts import record_conversion_verdict, record_refusal, record_verdict, tag_identity
+from megatron_ucp.convert.commit import not_finite_pointer
 from megatron_ucp.convert.execute import ConvertOptions, convert
 from megatron_ucp.convert.universal import (
     COMPLETE,
@@ -70,7 +71,6 @@ from megatron_ucp.convert.universal import (
     inspect_staging,
     latest_universal_target,
     move_latest_universal,
-    read_manifest,
     universal_state,
 )
 from megatron_ucp.errors import OutputExistsError, described
@@ -328,12 +328,10 @@ class Converter:
                 log=str(log_path),
             )
             return
-        manifest = read_manifest(output) or {}
-        non_finite = list(manifest.get("non_finite") or [])
-        record_verdict(self.root, job.tag, non_finite, CHECKED_BY, manifest.get("source_files") or {})
+        non_finite = not record_conversion_verdict(self.root, job.tag, output, CHECKED_BY).sound
         resaved = tag_identity(self.root / job.tag) != read
         if non_finite:  # a restart should not be pointed at NaN
-            moved = f"latest_universal unchanged: {job.tag}'s masters or optimizer states are not finite"
+            moved = not_finite_pointer(job.tag)
         elif resaved:  # the twin is of the earlier save: stale at birth
             moved = f"latest_universal unchanged: {job.tag} was saved again while it was converted"
         else:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_ucp.background.store import quick_json, ucp_dir
-from megatron_ucp.convert.universal import source_identity
+from megatron_ucp.convert.universal import read_manifest, source_identity
 from megatron_ucp.deepspeed.reader import find_checkpoint_files
 from megatron_ucp.errors import CheckpointFormatError, UcpError
 
@@ -104,12 +104,22 @@ def record_refusal(root: Path, tag: str, exc: BaseException, checked_by: str, re
     refused may be the mixture, never the new save)."""
     tag_dir = Path(root) / tag
     subject = getattr(exc, "subject", None)
-    if not isinstance(exc, CheckpointFormatError) or subject is None or tag_dir not in Path(subject).parents:
+    if not isinstance(exc, CheckpointFormatError) or subject is None:
+        return None
+    if Path(subject) != tag_dir and tag_dir not in Path(subject).parents:  # the tag's folder or a file in it
         return None
     if tag_identity(tag_dir) != read:
         log.warning("%s: its files changed while they were read (saved again?): no verdict on it from this read", tag)
         return None
     return record_verdict(root, tag, [str(exc)], checked_by, read)
+
+
+def record_conversion_verdict(root: Path, tag: str, output: Path, checked_by: str) -> Verdict:
+    """A conversion that committed read every element of the tag: its verdict (sound, or what is not finite) on the
+    files it read, as its manifest records them."""
+    manifest = read_manifest(output) or {}
+    problems = list(manifest.get("non_finite") or [])
+    return record_verdict(root, tag, problems, checked_by, manifest.get("source_files") or {})
 
 
 def tag_identity(tag_dir: Path) -> dict:

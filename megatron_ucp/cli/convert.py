@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from megatron_ucp.background.verdicts import record_refusal, tag_identity
+from megatron_ucp.background.verdicts import record_conversion_verdict, record_refusal, tag_identity
 from megatron_ucp.cli import add_shared
 from megatron_ucp.convert.distributed import DistributedConvertError, convert_distributed, detect_launch, launch_summary
 from megatron_ucp.convert.execute import ConvertOptions, convert, resolve_checkpoint
@@ -92,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         if tag is not None:
             record_refusal(tag.tag_dir.parent, tag.tag, refused, CHECKED_BY, read)
         raise
+    if result.committed and tag is not None:  # every element of the tag was read: what it found is its verdict
+        record_conversion_verdict(tag.tag_dir.parent, tag.tag, result.output, CHECKED_BY)
     print(result.summary)
     _exit_now_if_program(0)
     return 0

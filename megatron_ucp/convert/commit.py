@@ -353,5 +353,12 @@ def commit_conversion(
     if update:
         if ck.root is None or output.parent.resolve() != ck.root.resolve():
             log.warning("not updating latest_universal: output %s is not in the checkpoint root", output)
+        elif non_finite:  # a restart should not be pointed at NaN
+            log.warning("%s", not_finite_pointer(ck.tag))
         else:
             log.info("%s", move_latest_universal(ck.root, output))
+
+
+def not_finite_pointer(tag: str) -> str:
+    """Why ``latest_universal`` does not move to a twin whose masters or optimizer states are not finite."""
+    return f"latest_universal unchanged: {tag}'s masters or optimizer states are not finite"

@@ -23,10 +23,12 @@ TAG = "global_step4"
 
 
 def snapshot(root: Path) -> dict[str, str]:
+    """Every file of the checkpoint but the store's verdicts (what a refused conversion found in the tag's files is
+    its verdict: ``.ucp/verdicts/<tag>.json``, beside the sources, never in them)."""
     return {
         str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
         for p in sorted(root.rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.parent != root / ".ucp" / "verdicts"
     }
 
 
@@ -45,6 +47,7 @@ def convert_fails(root: Path, capsys, *extra: str, expect: str, names: str) -> N
     assert expect in err and names in err, err
     assert err.strip().count("\n") == 0, f"expected one line, got:\n{err}"
     assert snapshot(root) == before
+    assert [p.name for p in (root / ".ucp").rglob("*") if p.is_file()] in ([], [f"{TAG}.json"])  # a verdict at most
     assert (root / F.LATEST_UNIVERSAL).read_text() == "previous_universal"
     assert not (root / f"{TAG}_universal").exists()
     assert not list(root.parent.rglob("*.ucp-staging"))

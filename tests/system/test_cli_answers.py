@@ -112,21 +112,39 @@ def test_a_damaged_tag_is_not_called_stale_advice_and_the_restart_answer_follow_
     assert " unsound " in row, row
 
 
-def test_a_conversion_refused_for_the_tags_own_files_records_its_verdict(root: Path, capsys):
-    """``convert`` of a tag whose rank file lost its end fails naming the file, and what it found is the tag's verdict:
-    status no longer says a restart resumes from it unread (the restart would only find it damaged again)."""
+@pytest.mark.parametrize("damage", ["cut-short", "nan"])
+def test_what_a_conversion_finds_in_the_tags_files_is_its_verdict(root: Path, capsys, damage: str):
+    """``convert`` reads every element of the tag: a rank file that lost its end stops it (exit 2, naming the file), a
+    NaN in an optimizer state is converted and said; either way what it found is the tag's verdict, so status no
+    longer says a restart resumes from it unread (its load would only find the same again), and ``latest_universal``
+    is not pointed at the NaN."""
     victim = root / TAG / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"
-    with open(victim, "r+b") as fh:
-        fh.truncate(victim.stat().st_size - 100)
+    if damage == "cut-short":
+        with open(victim, "r+b") as fh:
+            fh.truncate(victim.stat().st_size - 100)
+    else:
+        import torch
+
+        states = torch.load(victim, weights_only=False)
+        states["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg_sq"][0] = float("nan")
+        torch.save(states, victim)
     assert main(["status", str(root), "--check", "--no-sizes"]) == 0  # nothing has read it yet
     assert "(not read yet" in capsys.readouterr().err
-    assert main(["convert", str(root), "--no-progress"]) == 2
-    assert str(victim) in capsys.readouterr().err
+    assert main(["convert", str(root), "--no-progress"]) == (2 if damage == "cut-short" else 0)
+    assert damage == "nan" or str(victim) in capsys.readouterr().err  # the NaN: said in the log, and below
+    assert not (root / F.LATEST_UNIVERSAL).exists()
     assert main(["status", str(root), "--check", "--no-sizes"]) == 1
     out, err = capsys.readouterr()
     assert err.startswith("megatron-ucp status --check: no tag here can be resumed: ") and str(victim) in err, err
     row = next(line for line in out.splitlines() if line.startswith(TAG))
     assert " unsound " in row and "checked by megatron-ucp convert" in out, out
+
+
+def test_a_sound_conversion_is_the_tags_verdict(root: Path, capsys):
+    assert main(["convert", str(root), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["status", str(root), "--check", "--no-sizes"]) == 0
+    assert f"a restart resumes from {TAG} (found sound)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("where", ["empty", "tag", "parent"])

@@ -83,3 +83,24 @@ def test_a_latest_universal_naming_another_twin_stays(tmp_path: Path):
     (tmp_path / "latest_universal").write_text("global_step30_universal")  # a newer tag's twin
     set_aside(tmp_path, TAG).drop().join(timeout=30)
     assert _tree(tmp_path) == {"latest_universal": b"global_step30_universal"}
+
+
+def test_a_refusal_naming_the_tag_folder_is_its_verdict_unless_its_files_changed_while_read(tmp_path: Path):
+    """A conversion refused for the tag as a whole (its files not what the save recorded) judges it; a refusal after
+    the files changed under the read (the tag saved again) says nothing of the new files."""
+    from megatron_ucp.background.verdicts import read_verdict, record_refusal, tag_identity
+    from megatron_ucp.errors import CheckpointFormatError
+
+    _earlier_save(tmp_path)
+    tag_dir = tmp_path / TAG
+    read = tag_identity(tag_dir)
+    refused = CheckpointFormatError(
+        f"cannot convert {tag_dir}: its files are not what the save recorded", subject=tag_dir
+    )
+    assert record_refusal(tmp_path, TAG, refused, "a test", read) is not None
+    assert not read_verdict(tmp_path, TAG).sound
+    (tmp_path / ".ucp" / VERDICTS_DIR / f"{TAG}.json").unlink()
+    (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"saved again")
+    assert record_refusal(tmp_path, TAG, refused, "a test", read) is None and read_verdict(tmp_path, TAG) is None
+    elsewhere = CheckpointFormatError("the output's disk is full", subject=tmp_path / f"{TAG}_universal")
+    assert record_refusal(tmp_path, TAG, elsewhere, "a test", tag_identity(tag_dir)) is None
