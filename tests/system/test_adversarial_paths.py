@@ -9,7 +9,6 @@ FIFOs or directories; rank files that are FIFOs.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -17,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ucp.background.verdicts import read_verdict
 from megatron_ucp.format import dsformat as F
+from tests.support.source_digest import source_digest, verdict_files
 
 TAG = "global_step2"
 RANK1 = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -32,15 +33,6 @@ def cli(*args: str, cwd: Path | None = None, timeout: float = 60) -> subprocess.
         timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
-
-
-def digest(folder: Path) -> dict[str, str]:
-    """Every file under ``folder`` (relative name -> sha256): the source must stay byte-identical."""
-    out = {}
-    for path in sorted(folder.rglob("*")):
-        if path.is_file() and not path.is_symlink():
-            out[str(path.relative_to(folder))] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
 
 
 @pytest.fixture
@@ -65,7 +57,7 @@ def refused(proc: subprocess.CompletedProcess, *words: str) -> str:
     "spelling", ["tag", "root", "parent", "tag-via-dotdot", "tag-via-symlink", "inside-tag", "root-via-dot"]
 )
 def test_force_never_replaces_or_writes_into_a_source(root: Path, spelling: str, tmp_path: Path):
-    before = digest(root)
+    before = source_digest(root)
     link = tmp_path / "link-to-tag"
     link.symlink_to(root / TAG)
     output = {
@@ -79,15 +71,15 @@ def test_force_never_replaces_or_writes_into_a_source(root: Path, spelling: str,
     }[spelling]
     proc = cli("convert", str(root), "--tag", TAG, "--output", str(output), "--force")
     refused(proc, "source")
-    assert digest(root) == before
+    assert source_digest(root) == before and not verdict_files(root)  # the output refused, not the tag
     assert not (root / TAG / "uni").exists() and not (root / F.LATEST_UNIVERSAL).exists()
 
 
 def test_output_dot_from_inside_the_tag_is_refused_before_any_work(root: Path):
-    before = digest(root)
+    before = source_digest(root)
     proc = cli("convert", str(root), "--tag", TAG, "--output", ".", "--force", cwd=root / TAG)
     refused(proc, "source")
-    assert digest(root) == before
+    assert source_digest(root) == before
 
 
 def test_output_that_is_an_existing_file_is_refused_up_front(root: Path, tmp_path: Path):
@@ -135,7 +127,7 @@ def test_latest_pointing_out_of_the_root_is_refused(root: Path, tmp_path: Path, 
 def test_two_files_for_one_rank_are_an_error_naming_both(root: Path, impostor: str):
     assert cli("convert", str(root)).returncode == 0  # a good twin, made before the impostor arrived
     uni = root / f"{TAG}_universal"
-    before = digest(uni)
+    before = source_digest(uni)
     (root / TAG / impostor).write_bytes((root / TAG / RANK1).read_bytes())
     for command in (
         ["convert", str(root), "--force"],
@@ -145,7 +137,7 @@ def test_two_files_for_one_rank_are_an_error_naming_both(root: Path, impostor: s
         proc = cli(*command)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert "two files claim DP rank 1" in proc.stderr and impostor in proc.stderr and RANK1 in proc.stderr
-    assert digest(uni) == before
+    assert source_digest(uni) == before
 
 
 # ---- 4/5. tag files that are not text, or not files -------------------------------------------
@@ -206,9 +198,11 @@ def test_model_states_that_torch_refuses_is_not_committed(root: Path, entries: t
     assert at > 0
     struct.pack_into("<QQ", data, at + 24, *entries)
     path.write_bytes(bytes(data))
-    before = digest(root)
+    before = source_digest(root)
     refused(cli("convert", str(root), timeout=60), str(path), "torch's zip reader")
-    assert digest(root) == before and not (root / F.universal_tag(TAG)).exists()
+    assert source_digest(root) == before and not (root / F.universal_tag(TAG)).exists()
+    verdict = read_verdict(root, TAG)  # what the conversion found in the tag's own file is the tag's verdict
+    assert verdict is not None and not verdict.sound and str(path) in verdict.problems[0], verdict
     assert not (root / F.LATEST_UNIVERSAL).exists()
 
 
@@ -489,14 +483,14 @@ def test_next_convert_cleans_a_killed_force_run_and_restores_latest_universal(ro
     (staging / "zero").mkdir()
     # and a run killed between the commit rename and latest_universal
     (root / F.LATEST_UNIVERSAL).unlink()
-    before = digest(uni)
+    before = source_digest(uni)
     proc = cli("convert", str(root))
     # the conversion itself was done: the repairs are said in its one "already complete" line, exit 0
     done = [line for line in proc.stdout.splitlines() if "already a complete conversion" in line]
     assert proc.returncode == 0 and len(done) == 1, (proc.stdout, proc.stderr)
     assert "interrupted earlier run" in done[0] and "now names it" in done[0], done
     assert not staging.exists() and (root / F.LATEST_UNIVERSAL).read_text().strip() == uni.name
-    assert digest(uni) == before
+    assert source_digest(uni) == before
 
 
 def test_an_output_write_failure_names_the_output_not_the_source(root: Path):
@@ -508,7 +502,7 @@ def test_an_output_write_failure_names_the_output_not_the_source(root: Path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
 
-    before = digest(root)
+    before = source_digest(root)
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_ucp.cli", "convert", str(root), "--no-progress"],
         capture_output=True,
@@ -519,7 +513,7 @@ def test_an_output_write_failure_names_the_output_not_the_source(root: Path):
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"{TAG}_universal" in last and f"/{TAG}/" not in last, last
-    assert digest(root) == before and not (root / f"{TAG}_universal").exists()
+    assert source_digest(root) == before and not (root / f"{TAG}_universal").exists()
 
 
 def test_latest_universal_that_is_a_directory_is_refused_up_front(root: Path):

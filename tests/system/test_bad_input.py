@@ -6,7 +6,6 @@ and no output or staging folder is left that could be taken for a finished conve
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -17,19 +16,10 @@ import pytest
 
 from megatron_ucp.cli import main
 from megatron_ucp.format import dsformat as F
+from tests.support.source_digest import source_digest, verdict_files
 
 pytestmark = pytest.mark.slow
 TAG = "global_step4"
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every file of the checkpoint but the store's verdicts (what a refused conversion found in the tag's files is
-    its verdict: ``.ucp/verdicts/<tag>.json``, beside the sources, never in them)."""
-    return {
-        str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.parent != root / ".ucp" / "verdicts"
-    }
 
 
 @pytest.fixture
@@ -40,14 +30,14 @@ def root(tmp_path, ds_checkpoint):
 
 
 def convert_fails(root: Path, capsys, *extra: str, expect: str, names: str) -> None:
-    before = snapshot(root)
+    before = source_digest(root)
     rc = main(["convert", str(root), "--no-progress", *extra])
     err = capsys.readouterr().err
     assert rc != 0
     assert expect in err and names in err, err
     assert err.strip().count("\n") == 0, f"expected one line, got:\n{err}"
-    assert snapshot(root) == before
-    assert [p.name for p in (root / ".ucp").rglob("*") if p.is_file()] in ([], [f"{TAG}.json"])  # a verdict at most
+    assert source_digest(root) == before
+    assert [p.name for p in verdict_files(root)] in ([], [f"{TAG}.json"])  # a verdict at most
     assert (root / F.LATEST_UNIVERSAL).read_text() == "previous_universal"
     assert not (root / f"{TAG}_universal").exists()
     assert not list(root.parent.rglob("*.ucp-staging"))
@@ -111,9 +101,9 @@ def test_a_tag_already_converted_is_done_and_force_redoes_it(root, capsys):
     """Converting a tag whose twin is complete is a job already done: one line saying so, exit 0, nothing
     touched; ``--force`` reconverts it."""
     assert main(["convert", str(root), "--no-progress"]) == 0
-    first = snapshot(root / f"{TAG}_universal")
+    first = source_digest(root / f"{TAG}_universal")
     (root / F.LATEST_UNIVERSAL).write_text("previous_universal")
-    before = snapshot(root)
+    before = source_digest(root)
     capsys.readouterr()
     rc = main(["convert", str(root), "--no-progress"])
     out, err = capsys.readouterr()
@@ -121,20 +111,20 @@ def test_a_tag_already_converted_is_done_and_force_redoes_it(root, capsys):
     said = out.strip().splitlines()
     assert len(said) == 1 and "already a complete conversion" in said[0] and "--force" in said[0], out
     assert f"{TAG}_universal" in said[0]
-    assert snapshot(root) == before
+    assert source_digest(root) == before
     assert main(["convert", str(root), "--no-progress", "--force"]) == 0
-    assert snapshot(root / f"{TAG}_universal").keys() == first.keys()
+    assert source_digest(root / f"{TAG}_universal").keys() == first.keys()
     assert (root / F.LATEST_UNIVERSAL).read_text() == f"{TAG}_universal"
     assert not list(root.glob(".*ucp-trash*")) and not list(root.glob(".*ucp-staging"))
     # a twin of an earlier save of the tag (a rank file written again) is not done: it needs --force
     rank0 = next((root / TAG).glob("*_optim_states.pt"))
     os.utime(rank0, ns=(rank0.stat().st_atime_ns, rank0.stat().st_mtime_ns + 10**9))
-    before = snapshot(root)
+    before = source_digest(root)
     capsys.readouterr()
     assert main(["convert", str(root), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "stale" in err and "--force" in err and f"{TAG}_universal" in err, err
-    assert snapshot(root) == before
+    assert source_digest(root) == before
 
 
 def test_force_replaces_the_folder_in_one_atomic_swap(tmp_path, monkeypatch):
@@ -185,7 +175,7 @@ def test_unwritable_output(root, capsys, tmp_path):
 
 def test_disk_full_mid_write(root):
     """A per-file size limit (RLIMIT_FSIZE) makes writes fail part-way, as a full disk would."""
-    before = snapshot(root)
+    before = source_digest(root)
     code = (
         "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1200, 1200)); "
@@ -196,7 +186,7 @@ def test_disk_full_mid_write(root):
     )
     assert proc.returncode == 2, proc.stderr
     assert "write failed" in proc.stderr and "File too large" in proc.stderr and "_universal" in proc.stderr
-    assert snapshot(root) == before
+    assert source_digest(root) == before
     assert (root / F.LATEST_UNIVERSAL).read_text() == "previous_universal"
     assert not (root / f"{TAG}_universal").exists() and not list(root.glob(".*ucp-staging"))
 
