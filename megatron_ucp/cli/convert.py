@@ -125,7 +125,6 @@ def _options(args: argparse.Namespace, **more: object) -> ConvertOptions:
 
 
 def _run_distributed(args: argparse.Namespace) -> int:
-
     launch = detect_launch()
     if launch is None:
         raise UcpError(
@@ -138,6 +137,9 @@ def _run_distributed(args: argparse.Namespace) -> int:
     except DistributedConvertError as exc:
         print(f"megatron-ucp convert: rank {launch.rank}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    tag = _resolved(args)
+    if tag is not None and launch.rank == result.committed_by:  # one verdict, by the rank that committed
+        record_conversion_verdict(tag.tag_dir.parent, tag.tag, result.output, CHECKED_BY)
     if launch.rank == 0:
         print(result.summary())
     _exit_now_if_program(0)

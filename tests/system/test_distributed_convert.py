@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ucp.background.verdicts import read_verdict, tag_identity
 from megatron_ucp.convert.distributed import detect_launch
 from megatron_ucp.convert.execute import ConvertOptions, convert
 from megatron_ucp.convert.universal import read_manifest, staging_path
 from megatron_ucp.convert.verify import verify_universal
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
-from tests.support.ckpt_cache import built_checkpoint
+from tests.support.ckpt_cache import built_checkpoint, copy_root
 from tests.support.dsharness import REPO_ROOT, free_port
 
 
@@ -124,10 +125,10 @@ def test_detect_launch_reads_torchrun_mpiexec_openmpi_and_slurm_environments(tmp
 
 @pytest.mark.slow
 def test_mpiexec_style_three_processes_commit_once_byte_identical(checkpoint, single, tmp_path):
-    out = tmp_path / "u"
+    out, root = tmp_path / "u", copy_root(checkpoint.root, tmp_path / "ck")  # its verdict is written beside it
     res = _launch(
         3,
-        ["convert", str(checkpoint.root), "--output", str(out), "--distributed", "--no-progress", "--workers", "2"],
+        ["convert", str(root), "--output", str(out), "--distributed", "--no-progress", "--workers", "2"],
         lambda r: {"PMI_RANK": str(r), "PMI_SIZE": "3", "PALS_APID": f"test-{os.getpid()}"},
     )
     assert [code for code, _ in res] == [0, 0, 0], "\n".join(text[-2000:] for _, text in res)
@@ -137,9 +138,13 @@ def test_mpiexec_style_three_processes_commit_once_byte_identical(checkpoint, si
     assert _pt_files(out) == _pt_files(single)
     # every share's checksums reach the one manifest, equal to one converter's, and verify checks them
     assert manifest["checksums"] == read_manifest(single)["checksums"]
-    report = verify_universal(out, source=checkpoint.root)
+    report = verify_universal(out, source=root)
     assert report.ok and report.checksummed == len(manifest["checksums"]["files"]) > 0
     assert not staging_path(out).exists() and not list(tmp_path.glob(".*ucp-rendezvous*"))
+    tag = (root / F.LATEST).read_text().strip()
+    verdict = read_verdict(root, tag)  # what the conversion read is the tag's verdict, written once
+    assert verdict is not None and verdict.sound and verdict.checked_by == "megatron-ucp convert", verdict
+    assert verdict.applies_to(tag_identity(root / tag))
 
 
 @pytest.mark.slow

@@ -23,7 +23,6 @@ everything after the binding (the copy, the ledger, the checks after a load) tak
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -225,14 +224,14 @@ def engine_save_files(job: LiveJob, load_dir: str, tag: str) -> tuple[RankFile, 
     """How the engine names the files of a tag for this rank: old DP rank -> its optimizer file of this
     rank's model-parallel coordinate, and this rank's model-states file."""
     own = job.own_optimizer_file(load_dir, tag).name
-    found = re.search(r"_mp_rank_(\d+)_optim_states\.pt$", own)
+    found = F.OPTIM_FILE_RE.match(own)
     if found is None:
         raise UnsupportedError(
             f"this DeepSpeed names its optimizer files {own!r}; the native reshard does not know "
             "the pattern (use --ucp-resume-route universal)",
             subject=own,
         )
-    mp_rank, bf16 = int(found.group(1)), own.startswith("bf16_")
+    mp_rank, bf16 = int(found["mp"]), found["prefix"] == "bf16_"
 
     def rank_file(dp_rank: int) -> Path:
         return job.rank_optimizer_file(load_dir, tag, mp_rank, dp_rank, bf16)
