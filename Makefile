@@ -82,7 +82,7 @@ ZERO3_HARNESS := "tests/system/test_zero3_resume.py::test_the_native_reshard_equ
 # IPEX's import costs ~6 s of CPU per process, so each path runs once. On 0.16.9: the internals table,
 # install/uninstall, the save recording + conversion of both optimizer classes (test_deepspeed_versions),
 # and the real Megatron-DeepSpeed through the runner: training with background conversion, then
-# DP 4 -> 3 through both routes (mds_class), and a mixture-of-experts job saved, converted in the background and
+# DP 4 -> 3 through both routes (mds_class), the same training with asynchronous saves, and a mixture-of-experts job saved, converted in the background and
 # resumed at EP 4 (0.19.5 runs every MoE resume). On 0.19.5: the IPEX checks and install (test_hooks_install),
 # our torch file reader and writer against what torch 2.8 writes and reads (DeepSpeed's files of one
 # class; the other's are read by the conversions), the runner's end-of-job wait for a background
@@ -224,7 +224,7 @@ test-matrix: matrix
 			echo "=== torch 2.8 + IPEX 2.8 + DeepSpeed $(v): the real Megatron-DeepSpeed"; \
 			$(call TORCH28_ENV,$(v)) MEGATRON_DEEPSPEED_DIR=$(MEGATRON_DEEPSPEED_DIR) EZPZ_DIR=$(EZPZ_DIR) \
 				MEGATRON_UCP_REQUIRE_INTEGRATION=1 MEGATRON_UCP_MDS_CACHE=$(abspath $(RESULTS))/mds-checkout \
-				$(TORCH28_BIN)/python -m pytest -q tests/integration -k "((training or dp3_with_no_flag) and $(call mds_class,$(v))) or (moe and (background or ep4 or dp2)) or (zero3 and trains) or ipex_lamb" \
+				$(TORCH28_BIN)/python -m pytest -q tests/integration -k "((training or dp3_with_no_flag or async_save_trains) and $(call mds_class,$(v))) or (moe and (background or ep4 or dp2)) or (zero3 and trains) or ipex_lamb" \
 				--junitxml=$(RESULTS)/megatron-deepspeed-torch2.8-$(v).xml || status=1; ,) \
 	) exit $$status
 
