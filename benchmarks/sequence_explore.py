@@ -99,6 +99,8 @@ class Explorer:
     def __init__(self, work: Path, reference: dict[int, float]) -> None:
         self.work, self.reference = work, reference
         self.findings: list[dict] = []
+        self.refused = False
+        """The last training found tags and resumed from none of them (a restart as it is fails again)."""
 
     def run(self, seed: int, steps: int) -> list[str]:
         rng = random.Random(seed)
@@ -120,6 +122,8 @@ class Explorer:
             for problem in _pointer_problems(root):
                 self._finding(seed, i, f"after {said}: {problem}")
             answer = _check(root)
+            if op == "train" and self.refused and answer[0] == 0:  # nothing changed since that restart
+                self._finding(seed, i, f"a restart resumed from no tag; status then said {answer[1]}")
             done.append(f"{said}; status --check: exit {answer[0]}: {answer[1]}")
             print(f"  seed {seed} step {i}: {done[-1]}", flush=True)
         return done
@@ -157,6 +161,7 @@ class Explorer:
             f"{'kill' if killed else 'train'} at DP {dp} to {target} ({how}): exit {res.returncode}, loaded {loaded}, "
         )
         said += f"trained {res.steps}"
+        self.refused = bool(tags) and not res.ok and not res.steps and res.loaded_step is None
         code, text = answer
         if tags:
             if code == 1 and res.ok:

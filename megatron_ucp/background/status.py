@@ -26,10 +26,11 @@ from megatron_ucp.background.store import (
     job_facts,
     read_fallbacks,
     read_queue,
+    read_refused_restart,
     read_registrations,
     ucp_dir,
 )
-from megatron_ucp.background.verdicts import read_verdict, tag_identity
+from megatron_ucp.background.verdicts import identity_digest, read_verdict, tag_identity
 from megatron_ucp.convert.universal import inspect_staging, read_manifest, universal_state
 from megatron_ucp.deepspeed.folder import is_native_tag
 from megatron_ucp.deepspeed.reader import recorded_sizes
@@ -188,6 +189,8 @@ class RootStatus:
     """What could not be read at the root (a ``latest`` that is a symlink loop, ...), one line each."""
     last_fallback: Optional[dict] = None
     """The last restart that fell back to an older tag (``.ucp/fallbacks.jsonl``), if any."""
+    refused_restart: Optional[dict] = None
+    """The last restart, when it resumed from no tag and ``latest`` and every tag it tried are as they were then."""
 
     @property
     def latest_converted(self) -> bool:
@@ -224,6 +227,14 @@ class RootStatus:
                 f"{self.root}: no '{F.LATEST}' file: a restart starts from scratch (DeepSpeed and Megatron load what "
                 f"it names); {to_repoint(self)}",
             )
+        if self.refused_restart is not None:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(self.refused_restart.get("at", 0))))
+            tried = "; ".join(f"{f.get('tag')}: {f.get('problem')}" for f in self.refused_restart.get("failed") or [])
+            return ResumeAnswer(
+                None,
+                f"the last restart ({when}) resumed from no tag, and none of them has changed since: a restart "
+                f"fails again unless the job changed (its log says why): {tried}",
+            )
         rows = [t for t in self.tags if t.universal is not UniversalStatus.UNREADABLE]
         names = [t.tag for t in rows]
         older = rows[: names.index(self.latest)] if self.latest in names else rows
@@ -256,6 +267,7 @@ class RootStatus:
             "tags": [t.to_json() for t in self.tags],
             "problems": list(self.problems),
             "last_fallback": self.last_fallback,
+            "refused_restart": self.refused_restart,
         }
 
 
@@ -432,7 +444,20 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         converters=converters,
         problems=tuple(problems),
         last_fallback=(read_fallbacks(root) or [None])[-1],
+        refused_restart=_refused_restart(root, latest),
     )
+
+
+def _refused_restart(root: Path, latest: Optional[str]) -> Optional[dict]:
+    """The store's last refused restart while it still says what a restart does: ``latest`` names the tag it named
+    and every tag it tried holds the files it tried (a save, a repaired file or a new ``latest`` ends it)."""
+    entry = read_refused_restart(root)
+    if entry is None or latest is None or entry.get("latest") != latest:
+        return None
+    tried = entry.get("failed") or []
+    if not tried or any(identity_digest(root / str(f.get("tag"))) != f.get("files") for f in tried):
+        return None
+    return entry
 
 
 def _verifying(queue: B.QueueState, tag: str) -> dict:

@@ -335,6 +335,35 @@ def read_fallbacks(root: Path) -> list[dict]:
     return _read_lines(root, FALLBACKS_LOG)
 
 
+REFUSED_RESTART = "refused-restart.json"
+"""The last restart that could resume from no tag (:mod:`megatron_ucp.integration.resume.fallback`): each tag it
+tried with its problem and its files as they were; removed by the next restart that loads a tag."""
+
+
+def record_refused_restart(root: Path, entry: dict) -> None:
+    """A restart refused every tag: ``status`` says that a restart as it is fails again while nothing changed (a
+    recorded verdict would outlive a job at fault, and the next restart's fallback would skip sound tags)."""
+    try:
+        ucp_dir(root).mkdir(exist_ok=True)
+        quick_json(ucp_dir(root) / REFUSED_RESTART, entry)
+    except OSError as exc:
+        log.error("megatron-ucp: cannot record the refused restart in %s: %s", ucp_dir(root), exc)
+
+
+def read_refused_restart(root: Path) -> Optional[dict]:
+    try:
+        entry = json.loads((ucp_dir(root) / REFUSED_RESTART).read_text())
+    except (OSError, ValueError):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def clear_refused_restart(root: Path) -> None:
+    """A restart loaded a tag: the last refusal no longer says what a restart does."""
+    with contextlib.suppress(FileNotFoundError):
+        (ucp_dir(root) / REFUSED_RESTART).unlink()
+
+
 def record_save_outcome(root: Path, tag: str, failure: Optional[str] = None) -> None:
     """An asynchronous save of ``tag`` committed (``failure`` None) or failed, never becoming ``latest``."""
     _append_line(root, SAVES_LOG, {"tag": tag, "at": time.time(), "failure": failure}, f"the save of {tag}")

@@ -319,3 +319,30 @@ def test_a_restart_that_falls_back_again_for_the_same_reason_says_so_loudly(ds_c
     (said,) = [line for line in again.log.splitlines() if "!!! REPEATED FALLBACK" in line]
     assert f"restart 2 to fall back from {NEW} to {OLD} (4 iterations lost in all" in said, said
     assert [(e["latest"], e["loaded"], e["repeat"]) for e in read_fallbacks(root)] == [(NEW, OLD, 1), (NEW, OLD, 2)]
+
+
+def test_a_restart_that_resumes_from_no_tag_is_what_status_answers_until_a_file_changes(ds_checkpoint, tmp_path):
+    """Both tags damaged (global_step4 cut short, global_step2 with a bit flipped): the restart refuses each and
+    trains nothing. Until then status can only say that the load will check them; after it, while nothing on disk has
+    changed, it says that a restart fails again, naming each tag's problem (exit 1 for a requeue script), with no
+    verdict recorded (the job itself may be what failed). The damaged file put back, status answers as before the
+    restart (what the load will check), and the restart that falls back to it leaves no refusal behind."""
+    ck = ds_checkpoint(OPT, 4, plugin=True)
+    root = private_copy(ck.root, tmp_path / "ckpt")
+    _cut_short(_rank_file(root / NEW, 1))
+    victim = _rank_file(root / OLD, 2)
+    flip_a_bit_in_the_largest_record(victim)
+    assert _check(root) == (0, f"a restart resumes from {NEW} (not read yet: its load checks it)")
+
+    refused = resume(3, OPT, root, tmp_path / "refused", expect_failure=True)
+    assert refused.returncode != 0 and refused.losses == [], refused.log[-3000:]
+    code, said = _check(root)
+    assert code == 1 and said.startswith("the last restart (") and "resumed from no tag" in said, said
+    assert f"{NEW}: " in said and f"{OLD}: " in said and str(victim) in said, said
+    assert read_verdict(root, NEW) is None and read_verdict(root, OLD) is None and read_fallbacks(root) == []
+
+    victim.write_bytes((ck.root / OLD / victim.name).read_bytes())  # the file repaired: the refusal is history
+    assert _check(root) == (0, f"a restart resumes from {NEW} (not read yet: its load checks it)")
+    again = resume(3, OPT, root, tmp_path / "again")
+    assert again.ok and again.loaded_step == 2, again.log[-3000:]
+    assert not (root / ".ucp" / "refused-restart.json").exists()

@@ -19,14 +19,13 @@ full load replaces everything the refused one placed. Loudly: which tag failed a
 which loads instead, how many iterations that loses; the restart is recorded in the store
 (``.ucp/fallbacks.jsonl``) and the failed tag's verdict with it. Nothing of a bad tag is modified. A tag named
 by the user (``load_checkpoint(tag=...)``, Megatron's ``--load-tag``) or ``--ucp-no-fallback`` gets the error of
-that tag alone. If no tag passes, one error lists each tag's problem.
+that tag alone. If no tag passes, one error lists each tag's problem, and the store keeps that refusal
+(``.ucp/refused-restart.json``, no verdict: the job itself may be at fault) for ``status`` while nothing changes.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import logging
 import os
 import time
@@ -34,8 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from megatron_ucp.background.store import FALLBACKS_LOG, read_fallbacks, record_fallback, ucp_dir
-from megatron_ucp.background.verdicts import read_verdict, record_verdict, tag_identity
+from megatron_ucp.background.store import (
+    FALLBACKS_LOG,
+    clear_refused_restart,
+    read_fallbacks,
+    record_fallback,
+    record_refused_restart,
+    ucp_dir,
+)
+from megatron_ucp.background.verdicts import identity_digest, read_verdict, record_verdict, tag_identity
 from megatron_ucp.convert.universal import COMPLETE, source_identity, universal_state
 from megatron_ucp.deepspeed.folder import is_native_tag
 from megatron_ucp.deepspeed.reader import find_checkpoint_files
@@ -100,9 +106,13 @@ def load_with_fallback(
             if is_first():
                 log.error("megatron-ucp: the restart cannot load %s: %s", tag, _short(str(exc)))
             continue
-        if failed and is_first():
-            _record(root, failed, tag, latest, repeats)
+        if is_first():
+            clear_refused_restart(root)
+            if failed:
+                _record(root, failed, tag, latest, repeats)
         return result
+    if is_first():
+        _record_refused(root, failed, latest)
     raise CheckpointFormatError(_none_passed(root, failed), subject=root / F.LATEST)
 
 
@@ -209,8 +219,7 @@ def _repeats(root: Path, latest: str, tag: str) -> int:
 
 
 def _identity(root: Path, tag: str) -> str:
-    """A digest of the tag's files as they are (names, sizes, times; a 768-rank save lists 800 files)."""
-    return hashlib.sha256(json.dumps(tag_identity(root / tag), sort_keys=True).encode()).hexdigest()[:16]
+    return identity_digest(root / tag)
 
 
 def _announce(root: Path, failed: list[Failed], tag: str, latest: str, repeats: int) -> None:
@@ -255,6 +264,19 @@ def _record(root: Path, failed: list[Failed], tag: str, latest: str, repeats: in
         "failed": [{"tag": f.tag, "problems": list(f.problems[:5])} for f in failed],
     }
     record_fallback(root, entry)
+
+
+def _record_refused(root: Path, failed: list[Failed], latest: str) -> None:
+    """No tag passed: each tag tried, its first problem and its files as they were, for ``status`` (a restart as it
+    is fails again until a file or the job changes). Not verdicts: the job itself may be at fault."""
+    record_refused_restart(
+        root,
+        {
+            "at": time.time(),
+            "latest": latest,
+            "failed": [{"tag": f.tag, "problem": _short(f.first()), "files": _identity(root, f.tag)} for f in failed],
+        },
+    )
 
 
 def _none_passed(root: Path, failed: list[Failed]) -> str:
