@@ -210,16 +210,12 @@ def _lost(latest: str, loaded: str) -> str:
 def _repeats(root: Path, latest: str, tag: str) -> int:
     """How many earlier restarts (the store's record) fell back from ``latest``, its files as they are now, to
     ``tag``: the same work lost again at each (a later save of ``latest`` that is damaged anew starts a new count)."""
-    files = _identity(root, latest)
+    files = identity_digest(root / latest)
     return sum(
         1
         for e in read_fallbacks(root)
         if e.get("latest") == latest and e.get("loaded") == tag and e.get("latest_files", files) == files
     )
-
-
-def _identity(root: Path, tag: str) -> str:
-    return identity_digest(root / tag)
 
 
 def _announce(root: Path, failed: list[Failed], tag: str, latest: str, repeats: int) -> None:
@@ -260,7 +256,7 @@ def _record(root: Path, failed: list[Failed], tag: str, latest: str, repeats: in
         "loaded": tag,
         "lost": _lost(latest, tag),
         "repeat": repeats + 1,
-        "latest_files": _identity(root, latest),
+        "latest_files": identity_digest(root / latest),
         "failed": [{"tag": f.tag, "problems": list(f.problems[:5])} for f in failed],
     }
     record_fallback(root, entry)
@@ -274,7 +270,9 @@ def _record_refused(root: Path, failed: list[Failed], latest: str) -> None:
         {
             "at": time.time(),
             "latest": latest,
-            "failed": [{"tag": f.tag, "problem": _short(f.first()), "files": _identity(root, f.tag)} for f in failed],
+            "failed": [
+                {"tag": f.tag, "problem": _short(f.first()), "files": identity_digest(root / f.tag)} for f in failed
+            ],
         },
     )
 
