@@ -1,25 +1,38 @@
-"""The one seam for fault injection: named points where a test can make a process pause.
+"""The one seam for fault injection: named points where a test can make a process pause, fail or die.
 
-Production code calls :func:`pause_point` at a few places where a kill is most instructive (the
-background converter after its first parameter, so that a test can SIGKILL it mid-way). It does
-nothing unless ``MEGATRON_UCP_TEST_PAUSE`` is set to ``TAG:SECONDS:NODE[,...]``, which only the
-tests do (the converter runs in its own process, so an environment variable is the way in).
-Each pause happens once per process and point. :func:`die_point` likewise makes one rank exit just
-before a collective of a load (``MEGATRON_UCP_TEST_DIE``), so that a test sees what the others do.
+Production code calls these at the places where a fault is most instructive. Each does nothing unless its
+environment variable is set, which only the tests do (the ranks and the converter run in their own processes, so
+an environment variable is the way in):
+
+* :func:`pause_point` (``MEGATRON_UCP_TEST_PAUSE=TAG:SECONDS:NODE[,...]``): the background converter pauses after
+  its first parameter, so that a test can SIGKILL it mid-way. Once per process, point, tag and node.
+* :func:`die_point` (``MEGATRON_UCP_TEST_DIE=POINT:RANK``): the process of that global rank exits (code 17) there,
+  e.g. just before a collective of a load, so that a test sees what the others do.
+* :func:`fault_point` (``MEGATRON_UCP_TEST_FAULT=POINT:RANK:WHAT[,...]``): at every step of a save (its copy, each
+  file's write, fsync and rename, the set-aside, each write of the commit, the put-back), the process of that
+  global rank (``*``: every rank) raises ``OSError``, ``ValueError`` or ``MemoryError``, exits (``exit``: code
+  17, as a crash) or is killed (``kill``: SIGKILL, nothing runs after it). ``POINT`` is a shell pattern over the
+  point's name (``write global_step4/*optim_states.pt``); each entry fires once per process.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
+import signal
 import time
 
 PAUSE_ENV = "MEGATRON_UCP_TEST_PAUSE"
 DIE_ENV = "MEGATRON_UCP_TEST_DIE"
 """``POINT:RANK``: the process of that global rank exits (code 17) at that point (tests only)."""
+FAULT_ENV = "MEGATRON_UCP_TEST_FAULT"
+"""``POINT:RANK:WHAT[,...]``: the fault :func:`fault_point` injects (tests only)."""
+FAULTS = {"OSError": OSError, "ValueError": ValueError, "MemoryError": MemoryError}
 
 log = logging.getLogger(__name__)
 _done: set[tuple[str, str, int]] = set()
+_fired: set[str] = set()
 
 
 def pause_seconds(tag: str, node: int, env: "os._Environ[str] | dict[str, str] | None" = None) -> float:
@@ -50,3 +63,26 @@ def die_point(point: str) -> None:
     if spec and spec == f"{point}:{os.environ.get('RANK', '0')}":
         log.warning("fault injection (%s): rank %s exits at %s", DIE_ENV, os.environ.get("RANK"), point)
         os._exit(17)
+
+
+def fault_point(point: str) -> None:
+    """Fail here as the tests asked (:data:`FAULT_ENV`), once per process and entry; else nothing."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    rank = os.environ.get("RANK", "0")
+    for entry in spec.split(","):
+        pattern, _, rest = entry.rpartition(":")
+        pattern, _, who = pattern.rpartition(":")
+        if entry in _fired or not fnmatch.fnmatchcase(point, pattern) or who not in ("*", rank):
+            continue
+        _fired.add(entry)
+        log.warning("fault injection (%s): rank %s: %s at %s", FAULT_ENV, rank, rest, point)
+        if rest == "exit":
+            os._exit(17)
+        if rest == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        kind = FAULTS.get(rest)
+        if kind is None:
+            raise ValueError(f"{FAULT_ENV}: unknown fault {rest!r} (known: exit, kill, {', '.join(FAULTS)})")
+        raise kind(f"injected {rest} at {point}")

@@ -1,10 +1,10 @@
 """What a checkpoint root holds, tag by tag: native checkpoint, universal twin, conversion state.
 
-Read-only. Facts come from the folders (manifest = complete, staging sibling = unfinished), the
-background queue under ``<root>/.ucp/`` (active / pending jobs, recent events, converter
-heartbeats, progress files) and the model states (DP size). :func:`classify` turns the facts of
-one tag into its universal state without I/O, so the precedence is tested on its own:
-complete > foreign > in progress > pending > failed > interrupted > skipped > removed > absent.
+Read-only. Facts come from the folders (manifest = complete, staging sibling = unfinished), the background queue
+under ``<root>/.ucp/`` (active / pending jobs, recent events, converter heartbeats, progress files) and the model
+states (DP size). :func:`classify` turns the facts of one tag into its universal state without I/O, so the
+precedence is tested on its own: complete > foreign > in progress > pending > failed > interrupted > skipped >
+removed > absent.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_ucp.background import queue as B
+from megatron_ucp.background.set_aside import leftovers
 from megatron_ucp.background.store import (
     PROGRESS_DIR,
     failed_saves,
@@ -40,7 +41,7 @@ from megatron_ucp.export.hf_source import hf_name
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.plan.resume import TwinState
-from megatron_ucp.plan.tags import chronological, tag_step
+from megatron_ucp.plan.tags import chronological, iterations_lost
 
 __all__ = [
     "UniversalStatus",
@@ -56,8 +57,8 @@ log = logging.getLogger(__name__)
 
 
 class UniversalStatus(str, enum.Enum):
-    """What ``status`` reports: the folder's own state (:class:`~megatron_ucp.plan.resume.TwinState`,
-    same values) or, when there is no finished folder, what the background queue says about it."""
+    """What ``status`` reports: the folder's own state (:class:`~megatron_ucp.plan.resume.TwinState`, same values)
+    or, when there is no finished folder, what the background queue says about it."""
 
     COMPLETE = TwinState.COMPLETE.value
     STALE = TwinState.STALE.value
@@ -172,11 +173,6 @@ class ResumeAnswer:
     fallback: bool = False
 
 
-def _iterations(latest: str, loaded: str) -> str:
-    new, old = tag_step(latest), tag_step(loaded)
-    return f"{new - old} iterations" if new is not None and old is not None else "the iterations between them"
-
-
 @dataclass(frozen=True)
 class RootStatus:
     root: Path
@@ -191,6 +187,8 @@ class RootStatus:
     """The last restart that fell back to an older tag (``.ucp/fallbacks.jsonl``), if any."""
     refused_restart: Optional[dict] = None
     """The last restart, when it resumed from no tag and ``latest`` and every tag it tried are as they were then."""
+    latest_unreadable: Optional[str] = None
+    """Why ``latest`` names no tag (empty after a power loss, garbage): a restart falls back."""
 
     @property
     def latest_converted(self) -> bool:
@@ -208,7 +206,7 @@ class RootStatus:
     def latest_problem(self) -> Optional[str]:
         """Why the tag in ``latest`` cannot be loaded as it is named, in words (None: nothing known against it)."""
         if self.latest is None:
-            return f"{self.root}: no '{F.LATEST}' file: nothing to resume from"
+            return self.latest_unreadable or f"{self.root}: no '{F.LATEST}' file: nothing to resume from"
         if self.latest_missing:
             return f"{self.root / F.LATEST} names {self.latest}, which is not a checkpoint under {self.root}"
         row = next(t for t in self.tags if t.tag == self.latest)
@@ -218,7 +216,7 @@ class RootStatus:
         """What a restart of this root does (the hooks' fallback on, any DP size: a DP change reads the native
         files), from what is known without reading a rank file: the tags' folders and their recorded verdicts.
         The fallback's own order: the tag ``latest`` names, then the older native tags, newest first."""
-        if self.latest is None:
+        if self.latest is None and self.latest_unreadable is None:
             newest = self.newest_native()
             if newest is None:
                 return ResumeAnswer(None, f"{self.root}: no '{F.LATEST}' file and no checkpoint: nothing to resume")
@@ -239,6 +237,8 @@ class RootStatus:
         names = [t.tag for t in rows]
         older = rows[: names.index(self.latest)] if self.latest in names else rows
         refused = [] if self.latest in names else [f"{self.latest}: not a checkpoint under {self.root}"]
+        if self.latest is None:  # latest unreadable: every tag, newest first, as the fallback walks them
+            refused = [f"{F.LATEST}: {self.latest_unreadable}"]
         for row in [r for r in rows if r.tag == self.latest] + [r for r in reversed(older) if r.native]:
             if not row.native:
                 refused.append(f"{row.tag}: not a checkpoint under {self.root}")
@@ -250,7 +250,7 @@ class RootStatus:
                     return ResumeAnswer(row.tag, f"a restart resumes from {row.tag} ({known})")
                 return ResumeAnswer(
                     row.tag,
-                    f"a restart falls back to {row.tag} ({known}; loses {_iterations(self.latest, row.tag)}): "
+                    f"a restart falls back to {row.tag} ({known}; loses {iterations_lost(self.latest, row.tag)}): "
                     + "; ".join(refused),
                     fallback=True,
                 )
@@ -268,12 +268,13 @@ class RootStatus:
             "problems": list(self.problems),
             "last_fallback": self.last_fallback,
             "refused_restart": self.refused_restart,
+            "latest_unreadable": self.latest_unreadable,
         }
 
 
 def _read_text(path: Path, problems: list[str]) -> Optional[str]:
-    """The tag a ``latest``-style file names; a damaged one is reported and shown as absent
-    (status describes the root, it does not fail on one bad file, and never opens a FIFO)."""
+    """The tag a ``latest``-style file names; a damaged one is reported and shown as absent (status describes the
+    root, it does not fail on one bad file, and never opens a FIFO)."""
     try:
         return read_tag_file(path)
     except CheckpointFormatError as exc:
@@ -304,7 +305,6 @@ def _folder_bytes(path: Path) -> int:
 def _native_dp(tag_dir: Path) -> tuple[Optional[int], Optional[int]]:
     """The DP and EP sizes a native tag was saved at (EP: a mixture-of-experts save's); None when unreadable
     (status describes, it does not fail)."""
-
     try:
         return recorded_sizes(tag_dir)
     except CheckpointFormatError:
@@ -312,7 +312,6 @@ def _native_dp(tag_dir: Path) -> tuple[Optional[int], Optional[int]]:
 
 
 def _progress(root: Path, tag: str, attempt: Optional[str]) -> Optional[float]:
-
     done, total = [], []
     for path in (ucp_dir(root) / PROGRESS_DIR).glob(f"{tag}.node*.json"):
         try:
@@ -333,6 +332,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         raise CheckpointFormatError(f"{root}: not a directory", subject=root)
     problems: list[str] = []
     latest = _read_text(root / F.LATEST, problems)
+    latest_unreadable = problems[-1] if problems else None
     latest_universal = _read_text(root / F.LATEST_UNIVERSAL, problems)
     queue = read_queue(root)
     regs = read_registrations(root)
@@ -436,6 +436,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         f"{record.get('tag')}: an asynchronous save of it failed and did not become {F.LATEST}: {record.get('failure')}"
         for record in failed_saves(root)
     ]
+    problems += [f"{tag}: {fate} ({folder})" for tag, folder, fate in leftovers(root)]
     return RootStatus(
         root=root,
         latest=latest,
@@ -445,6 +446,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         problems=tuple(problems),
         last_fallback=(read_fallbacks(root) or [None])[-1],
         refused_restart=_refused_restart(root, latest),
+        latest_unreadable=latest_unreadable,
     )
 
 

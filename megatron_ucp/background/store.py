@@ -29,7 +29,7 @@ from megatron_ucp.format import osio
 log = logging.getLogger(__name__)
 
 
-UCP_DIR = ".ucp"
+UCP_DIR = F.UCP_DIR
 
 
 QUEUE_FILE = "queue.json"
@@ -66,28 +66,31 @@ class LockBusy(UcpError):
 class QueueLock:
     """Exclusive lock on a root's queue: ``O_CREAT|O_EXCL`` on the shared filesystem (works across
     nodes on NFS and Lustre, where ``flock`` may not). A holder that died is detected (same host:
-    its pid is gone; any host: the file is older than :data:`LOCK_STALE_S`) and the lock broken."""
+    its pid is gone; any host: the file is older than :data:`LOCK_STALE_S`) and the lock broken.
+
+    Breaking is the one step that removes another process's lock, so it is done by one process at a time and on what
+    it sees then: a breaker first takes the break claim (``queue.lock.breaking``, ``O_EXCL`` too), judges the lock
+    again under it, and removes it only if it is still the stale holder's it judged. Two processes that judged the
+    same dead holder at once cannot both remove a lock: the second finds the lock the first one's successor took
+    (a live holder) and leaves it. A breaker dies inside its claim only in a window of milliseconds; a claim older than
+    :data:`LOCK_STALE_S` is then removed, after the same check of whose it is. A holder releases only its own lock."""
 
     def __init__(self, root: Path, timeout: float = 10.0):
         self.path = ucp_dir(root) / LOCK_FILE
         self.timeout = timeout
         self._held = False
+        self._token = ""
 
     def __enter__(self) -> "QueueLock":
         deadline = time.monotonic() + self.timeout
         delay = 0.002
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        me = f"{socket.gethostname()} {os.getpid()} {time.time():.3f}\n".encode()
+        self._token = f"{socket.gethostname()} {os.getpid()} {time.time():.3f} {os.urandom(6).hex()}\n"
         while True:
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                self._maybe_break()
-            else:
-                os.write(fd, me)
-                os.close(fd)
+            if _create_exclusively(self.path, self._token):
                 self._held = True
                 return self
+            self._maybe_break()
             if time.monotonic() > deadline:
                 raise LockBusy(
                     f"{self.path}: held by another process for more than {self.timeout:.0f}s", subject=self.path
@@ -96,31 +99,87 @@ class QueueLock:
             delay = min(delay * 2, 0.05)
 
     def _maybe_break(self) -> None:
-        try:
-            st = self.path.stat()
-            holder = self.path.read_text().split()
-        except (OSError, ValueError):
+        seen = _stale_holder(self.path)
+        if seen is None:
             return
-        age = time.time() - st.st_mtime
-        dead = (
-            len(holder) >= 2
-            and holder[0] == socket.gethostname()
-            and holder[1].isdigit()
-            and not osio.pid_alive(int(holder[1]))
-        )
-        if dead or age > LOCK_STALE_S:
-            broken = self.path.with_name(f"{LOCK_FILE}.broken-{os.getpid()}-{time.time_ns()}")
-            try:
-                os.rename(self.path, broken)
-                broken.unlink()
-                log.warning("%s: broke a stale lock (holder %s, %.0fs old)", self.path, " ".join(holder[:2]), age)
-            except OSError:
-                pass
+        claim = self.path.with_name(LOCK_FILE + BREAKING)
+        mine = f"{socket.gethostname()} {os.getpid()} {time.time():.3f} {os.urandom(6).hex()}\n"
+        if not _create_exclusively(claim, mine):
+            _break_abandoned_claim(claim)
+            return
+        try:
+            if _stale_holder(self.path) == seen:  # still the holder judged dead: nobody took the lock since
+                self.path.unlink(missing_ok=True)
+                log.warning("%s: broke a stale lock (holder %s)", self.path, seen)
+        finally:
+            claim.unlink(missing_ok=True)
 
     def __exit__(self, *exc: Any) -> None:
         if self._held:
             self._held = False
-            self.path.unlink(missing_ok=True)
+            try:
+                holder = self.path.read_text()
+            except OSError:
+                holder = ""
+            if holder == self._token:
+                self.path.unlink(missing_ok=True)
+            else:  # broken as stale while held (held past LOCK_STALE_S): the lock is another's now
+                log.error("%s: this process's lock was broken as stale while held; left to its new holder", self.path)
+
+
+BREAKING = ".breaking"
+"""The claim of the one process breaking a stale queue lock (:class:`QueueLock`)."""
+
+
+def _create_exclusively(path: Path, text: str) -> bool:
+    """``path`` created with ``text`` (``O_EXCL``); False when it exists."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    return True
+
+
+def _stale_holder(path: Path) -> Optional[str]:
+    """The lock file's content when its holder is dead (same host: its pid is gone) or it is older than
+    :data:`LOCK_STALE_S`; None while it is held by a live holder (or is gone, or cannot be read yet)."""
+    try:
+        st = path.stat()
+        text = path.read_text()
+    except (OSError, ValueError):
+        return None
+    holder = text.split()
+    if len(holder) < 3:  # being written by its creator (or damaged: then its age breaks it)
+        return text if time.time() - st.st_mtime > LOCK_STALE_S else None
+    dead = holder[0] == socket.gethostname() and holder[1].isdigit() and not osio.pid_alive(int(holder[1]))
+    return text if dead or time.time() - st.st_mtime > LOCK_STALE_S else None
+
+
+def _break_abandoned_claim(claim: Path) -> None:
+    """A break claim older than :data:`LOCK_STALE_S` (its breaker died inside it) removed: renamed to a name of
+    this process's, then removed only if it is the claim judged abandoned (else put back where it was)."""
+    try:
+        if time.time() - claim.stat().st_mtime <= LOCK_STALE_S:
+            return
+        seen = claim.read_text()
+    except OSError:
+        return
+    taken = claim.with_name(f"{claim.name}.{os.getpid()}-{time.time_ns()}")
+    try:
+        os.rename(claim, taken)
+    except OSError:
+        return
+    if taken.read_text() == seen:
+        taken.unlink(missing_ok=True)
+        log.warning("%s: removed an abandoned claim to break the lock (%s)", claim, seen.strip())
+        return
+    with contextlib.suppress(OSError):  # a live breaker's claim: back, unless another took its place
+        os.link(taken, claim)
+    taken.unlink(missing_ok=True)
 
 
 def read_queue(root: Path) -> B.QueueState:

@@ -32,7 +32,7 @@ from megatron_ucp.deepspeed.reader import CheckpointMeta
 from megatron_ucp.deepspeed.stage3_files import model_states_of_another_save
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.format import integrity, osio
+from megatron_ucp.format import integrity, osio, save_files
 from megatron_ucp.plan.conversion import CopyItem, ParamPlan
 from megatron_ucp.plan.param_geometry import Run
 from megatron_ucp.plan.rank_binding import FileFacts, cross_check
@@ -193,8 +193,11 @@ def _save_id(raw: Any) -> Optional[str]:
 
 def identity_problems(meta: CheckpointMeta, cache: RankFileCache) -> list[str]:
     """Per model-parallel coordinate: one save for the model states and every rank file; at ZeRO-3, every rank's
-    model states of that save too."""
+    model states of that save too; and every file the save's list records (model states, layer and expert files
+    alike) there as it was written (:func:`megatron_ucp.format.save_files.problems`, with the zip directories)."""
     problems: list[str] = []
+    if meta.coordinates:
+        problems += save_files.problems(meta.files.tag_dir, _save_id(meta.coordinates[0].model.raw), deep=True)
     per_rank_models = list(meta.files.zero3_model_files)
     for coordinate in meta.coordinates:
         model_id = _save_id(coordinate.model.raw)

@@ -305,3 +305,15 @@ def padding_style(kind: str, ds_version: str, saved_with_ucp: bool) -> PaddingSt
     if kind == BF16_OPTIMIZER:
         return PaddingStyle.LAST_RANK_ONLY if v <= BF16_LAST_RANK_PADDING_UNTIL else PaddingStyle.PER_RANK
     return PaddingStyle.PER_RANK if v >= ZERO_PER_RANK_PADDING_SINCE else PaddingStyle.LAST_RANK_ONLY
+
+
+def recorded_save_id(tag_dir: Path) -> Optional[str]:
+    """The save identity the tag's model states record; None when there are no model states or they record none (a
+    save without the hooks). Raises :class:`CheckpointFormatError` when they cannot be read (one mapped read, no
+    weight bytes)."""
+    path = model_states_path(Path(tag_dir))
+    if path is None:
+        return None
+    record = model_states_dict(path).get(F.UCP_SAVE_RECORD)
+    save_id = record.get("save_id") if isinstance(record, dict) else None
+    return str(save_id) if save_id is not None else None

@@ -34,7 +34,7 @@ from megatron_ucp.deepspeed.state_kinds import partition_scalars, portable, tens
 from megatron_ucp.deepspeed.tensor_reads import read_tensor_range
 from megatron_ucp.errors import CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.format import integrity
+from megatron_ucp.format import integrity, save_files
 from megatron_ucp.format.exact_read import RangeReader
 from megatron_ucp.format.paths import special_kind
 from megatron_ucp.format.rawtensor import RawTensor
@@ -156,6 +156,7 @@ def read_facts(
         saved_shapes = [dict(group) for group in live_shapes]
     saved_shapes = [group for group in saved_shapes if isinstance(group, dict)]
     expected = check_presence(model_states, rank_file, dp_from)
+    save_files.check(model_states.parent, save_id)  # every file of the save (layer and expert files too) as written
     if per_parameter:
         _check_stage3_model_states(model_states, dp_from, save_id)
     first = (flat_view if per_parameter else optimizer_state)(expected[0])  # tensors located, not read

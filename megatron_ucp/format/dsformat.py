@@ -19,6 +19,8 @@ LAYER_FILE_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
 ZERO3_MODEL_FILE_RE = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 """ZeRO-3's per-rank model states (the module's partitioned, empty tensors, its shapes and client state)."""
 UNIVERSAL_SUFFIX = "_universal"
+UCP_DIR = ".ucp"
+"""Beside the tags (``<save_dir>/.ucp/``): megatron-ucp's store (queue, verdicts, the saves' file lists, ...)."""
 UNIVERSAL_ZERO_DIR = "zero"
 UNIVERSAL_OPTIMIZER_STATE_FILE = "optimizer_state.pt"
 

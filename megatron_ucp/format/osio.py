@@ -14,6 +14,9 @@
   the disk works while the next file is produced.
 * :func:`exchange`: ``renameat2(RENAME_EXCHANGE)`` swaps two paths atomically, so replacing a
   committed folder (``convert --force``) never leaves a moment with no folder at that path.
+* :func:`write_durably` (:func:`prepare`, then :func:`place`): a small file (a pointer such as ``latest``, a
+  record) replaced so that a reader sees the previous content or the new one, never a partial one, also after a
+  power loss.
 """
 
 from __future__ import annotations
@@ -170,3 +173,30 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return True
     return stat.rsplit(")", 1)[-1].split()[:1] not in (["Z"], ["X"])
+
+
+def write_durably(path: os.PathLike | str, text: str) -> None:
+    """A small file replaced by rename after its bytes and then its folder are on disk: a reader sees the previous
+    content or this one, never a partial one, also after a power loss."""
+    place(prepare(path, text), path)
+
+
+def prepare(path: os.PathLike | str, text: str) -> Path:
+    """``text`` durably in a temporary sibling of ``path`` (:func:`place` puts it there)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.time_ns()}")
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def place(tmp: os.PathLike | str, path: os.PathLike | str) -> None:
+    """A prepared file renamed into place, the rename made durable."""
+    os.replace(tmp, path)
+    fsync_path(os.path.dirname(os.path.abspath(path)))

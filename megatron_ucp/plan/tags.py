@@ -21,6 +21,14 @@ def tag_step(tag: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def iterations_lost(latest: Optional[str], loaded: str) -> str:
+    """What resuming from ``loaded`` instead of ``latest`` loses, in words (``latest`` None: it names no tag)."""
+    if latest is None:
+        return f"what was saved after {loaded}, if anything"
+    new, old = tag_step(latest), tag_step(loaded)
+    return f"{new - old} iterations" if new is not None and old is not None else "the iterations between them"
+
+
 def newer(a: tuple[str, float], b: tuple[str, float]) -> bool:
     """Is ``a`` = (tag, mtime) newer than ``b``? By step number when both have one, else by mtime."""
     sa, sb = tag_step(a[0]), tag_step(b[0])

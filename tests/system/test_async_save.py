@@ -174,3 +174,101 @@ def test_a_step_saved_twice_with_the_background_conversion_ends_with_one_save_an
     restart = run_training(TrainSpec(dp=2, steps=3, load_dir=save, plugin=True, plugin_kwargs=kwargs))
     assert restart.returncode == 0 and restart.loaded_step == 2, restart.log[-3000:]
     assert "FALLING BACK" not in restart.log
+
+
+PIPELINE_COPIES = r"""
+import json, os, sys, tempfile
+from pathlib import Path
+from types import SimpleNamespace
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import torch, deepspeed
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from megatron_ucp.integration.save import async_save
+from megatron_ucp.integration.save.commit import OpenSave
+from megatron_ucp.integration.save.host_copy import HostBuffers, HostCopy, written_form
+
+deepspeed.init_distributed("gloo")
+torch.manual_seed(0)
+layers = [torch.nn.Linear(256, 256 - 8 * (i % 2)) for i in range(6)]  # clones of two sizes: a freed one reused
+pipe = PipelineModule(layers=layers, num_stages=1, partition_method="uniform")
+pipe.checkpoint_parallel_write_pipeline = False  # the engine sets it from its config
+engine = TorchCheckpointEngine()
+slot, out, wrong = HostBuffers(), Path(tempfile.mkdtemp()), []
+for n in range(3):  # the slot reused, save after save, the weights changed in between
+    flight = async_save.InFlight(OpenSave(out, f"global_step{n}", True, None), None)
+    capture = async_save._capture(engine.save, flight, HostCopy(slot))
+    through = SimpleNamespace(
+        save=capture, makedirs=engine.makedirs, preserves_storage_sharing=engine.preserves_storage_sharing
+    )
+    pipe.save_state_dict(str(out / f"global_step{n}"), through)
+    for save, copied, path in flight.files:
+        save(written_form(copied), path)
+        layer = int(Path(path).name.split("_")[1].split("-")[0])
+        loaded = torch.load(path, weights_only=True)
+        for key, want in layers[layer].state_dict().items():
+            exact = torch.equal(loaded[key], want) and loaded[key].untyped_storage().nbytes() == want.nbytes
+            if not exact:
+                wrong.append([n, layer, key])
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.add_(1.0)
+print("WRONG " + json.dumps(wrong))
+"""
+
+
+def test_a_pipeline_modules_layer_files_each_hold_their_own_layer_save_after_save(tmp_path: Path):
+    """DeepSpeed's ``PipelineModule.save_state_dict`` saves each layer from a clone it frees before the next one's
+    (0.19.8's expert and model-state saves too): the next clone may get the freed one's address. Copied through the
+    asynchronous save's capture, one host slot reused by three saves, every layer file holds its own layer's
+    tensors, each in a storage of its own size (as a synchronous save writes it)."""
+    from tests.support.dsharness import REPO_ROOT, free_port
+
+    done = subprocess.run(
+        [sys.executable, "-c", PIPELINE_COPIES, str(free_port())],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO_ROOT)},
+    )
+    found = [line for line in done.stdout.splitlines() if line.startswith("WRONG ")]
+    assert done.returncode == 0 and found, done.stderr[-3000:]
+    assert json.loads(found[0][len("WRONG ") :]) == []
+
+
+def test_two_saves_in_flight_each_name_their_own_iteration_in_megatrons_tracker(tmp_path: Path):
+    """With two saves in flight, each commit writes its own save's iteration into Megatron's tracker, before
+    ``latest``: at the end both name the last save."""
+    save = tmp_path / "ckpt"
+    kwargs = {**ASYNC, "saves_in_flight": 2}
+    res = run_training(
+        TrainSpec(
+            dp=2, steps=5, save_dir=save, save_at=(1, 2, 3, 4, 5), plugin=True, plugin_kwargs=kwargs, tracker=True
+        )
+    )
+    assert res.returncode == 0, res.log[-3000:]
+    assert (save / F.LATEST).read_text() == "global_step5"
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "5"
+    assert not list((save / ".ucp").glob(".tracker-*-global_step*"))  # every save's own aside taken at its commit
+
+
+def test_a_job_dying_of_an_exception_with_a_save_in_flight_ends_at_once(tmp_path: Path):
+    """Rank 0 dies of an exception right after an asynchronous save; rank 1 waits for it in the next step's
+    collective. Rank 0's exit does not wait for rank 1's record (it would wait ``converter_exit_wait``, 10 minutes
+    here, while rank 1 waits for it): the job ends within seconds, ``latest`` names the previous save, and the next
+    start resumes from it."""
+    import time
+
+    save = tmp_path / "ckpt"
+    kwargs = {**ASYNC, "converter_exit_wait": 600}
+    spec = TrainSpec(
+        dp=2, steps=4, save_dir=save, save_at=(2, 3), plugin=True, plugin_kwargs=kwargs, crash=(3, 0), timeout=120
+    )
+    t0 = time.monotonic()
+    res = run_training(dataclasses.replace(spec, expect_failure=True))
+    assert res.returncode != 0 and time.monotonic() - t0 < 60, res.log[-3000:]
+    assert "rank 0 dies of an exception after step 3" in res.log
+    assert (save / F.LATEST).read_text() == "global_step2"
+    restart = run_training(TrainSpec(dp=2, steps=4, save_dir=save, load_dir=save, plugin=True, plugin_kwargs=ASYNC))
+    assert restart.returncode == 0 and restart.loaded_step == 2, restart.log[-3000:]

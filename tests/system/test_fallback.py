@@ -30,6 +30,7 @@ from megatron_ucp.cli import main
 from megatron_ucp.convert.universal import source_identity
 from megatron_ucp.deepspeed.reader import find_checkpoint_files
 from megatron_ucp.integration.resume import fallback
+from megatron_ucp.plan.tags import iterations_lost
 from tests.support.elastic_support import (
     ElasticRuns,
     assert_losses_continue,
@@ -178,7 +179,7 @@ def test_the_judge_uses_a_recorded_verdict_and_orders_tags_by_step(tmp_path: Pat
     assert fallback._judge(root, tags[1], through_twin=False) == ()  # judged on other files: checked again
     assert "no complete universal twin" in fallback._judge(root, tags[1], through_twin=True)[0]
 
-    assert fallback._lost(tags[2], tags[1]) == "90 iterations"
+    assert iterations_lost(tags[2], tags[1]) == "90 iterations"
 
 
 def _refused_on_one_rank(rank: int, root: str, store: str, out: str) -> None:

@@ -17,7 +17,9 @@ script is written from scratch to behave like ``pretrain_gpt_alcf.py`` + ``megat
   ``checkpoint_version``, ``tokens``, ``rng_state`` (a list indexed by DP rank when
   ``--data-parallel-random-init``, else ``[rank 0's state]``) and ``universal_checkpoint_info``
   (vocabulary parameter patterns, original vocab size); then a barrier, then rank 0 writes
-  ``latest_checkpointed_iteration.txt``, then a barrier. Like Megatron, it saves every
+  ``latest_checkpointed_iteration.txt`` where ``megatron.checkpointing.get_checkpoint_tracker_filename`` says (the
+  stand-in provides that one function of Megatron's module when no ``megatron.checkpointing`` is loaded: looked up
+  at each write, as Megatron's own module looks up its global), then a barrier. Like Megatron, it saves every
   ``--save-interval`` iterations and once more when training ends.
 * Load: ``engine.load_checkpoint(load, tag=--load-tag)``; restores iteration, consumed samples,
   and (unless ``--no-load-rng``) the RNG states of ``rng_state[dp_rank or 0]``.
@@ -564,9 +566,22 @@ def save_checkpoint(iteration: int, engine: Any, args: argparse.Namespace) -> No
     torch.distributed.barrier()
     log.info("  successfully saved checkpoint at iteration %7d to %s", iteration, args.save)
     if torch.distributed.get_rank() == 0:
-        with open(os.path.join(args.save, TRACKER_FILE), "w") as fh:
+        with open(megatron_checkpointing().get_checkpoint_tracker_filename(args.save), "w") as fh:
             fh.write(str(iteration))
     torch.distributed.barrier()
+
+
+def megatron_checkpointing() -> Any:
+    """Megatron's ``megatron.checkpointing`` module, or the stand-in's share of it (its tracker's name), registered
+    under that name as Megatron-DeepSpeed's is: what names the tracker is whatever the module holds at the write."""
+    module = sys.modules.get("megatron.checkpointing")
+    if module is None:
+        import types
+
+        module = types.ModuleType("megatron.checkpointing", "the stand-in's share of Megatron's checkpointing")
+        module.get_checkpoint_tracker_filename = lambda checkpoints_path: os.path.join(checkpoints_path, TRACKER_FILE)
+        sys.modules["megatron.checkpointing"] = module
+    return module
 
 
 def check_checkpoint_args(ckpt: argparse.Namespace, args: argparse.Namespace) -> None:
@@ -739,6 +754,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.deepspeed_config = None  # Megatron clears the path once the dict is built
     if args.global_batch_size_was_default:
         log.info("setting global batch size to %d", args.global_batch_size)
+    megatron_checkpointing()  # loaded before training, as Megatron's is
     return train(args)
 
 

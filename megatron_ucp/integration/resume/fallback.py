@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from megatron_ucp.background.set_aside import recover
 from megatron_ucp.background.store import (
     FALLBACKS_LOG,
     clear_refused_restart,
@@ -49,7 +50,7 @@ from megatron_ucp.errors import AccountingError, CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.integration.collectives import Failure, decide_on_first, is_first
-from megatron_ucp.plan.tags import chronological, tag_step
+from megatron_ucp.plan.tags import chronological, iterations_lost, tag_step
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +79,14 @@ def load_with_fallback(
     (``--universal-checkpoint``), so an older tag is loaded through its complete twin. ``scheduler``: the engine's
     learning-rate scheduler, put back as it was before each load after a refused one (:class:`SchedulerAsBefore`).
     """
-    latest = read_tag_file(root / F.LATEST)
-    if latest is None:
+    start = decide_on_first(lambda: _start(root))
+    if isinstance(start, Failure):
+        raise CheckpointFormatError(f"{root}: cannot start the restart: {start.message}", subject=root)
+    latest, unreadable = start
+    if latest is None and unreadable is None:
         return load(None)  # nothing to fall back from: DeepSpeed says there is no checkpoint
     as_before = SchedulerAsBefore(scheduler)
-    failed: list[Failed] = []
+    failed: list[Failed] = [Failed(F.LATEST, (unreadable,))] if unreadable is not None else []
     loads = 0
     for tag in _candidates(root, latest):
         outcome = decide_on_first(lambda: _judge(root, tag, universal and tag != latest))
@@ -143,24 +147,42 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def _candidates(root: Path, latest: str) -> Iterator[str]:
-    """``latest``'s tag, then (only if it is needed: the root listed once, on the first rank) the older ones. Every
-    rank walks the same candidates in the same order, so the collectives of the judge and the loads match."""
-    yield latest
+def _start(root: Path) -> tuple[Optional[str], Optional[str]]:
+    """First rank, before anything of the root is read: what an interrupted save left settled
+    (:func:`~megatron_ucp.background.set_aside.recover`), then ``(the tag latest names, why latest cannot be read)``
+    (both None: no ``latest``). Read once and shared: a rank that read ``latest`` on its own could see another value
+    than the first (a save committing on a shared file system) and take a path without the others' collectives."""
+    for line in recover(root):
+        log.warning("megatron-ucp: %s", line)
+    try:
+        return read_tag_file(root / F.LATEST), None
+    except CheckpointFormatError as exc:  # empty after a power loss, garbage: the tags are still there
+        return None, str(exc)
+
+
+def _candidates(root: Path, latest: Optional[str]) -> Iterator[str]:
+    """``latest``'s tag, then (only if it is needed: the root listed once, on the first rank) the older ones (every
+    tag, newest first, when ``latest`` names none). Every rank walks the same candidates in the same order, so the
+    collectives of the judge and the loads match."""
+    if latest is not None:
+        yield latest
     older = decide_on_first(lambda: _older_than(root, latest))
     if isinstance(older, Failure):
         raise CheckpointFormatError(f"{root}: cannot list its tags to fall back to: {older.message}", subject=root)
     yield from older
 
 
-def _older_than(root: Path, latest: str) -> list[str]:
-    """Native tags under ``root`` older than ``latest``, newest first (any ZeRO stage's files)."""
+def _older_than(root: Path, latest: Optional[str]) -> list[str]:
+    """Native tags under ``root`` older than ``latest`` (every one when None), newest first (any ZeRO stage's
+    files)."""
     tags = []
     for entry in os.scandir(root):
         if entry.name == latest or entry.name.startswith(".") or entry.name.endswith(F.UNIVERSAL_SUFFIX):
             continue
         if entry.is_dir() and is_native_tag(Path(entry.path), model_states=True):
             tags.append((entry.name, entry.stat().st_mtime))
+    if latest is None:
+        return list(reversed([tag for tag, _ in chronological(tags)]))
     try:
         mine = (latest, (root / latest).stat().st_mtime)
     except OSError:
@@ -202,14 +224,11 @@ def _problems_of(outcome: Any) -> tuple[str, ...]:
     return tuple(outcome)
 
 
-def _lost(latest: str, loaded: str) -> str:
-    new, old = tag_step(latest), tag_step(loaded)
-    return f"{new - old} iterations" if new is not None and old is not None else "the iterations between them"
-
-
-def _repeats(root: Path, latest: str, tag: str) -> int:
+def _repeats(root: Path, latest: Optional[str], tag: str) -> int:
     """How many earlier restarts (the store's record) fell back from ``latest``, its files as they are now, to
     ``tag``: the same work lost again at each (a later save of ``latest`` that is damaged anew starts a new count)."""
+    if latest is None:
+        return 0
     files = identity_digest(root / latest)
     return sum(
         1
@@ -218,7 +237,7 @@ def _repeats(root: Path, latest: str, tag: str) -> int:
     )
 
 
-def _announce(root: Path, failed: list[Failed], tag: str, latest: str, repeats: int) -> None:
+def _announce(root: Path, failed: list[Failed], tag: str, latest: Optional[str], repeats: int) -> None:
     lines = "\n  ".join(f"{f.tag}: {_short(f.first())}" for f in failed)
     if repeats:
         new, old = tag_step(latest), tag_step(tag)
@@ -235,34 +254,34 @@ def _announce(root: Path, failed: list[Failed], tag: str, latest: str, repeats: 
             latest,
         )
     log.warning(
-        "megatron-ucp: !!! FALLING BACK: %s names %s, which cannot be resumed:\n  %s\n"
+        "megatron-ucp: !!! FALLING BACK: %s %s, which cannot be resumed:\n  %s\n"
         "loading %s instead (loses %s); nothing of the failed tag(s) is changed (--ucp-no-fallback: stop instead)",
         root / F.LATEST,
-        latest,
+        f"names {latest}" if latest is not None else "names no tag",
         lines,
         tag,
-        _lost(latest, tag),
+        iterations_lost(latest, tag),
     )
 
 
-def _record(root: Path, failed: list[Failed], tag: str, latest: str, repeats: int) -> None:
+def _record(root: Path, failed: list[Failed], tag: str, latest: Optional[str], repeats: int) -> None:
     """The restart's fallback and each failed tag's verdict, in the store (never raises: the job goes on)."""
     for f in failed:
-        if f.problems and "(found by " not in f.problems[0]:  # not already a recorded verdict
+        if f.tag != F.LATEST and f.problems and "(found by " not in f.problems[0]:  # not already a recorded verdict
             record_verdict(root, f.tag, list(f.problems), CHECKED_BY, tag_identity(root / f.tag))
     entry = {
         "at": time.time(),
         "latest": latest,
         "loaded": tag,
-        "lost": _lost(latest, tag),
+        "lost": iterations_lost(latest, tag),
         "repeat": repeats + 1,
-        "latest_files": identity_digest(root / latest),
+        "latest_files": identity_digest(root / latest) if latest is not None else None,
         "failed": [{"tag": f.tag, "problems": list(f.problems[:5])} for f in failed],
     }
     record_fallback(root, entry)
 
 
-def _record_refused(root: Path, failed: list[Failed], latest: str) -> None:
+def _record_refused(root: Path, failed: list[Failed], latest: Optional[str]) -> None:
     """No tag passed: each tag tried, its first problem and its files as they were, for ``status`` (a restart as it
     is fails again until a file or the job changes). Not verdicts: the job itself may be at fault."""
     record_refused_restart(
@@ -271,7 +290,9 @@ def _record_refused(root: Path, failed: list[Failed], latest: str) -> None:
             "at": time.time(),
             "latest": latest,
             "failed": [
-                {"tag": f.tag, "problem": _short(f.first()), "files": identity_digest(root / f.tag)} for f in failed
+                {"tag": f.tag, "problem": _short(f.first()), "files": identity_digest(root / f.tag)}
+                for f in failed
+                if f.tag != F.LATEST
             ],
         },
     )

@@ -18,7 +18,16 @@ the save is queued. At the end of the run, when the ranks no longer meet (a scri
 each rank records its outcome in the store and the first rank commits from those records (:func:`at_end_of_run`).
 
 At most ``saves_in_flight`` saves are written at once: a save that finds as many still writing waits for them, and
-says how long. A copy that cannot get host memory makes that save synchronous, with one warning.
+says how long. A file whose copy cannot be taken (no host memory, or anything else the copy raises) is written
+before the save returns instead, with one warning. An exception of any type in the writer fails that save (named on
+every rank at its commit) and the writer goes on with the next; a file the save was asked to write and that is not
+written fails it too. A job that dies of an exception does not wait at its exit for the ranks it can no longer
+meet: its saves in flight stay uncommitted, ``latest`` names the previous one, and the next start puts back what
+they set aside (:func:`~megatron_ucp.background.set_aside.recover`).
+
+Size: one save's life, from its copy through the writer thread to its commit at a step or at the end of the run,
+shares one state (the saves in flight, the host slots, the writer and its queue); split, each part would reach into
+the others'.
 """
 
 from __future__ import annotations
@@ -27,11 +36,13 @@ import atexit
 import collections
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import json
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,6 +54,7 @@ from megatron_ucp.background.store import NICE_INCREMENT, record_save_outcome, u
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import SaveFailedError
+from megatron_ucp.format.save_files import SavedFile
 from megatron_ucp.integration.collectives import comm, count_across, device, is_first
 from megatron_ucp.integration.save import megatron_tracker
 from megatron_ucp.integration.save.commit import (
@@ -52,6 +64,8 @@ from megatron_ucp.integration.save.commit import (
     commit_on_first,
     open_save,
     put_back,
+    put_back_if_raised,
+    reason_of,
     watched_writes,
     write_pointer,
 )
@@ -80,7 +94,9 @@ class InFlight:
     world: int = 1
     """This process's place in the job at the save (the end of the run may come after the process group is gone)."""
     watch: WriteWatch = field(default_factory=WriteWatch)
-    """Which files this rank wrote, and its first failed write."""
+    """Which files this rank was asked to write and wrote, and its first failed write."""
+    tracker: Optional[Path] = None
+    """Where Megatron's tracker write after this save went (:mod:`~megatron_ucp.integration.save.megatron_tracker`)."""
     done: threading.Event = field(default_factory=threading.Event)
     returned: float = 0.0
 
@@ -103,6 +119,8 @@ class _State:
 
 
 _state = _State()
+_crash: dict[str, Any] = {"crashed": False, "excepthook": None}
+"""Whether this process is dying of an uncaught exception (its exit then waits for nobody)."""
 _COPYING: contextvars.ContextVar[bool] = contextvars.ContextVar("megatron_ucp_async_copying", default=False)
 """True inside the save of :func:`async_save`: what its state dicts compute from their tensors may wait for the
 writer (:func:`when_written`)."""
@@ -123,12 +141,39 @@ def install(patches: Any, config: UcpConfig) -> None:
     _state.slots = [HostBuffers(pin=_pinning()) for _ in range(config.saves_in_flight)]
     surface.replace(patches, surface.ENGINE, "_take_model_step", _committing_step)
     atexit.register(_at_exit)
+    watch_for_crash()
 
 
 def on_uninstall() -> None:
     atexit.unregister(_at_exit)
     finish_in_flight()
     reset()
+    stop_watching_for_crash()
+
+
+def watch_for_crash() -> None:
+    """Remember when training dies of an uncaught exception (once per process): the exit handlers then wait for
+    nobody (:func:`crashed`)."""
+    if _crash["excepthook"] is None:
+        _crash["excepthook"] = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+def stop_watching_for_crash() -> None:
+    """The interpreter's exception hook back (the hooks uninstalled)."""
+    if _crash["excepthook"] is not None and sys.excepthook is _excepthook:
+        sys.excepthook = _crash["excepthook"]
+    _crash["excepthook"] = None
+
+
+def _excepthook(kind: type, value: BaseException, tb: Any) -> None:
+    _crash["crashed"] = True
+    (_crash["excepthook"] or sys.__excepthook__)(kind, value, tb)
+
+
+def crashed() -> bool:
+    """The process is dying of an uncaught exception: its ranks will not meet again."""
+    return bool(_crash["crashed"])
 
 
 def after_commit(callback: Callable[[Any, str, str, Optional[tuple[int, int]]], None]) -> None:
@@ -183,13 +228,13 @@ def async_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: d
         _state.redirected = megatron_tracker.redirect() or ""
         if _state.redirected:
             log.debug("megatron-ucp: Megatron's tracker not redirected: %s", _state.redirected)
-    bound, save = open_save(engine, original, args, kwargs, lambda folder, tag: _make_room(engine, folder / tag))
-    client = bound.arguments.get("client_state")
-    iteration = client.get("iteration") if isinstance(client, dict) else None
+    bound, save = open_save(
+        engine, original, args, kwargs, save_id, lambda folder, tag: _make_room(engine, folder / tag)
+    )
     rank = comm().get_rank()
     flight = InFlight(
         save,
-        iteration if isinstance(iteration, int) else None,
+        megatron_tracker.iteration_of(bound.arguments.get("client_state")),
         save_id=save_id,
         rank=rank,
         world=comm().get_world_size(),
@@ -200,15 +245,15 @@ def async_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: d
     t0 = time.perf_counter()
     copying = _COPYING.set(True)
     try:
-        with watched_writes(engine, lambda ce_save: _capture(ce_save, flight, host)):
+        with put_back_if_raised(save), watched_writes(engine, lambda ce_save: _capture(ce_save, flight, host)):
             result = original(*bound.args, **bound.kwargs)
+            host.finish(surface.accelerator().synchronize)
     finally:
         _COPYING.reset(copying)
-    host.finish(surface.accelerator().synchronize)
     flight.returned = time.monotonic()
     _state.last_copied = host.copied_bytes
-    if flight.iteration is not None:  # Megatron's save writes its tracker next: aside, named at the commit
-        megatron_tracker.aside_next_write(save.save_dir)
+    if flight.iteration is not None and not _state.redirected:  # Megatron writes its tracker next: aside
+        flight.tracker = megatron_tracker.aside_next_write(save.save_dir, save.tag)
     _state.in_flight.append(flight)
     _start_writer().put(flight)
     if is_first():
@@ -230,12 +275,15 @@ def when_written(compute: Callable[..., Any], *args: Any) -> Any:
 
 def _capture(ce_save: Callable[..., Any], flight: InFlight, host: HostCopy) -> Callable[..., Any]:
     def save(state_dict: Any, path: Any, *args: Any, **kwargs: Any) -> None:
+        flight.watch.expect(path)
         try:
+            faults.fault_point(f"copy {flight.save.tag}/{Path(str(path)).name}")
             copied = host.of(state_dict)
-        except HostMemoryShort as exc:
+        except Exception as exc:  # no host memory, or a copy that cannot be taken: this file written now
             if not _state.short_warned:
                 _state.short_warned = True
-                log.warning("megatron-ucp: %s: this save's files are written before it returns", exc)
+                why = str(exc) if isinstance(exc, HostMemoryShort) else f"its copy failed ({reason_of(exc)})"
+                log.warning("megatron-ucp: %s: %s: written before the save returns", path, why)
             _write(flight, lambda target: ce_save(written_form(state_dict), target, *args, **kwargs), str(path))
             return None
         flight.files.append((lambda s, target: ce_save(s, target, *args, **kwargs), copied, str(path)))
@@ -265,10 +313,20 @@ def _write_saves() -> None:
         try:
             for ce_save, copied, path in flight.files:
                 _write(flight, lambda target, save=ce_save, copied=copied: save(written_form(copied), target), path)
-            flight.files.clear()  # the host copies go back to their buffers
             _fsync_folders(flight)
+        except BaseException as exc:  # of any type: this save fails, named; the writer goes on with the next
+            flight.watch.fail(flight.save.folder, exc)
         finally:
+            flight.files.clear()  # the host copies go back to their buffers
             flight.done.set()
+
+
+def _wait_written(flight: InFlight) -> None:
+    """This rank's writer done with ``flight`` (a writer that ended is started again: the queue outlives it)."""
+    while not flight.done.wait(5.0):
+        if _state.writer is None or not _state.writer.is_alive():
+            log.error("megatron-ucp: the writer thread ended; starting it again for %s", flight.save.tag)
+            _start_writer()
 
 
 def _lower_priority() -> None:
@@ -287,10 +345,14 @@ def _write(flight: InFlight, save: Callable[[str], Any], path: str) -> None:
 
     def durably() -> None:
         faults.die_point(f"async write {flight.save.tag}")
+        point = f"{flight.save.tag}/{target.name}"
         try:
+            faults.fault_point(f"write {point}")
             save(str(partial))
+            faults.fault_point(f"fsync {point}")
             with open(partial, "rb") as handle:
                 os.fsync(handle.fileno())
+            faults.fault_point(f"rename {point}")
             os.replace(partial, target)
         except BaseException:
             partial.unlink(missing_ok=True)
@@ -347,7 +409,7 @@ def settle(engine: Any, block: bool = False) -> None:
     while _state.in_flight:
         oldest: InFlight = _state.in_flight[0]
         if must:
-            oldest.done.wait()
+            _wait_written(oldest)
         if count_across(0 if oldest.done.is_set() else 1):  # the same sum on every rank: every rank goes the same way
             if not must:
                 return
@@ -361,12 +423,7 @@ def settle(engine: Any, block: bool = False) -> None:
 def _commit(engine: Any, flight: InFlight) -> None:
     save = flight.save
     try:
-        close_save(
-            save,
-            flight.watch.failure,
-            flight.watch.written,
-            then=lambda: megatron_tracker.name_at_commit(save.save_dir, flight.iteration),
-        )
+        close_save(save, flight.watch, megatron_tracker.at_commit(save.save_dir, flight.tracker, flight.iteration))
     except SaveFailedError as exc:
         log.error("megatron-ucp: %s; training goes on (the save is lost, the previous one stays latest)", exc)
         _failed(flight, str(exc))
@@ -388,23 +445,30 @@ def _commit(engine: Any, flight: InFlight) -> None:
 
 
 def at_end_of_run(wait: float) -> None:
-    """Every save still in flight written (this rank's writer) and its outcome recorded in the store; the first rank
-    commits from every rank's record and records the verdict, which the others wait for (each up to ``wait`` seconds):
-    no collective, the ranks may have left their process group."""
+    """Every save still in flight written (this rank's writer) and its outcome recorded in the store (the files it
+    wrote, or why not); the first rank commits from every rank's record and records the verdict, which the others
+    wait for (each up to ``wait`` seconds): no collective, the ranks may have left their process group. A process dying
+    of an exception (:func:`crashed`) waits for nobody: its record says so, and the first rank commits nothing."""
+    dying = crashed()
     while _state.in_flight:
         flight: InFlight = _state.in_flight.popleft()
-        if not flight.done.is_set():
+        if dying:
+            flight.watch.fail(flight.save.folder, RuntimeError(f"global rank {flight.rank} died of an exception"))
+        elif not flight.done.is_set():
             log.warning("megatron-ucp: waiting for this rank's files of %s to be written", flight.save.tag)
-            flight.done.wait()
+            _wait_written(flight)
         folder = ucp_dir(flight.save.save_dir) / OUTCOMES_DIR / f"{flight.save.tag}.{flight.save_id}"
         folder.mkdir(parents=True, exist_ok=True)
-        failure = None if flight.watch.failure is None else str(flight.watch.failure)
-        write_pointer(folder / f"rank-{flight.rank}.json", json.dumps({"failure": failure}))
+        failure = flight.watch.outcome()
+        files = [list(dataclasses.astuple(f)) for f in flight.watch.files]
+        record = {"failure": None if failure is None else str(failure), "files": files}
+        write_pointer(folder / f"rank-{flight.rank}.json", json.dumps(record))
         if flight.rank == 0:
-            why = _commit_from_records(flight, [folder / f"rank-{r}.json" for r in range(flight.world)], wait)
+            ranks = [folder / f"rank-{r}.json" for r in range(flight.world)]
+            why = _commit_from_records(flight, ranks, 0.0 if dying else wait)
             write_pointer(folder / VERDICT_FILE, json.dumps({"failure": why}))
         else:
-            found = _records([folder / VERDICT_FILE], time.monotonic() + wait)
+            found = _records([folder / VERDICT_FILE], time.monotonic() + (0.0 if dying else wait))
             why = found[0]["failure"] if found else "the first rank did not say whether it committed"
             if why is not None:
                 log.error("megatron-ucp: %s was not committed at the end of the run: %s", flight.save.tag, why)
@@ -428,13 +492,21 @@ def _records(paths: list[Path], deadline: float) -> list[dict]:
 
 
 def _commit_from_records(flight: InFlight, records: list[Path], wait: float) -> Optional[str]:
-    """The first rank's commit at the end of the run, from every rank's record; returns why not (None: committed)."""
+    """The first rank's commit at the end of the run, from every rank's record; returns why not (None: committed).
+    The earlier save of the tag is put back only when every rank said it is done writing (a rank that did not say
+    may still write into the folder: then the next start puts it back)."""
     save = flight.save
     found = _records(records, time.monotonic() + wait)
     failures = [record["failure"] for record in found if record.get("failure")]
-    why = "; ".join(failures[:4]) or (
-        f"{len(records) - len(found)} rank(s) did not say they finished writing" if len(found) < len(records) else None
-    )
+    silent = len(records) - len(found)
+    why = "; ".join(failures[:4]) or (f"{silent} rank(s) did not say they finished writing" if silent else None)
+    if why is None:
+        files = [SavedFile(*entry) for record in found for entry in record.get("files") or ()]
+        tracker = megatron_tracker.at_commit(save.save_dir, flight.tracker, flight.iteration)
+        try:  # the process ends next: the earlier save removed before it does
+            commit_on_first(save, files, tracker, wait=True)
+        except SaveFailedError as exc:
+            why = str(exc)
     if why is not None:
         log.error(
             "megatron-ucp: %s was not committed at the end of the run (%s); `latest` names the previous save",
@@ -442,10 +514,9 @@ def _commit_from_records(flight: InFlight, records: list[Path], wait: float) -> 
             why,
         )
         _failed(flight, f"saving {save.tag} in {save.save_dir}: {why}")
-        put_back(save.aside)
+        if not silent:
+            put_back(save.aside)
         return why
-    # the process ends next: the earlier save removed before it does
-    commit_on_first(save, lambda: megatron_tracker.name_at_commit(save.save_dir, flight.iteration), wait=True)
     record_save_outcome(save.save_dir, save.tag)
     log.info("megatron-ucp: %s committed at the end of the run (every rank's files durable)", save.tag)
     return None

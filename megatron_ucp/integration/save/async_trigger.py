@@ -21,8 +21,8 @@ ends normally: :func:`wait_at_end_of_run`) waits up to
 ``converter_exit_wait`` seconds for its node's converter, so the last save's conversion finishes
 inside the job allocation; if it does not, it says so, and ``megatron-ucp status`` /
 ``megatron-ucp convert`` show and complete it. When training dies of an uncaught exception the
-handler does not wait (a crashing job should end now); the detached converter goes on while the
-node lives.
+handler does not wait (a crashing job should end now: :func:`~megatron_ucp.integration.save.async_save.crashed`); the
+detached converter goes on while the node lives.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import atexit
 import functools
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -54,8 +53,6 @@ _state: dict[str, Any] = {
     "launched": {},
     "timings": [],
     "warned": set(),
-    "crashed": False,
-    "excepthook": None,
 }
 
 
@@ -85,25 +82,16 @@ def install(patches: Any, config: UcpConfig) -> None:
         surface.replace(
             patches, surface.ENGINE, "_commit_decoupled_checkpoint", lambda original: _wrap_decoupled(original, config)
         )
-    _state.update(config=config, launched={}, warned=set(), crashed=False)
+    _state.update(config=config, launched={}, warned=set())
     atexit.register(_at_exit)
-    if _state["excepthook"] is None:
-        _state["excepthook"] = sys.excepthook
-        sys.excepthook = _excepthook
+    async_save.watch_for_crash()  # a job dying of an exception does not wait for the converter at its exit
 
 
 def on_uninstall() -> None:
     """Stop waiting at exit; converters already started finish on their own."""
     atexit.unregister(_at_exit)
-    if _state["excepthook"] is not None and sys.excepthook is _excepthook:
-        sys.excepthook = _state["excepthook"]
-    _state.update(config=None, launched={}, excepthook=None)
-
-
-def _excepthook(kind: type, value: BaseException, tb: Any) -> None:
-    """Remember that training died of an exception: then exit does not wait for the converter."""
-    _state["crashed"] = True
-    (_state["excepthook"] or sys.__excepthook__)(kind, value, tb)
+    async_save.stop_watching_for_crash()
+    _state.update(config=None, launched={})
 
 
 def trigger_timings() -> list[float]:
@@ -231,7 +219,7 @@ def wait_at_end_of_run() -> None:
     launched: dict = _state["launched"]
     if config is None or not launched:
         return
-    wait = 0 if _state["crashed"] else config.converter_exit_wait
+    wait = 0 if async_save.crashed() else config.converter_exit_wait
     deadline = time.monotonic() + wait
     kind = _job(config)
     work, command = ("conversion", "convert") if kind == B.CONVERT else ("verification", "verify")

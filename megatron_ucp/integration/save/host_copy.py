@@ -6,6 +6,13 @@ shape and stride. ``torch.save`` writes one record per storage, so the copy's fi
 file would have held, storage for storage (a module's parameters that are views of one flat buffer stay views of
 one copied buffer); a reader sees the same tensors.
 
+A storage is known by its identity (torch's own key) only within one state dict (one file), whose tensors keep
+their storages alive while it is copied: DeepSpeed's pipeline, expert and (0.19.8) model-state saves clone each
+file's tensors, save the clone and free it, so the next file's clone may get a freed clone's address and identity;
+taken as the same storage across files, it would be written from the earlier file's copy. The copy of a storage is
+exactly its size (a view of the buffer's first bytes as a storage of its own): the file holds the records a
+synchronous save writes, byte for byte.
+
 The host buffers are allocated once and reused by the next save of the same structure (:class:`HostBuffers`): a
 save's k-th storage goes to the k-th buffer when it fits. On an accelerator they are pinned (page-locked), so that
 the device-to-host copies run at the link's speed and overlap; one synchronisation ends the copy before the save
@@ -42,7 +49,8 @@ class HostBuffers:
         return sum(b.numel() for b in self.buffers)
 
     def take(self, position: int, nbytes: int) -> torch.Tensor:
-        """The buffer of the save's ``position``-th storage, at least ``nbytes`` long (grown, never shrunk)."""
+        """The first ``nbytes`` of the save's ``position``-th buffer (grown, never shrunk), as a tensor whose storage is
+        exactly ``nbytes`` long (what ``torch.save`` writes of it)."""
         while len(self.buffers) <= position:
             self.buffers.append(torch.empty(0, dtype=torch.uint8))
         held = self.buffers[position]
@@ -54,7 +62,7 @@ class HostBuffers:
                 what = "pinned host memory" if self.pin is not None else "host memory"
                 raise HostMemoryShort(f"cannot allocate {nbytes} bytes of {what}: {exc}") from exc
             self.buffers[position] = held
-        return held[:nbytes]
+        return torch.from_numpy(held.numpy()[:nbytes])  # a storage of its own over the buffer's first bytes
 
 
 @dataclass
@@ -89,29 +97,33 @@ def _holds_deferred(value: Any) -> bool:
 
 @dataclass
 class HostCopy:
-    """One save's copy: its storages copied once each, in the order met."""
+    """One save's copy: each file's storages copied once each, in the order met, into the save's next buffers."""
 
     buffers: HostBuffers
-    storages: dict[tuple[Any, int], torch.UntypedStorage] = field(default_factory=dict)
+    positions: int = 0
+    """Storages copied so far by this save (the next one's buffer)."""
     copied_bytes: int = 0
     devices: set = field(default_factory=set)
 
     def of(self, value: Any) -> Any:
-        """``value`` with every tensor in it replaced by its host copy (containers rebuilt, other leaves deep-copied:
-        training may change them after the save returns)."""
-        return _rebuild(value, self._tensor)
+        """``value`` (one file's state dict) with every tensor in it replaced by its host copy (containers rebuilt,
+        other leaves deep-copied: training may change them after the save returns). Its storages are told apart
+        within ``value`` alone, which holds them alive (the module docstring)."""
+        storages: dict[tuple[Any, int], torch.UntypedStorage] = {}  # this file's, by torch's storage key
+        return _rebuild(value, lambda tensor: self._tensor(tensor, storages))
 
-    def _tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _tensor(self, tensor: torch.Tensor, storages: dict[tuple[Any, int], torch.UntypedStorage]) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        key = (tensor.device, storage.data_ptr())
-        host = self.storages.get(key)
+        key = (tensor.device, storage._cdata)  # as torch.save tells storages apart (an empty one has no address)
+        host = storages.get(key)
         if host is None:
             nbytes = storage.nbytes()
-            buffer = self.buffers.take(len(self.storages), nbytes)
+            buffer = self.buffers.take(self.positions, nbytes)
+            self.positions += 1
             source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
             buffer.copy_(source, non_blocking=self.buffers.pin is not None and not tensor.is_cpu)
             host = buffer.untyped_storage()
-            self.storages[key] = host
+            storages[key] = host
             self.copied_bytes += nbytes
             if not tensor.is_cpu:
                 self.devices.add(tensor.device)

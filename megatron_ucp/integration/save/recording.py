@@ -218,7 +218,7 @@ def _identify_save(original: Any) -> Any:
         try:
             if async_save.enabled() and async_save.supported(self):
                 return async_save.async_save(self, original, args, kwargs, _SAVE_ID.get())
-            return committed_save(self, original, args, kwargs)
+            return committed_save(self, original, args, kwargs, _SAVE_ID.get() or "")
         finally:
             _SAVE_ID.reset(token)
 

@@ -51,6 +51,16 @@ class TrainSpec:
     expect_failure: bool = False
     resave_pause: float = 0.0
     """Seconds between two saves of one step (a step listed twice in ``save_at``)."""
+    tracker: bool = False
+    """After each save, rank 0 writes Megatron's ``latest_checkpointed_iteration.txt`` where
+    ``megatron.checkpointing.get_checkpoint_tracker_filename`` says (the worker registers that one function when no
+    Megatron is loaded), then a barrier: Megatron's own save (the asynchronous save redirects that write)."""
+    tolerate_save_failures: bool = False
+    """A save that raises :class:`~megatron_ucp.errors.SaveFailedError` (on every rank) is reported (rank 0:
+    ``info`` ``save_failed``) and training goes on: a job's policy, so that one run meets many failures."""
+    crash: Optional[tuple[int, int]] = None
+    """``(step, rank)``: that rank raises ``RuntimeError`` right after that step's saves (the others go on to the next
+    step's collectives, where they wait): a job dying of an exception on one rank."""
     base_optimizer: str = "adamw"
     """The torch optimizer ZeRO wraps: ``"adamw"``, or ``"nadam"`` (its ``mu_product`` is a 0-dim tensor per
     partition: state that is not one number per element)."""
@@ -72,6 +82,8 @@ class TrainSpec:
             if value is not None and not isinstance(value, Path):
                 setattr(self, name, Path(value))
         self.save_at = tuple(int(s) for s in self.save_at)
+        if self.crash is not None:
+            self.crash = (int(self.crash[0]), int(self.crash[1]))
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.base_optimizer not in BASE_OPTIMIZERS:

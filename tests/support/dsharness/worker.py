@@ -424,11 +424,35 @@ class Rank:
                     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
                     client_state[UNIVERSAL_CHECKPOINT_INFO] = universal_checkpoint_info(spec)
-                engine.save_checkpoint(str(spec.save_dir), client_state=client_state)
+                if not self.save(client_state, step):
+                    continue
                 self.dump("")
+            if spec.crash is not None and spec.crash == (step, self.rank):
+                raise RuntimeError(f"harness: rank {self.rank} dies of an exception after step {step}")
         self.mark("train")
 
+    def save(self, client_state: dict, step: int) -> bool:
+        """One save (then Megatron's tracker, ``spec.tracker``); False when it failed and failures are tolerated."""
+        spec = self.spec
+        try:
+            self.engine.save_checkpoint(str(spec.save_dir), client_state=client_state)
+        except Exception as exc:
+            if not spec.tolerate_save_failures or type(exc).__name__ != "SaveFailedError":
+                raise
+            print(f"harness: the save of step {step} failed, training goes on: {exc}", file=sys.stderr, flush=True)
+            if self.rank == 0:
+                _report("info", **{f"save_failed_{step}_{time.monotonic_ns()}": str(exc)})
+            return False
+        if spec.tracker:
+            if self.rank == 0:
+                with open(_megatron_checkpointing().get_checkpoint_tracker_filename(str(spec.save_dir)), "w") as fh:
+                    fh.write(str(step))
+            self.dist.barrier()
+        return True
+
     def run(self) -> None:
+        if self.spec.tracker:
+            _megatron_checkpointing()  # loaded before training, as Megatron's is
         self.setup()
         if self.spec.load_dir is not None:
             self.load()
@@ -438,6 +462,18 @@ class Rank:
             self.devices.write(Path(self.spec.dump_dir) / f"devices_rank{self.rank}.json")
         if self.rank == 0:
             _report("done", times=self.times)
+
+
+def _megatron_checkpointing() -> Any:
+    """``megatron.checkpointing`` (registered with its tracker's name alone when no Megatron is loaded)."""
+    module = sys.modules.get("megatron.checkpointing")
+    if module is None:
+        import types
+
+        module = types.ModuleType("megatron.checkpointing")
+        module.get_checkpoint_tracker_filename = lambda path: os.path.join(path, "latest_checkpointed_iteration.txt")
+        sys.modules["megatron.checkpointing"] = module
+    return module
 
 
 def _device(torch: Any) -> Any:
