@@ -224,7 +224,7 @@ test-matrix: matrix
 			echo "=== torch 2.8 + IPEX 2.8 + DeepSpeed $(v): the real Megatron-DeepSpeed"; \
 			$(call TORCH28_ENV,$(v)) MEGATRON_DEEPSPEED_DIR=$(MEGATRON_DEEPSPEED_DIR) EZPZ_DIR=$(EZPZ_DIR) \
 				MEGATRON_UCP_REQUIRE_INTEGRATION=1 MEGATRON_UCP_MDS_CACHE=$(abspath $(RESULTS))/mds-checkout \
-				$(TORCH28_BIN)/python -m pytest -q tests/integration -k "((training or dp3_with_no_flag or async_save_trains) and $(call mds_class,$(v))) or (moe and (background or ep4 or dp2)) or (zero3 and trains) or ipex_lamb" \
+				$(TORCH28_BIN)/python -m pytest -q tests/integration -k "((training or dp3_with_no_flag or async_save_trains) and $(call mds_class,$(v))) or (moe and (background or ep4 or dp2)) or (zero3 and trains) or ipex_lamb or (async_save_layouts and moe)" \
 				--junitxml=$(RESULTS)/megatron-deepspeed-torch2.8-$(v).xml || status=1; ,) \
 	) exit $$status
 

@@ -102,7 +102,7 @@ def problems(
         except OSError:
             size = None
         if size is None:
-            found.append(f"{path}: missing (its save wrote {f.bytes} bytes there)")
+            found.append(f"{path}: is missing (its save wrote {f.bytes} bytes there)")
         elif size != f.bytes:
             cut = "cut short? " if size < f.bytes else ""
             found.append(f"{path}: {size} bytes, its save wrote {f.bytes} ({cut}the file is not the one saved)")

@@ -292,6 +292,29 @@ def check_device_async_save(report: Report, device: str, out: Path) -> None:
     report.check(f"async save on {device}: latest names the last save", (root / "latest").read_text() == "global_step4")
 
 
+def check_device_pipeline_copies(report: Report, device: str) -> None:
+    """DeepSpeed's ``PipelineModule`` on the device, saved three times through the asynchronous save's capture into
+    one reused slot of pinned host buffers (tests/support/pipeline_copies.py): every layer file holds its own layer.
+    Pinned buffers do not come from the allocator the saves' clones do, so even the first save meets freed ones."""
+    import subprocess
+
+    from tests.support.dsharness import free_port
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.pipeline_copies", str(free_port()), device],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    found = [line for line in done.stdout.splitlines() if line.startswith("WRONG ")]
+    wrong = json.loads(found[0][len("WRONG ") :]) if found else None
+    report.check(
+        f"pipeline model's async save on {device}: every layer file its own layer, save after save",
+        done.returncode == 0 and wrong == [],
+        f"wrong (save, layer, key): {wrong}" if found else done.stderr[-300:],
+    )
+
+
 def _markdown(report: Report, seconds: float) -> str:
     card = (
         torch.cuda.get_device_name(0)
@@ -349,6 +372,7 @@ def check(base: Path, device: str, out: Path, runs: Path) -> int:
             check_source(report, base, name, device, runs)
         report.guarded(f"save on {device}", lambda: check_device_save(report, device, runs))
         report.guarded(f"async save on {device}", lambda: check_device_async_save(report, device, runs))
+        report.guarded(f"pipeline async save on {device}", lambda: check_device_pipeline_copies(report, device))
     (out / "report.json").write_text(json.dumps(report.__dict__, indent=1, default=str))
     (out / "report.md").write_text(_markdown(report, time.perf_counter() - t0))
     failed = [c["check"] for c in report.checks if not c["ok"]]

@@ -69,15 +69,23 @@ def mds_runs(tmp_path_factory: pytest.TempPathFactory) -> "RunCache":
 
 
 class RunCache:
-    """Runs shared by the tests of one module (training once, resuming from it several ways)."""
+    """Runs shared by the tests of one module (training once, resuming from it several ways); ``shared``: by every
+    module of the session (a training several modules compare with, under the name they all give it)."""
+
+    _session: dict[str, tuple[Path, object]] = {}
 
     def __init__(self, base: Path) -> None:
         self.base = base
-        self._done: dict[str, object] = {}
+        self._done: dict[str, tuple[Path, object]] = {}
 
-    def get(self, name: str, make):
-        if name not in self._done:
+    def get(self, name: str, make, shared: bool = False):
+        done = RunCache._session if shared else self._done
+        if name not in done:
             folder = self.base / name
             folder.mkdir(parents=True, exist_ok=True)
-            self._done[name] = make(folder)
-        return self._done[name]
+            done[name] = (folder, make(folder))
+        return done[name][1]
+
+    def folder(self, name: str, shared: bool = False) -> Path:
+        """Where the run ``name`` lives (made by :meth:`get`)."""
+        return (RunCache._session if shared else self._done)[name][0]

@@ -31,6 +31,8 @@ from megatron_ucp.convert.universal import read_manifest, universal_state
 from megatron_ucp.convert.verify import verify_universal
 from megatron_ucp.format import dsformat as F
 from tests.integration.mds import MdsModel, MdsResult, MdsRun, point_latest_at, run_mds
+from tests.integration.shared_runs import MOE_ARGS
+from tests.integration.shared_runs import moe_trained as _moe_trained
 from tests.support.elastic_support import fallback_announcements
 from tests.support.state_compare import tag_differences
 
@@ -353,9 +355,6 @@ def test_alcf_wrapper_fresh_then_resumed_on_fewer_ranks(mds_checkout, tmp_path):
 # Mixture of experts: saved through the hooks, converted in the background, resumed at another DP and EP
 # ------------------------------------------------------------------------------------------------
 
-MOE_ARGS = ["--num-experts", "4", "--moe-expert-parallel-size", "2", "--create-moe-param-group"]
-MOE_ARGS += ["--disable-moe-token-dropping"]  # no token dropped: a resume continues the same curve
-
 
 def _experts_from_rank_files(tag: Path, dp: int, ep: int, experts: int) -> dict[str, dict[str, torch.Tensor]]:
     """Per state (``fp32`` and the optimizer's), each global expert parameter's values: its fragments in the
@@ -391,21 +390,6 @@ def _experts_from_rank_files(tag: Path, dp: int, ep: int, experts: int) -> dict[
                             flat.narrow(0, address.start, address.numel)
                         )
     return {state: {name: torch.cat(parts) for name, parts in by_name.items()} for state, by_name in pieces.items()}
-
-
-def _moe_trained(mds_checkout, mds_runs, optimizer: str = "zero") -> tuple[Path, MdsResult]:
-    """4 experts, EP 2, DP 4, through the runner with background conversion; DeepSpeedZeroOptimizer unless
-    ``optimizer`` (BF16_Optimizer skips every MoE step of this fork on 0.16.9, without megatron-ucp too: no loss
-    is ever logged; it trains on 0.19.5)."""
-    name = "moe-train" if optimizer == "zero" else f"moe-train-{optimizer}"
-
-    def train(folder: Path) -> MdsResult:
-        run = MdsRun(nproc=4, ckpt=folder / "ckpt", optimizer=optimizer, train_iters=6, save_interval=3)
-        run.extra_args = ["--ucp-async-convert", *MOE_ARGS]
-        return run_mds(mds_checkout, run)
-
-    res = mds_runs.get(name, train)
-    return mds_runs.base / name / "ckpt", res
 
 
 def _moe_resumed(mds_checkout, mds_runs, root: Path, dp: int, ep: int, optimizer: str = "zero") -> MdsResult:

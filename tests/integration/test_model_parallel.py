@@ -14,7 +14,6 @@ import json
 import math
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,75 +28,8 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.plan.save_record import partition_checksums
 from tests.integration.hf_check import assert_computes, fork_logits, same_files
 from tests.integration.mds import MdsModel, MdsRun, rank_env, run_mds
-
-
-@dataclass(frozen=True)
-class Training:
-    """One 6-iteration training, saved at iterations 2, 4 and 6 (tests resume from 4)."""
-
-    tp: int
-    pp: int
-    pipeline: bool
-    optimizer: str = "bf16"
-    zero_stage: int = 1
-    hooked: bool = True
-    """Saved through the runner with ``--ucp-async-convert`` (TP layout recorded, twins converted
-    as it trains); False: the script alone, as stock DeepSpeed saves."""
-    untied: bool = True
-    nproc: int = 4
-    export_hf: bool = False
-    """With ``--ucp-export-hf``: each converted tag exported as a Hugging Face model by the background converter."""
-
-
-TRAININGS = {
-    "tp2": Training(2, 1, False, export_hf=True),
-    "pp2": Training(1, 2, True),
-    "pp2-zero": Training(1, 2, True, optimizer="zero"),
-    "tp2pp2": Training(2, 2, True),
-    "tp2zero": Training(2, 1, False, optimizer="zero", hooked=False),
-    "tp2zero2": Training(2, 1, False, optimizer="zero", zero_stage=2),
-    "tied-pp2": Training(1, 2, True, untied=False),
-    "tp1": Training(1, 1, False),
-    "pipe-pp1": Training(1, 1, True),
-}
-"""``tp2zero`` trains with DeepSpeedZeroOptimizer (the ALCF default at PP=1) without the hooks, as
-stock saves; ``tied-pp2`` ties the input and output embeddings (Megatron's default): the first and
-last pipeline stage each hold ``tied_modules.embed``."""
-SAME_PADDING = ("--make-vocab-size-divisible-by", "256")
-"""Every training and resume here pads the 257-token vocabulary to 512 rows at TP=1 and at TP=2 (the
-default, 128, pads to 384 at TP=1 and 512 at TP=2): with the same padded size every row's state
-carries over, so a TP change is held to the uninterrupted curve. The one test that changes the
-padded size says so."""
-
-
-def _train(mds_checkout, mds_runs, name: str):
-    t = TRAININGS[name]
-
-    def make(folder: Path):
-        return run_mds(
-            mds_checkout,
-            MdsRun(
-                nproc=t.nproc,
-                ckpt=folder / "ckpt",
-                tp=t.tp,
-                pp=t.pp,
-                pipeline=t.pipeline,
-                train_iters=6,
-                save_interval=2,
-                route="runner" if t.hooked else "plain",
-                optimizer=t.optimizer,
-                zero_stage=t.zero_stage,
-                model=MdsModel(untied=t.untied),
-                extra_args=(
-                    *SAME_PADDING,
-                    *(("--ucp-async-convert",) if t.hooked else ()),
-                    *(("--ucp-export-hf",) if t.export_hf else ()),
-                ),
-            ),
-        )
-
-    result = mds_runs.get(f"train-{name}", make)
-    return mds_runs.base / f"train-{name}" / "ckpt", result
+from tests.integration.shared_runs import SAME_PADDING, TRAININGS
+from tests.integration.shared_runs import train as _train
 
 
 def _resume(

@@ -63,9 +63,19 @@ def _without_padding(state: Any) -> Any:
     return {**state, "optimizer_state_dict": {**optim, "fp32_flat_groups": flats}}
 
 
+def record_sizes(path: Path) -> dict[str, int]:
+    """A torch file's records by name (its archive folder's name left out) and size, the pickle aside: one record
+    per storage, of the storage's size (a storage written larger than its tensors' differs here)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return {i.filename.split("/", 1)[1]: i.file_size for i in z.infolist() if not i.filename.endswith("data.pkl")}
+
+
 def tag_differences(mine: Path, theirs: Path, alias: tuple[str, str] = ("", "")) -> list[str]:
     """Two tag folders' checkpoint files: the same names, each holding the same tensors (a ZeRO-3 partition's
-    uninitialized padding aside: :func:`_real_mask`); ``alias`` as :func:`differences`."""
+    uninitialized padding aside: :func:`_real_mask`) in the same records of the same sizes (:func:`record_sizes`);
+    ``alias`` as :func:`differences`."""
     names = sorted(p.name for p in mine.iterdir() if p.suffix == ".pt")
     other = sorted(p.name for p in theirs.iterdir() if p.suffix == ".pt")
     if names != other:
@@ -75,4 +85,6 @@ def tag_differences(mine: Path, theirs: Path, alias: tuple[str, str] = ("", ""))
         a = _without_padding(torch.load(mine / name, map_location="cpu", weights_only=False))
         b = _without_padding(torch.load(theirs / name, map_location="cpu", weights_only=False))
         out += [f"{name}{d}" for d in differences(a, b, alias=alias)]
+        if record_sizes(mine / name) != record_sizes(theirs / name):
+            out.append(f"{name}: records {record_sizes(mine / name)} vs {record_sizes(theirs / name)}")
     return out

@@ -176,47 +176,6 @@ def test_a_step_saved_twice_with_the_background_conversion_ends_with_one_save_an
     assert "FALLING BACK" not in restart.log
 
 
-PIPELINE_COPIES = r"""
-import json, os, sys, tempfile
-from pathlib import Path
-from types import SimpleNamespace
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-import torch, deepspeed
-from deepspeed.pipe import PipelineModule
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-from megatron_ucp.integration.save import async_save
-from megatron_ucp.integration.save.commit import OpenSave
-from megatron_ucp.integration.save.host_copy import HostBuffers, HostCopy, written_form
-
-deepspeed.init_distributed("gloo")
-torch.manual_seed(0)
-layers = [torch.nn.Linear(256, 256 - 8 * (i % 2)) for i in range(6)]  # clones of two sizes: a freed one reused
-pipe = PipelineModule(layers=layers, num_stages=1, partition_method="uniform")
-pipe.checkpoint_parallel_write_pipeline = False  # the engine sets it from its config
-engine = TorchCheckpointEngine()
-slot, out, wrong = HostBuffers(), Path(tempfile.mkdtemp()), []
-for n in range(3):  # the slot reused, save after save, the weights changed in between
-    flight = async_save.InFlight(OpenSave(out, f"global_step{n}", True, None), None)
-    capture = async_save._capture(engine.save, flight, HostCopy(slot))
-    through = SimpleNamespace(
-        save=capture, makedirs=engine.makedirs, preserves_storage_sharing=engine.preserves_storage_sharing
-    )
-    pipe.save_state_dict(str(out / f"global_step{n}"), through)
-    for save, copied, path in flight.files:
-        save(written_form(copied), path)
-        layer = int(Path(path).name.split("_")[1].split("-")[0])
-        loaded = torch.load(path, weights_only=True)
-        for key, want in layers[layer].state_dict().items():
-            exact = torch.equal(loaded[key], want) and loaded[key].untyped_storage().nbytes() == want.nbytes
-            if not exact:
-                wrong.append([n, layer, key])
-    with torch.no_grad():
-        for layer in layers:
-            layer.weight.add_(1.0)
-print("WRONG " + json.dumps(wrong))
-"""
-
-
 def test_a_pipeline_modules_layer_files_each_hold_their_own_layer_save_after_save(tmp_path: Path):
     """DeepSpeed's ``PipelineModule.save_state_dict`` saves each layer from a clone it frees before the next one's
     (0.19.8's expert and model-state saves too): the next clone may get the freed one's address. Copied through the
@@ -225,7 +184,7 @@ def test_a_pipeline_modules_layer_files_each_hold_their_own_layer_save_after_sav
     from tests.support.dsharness import REPO_ROOT, free_port
 
     done = subprocess.run(
-        [sys.executable, "-c", PIPELINE_COPIES, str(free_port())],
+        [sys.executable, "-m", "tests.support.pipeline_copies", str(free_port())],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -55,10 +55,10 @@ def test_a_layer_file_missing_cut_short_or_written_over_is_named(tmp_path: Path)
         save_files.check(folder, "s1")
     assert Path(raised.value.subject) == layer
     layer.unlink()
-    assert save_files.problems(folder, "s1")[0] == f"{layer}: missing (its save wrote {size} bytes there)"
+    assert save_files.problems(folder, "s1")[0] == f"{layer}: is missing (its save wrote {size} bytes there)"
     # written over with content of the same size: only the zip directory tells (the deep check, as verify runs it)
     torch.save({"w": torch.zeros(100, dtype=torch.float32)}, model)
-    assert save_files.problems(folder, "s1") == [f"{layer}: missing (its save wrote {size} bytes there)"]
+    assert save_files.problems(folder, "s1") == [f"{layer}: is missing (its save wrote {size} bytes there)"]
     assert f"{model}: its zip directory is not the one its save wrote" in "\n".join(
         save_files.problems(folder, "s1", deep=True)
     )
