@@ -332,8 +332,6 @@ def committed_save(engine: Any, original: Callable[..., Any], args: tuple, kwarg
         with watched_writes(engine, watch.wrap):
             result = original(*bound.args, **bound.kwargs)
         close_save(save, watch, tracker)
-    if tracker is not None:
-        megatron_tracker.drop_next_write(save.save_dir)
     return result
 
 

@@ -3,13 +3,13 @@
 Megatron-DeepSpeed's ``save_checkpoint`` writes its tracker (on the first rank, through
 ``megatron.checkpointing.get_checkpoint_tracker_filename``) as soon as DeepSpeed's save returns: after ``latest``
 (a process killed in between leaves them naming two saves), and, for an asynchronous save, before its files are
-written. For that one write (the next call of the function after the save) the function names a file in the store
-instead (:func:`aside_next_write`), and the save's commit writes the real tracker with the save's iteration, before
-``latest``, in the commit a killed process's next start completes: an asynchronous save's when Megatron wrote one
-for it (:func:`at_commit`; with several saves in flight, each names its own iteration at its own commit), a
-synchronous save's from its client state (:func:`for_synchronous_save`; Megatron's own write after it is dropped). A
-load's reads of the tracker go to the real file. Without Megatron (no ``megatron.checkpointing`` loaded) there is no
-tracker and nothing to do.
+written. The save's commit writes the real tracker with the save's iteration, before ``latest``, in the commit a
+killed process's next start completes: a synchronous save's from its client state (:func:`for_synchronous_save`;
+Megatron's own write after it writes the same value again), an asynchronous save's when Megatron wrote one for it
+(:func:`at_commit`; with several saves in flight, each names its own iteration at its own commit), Megatron's own
+write after an asynchronous save (the next call of the function after it) going to a file in the store instead
+(:func:`aside_next_write`). A load's reads of the tracker go to the real file. Without Megatron (no
+``megatron.checkpointing`` loaded) there is no tracker and nothing to do.
 """
 
 from __future__ import annotations
@@ -86,13 +86,6 @@ def for_synchronous_save(save_dir: Path, client_state: Any) -> Optional[Pointer]
     if iteration is None or redirect() is not None:
         return None
     return Pointer(Path(save_dir) / TRACKER, str(iteration))
-
-
-def drop_next_write(save_dir: Path) -> None:
-    """Megatron's own tracker write after a synchronous save whose commit wrote the tracker goes to a file of the
-    store, written over by the next."""
-    ucp_dir(save_dir).mkdir(parents=True, exist_ok=True)
-    _NEXT[os.path.abspath(save_dir)] = ucp_dir(save_dir) / ".tracker-written-after-the-commit"
 
 
 def restore() -> None:

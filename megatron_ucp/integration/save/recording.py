@@ -32,6 +32,7 @@ import logging
 import uuid
 from typing import Any, Callable, Optional
 
+from megatron_ucp import faults
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import stage3_runtime, surface
 from megatron_ucp.deepspeed.surface import OptimizerLayout
@@ -185,6 +186,7 @@ def _record_tp_layout(original: Any) -> Any:
     def _save_checkpoint(
         self: Any, save_dir: Any, tag: Any, client_state: Any = None, *args: Any, **kwargs: Any
     ) -> Any:
+        faults.fault_point(f"save {tag}: model states")  # inside DeepSpeed's save, before its model states
         state = dict(client_state or {})
         save_id = _SAVE_ID.get()
         if save_id is not None:
