@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -67,6 +68,11 @@ _OPEN: set[Path] = set()
 """This process's set-aside folders whose save has not closed yet (:func:`recover` leaves them)."""
 _RECOVERED: set[str] = set()
 """The save folders whose leftovers this process settled (once: only a process that ended leaves them)."""
+HEARTBEAT_S = 5.0
+"""How often a process touches the records of its open set-asides (:func:`_heartbeat`)."""
+LIVE_S = 30.0
+"""A set-aside or commit record touched this recently may belong to a live save on another host: left alone."""
+_heart: dict[str, Optional[threading.Thread]] = {"thread": None}
 _ASIDE_NAME = re.compile(r"^(?P<tag>.+)\.\d{8}-\d{6}\.\d+\.[^.]+$")
 
 
@@ -109,16 +115,46 @@ def write_pointer(path: Path, value: str) -> None:
     osio.write_durably(path, value)
 
 
+def _owner() -> dict:
+    """Who writes a record: the host and process (a record of a live process is left alone by another's recovery)."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _live(record: Path, entry: dict) -> bool:
+    """Whether the process that wrote ``record`` may still be saving: touched within :data:`LIVE_S`, unless it is
+    on this host and gone (then it is surely dead; a live save on another host touches its records every
+    :data:`HEARTBEAT_S`)."""
+    try:
+        fresh = time.time() - record.stat().st_mtime < LIVE_S
+    except OSError:
+        return False
+    pid = entry.get("pid")
+    if entry.get("host") == socket.gethostname() and isinstance(pid, int):
+        return fresh and pid != os.getpid() and osio.pid_alive(pid)
+    return fresh
+
+
+def _heartbeat() -> None:
+    """While this process has set-aside folders open, their records touched every :data:`HEARTBEAT_S` (a daemon
+    thread, started at the first set-aside): another host's recovery sees the save is live."""
+    while True:
+        time.sleep(HEARTBEAT_S)
+        for folder in list(_OPEN):
+            with contextlib.suppress(OSError):
+                os.utime(folder / ASIDE_RECORD)
+
+
 def mark_committed(
     save_dir: Path, tag: str, save_id: str, pointers: Sequence[Pointer], aside: Optional["SetAside"]
 ) -> Path:
-    """The save commits: from here on its set-aside save is not put back, and a process killed before its pointers
-    are written has them written by the next start (:func:`recover`). Returns the record (:func:`end_commit`)."""
+    """The save commits: from here on its set-aside save is not put back, and a process killed before its file list
+    and pointers are written has the pointers written by the next start (:func:`recover`). Returns the record
+    (:func:`end_commit`). Paths are recorded absolute: the next start may run from another folder."""
     faults.fault_point(f"commit {tag}: mark")
     record = ucp_dir(save_dir) / COMMITS_DIR / f"{tag}.json"
     record.parent.mkdir(parents=True, exist_ok=True)
-    entry = {"tag": tag, "save_id": save_id, "aside": aside.folder.name if aside is not None else None}
-    entry["pointers"] = [[str(p.path), p.value] for p in pointers]
+    entry = {"tag": tag, "save_id": save_id, "aside": aside.folder.name if aside is not None else None, **_owner()}
+    entry["pointers"] = [[os.path.abspath(p.path), p.value] for p in pointers]
     osio.write_durably(record, json.dumps(entry))
     return record
 
@@ -151,6 +187,10 @@ class SetAside:
     moved: tuple[str, ...]
     save_id: str = ""
     """The save that replaces it."""
+
+    def close(self) -> None:
+        """This process is done with it (its save will not commit here): the next start settles it."""
+        _OPEN.discard(self.folder)
 
     def drop(self) -> Optional[threading.Thread]:
         """The new save committed: the earlier one is removed beside training (a large save takes a while to
@@ -217,8 +257,12 @@ def set_aside(save_dir: Path, tag: str, save_id: str = "") -> Optional[SetAside]
     folder = Path(tempfile.mkdtemp(prefix=stamp, dir=ucp_dir(save_dir) / REPLACED_DIR))
     names = [name for name, path in existing.items() if _belongs(name, path, tag)]
     aside = SetAside(save_dir, tag, folder, tuple(names), save_id)
-    osio.write_durably(folder / ASIDE_RECORD, json.dumps({"tag": tag, "save_id": save_id, "moved": names}))
+    record = {"tag": tag, "save_id": save_id, "moved": names, **_owner()}
+    osio.write_durably(folder / ASIDE_RECORD, json.dumps(record))
     _OPEN.add(folder)
+    if _heart["thread"] is None:
+        _heart["thread"] = threading.Thread(target=_heartbeat, name="megatron-ucp-set-aside", daemon=True)
+        _heart["thread"].start()
     try:
         faults.fault_point(f"set aside {tag}")
         for name in names:
@@ -242,39 +286,60 @@ def set_aside(save_dir: Path, tag: str, save_id: str = "") -> Optional[SetAside]
 
 def recover(save_dir: Path) -> list[str]:
     """What earlier processes left set aside in ``save_dir`` settled (first rank, once per process; the module
-    docstring): returns what was done, one line each (also logged)."""
+    docstring), each step said in the log; returns those lines. What may belong to a live save (:func:`_live`) is
+    left alone, and looked at again at this process's next save or load."""
     key = os.path.abspath(save_dir)
     if key in _RECOVERED:
         return []
-    _RECOVERED.add(key)
-    done, committed = [], set()
+    done: list[str] = []
+    committed: set[str] = set()
+    live = False
     for record, entry in _commits(Path(save_dir)):
+        committed.add(str(entry.get("aside")))  # never put back, even when its pointers cannot be written now
+        if _live(record, entry):
+            live = True
+            continue
         try:
             for path, value in entry.get("pointers") or ():
                 _complete(Pointer(Path(path), str(value)))
         except (OSError, TypeError, ValueError) as exc:
-            log.error("megatron-ucp: %s: cannot complete the commit it records (%s)", record, described(exc))
+            done.append(f"{record}: cannot complete the commit it records ({described(exc)}); the next start tries")
             continue
-        committed.add(entry.get("aside"))
-        end_commit(record)
         done.append(f"{entry.get('tag')}: its commit was cut short; its pointers are written")
-        log.warning("megatron-ucp: %s", done[-1])
+        if not entry.get("aside") or _drop_named(Path(save_dir), str(entry["aside"])):
+            end_commit(record)
     folder = ucp_dir(save_dir) / REPLACED_DIR
     try:
         entries = sorted(folder.iterdir())
     except OSError:
-        return done
+        entries = []
     for entry in entries:
-        if entry in _OPEN or not entry.is_dir():
+        if entry in _OPEN or not entry.is_dir() or entry.name in committed:
             continue
         try:
-            line = _settle(Path(save_dir), entry, entry.name in committed)
+            line = _settle(Path(save_dir), entry)
         except (OSError, UcpError) as exc:
             line = f"{entry}: cannot settle what an interrupted save left there ({described(exc)}); left as it is"
-            log.error("megatron-ucp: %s", line)
-        if line:
+        if line == LIVE:
+            live = True
+        elif line:
             done.append(line)
+    for line in done:
+        log.warning("megatron-ucp: %s", line)
+    if not live:
+        _RECOVERED.add(key)
     return done
+
+
+LIVE = "live"
+
+
+def _drop_named(save_dir: Path, name: str) -> bool:
+    """The set-aside folder ``name`` (a committed save's) removed; whether it is gone (or being removed)."""
+    folder = ucp_dir(save_dir) / REPLACED_DIR / name
+    if not folder.exists():
+        return True
+    return _remove(folder) is not None
 
 
 def found_aside(save_dir: Path, folder: Path) -> Optional[SetAside]:
@@ -287,7 +352,8 @@ def found_aside(save_dir: Path, folder: Path) -> Optional[SetAside]:
         return None
 
 
-def _settle(save_dir: Path, folder: Path, committed: bool) -> Optional[str]:
+def _settle(save_dir: Path, folder: Path) -> Optional[str]:
+    """One set-aside folder of no commit: what becomes of it (None: nothing to say; :data:`LIVE`: left alone)."""
     if folder.name.endswith(REMOVING):
         _remove(folder)
         return None
@@ -297,18 +363,25 @@ def _settle(save_dir: Path, folder: Path, committed: bool) -> Optional[str]:
             _remove(folder)  # an earlier release's put-back (its failed save kept), or a folder cut short: empty
             return None
         return None  # an earlier release's, whose save's outcome is unknown: named by status, left to the user
+    if _live(folder / ASIDE_RECORD, _record_of(folder)):
+        return LIVE
     if not any(name != ASIDE_RECORD for name in os.listdir(folder)):  # cut short before it moved anything
         _remove(folder)
         return None
-    if committed:
-        aside.drop()
-        return f"{aside.tag}: its save committed before the process ended; the earlier save of it was removed"
     now = _current_save(save_dir / aside.tag)
     if now is not None and now != aside.save_id:
         aside.drop()
         return f"{aside.tag}: saved again since an interrupted save set its earlier save aside; that one was removed"
     aside.put_back()
     return f"{aside.tag}: a save of it was interrupted before it committed; the earlier save of it is back"
+
+
+def _record_of(folder: Path) -> dict:
+    try:
+        entry = json.loads((folder / ASIDE_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return entry if isinstance(entry, dict) else {}
 
 
 def _current_save(tag_dir: Path) -> Optional[str]:
@@ -362,6 +435,11 @@ def leftovers(save_dir: Path) -> list[tuple[str, Path, str]]:
             out.append((tag, entry, "an earlier save of it set aside by an earlier release; check it, then remove it"))
         elif entry.name in committed:
             out.append((aside.tag, entry, "its replacing save committed; the next start removes the earlier save"))
+        elif _live(entry / ASIDE_RECORD, _record_of(entry)):
+            owner = _record_of(entry)
+            out.append(
+                (aside.tag, entry, f"a save of it in progress (host {owner.get('host')}, pid {owner.get('pid')})")
+            )
         else:
             out.append(
                 (aside.tag, entry, "a save of it did not commit; the next start of a save or load puts this back")

@@ -110,9 +110,11 @@ class QueueLock:
         try:
             if _stale_holder(self.path) == seen:  # still the holder judged dead: nobody took the lock since
                 self.path.unlink(missing_ok=True)
-                log.warning("%s: broke a stale lock (holder %s)", self.path, seen)
+                log.warning("%s: broke a stale lock (holder %s)", self.path, seen.strip())
         finally:
-            claim.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                if claim.read_text() == mine:  # ours still (never another breaker's)
+                    claim.unlink()
 
     def __exit__(self, *exc: Any) -> None:
         if self._held:
@@ -160,13 +162,11 @@ def _stale_holder(path: Path) -> Optional[str]:
 
 
 def _break_abandoned_claim(claim: Path) -> None:
-    """A break claim older than :data:`LOCK_STALE_S` (its breaker died inside it) removed: renamed to a name of
-    this process's, then removed only if it is the claim judged abandoned (else put back where it was)."""
-    try:
-        if time.time() - claim.stat().st_mtime <= LOCK_STALE_S:
-            return
-        seen = claim.read_text()
-    except OSError:
+    """A break claim whose breaker died inside it (judged as a lock is: its pid gone on this host, or older than
+    :data:`LOCK_STALE_S`) removed: renamed to a name of this process's, then removed only if it is the claim judged
+    abandoned (else put back where it was)."""
+    seen = _stale_holder(claim)
+    if seen is None:
         return
     taken = claim.with_name(f"{claim.name}.{os.getpid()}-{time.time_ns()}")
     try:

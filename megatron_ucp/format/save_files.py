@@ -27,6 +27,9 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.torch_archive import directory_digest
 
 FILE_LISTS_DIR = "save-files"
+SAVED_ENDINGS = ("model_states.pt", "optim_states.pt")
+"""The names of what DeepSpeed saves (model states, rank files, layer and expert files): another file in a tag folder
+(the user's, an evaluation's) is no file of a save."""
 VERSION = 1
 
 
@@ -85,9 +88,10 @@ def problems(
     tag_dir: os.PathLike | str, save_id: Optional[str], deep: bool = False, rank_files: bool = True
 ) -> list[str]:
     """Each file of the save whose list applies (``save_id``: the save the tag's files are of) that is missing, of
-    another size (``deep``: or another zip directory) than the save wrote, and each ``.pt`` file in the folder the
-    save did not write, named by its path; [] when no list applies. ``rank_files`` False: the optimizer rank files
-    left out (a load binds each of them itself, with what it finds in it)."""
+    another size (``deep``: or another zip directory) than the save wrote, and each checkpoint file
+    (:data:`SAVED_ENDINGS`) in the folder the save did not write, named by its path; [] when no list applies.
+    ``rank_files`` False: the optimizer rank files left out (a load binds each of them itself, with what it finds
+    in it)."""
     folder = Path(tag_dir)
     listed = read_file_list(folder.parent, folder.name)
     if listed is None or save_id is None or listed.save_id != save_id:
@@ -113,7 +117,7 @@ def problems(
         found += [
             f"{folder / name}: a checkpoint file its save did not write (another save's?)"
             for name in sorted(os.listdir(folder))
-            if name.endswith(".pt") and name not in names and (rank_files or not F.OPTIM_FILE_RE.match(name))
+            if name.endswith(SAVED_ENDINGS) and name not in names and (rank_files or not F.OPTIM_FILE_RE.match(name))
         ]
     except OSError:
         pass

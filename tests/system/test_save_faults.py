@@ -259,14 +259,22 @@ def test_an_empty_latest_falls_back_to_the_newest_tag_and_status_says_so(tmp_pat
     assert res.losses and len(base.result.losses) == STEPS
 
 
+@pytest.mark.parametrize("ranks", ["*", "0"], ids=["every-rank", "first-rank"])
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_an_exception_inside_deepspeeds_own_save_puts_the_earlier_save_back(tmp_path: Path, mode: str):
-    """DeepSpeed's save itself raises (on every rank, after the tag's earlier save was set aside): the job dies of it,
-    as without the hooks, and the earlier save is back in place at once; nothing is left aside."""
+def test_an_exception_inside_deepspeeds_own_save_leaves_the_earlier_save_for_the_next_start(
+    tmp_path: Path, mode: str, ranks: str
+):
+    """DeepSpeed's save itself raises (on every rank, or on the first alone while the others go on writing into the
+    tag's folder), after the tag's earlier save was set aside: the job dies of it, as without the hooks; ``latest``
+    names the previous save, ``status`` names the earlier save waiting aside (a put-back now would hand the folder
+    to ranks still writing), and the next start puts it back."""
     root = _copy(tmp_path)
     earlier = _save_of(root / _g(2))
     spec = _spec(root, MODES[mode][1], steps=2, save_at=(2,), expect_failure=True)
-    res = run_training(dataclasses.replace(spec, env={FAULT_ENV: f"save {_g(2)}: model states:*:ValueError"}))
+    res = run_training(dataclasses.replace(spec, env={FAULT_ENV: f"save {_g(2)}: model states:{ranks}:ValueError"}))
     assert res.returncode != 0 and "injected ValueError at save global_step2: model states" in res.log, res.log[-3000:]
-    assert _save_of(root / _g(2)) == earlier and verify_native(root / _g(2)).ok
-    assert leftovers(root) == [] and (root / F.LATEST).read_text() == _g(STEPS)
+    assert (root / F.LATEST).read_text() == _g(STEPS)
+    assert [(tag, "puts this back" in fate) for tag, _, fate in leftovers(root)] == [(_g(2), True)], leftovers(root)
+    restart = run_training(_spec(root, MODES[mode][1], steps=STEPS, load_dir=root))
+    assert restart.returncode == 0 and restart.loaded_step == STEPS, restart.log[-3000:]
+    assert _save_of(root / _g(2)) == earlier and verify_native(root / _g(2)).ok and leftovers(root) == []

@@ -68,6 +68,7 @@ def test_a_file_the_save_did_not_write_is_named_and_rank_files_are_the_loads_own
     folder = _save(tmp_path)
     stray = folder / "layer_07-model_00-model_states.pt"
     torch.save({}, stray)
+    torch.save({}, folder / "consolidated_fp32.pt")  # the user's own file: no file of a save
     assert save_files.problems(folder, "s1") == [f"{stray}: a checkpoint file its save did not write (another save's?)"]
     (folder / FILES[2]).unlink()  # a rank file: the load's binding names it with what it finds
     assert len(save_files.problems(folder, "s1")) == 2 and len(save_files.problems(folder, "s1", rank_files=False)) == 1

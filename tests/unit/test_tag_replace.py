@@ -5,6 +5,8 @@ it is tests/system/test_fallback.py's sequence and tests/system/test_save_faults
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -172,7 +174,7 @@ def test_a_save_killed_after_its_commit_was_marked_is_completed_at_the_next_star
         "its replacing save committed; the next start removes the earlier save",
     ]
     said = _settled(tmp_path)
-    assert said and "cut short" in said[0] and "committed" in said[1]
+    assert said == [f"{TAG}: its commit was cut short; its pointers are written"]
     assert (tmp_path / "latest").read_text() == TAG
     assert not (tmp_path / f"{TAG}_universal").exists()  # the earlier save's twin went with it
     assert (tmp_path / TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").read_bytes() == b"new"
@@ -257,3 +259,32 @@ def test_a_new_tag_killed_between_its_tracker_and_latest_gets_latest_at_the_next
     assert "cut short" in leftovers(tmp_path)[0][2]
     _settled(tmp_path)
     assert (tmp_path / "latest").read_text() == TAG and leftovers(tmp_path) == []
+
+
+def test_a_set_aside_of_a_live_save_on_another_host_is_left_alone(tmp_path: Path):
+    """Another job (an evaluation loading from a training's folder) must not put back what a live save set aside:
+    its record, touched within the last seconds by a process on another host, is left, and named."""
+    earlier = _earlier_save(tmp_path)
+    aside = set_aside(tmp_path, TAG, "new-save")
+    _partial_new_save(tmp_path)
+    record = json.loads((aside.folder / "aside.json").read_text())
+    (aside.folder / "aside.json").write_text(json.dumps({**record, "host": "another-node", "pid": 4242}))
+    assert _settled(tmp_path) == [] and aside.folder.is_dir()
+    assert "in progress (host another-node, pid 4242)" in leftovers(tmp_path)[0][2]
+    old = time.time() - 3600  # its heartbeat stopped an hour ago: the save is dead, settled
+    os.utime(aside.folder / "aside.json", (old, old))
+    assert "the earlier save of it is back" in _settled(tmp_path)[0] and _tree(tmp_path) == earlier
+
+
+def test_a_commit_whose_pointers_cannot_be_written_never_gets_its_earlier_save_back(tmp_path: Path):
+    _earlier_save(tmp_path)
+    aside = set_aside(tmp_path, TAG, "new-save")
+    _partial_new_save(tmp_path)
+    nowhere = tmp_path / "no-such-folder" / "latest"
+    mark_committed(tmp_path, TAG, "new-save", [commit.Pointer(nowhere, TAG)], aside)
+    said = _settled(tmp_path)
+    assert said and "cannot complete the commit" in said[0] and aside.folder.is_dir()
+    assert (tmp_path / TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").read_bytes() == b"new"
+    nowhere.parent.mkdir()
+    _settled(tmp_path)  # the next start writes it, then removes the earlier save
+    assert nowhere.read_text() == TAG and not aside.folder.exists() and leftovers(tmp_path) == []

@@ -26,9 +26,10 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from megatron_ucp.background.set_aside import recover
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
-from megatron_ucp.integration.collectives import agreed, is_first
+from megatron_ucp.integration.collectives import agreed, decide_on_first, is_first
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.install import make_visible, restore_visibility
 from megatron_ucp.integration.live_job import LiveJob, live_job
@@ -86,6 +87,7 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
                 refuse_an_expert_layout_change(self, load_dir, tag, config)
             return original(self, load_dir, tag, **kwargs)
         job = live_job(self)  # read once; everything after reads this
+        decide_on_first(lambda: recover(Path(load_dir)))  # what a killed save left settled before anything is read
 
         def load(chosen: Optional[str]) -> Any:  # refused on every rank or on none
             return agreed(

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from megatron_ucp.background.set_aside import recover
 from megatron_ucp.background.store import (
     FALLBACKS_LOG,
     clear_refused_restart,
@@ -148,12 +147,9 @@ def _plain(value: Any) -> bool:
 
 
 def _start(root: Path) -> tuple[Optional[str], Optional[str]]:
-    """First rank, before anything of the root is read: what an interrupted save left settled
-    (:func:`~megatron_ucp.background.set_aside.recover`), then ``(the tag latest names, why latest cannot be read)``
-    (both None: no ``latest``). Read once and shared: a rank that read ``latest`` on its own could see another value
-    than the first (a save committing on a shared file system) and take a path without the others' collectives."""
-    for line in recover(root):
-        log.warning("megatron-ucp: %s", line)
+    """First rank: ``(the tag latest names, why latest cannot be read)`` (both None: no ``latest``). Read once and
+    shared: a rank that read ``latest`` on its own could see another value than the first (a save committing on a
+    shared file system) and take a path without the others' collectives."""
     try:
         return read_tag_file(root / F.LATEST), None
     except CheckpointFormatError as exc:  # empty after a power loss, garbage: the tags are still there

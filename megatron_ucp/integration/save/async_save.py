@@ -452,7 +452,7 @@ def at_end_of_run(wait: float) -> None:
     dying = crashed()
     while _state.in_flight:
         flight: InFlight = _state.in_flight.popleft()
-        if dying:
+        if dying:  # its writer may still write into the folder: nobody puts the earlier save back over it now
             flight.watch.fail(flight.save.folder, RuntimeError(f"global rank {flight.rank} died of an exception"))
         elif not flight.done.is_set():
             log.warning("megatron-ucp: waiting for this rank's files of %s to be written", flight.save.tag)
@@ -461,11 +461,11 @@ def at_end_of_run(wait: float) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         failure = flight.watch.outcome()
         files = [list(dataclasses.astuple(f)) for f in flight.watch.files]
-        record = {"failure": None if failure is None else str(failure), "files": files}
+        record = {"failure": None if failure is None else str(failure), "files": files, "dying": dying}
         write_pointer(folder / f"rank-{flight.rank}.json", json.dumps(record))
         if flight.rank == 0:
             ranks = [folder / f"rank-{r}.json" for r in range(flight.world)]
-            why = _commit_from_records(flight, ranks, 0.0 if dying else wait)
+            why = _commit_from_records(flight, ranks, 0.0 if dying else wait, dying)
             write_pointer(folder / VERDICT_FILE, json.dumps({"failure": why}))
         else:
             found = _records([folder / VERDICT_FILE], time.monotonic() + (0.0 if dying else wait))
@@ -491,14 +491,15 @@ def _records(paths: list[Path], deadline: float) -> list[dict]:
         time.sleep(0.2)
 
 
-def _commit_from_records(flight: InFlight, records: list[Path], wait: float) -> Optional[str]:
+def _commit_from_records(flight: InFlight, records: list[Path], wait: float, dying: bool = False) -> Optional[str]:
     """The first rank's commit at the end of the run, from every rank's record; returns why not (None: committed).
-    The earlier save of the tag is put back only when every rank said it is done writing (a rank that did not say
-    may still write into the folder: then the next start puts it back)."""
+    The earlier save of the tag is put back only when every rank said it is done writing (a rank that did not say,
+    or died of an exception, this one included, may still write into the folder: then the next start puts it
+    back)."""
     save = flight.save
     found = _records(records, time.monotonic() + wait)
     failures = [record["failure"] for record in found if record.get("failure")]
-    silent = len(records) - len(found)
+    silent = len(records) - len(found) + sum(1 for record in found if record.get("dying")) + int(dying)
     why = "; ".join(failures[:4]) or (f"{silent} rank(s) did not say they finished writing" if silent else None)
     if why is None:
         files = [SavedFile(*entry) for record in found for entry in record.get("files") or ()]
@@ -516,6 +517,8 @@ def _commit_from_records(flight: InFlight, records: list[Path], wait: float) -> 
         _failed(flight, f"saving {save.tag} in {save.save_dir}: {why}")
         if not silent:
             put_back(save.aside)
+        elif save.aside is not None:
+            save.aside.close()
         return why
     record_save_outcome(save.save_dir, save.tag)
     log.info("megatron-ucp: %s committed at the end of the run (every rank's files durable)", save.tag)

@@ -275,9 +275,9 @@ def commit_on_first(save: OpenSave, files: Sequence[SavedFile], tracker: Optiona
         for pointer in pointers:
             faults.fault_point(f"commit {save.tag}: {pointer.path.name}")
             prepared.append((osio.prepare(pointer.path, pointer.value), pointer.path))
-        for n, (tmp, path) in enumerate(prepared):
-            if n == 1:  # the list in place, the pointers not yet: the next start completes what follows
-                record = mark_committed(save.save_dir, save.tag, save.save_id, pointers, save.aside)
+        # decided: from here a killed process's next start completes the commit (and never puts the earlier back)
+        record = mark_committed(save.save_dir, save.tag, save.save_id, pointers, save.aside)
+        for tmp, path in prepared:
             faults.fault_point(f"commit {save.tag}: place {path.name}")
             osio.place(tmp, path)
             placed.append(path)
@@ -292,7 +292,7 @@ def commit_on_first(save: OpenSave, files: Sequence[SavedFile], tracker: Optiona
             f"its commit failed: {reason_of(exc)}; `latest` still names the previous tag", subject=save.folder
         ) from exc
     remover = save.aside.drop() if save.aside is not None else None
-    if record is not None:
+    if save.aside is None or remover is not None:  # else the record stays: the next start removes the earlier save
         end_commit(record)
     if wait and remover is not None:
         remover.join()
@@ -338,14 +338,23 @@ def committed_save(engine: Any, original: Callable[..., Any], args: tuple, kwarg
 @contextlib.contextmanager
 def put_back_if_raised(save: OpenSave) -> Iterator[None]:
     """Around a save from its set-aside to its commit: an exception from DeepSpeed's own save (not one this module
-    raised, which put back already) puts the earlier save back on the first rank, then goes on."""
+    raised, which put back already) leaves the earlier save where it was set aside, for the next start to put back
+    (:func:`~megatron_ucp.background.set_aside.recover`): other ranks may still be writing into the tag's folder,
+    which a put-back now would hand them (their files over the earlier save's)."""
     try:
         yield
     except SaveFailedError:
         raise
     except BaseException:
-        if is_first():
-            put_back(save.aside)
+        if is_first() and save.aside is not None:
+            save.aside.close()
+            log.error(
+                "megatron-ucp: the save of %s raised before it committed: `latest` names the previous save; the "
+                "earlier save of %s waits in %s, and the next start puts it back",
+                save.tag,
+                save.tag,
+                save.aside.folder,
+            )
         raise
 
 
