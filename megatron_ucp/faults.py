@@ -11,8 +11,9 @@ an environment variable is the way in):
 * :func:`fault_point` (``MEGATRON_UCP_TEST_FAULT=POINT:RANK:WHAT[,...]``): at every step of a save (its copy, each
   file's write, fsync and rename, the set-aside, each write of the commit, the put-back), the process of that
   global rank (``*``: every rank) raises ``OSError``, ``ValueError`` or ``MemoryError``, exits (``exit``: code
-  17, as a crash) or is killed (``kill``: SIGKILL, nothing runs after it). ``POINT`` is a shell pattern over the
-  point's name (``write global_step4/*optim_states.pt``); each entry fires once per process.
+  17, as a crash), is killed (``kill``: SIGKILL, nothing runs after it) or waits (``pause<seconds>``: a slow
+  write). ``POINT`` is a shell pattern over the point's name (``write global_step4/*optim_states.pt``); each entry
+  fires once per process.
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ def fault_point(point: str) -> None:
             os._exit(17)
         if rest == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if rest.startswith("pause"):
+            time.sleep(float(rest[len("pause") :]))
+            continue
         kind = FAULTS.get(rest)
         if kind is None:
-            raise ValueError(f"{FAULT_ENV}: unknown fault {rest!r} (known: exit, kill, {', '.join(FAULTS)})")
+            raise ValueError(f"{FAULT_ENV}: unknown fault {rest!r} (known: exit, kill, pauseN, {', '.join(FAULTS)})")
         raise kind(f"injected {rest} at {point}")

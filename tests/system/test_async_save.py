@@ -197,16 +197,18 @@ def test_a_pipeline_modules_layer_files_each_hold_their_own_layer_save_after_sav
 
 
 def test_two_saves_in_flight_each_name_their_own_iteration_in_megatrons_tracker(tmp_path: Path):
-    """With two saves in flight, each commit writes its own save's iteration into Megatron's tracker, before
-    ``latest``: at the end both name the last save."""
+    """With two saves in flight (the write of the fourth slowed, so that the fifth is made while it is written),
+    each commit writes its own save's iteration into Megatron's tracker, before ``latest``: at the end both name the
+    last save."""
+    from megatron_ucp.faults import FAULT_ENV
+
     save = tmp_path / "ckpt"
     kwargs = {**ASYNC, "saves_in_flight": 2}
-    res = run_training(
-        TrainSpec(
-            dp=2, steps=5, save_dir=save, save_at=(1, 2, 3, 4, 5), plugin=True, plugin_kwargs=kwargs, tracker=True
-        )
-    )
+    spec = TrainSpec(dp=2, steps=5, save_dir=save, save_at=(1, 2, 3, 4, 5), plugin=True, plugin_kwargs=kwargs)
+    slow = {FAULT_ENV: "write global_step4/mp_rank_00_model_states.pt:0:pause3"}
+    res = run_training(dataclasses.replace(spec, tracker=True, env=slow))
     assert res.returncode == 0, res.log[-3000:]
+    assert res.log.index("global_step5 copied into host memory") < res.log.index("global_step4 committed")
     assert (save / F.LATEST).read_text() == "global_step5"
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "5"
     assert not list((save / ".ucp").glob(".tracker-*-global_step*"))  # every save's own aside taken at its commit
