@@ -131,7 +131,7 @@ export DS_ACCELERATOR := cpu
 export DS_BUILD_OPS := 0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: venv envs matrix demo test lint test-main test-matrix bench bench-scale clean-venv
+.PHONY: venv envs matrix demo test lint test-main test-matrix bench bench-scale peer clean-venv
 
 venv: $(STAMP)
 
@@ -253,6 +253,12 @@ bench-scale: $(STAMP)
 	$(BIN)/python benchmarks/bench_scale.py --preset $(BENCH_SCALE_PRESET) --flavour megatron --base-optimizer muon \
 		--dp 768 --tools ours,cp+sync --resume-to 512 --shares '' --no-metadata --label muon
 	$(BIN)/python benchmarks/bench_hf_export.py --preset $(BENCH_SCALE_PRESET)
+
+# DeepSpeed's own checkpoint tests (../shared/third_party/deepspeed-tests), run stock, with the hooks, and with the
+# hooks and asynchronous saves; every difference from stock printed with its first error (docs/peer_suite.md). About
+# an hour on 2 cores: not part of `make test`, whose tests/system/test_peer_behaviours.py holds what it found.
+peer: $(STAMP)
+	$(BIN)/python tests/peer/run_peer.py $(PEER_ARGS)
 
 clean-venv:
 	rm -rf $(VENV) $(MATRIX_DIR) $(TORCH28_VENV)

@@ -36,6 +36,11 @@ class UnsupportedError(UcpError):
     """A configuration this version cannot handle correctly (ZeRO-3, an unknown DeepSpeed release, ...)."""
 
 
+class StockFormError(UnsupportedError):
+    """A save in a form megatron-ucp does not read and stock DeepSpeed's own load does (a ZeRO
+    ``elastic_checkpoint``): a load steps aside to DeepSpeed's, with one warning, instead of refusing it."""
+
+
 class OutputExistsError(UcpError):
     """The output is already there; pass ``--force`` (``force=True``) to replace it."""
 

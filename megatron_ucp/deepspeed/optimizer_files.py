@@ -17,7 +17,7 @@ from megatron_ucp.deepspeed.torch_files import load_raw
 from megatron_ucp.deepspeed.versions import (
     check_file_version,
 )
-from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.errors import CheckpointFormatError, StockFormError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.plan.conversion import Fragment, RankGroupLayout, RankLayout
@@ -178,6 +178,12 @@ def optimizer_state(path: Path) -> dict:
     """The optimizer dict of an old rank file, its tensors located but not read (readahead off)."""
     sd = load_raw(path, random_access=True)
     optim = sd.get(F.OPTIMIZER_STATE_DICT) if isinstance(sd, dict) else None
+    if isinstance(optim, dict) and isinstance(optim.get(F.BASE_OPTIMIZER_STATE), list):
+        raise StockFormError(
+            f"{path}: saved with zero_optimization.elastic_checkpoint (its optimizer states per group, without "
+            "their padding or param groups): megatron-ucp does not read that form; DeepSpeed's own load does",
+            subject=path,
+        )
     if (
         not isinstance(optim, dict)
         or not isinstance(optim.get(F.BASE_OPTIMIZER_STATE), dict)

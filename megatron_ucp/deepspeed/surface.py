@@ -39,6 +39,7 @@ FRAGMENT = "deepspeed.utils.tensor_fragment:tensor_fragment"
 BWC = "deepspeed.utils.bwc"
 TORCH_CKPT_ENGINE = "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine"
 ACCELERATOR = "deepspeed.accelerator"
+TORCH_BACKEND = "deepspeed.comm.torch:TorchBackend"
 OPTIMIZER_LOADER = "load_hp_checkpoint_state_from_checkpoint_dir"
 
 
@@ -146,6 +147,13 @@ SURFACE: tuple[Internal, ...] = (
         R,
         "decoupled checkpoint engines commit here, not in save",
         when=lambda facts: facts.decoupled_commit,
+    ),
+    Internal(
+        TORCH_BACKEND,
+        "destroy_process_group",
+        R,
+        "the job leaves its process group: the asynchronous saves in flight are committed first, where every rank "
+        "still meets (a process that ends without exit handlers never commits them otherwise)",
     ),
     # device placement (integration/collectives.py, integration/run.py)
     Internal(ACCELERATOR, "get_accelerator", C, "the device collectives and the reseed run on"),
@@ -412,6 +420,12 @@ OPTIMIZER_SHARED = (
 
 def dp_group(optimizer: Any) -> Any:
     return instance_attribute(optimizer, "dp_process_group")
+
+
+def elastic_checkpoint(optimizer: Any) -> bool:
+    """DeepSpeedZeroOptimizer's ``zero_optimization.elastic_checkpoint`` (its own save and load form; other classes
+    have none)."""
+    return bool(getattr(optimizer, "elastic_checkpoint", False))
 
 
 def group_dp_groups(optimizer: Any) -> list[Any]:

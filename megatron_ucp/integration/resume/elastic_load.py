@@ -120,7 +120,9 @@ def _load_tag(
     decided = decide(job, load_dir, tag, loads_states, config)
     decision = decided.decision
     if decision.route is Route.NATIVE and (decision.checkpoint_dp is None or not loads_states):
-        return original(job.engine, load_dir, tag, **kwargs)  # nothing of ours to do: stock DeepSpeed's load
+        # nothing of ours to do: stock DeepSpeed's load, of the tag the first rank read from `latest` (a rank reading
+        # it again could see another value on a shared file system, and load something else)
+        return original(job.engine, load_dir, tag if tag is not None else decided.native_tag, **kwargs)
     if is_first():
         log.info("megatron-ucp: %s", decision.message)
         if decision.warning and decision.route is not Route.NATIVE:

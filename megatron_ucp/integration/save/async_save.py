@@ -14,8 +14,10 @@ The commit is agreed where training already meets, never from a background threa
 save, one small all-reduce asks whether every rank's writer finished; when all did, the commit of
 :func:`~megatron_ucp.integration.save.commit.close_save` runs (a write that failed anywhere: the earlier save put
 back and the failure said on every rank, naming the file; training goes on), then the background conversion of
-the save is queued. At the end of the run, when the ranks no longer meet (a script may have left its process group),
-each rank records its outcome in the store and the first rank commits from those records (:func:`at_end_of_run`).
+the save is queued. A load commits the saves in flight before it reads anything, and so does a job leaving its
+process group (DeepSpeed's ``destroy_process_group``: a worker that ends without exit handlers). At the end of the
+run, when the ranks no longer meet (a script may have left its process group), each rank records its outcome in the
+store and the first rank commits from those records (:func:`at_end_of_run`).
 
 At most ``saves_in_flight`` saves are written at once: a save that finds as many still writing waits for them, and
 says how long. A file whose copy cannot be taken (no host memory, or anything else the copy raises) is written
@@ -140,6 +142,8 @@ def install(patches: Any, config: UcpConfig) -> None:
     _state.config = config
     _state.slots = [HostBuffers(pin=_pinning()) for _ in range(config.saves_in_flight)]
     surface.replace(patches, surface.ENGINE, "_take_model_step", _committing_step)
+    surface.replace(patches, surface.ENGINE, "load_checkpoint", _loading_after_the_saves, stack=True)
+    surface.replace(patches, surface.TORCH_BACKEND, "destroy_process_group", _committing_before_leaving)
     atexit.register(_at_exit)
     watch_for_crash()
 
@@ -189,6 +193,42 @@ def _committing_step(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self, *args, **kwargs)
 
     return _take_model_step
+
+
+def _loading_after_the_saves(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A load reads what the saves before it wrote: the saves in flight are written and committed first (collective:
+    every rank loads), so that a job may load what it just saved (an evaluation, a rollback after a loss spike)."""
+
+    @functools.wraps(original)
+    def load_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _state.in_flight:
+            if is_first():
+                log.info("megatron-ucp: this load waits for %d save(s) in flight to commit", len(_state.in_flight))
+            while _state.in_flight:
+                settle(self, block=True)
+        return original(self, *args, **kwargs)
+
+    return load_checkpoint
+
+
+def _committing_before_leaving(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The job leaves its process group (every rank: the end of a training loop, of a test's worker): the saves in
+    flight are committed first, while the ranks still meet. A process that ends without exit handlers (a launcher's
+    or a pool's worker) would never commit them otherwise."""
+
+    @functools.wraps(original)
+    def destroy_process_group(self: Any, group: Any = None, *args: Any, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        if _state.in_flight and (group is None or group is dist.GroupMember.WORLD) and dist.is_initialized():
+            try:
+                while _state.in_flight:
+                    settle(None, block=True)
+            except Exception as exc:  # said; the job leaves its group as it asked
+                log.error("megatron-ucp: committing the saves in flight before leaving the process group: %s", exc)
+        return original(self, group, *args, **kwargs)
+
+    return destroy_process_group
 
 
 def _pinning() -> Optional[Callable[[Any], Any]]:

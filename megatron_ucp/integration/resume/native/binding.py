@@ -41,7 +41,7 @@ from megatron_ucp.deepspeed.rank_files import (
 )
 from megatron_ucp.deepspeed.stage3_files import flat_view
 from megatron_ucp.deepspeed.state_kinds import unplaceable_error
-from megatron_ucp.errors import CheckpointFormatError, PlanError, UcpError, UnsupportedError
+from megatron_ucp.errors import CheckpointFormatError, PlanError, StockFormError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import Failure, comm, decide_on_first
 from megatron_ucp.integration.live_job import LiveJob, live_stage3_groups
@@ -114,8 +114,9 @@ def bind_save(
         ),
         group,
     )
-    if isinstance(facts, Failure):
-        raise CheckpointFormatError(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
+    if isinstance(facts, Failure):  # StockFormError: a form DeepSpeed's own load takes (the caller steps aside)
+        kind = StockFormError if facts.kind == StockFormError.__name__ else CheckpointFormatError
+        raise kind(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
     if facts.requantized:  # the same facts on every rank; the live optimizer is the same class everywhere
         blocksize_of_live(job.base)
         if rank == 0:

@@ -28,9 +28,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_ucp.config import UcpConfig
-from megatron_ucp.errors import UcpError
+from megatron_ucp.errors import StockFormError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import is_first
+from megatron_ucp.integration.handled import warn_once
 from megatron_ucp.integration.live_job import LiveJob
 from megatron_ucp.integration.resume.engine_load import (
     ClientStates,
@@ -119,7 +120,10 @@ def reshard_load(
     how = how_module_is_read(job, config, kwargs, Route.RESHARD)
     distributed = how.distributed
     first_read = seen_states if is_first() else None
-    bound = bind_save(job, model_states, rank_file, first_read, requantize=config.requantize_8bit)
+    try:
+        bound = bind_save(job, model_states, rank_file, first_read, requantize=config.requantize_8bit)
+    except StockFormError as exc:  # a form of the files the hooks do not read, before anything was loaded
+        return _deepspeeds_own_load(job, original, load_dir, tag, kwargs, exc)
     reports: list[AccountingReport] = []
     origins = CopiedFrom(bound.reads, rank_file)
 
@@ -183,6 +187,15 @@ def reshard_load(
 _NO_STATES = {"load_optimizer_states": False}
 
 
+def _deepspeeds_own_load(
+    job: LiveJob, original: Callable[..., Any], load_dir: str, tag: str, kwargs: dict, why: StockFormError
+) -> LoadOutcome:
+    """A save in a form the hooks do not read (the same error on every rank: the first rank's read, shared): loaded
+    as stock DeepSpeed loads it, with one warning (it may refuse what it cannot load, as without the hooks)."""
+    warn_once(str(why), "loaded by DeepSpeed's own load, as without megatron-ucp")
+    return LoadOutcome(original(job.engine, load_dir, tag, **kwargs))
+
+
 def same_dp_load(
     job: LiveJob,
     original: Callable[..., Any],
@@ -201,7 +214,10 @@ def same_dp_load(
     if tag is None:
         return LoadOutcome(original(engine, load_dir, tag, **kwargs))
     rank_file, model_states = engine_save_files(job, load_dir, tag)
-    bound = bind_save(job, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
+    try:
+        bound = bind_save(job, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
+    except StockFormError as exc:  # a form of the files the hooks do not read, before anything was loaded
+        return _deepspeeds_own_load(job, original, load_dir, tag, kwargs, exc)
     flat = not job.per_parameter
     how = how_module_is_read(job, config, kwargs, Route.NATIVE)
     distributed = bound is not None and how.distributed

@@ -1,0 +1,252 @@
+"""DeepSpeed's own checkpoint tests, run three ways: stock DeepSpeed, with megatron-ucp's hooks installed in every
+process, and with the hooks and asynchronous saves; then each test whose outcome differs from stock's, with its first
+error (``make peer``).
+
+The tests are DeepSpeed's (``../shared/third_party/deepspeed-tests/``, its README says which commit and which CPU
+edits): they are copied to a temporary folder, the two edits its README lists are applied there with ``patch``, and
+each node id runs in a pytest of its own (DeepSpeed's harness ends the whole pytest at its first hang), bounded in
+time: a test still running after ``--timeout`` seconds is a hang, reported with each of its processes' stack (every
+process registers ``faulthandler`` on SIGUSR1 through this folder's ``site/sitecustomize.py``, which also installs the
+hooks in the hooked modes) and the rank it ran, then killed.
+
+Usage (from the repository root, the project's environment)::
+
+    python tests/peer/run_peer.py [--ids FILE] [--modes stock,hooks,async] [--timeout 300] [--out DIR] [-k EXPR]
+
+Exit status: 0 when every difference from stock is one the docs list as intended (docs/peer_suite.md,
+:data:`INTENDED`), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[2]
+SNAPSHOT = REPO.parent / "shared" / "third_party" / "deepspeed-tests"
+SITE = Path(__file__).resolve().parent / "site"
+EDITS = ("cpu-edit-bf16-check.diff", "cpu-edit-sparse-names.diff")
+MODES = {
+    "stock": {},
+    "hooks": {"UCP_PEER_HOOKS": "1"},
+    "async": {"UCP_PEER_HOOKS": "1", "MEGATRON_UCP_ASYNC_SAVE": "1"},
+}
+EXTRA_IDS = (
+    "unit/checkpoint/test_pipeline.py",
+    "unit/checkpoint/test_moe_checkpoint.py",
+    "unit/checkpoint/test_universal_checkpoint.py",
+    "unit/checkpoint/test_reshape_checkpoint.py",
+    "unit/checkpoint/test_latest_checkpoint.py",
+    "unit/checkpoint/test_tag_validation.py",
+    "unit/checkpoint/test_other_optimizer.py",
+)
+"""Whole modules beside ``selected_45.txt`` (their CPU node ids are collected, then run one by one)."""
+INTENDED = {
+    "test_elastic_checkpoint_change_dp[True-False-False]": (
+        "a DP change with optimizer states: stock DeepSpeed refuses it (ZeRORuntimeException); megatron-ucp's elastic "
+        "resume reshards the rank files instead (the test expects the refusal: DID NOT RAISE)"
+    ),
+}
+"""Node-id suffixes whose difference from stock is the product's purpose, with the reason (docs/peer_suite.md)."""
+
+
+@dataclass
+class Outcome:
+    node: str
+    mode: str
+    outcome: str
+    """passed, failed, skipped, error, hang."""
+    seconds: float
+    first_error: str = ""
+    stacks: dict = field(default_factory=dict)
+    """A hang's processes: ``rank <r> pid <p>`` -> where each waited (its main thread's innermost frames)."""
+
+
+def prepared_copy(work: Path) -> Path:
+    """The snapshot's tests copied into ``work`` with the README's CPU edits applied (the snapshot stays as it is)."""
+    tests = work / "deepspeed-tests"
+    shutil.copytree(SNAPSHOT, tests)
+    for edit in EDITS:
+        subprocess.run(["patch", "-p1", "-s", "-i", str(SNAPSHOT / edit)], cwd=tests, check=True)
+    return tests
+
+
+def node_ids(tests: Path, ids_file: Optional[Path], env: dict, select: str) -> list[str]:
+    ids = (ids_file or tests / "selected_45.txt").read_text().split()
+    listed = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *EXTRA_IDS],
+        cwd=tests / "tests",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    ids += [line.strip() for line in listed.stdout.splitlines() if "::" in line and line.strip() not in ids]
+    return [i for i in ids if not select or re.search(select, i)]
+
+
+def base_env(work: Path) -> dict:
+    env = dict(os.environ)
+    env.update(
+        {
+            "LOCAL_SIZE": "4",
+            "PEER_CPU_BF16": "1",
+            "DS_ACCELERATOR": "cpu",
+            "DS_UNITTEST_TIMEOUT": "3600",  # this runner bounds each test itself, and says where it hung
+            "OMP_NUM_THREADS": "1",
+            "TORCH_EXTENSIONS_DIR": str(work / "torch_extensions"),
+            "PYTHONPATH": os.pathsep.join([str(SITE), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        }
+    )
+    return env
+
+
+def run_one(tests: Path, node: str, mode: str, env: dict, timeout: float, stacks_root: Path) -> Outcome:
+    stacks = stacks_root / f"{mode}-{abs(hash(node))}"
+    stacks.mkdir(parents=True)
+    env = {**env, **MODES[mode], "UCP_PEER_STACKS": str(stacks)}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", node],
+        cwd=tests / "tests",
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        hung = False
+    except subprocess.TimeoutExpired:
+        hung = True
+        _signal_group(proc.pid, signal.SIGUSR1)  # every process dumps its stacks (faulthandler)
+        time.sleep(3)
+        _signal_group(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+    seconds = time.monotonic() - t0
+    if hung:
+        return Outcome(node, mode, "hang", seconds, f"no end after {timeout:.0f} s", _stacks(stacks))
+    return Outcome(node, mode, _outcome(out, proc.returncode), seconds, _first_error(out))
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _outcome(out: str, code: int) -> str:
+    tail = out.strip().splitlines()[-1] if out.strip() else ""
+    for word in ("failed", "error", "passed", "skipped"):
+        if re.search(rf"\b\d+ {word}", tail):
+            return word
+    return "failed" if code else "passed"
+
+
+def _first_error(out: str) -> str:
+    for line in out.splitlines():
+        if line.startswith("E ") or re.search(r"\b[A-Za-z_.]*(Error|Exception)\b: ", line):
+            return " ".join(line.split())[:400]
+    return ""
+
+
+def _stacks(folder: Path) -> dict:
+    """Each dumped process: its rank (the file was renamed to it once the rank was known) -> the innermost frames of
+    its main thread."""
+    found = {}
+    for path in sorted(folder.glob("*.txt")):
+        text = path.read_text(errors="replace")
+        current = text.split("Current thread", 1)
+        main = current[1] if len(current) > 1 else text
+        frames = [line.strip() for line in main.splitlines() if line.strip().startswith("File ")][:6]
+        if frames:
+            found[path.stem] = frames
+    return found
+
+
+def differences(results: list[Outcome]) -> list[tuple[str, str, Outcome, Outcome]]:
+    """(node, mode, stock's outcome, this mode's outcome) where they differ."""
+    by = {(r.node, r.mode): r for r in results}
+    out = []
+    for (node, mode), r in sorted(by.items()):
+        stock = by.get((node, "stock"))
+        if mode != "stock" and stock is not None and stock.outcome != r.outcome:
+            out.append((node, mode, stock, r))
+    return out
+
+
+def intended(node: str) -> Optional[str]:
+    return next((why for suffix, why in INTENDED.items() if node.endswith(suffix)), None)
+
+
+def table(results: list[Outcome], modes: list[str]) -> str:
+    by = {(r.node, r.mode): r for r in results}
+    nodes = sorted({r.node for r in results})
+    lines = ["| test | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+    for node in nodes:
+        cells = [by[(node, m)].outcome if (node, m) in by else "-" for m in modes]
+        lines.append(f"| {node.split('::', 1)[1]} | " + " | ".join(cells) + " |")
+    counts = []
+    for m in modes:
+        outcomes = [by[(n, m)].outcome for n in nodes if (n, m) in by]
+        counts.append(", ".join(f"{outcomes.count(o)} {o}" for o in sorted(set(outcomes))))
+    lines.append("| **in all** | " + " | ".join(counts) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    p.add_argument("--ids", type=Path, help="node ids, one per line (default: the snapshot's selected_45.txt)")
+    p.add_argument("--modes", default="stock,hooks,async")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a test is a hang")
+    p.add_argument("-k", dest="select", default="", help="only node ids matching this regular expression")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "peer")
+    args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    work = Path(tempfile.mkdtemp(prefix="ucp-peer-"))
+    try:
+        tests = prepared_copy(work)
+        env = base_env(work)
+        ids = node_ids(tests, args.ids, env, args.select)
+        print(f"{len(ids)} tests x {len(modes)} modes ({', '.join(modes)}), each bounded by {args.timeout:.0f} s")
+        results: list[Outcome] = []
+        for node in ids:
+            for mode in modes:
+                r = run_one(tests, node, mode, env, args.timeout, work / "stacks")
+                results.append(r)
+                print(f"{r.outcome:8s} {r.seconds:6.1f}s {mode:6s} {node}", flush=True)
+                for who, frames in r.stacks.items():
+                    print(f"    {who} waited in: {' <- '.join(frames[:3])}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d-%H%M")
+    (args.out / f"peer-{stamp}.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    print("\n" + table(results, modes))
+    unexplained = 0
+    for node, mode, stock, r in differences(results):
+        why = intended(node)
+        unexplained += why is None
+        label = f"intended: {why}" if why else f"{r.first_error or '-'}"
+        print(f"DIFFERS ({mode}: {r.outcome}, stock: {stock.outcome}) {node}\n    {label}")
+        for who, frames in r.stacks.items():
+            print(f"    {who}: {' <- '.join(frames)}")
+    print(f"results: {args.out / f'peer-{stamp}.json'}; {unexplained} unexplained difference(s) from stock")
+    return 1 if unexplained else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

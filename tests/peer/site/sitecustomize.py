@@ -1,0 +1,37 @@
+"""Every Python process of a peer-suite run (tests/peer/run_peer.py): its stacks on SIGUSR1, in a file of its own named
+by its rank once it has one; and, in the hooked modes, megatron-ucp's hooks installed (``UCP_PEER_HOOKS=1``)."""
+
+import faulthandler
+import os
+import signal
+import threading
+
+_FOLDER = os.environ.get("UCP_PEER_STACKS")
+
+
+def _register() -> None:
+    """This process's stacks into ``<folder>/pid-<pid>.txt`` on SIGUSR1, renamed ``rank-<r>-pid-<pid>.txt`` once the
+    rank is known (DeepSpeed's test harness sets ``RANK`` after the fork)."""
+    path = os.path.join(_FOLDER, f"pid-{os.getpid()}.txt")
+    handle = open(path, "w")
+    faulthandler.register(signal.SIGUSR1, file=handle, all_threads=True, chain=False)
+
+    def name_by_rank() -> None:
+        for _ in range(600):
+            rank = os.environ.get("RANK")
+            if rank is not None:
+                os.rename(path, os.path.join(_FOLDER, f"rank-{rank}-pid-{os.getpid()}.txt"))
+                return
+            threading.Event().wait(1.0)
+
+    threading.Thread(target=name_by_rank, daemon=True).start()
+
+
+if _FOLDER:
+    _register()
+    os.register_at_fork(after_in_child=_register)
+
+if os.environ.get("UCP_PEER_HOOKS") == "1":
+    import megatron_ucp
+
+    megatron_ucp.install()
