@@ -52,6 +52,9 @@ EXTRA_IDS = (
     "unit/checkpoint/test_other_optimizer.py",
 )
 """Whole modules beside ``selected_45.txt`` (their CPU node ids are collected, then run one by one)."""
+SAMPLED = {"test_universal_checkpoint.py": re.compile(r"\[-1-True-True-[13]-dtype0\]$")}
+"""Modules whose parametrization is sampled (144 universal-checkpoint cases: each DP change at ZeRO-1 and 3, bf16, the
+optimizer loaded, torch's Adam, no sub-groups)."""
 INTENDED = {
     "test_elastic_checkpoint_change_dp[True-False-False]": (
         "a DP change with optimizer states: stock DeepSpeed refuses it (ZeRORuntimeException); megatron-ucp's elastic "
@@ -84,16 +87,32 @@ def prepared_copy(work: Path) -> Path:
 
 def node_ids(tests: Path, ids_file: Optional[Path], env: dict, select: str) -> list[str]:
     ids = (ids_file or tests / "selected_45.txt").read_text().split()
-    listed = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *EXTRA_IDS],
-        cwd=tests / "tests",
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    ids += [line.strip() for line in listed.stdout.splitlines() if "::" in line and line.strip() not in ids]
+    if ids_file is None:
+        listing = tests / "extra-ids.txt"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "--collect-only",
+                "-p",
+                "ucp_peer_ids",
+                "-p",
+                "no:cacheprovider",
+                *EXTRA_IDS,
+            ],
+            cwd=tests / "tests",
+            env={**env, "UCP_PEER_IDS": str(listing)},
+            capture_output=True,
+            timeout=600,
+        )
+        found = listing.read_text().split() if listing.is_file() else []
+        ids += [node for node in found if node not in ids and _sampled(node)]
     return [i for i in ids if not select or re.search(select, i)]
+
+
+def _sampled(node: str) -> bool:
+    return all(pattern.search(node) for module, pattern in SAMPLED.items() if module in node)
 
 
 def base_env(work: Path) -> dict:

@@ -56,7 +56,9 @@ def main(case: str, root: str) -> None:
         engine.save_checkpoint(root)
         fresh = _engine(False, seed=1)
         path, _ = fresh.load_checkpoint(root)
-        same = all(torch.equal(a, b) for a, b in zip(engine.module.parameters(), fresh.module.parameters(), strict=True))
+        same = all(
+            torch.equal(a, b) for a, b in zip(engine.module.parameters(), fresh.module.parameters(), strict=True)
+        )
         if rank == 0:
             print(f"LOADED {os.path.basename(os.path.dirname(path))} {fresh.global_steps} same={same}", flush=True)
     elif case == "exit-without-handlers":
