@@ -32,6 +32,7 @@ from megatron_ucp.deepspeed.reader import load_raw
 from megatron_ucp.deepspeed.stage3_files import flat_view, model_states_of_another_save, sub_group_owners
 from megatron_ucp.deepspeed.state_kinds import partition_scalars, portable, tensor_states, unplaceable_states
 from megatron_ucp.deepspeed.tensor_reads import read_tensor_range
+from megatron_ucp.deepspeed.torch_files import with_torch_values
 from megatron_ucp.errors import CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity, save_files
@@ -189,7 +190,9 @@ def read_facts(
     return SavedFacts(
         dp_from=dp_from,
         layout=layout,
-        global_state={k: v for k, v in first.items() if k not in _PARTITIONS and k != F.UCP_SAVE_RECORD},
+        global_state=with_torch_values(
+            {k: v for k, v in first.items() if k not in _PARTITIONS and k != F.UCP_SAVE_RECORD}
+        ),
         param_groups=[{k: v for k, v in group.items() if k != "params"} for group in groups],
         states=tensor_states(per_group),
         steps=[in_memory(s.get(F.STEP_STATE)) for s in per_group],

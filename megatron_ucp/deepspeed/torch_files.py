@@ -73,3 +73,32 @@ def load_raw(path: Path, damage: Optional[list[str]] = None, random_access: bool
     except Exception as exc:  # damaged: let torch.load produce the diagnosis
         log.debug("%s: not readable without torch (%s: %s)", path, type(exc).__name__, exc)
     return raw_tensors_from_torch(load_torch_file(path, mmap=True))
+
+
+def with_torch_values(value: Any, _seen: Optional[set] = None) -> Any:
+    """``value`` with every stand-in for a torch dtype or device (what a read without torch gives for them) replaced by
+    torch's own, in containers and in objects' attributes (in place): what is handed to another rank (pickled by torch,
+    which refuses a class that claims torch's name) or into the live optimizer (a loss scaler's dtype)."""
+    import torch
+
+    from megatron_ucp.format.lightpickle import is_stand_in
+
+    seen = set() if _seen is None else _seen
+    if isinstance(value, type) and is_stand_in(value) and getattr(value, "_ucp_module", "") == "torch":
+        return getattr(torch, getattr(value, "_ucp_name", ""), value)
+    if id(value) in seen:
+        return value
+    if isinstance(value, dict):
+        seen.add(id(value))
+        for key in list(value):
+            value[key] = with_torch_values(value[key], seen)
+    elif isinstance(value, list):
+        seen.add(id(value))
+        value[:] = [with_torch_values(item, seen) for item in value]
+    elif isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(with_torch_values(item, seen) for item in value)
+    elif hasattr(value, "__dict__") and not isinstance(value, type) and not is_stand_in(value):
+        seen.add(id(value))
+        for key, item in list(vars(value).items()):
+            setattr(value, key, with_torch_values(item, seen))
+    return value

@@ -9,6 +9,7 @@ accelerator's device (gloo/CPU, ccl/XPU, nccl/CUDA).
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, TypeVar
 
@@ -87,6 +88,7 @@ def decide_on_first(decide: Callable[[], T], group: Any = None) -> "T | Failure"
     if is_first(group):
         try:
             outcome = decide()
+            pickle.dumps(outcome)  # what cannot be sent fails here, on the first rank, not inside the broadcast
         except Exception as exc:
             outcome = Failure(described(exc), type(exc).__name__)
     return broadcast_from_first(outcome, group)

@@ -3,7 +3,9 @@ process, and with the hooks and asynchronous saves; then each test whose outcome
 error (``make peer``).
 
 The tests are DeepSpeed's (``../shared/third_party/deepspeed-tests/``, its README says which commit and which CPU
-edits): they are copied to a temporary folder, the two edits its README lists are applied there with ``patch``, and
+edits): they are copied to a temporary folder, the two edits its README lists are applied there with ``patch`` (and
+DeepSpeed's CPU accelerator told fp16 works, which torch runs on any CPU: the fp16 cases, the mixture-of-experts ones
+among them, run instead of stopping at DeepSpeed's start-up check; ``UCP_PEER_FP16=0`` leaves it as it is), and
 each node id runs in a pytest of its own (DeepSpeed's harness ends the whole pytest at its first hang), bounded in
 time: a test still running after ``--timeout`` seconds is a hang, reported with each of its processes' stack (every
 process registers ``faulthandler`` on SIGUSR1 through this folder's ``site/sitecustomize.py``, which also installs the
@@ -34,7 +36,8 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[2]
-SNAPSHOT = REPO.parent / "shared" / "third_party" / "deepspeed-tests"
+SNAPSHOT = Path(os.environ.get("DEEPSPEED_TESTS_DIR", REPO.parent / "shared" / "third_party" / "deepspeed-tests"))
+"""DeepSpeed's checkpoint tests (``DEEPSPEED_TESTS_DIR``, default the snapshot beside the checkout)."""
 SITE = Path(__file__).resolve().parent / "site"
 EDITS = ("cpu-edit-bf16-check.diff", "cpu-edit-sparse-names.diff")
 MODES = {
@@ -86,7 +89,7 @@ def prepared_copy(work: Path) -> Path:
 
 
 def node_ids(tests: Path, ids_file: Optional[Path], env: dict, select: str) -> list[str]:
-    ids = (ids_file or tests / "selected_45.txt").read_text().split()
+    ids = [line.strip() for line in (ids_file or tests / "selected_45.txt").read_text().splitlines() if line.strip()]
     if ids_file is None:
         listing = tests / "extra-ids.txt"
         subprocess.run(
@@ -106,7 +109,7 @@ def node_ids(tests: Path, ids_file: Optional[Path], env: dict, select: str) -> l
             capture_output=True,
             timeout=600,
         )
-        found = listing.read_text().split() if listing.is_file() else []
+        found = [line.strip() for line in listing.read_text().splitlines() if line.strip()] if listing.is_file() else []
         ids += [node for node in found if node not in ids and _sampled(node)]
     return [i for i in ids if not select or re.search(select, i)]
 
@@ -117,6 +120,7 @@ def _sampled(node: str) -> bool:
 
 def base_env(work: Path) -> dict:
     env = dict(os.environ)
+    env.setdefault("UCP_PEER_FP16", "1")
     env.update(
         {
             "LOCAL_SIZE": "4",
@@ -132,8 +136,8 @@ def base_env(work: Path) -> dict:
 
 
 def run_one(tests: Path, node: str, mode: str, env: dict, timeout: float, stacks_root: Path) -> Outcome:
-    stacks = stacks_root / f"{mode}-{abs(hash(node))}"
-    stacks.mkdir(parents=True)
+    stacks_root.mkdir(parents=True, exist_ok=True)
+    stacks = Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=stacks_root))
     env = {**env, **MODES[mode], "UCP_PEER_STACKS": str(stacks)}
     t0 = time.monotonic()
     proc = subprocess.Popen(
@@ -190,7 +194,7 @@ def _stacks(folder: Path) -> dict:
         text = path.read_text(errors="replace")
         current = text.split("Current thread", 1)
         main = current[1] if len(current) > 1 else text
-        frames = [line.strip() for line in main.splitlines() if line.strip().startswith("File ")][:6]
+        frames = [line.strip() for line in main.splitlines() if line.strip().startswith("File ")][:16]
         if frames:
             found[path.stem] = frames
     return found

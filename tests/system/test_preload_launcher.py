@@ -29,10 +29,13 @@ if mode == "report":
     import concurrent.futures
     POOL = concurrent.futures.ThreadPoolExecutor(1)  # left open, as torch's compiler leaves its pool: an idle worker
     POOL.submit(int).result()
-    print("REPORT " + json.dumps({
+    report = json.dumps({
         "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
         "env": {k: v for k, v in os.environ.items() if k not in SKIP}, "session_leader": os.getsid(0) == os.getpid(),
-    }), flush=True)
+    })
+    # a file per rank: two ranks' long lines on one shared stdout can interleave
+    with open(os.path.join(os.environ["REPORT_DIR"], f"report-{rank}.json"), "w") as f:
+        f.write(report)
 elif mode == "fail":
     signal.signal(signal.SIGTERM, lambda *a: (print("rank", rank, "got SIGTERM", flush=True), sys.exit(9)))
     if rank == 1:
@@ -42,7 +45,7 @@ elif mode == "sleep":
     print("rank", rank, "sleeping as", os.getpid(), flush=True)
     time.sleep(120)
 """
-SKIP = {"_", "OLDPWD", "PWD", "SHLVL"}
+SKIP = {"_", "OLDPWD", "PWD", "SHLVL", "REPORT_DIR"}  # REPORT_DIR: each launch its own
 
 
 def _port() -> int:
@@ -51,8 +54,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict[str, str]:
+def _env(report_dir: Path | None = None) -> dict[str, str]:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if report_dir is not None:
+        env["REPORT_DIR"] = str(report_dir)
     env["PYTHONPATH"] = os.pathsep.join([str(pool.REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     return env
 
@@ -65,9 +70,14 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
-def _launch(command: list[str], script: Path, mode: str, cwd: Path) -> subprocess.Popen:
+def _launch(command: list[str], script: Path, mode: str, cwd: Path, report_dir: Path | None = None):
     return subprocess.Popen(
-        [*command, str(script), mode], cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*command, str(script), mode],
+        cwd=cwd,
+        env=_env(report_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -83,8 +93,8 @@ def _torchrun(nproc: int, port: int) -> list[str]:
             "127.0.0.1", "--master-port", str(port)]  # fmt: skip
 
 
-def _reports(out: str) -> dict[int, dict]:
-    reports = [json.loads(line[len("REPORT ") :]) for line in out.splitlines() if line.startswith("REPORT ")]
+def _reports(report_dir: Path) -> dict[int, dict]:
+    reports = [json.loads(path.read_text()) for path in sorted(report_dir.glob("report-*.json"))]
     return {int(r["env"]["RANK"]): r for r in reports}
 
 
@@ -92,8 +102,10 @@ def test_a_forked_rank_sees_what_a_rank_started_by_torchrun_sees(script: Path, t
     port = _port()
     seen = {}
     for name, command in (("torchrun", _torchrun(2, port)), ("forked", _forked(2, port))):
-        out, _ = _launch(command, script, "report", tmp_path).communicate(timeout=120)
-        seen[name] = _reports(out)
+        report_dir = tmp_path / f"reports-{name}"
+        report_dir.mkdir()
+        out, _ = _launch(command, script, "report", tmp_path, report_dir).communicate(timeout=120)
+        seen[name] = _reports(report_dir)
         assert sorted(seen[name]) == [0, 1], out
         # every rank exited (an idle pool worker told to leave, as at an interpreter's exit), its exit handlers run
         assert out.count("exit handler of rank") == 2, out

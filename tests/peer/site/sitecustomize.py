@@ -31,6 +31,11 @@ if _FOLDER:
     _register()
     os.register_at_fork(after_in_child=_register)
 
+if os.environ.get("UCP_PEER_FP16") == "1":  # a CPU edit: DeepSpeed's CPU accelerator says fp16 works (torch runs it)
+    from deepspeed.accelerator import cpu_accelerator
+
+    cpu_accelerator.CPU_Accelerator.is_fp16_supported = lambda self: True
+
 if os.environ.get("UCP_PEER_HOOKS") == "1":
     import megatron_ucp
 

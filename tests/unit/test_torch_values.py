@@ -1,0 +1,41 @@
+"""What a read without torch hands on: stand-ins for torch's dtypes become torch's own before they are sent to
+another rank or put into the live optimizer (torch's pickler refuses a class that claims torch's name, and the
+broadcast would fail on the first rank alone)."""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_ucp.deepspeed.torch_files import with_torch_values
+from megatron_ucp.format.lightpickle import stand_in_class
+from megatron_ucp.integration import collectives
+
+
+def test_stand_ins_for_torch_values_become_torchs_own_in_containers_and_objects():
+    half = stand_in_class("torch", "float16")
+    scaler = SimpleNamespace(dtype=half, scale=2.0**16)
+    state = {"ds_config": {"dtype": half}, "scalers": [scaler], "pair": (half, 1), "kept": "float16"}
+    state["self"] = state  # a cycle is walked once
+    out = with_torch_values(state)
+    assert out["ds_config"]["dtype"] is torch.float16
+    assert out["scalers"][0].dtype is torch.float16 and out["scalers"][0].scale == 2.0**16
+    assert out["pair"] == (torch.float16, 1) and out["kept"] == "float16"
+    pickle.dumps({k: v for k, v in out.items() if k != "self"})
+
+
+def test_a_stand_in_of_another_module_is_left_as_it_is():
+    other = stand_in_class("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
+    assert with_torch_values({"cls": other})["cls"] is other
+
+
+def test_an_outcome_that_cannot_be_sent_fails_on_the_deciding_rank(monkeypatch: pytest.MonkeyPatch):
+    # one process: the first rank's outcome is what every rank gets; an unpicklable one arrives as a Failure
+    monkeypatch.setattr(collectives, "is_first", lambda group=None: True)
+    monkeypatch.setattr(collectives, "broadcast_from_first", lambda outcome, group=None: outcome)
+    outcome = collectives.decide_on_first(lambda: {"fn": lambda: None})
+    assert isinstance(outcome, collectives.Failure), outcome
+    assert collectives.decide_on_first(lambda: {"ok": 1}) == {"ok": 1}
