@@ -9,7 +9,10 @@ accelerator's device (gloo/CPU, ccl/XPU, nccl/CUDA).
 
 from __future__ import annotations
 
+import atexit
+import collections
 import pickle
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, TypeVar
 
@@ -43,12 +46,45 @@ def broadcast_from_first(value: Any, group: Any = None) -> Any:
     return box[0]
 
 
+_LENT: "collections.deque[Any]" = collections.deque(maxlen=16)
+"""The tensors of the latest collectives, held a while longer than the caller holds them. The backend's worker
+thread (gloo's run loop) drops its reference to a finished collective's tensors after the caller's wait returns; when
+that reference is the last, freeing the tensor's Python object takes the interpreter lock there, and at the
+interpreter's exit that thread is ended by it: ``terminate called without an active exception``, the job's last
+rank killed by SIGABRT. Held here, the tensors are freed by the main thread, and the exit handler gives that
+thread a moment to let go of them first (a busy machine may not have run it since the last collective)."""
+_EXIT_GRACE_S = 0.05
+
+
+_AT_EXIT = {"registered": False}
+
+
+def _lend(item: Any) -> None:
+    if not _AT_EXIT["registered"]:
+        _AT_EXIT["registered"] = True
+        atexit.register(time.sleep, _EXIT_GRACE_S)  # the interpreter lock released: the backend's threads let go
+    _LENT.append(item)
+
+
+def all_reduce(tensor: torch.Tensor, group: Any = None, op: Any = None) -> torch.Tensor:
+    """``tensor`` summed (or ``op``) across the group, in place; every hooked all-reduce goes through here."""
+    dist = comm()
+    _lend(tensor)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return tensor
+
+
+def all_gather(boxes: list[torch.Tensor], mine: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """Every rank's ``mine`` into ``boxes``, held as :data:`_LENT` says."""
+    _lend((boxes, mine))
+    comm().all_gather(boxes, mine, group=group)
+    return boxes
+
+
 def count_across(flag: int, group: Any = None) -> int:
     """Sum of one small integer across the group (also a barrier)."""
-    dist = comm()
     t = torch.tensor([int(flag)], dtype=torch.int64, device=device())
-    dist.all_reduce(t, group=group)
-    return int(t.item())
+    return int(all_reduce(t, group).item())
 
 
 def gather_names(names: Iterable[str], group: Any = None) -> set[str]:

@@ -58,13 +58,28 @@ EXTRA_IDS = (
 SAMPLED = {"test_universal_checkpoint.py": re.compile(r"\[-1-True-True-[13]-dtype0\]$")}
 """Modules whose parametrization is sampled (144 universal-checkpoint cases: each DP change at ZeRO-1 and 3, bf16, the
 optimizer loaded, torch's Adam, no sub-groups)."""
+_READS_RIGHT_AFTER_SAVE = (
+    "the test reads the rank files itself (torch.load) the moment save_checkpoint returns; an asynchronous save "
+    "returns before its files are on disk, which is its purpose (a load through the engine waits for it; a script "
+    "that reads the files itself calls megatron_ucp.wait_for_saves() first)"
+)
 INTENDED = {
     "test_elastic_checkpoint_change_dp[True-False-False]": (
+        ("hooks", "async"),
         "a DP change with optimizer states: stock DeepSpeed refuses it (ZeRORuntimeException); megatron-ucp's elastic "
-        "resume reshards the rank files instead (the test expects the refusal: DID NOT RAISE)"
+        "resume reshards the rank files instead (the test expects the refusal: DID NOT RAISE)",
     ),
+    "test_save_exclude_frozen_weights[1]": (("async",), _READS_RIGHT_AFTER_SAVE),
+    "test_save_exclude_frozen_weights[2]": (("async",), _READS_RIGHT_AFTER_SAVE),
+    "test_save_exclude_custom_frozen_weights[1]": (("async",), _READS_RIGHT_AFTER_SAVE),
+    "test_save_exclude_custom_frozen_weights[2]": (("async",), _READS_RIGHT_AFTER_SAVE),
+    "test_checkpoint_shared_weights": (("async",), _READS_RIGHT_AFTER_SAVE),
+    # every MoE case reads the expert files (torch.load) right after the save and its barrier; whether the writer was
+    # done by then is chance: the read fails (EOFError) on some ranks and the others wait in the load (a hang)
+    "TestMoECheckpoint::test_checkpoint_moe": (("async",), _READS_RIGHT_AFTER_SAVE),
 }
-"""Node-id suffixes whose difference from stock is the product's purpose, with the reason (docs/peer_suite.md)."""
+"""Parts of node ids whose difference from stock, in the modes named, is the product's purpose or nature, with the
+reason (docs/peer_suite.md)."""
 
 
 @dataclass
@@ -211,8 +226,8 @@ def differences(results: list[Outcome]) -> list[tuple[str, str, Outcome, Outcome
     return out
 
 
-def intended(node: str) -> Optional[str]:
-    return next((why for suffix, why in INTENDED.items() if node.endswith(suffix)), None)
+def intended(node: str, mode: str) -> Optional[str]:
+    return next((why for part, (modes, why) in INTENDED.items() if part in node and mode in modes), None)
 
 
 def table(results: list[Outcome], modes: list[str]) -> str:
@@ -261,7 +276,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("\n" + table(results, modes))
     unexplained = 0
     for node, mode, stock, r in differences(results):
-        why = intended(node)
+        why = intended(node, mode)
         unexplained += why is None
         label = f"intended: {why}" if why else f"{r.first_error or '-'}"
         print(f"DIFFERS ({mode}: {r.outcome}, stock: {stock.outcome}) {node}\n    {label}")

@@ -2,8 +2,9 @@
 (CPU, gloo, two ranks under torchrun; the hooks installed as a user's script installs them):
 ``python -m torch.distributed.run --nproc-per-node 2 -m tests.support.peer_cases CASE ROOT``.
 
-* ``save-load``: an asynchronous save, then at once a load of it in the same process (an evaluation, a rollback):
-  the load commits the save first and loads it (prints ``LOADED <tag> <step>``).
+* ``save-load``: an asynchronous save whose files the script then reads itself after ``megatron_ucp.wait_for_saves()``
+  (prints ``READ <tag> <entries>``); then another, and at once a load of it in the same process (an evaluation, a
+  rollback): the load commits the save first and loads it (prints ``LOADED <tag> <step>``).
 * ``exit-without-handlers``: an asynchronous save, then the process group left and the process ended with
   ``os._exit`` (a pool's worker: no exit handlers): the save is committed when the group is left.
 * ``elastic``: ZeRO-2 with ``elastic_checkpoint`` saved and loaded (DeepSpeed's own form): as stock DeepSpeed does,
@@ -52,7 +53,14 @@ def main(case: str, root: str) -> None:
     rank = int(os.environ["RANK"])
     if case == "save-load":
         engine = _engine(False)
-        _train(engine, 2)
+        _train(engine, 1)
+        engine.save_checkpoint(root)
+        megatron_ucp.wait_for_saves()
+        model_file = os.path.join(root, "global_step1", "mp_rank_00_model_states.pt")
+        read = torch.load(model_file, map_location="cpu", weights_only=False)
+        if rank == 0:
+            print(f"READ global_step1 {len(read['module'])}", flush=True)
+        _train(engine, 1)
         engine.save_checkpoint(root)
         fresh = _engine(False, seed=1)
         path, _ = fresh.load_checkpoint(root)

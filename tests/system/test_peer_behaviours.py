@@ -42,6 +42,8 @@ def _run(case: str, root: Path) -> subprocess.CompletedProcess:
 def test_a_load_right_after_an_asynchronous_save_commits_it_first_and_loads_it(tmp_path: Path):
     done = _run("save-load", tmp_path / "ckpt")
     assert done.returncode == 0, done.stderr[-3000:]
+    # a script that reads the files itself waits for the save first
+    assert "READ global_step1 4" in done.stdout, (done.stdout, done.stderr[-3000:])
     assert "LOADED global_step2 2 same=True" in done.stdout, (done.stdout, done.stderr[-3000:])
     assert "this load waits for 1 save(s) in flight to commit" in done.stderr
 

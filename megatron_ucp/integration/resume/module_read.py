@@ -43,7 +43,7 @@ from megatron_ucp.errors import CheckpointFormatError, UcpError, briefly
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.exact_read import RangeReader, file_offset
 from megatron_ucp.format.rawtensor import RawTensor
-from megatron_ucp.integration.collectives import comm, device
+from megatron_ucp.integration.collectives import all_gather, all_reduce, comm, device
 from megatron_ucp.integration.live_job import LiveJob
 from megatron_ucp.plan.resume import Route
 
@@ -232,7 +232,7 @@ def _read_the_rest(path: Path, names: list[str], group: Any, key: Optional[str] 
             at += size
     boxes = [torch.empty(chunk, dtype=torch.uint8, device=device()) for _ in range(world)]
     with exchanging("the exchange of the module tensors without a master"):
-        dist.all_gather(boxes, mine.to(device()), group=group)
+        all_gather(boxes, mine.to(device()), group)
     flat, out, at = torch.cat([box.cpu() for box in boxes]), {}, 0
     for name, tensor in pieces:
         size = tensor.numel() * tensor.element_size()
@@ -341,7 +341,7 @@ def _masters_round_to(job: LiveJob, pairs: Iterable[tuple[torch.Tensor, torch.Te
             differ += int(not torch.equal(master.to(weights.dtype), weights))
     total = torch.tensor([differ], dtype=torch.int64, device=device())
     with exchanging(what):
-        comm().all_reduce(total, group=job.dp_group)
+        all_reduce(total, job.dp_group)
     return int(total.item()) == 0
 
 

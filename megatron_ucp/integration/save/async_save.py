@@ -211,6 +211,19 @@ def _loading_after_the_saves(original: Callable[..., Any]) -> Callable[..., Any]
     return load_checkpoint
 
 
+def wait_for_saves() -> None:
+    """Collective (every rank): each asynchronous save of this process written and committed before it returns, for
+    a script that reads a save's files itself right after ``save_checkpoint`` (the engine's own load waits by
+    itself). Raises :class:`~megatron_ucp.errors.SaveFailedError` naming the saves that failed meanwhile (each
+    already said on every rank; ``latest`` names the save before them)."""
+    failed_before = len(_state.failed)
+    while _state.in_flight:
+        settle(None, block=True)
+    failed = _state.failed[failed_before:]
+    if failed:
+        raise SaveFailedError("%d asynchronous save(s) failed: %s" % (len(failed), "; ".join(failed)))
+
+
 def _committing_before_leaving(original: Callable[..., Any]) -> Callable[..., Any]:
     """The job leaves its process group (every rank: the end of a training loop, of a test's worker): the saves in
     flight are committed first, while the ranks still meet. A process that ends without exit handlers (a launcher's

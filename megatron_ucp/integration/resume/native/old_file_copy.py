@@ -22,7 +22,7 @@ from megatron_ucp.deepspeed.rank_files import RankFile, SavedFacts, Source, bind
 from megatron_ucp.errors import CheckpointFormatError, refuse_or_warn
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
-from megatron_ucp.integration.collectives import comm, device
+from megatron_ucp.integration.collectives import all_reduce, comm, device
 from megatron_ucp.plan.accounting import (
     AccountingReport,
     Ledger,
@@ -160,7 +160,7 @@ def settle(
     saved, ``step`` among them). Enforcing it is the caller's."""
     t_wait = time.perf_counter()
     totals = table.to(device())
-    comm().all_reduce(totals, group=group)
+    all_reduce(totals, group)
     totals = totals.cpu()
     collective = time.perf_counter() - t_wait
     found = check_ledger(ledger, totals, source=files.source) + list(problems)

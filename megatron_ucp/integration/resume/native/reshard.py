@@ -42,7 +42,7 @@ from megatron_ucp.deepspeed import stage3_runtime
 from megatron_ucp.deepspeed.rank_files import RankFile, SavedFacts, binding_message
 from megatron_ucp.errors import CheckpointFormatError, refuse_or_warn
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.integration.collectives import comm, device
+from megatron_ucp.integration.collectives import all_reduce, comm, device
 from megatron_ucp.integration.live_job import LiveJob, expected_state_keys, install_group_state, restore_global_state
 from megatron_ucp.integration.resume.native.binding import BoundSave
 from megatron_ucp.integration.resume.native.old_file_copy import (
@@ -238,7 +238,7 @@ def _check_weights(bound: BoundSave, targets: list, saved: SavedSlice, group: An
 def _summed(tally: torch.Tensor, group: Any) -> list[list[int]]:
     """A per-old-file tally (rows: old DP ranks) summed over the group: the same rows on every rank."""
     totals = tally.to(device())
-    comm().all_reduce(totals, group=group)
+    all_reduce(totals, group)
     return totals.cpu().tolist()
 
 

@@ -39,6 +39,7 @@ from megatron_ucp.format import integrity
 from megatron_ucp.format.integrity import RecordedChecksums, recorded_checksums
 from megatron_ucp.integration.collectives import (
     Failure,
+    all_reduce,
     comm,
     count_across,
     decide_on_first,
@@ -312,7 +313,7 @@ def load_universal_partitions(
     flags = torch.zeros((1, len(Column)), dtype=torch.int64)
     flags[0, 0] = 1 if failure is not None else 0
     totals = torch.cat([table, flags]).to(device())
-    dist.all_reduce(totals, group=group)
+    all_reduce(totals, group)
     totals = totals.cpu()
     collective = time.perf_counter() - t_wait
     if int(totals[-1, 0]):
