@@ -257,8 +257,12 @@ bench-scale: $(STAMP)
 # DeepSpeed's own checkpoint tests (../shared/third_party/deepspeed-tests), run stock, with the hooks, and with the
 # hooks and asynchronous saves; every difference from stock printed with its first error (docs/peer_suite.md). About
 # an hour on 2 cores: not part of `make test`, whose tests/system/test_peer_behaviours.py holds what it found.
+# DeepSpeed's test harness needs pytest < 8.4 (its DistributedFixture tests find no fixture under pytest 9): that
+# pytest lives in its own folder, first on the runs' path, and the project's environment keeps its own.
+PEER_PYTEST := .peer-pytest
 peer: $(STAMP)
-	$(BIN)/python tests/peer/run_peer.py $(PEER_ARGS)
+	@test -d $(PEER_PYTEST)/_pytest || $(BIN)/python -m pip install --quiet --target $(PEER_PYTEST) 'pytest>=8.3,<8.4'
+	PYTHONPATH=$(abspath $(PEER_PYTEST)) $(BIN)/python tests/peer/run_peer.py $(PEER_ARGS)
 
 clean-venv:
 	rm -rf $(VENV) $(MATRIX_DIR) $(TORCH28_VENV)

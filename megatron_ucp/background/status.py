@@ -31,7 +31,7 @@ from megatron_ucp.background.store import (
     read_registrations,
     ucp_dir,
 )
-from megatron_ucp.background.verdicts import identity_digest, read_verdict, tag_identity
+from megatron_ucp.background.verdicts import identity_digest, listed_damage, read_verdict, tag_identity
 from megatron_ucp.convert.universal import inspect_staging, read_manifest, universal_state
 from megatron_ucp.deepspeed.folder import is_native_tag
 from megatron_ucp.deepspeed.reader import recorded_sizes
@@ -273,8 +273,7 @@ class RootStatus:
 
 
 def _read_text(path: Path, problems: list[str]) -> Optional[str]:
-    """The tag a ``latest``-style file names; a damaged one is reported and shown as absent (status describes the
-    root, it does not fail on one bad file, and never opens a FIFO)."""
+    """The tag a ``latest``-style file names; a damaged one reported and shown as absent (never a FIFO opened)."""
     try:
         return read_tag_file(path)
     except CheckpointFormatError as exc:
@@ -292,14 +291,14 @@ def _entry_kind(entry: os.DirEntry) -> str:
 
 
 def _folder_bytes(path: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                pass
-    return total
+    return sum(_size(os.path.join(folder, name)) for folder, _, files in os.walk(path) for name in files)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
 
 
 def _native_dp(tag_dir: Path) -> tuple[Optional[int], Optional[int]]:
@@ -387,10 +386,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         except CheckpointFormatError as exc:  # one damaged folder does not hide the others
             manifest = None
             state, detail = UniversalStatus.FAILED, f"{exc}; `megatron-ucp verify {twin}` checks it"
-        dp_size = ep_size = None
-        if manifest is not None:
-            dp_size = (manifest.get("source") or {}).get("dp")
-            ep_size = (manifest.get("parallel") or {}).get("ep")
+        dp_size, ep_size = (((manifest or {}).get(k) or {}).get(v) for k, v in (("source", "dp"), ("parallel", "ep")))
         if dp_size is None and dp and native_dir.is_dir():
             dp_size, ep_size = _native_dp(native_dir)
         rows.append(
@@ -481,15 +477,20 @@ def _hf_export(root: Path, queue: B.QueueState, tag: str) -> dict:
 
 
 def _verdict(root: Path, tag: str, native_dir: Path) -> dict:
-    """The tag's recorded verdict, if any, and whether it applies to the files there now."""
+    """The tag's recorded verdict, if it applies to the files there now, and the damage its save's file list shows,
+    in the restart's judge's order (an unsound verdict, the list, a sound verdict)."""
     verdict = read_verdict(root, tag)
+    current = tag_identity(native_dir) if verdict is not None else {}
+    applies = verdict is not None and bool(current) and verdict.applies_to(current)
+    damage = () if applies and not verdict.sound else listed_damage(native_dir) if native_dir.is_dir() else ()
+    if damage:
+        return {"verified": "unsound", "verdict": damage[0] + (f" (+{len(damage) - 1} more)" if damage[1:] else "")}
+    if applies:
+        return {"verified": "sound" if verdict.sound else "unsound", "verdict": verdict.describe()}
     if verdict is None:
         return {}
-    current = tag_identity(native_dir)
-    if not current or not verdict.applies_to(current):
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(verdict.at))
-        return {"verified": "outdated", "verdict": f"its files changed since it was checked ({when})"}
-    return {"verified": "sound" if verdict.sound else "unsound", "verdict": verdict.describe()}
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(verdict.at))
+    return {"verified": "outdated", "verdict": f"its files changed since it was checked ({when})"}
 
 
 def to_repoint(rs: RootStatus) -> str:

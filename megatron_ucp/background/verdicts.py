@@ -16,8 +16,10 @@ from typing import Optional, Sequence
 
 from megatron_ucp.background.store import quick_json, ucp_dir
 from megatron_ucp.convert.universal import read_manifest, source_identity
+from megatron_ucp.deepspeed.model_states import recorded_save_id
 from megatron_ucp.deepspeed.reader import find_checkpoint_files
 from megatron_ucp.errors import CheckpointFormatError, UcpError
+from megatron_ucp.format import save_files
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,24 @@ def identity_digest(tag_dir: Path) -> str:
     """:func:`tag_identity` in 16 hex digits, for records that compare a tag's files later (a 768-rank save lists
     800 files)."""
     return hashlib.sha256(json.dumps(tag_identity(tag_dir), sort_keys=True).encode()).hexdigest()[:16]
+
+
+FILE_LIST = "its save's file list"
+
+
+def listed_damage(tag_dir: Path) -> tuple[str, ...]:
+    """The tag's own damage found before any load, from names and sizes: each file its save's file list (written
+    at the commit) names that is missing or of another size, each checkpoint file there the save did not write,
+    and model states that cannot be read (one mapped read for the save's identity, no weights). Empty when nothing
+    is found or no list applies (a save without the hooks, a list of another save). The restart's judge and
+    ``status`` ask the same, so that ``status --check`` predicts what the judge decides."""
+    try:
+        save_id = recorded_save_id(tag_dir)
+    except CheckpointFormatError as exc:
+        return (str(exc),)
+    except OSError as exc:
+        return (f"{tag_dir}: cannot be read ({exc})",)
+    return tuple(f"{problem} ({FILE_LIST})" for problem in save_files.problems(tag_dir, save_id))
 
 
 def verdict_is_current(root: Path, tag: str) -> bool:

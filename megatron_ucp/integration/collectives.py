@@ -46,24 +46,25 @@ def broadcast_from_first(value: Any, group: Any = None) -> Any:
     return box[0]
 
 
-_LENT: "collections.deque[Any]" = collections.deque(maxlen=16)
-"""The tensors of the latest collectives, held a while longer than the caller holds them. The backend's worker
-thread (gloo's run loop) drops its reference to a finished collective's tensors after the caller's wait returns; when
-that reference is the last, freeing the tensor's Python object takes the interpreter lock there, and at the
-interpreter's exit that thread is ended by it: ``terminate called without an active exception``, the job's last
-rank killed by SIGABRT. Held here, the tensors are freed by the main thread, and the exit handler gives that
-thread a moment to let go of them first (a busy machine may not have run it since the last collective)."""
+_LENT: "collections.deque[torch.Tensor]" = collections.deque(maxlen=16)
+"""The small tensors of the latest collectives (tallies, flags), held a while longer than the caller holds them. The
+backend's worker thread (gloo's run loop) drops its reference to a finished collective's tensors after the caller's
+wait returns; when that reference is the last, freeing the tensor's Python object takes the interpreter lock there,
+and at the interpreter's exit that thread is ended by it: ``terminate called without an active exception``, the
+rank killed by SIGABRT. Held here, they are freed by the main thread, and the exit handler gives that thread a
+moment to let go of them first (a busy machine may not have run it since the last collective). A job's last
+collective is such a tally (the load's agreement); large buffers are not held (memory), their collectives are never
+the last."""
+_LEND_MAX_BYTES = 1 << 20
 _EXIT_GRACE_S = 0.05
-
-
 _AT_EXIT = {"registered": False}
 
 
-def _lend(item: Any) -> None:
+def _lend(*tensors: torch.Tensor) -> None:
     if not _AT_EXIT["registered"]:
         _AT_EXIT["registered"] = True
         atexit.register(time.sleep, _EXIT_GRACE_S)  # the interpreter lock released: the backend's threads let go
-    _LENT.append(item)
+    _LENT.extend(t for t in tensors if t.numel() * t.element_size() <= _LEND_MAX_BYTES)
 
 
 def all_reduce(tensor: torch.Tensor, group: Any = None, op: Any = None) -> torch.Tensor:
@@ -75,8 +76,8 @@ def all_reduce(tensor: torch.Tensor, group: Any = None, op: Any = None) -> torch
 
 
 def all_gather(boxes: list[torch.Tensor], mine: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
-    """Every rank's ``mine`` into ``boxes``, held as :data:`_LENT` says."""
-    _lend((boxes, mine))
+    """Every rank's ``mine`` into ``boxes`` (small ones held as :data:`_LENT` says)."""
+    _lend(mine, *boxes)
     comm().all_gather(boxes, mine, group=group)
     return boxes
 

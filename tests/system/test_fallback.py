@@ -4,15 +4,16 @@ Real DeepSpeed (CPU, gloo): the session's hooked DP=4 checkpoint of BF16_Optimiz
 global_step4, ``latest`` = global_step4), its global_step4 damaged as a file system would damage it, resumed at
 DP=3 with no tag (the tag ``latest`` names, as Megatron loads):
 
-* a rank file cut short: the binding of every rank file before DeepSpeed's load refuses global_step4 on every
-  rank, and the restart loads global_step2 instead;
+* a rank file cut short: the judge finds it from the save's file list (names and sizes) before any load, and the
+  restart loads global_step2 instead;
 * one bit flipped in a hooked rank file (the file whole): the native reshard's own check against the save's
   checksums refuses global_step4 on every rank, and the restart loads global_step2 instead;
 * ``--ucp-no-fallback``: the cut-short file's error, nothing trained.
 
 Each fallback loads global_step2 bit for bit, continues the uninterrupted curve, says which tag failed and why,
 which loaded and how many iterations that lost, records it in the store, and leaves global_step4 as it was. The
-judge itself (a recorded verdict, tags ordered by step) is checked on synthetic saves, without DeepSpeed.
+judge itself (a recorded verdict, the save's file list, tags ordered by step) is checked on synthetic saves, without
+DeepSpeed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from megatron_ucp.background.store import read_fallbacks
 from megatron_ucp.background.verdicts import read_verdict, record_verdict
 from megatron_ucp.cli import main
 from megatron_ucp.convert.universal import source_identity
+from megatron_ucp.deepspeed.model_states import recorded_save_id
 from megatron_ucp.deepspeed.reader import find_checkpoint_files
+from megatron_ucp.format import osio
+from megatron_ucp.format.save_files import describe, file_list_path, file_list_text
 from megatron_ucp.integration.resume import fallback
 from megatron_ucp.plan.tags import iterations_lost
 from tests.support.elastic_support import (
@@ -83,8 +87,12 @@ def _resumed(ds_checkpoint, runs: ElasticRuns, damage: str, **plugin: object):
     return ck, runs.get(f"{damage}-{sorted(plugin.items())}", make)
 
 
-WHY = {"cut-short": "unreadable", "flipped-bit": "checksum mismatch"}
-"""What the announcement says of each damage (the older tag's own load, logged after it, mentions checksums too)."""
+WHY = {
+    "cut-short": "(cut short? the file is not the one saved) (its save's file list)",
+    "flipped-bit": "checksum mismatch",
+}
+"""What the announcement says of each damage (the older tag's own load, logged after it, mentions checksums too): a
+file cut short is found from the save's file list before any load, a flipped bit (the size unchanged) by the load."""
 
 
 @pytest.mark.parametrize("damage", ["cut-short", "flipped-bit"])
@@ -98,10 +106,11 @@ def test_a_restart_falls_back_to_the_newest_sound_tag(ds_checkpoint, runs, damag
     (said,) = fallback_announcements(res.log)
     assert f"names {NEW}, which cannot be resumed" in said and str(victim) in said, said
     assert f"loading {OLD} instead (loses 2 iterations)" in said
-    # tried, refused on every rank by the load's own checks (the binding of every rank file before DeepSpeed's load;
-    # the partitions against the save's checksums), then the older tag: the announcement says why
+    # refused by the judge from the save's file list (cut short), or tried and refused on every rank by the load's
+    # own check of the partitions against the save's checksums (a flipped bit), then the older tag: it says why
     assert WHY[damage] in said, said
-    assert f"the restart cannot load {NEW}" in res.log
+    # a load tried only where the sizes could not tell
+    assert (f"the restart cannot load {NEW}" in res.log) == (damage == "flipped-bit")
     assert _digest(root / NEW) == before  # nothing of the bad tag is changed
 
     (event,) = read_fallbacks(root)
@@ -166,20 +175,67 @@ def test_the_judge_uses_a_recorded_verdict_and_orders_tags_by_step(tmp_path: Pat
     tags = [f"global_step{s}" for s in (5, 10, 100)]
     (root / "latest").write_text(tags[2])
     assert fallback._older_than(root, tags[2]) == [tags[1], tags[0]]
-    assert fallback._judge(root, tags[2], through_twin=False) == ()
+    assert fallback._judge(root, tags[2], through_twin=False) == ((), "")
 
     identity = source_identity(find_checkpoint_files(root / tags[2]).identity_files())
     record_verdict(
         root, tags[2], ["r1.pt: 1 NaN and 0 Inf in 'exp_avg' of parameter 'w'"], "background conversion", identity
     )
     assert fallback._judge(root, tags[2], through_twin=False) == (
-        "r1.pt: 1 NaN and 0 Inf in 'exp_avg' of parameter 'w' (found by background conversion)",
+        ("r1.pt: 1 NaN and 0 Inf in 'exp_avg' of parameter 'w' (found by background conversion)",),
+        "files",
     )
     record_verdict(root, tags[1], ["stale"], "megatron-ucp verify", {"other": [1, 2]})
-    assert fallback._judge(root, tags[1], through_twin=False) == ()  # judged on other files: checked again
-    assert "no complete universal twin" in fallback._judge(root, tags[1], through_twin=True)[0]
+    assert fallback._judge(root, tags[1], through_twin=False) == ((), "")  # judged on other files: checked again
+    problems, kind = fallback._judge(root, tags[1], through_twin=True)
+    assert "no complete universal twin" in problems[0] and kind == "twin"  # not the tag's own verdict
+    assert not fallback._verdict_to_record(fallback.Failed(tags[1], problems, kind))
 
     assert iterations_lost(tags[2], tags[1]) == "90 iterations"
+
+
+def test_the_judge_finds_cut_and_missing_files_from_the_saves_file_list_and_status_predicts_it(tmp_path: Path):
+    """Tags 2, 4, 6, 8 of a hooked save (each with the file list its commit writes); a rank file of 4, 6 and 8 cut
+    short or deleted: the judge refuses each from names and sizes before any load (no load counts against the
+    cap), ``status`` shows each unsound and predicts the fall back to global_step2, and a refused restart records
+    those verdicts (the tag's own damage, whatever the job)."""
+    root = tmp_path / "ck"
+    tags = [f"global_step{s}" for s in (2, 4, 6, 8)]
+    for tag in tags:
+        step = tag[len("global_step") :]
+        args = ["synthesize", str(root), *SMALL, "--dp", "2", "--iteration", step, "--record", "--no-progress"]
+        assert main(args) == 0
+        folder = root / tag
+        listing = file_list_path(root, tag)
+        listing.parent.mkdir(parents=True, exist_ok=True)
+        files = [describe(path) for path in sorted(folder.iterdir())]
+        osio.write_durably(listing, file_list_text(folder, recorded_save_id(folder), files))
+    (root / "latest").write_text(tags[-1])
+    assert fallback._judge(root, tags[-1], through_twin=False) == ((), "")
+    victims = {}
+    for tag in tags[1:]:
+        (victim,) = (root / tag).glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        if tag == tags[1]:
+            victim.unlink()
+        else:
+            victim.write_bytes(victim.read_bytes()[:100])
+        victims[tag] = victim
+    for tag in tags[1:]:
+        problems, kind = fallback._judge(root, tag, through_twin=False)
+        assert kind == "files" and str(victims[tag]) in problems[0] and "(its save's file list)" in problems[0]
+        assert ("is missing" if tag == tags[1] else "cut short?") in problems[0]
+    assert fallback._judge(root, tags[0], through_twin=False) == ((), "")
+
+    rs = root_status(root, sizes=False)
+    assert {t.tag: t.verified for t in rs.tags} == {tags[0]: None, **{t: "unsound" for t in tags[1:]}}
+    answer = rs.resume_answer()
+    assert answer.tag == tags[0] and answer.fallback, answer
+
+    failed = [fallback.Failed(tag, fallback._judge(root, tag, False)[0], "files") for tag in reversed(tags[1:])]
+    fallback._record_refused(root, failed, tags[-1])
+    for tag in tags[1:]:
+        verdict = read_verdict(root, tag)
+        assert verdict is not None and not verdict.sound and str(victims[tag]) in verdict.problems[0]
 
 
 def _refused_on_one_rank(rank: int, root: str, store: str, out: str) -> None:

@@ -1,6 +1,6 @@
 """What a read without torch hands on: stand-ins for torch's dtypes become torch's own before they are sent to
 another rank or put into the live optimizer (torch's pickler refuses a class that claims torch's name, and the
-broadcast would fail on the first rank alone)."""
+broadcast would fail on the first rank alone); and what the hooked collectives hold past the call."""
 
 from __future__ import annotations
 
@@ -39,3 +39,12 @@ def test_an_outcome_that_cannot_be_sent_fails_on_the_deciding_rank(monkeypatch: 
     outcome = collectives.decide_on_first(lambda: {"fn": lambda: None})
     assert isinstance(outcome, collectives.Failure), outcome
     assert collectives.decide_on_first(lambda: {"ok": 1}) == {"ok": 1}
+
+
+def test_small_collective_tensors_are_held_past_the_call_and_large_buffers_are_not():
+    # the backend's thread must never free the last reference to a tally at the interpreter's exit; a module-sized
+    # buffer is not held for the life of the process
+    small, large = torch.zeros(4, dtype=torch.int64), torch.zeros(collectives._LEND_MAX_BYTES + 1, dtype=torch.uint8)
+    collectives._lend(small, large)
+    assert any(t is small for t in collectives._LENT)
+    assert not any(t is large for t in collectives._LENT)

@@ -41,7 +41,13 @@ from megatron_ucp.background.store import (
     record_refused_restart,
     ucp_dir,
 )
-from megatron_ucp.background.verdicts import identity_digest, read_verdict, record_verdict, tag_identity
+from megatron_ucp.background.verdicts import (
+    identity_digest,
+    listed_damage,
+    read_verdict,
+    record_verdict,
+    tag_identity,
+)
 from megatron_ucp.convert.universal import COMPLETE, source_identity, universal_state
 from megatron_ucp.deepspeed.folder import is_native_tag
 from megatron_ucp.deepspeed.reader import find_checkpoint_files
@@ -63,6 +69,10 @@ CHECKED_BY = "restart"
 class Failed:
     tag: str
     problems: tuple[str, ...]
+    kind: str = "load"
+    """``files``: the tag's own damage, found from its files before any load (a recorded verdict, its save's file
+    list); ``load``: its load refused it; ``twin``: only its universal twin is missing (not the tag's verdict);
+    ``latest``: the ``latest`` file itself."""
 
     def first(self) -> str:
         more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
@@ -85,13 +95,13 @@ def load_with_fallback(
     if latest is None and unreadable is None:
         return load(None)  # nothing to fall back from: DeepSpeed says there is no checkpoint
     as_before = SchedulerAsBefore(scheduler)
-    failed: list[Failed] = [Failed(F.LATEST, (unreadable,))] if unreadable is not None else []
+    failed: list[Failed] = [Failed(F.LATEST, (unreadable,), "latest")] if unreadable is not None else []
     loads = 0
     for tag in _candidates(root, latest):
         outcome = decide_on_first(lambda: _judge(root, tag, universal and tag != latest))
-        problems = _problems_of(outcome)
+        problems, kind = _problems_of(outcome)
         if problems:
-            failed.append(Failed(tag, problems))
+            failed.append(Failed(tag, problems, kind))
             continue
         if loads == MAX_LOADS:
             failed.append(Failed(tag, (f"not tried: {MAX_LOADS} loads failed before it",)))
@@ -191,33 +201,37 @@ def _name_to_load(tag: str, universal: bool) -> str:
     return F.universal_tag(tag) if universal else tag
 
 
-def _judge(root: Path, tag: str, through_twin: bool) -> tuple[str, ...]:
-    """The tag's problems known before anything is loaded (first rank), without reading any of its bytes (a restart
-    reads each byte of a checkpoint once); empty when it may be loaded. ``through_twin``: an older tag under
-    ``--universal-checkpoint``, loaded through its complete twin (the tag ``latest`` names is converted at load
-    when its twin is missing, as without a fallback)."""
+def _judge(root: Path, tag: str, through_twin: bool) -> tuple[tuple[str, ...], str]:
+    """The tag's problems known before anything is loaded (first rank) and their kind (:attr:`Failed.kind`), from
+    names, sizes and records, without reading its weights (a restart reads each byte of a checkpoint once); no
+    problems when it may be loaded. ``through_twin``: an older tag under ``--universal-checkpoint``, loaded through
+    its complete twin (the tag ``latest`` names is converted at load when its twin is missing, as without a
+    fallback)."""
     tag_dir = root / tag
     if not tag_dir.is_dir():
-        return (f"{tag_dir}: missing",)
+        return (f"{tag_dir}: missing",), "files"
     verdict = read_verdict(root, tag)
     if verdict is not None and not verdict.sound:
         try:
             current = source_identity(find_checkpoint_files(tag_dir).identity_files())
         except (OSError, UcpError) as exc:
-            return (str(exc),)
+            return (str(exc),), "files"
         if verdict.applies_to(current):
-            return tuple(f"{p} (found by {verdict.checked_by})" for p in verdict.problems)
+            return tuple(f"{p} (found by {verdict.checked_by})" for p in verdict.problems), "files"
+    damage = listed_damage(tag_dir)
+    if damage:
+        return damage, "files"
     if through_twin:
         twin = root / F.universal_tag(tag)
         if universal_state(twin, tag_dir) != COMPLETE:
-            return (f"{twin}: no complete universal twin to load with --universal-checkpoint",)
-    return ()
+            return (f"{twin}: no complete universal twin to load with --universal-checkpoint",), "twin"
+    return (), ""
 
 
-def _problems_of(outcome: Any) -> tuple[str, ...]:
+def _problems_of(outcome: Any) -> tuple[tuple[str, ...], str]:
     if isinstance(outcome, Failure):  # the judge itself failed: this tag cannot be read
-        return (outcome.message,)
-    return tuple(outcome)
+        return (outcome.message,), "files"
+    return outcome
 
 
 def _repeats(root: Path, latest: Optional[str], tag: str) -> int:
@@ -263,7 +277,7 @@ def _announce(root: Path, failed: list[Failed], tag: str, latest: Optional[str],
 def _record(root: Path, failed: list[Failed], tag: str, latest: Optional[str], repeats: int) -> None:
     """The restart's fallback and each failed tag's verdict, in the store (never raises: the job goes on)."""
     for f in failed:
-        if f.tag != F.LATEST and f.problems and "(found by " not in f.problems[0]:  # not already a recorded verdict
+        if _verdict_to_record(f) and (root / f.tag).is_dir():
             record_verdict(root, f.tag, list(f.problems), CHECKED_BY, tag_identity(root / f.tag))
     entry = {
         "at": time.time(),
@@ -277,9 +291,21 @@ def _record(root: Path, failed: list[Failed], tag: str, latest: Optional[str], r
     record_fallback(root, entry)
 
 
+def _verdict_to_record(f: Failed) -> bool:
+    """A failed tag whose problems become its verdict: its own (its files, or a load refused while another tag
+    loaded) and not already a recorded verdict; never a missing universal twin (the tag itself may be sound)."""
+    if f.kind not in ("files", "load") or not f.problems:
+        return False
+    return "(found by " not in f.problems[0]
+
+
 def _record_refused(root: Path, failed: list[Failed], latest: Optional[str]) -> None:
     """No tag passed: each tag tried, its first problem and its files as they were, for ``status`` (a restart as it
-    is fails again until a file or the job changes). Not verdicts: the job itself may be at fault."""
+    is fails again until a file or the job changes). Verdicts only for the damage found in a tag's own files before
+    any load: a refused load is not one (the job itself may be at fault)."""
+    for f in failed:
+        if f.kind == "files" and _verdict_to_record(f) and (root / f.tag).is_dir():
+            record_verdict(root, f.tag, list(f.problems), CHECKED_BY, tag_identity(root / f.tag))
     record_refused_restart(
         root,
         {
