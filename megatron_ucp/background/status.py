@@ -248,10 +248,10 @@ class RootStatus:
                 known = "found sound" if row.verified == "sound" else "not read yet: its load checks it"
                 if not refused:
                     return ResumeAnswer(row.tag, f"a restart resumes from {row.tag} ({known})")
+                lost = iterations_lost(self.latest, row.tag, self.latest is None or (self.root / self.latest).is_dir())
                 return ResumeAnswer(
                     row.tag,
-                    f"a restart falls back to {row.tag} ({known}; loses {iterations_lost(self.latest, row.tag)}): "
-                    + "; ".join(refused),
+                    f"a restart falls back to {row.tag} ({known}; loses {lost}): " + "; ".join(refused),
                     fallback=True,
                 )
         return ResumeAnswer(None, "no tag here can be resumed: " + "; ".join(refused))

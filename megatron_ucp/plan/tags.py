@@ -21,10 +21,13 @@ def tag_step(tag: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def iterations_lost(latest: Optional[str], loaded: str) -> str:
-    """What resuming from ``loaded`` instead of ``latest`` loses, in words (``latest`` None: it names no tag)."""
+def iterations_lost(latest: Optional[str], loaded: str, latest_here: bool = True) -> str:
+    """What resuming from ``loaded`` instead of ``latest`` loses, in words (``latest`` None: it names no tag;
+    ``latest_here`` False: no such tag is here, so its step number says nothing of what was trained)."""
     if latest is None:
         return f"what was saved after {loaded}, if anything"
+    if not latest_here:
+        return f"what was saved after {loaded}, if anything: {latest} is not here"
     new, old = tag_step(latest), tag_step(loaded)
     return f"{new - old} iterations" if new is not None and old is not None else "the iterations between them"
 

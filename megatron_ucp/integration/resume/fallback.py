@@ -270,7 +270,7 @@ def _announce(root: Path, failed: list[Failed], tag: str, latest: Optional[str],
         f"names {latest}" if latest is not None else "names no tag",
         lines,
         tag,
-        iterations_lost(latest, tag),
+        _lost(root, latest, tag),
     )
 
 
@@ -283,7 +283,7 @@ def _record(root: Path, failed: list[Failed], tag: str, latest: Optional[str], r
         "at": time.time(),
         "latest": latest,
         "loaded": tag,
-        "lost": iterations_lost(latest, tag),
+        "lost": _lost(root, latest, tag),
         "repeat": repeats + 1,
         "latest_files": identity_digest(root / latest) if latest is not None else None,
         "failed": [{"tag": f.tag, "problems": list(f.problems[:5])} for f in failed],
@@ -297,6 +297,10 @@ def _verdict_to_record(f: Failed) -> bool:
     if f.kind not in ("files", "load") or not f.problems:
         return False
     return "(found by " not in f.problems[0]
+
+
+def _lost(root: Path, latest: Optional[str], tag: str) -> str:
+    return iterations_lost(latest, tag, latest is None or (root / latest).is_dir())
 
 
 def _record_refused(root: Path, failed: list[Failed], latest: Optional[str]) -> None:
