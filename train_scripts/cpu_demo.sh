@@ -12,7 +12,10 @@
 # Usage (from anywhere):
 #   bash train_scripts/cpu_demo.sh                       # 2 ranks, tiny model, 20 iterations
 #   NPROC=4 bash train_scripts/cpu_demo.sh --train-iters 10
-#   NPROC=3 bash train_scripts/cpu_demo.sh --ucp-async-convert   # resume the same folder at DP=3
+#   NPROC=2 bash train_scripts/cpu_demo.sh --train-iters 20   # resume the same folder at DP=2
+#
+# A resume at another DP size keeps the checkpoint's global batch (here 4 ranks x 1 x 4 = 16) when it splits
+# over the new DP size (16 does over 2, not over 3: pin --global-batch-size to choose one that does).
 #
 # Arguments are appended to a tiny default model (argparse: the last value of an
 # option wins, so any default can be overridden). --ucp-* options go to the runner.
@@ -30,6 +33,9 @@
 #   QUIET        1: do not echo rank 0's log while it runs
 #   MASTER_PORT  rendezvous port (default: a free one)
 #   UCP_DRY_RUN  1: print each rank's command line and exit without running
+#   TORCH_EXTENSIONS_DIR  where DeepSpeed builds its CPU ops (default: a folder of this interpreter and
+#                PYTHONPATH under ~/.cache/megatron-ucp-demo-extensions: another DeepSpeed release's build in
+#                the shared ~/.cache/torch_extensions makes every rank die at start)
 #
 # Exit status: 0 when every rank succeeded, else the first failing rank's status
 # (the other ranks are stopped: they would wait in a collective forever).
@@ -79,10 +85,15 @@ else
 	port="$("${PYTHON}" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 fi
 
+if [[ -z "${TORCH_EXTENSIONS_DIR:-}" ]]; then
+	env_key="$("${PYTHON}" -c 'import hashlib, os, sys; print(hashlib.sha1((sys.prefix + os.pathsep + os.environ.get("PYTHONPATH", "")).encode()).hexdigest()[:12])')"
+	TORCH_EXTENSIONS_DIR="${HOME}/.cache/megatron-ucp-demo-extensions/env-${env_key}"
+fi
+
 rank_env() { # the variables torchrun would set for rank $1
 	printf '%s\n' "RANK=$1" "WORLD_SIZE=${NPROC}" "LOCAL_RANK=$1" "LOCAL_WORLD_SIZE=${NPROC}" \
 		"MASTER_ADDR=127.0.0.1" "MASTER_PORT=${port}" "DS_ACCELERATOR=cpu" "OMP_NUM_THREADS=1" \
-		"PYTHONUNBUFFERED=1"
+		"PYTHONUNBUFFERED=1" "TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR}"
 }
 
 if [[ "${UCP_DRY_RUN:-0}" == 1 ]]; then

@@ -241,10 +241,14 @@ def test_cpu_demo_dry_run(tmp_path):
             f"rank {r}: RANK={r} WORLD_SIZE=3 LOCAL_RANK={r} LOCAL_WORLD_SIZE=3 MASTER_ADDR=127.0.0.1"
         )
         assert "DS_ACCELERATOR=cpu" in line and "-m megatron_ucp.run" in line
+        # DeepSpeed's CPU ops built in a folder of this environment's own, never the shared torch_extensions
+        assert "TORCH_EXTENSIONS_DIR=" in line and "/.cache/megatron-ucp-demo-extensions/env-" in line
         assert line.endswith("--train-iters 4")
         assert str(SCRIPTS / "megatron_standin" / "pretrain_gpt_standin.py") in line
     stock = run(["bash", str(CPU_DEMO)], env={"UCP": "0", "UCP_DRY_RUN": "1"}, cwd=tmp_path)
     assert "megatron_ucp.integration.run" not in stock.stdout and len(stock.stdout.splitlines()) == 2
+    mine = run(["bash", str(CPU_DEMO)], env={"UCP_DRY_RUN": "1", "TORCH_EXTENSIONS_DIR": "/x/ext"}, cwd=tmp_path)
+    assert all("TORCH_EXTENSIONS_DIR=/x/ext " in line for line in mine.stdout.splitlines()), mine.stdout
     bad = run(["bash", str(CPU_DEMO)], env={"NPROC": "x"}, cwd=tmp_path)
     assert bad.returncode == 2 and "NPROC must be a positive integer" in bad.stderr
 
