@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_ucp.background import queue as B
+from megatron_ucp.background import verdicts
 from megatron_ucp.background.set_aside import leftovers
 from megatron_ucp.background.store import (
     PROGRESS_DIR,
@@ -31,7 +32,7 @@ from megatron_ucp.background.store import (
     read_registrations,
     ucp_dir,
 )
-from megatron_ucp.background.verdicts import identity_digest, listed_damage, read_verdict, tag_identity
+from megatron_ucp.background.verdicts import identity_digest, read_verdict, tag_identity
 from megatron_ucp.convert.universal import inspect_staging, read_manifest, universal_state
 from megatron_ucp.deepspeed.folder import is_native_tag
 from megatron_ucp.deepspeed.reader import recorded_sizes
@@ -138,13 +139,13 @@ class TagStatus:
     native: bool
     universal: UniversalStatus
     detail: str
-    dp: Optional[int]
-    native_bytes: Optional[int]
-    universal_bytes: Optional[int]
-    seconds: Optional[float]
+    dp: Optional[int] = None
+    native_bytes: Optional[int] = None
+    universal_bytes: Optional[int] = None
+    seconds: Optional[float] = None
     """Conversion time recorded in the manifest."""
-    latest: bool
-    latest_universal: bool
+    latest: bool = False
+    latest_universal: bool = False
     ep: Optional[int] = None
     """A mixture-of-experts save's expert-parallel size."""
     verified: Optional[str] = None
@@ -413,10 +414,6 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
                 native=False,
                 universal=UniversalStatus.UNREADABLE,
                 detail=f"{root / name}: {why}; remove or replace it",
-                dp=None,
-                native_bytes=None,
-                universal_bytes=None,
-                seconds=None,
                 latest=name == latest,
                 latest_universal=name == latest_universal,
             )
@@ -433,6 +430,8 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         for record in failed_saves(root)
     ]
     problems += [f"{tag}: {fate} ({folder})" for tag, folder, fate in leftovers(root)]
+    newer = [t.tag for t in rows if t.native and latest is not None and verdicts.newer_than(t.tag, latest, root)]
+    problems += [f"{tag}: {verdicts.UNCOMMITTED}" for tag in newer if verdicts.uncommitted(root / tag)]
     return RootStatus(
         root=root,
         latest=latest,
@@ -482,7 +481,7 @@ def _verdict(root: Path, tag: str, native_dir: Path) -> dict:
     verdict = read_verdict(root, tag)
     current = tag_identity(native_dir) if verdict is not None else {}
     applies = verdict is not None and bool(current) and verdict.applies_to(current)
-    damage = () if applies and not verdict.sound else listed_damage(native_dir) if native_dir.is_dir() else ()
+    damage = () if applies and not verdict.sound else verdicts.listed_damage(native_dir) if native_dir.is_dir() else ()
     if damage:
         return {"verified": "unsound", "verdict": damage[0] + (f" (+{len(damage) - 1} more)" if damage[1:] else "")}
     if applies:

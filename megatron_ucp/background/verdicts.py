@@ -20,6 +20,7 @@ from megatron_ucp.deepspeed.model_states import recorded_save_id
 from megatron_ucp.deepspeed.reader import find_checkpoint_files
 from megatron_ucp.errors import CheckpointFormatError, UcpError
 from megatron_ucp.format import save_files
+from megatron_ucp.plan.tags import newer
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,31 @@ def listed_damage(tag_dir: Path) -> tuple[str, ...]:
     except OSError as exc:
         return (f"{tag_dir}: cannot be read ({exc})",)
     return tuple(f"{problem} ({FILE_LIST})" for problem in save_files.problems(tag_dir, save_id))
+
+
+UNCOMMITTED = (
+    "newer than latest and never committed (a save killed or failed before every rank's files were durable): a "
+    "restart does not load it; the next save of that step replaces it"
+)
+
+
+def uncommitted(tag_dir: Path) -> bool:
+    """A save made with the hooks (its model states record a save identity) whose commit never wrote its file list:
+    the files of a save that did not finish, whatever they look like."""
+    try:
+        save_id = recorded_save_id(tag_dir)
+    except (CheckpointFormatError, OSError):
+        return False  # unreadable: the tag's damage, said elsewhere
+    listed = save_files.read_file_list(tag_dir.parent, tag_dir.name)
+    return save_id is not None and (listed is None or listed.save_id != save_id)
+
+
+def newer_than(tag: str, latest: str, root: Path) -> bool:
+    """``tag`` is a newer save than the one ``latest`` names (by step, else by modification time)."""
+    try:
+        return newer((tag, (root / tag).stat().st_mtime), (latest, (root / latest).stat().st_mtime))
+    except OSError:
+        return False
 
 
 def verdict_is_current(root: Path, tag: str) -> bool:

@@ -14,11 +14,13 @@ from megatron_ucp.cli import add_shared
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "status",
-        help="show each tag's universal conversion state",
-        description="For every tag under a checkpoint root: native checkpoint present, universal "
-        "twin complete / in progress (with progress) / pending / failed (with log path) / interrupted "
-        "/ skipped / absent, DP size, sizes on disk, conversion time; and the background converters. "
-        "Reads folder names, markers and manifests only, unless --deep.",
+        help="show what a restart resumes from, each tag's state (sound, damaged, converted) and what to do",
+        description="For every tag under a checkpoint root: native checkpoint present, whether it is known sound "
+        "or damaged (a recorded verdict, the file list its save wrote), universal twin complete / in progress "
+        "(with progress) / pending / failed (with log path) / interrupted / skipped / absent, DP size, sizes on "
+        "disk, conversion time; the background converters; what a restart resumes from, and anything a killed "
+        "save left (set aside, a commit cut short). Reads folder names, sizes, markers, manifests and records "
+        "only, unless --deep.",
     )
     add_shared(p, "root", "checkpoint root (the --save folder)")
     add_shared(p, "--json")
@@ -27,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--check",
         action="store_true",
         help="say what a restart would load (the tag in 'latest', or the tag the fallback would load instead, from "
-        "the verdicts recorded; with --deep, after reading every file) and exit 1 when it would load none",
+        "the verdicts recorded and the saves' file lists; with --deep, after reading every file) and exit 1 when it "
+        "would load none",
     )
     p.add_argument(
         "--deep",

@@ -231,6 +231,14 @@ def test_the_judge_finds_cut_and_missing_files_from_the_saves_file_list_and_stat
     answer = rs.resume_answer()
     assert answer.tag == tags[0] and answer.fallback, answer
 
+    assert not [p for p in rs.problems if "never committed" in p]
+    # a newer save killed before its commit (its files there, no file list): status says what it is
+    args = ["synthesize", str(root), *SMALL, "--dp", "2", "--iteration", "10", "--record", "--no-progress"]
+    assert main(args) == 0
+    (root / "latest").write_text(tags[-1])  # never named by latest: the commit never came
+    (said,) = [p for p in root_status(root, sizes=False).problems if "never committed" in p]
+    assert said.startswith("global_step10: newer than latest and never committed"), said
+
     failed = [fallback.Failed(tag, fallback._judge(root, tag, False)[0], "files") for tag in reversed(tags[1:])]
     fallback._record_refused(root, failed, tags[-1])
     for tag in tags[1:]:
