@@ -261,7 +261,7 @@ bench-scale: $(STAMP)
 # pytest lives in its own folder, first on the runs' path, and the project's environment keeps its own.
 PEER_PYTEST := .peer-pytest
 peer: $(STAMP)
-	@test -d $(PEER_PYTEST)/_pytest || $(BIN)/python -m pip install --quiet --target $(PEER_PYTEST) 'pytest>=8.3,<8.4'
+	@test -d $(PEER_PYTEST)/_pytest || $(BIN)/python -m pip install --quiet --no-deps --target $(PEER_PYTEST) 'pytest>=8.3,<8.4'
 	PYTHONPATH=$(abspath $(PEER_PYTEST)) $(BIN)/python tests/peer/run_peer.py $(PEER_ARGS)
 
 clean-venv:

@@ -75,30 +75,57 @@ def load_raw(path: Path, damage: Optional[list[str]] = None, random_access: bool
     return raw_tensors_from_torch(load_torch_file(path, mmap=True))
 
 
-def with_torch_values(value: Any, _seen: Optional[set] = None) -> Any:
+def with_torch_values(value: Any) -> Any:
     """``value`` with every stand-in for a torch dtype or device (what a read without torch gives for them) replaced by
-    torch's own, in containers and in objects' attributes (in place): what is handed to another rank (pickled by torch,
-    which refuses a class that claims torch's name) or into the live optimizer (a loss scaler's dtype)."""
+    torch's own, in containers and in objects' attributes (in place where they are mutable): what is handed to another
+    rank (pickled by torch, which refuses a class that claims torch's name) or into the live optimizer (a loss
+    scaler's dtype). Never raises: what it cannot rebuild (a frozen object, a structure nested past Python's
+    recursion limit) is left as it was, and the sending rank's pickle check names it."""
+    try:
+        return _torch_values(value, set())
+    except RecursionError:
+        return value
+
+
+def _torch_values(value: Any, seen: set) -> Any:
     import torch
 
     from megatron_ucp.format.lightpickle import is_stand_in
 
-    seen = set() if _seen is None else _seen
-    if isinstance(value, type) and is_stand_in(value) and getattr(value, "_ucp_module", "") == "torch":
-        return getattr(torch, getattr(value, "_ucp_name", ""), value)
-    if id(value) in seen:
+    if is_stand_in(value) and value._ucp_module == "torch":
+        if isinstance(value, type):
+            return getattr(torch, value._ucp_name, value)
+        if value._ucp_name == "device":
+            try:
+                return torch.device(*(value.__dict__.get("_ucp_args") or ()))
+            except (TypeError, RuntimeError):
+                return value
         return value
+    if isinstance(value, type):
+        return value
+    if id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None), torch.Tensor)):
+        return value
+    seen.add(id(value))
     if isinstance(value, dict):
-        seen.add(id(value))
-        for key in list(value):
-            value[key] = with_torch_values(value[key], seen)
+        for key, item in list(value.items()):
+            new = _torch_values(item, seen)
+            if new is not item:
+                value[key] = new
     elif isinstance(value, list):
-        seen.add(id(value))
-        value[:] = [with_torch_values(item, seen) for item in value]
-    elif isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(with_torch_values(item, seen) for item in value)
-    elif hasattr(value, "__dict__") and not isinstance(value, type) and not is_stand_in(value):
-        seen.add(id(value))
-        for key, item in list(vars(value).items()):
-            setattr(value, key, with_torch_values(item, seen))
+        for i, item in enumerate(value):
+            new = _torch_values(item, seen)
+            if new is not item:
+                value[i] = new
+    elif isinstance(value, (tuple, set, frozenset)):
+        items = [_torch_values(item, seen) for item in value]
+        if any(new is not old for new, old in zip(items, value)):
+            if hasattr(value, "_make"):  # a named tuple
+                return type(value)._make(items)
+            return type(value)(items)
+    elif hasattr(value, "__dict__"):  # an object, a stand-in of another package's among them
+        attributes = vars(value)
+        for key, item in list(attributes.items()):
+            new = _torch_values(item, seen)
+            if new is not item:
+                attributes[key] = new  # the instance's own dict: no property, __setattr__ or frozen check in the way
     return value

@@ -15,8 +15,8 @@ from megatron_ucp.format import dsformat as F
 from tests.support.dsharness import REPO_ROOT, free_port
 
 
-def _run(case: str, root: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+def _run(case: str, root: Path, **extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **extra}
     return subprocess.run(
         [
             sys.executable,
@@ -40,7 +40,10 @@ def _run(case: str, root: Path) -> subprocess.CompletedProcess:
 
 
 def test_a_load_right_after_an_asynchronous_save_commits_it_first_and_loads_it(tmp_path: Path):
-    done = _run("save-load", tmp_path / "ckpt")
+    # the writer slowed on the model states of each save (2 s): without the waits, the script's read and the load
+    # would find the files not yet there
+    slow = ",".join(f"write global_step{step}/mp_rank_00_model_states.pt:*:pause2" for step in (1, 2))
+    done = _run("save-load", tmp_path / "ckpt", MEGATRON_UCP_TEST_FAULT=slow)
     assert done.returncode == 0, done.stderr[-3000:]
     # a script that reads the files itself waits for the save first
     assert "READ global_step1 4" in done.stdout, (done.stdout, done.stderr[-3000:])
@@ -63,3 +66,5 @@ def test_an_elastic_checkpoint_saves_and_loads_as_stock_with_one_warning(tmp_pat
     assert "LOADED elastic=True 2" in done.stdout and "LOADED elastic=False 2" in done.stdout, done.stdout
     warned = [line for line in done.stderr.splitlines() if "elastic_checkpoint" in line and "megatron-ucp" in line]
     assert warned and all("WARNING" in line for line in warned), warned
+    # one warning per load, from the first rank, saying the load is DeepSpeed's own
+    assert len(warned) == 1 and "loaded by DeepSpeed's own load" in warned[0], warned

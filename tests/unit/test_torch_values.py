@@ -48,3 +48,37 @@ def test_small_collective_tensors_are_held_past_the_call_and_large_buffers_are_n
     collectives._lend(small, large)
     assert any(t is small for t in collectives._LENT)
     assert not any(t is large for t in collectives._LENT)
+
+
+def test_what_cannot_be_set_the_usual_way_is_rebuilt_or_left_and_nothing_raises():
+    import dataclasses
+    from collections import namedtuple
+
+    half = stand_in_class("torch", "float16")
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        dtype: object
+
+    class ReadOnly:
+        @property
+        def dtype(self):
+            return self.__dict__["dtype"]
+
+    read_only = ReadOnly()
+    read_only.__dict__["dtype"] = half
+    Pair = namedtuple("Pair", "dtype n")
+    device = stand_in_class("torch", "device")("cpu")
+    scaler = stand_in_class("deepspeed.runtime.fp16.loss_scaler", "LossScaler")()
+    scaler.__dict__["dtype"] = half  # a stand-in of another package's, holding a torch stand-in
+    out = with_torch_values(
+        {"frozen": Frozen(half), "ro": read_only, "pair": Pair(half, 2), "set": {half}, "dev": device, "ls": scaler}
+    )
+    assert out["frozen"].dtype is torch.float16 and out["ro"].dtype is torch.float16
+    assert out["pair"] == Pair(torch.float16, 2) and type(out["pair"]) is Pair
+    assert out["set"] == {torch.float16} and out["dev"] == torch.device("cpu")
+    assert out["ls"].__dict__["dtype"] is torch.float16
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    assert with_torch_values(deep) is deep  # past the recursion limit: left as it is, no exception

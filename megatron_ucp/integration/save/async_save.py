@@ -101,6 +101,9 @@ class InFlight:
     """Where Megatron's tracker write after this save went (:mod:`~megatron_ucp.integration.save.megatron_tracker`)."""
     done: threading.Event = field(default_factory=threading.Event)
     returned: float = 0.0
+    engine: Any = None
+    """The engine that saved: its configuration decides what follows the commit (the background conversion), whichever
+    engine's step, load or exit commits it."""
 
 
 @dataclass
@@ -205,7 +208,7 @@ def _loading_after_the_saves(original: Callable[..., Any]) -> Callable[..., Any]
             if is_first():
                 log.info("megatron-ucp: this load waits for %d save(s) in flight to commit", len(_state.in_flight))
             while _state.in_flight:
-                settle(self, block=True)
+                settle(None, block=True)  # each save's own engine decides what follows its commit
         return original(self, *args, **kwargs)
 
     return load_checkpoint
@@ -292,6 +295,7 @@ def async_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: d
         rank=rank,
         world=comm().get_world_size(),
         watch=WriteWatch(save.tag, rank),
+        engine=engine,
     )
     host = HostCopy(_state.slots[_state.saves % len(_state.slots)])
     _state.saves += 1
@@ -489,7 +493,7 @@ def _commit(engine: Any, flight: InFlight) -> None:
             time.monotonic() - flight.returned,
         )
     for callback in _AFTER_COMMIT:
-        callback(engine, str(save.save_dir), save.tag, None)
+        callback(flight.engine if flight.engine is not None else engine, str(save.save_dir), save.tag, None)
 
 
 # ------------------------------------------------------------------------------------------------

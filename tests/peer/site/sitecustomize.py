@@ -1,5 +1,8 @@
 """Every Python process of a peer-suite run (tests/peer/run_peer.py): its stacks on SIGUSR1, in a file of its own named
-by its rank once it has one; and, in the hooked modes, megatron-ucp's hooks installed (``UCP_PEER_HOOKS=1``)."""
+by its rank once it has one; and, in the hooked modes, megatron-ucp's hooks installed (``UCP_PEER_HOOKS=1``). For a
+test that opens a save's files itself right after ``save_checkpoint`` (``UCP_PEER_WAIT_AFTER_SAVE=1``, set by the
+runner for those tests in the asynchronous mode), each save is followed by ``megatron_ucp.wait_for_saves()``, as the
+docs tell such a script to do: the test then checks the files the asynchronous save wrote."""
 
 import faulthandler
 import os
@@ -40,3 +43,18 @@ if os.environ.get("UCP_PEER_HOOKS") == "1":
     import megatron_ucp
 
     megatron_ucp.install()
+    if os.environ.get("UCP_PEER_WAIT_AFTER_SAVE") == "1":
+        import functools
+
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        def _waiting(save_checkpoint):
+            @functools.wraps(save_checkpoint)
+            def save_then_wait(self, *args, **kwargs):
+                saved = save_checkpoint(self, *args, **kwargs)
+                megatron_ucp.wait_for_saves()
+                return saved
+
+            return save_then_wait
+
+        DeepSpeedEngine.save_checkpoint = _waiting(DeepSpeedEngine.save_checkpoint)
