@@ -238,13 +238,33 @@ def _committing_before_leaving(original: Callable[..., Any]) -> Callable[..., An
 
         if _state.in_flight and (group is None or group is dist.GroupMember.WORLD) and dist.is_initialized():
             try:
-                while _state.in_flight:
-                    settle(None, block=True)
+                _commit_before_leaving()
             except Exception as exc:  # said; the job leaves its group as it asked
                 log.error("megatron-ucp: committing the saves in flight before leaving the process group: %s", exc)
         return original(self, group, *args, **kwargs)
 
     return destroy_process_group
+
+
+def _commit_before_leaving() -> None:
+    """Each rank's writer given up to ``converter_exit_wait`` seconds, then one agreement: every rank's files written
+    (commit them now, together) or not (leave them to the end of the run's records, which need no collective). A
+    stalled file system never holds the job's exit forever, and no rank leaves while another still commits."""
+    wait = float(_state.config.converter_exit_wait) if _state.config is not None else 0.0
+    deadline = time.monotonic() + wait
+    for flight in list(_state.in_flight):
+        flight.done.wait(max(0.0, deadline - time.monotonic()))
+    unfinished = count_across(sum(not flight.done.is_set() for flight in _state.in_flight))
+    if unfinished:
+        log.warning(
+            "megatron-ucp: leaving the process group with %d file write(s) unfinished after %.0fs: the saves in "
+            "flight are left to the end of the run (committed there if every rank finishes, else not latest)",
+            unfinished,
+            wait,
+        )
+        return
+    while _state.in_flight:
+        settle(None, block=True)
 
 
 def _pinning() -> Optional[Callable[[Any], Any]]:
