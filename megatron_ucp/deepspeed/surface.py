@@ -424,8 +424,11 @@ def dp_group(optimizer: Any) -> Any:
 
 def elastic_checkpoint(optimizer: Any) -> bool:
     """DeepSpeedZeroOptimizer's ``zero_optimization.elastic_checkpoint`` (its own save and load form; other classes
-    have none)."""
-    return bool(getattr(optimizer, "elastic_checkpoint", False))
+    have none). Every release 0.16-0.19 sets the attribute in its constructor: one that does not is a change of
+    internals, said as such."""
+    if type(optimizer).__name__ != "DeepSpeedZeroOptimizer":
+        return False
+    return bool(instance_attribute(optimizer, "elastic_checkpoint"))
 
 
 def group_dp_groups(optimizer: Any) -> list[Any]:

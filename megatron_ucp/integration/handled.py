@@ -70,7 +70,11 @@ def local_reason(engine: Any) -> Optional[str]:
         if stage3_runtime.stage3_swaps(optimizer):
             return "ZeRO-3 partitions swapped to NVMe (offload_optimizer or offload_param device nvme) are not handled"
         return None
-    if surface.elastic_checkpoint(optimizer):
+    try:
+        elastic = surface.elastic_checkpoint(optimizer)
+    except UcpError as exc:  # DeepSpeed changed: stock behaviour, said once
+        return str(exc)
+    if elastic:
         return (
             "zero_optimization.elastic_checkpoint (each rank's optimizer states saved per group, without their "
             "padding or param groups, for DeepSpeed's own elastic load) is not one of the forms megatron-ucp handles"

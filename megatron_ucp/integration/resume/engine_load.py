@@ -168,6 +168,8 @@ class LoadOutcome:
     """What the load already read from ``load_path`` less the module (else the finish maps the file)."""
     origins: Optional[CopiedFrom] = None
     """A native reshard's: where each partition was copied from."""
+    stock: bool = False
+    """DeepSpeed's own load of a form the hooks do not read: what it loaded is left as stock leaves it."""
 
 
 def loaded_path(result: Any) -> Optional[Path]:

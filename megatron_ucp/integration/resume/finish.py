@@ -337,11 +337,12 @@ ENGINE_REPORT_ATTR = "megatron_ucp_load_report"
 def finish(job: LiveJob, outcome: LoadOutcome, kwargs: dict, config: UcpConfig) -> Any:
     """Every route's end: where the route accounted for the tensors (its report), the training state and the batch
     checked, the module tensors universal mode skips restored, one summary line, enforced as ``config.strict``
-    says; then, on every route, every master and optimizer state finite. Returns DeepSpeed's result."""
+    says; then, on every route the hooks read (not DeepSpeed's own load of a form they do not), every master and
+    optimizer state finite. Returns DeepSpeed's result."""
     if outcome.report is not None and outcome.load_path is not None:
         _account(job, outcome, kwargs, config)
     loaded = loaded_path(outcome.result)
-    if loaded is not None:
+    if loaded is not None and not outcome.stock:
         refuse_non_finite(job, loaded.parent, config.strict, outcome.origins)
     return outcome.result
 

@@ -193,7 +193,7 @@ def _deepspeeds_own_load(
     """A save in a form the hooks do not read (the same error on every rank: the first rank's read, shared): loaded
     as stock DeepSpeed loads it, with one warning (it may refuse what it cannot load, as without the hooks)."""
     warn_once(str(why), "loaded by DeepSpeed's own load, as without megatron-ucp")
-    return LoadOutcome(original(job.engine, load_dir, tag, **kwargs))
+    return LoadOutcome(original(job.engine, load_dir, tag, **kwargs), stock=True)
 
 
 def same_dp_load(
