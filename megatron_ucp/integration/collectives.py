@@ -119,16 +119,24 @@ def decide_on_first(decide: Callable[[], T], group: Any = None) -> "T | Failure"
     """``decide()`` on the group's first rank, its value on every rank.
 
     When it raises, every rank gets a :class:`Failure` naming the exception (the caller raises its
-    own error with it), so that no rank is left waiting in a collective the first one never reaches.
+    own error with it), so that no rank is left waiting in a collective the first one never reaches; so does every
+    rank when the decision cannot be sent, or cannot be read on any rank (one more small all-reduce: agreed).
     """
-    outcome: Any = None
+    payload: Optional[bytes] = None
     if is_first(group):
-        try:
-            outcome = decide()
-            pickle.dumps(outcome)  # what cannot be sent fails here, on the first rank, not inside the broadcast
+        try:  # what cannot be sent fails here, on the first rank, not inside the broadcast
+            payload = pickle.dumps(decide())
         except Exception as exc:
-            outcome = Failure(described(exc), type(exc).__name__)
-    return broadcast_from_first(outcome, group)
+            payload = pickle.dumps(Failure(described(exc), type(exc).__name__))
+    payload = broadcast_from_first(payload, group)  # bytes: every rank receives them
+    try:  # what one rank cannot read (a class only the first rank imports) fails every rank alike
+        outcome, unread = pickle.loads(payload), None
+    except Exception as exc:
+        outcome, unread = None, exc
+    if count_across(1 if unread is not None else 0, group):
+        why = described(unread) if unread is not None else "another rank could not read it"
+        return Failure(f"the first rank's decision could not be read here: {why}", "UcpError")
+    return outcome
 
 
 def raise_together(error: Optional[BaseException], what: str, subject: Any = None, group: Any = None) -> None:
