@@ -109,6 +109,14 @@ RULES: list[tuple[str, object]] = [
         ),
     ),
     (r"^(make bench|python benchmarks/)", NotRun("a benchmark: timings are measured by make bench, never by tests")),
+    (
+        r"^make peer\b",
+        Covered(
+            "tests/unit/test_peer_runner.py::test_only_outcomes_that_differ_from_stocks_are_differences",
+            "DeepSpeed's own checkpoint tests three ways (about an hour: by hand); the runner's judgement is tested "
+            "there, and what it found is held by tests/system/test_peer_behaviours.py",
+        ),
+    ),
     (r"^pip install -e ", NotRun("how make test's own environment installs the package (Makefile)")),
     (r"^(cd|export|module load) |^NNODES=", NotRun("shell set-up for the commands that follow it")),
 ]

@@ -343,8 +343,13 @@ def test_a_fallback_then_a_save_of_the_same_tag_leaves_one_save_and_the_next_res
     ck = ds_checkpoint(OPT, 4, plugin=True)
     root = private_copy(ck.root, tmp_path / "ckpt")
     _cut_short(_rank_file(root / NEW, 1))
-    # what status answers before and after the files are read, and what verify says, agree with the restart
-    assert _check(root) == (0, f"a restart resumes from {NEW} (not read yet: its load checks it)")
+    # what status answers before and after the files are read, and what verify says, agree with the restart: the
+    # cut is seen from the save's file list before anything is read
+    code, said = _check(root)
+    assert code == 0 and said.startswith(f"a restart falls back to {OLD} (not read yet: its load checks it; loses 2"), (
+        said
+    )
+    assert "(cut short? the file is not the one saved) (its save's file list)" in said, said
     assert main(["verify", str(root), "--tag", NEW, "--no-progress"]) == 1
     code, said = _check(root)
     assert code == 0 and said.startswith(f"a restart falls back to {OLD} (not read yet: its load checks it; loses 2"), (
@@ -388,26 +393,34 @@ def test_a_restart_that_falls_back_again_for_the_same_reason_says_so_loudly(ds_c
 
 def test_a_restart_that_resumes_from_no_tag_is_what_status_answers_until_a_file_changes(ds_checkpoint, tmp_path):
     """Both tags damaged (global_step4 cut short, global_step2 with a bit flipped): the restart refuses each and
-    trains nothing. Until then status can only say that the load will check them; after it, while nothing on disk has
-    changed, it says that a restart fails again, naming each tag's problem (exit 1 for a requeue script), with no
-    verdict recorded (the job itself may be what failed). The damaged file put back, status answers as before the
-    restart (what the load will check), and the restart that falls back to it leaves no refusal behind."""
+    trains nothing. Until then status sees the cut from the save's file list and says the load will check the other;
+    after it, while nothing on disk has changed, it says that a restart fails again, naming each tag's problem (exit
+    1 for a requeue script), with a verdict for the cut tag only (its own damage) and none for the tag whose load was
+    refused (the job itself may be what failed). The damaged file put back, status answers as before the restart,
+    and the restart that falls back to it leaves no refusal behind."""
     ck = ds_checkpoint(OPT, 4, plugin=True)
     root = private_copy(ck.root, tmp_path / "ckpt")
     _cut_short(_rank_file(root / NEW, 1))
     victim = _rank_file(root / OLD, 2)
     flip_a_bit_in_the_largest_record(victim)
-    assert _check(root) == (0, f"a restart resumes from {NEW} (not read yet: its load checks it)")
+    # the cut is seen from the save's file list; the flipped bit only by reading
+    expected = f"a restart falls back to {OLD} (not read yet: its load checks it; loses 2 iterations)"
+    code, said = _check(root)
+    assert code == 0 and said.startswith(expected), said
 
     refused = resume(3, OPT, root, tmp_path / "refused", expect_failure=True)
     assert refused.returncode != 0 and refused.losses == [], refused.log[-3000:]
     code, said = _check(root)
     assert code == 1 and said.startswith("the last restart (") and "resumed from no tag" in said, said
     assert f"{NEW}: " in said and f"{OLD}: " in said and str(victim) in said, said
-    assert read_verdict(root, NEW) is None and read_verdict(root, OLD) is None and read_fallbacks(root) == []
+    # the cut tag's own damage is its verdict; the tag whose load was refused gets none (the job may be at fault)
+    verdict = read_verdict(root, NEW)
+    assert verdict is not None and not verdict.sound and "(its save's file list)" in verdict.problems[0], verdict
+    assert read_verdict(root, OLD) is None and read_fallbacks(root) == []
 
     victim.write_bytes((ck.root / OLD / victim.name).read_bytes())  # the file repaired: the refusal is history
-    assert _check(root) == (0, f"a restart resumes from {NEW} (not read yet: its load checks it)")
+    code, said = _check(root)
+    assert code == 0 and said.startswith(expected), said
     again = resume(3, OPT, root, tmp_path / "again")
     assert again.ok and again.loaded_step == 2, again.log[-3000:]
     assert not (root / ".ucp" / "refused-restart.json").exists()

@@ -66,5 +66,8 @@ def test_an_elastic_checkpoint_saves_and_loads_as_stock_with_one_warning(tmp_pat
     assert "LOADED elastic=True 2" in done.stdout and "LOADED elastic=False 2" in done.stdout, done.stdout
     warned = [line for line in done.stderr.splitlines() if "elastic_checkpoint" in line and "megatron-ucp" in line]
     assert warned and all("WARNING" in line for line in warned), warned
-    # one warning per load, from the first rank, saying the load is DeepSpeed's own
-    assert len(warned) == 1 and "loaded by DeepSpeed's own load" in warned[0], warned
+    # one warning each, from the first rank: the job that saves in that form runs as stock; the load of such a save
+    # by a job that does not is DeepSpeed's own
+    assert len(warned) == 2, warned
+    assert "this job saves, loads and resumes as stock DeepSpeed does" in warned[0], warned
+    assert "loaded by DeepSpeed's own load, as without megatron-ucp" in warned[1], warned
