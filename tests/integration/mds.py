@@ -33,7 +33,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -324,9 +323,9 @@ def ds_config(run: MdsRun) -> dict:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.support.dsharness.launch import free_port
+
+    return free_port()
 
 
 def megatron_args(co: Checkout, run: MdsRun, config_path: Path) -> list[str]:

@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.dsharness.launch import HARNESS_IMPORTS
+from tests.support.dsharness.launch import HARNESS_IMPORTS, free_port
 from tests.support.preload import pool
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and /proc: Linux only")
@@ -49,9 +48,7 @@ SKIP = {"_", "OLDPWD", "PWD", "SHLVL", "REPORT_DIR"}  # REPORT_DIR: each launch 
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _env(report_dir: Path | None = None) -> dict[str, str]:

@@ -27,8 +27,25 @@ HARNESS_IMPORTS = ("tests.support.dsharness.worker",)
 """Imported once by the preload server beside torch and DeepSpeed (the worker imports nothing else heavy)."""
 
 
+_PORTS = (20000, 32000)
+"""Where a launch's rendezvous port is drawn: below Linux's ephemeral range (32768-60999). A port the kernel hands
+out (``bind(0)``) is an ephemeral one, and between its release and the launch's listen, one of the many connections
+gloo opens between ranks may take it as its source port (EADDRINUSE at the rendezvous, seen in the suite)."""
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port nothing listens on now, outside the ephemeral range, drawn at random (each launch its own)."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(*_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded machine: what the kernel hands out
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
