@@ -148,8 +148,8 @@ def listed_damage(tag_dir: Path) -> tuple[str, ...]:
     """The tag's own damage found before any load, from names and sizes: each file its save's file list (written
     at the commit) names that is missing or of another size, each checkpoint file there the save did not write,
     and, where a list exists, model states that cannot be read (one mapped read for the save's identity, no
-    weights). Empty when nothing is found or no list applies (a save without the hooks, a list of another save). The restart's judge and
-    ``status`` ask the same, so that ``status --check`` predicts what the judge decides."""
+    weights). Empty when nothing is found or no list applies (a save without the hooks, a list of another save).
+    The restart's judge and ``status`` ask the same, so that ``status --check`` predicts what the judge decides."""
     if save_files.read_file_list(tag_dir.parent, tag_dir.name) is None:
         return ()  # nothing to compare with: the load checks the files (nothing read here)
     try:
