@@ -189,7 +189,7 @@ def test_the_judge_uses_a_recorded_verdict_and_orders_tags_by_step(tmp_path: Pat
     assert fallback._judge(root, tags[1], through_twin=False) == ((), "")  # judged on other files: checked again
     problems, kind = fallback._judge(root, tags[1], through_twin=True)
     assert "no complete universal twin" in problems[0] and kind == "twin"  # not the tag's own verdict
-    assert not fallback._verdict_to_record(fallback.Failed(tags[1], problems, kind))
+    assert not fallback._verdict_to_record(root, fallback.Failed(tags[1], problems, kind))
 
     assert iterations_lost(tags[2], tags[1]) == "90 iterations"
 

@@ -277,7 +277,7 @@ def _announce(root: Path, failed: list[Failed], tag: str, latest: Optional[str],
 def _record(root: Path, failed: list[Failed], tag: str, latest: Optional[str], repeats: int) -> None:
     """The restart's fallback and each failed tag's verdict, in the store (never raises: the job goes on)."""
     for f in failed:
-        if _verdict_to_record(f) and (root / f.tag).is_dir():
+        if _verdict_to_record(root, f):
             record_verdict(root, f.tag, list(f.problems), CHECKED_BY, tag_identity(root / f.tag))
     entry = {
         "at": time.time(),
@@ -291,12 +291,13 @@ def _record(root: Path, failed: list[Failed], tag: str, latest: Optional[str], r
     record_fallback(root, entry)
 
 
-def _verdict_to_record(f: Failed) -> bool:
+def _verdict_to_record(root: Path, f: Failed) -> bool:
     """A failed tag whose problems become its verdict: its own (its files, or a load refused while another tag
-    loaded) and not already a recorded verdict; never a missing universal twin (the tag itself may be sound)."""
+    loaded), not already a recorded verdict, its folder there; never a missing universal twin (the tag itself may
+    be sound)."""
     if f.kind not in ("files", "load") or not f.problems:
         return False
-    return "(found by " not in f.problems[0]
+    return "(found by " not in f.problems[0] and (root / f.tag).is_dir()
 
 
 def _lost(root: Path, latest: Optional[str], tag: str) -> str:
@@ -308,7 +309,7 @@ def _record_refused(root: Path, failed: list[Failed], latest: Optional[str]) -> 
     is fails again until a file or the job changes). Verdicts only for the damage found in a tag's own files before
     any load: a refused load is not one (the job itself may be at fault)."""
     for f in failed:
-        if f.kind == "files" and _verdict_to_record(f) and (root / f.tag).is_dir():
+        if f.kind == "files" and _verdict_to_record(root, f):
             record_verdict(root, f.tag, list(f.problems), CHECKED_BY, tag_identity(root / f.tag))
     record_refused_restart(
         root,
