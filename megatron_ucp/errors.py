@@ -12,11 +12,16 @@ from typing import Any, Sequence
 
 
 class UcpError(Exception):
-    """A failure the user can act on. ``subject`` is the offending object (path, parameter, ...)."""
+    """A failure the user can act on. ``subject`` is the offending object (path, parameter, ...). ``damaged``: the
+    checkpoint file or folder whose own damage this reports (missing, cut short, unreadable, written over since its
+    save, a sum or a NaN that its save did not hold): whatever job reads it meets the same. None when the failure may
+    be the job's (a model or optimizer that differs from the checkpoint's): a restart's fallback records the first
+    as the tag's verdict and counts only the second against its load cap."""
 
-    def __init__(self, message: str, subject: Any = None):
+    def __init__(self, message: str, subject: Any = None, damaged: Any = None):
         super().__init__(message)
         self.subject = subject
+        self.damaged = damaged
 
 
 class CheckpointFormatError(UcpError):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_ucp.background import queue as B
-from megatron_ucp.background import verdicts
+from megatron_ucp.background import restart_judge, verdicts
 from megatron_ucp.background.set_aside import leftovers
 from megatron_ucp.background.store import (
     PROGRESS_DIR,
@@ -42,7 +42,7 @@ from megatron_ucp.export.hf_source import hf_name
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.plan.resume import TwinState
-from megatron_ucp.plan.tags import chronological, iterations_lost
+from megatron_ucp.plan.tags import chronological
 
 __all__ = [
     "UniversalStatus",
@@ -169,9 +169,11 @@ class ResumeAnswer:
     """What a restart would load (:meth:`RootStatus.resume_answer`)."""
 
     tag: Optional[str]
-    """The tag it loads; None: none (it starts from scratch or stops)."""
+    """The tag it loads first; None: none (it starts from scratch or stops)."""
     said: str
     fallback: bool = False
+    tries: tuple[str, ...] = ()
+    """The tags it may load, in turn, each when its files are sound (:class:`~megatron_ucp.plan.restart_walk.Walk`)."""
 
 
 @dataclass(frozen=True)
@@ -215,8 +217,8 @@ class RootStatus:
 
     def resume_answer(self) -> "ResumeAnswer":
         """What a restart of this root does (the hooks' fallback on, any DP size: a DP change reads the native
-        files), from what is known without reading a rank file: the tags' folders and their recorded verdicts.
-        The fallback's own order: the tag ``latest`` names, then the older native tags, newest first."""
+        files), from what is known without reading a rank file, walked as the restart walks it
+        (:func:`megatron_ucp.background.restart_judge.predict`)."""
         if self.latest is None and self.latest_unreadable is None:
             newest = self.newest_native()
             if newest is None:
@@ -226,36 +228,8 @@ class RootStatus:
                 f"{self.root}: no '{F.LATEST}' file: a restart starts from scratch (DeepSpeed and Megatron load what "
                 f"it names); {to_repoint(self)}",
             )
-        if self.refused_restart is not None:
-            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(self.refused_restart.get("at", 0))))
-            tried = "; ".join(f"{f.get('tag')}: {f.get('problem')}" for f in self.refused_restart.get("failed") or [])
-            return ResumeAnswer(
-                None,
-                f"the last restart ({when}) resumed from no tag, and none of them has changed since: a restart "
-                f"fails again unless the job changed (its log says why): {tried}",
-            )
-        rows = [t for t in self.tags if t.universal is not UniversalStatus.UNREADABLE]
-        names = [t.tag for t in rows]
-        older = rows[: names.index(self.latest)] if self.latest in names else rows
-        refused = [] if self.latest in names else [f"{self.latest}: not a checkpoint under {self.root}"]
-        if self.latest is None:  # latest unreadable: every tag, newest first, as the fallback walks them
-            refused = [f"{F.LATEST}: {self.latest_unreadable}"]
-        for row in [r for r in rows if r.tag == self.latest] + [r for r in reversed(older) if r.native]:
-            if not row.native:
-                refused.append(f"{row.tag}: not a checkpoint under {self.root}")
-            elif row.verified == "unsound":
-                refused.append(f"{row.tag}: {row.verdict}")
-            else:
-                known = "found sound" if row.verified == "sound" else "not read yet: its load checks it"
-                if not refused:
-                    return ResumeAnswer(row.tag, f"a restart resumes from {row.tag} ({known})")
-                lost = iterations_lost(self.latest, row.tag, self.latest is None or (self.root / self.latest).is_dir())
-                return ResumeAnswer(
-                    row.tag,
-                    f"a restart falls back to {row.tag} ({known}; loses {lost}): " + "; ".join(refused),
-                    fallback=True,
-                )
-        return ResumeAnswer(None, "no tag here can be resumed: " + "; ".join(refused))
+        walked, said = restart_judge.predict(self.root, self.latest, self.latest_unreadable)
+        return ResumeAnswer(walked.tag, said, fallback=bool(walked.skipped) or self.latest is None, tries=walked.tries)
 
     def to_json(self) -> dict:
         return {
@@ -430,6 +404,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         for record in failed_saves(root)
     ]
     problems += [f"{tag}: {fate} ({folder})" for tag, folder, fate in leftovers(root)]
+    problems += _dangling_universal_pointer(root, latest, latest_universal, rows)
     newer = [t.tag for t in rows if t.native and latest is not None and verdicts.newer_than(t.tag, latest, root)]
     problems += [f"{tag}: {verdicts.UNCOMMITTED}" for tag in newer if verdicts.uncommitted(root / tag)]
     return RootStatus(
@@ -443,6 +418,26 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         refused_restart=_refused_restart(root, latest),
         latest_unreadable=latest_unreadable,
     )
+
+
+def _dangling_universal_pointer(
+    root: Path, latest: Optional[str], pointer: Optional[str], rows: list[TagStatus]
+) -> list[str]:
+    """``latest_universal`` naming the twin of a tag that is gone or found unsound: the hooks follow ``latest``, but a
+    load that reads ``latest_universal`` itself would resume from what no sound native tag backs any more."""
+    if pointer is None or not pointer.endswith(F.UNIVERSAL_SUFFIX):
+        return []
+    tag = pointer[: -len(F.UNIVERSAL_SUFFIX)]
+    row = next((r for r in rows if r.tag == tag), None)
+    if row is not None and row.native and row.verified != "unsound":
+        return []
+    fate = "is gone" if row is None or not row.native else f"is unsound ({row.verdict})"
+    fix = f"`echo {F.universal_tag(latest)} > {root / F.LATEST_UNIVERSAL}` once that twin is complete" if latest else ""
+    return [
+        f"{F.LATEST_UNIVERSAL}: names {pointer}, whose native tag {tag} {fate}: a restart through the hooks follows "
+        f"{F.LATEST} instead, but a load that reads {F.LATEST_UNIVERSAL} itself resumes from it"
+        + (f"; {fix}" if fix else "")
+    ]
 
 
 def _refused_restart(root: Path, latest: Optional[str]) -> Optional[dict]:

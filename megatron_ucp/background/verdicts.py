@@ -127,11 +127,16 @@ def record_conversion_verdict(root: Path, tag: str, output: Path, checked_by: st
 
 
 def tag_identity(tag_dir: Path) -> dict:
-    """The tag's files as they are now (names, sizes, modification times: what a verdict applies to); {} when
-    they cannot be listed."""
+    """The tag's files as they are now (names, sizes, modification times: what a verdict applies to). A folder that
+    is not one checkpoint's files any more (a rank file deleted) is every regular file in it, so that a verdict on
+    it still binds to what is there and is outdated by a repair; {} when the folder cannot be listed."""
     try:
         return source_identity(find_checkpoint_files(tag_dir).identity_files())
     except (OSError, UcpError):
+        pass
+    try:
+        return source_identity(sorted(p for p in Path(tag_dir).iterdir() if p.is_file() and not p.is_symlink()))
+    except OSError:
         return {}
 
 

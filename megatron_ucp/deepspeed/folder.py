@@ -224,11 +224,14 @@ def _optimizer_grid(tag_dir: Path, optim: list) -> dict[int, dict[int, str]]:
                 f"{tag_dir}: two files claim DP rank {dp_rank}: {by_rank[dp_rank]} and "
                 f"{n}; remove the one DeepSpeed did not write",
                 subject=tag_dir / n,
+                damaged=tag_dir / n,
             )
         by_rank[dp_rank] = n
         kind = special_kind(tag_dir / n)
         if kind is not None:
-            raise CheckpointFormatError(f"{tag_dir / n}: is {kind}, not a rank file", subject=tag_dir / n)
+            raise CheckpointFormatError(
+                f"{tag_dir / n}: is {kind}, not a rank file", subject=tag_dir / n, damaged=tag_dir / n
+            )
     return grid
 
 
@@ -243,8 +246,10 @@ def _grid_files(tag_dir: Path, grid: dict[int, dict[int, str]], what: str) -> li
         if missing:
             where = f" of model-parallel rank {mp}" if len(grid) > 1 else ""
             raise CheckpointFormatError(
-                f"{tag_dir}: {what} for DP ranks {missing}{where} are missing (found ranks 0..{max(by_rank)})",
+                f"{tag_dir}: {what} for DP ranks {_spans(missing)}{where} are missing (found DP ranks "
+                f"{_spans(sorted(by_rank))})",
                 subject=tag_dir,
+                damaged=tag_dir,
             )
         dp_sizes[mp] = len(by_rank)
         out += [tag_dir / by_rank[r] for r in range(len(by_rank))]
@@ -255,6 +260,17 @@ def _grid_files(tag_dir: Path, grid: dict[int, dict[int, str]], what: str) -> li
             subject=tag_dir,
         )
     return out
+
+
+def _spans(ranks: list[int]) -> str:
+    """Sorted ranks in words, runs joined (``0, 2-5``): 768 of them fit a line."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _find_stage3_files(tag_dir: Path, model_names: list[str], optim: list) -> CheckpointFiles:

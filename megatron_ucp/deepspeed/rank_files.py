@@ -160,7 +160,12 @@ def read_facts(
     save_files.check(model_states.parent, save_id)  # every file of the save (layer and expert files too) as written
     if per_parameter:
         _check_stage3_model_states(model_states, dp_from, save_id)
-    first = (flat_view if per_parameter else optimizer_state)(expected[0])  # tensors located, not read
+    try:  # tensors located, not read; a damaged file is said as any rank's is (binding_message)
+        first = (flat_view if per_parameter else optimizer_state)(expected[0])
+    except CheckpointFormatError as exc:
+        raise CheckpointFormatError(
+            binding_message(model_states.parent, [str(exc)]), subject=expected[0], damaged=expected[0]
+        ) from exc
     per_group_states = first[F.BASE_OPTIMIZER_STATE].get("state", {}).values()
     packed = packed_states(per_group_states) if requantize and not per_parameter else ()
     if packed:
@@ -174,6 +179,7 @@ def read_facts(
                 f"{expected[0]}: has {count} optimizer sub-groups, {model_states.name} lists {len(saved_shapes)}: "
                 "files of another run, or another sub_group_size?",
                 subject=expected[0],
+                damaged=expected[0],
             )
         layout: Partitioned = Stage3Groups(
             tuple(tuple((str(name), math.prod(shape)) for name, shape in group.items()) for group in saved_shapes),
@@ -214,11 +220,12 @@ def _check_stage3_model_states(model_states: Path, dp_from: int, save_id: Option
     for path in paths:
         why = absent(path)
         if why is not None:
-            raise CheckpointFormatError(f"{path}: {why} (the save's DP size is {dp_from})", subject=path)
+            raise CheckpointFormatError(f"{path}: {why} (the save's DP size is {dp_from})", subject=path, damaged=path)
     if save_id is not None:
         others = model_states_of_another_save(paths, model_states, save_id)
         if others:
-            raise CheckpointFormatError(binding_message(model_states.parent, others), subject=others[0].split(": ")[0])
+            culprit = others[0].split(": ")[0]
+            raise CheckpointFormatError(binding_message(model_states.parent, others), subject=culprit, damaged=culprit)
 
 
 def saved_placement(counts: Any, dp_from: int, path: Path) -> Placement:
@@ -245,10 +252,10 @@ def check_presence(model_states: Path, rank_file: RankFile, dp_from: int) -> lis
     if unreadable:
         path, why = unreadable[0]
         more = f" ({len(unreadable)} of the {dp_from} rank files the model states' DP={dp_from} needs are unreadable)"
-        raise CheckpointFormatError(f"{path}: {why}{more if len(unreadable) > 1 else ''}", subject=path)
+        raise CheckpointFormatError(f"{path}: {why}{more if len(unreadable) > 1 else ''}", subject=path, damaged=path)
     problem = rank_file_count_problem(model_states.parent, dp_from, like=expected[0].name)
     if problem is not None:
-        raise CheckpointFormatError(problem, subject=model_states.parent)
+        raise CheckpointFormatError(problem, subject=model_states.parent, damaged=model_states.parent)
     return expected
 
 
@@ -389,6 +396,7 @@ def binding_message(folder: Path, problems: Sequence[str], loaded: bool = False)
     more = f"\n  ... and {len(problems) - SHOWN_PROBLEMS} more" if len(problems) > SHOWN_PROBLEMS else ""
     state = "the engine is half-loaded: do not train on it" if loaded else "nothing was loaded"
     return (
-        f"cannot resume from {folder}: its files do not belong together ({len(problems)} problem(s)); {state}:"
+        f"cannot resume from {folder}: its files are damaged or do not belong together ({len(problems)} problem(s)); "
+        f"{state}:"
         f"\n  {shown}{more}"
     )

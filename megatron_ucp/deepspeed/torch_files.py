@@ -23,13 +23,13 @@ log = logging.getLogger(__name__)
 def _check_size(path: Path) -> None:
     kind = special_kind(path)
     if kind is not None:  # never open a FIFO or a device: it would block, or never end
-        raise CheckpointFormatError(f"{path}: is {kind}, not a torch file", subject=path)
+        raise CheckpointFormatError(f"{path}: is {kind}, not a torch file", subject=path, damaged=path)
     try:
         size = path.stat().st_size
     except OSError as exc:
-        raise CheckpointFormatError(f"{path}: cannot read: {exc.strerror}", subject=path) from exc
+        raise CheckpointFormatError(f"{path}: cannot read: {exc.strerror}", subject=path, damaged=path) from exc
     if size == 0:
-        raise CheckpointFormatError(f"{path}: empty file (truncated write?)", subject=path)
+        raise CheckpointFormatError(f"{path}: empty file (truncated write?)", subject=path, damaged=path)
 
 
 def load_torch_file(path: Path, mmap: bool = True) -> Any:
@@ -51,7 +51,7 @@ def load_torch_file(path: Path, mmap: bool = True) -> Any:
         raise
     except Exception as exc:  # torch raises RuntimeError/EOFError/UnpicklingError/... for damaged files
         raise CheckpointFormatError(
-            f"{path}: unreadable torch file (truncated or corrupt?): {described(exc)}", subject=path
+            f"{path}: unreadable torch file (truncated or corrupt?): {described(exc)}", subject=path, damaged=path
         ) from exc
 
 

@@ -49,6 +49,7 @@ class RangeReader:
                 raise CheckpointFormatError(
                     f"{self.path}: ends at byte {offset + done}, inside a range being read (changed while loading?)",
                     subject=self.path,
+                    damaged=self.path,
                 )
             done += got
         self.bytes_read += done

@@ -69,12 +69,12 @@ def open_checkpoint_file(path: os.PathLike | str) -> BinaryIO:
     except OSError as exc:
         kind = "a symlink loop" if exc.errno == errno.ELOOP else None
         raise CheckpointFormatError(
-            f"{path}: {'is ' + kind if kind else 'cannot read: ' + str(exc.strerror)}", subject=path
+            f"{path}: {'is ' + kind if kind else 'cannot read: ' + str(exc.strerror)}", subject=path, damaged=path
         ) from exc
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise CheckpointFormatError(f"{path}: is {_kind_of(mode)}, not a regular file", subject=path)
+            raise CheckpointFormatError(f"{path}: is {_kind_of(mode)}, not a regular file", subject=path, damaged=path)
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

@@ -136,6 +136,7 @@ def check(tag_dir: os.PathLike | str, save_id: Optional[str]) -> None:
         raise CheckpointFormatError(
             f"{found[0]} (the save's file list: {file_list_path(Path(tag_dir).parent, Path(tag_dir).name)}){more}",
             subject=found[0].split(": ", 1)[0],
+            damaged=found[0].split(": ", 1)[0],
         )
 
 

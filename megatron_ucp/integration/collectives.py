@@ -14,6 +14,7 @@ import collections
 import pickle
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, TypeVar
 
 import torch
@@ -107,9 +108,12 @@ class Failure:
     message: str
     kind: str = "UcpError"
     """The exception's class name: :meth:`error` raises the package's class of that name."""
+    damaged: Optional[str] = None
+    """The exception's :attr:`~megatron_ucp.errors.UcpError.damaged`, as a string."""
 
     def error(self, message: str, subject: Any = None) -> Exception:
-        return _error_class(self.kind)(message, subject=subject)
+        damaged = Path(self.damaged) if self.damaged is not None else None
+        return _error_class(self.kind)(message, subject=subject, damaged=damaged)
 
 
 T = TypeVar("T")
@@ -127,7 +131,10 @@ def decide_on_first(decide: Callable[[], T], group: Any = None) -> "T | Failure"
         try:  # what cannot be sent fails here, on the first rank, not inside the broadcast
             payload = pickle.dumps(decide())
         except Exception as exc:
-            payload = pickle.dumps(Failure(described(exc), type(exc).__name__))
+            damaged = getattr(exc, "damaged", None)
+            payload = pickle.dumps(
+                Failure(described(exc), type(exc).__name__, None if damaged is None else str(damaged))
+            )
     payload = broadcast_from_first(payload, group)  # bytes: every rank receives them
     try:  # what one rank cannot read (a class only the first rank imports) fails every rank alike
         outcome, unread = pickle.loads(payload), None
@@ -183,15 +190,24 @@ def raise_gathered(error: Optional[BaseException], what: str, subject: Any = Non
     collective of their own: every rank calls it, and every rank raises the same error."""
     dist = comm()
     boxes: list[Any] = [None] * dist.get_world_size(group=group)
-    mine = None if error is None else (dist.get_rank(), type(error).__name__, str(error).strip())
+    damaged = getattr(error, "damaged", None)
+    mine = None
+    if error is not None:
+        mine = (dist.get_rank(), type(error).__name__, str(error).strip(), None if damaged is None else str(damaged))
     dist.all_gather_object(boxes, mine, group=group)
     reports = [box for box in boxes if box is not None]
-    messages = list(dict.fromkeys(message for _, _, message in reports))
+    messages = list(dict.fromkeys(message for _, _, message, _ in reports))
     shown = "\n  ".join(messages[:SHOWN_FAILURES])
     more = f"\n  ... and {len(messages) - SHOWN_FAILURES} more" if len(messages) > SHOWN_FAILURES else ""
-    ranks = ", ".join(str(rank) for rank, _, _ in reports[:8]) + (" ..." if len(reports) > 8 else "")
+    ranks = ", ".join(str(rank) for rank, _, _, _ in reports[:8]) + (" ..." if len(reports) > 8 else "")
     kind = _error_class(reports[0][1])
-    raise kind(f"{what} failed on {len(reports)} rank(s) (global rank {ranks}):\n  {shown}{more}", subject=subject)
+    # one rank's file found damaged makes the checkpoint's damage the error, whatever the other ranks found
+    damaged = next((Path(found) for _, _, _, found in reports if found is not None), None)
+    raise kind(
+        f"{what} failed on {len(reports)} rank(s) (global rank {ranks}):\n  {shown}{more}",
+        subject=subject,
+        damaged=damaged,
+    )
 
 
 SHOWN_FAILURES = 10

@@ -24,7 +24,7 @@ import dataclasses
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -145,10 +145,12 @@ class AccountingReport:
             line += "; " + "; ".join(self.extras)
         return line
 
-    def enforce(self, strict: bool, logger: logging.Logger, verbose: bool = True) -> None:
+    def enforce(self, strict: bool, logger: logging.Logger, verbose: bool = True, folder: Any = None) -> None:
         """Raise :class:`AccountingError` listing every problem (strict), else warn about each.
 
-        ``verbose``: log the warnings and the summary line (the hooks pass True on one rank only).
+        ``verbose``: log the warnings and the summary line (the hooks pass True on one rank only). ``folder``: the
+        checkpoint folder the load read, named as damaged when every problem is a checksum its files recorded that the
+        elements read from them do not match (the files changed since their save, not the job).
         """
         if self.problems:
             shown = "\n  ".join(str(p) for p in self.problems[:40])
@@ -163,6 +165,7 @@ class AccountingReport:
                     "deliberate partial load."
                 ),
                 subject=list(self.problems),
+                damaged=folder if all(p.kind is ProblemKind.CHECKSUM_MISMATCH for p in self.problems) else None,
             )
             refuse_or_warn(strict, error, [str(p) for p in self.problems], logger, say=verbose)
         if verbose:

@@ -46,7 +46,7 @@ def convert_fails(root: Path, capsys, *extra: str, expect: str, names: str) -> N
 def test_missing_rank_file(root, capsys):
     victim = root / TAG / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"
     victim.unlink()
-    convert_fails(root, capsys, expect="DP ranks [2] are missing", names=str(root / TAG))
+    convert_fails(root, capsys, expect="DP ranks 2 are missing (found DP ranks 0-1, 3)", names=str(root / TAG))
 
 
 def test_extra_rank_file(root, capsys):

@@ -53,7 +53,7 @@ def test_status_of_a_latest_that_names_no_tag_suggests_what_runs(root: Path, cap
     assert err.startswith(f"megatron-ucp status --check: a restart falls back to {TAG} (not read yet"), err
     # a step number of a tag that is not here says nothing of what was trained
     assert f"loses what was saved after {TAG}, if anything: global_step999 is not here" in err, err
-    assert "global_step999: not a checkpoint" in err, err
+    assert f"global_step999: {root / 'global_step999'}: missing" in err, err
     (command,) = _suggested(note)
     assert _run_suggested(command) == 0
     assert (root / F.LATEST).read_text().strip() == TAG

@@ -19,10 +19,13 @@ DeepSpeed.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import astuple
 from pathlib import Path
 
 import pytest
 
+from megatron_ucp.background import restart_judge
+from megatron_ucp.background.restart_judge import Judgement
 from megatron_ucp.background.status import root_status
 from megatron_ucp.background.status_text import format_status
 from megatron_ucp.background.store import read_fallbacks
@@ -174,20 +177,20 @@ def test_the_judge_uses_a_recorded_verdict_and_orders_tags_by_step(tmp_path: Pat
         assert main(args) == 0
     tags = [f"global_step{s}" for s in (5, 10, 100)]
     (root / "latest").write_text(tags[2])
-    assert fallback._older_than(root, tags[2]) == [tags[1], tags[0]]
-    assert fallback._judge(root, tags[2], through_twin=False) == ((), "")
+    assert restart_judge.older_tags(root, tags[2]) == [tags[1], tags[0]]
+    assert restart_judge.judge(root, tags[2], through_twin=False) == Judgement()
 
     identity = source_identity(find_checkpoint_files(root / tags[2]).identity_files())
     record_verdict(
         root, tags[2], ["r1.pt: 1 NaN and 0 Inf in 'exp_avg' of parameter 'w'"], "background conversion", identity
     )
-    assert fallback._judge(root, tags[2], through_twin=False) == (
+    assert restart_judge.judge(root, tags[2], through_twin=False) == Judgement(
         ("r1.pt: 1 NaN and 0 Inf in 'exp_avg' of parameter 'w' (found by background conversion)",),
         "files",
     )
     record_verdict(root, tags[1], ["stale"], "megatron-ucp verify", {"other": [1, 2]})
-    assert fallback._judge(root, tags[1], through_twin=False) == ((), "")  # judged on other files: checked again
-    problems, kind = fallback._judge(root, tags[1], through_twin=True)
+    assert restart_judge.judge(root, tags[1], through_twin=False) == Judgement()  # judged on other files: checked again
+    problems, kind = astuple(restart_judge.judge(root, tags[1], through_twin=True))
     assert "no complete universal twin" in problems[0] and kind == "twin"  # not the tag's own verdict
     assert not fallback._verdict_to_record(root, fallback.Failed(tags[1], problems, kind))
 
@@ -211,7 +214,7 @@ def test_the_judge_finds_cut_and_missing_files_from_the_saves_file_list_and_stat
         files = [describe(path) for path in sorted(folder.iterdir())]
         osio.write_durably(listing, file_list_text(folder, recorded_save_id(folder), files))
     (root / "latest").write_text(tags[-1])
-    assert fallback._judge(root, tags[-1], through_twin=False) == ((), "")
+    assert restart_judge.judge(root, tags[-1], through_twin=False) == Judgement()
     victims = {}
     for tag in tags[1:]:
         (victim,) = (root / tag).glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")
@@ -221,10 +224,10 @@ def test_the_judge_finds_cut_and_missing_files_from_the_saves_file_list_and_stat
             victim.write_bytes(victim.read_bytes()[:100])
         victims[tag] = victim
     for tag in tags[1:]:
-        problems, kind = fallback._judge(root, tag, through_twin=False)
+        problems, kind = astuple(restart_judge.judge(root, tag, through_twin=False))
         assert kind == "files" and str(victims[tag]) in problems[0] and "(its save's file list)" in problems[0]
         assert ("is missing" if tag == tags[1] else "cut short?") in problems[0]
-    assert fallback._judge(root, tags[0], through_twin=False) == ((), "")
+    assert restart_judge.judge(root, tags[0], through_twin=False) == Judgement()
 
     rs = root_status(root, sizes=False)
     assert {t.tag: t.verified for t in rs.tags} == {tags[0]: None, **{t: "unsound" for t in tags[1:]}}
@@ -239,11 +242,48 @@ def test_the_judge_finds_cut_and_missing_files_from_the_saves_file_list_and_stat
     (said,) = [p for p in root_status(root, sizes=False).problems if "never committed" in p]
     assert said.startswith("global_step10: newer than latest and never committed"), said
 
-    failed = [fallback.Failed(tag, fallback._judge(root, tag, False)[0], "files") for tag in reversed(tags[1:])]
+    failed = [
+        fallback.Failed(tag, restart_judge.judge(root, tag, False).problems, "files") for tag in reversed(tags[1:])
+    ]
     fallback._record_refused(root, failed, tags[-1])
     for tag in tags[1:]:
         verdict = read_verdict(root, tag)
         assert verdict is not None and not verdict.sound and str(victims[tag]) in verdict.problems[0]
+
+
+def test_loads_refused_for_the_jobs_fault_are_refused_again_until_their_files_change(tmp_path: Path):
+    """A restart whose loads of global_step8, 6 and 4 were refused for what may be the job's fault (a changed
+    optimizer) and that stopped at the cap: ``--check`` says a restart fails again (exit 1), though a verdict later
+    finds their files sound (the same job refuses the same files). One tag's files changed, its load decides again."""
+    root = tmp_path / "ck"
+    tags = [f"global_step{s}" for s in (2, 4, 6, 8)]
+    for tag in tags:
+        args = ["synthesize", str(root), *SMALL, "--dp", "2", "--iteration", tag[len("global_step") :], "--no-progress"]
+        assert main(args) == 0
+    (root / "latest").write_text(tags[-1])
+    assert _check(root) == (
+        0,
+        f"a restart resumes from {tags[-1]} (not read yet: its load checks it); "
+        f"if its files are damaged: {tags[2]} (not read yet), then {tags[1]} (not read yet), "
+        f"then {tags[0]} (not read yet), then no tag (`megatron-ucp status {root} --deep` "
+        "reads them)",
+    )
+    refusal = "the saved optimizer is Adam, the job's SGD"
+    failed = [fallback.Failed(tag, (refusal,), "load") for tag in reversed(tags[1:])]
+    failed.append(fallback.Failed(tags[0], ("not tried: 3 loads were refused before it",), "capped"))
+    fallback._record_refused(root, failed, tags[-1])
+    assert all(read_verdict(root, tag) is None for tag in tags)  # the job may be at fault: no verdict
+    code, said = _check(root)
+    assert code == 1 and said.startswith("a restart fails again: no tag passes"), said
+    assert f"{tags[0]}: not tried: 3 loads were refused before it" in said, said
+    assert main(["verify", str(root), "--tag", tags[2], "--no-progress"]) == 0  # found sound: refused all the same
+    assert _check(root)[0] == 1
+
+    victim = _rank_file(root / tags[2], 0)
+    victim.write_bytes(victim.read_bytes())  # rewritten (a repair, a copy back): its load decides again
+    code, said = _check(root)
+    assert code == 0 and said.startswith(f"a restart falls back to {tags[2]} (not read yet"), said
+    assert f"{tags[-1]}: the last restart's load refused it: {refusal}" in said, said
 
 
 def _refused_on_one_rank(rank: int, root: str, store: str, out: str) -> None:
@@ -368,7 +408,9 @@ def test_a_fallback_then_a_save_of_the_same_tag_leaves_one_save_and_the_next_res
     assert (root / "latest").read_text().strip() == NEW
     assert not any((root / ".ucp" / "replaced").iterdir())  # removed once the new save committed
     # the earlier save's verdict went with it: the new save is judged afresh
-    assert _check(root) == (0, f"a restart resumes from {NEW} (not read yet: its load checks it)")
+    code, said = _check(root)
+    assert code == 0 and said.startswith(f"a restart resumes from {NEW} (not read yet: its load checks it); "), said
+    assert f"if its files are damaged: {OLD} (not read yet), then no tag" in said, said
     assert main(["verify", str(root), "--tag", NEW, "--no-progress"]) == 0
     assert _check(root) == (0, f"a restart resumes from {NEW} (found sound)")
 
@@ -394,10 +436,10 @@ def test_a_restart_that_falls_back_again_for_the_same_reason_says_so_loudly(ds_c
 def test_a_restart_that_resumes_from_no_tag_is_what_status_answers_until_a_file_changes(ds_checkpoint, tmp_path):
     """Both tags damaged (global_step4 cut short, global_step2 with a bit flipped): the restart refuses each and
     trains nothing. Until then status sees the cut from the save's file list and says the load will check the other;
-    after it, while nothing on disk has changed, it says that a restart fails again, naming each tag's problem (exit
-    1 for a requeue script), with a verdict for the cut tag only (its own damage) and none for the tag whose load was
-    refused (the job itself may be what failed). The damaged file put back, status answers as before the restart,
-    and the restart that falls back to it leaves no refusal behind."""
+    after it, each tag's own damage is its verdict (the cut from the list, the flipped bit from the sums its save
+    recorded), so status says that no tag can be resumed, naming each (exit 1 for a requeue script), and the next
+    restart refuses both without a load. The damaged file put back, status answers as before the restart, and the
+    restart that falls back to it leaves no refusal behind."""
     ck = ds_checkpoint(OPT, 4, plugin=True)
     root = private_copy(ck.root, tmp_path / "ckpt")
     _cut_short(_rank_file(root / NEW, 1))
@@ -411,12 +453,15 @@ def test_a_restart_that_resumes_from_no_tag_is_what_status_answers_until_a_file_
     refused = resume(3, OPT, root, tmp_path / "refused", expect_failure=True)
     assert refused.returncode != 0 and refused.losses == [], refused.log[-3000:]
     code, said = _check(root)
-    assert code == 1 and said.startswith("the last restart (") and "resumed from no tag" in said, said
+    assert code == 1 and said.startswith("no tag here can be resumed: "), said
     assert f"{NEW}: " in said and f"{OLD}: " in said and str(victim) in said, said
-    # the cut tag's own damage is its verdict; the tag whose load was refused gets none (the job may be at fault)
     verdict = read_verdict(root, NEW)
     assert verdict is not None and not verdict.sound and "(its save's file list)" in verdict.problems[0], verdict
-    assert read_verdict(root, OLD) is None and read_fallbacks(root) == []
+    verdict = read_verdict(root, OLD)
+    assert verdict is not None and not verdict.sound and "checksum mismatch" in verdict.problems[0], verdict
+    assert read_fallbacks(root) == []
+    again = resume(3, OPT, root, tmp_path / "judged", expect_failure=True)
+    assert again.returncode != 0 and "cannot load" not in again.log, again.log[-3000:]  # no load tried
 
     victim.write_bytes((ck.root / OLD / victim.name).read_bytes())  # the file repaired: the refusal is history
     code, said = _check(root)

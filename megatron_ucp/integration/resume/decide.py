@@ -124,7 +124,7 @@ def _decide_from_facts(
             if loads_optimizer_states and not tag_is_universal and saved_as is not None:
                 problem = rank_file_count_problem(tag_dir, saved_as.dp)
                 if problem is not None:
-                    raise CheckpointFormatError(problem, subject=tag_dir)
+                    raise CheckpointFormatError(problem, subject=tag_dir, damaged=tag_dir)
         twin_dir = Path(load_dir) / F.universal_tag(resolved)
         twin = universal_state(twin_dir, tag_dir)
         staging = staging_path(twin_dir).exists()

@@ -130,6 +130,7 @@ class ClientStateLoader:
                 f"{path}: saved with mp_world_size {saved}, but its folder holds "
                 f"{len(self.ckpt_list)} model-states files",
                 subject=path,
+                damaged=path,
             )
         layer_file = F.LAYER_FILE_RE.match(Path(path).name) is not None
         if layer_file and self.layer_hook is not None and isinstance(states, dict):

@@ -15,7 +15,11 @@ rank file bound to its position and its save before DeepSpeed's load (a file mis
 run, a folder in its place), the rank-file count, every partition against the checksums its save recorded.
 When it refuses the tag (one :class:`~megatron_ucp.errors.CheckpointFormatError` or
 :class:`~megatron_ucp.errors.AccountingError` on every rank, nothing trained), the next candidate is tried: a
-full load replaces everything the refused one placed. Loudly: which tag failed and why (file and problem),
+full load replaces everything the refused one placed. A refusal for damage in the tag's own files (the error's
+``damaged`` lies in its folder on some rank) is the tag's verdict, so that the next restart skips it without a
+load; only refusals that may be the job's fault (a changed model or optimizer) count against the load cap
+(:data:`~megatron_ucp.plan.restart_walk.MAX_LOADS`). ``status --check`` walks the same candidates with the same
+judge (:mod:`megatron_ucp.background.restart_judge`). Loudly: which tag failed and why (file and problem),
 which loads instead, how many iterations that loses; the restart is recorded in the store
 (``.ucp/fallbacks.jsonl``) and the failed tag's verdict with it. Nothing of a bad tag is modified. A tag named
 by the user (``load_checkpoint(tag=...)``, Megatron's ``--load-tag``) or ``--ucp-no-fallback`` gets the error of
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from megatron_ucp.background.restart_judge import CAPPED, FILES, LATEST, LOAD, TWIN, Judgement, judge, older_tags
 from megatron_ucp.background.store import (
     FALLBACKS_LOG,
     clear_refused_restart,
@@ -41,27 +46,16 @@ from megatron_ucp.background.store import (
     record_refused_restart,
     ucp_dir,
 )
-from megatron_ucp.background.verdicts import (
-    identity_digest,
-    listed_damage,
-    read_verdict,
-    record_verdict,
-    tag_identity,
-)
-from megatron_ucp.convert.universal import COMPLETE, source_identity, universal_state
-from megatron_ucp.deepspeed.folder import is_native_tag
-from megatron_ucp.deepspeed.reader import find_checkpoint_files
+from megatron_ucp.background.verdicts import identity_digest, record_verdict, tag_identity
 from megatron_ucp.errors import AccountingError, CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
-from megatron_ucp.integration.collectives import Failure, decide_on_first, is_first
-from megatron_ucp.plan.tags import chronological, iterations_lost, tag_step
+from megatron_ucp.integration.collectives import Failure, count_across, decide_on_first, is_first
+from megatron_ucp.plan.restart_walk import MAX_LOADS
+from megatron_ucp.plan.tags import iterations_lost, tag_step
 
 log = logging.getLogger(__name__)
 
-MAX_LOADS = 3
-"""Loads tried before giving up: a problem of the job rather than of its tags (a changed optimizer) fails every
-tag alike, and each try at 768 ranks costs a full load."""
 CHECKED_BY = "restart"
 
 
@@ -69,10 +63,11 @@ CHECKED_BY = "restart"
 class Failed:
     tag: str
     problems: tuple[str, ...]
-    kind: str = "load"
-    """``files``: the tag's own damage, found from its files before any load (a recorded verdict, its save's file
-    list); ``load``: its load refused it; ``twin``: only its universal twin is missing (not the tag's verdict);
-    ``latest``: the ``latest`` file itself."""
+    kind: str = LOAD
+    """``files``: the tag's own damage (found before any load from a recorded verdict or its save's file list, or by
+    its load in the tag's own files); ``load``: its load refused it for what may be the job's fault; ``twin``: its
+    universal twin is missing or was refused (not the tag's verdict); ``latest``: the ``latest`` file itself;
+    ``capped``: not tried (:data:`~megatron_ucp.plan.restart_walk.MAX_LOADS`)."""
 
     def first(self) -> str:
         more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
@@ -95,27 +90,31 @@ def load_with_fallback(
     if latest is None and unreadable is None:
         return load(None)  # nothing to fall back from: DeepSpeed says there is no checkpoint
     as_before = SchedulerAsBefore(scheduler)
-    failed: list[Failed] = [Failed(F.LATEST, (unreadable,), "latest")] if unreadable is not None else []
-    loads = 0
+    failed: list[Failed] = [Failed(F.LATEST, (unreadable,), LATEST)] if unreadable is not None else []
+    loads = tried = 0  # loads refused for what may be the job's fault; loads tried
     for tag in _candidates(root, latest):
-        outcome = decide_on_first(lambda: _judge(root, tag, universal and tag != latest))
-        problems, kind = _problems_of(outcome)
+        through_twin = universal and tag != latest
+        problems, kind = _problems_of(decide_on_first(lambda: judge(root, tag, through_twin)))
         if problems:
             failed.append(Failed(tag, problems, kind))
             continue
         if loads == MAX_LOADS:
-            failed.append(Failed(tag, (f"not tried: {MAX_LOADS} loads failed before it",)))
+            failed.append(Failed(tag, (f"not tried: {MAX_LOADS} loads were refused before it",), CAPPED))
             break
-        if loads:
+        if tried:
             as_before.restore()
-        loads += 1
+        tried += 1
         repeats = _repeats(root, latest, tag) if failed and is_first() else 0  # the store read once per tag loaded
         if failed and is_first():
             _announce(root, failed, tag, latest, repeats)
         try:
             result = load(None if tag == latest else _name_to_load(tag, universal))
-        except (CheckpointFormatError, AccountingError) as exc:  # raised on every rank alike, nothing trained
-            failed.append(Failed(tag, (str(exc),)))
+        except UcpError as exc:  # raised on every rank alike (agreed), nothing trained
+            kind = _refusal_kind(exc, root / tag, through_twin)
+            if kind is None:
+                raise
+            failed.append(Failed(tag, (str(exc),), kind))
+            loads += kind != FILES
             if is_first():
                 log.error("megatron-ucp: the restart cannot load %s: %s", tag, _short(str(exc)))
             continue
@@ -127,6 +126,21 @@ def load_with_fallback(
     if is_first():
         _record_refused(root, failed, latest)
     raise CheckpointFormatError(_none_passed(root, failed), subject=root / F.LATEST)
+
+
+def _refusal_kind(exc: UcpError, tag_dir: Path, through_twin: bool) -> Optional[str]:
+    """Agreed on every rank (every rank has its own error; collective): ``files`` when any rank's error is damage in
+    the tag's own files (:attr:`~megatron_ucp.errors.UcpError.damaged`), else ``load`` (``twin`` through its universal
+    twin); None (raise it) when any rank's error is not a refusal of the checkpoint."""
+    refusal = isinstance(exc, (CheckpointFormatError, AccountingError))
+    if count_across(0 if refusal else 1):
+        return None
+    damaged = getattr(exc, "damaged", None)
+    here = os.path.abspath(tag_dir)
+    own = damaged is not None and (os.path.abspath(damaged) + os.sep).startswith(here + os.sep)
+    if count_across(1 if own else 0):
+        return FILES
+    return TWIN if through_twin else LOAD
 
 
 class SchedulerAsBefore:
@@ -172,66 +186,20 @@ def _candidates(root: Path, latest: Optional[str]) -> Iterator[str]:
     collectives of the judge and the loads match."""
     if latest is not None:
         yield latest
-    older = decide_on_first(lambda: _older_than(root, latest))
+    older = decide_on_first(lambda: older_tags(root, latest))
     if isinstance(older, Failure):
         raise CheckpointFormatError(f"{root}: cannot list its tags to fall back to: {older.message}", subject=root)
     yield from older
-
-
-def _older_than(root: Path, latest: Optional[str]) -> list[str]:
-    """Native tags under ``root`` older than ``latest`` (every one when None), newest first (any ZeRO stage's
-    files)."""
-    tags = []
-    for entry in os.scandir(root):
-        if entry.name == latest or entry.name.startswith(".") or entry.name.endswith(F.UNIVERSAL_SUFFIX):
-            continue
-        if entry.is_dir() and is_native_tag(Path(entry.path), model_states=True):
-            tags.append((entry.name, entry.stat().st_mtime))
-    if latest is None:
-        return list(reversed([tag for tag, _ in chronological(tags)]))
-    try:
-        mine = (latest, (root / latest).stat().st_mtime)
-    except OSError:
-        mine = (latest, float("inf"))
-    ordered = [tag for tag, _ in chronological([*tags, mine])]
-    return list(reversed(ordered[: ordered.index(latest)]))
 
 
 def _name_to_load(tag: str, universal: bool) -> str:
     return F.universal_tag(tag) if universal else tag
 
 
-def _judge(root: Path, tag: str, through_twin: bool) -> tuple[tuple[str, ...], str]:
-    """The tag's problems known before anything is loaded (first rank) and their kind (:attr:`Failed.kind`), from
-    names, sizes and records, without reading its weights (a restart reads each byte of a checkpoint once); no
-    problems when it may be loaded. ``through_twin``: an older tag under ``--universal-checkpoint``, loaded through
-    its complete twin (the tag ``latest`` names is converted at load when its twin is missing, as without a
-    fallback)."""
-    tag_dir = root / tag
-    if not tag_dir.is_dir():
-        return (f"{tag_dir}: missing",), "files"
-    verdict = read_verdict(root, tag)
-    if verdict is not None and not verdict.sound:
-        try:
-            current = source_identity(find_checkpoint_files(tag_dir).identity_files())
-        except (OSError, UcpError) as exc:
-            return (str(exc),), "files"
-        if verdict.applies_to(current):
-            return tuple(f"{p} (found by {verdict.checked_by})" for p in verdict.problems), "files"
-    damage = listed_damage(tag_dir)
-    if damage:
-        return damage, "files"
-    if through_twin:
-        twin = root / F.universal_tag(tag)
-        if universal_state(twin, tag_dir) != COMPLETE:
-            return (f"{twin}: no complete universal twin to load with --universal-checkpoint",), "twin"
-    return (), ""
-
-
-def _problems_of(outcome: Any) -> tuple[tuple[str, ...], str]:
+def _problems_of(outcome: "Judgement | Failure") -> tuple[tuple[str, ...], str]:
     if isinstance(outcome, Failure):  # the judge itself failed: this tag cannot be read
-        return (outcome.message,), "files"
-    return outcome
+        return (outcome.message,), FILES
+    return outcome.problems, outcome.kind
 
 
 def _repeats(root: Path, latest: Optional[str], tag: str) -> int:
@@ -295,7 +263,7 @@ def _verdict_to_record(root: Path, f: Failed) -> bool:
     """A failed tag whose problems become its verdict: its own (its files, or a load refused while another tag
     loaded), not already a recorded verdict, its folder there; never a missing universal twin (the tag itself may
     be sound)."""
-    if f.kind not in ("files", "load") or not f.problems:
+    if f.kind not in (FILES, LOAD) or not f.problems:
         return False
     return "(found by " not in f.problems[0] and (root / f.tag).is_dir()
 
@@ -305,11 +273,11 @@ def _lost(root: Path, latest: Optional[str], tag: str) -> str:
 
 
 def _record_refused(root: Path, failed: list[Failed], latest: Optional[str]) -> None:
-    """No tag passed: each tag tried, its first problem and its files as they were, for ``status`` (a restart as it
-    is fails again until a file or the job changes). Verdicts only for the damage found in a tag's own files before
-    any load: a refused load is not one (the job itself may be at fault)."""
+    """No tag passed: each tag tried, its first problem, the kind and its files as they were, for ``status`` (a
+    restart as it is fails again until a file or the job changes). Verdicts only for damage in a tag's own files: a
+    load refused otherwise is not one (the job itself may be at fault)."""
     for f in failed:
-        if f.kind == "files" and _verdict_to_record(root, f):
+        if f.kind == FILES and _verdict_to_record(root, f):
             record_verdict(root, f.tag, list(f.problems), CHECKED_BY, tag_identity(root / f.tag))
     record_refused_restart(
         root,
@@ -317,7 +285,7 @@ def _record_refused(root: Path, failed: list[Failed], latest: Optional[str]) -> 
             "at": time.time(),
             "latest": latest,
             "failed": [
-                {"tag": f.tag, "problem": _short(f.first()), "files": identity_digest(root / f.tag)}
+                {"tag": f.tag, "problem": _short(f.first()), "kind": f.kind, "files": identity_digest(root / f.tag)}
                 for f in failed
                 if f.tag != F.LATEST
             ],

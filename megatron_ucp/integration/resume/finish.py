@@ -126,7 +126,8 @@ def refuse_non_finite(job: LiveJob, folder: Path, strict: bool, origins: Optiona
             f"{folder}: rank {rank} loaded masters or optimizer states that are not finite "
             f"({'; '.join(found[:4])}{' ...' if len(found) > 4 else ''}): resuming would train on NaN"
         )
-        refuse_or_warn(strict, CheckpointFormatError(what, subject=folder), [what], log, say=True)
+        error = CheckpointFormatError(what, subject=folder, damaged=folder)  # saved in the folder it loaded
+        refuse_or_warn(strict, error, [what], log, say=True)
 
 
 def check_training_state(
@@ -383,4 +384,4 @@ def _account(job: LiveJob, outcome: LoadOutcome, kwargs: dict, config: UcpConfig
         extras += e
     report = outcome.report.with_more(problems, extras, dp_from=dp_from)
     setattr(engine, ENGINE_REPORT_ATTR, report)
-    report.enforce(config.strict, log, verbose=is_first())
+    report.enforce(config.strict, log, verbose=is_first(), folder=folder)

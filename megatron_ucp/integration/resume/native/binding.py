@@ -285,7 +285,8 @@ def bind_positions(
     if problems:
         for source in sources.values():
             source.close()
+        culprit = problems[0].split(": ", 1)[0]
         raise CheckpointFormatError(
-            binding_message(Path(facts.model_states).parent, problems), subject=problems[0].split(": ", 1)[0]
+            binding_message(Path(facts.model_states).parent, problems), subject=culprit, damaged=culprit
         )
     return sources, seen

@@ -224,5 +224,7 @@ def refuse_changed(culprits: Sequence[str], folder: Path, strict: bool, group: A
         f"{path}: a partition differs from the checksum its save recorded (changed on disk since the save)"
         for path in culprits
     ]
-    error = CheckpointFormatError(binding_message(folder, problems, loaded=True), subject=culprits[0])
+    error = CheckpointFormatError(
+        binding_message(folder, problems, loaded=True), subject=culprits[0], damaged=culprits[0]
+    )
     refuse_or_warn(strict, error, problems, log, say=comm().get_rank(group=group) == 0)

@@ -263,6 +263,7 @@ def _judge_weights(facts: SavedFacts, rank_file: RankFile, totals: list[list[int
     error = CheckpointFormatError(
         binding_message(Path(facts.model_states).parent, problems, loaded=True) + f"\n({STRICT_OVERRIDE})",
         subject=problems[0].split(": ", 1)[0],
+        damaged=problems[0].split(": ", 1)[0],
     )
     refuse_or_warn(strict, error, problems, log, say=comm().get_rank(group=group) == 0, then="the fp32 masters win")
 
