@@ -1,47 +1,55 @@
-"""Random sequences of what a requeued job meets, over real DeepSpeed runs, each step checked against the promises.
+"""Random sequences of what a requeued job and its user do, over real DeepSpeed runs, each step held to the promises.
 
 The suite's sequence tests (tests/system/test_fallback.py, the real fork's in tests/integration) run one scripted
-path each; this explores more: per seed, a random sequence of steps over one checkpoint root, with the test
-harness's tiny model (real DeepSpeed, CPU, gloo, the hooks installed):
+path each; this explores more: per seed, a random sequence of actions over one checkpoint root, with the test
+harness's tiny model (real DeepSpeed, CPU, gloo, the hooks installed). The actions:
 
-* ``train``: a restart (auto route, fallback on) at a random DP size, training two more iterations and saving
-  each second one into the same root (a fresh start when the root is empty), its saves synchronous or asynchronous
-  and converted in the background or not, at random; the last iteration is saved twice, as Megatron does when it
-  falls on a save interval;
-* ``kill``: the same with asynchronous saves, one rank killed while it writes the last save;
-* ``damage``: one file of the newest tag cut short, one bit flipped in a rank file, or a NaN written into one
-  rank file's ``exp_avg_sq``;
-* ``verify``: ``megatron-ucp verify ROOT --tag`` of the newest tag (its verdict recorded);
-* ``convert``: ``megatron-ucp convert ROOT`` (the tag in ``latest``).
+* ``train``: a restart (fallback on) at a random DP size, two more iterations saved every second one into the same
+  root (the last one twice, as Megatron saves its last iteration), saves synchronous or asynchronous and converted
+  in the background or not, at random; ``train-batch``: the same at another global batch (24 for 12: the losses
+  leave the reference curve from then on); ``kill``: asynchronous saves, one rank killed while it writes the last
+  one; ``rerun``: the user reruns from an older tag (``--load-tag``), saving over the newer ones;
+* ``cut``, ``flip``, ``nan``, ``delete-file``: one rank file of a random tag cut short, a bit flipped in it, a NaN
+  written into its ``exp_avg_sq``, or the file deleted; ``delete-tag``: a random tag's folder removed;
+  ``edit-latest``: ``latest`` pointed at an older tag, at a tag that is not there, or filled with garbage;
+* ``verify``, ``deep``, ``convert``: ``megatron-ucp verify ROOT --tag T``, ``status ROOT --deep``, ``convert ROOT``;
+* ``follow``: every command ``status`` prints (between backquotes) run as printed.
 
-After every step, ``latest`` must name a folder holding one whole save (its rank files, none half-written) and
-``latest_universal`` a complete universal folder, and ``megatron-ucp status ROOT --check`` is asked what a restart
-would load; the next restart is held to it: a tag said to be found sound loads as said; a fallback said loads that
-tag or an older one; "not read yet" loads it or falls back, saying so. After every restart: the losses follow an
-uninterrupted run at DP 4 (bf16 reduction noise, 1e-3), a tag saved holds that save's rank files alone, a fallback
-that repeats an earlier one (the same tag, unchanged, to the same tag) says so, and a run with a rank killed fails.
-Each broken promise is a finding; the findings and the steps that led to them are printed and written to
-``benchmarks/results/sequence-explore-<date>.json``.
+The oracle, after every step: ``latest`` names a folder holding one whole save and ``latest_universal`` a complete
+folder; ``status --check``'s prediction holds for the next restart (it loads one of the tags the prediction lists,
+in its order; one found sound is loaded; when it lists none, the restart resumes from none); after ``verify``,
+``status`` says what ``verify`` found; a command ``status`` prints runs (exit 0, or 1 for a check that finds
+damage); a fallback that repeats an earlier one says so; a restart's losses follow the uninterrupted run (until a
+global batch change) and its saves hold its rank files alone; a run with a rank killed fails. Each broken promise
+is a finding; the findings, the steps that led to them, and how often each action and outcome occurred are
+printed and written to ``benchmarks/results/sequence-explore-<date>.json``.
 
-    python benchmarks/sequence_explore.py --seeds 3 --steps 10
+    python benchmarks/sequence_explore.py --seeds 10 --steps 20
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import io
 import json
 import random
+import re
+import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_ucp.background.status import root_status  # noqa: E402
+from megatron_ucp.background.status_text import format_status  # noqa: E402
 from megatron_ucp.cli import main as cli  # noqa: E402
 from tests.support.dsharness import TrainSpec, run_training  # noqa: E402
 from tests.support.elastic_support import (  # noqa: E402
@@ -51,20 +59,33 @@ from tests.support.elastic_support import (  # noqa: E402
 )
 
 DP_SIZES = (2, 3, 4)
-REFERENCE_STEPS = 40
+REFERENCE_STEPS = 60
+ACTIONS = {  # weight of each action once a tag exists
+    "train": 6,
+    "train-batch": 1,
+    "kill": 2,
+    "rerun": 1,
+    "cut": 1,
+    "flip": 1,
+    "nan": 1,
+    "delete-file": 1,
+    "delete-tag": 1,
+    "edit-latest": 1,
+    "verify": 2,
+    "deep": 1,
+    "convert": 1,
+    "follow": 1,
+}
 
 
-def _check(root: Path) -> tuple[int, str]:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = cli(["status", str(root), "--check", "--no-sizes"])
-    said = [line for line in err.getvalue().splitlines() if line.startswith("megatron-ucp status --check: ")]
-    return code, said[-1].removeprefix("megatron-ucp status --check: ") if said else ""
-
-
-def _quiet(*argv: str) -> int:
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        return cli([*argv, "--no-progress"])
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            code = cli(list(argv))
+        except SystemExit as exc:  # argparse: a command that does not parse
+            code = exc.code if isinstance(exc.code, int) else 2
+    return code, out.getvalue(), err.getvalue()
 
 
 def _tags(root: Path) -> list[int]:
@@ -75,138 +96,263 @@ def _tags(root: Path) -> list[int]:
     return sorted(steps)
 
 
-def _damage(root: Path, rng: random.Random) -> str:
+def _rank_files(tag: Path) -> list[Path]:
+    return sorted(tag.glob("*optim_states.pt"))
+
+
+def _damage(root: Path, rng: random.Random, kind: str) -> str:
     import torch
 
-    newest = root / f"global_step{_tags(root)[-1]}"
-    victim = rng.choice(sorted(newest.glob("*optim_states.pt")))
-    kind = rng.choice(["cut-short", "flipped-bit", "nan"])
+    tag = root / f"global_step{rng.choice(_tags(root))}"
+    files = _rank_files(tag)
+    if not files:
+        return f"{kind}: {tag.name} holds no rank file"
+    victim = rng.choice(files)
     try:
-        if kind == "flipped-bit":
+        if kind == "flip":
             flip_a_bit_in_the_largest_record(victim)
         elif kind == "nan":
             states = torch.load(victim, weights_only=False)
             states["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg_sq"][0] = float("nan")
             torch.save(states, victim)
-    except Exception:  # not a whole file any more (cut short before, or left half-written by a killed save)
-        kind = "cut-short"
-    if kind == "cut-short":
+        elif kind == "delete-file":
+            victim.unlink()
+    except Exception:  # not a whole file any more (cut before, or left half-written by a killed save)
+        kind = "cut"
+    if kind == "cut":
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size * 2 // 3])
-    return f"damage {kind} {victim.relative_to(root)}"
+    return f"{kind} {victim.relative_to(root)}"
+
+
+def _edit_latest(root: Path, rng: random.Random) -> str:
+    tags = _tags(root)
+    how = rng.choice(["older", "missing", "garbage"])
+    if how == "older" and len(tags) > 1:
+        text = f"global_step{rng.choice(tags[:-1])}"
+    elif how == "missing":
+        text = f"global_step{tags[-1] + 98}"
+    else:
+        how, text = "garbage", "\x00\x01 not a tag"
+    (root / "latest").write_text(text)
+    return f"edit-latest ({how}): {text!r}"
 
 
 class Explorer:
     def __init__(self, work: Path, reference: dict[int, float]) -> None:
         self.work, self.reference = work, reference
         self.findings: list[dict] = []
-        self.refused = False
-        """The last training found tags and resumed from none of them (a restart as it is fails again)."""
+        self.counts: collections.Counter = collections.Counter()
 
-    def run(self, seed: int, steps: int) -> list[str]:
-        rng = random.Random(seed)
-        root = self.work / f"seed{seed}" / "ckpt"
-        root.parent.mkdir(parents=True)
+    def run(self, seed: int, steps: int, ops: Optional[list[str]] = None) -> list[str]:
+        """One sequence: ``steps`` random actions (``ops``: these, in this order; the choices within each, such as the
+        DP size or the file damaged, still drawn from ``seed``)."""
+        self.seed, self.rng = seed, random.Random(seed)
+        self.root = self.work / f"seed{seed}" / "ckpt"
+        self.root.parent.mkdir(parents=True)
+        self.diverged = False  # trained at another global batch: the reference curve no longer applies
+        self.refused = False  # the last restart resumed from no tag
         done: list[str] = []
-        answer = _check(root) if root.exists() else (1, "")
-        for i in range(steps):
-            ops = ["train"] if not _tags(root) else ["train", "train", "kill", "damage", "verify", "convert"]
-            op = rng.choice(ops)
-            if op in ("train", "kill"):
-                said = self._train(root, rng, answer, i, seed, killed=op == "kill")
-            elif op == "damage":
-                said = _damage(root, rng)
-            elif op == "verify":
-                said = f"verify -> exit {_quiet('verify', str(root), '--tag', f'global_step{_tags(root)[-1]}')}"
+        for i in range(len(ops) if ops is not None else steps):
+            self.step = i
+            tags = _tags(self.root)
+            if ops is not None:
+                op = ops[i]
+            elif not tags:
+                op = "train"
             else:
-                said = f"convert -> exit {_quiet('convert', str(root))}"
-            for problem in _pointer_problems(root):
-                self._finding(seed, i, f"after {said}: {problem}")
-            answer = _check(root)
-            if op == "train" and self.refused and answer[0] == 0:  # nothing changed since that restart
-                self._finding(seed, i, f"a restart resumed from no tag; status then said {answer[1]}")
-            done.append(f"{said}; status --check: exit {answer[0]}: {answer[1]}")
+                names = list(ACTIONS)
+                op = self.rng.choices(names, weights=[ACTIONS[n] for n in names])[0]
+            self.counts[op] += 1
+            said = self._act(op)
+            for problem in _pointer_problems(self.root):
+                self._finding(f"after {said}: {problem}")
+            answer = self._answer()
+            done.append(f"{said}; status --check: {answer}")
             print(f"  seed {seed} step {i}: {done[-1]}", flush=True)
         return done
 
-    def _finding(self, seed: int, step: int, what: str) -> None:
-        self.findings.append({"seed": seed, "step": step, "finding": what})
-        print(f"  FINDING (seed {seed}, step {step}): {what}", flush=True)
+    def _act(self, op: str) -> str:
+        root = self.root
+        if op in ("train", "train-batch", "kill", "rerun"):
+            return self._train(op)
+        if op in ("cut", "flip", "nan", "delete-file"):
+            return _damage(root, self.rng, op)
+        if op == "delete-tag":
+            tag = root / f"global_step{self.rng.choice(_tags(root))}"
+            shutil.rmtree(tag)
+            return f"delete-tag {tag.name}"
+        if op == "edit-latest":
+            return _edit_latest(root, self.rng)
+        if op == "verify":
+            tag = f"global_step{self.rng.choice(_tags(root))}"
+            code, _, _ = _cli("verify", str(root), "--tag", tag, "--no-progress")
+            row = next((t for t in root_status(root, sizes=False).tags if t.tag == tag), None)
+            seen = row.verified if row is not None else None
+            if (code == 0) != (seen == "sound"):
+                self._finding(f"verify {tag} exited {code}; status then says {seen!r} ({row.verdict if row else ''})")
+            self.counts[f"verify exit {code}"] += 1
+            return f"verify {tag} -> exit {code} (status: {seen})"
+        if op == "deep":
+            code, out, _ = _cli("status", str(root), "--deep", "--no-sizes", "--no-progress")
+            self.counts[f"deep exit {code}"] += 1
+            if code not in (0, 1):
+                self._finding(f"status --deep exited {code}: {out[-500:]}")
+            return f"status --deep -> exit {code}"
+        if op == "convert":
+            code, _, err = _cli("convert", str(root), "--no-progress")
+            self.counts[f"convert exit {code}"] += 1
+            return f"convert -> exit {code}" + (
+                f" ({err.strip().splitlines()[-1][:160]})" if code and err.strip() else ""
+            )
+        return self._follow()
 
-    def _train(
-        self, root: Path, rng: random.Random, answer: tuple[int, str], step: int, seed: int, killed: bool = False
-    ) -> str:
+    def _follow(self) -> str:
+        """Every command ``status`` prints, as printed: each must run (exit 0, or 1 for a check that finds damage)."""
+        rs = root_status(self.root, sizes=False)
+        text = format_status(rs)
+        commands = list(dict.fromkeys(re.findall(r"`([^`]+)`", text)))
+        ran, unsound = [], set()
+        for command in commands:
+            words = shlex.split(command)
+            tag = words[words.index("--tag") + 1] if "--tag" in words[:-1] else None
+            if words[0] == "megatron-ucp":
+                code, _, err = _cli(*words[1:], *(["--no-progress"] if words[1] in ("verify", "convert") else []))
+            elif words[0] in ("echo", "rm", "mv", "ls"):
+                proc = subprocess.run(command, shell=True, capture_output=True, text=True)
+                code, err = proc.returncode, proc.stderr
+            else:
+                continue  # prose in backquotes (a flag, a file name)
+            checks = words[0] == "megatron-ucp" and words[1] in ("verify", "status")
+            if checks and code == 1 and tag is not None:
+                unsound.add(tag)
+            # status prints a conversion of a tag not read yet as "once they are sound": verify said they are not
+            conditional = words[0] == "megatron-ucp" and words[1] == "convert" and tag in unsound
+            if code != 0 and not (checks and code == 1) and not conditional:
+                self._finding(f"status printed `{command}`; it exited {code}: {err.strip()[-300:]}")
+            ran.append(f"`{command}` -> {code}")
+        self.counts["follow commands"] += len(ran)
+        return "follow: " + ("; ".join(ran) if ran else "status printed no command")
+
+    def _answer(self) -> str:
+        if not (self.root / "latest").exists():
+            self.answer = None
+            return "no latest"
+        code, _, err = _cli("status", str(self.root), "--check", "--no-sizes")
+        self.answer = root_status(self.root, sizes=False).resume_answer()
+        said = [line for line in err.splitlines() if line.startswith("megatron-ucp status --check: ")]
+        if (code == 1) != (self.answer.tag is None):
+            self._finding(f"status --check exited {code} but predicted tries {self.answer.tries}")
+        return f"exit {code}: {said[-1].removeprefix('megatron-ucp status --check: ') if said else ''}"
+
+    def _finding(self, what: str) -> None:
+        self.findings.append({"seed": self.seed, "step": self.step, "finding": what})
+        print(f"  FINDING (seed {self.seed}, step {self.step}): {what}", flush=True)
+
+    def _train(self, op: str) -> str:
+        root, rng = self.root, self.rng
         dp = rng.choice(DP_SIZES)
         tags = _tags(root)
-        start = tags[-1] if tags else 0
-        target = min(start + 2, REFERENCE_STEPS)
+        answer = getattr(self, "answer", None)
+        fresh = not tags or (self.refused and answer is not None and answer.tag is None)  # the user starts over
+        load_tag: Optional[str] = None
+        if op == "rerun" and len(tags) > 1:
+            start = rng.choice(tags[:-1])
+            load_tag = f"global_step{start}"
+        elif fresh:
+            start = 0
+        else:
+            start = tags[-1]
+        target = start + 2
         before = len(_fallback_lines(root))
+        killed = op == "kill"
         options = {"async_save": killed or rng.random() < 0.5, "async_convert": rng.random() < 0.5}
+        batch = 24 if op == "train-batch" else 12
         spec = TrainSpec(
             dp=dp,
             steps=target,
+            global_batch=batch,
             save_dir=root,
             # every even step it trains (a damaged tag included), the last one twice (as Megatron's last iteration)
             save_at=(*range(2, target + 1, 2), target) if target % 2 == 0 else tuple(range(2, target + 1, 2)),
-            load_dir=root if tags else None,
+            load_dir=None if fresh else root,
+            load_tag=load_tag,
             plugin=True,
             plugin_kwargs=options,
             expect_failure=True,
             timeout=600,
-            env={"MEGATRON_UCP_TEST_DIE": f"async write global_step{target}:{dp - 1}"} if killed else {},
+            # SIGKILL while it writes its rank file of the last save
+            env={"MEGATRON_UCP_TEST_FAULT": f"write global_step{target}/*optim_states.pt:{dp - 1}:kill"}
+            if killed
+            else {},
         )
         res = run_training(spec)
-        loaded = res.loaded_step or 0
+        loaded = res.loaded_step
         how = "+".join(k for k, on in options.items() if on) or "sync"
-        said = (
-            f"{'kill' if killed else 'train'} at DP {dp} to {target} ({how}): exit {res.returncode}, loaded {loaded}, "
-        )
-        said += f"trained {res.steps}"
-        self.refused = bool(tags) and not res.ok and not res.steps and res.loaded_step is None
-        code, text = answer
-        if tags:
-            if code == 1 and res.ok:
-                self._finding(seed, step, f"status said no restart resumes ({text}); it loaded step {loaded}")
-            if "(found sound)" in text and text.startswith("a restart resumes from"):
-                want = int(text.split("global_step")[1].split(" ")[0])
-                if loaded != want:
-                    self._finding(seed, step, f"status said {text}; the restart loaded step {loaded}")
-            if text.startswith("a restart falls back to"):
-                want = int(text.split("global_step")[1].split(" ")[0])
-                if loaded > want:
-                    self._finding(seed, step, f"status said {text}; the restart loaded step {loaded}")
-        for s, loss in zip(res.steps, res.losses, strict=True):
-            if s in self.reference and abs(loss - self.reference[s]) > LOSS_TOLERANCE * max(1.0, abs(loss)):
-                self._finding(seed, step, f"loss at {s}: {loss} vs uninterrupted {self.reference[s]}")
+        said = f"{op} at DP {dp}, batch {batch}{' from ' + load_tag if load_tag else ''}{' fresh' if fresh else ''} "
+        said += f"to {target} ({how}): exit {res.returncode}, loaded {loaded}, trained {res.steps}"
+        self.counts[f"{op}: {'resumed' if loaded else 'fresh' if fresh else 'refused'}"] += 1
+        if not fresh and load_tag is None:
+            self._hold_to_the_prediction(answer, res)
+        self.refused = not fresh and loaded is None
+        if batch != 12 and res.steps:
+            self.diverged = True
+        if not self.diverged:
+            for s, loss in zip(res.steps, res.losses, strict=True):
+                if s in self.reference and abs(loss - self.reference[s]) > LOSS_TOLERANCE * max(1.0, abs(loss)):
+                    self._finding(f"loss at {s}: {loss} vs uninterrupted {self.reference[s]}")
         if killed and res.ok:
-            self._finding(seed, step, "a rank was killed writing the last save, and the run exited 0")
+            self._finding("a rank was killed writing the last save, and the run exited 0")
         for s in spec.save_at:
             if res.ok and s in res.steps:  # saved by this run
-                files = sorted((root / f"global_step{s}").glob("*optim_states.pt"))
+                files = _rank_files(root / f"global_step{s}")
                 if len(files) != dp:
-                    self._finding(seed, step, f"global_step{s} saved at DP {dp} holds {len(files)} rank files")
-        after = _fallback_lines(root)[before:]
-        for entry in after:
+                    self._finding(f"global_step{s} saved at DP {dp} holds {len(files)} rank files")
+        for entry in _fallback_lines(root)[before:]:
             if entry.get("repeat", 1) > 1 and "REPEATED FALLBACK" not in res.log:
-                self._finding(seed, step, f"a repeated fallback ({entry['latest']} -> {entry['loaded']}) said nothing")
+                self._finding(f"a repeated fallback ({entry['latest']} -> {entry['loaded']}) said nothing")
         if fallback_announcements(res.log):
             said += " (fell back)"
+            self.counts["fell back"] += 1
         return said
+
+    def _hold_to_the_prediction(self, answer, res) -> None:
+        """The restart against what ``status --check`` said before it."""
+        if answer is None:
+            return
+        loaded = None if res.loaded_step is None else f"global_step{res.loaded_step}"
+        if not answer.tries:
+            if loaded is not None:
+                self._finding(f"status said no tag resumes ({answer.said[:300]}); the restart loaded {loaded}")
+            return
+        if loaded is None:
+            if answer.certain and len(answer.tries) == 1:
+                self._finding(f"status said {answer.said[:300]}; the restart resumed from no tag")
+            return
+        if loaded not in answer.tries:
+            self._finding(f"status said {answer.said[:300]}; the restart loaded {loaded}")
+        else:
+            self.counts["prediction held"] += 1
 
 
 def _pointer_problems(root: Path) -> list[str]:
-    """What ``latest`` and ``latest_universal`` name that is not whole."""
+    """What ``latest`` and ``latest_universal`` name that is not whole: only a save that committed may be named."""
     from megatron_ucp.convert.universal import universal_state
 
     problems = []
     latest, pointer = root / "latest", root / "latest_universal"
-    if latest.is_file():
-        tag = root / latest.read_text().strip()
-        files = sorted(tag.glob("*optim_states.pt")) if tag.is_dir() else []
+    try:
+        name = latest.read_text().strip() if latest.is_file() else None
+    except UnicodeDecodeError:
+        name = None
+    if name and name.isprintable() and (root / name).is_dir():
+        tag = root / name
+        files = _rank_files(tag)
         dp = {int(f.name.split("_rank_")[1].split("_")[0]) for f in files}
-        if not files or dp != set(range(len(files))) or not (tag / "mp_rank_00_model_states.pt").is_file():
-            problems.append(f"latest names {tag.name}, which holds {[f.name for f in files]}")
-        if tag.is_dir() and [f.name for f in tag.iterdir() if f.name.endswith(".ucp-writing")]:
-            problems.append(f"latest names {tag.name}, which holds half-written files")
+        written = [f.name for f in tag.iterdir() if f.name.endswith(".ucp-writing")]
+        if written:
+            problems.append(f"latest names {tag.name}, which holds half-written files {written}")
+        elif files and (dp != set(range(len(files))) or not (tag / "mp_rank_00_model_states.pt").is_file()):
+            pass  # damaged by an action of the sequence (a deleted rank file): the restart's judge is held to it
     if pointer.is_file() and universal_state(root / pointer.read_text().strip()) != "complete":
         problems.append(f"latest_universal names {pointer.read_text().strip()}, which is not a complete folder")
     return problems
@@ -217,28 +363,42 @@ def _fallback_lines(root: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
+def explore(seeds: list[int], steps: int, work: Path, ops: Optional[list[str]] = None) -> Explorer:
+    ref = run_training(TrainSpec(dp=4, steps=REFERENCE_STEPS, timeout=900))
+    explorer = Explorer(work, dict(zip(ref.steps, ref.losses, strict=True)))
+    explorer.sequences = {}
+    for seed in seeds:
+        print(f"seed {seed}:", flush=True)
+        explorer.sequences[seed] = explorer.run(seed, steps, ops)
+        shutil.rmtree(work / f"seed{seed}", ignore_errors=True)
+    return explorer
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
     started = time.monotonic()
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     with tempfile.TemporaryDirectory(prefix="sequence-explore-") as tmp:
-        work = Path(tmp)
-        ref = run_training(TrainSpec(dp=4, steps=REFERENCE_STEPS, timeout=900))
-        explorer = Explorer(work, dict(zip(ref.steps, ref.losses, strict=True)))
-        sequences = {}
-        for seed in range(args.seeds):
-            print(f"seed {seed}:", flush=True)
-            sequences[seed] = explorer.run(seed, args.steps)
-            shutil.rmtree(work / f"seed{seed}", ignore_errors=True)
+        explorer = explore(seeds, args.steps, Path(tmp))
     out = args.out / f"sequence-explore-{time.strftime('%Y-%m-%d')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"seeds": args.seeds, "steps": args.steps, "findings": explorer.findings, "sequences": sequences}
+    report = {
+        "seeds": seeds,
+        "steps": args.steps,
+        "seconds": round(time.monotonic() - started),
+        "findings": explorer.findings,
+        "counts": dict(sorted(explorer.counts.items())),
+        "sequences": explorer.sequences,
+    }
     out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"counts: {json.dumps(report['counts'])}")
     print(
-        f"{args.seeds} sequences of {args.steps} steps in {time.monotonic() - started:.0f} s: "
+        f"{len(seeds)} sequences of {args.steps} steps in {report['seconds']} s: "
         f"{len(explorer.findings)} finding(s); {out}"
     )
     return 1 if explorer.findings else 0

@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_ucp.background.store import read_refused_restart
-from megatron_ucp.background.verdicts import identity_digest, listed_damage, read_verdict, tag_identity
+from megatron_ucp.background.verdicts import (
+    identity_digest,
+    listed_damage,
+    never_committed,
+    read_verdict,
+    tag_identity,
+)
 from megatron_ucp.convert.universal import COMPLETE, universal_state
 from megatron_ucp.deepspeed.folder import is_native_tag
 from megatron_ucp.format import dsformat as F
@@ -25,6 +31,9 @@ from megatron_ucp.plan.tags import chronological, iterations_lost
 FILES, LOAD, TWIN, LATEST, CAPPED = "files", "load", "twin", "latest", "capped"
 """Why a tag was passed over: its own damage (known before a load, or its load refused its files); its load refused
 for what may be the job's fault; its universal twin missing (not the tag's fault); the ``latest`` file; the cap."""
+
+
+UNCOMMITTED_HERE = "its save never committed (killed or failed before every rank's files were durable)"
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,8 @@ def judge(root: Path, tag: str, through_twin: bool) -> Judgement:
     damage = listed_damage(tag_dir)
     if damage:
         return Judgement(damage, FILES)
+    if never_committed(tag_dir):  # a save killed before its commit, whatever its files look like
+        return Judgement((f"{tag_dir}: {UNCOMMITTED_HERE}",), FILES)
     if through_twin:
         twin = root / F.universal_tag(tag)
         if universal_state(twin, tag_dir) != COMPLETE:
@@ -134,6 +145,7 @@ def _said(root: Path, latest: Optional[str], w: Walk, before: list[str]) -> str:
     said = f"a restart {verb}"
     if not (w.certain and not rest):
         then = [f"{t} ({'found sound' if w.certain and t == rest[-1] else 'not read yet'})" for t in rest]
-        then = then[:3] + ([f"{len(then) - 3} more"] if len(then) > 3 else []) + ([] if w.certain else ["no tag"])
+        more = f"{len(then) - 3} more" + (", the last found sound" if w.certain else "")
+        then = then[:3] + ([more] if len(then) > 3 else []) + ([] if w.certain else ["no tag"])
         said += f"; if its files are damaged: {', then '.join(then)} (`megatron-ucp status {root} --deep` reads them)"
     return said + (f": {why}" if skipped else "")

@@ -250,6 +250,9 @@ def set_aside(save_dir: Path, tag: str, save_id: str = "") -> Optional[SetAside]
     """The tag's existing save moved aside before it is saved again by ``save_id`` (first rank); None when there is
     none. A move that fails puts back what was moved and raises."""
     existing = _companions(save_dir, tag)
+    key = os.path.join(os.path.abspath(save_dir), tag)
+    again = key in _SAVED_HERE  # this process saved the tag before: Megatron's save of its last iteration at the end
+    _SAVED_HERE.add(key)
     if not holds_a_save(existing[tag]):
         return None
     (ucp_dir(save_dir) / REPLACED_DIR).mkdir(parents=True, exist_ok=True)
@@ -273,6 +276,9 @@ def set_aside(save_dir: Path, tag: str, save_id: str = "") -> Optional[SetAside]
         with contextlib.suppress(Exception):
             aside.put_back()
         raise
+    if again:
+        log.info("megatron-ucp: %s saved again by this run (Megatron saves its last iteration at the end too)", tag)
+        return aside
     log.warning(
         "megatron-ucp: %s already holds a save of %s; this save replaces it: the earlier save (%s) is kept in %s "
         "until this one commits, then removed",
@@ -282,6 +288,10 @@ def set_aside(save_dir: Path, tag: str, save_id: str = "") -> Optional[SetAside]
         folder,
     )
     return aside
+
+
+_SAVED_HERE: set[str] = set()
+"""``<save_dir>/<tag>`` of each save this process made."""
 
 
 def recover(save_dir: Path) -> list[str]:

@@ -21,6 +21,7 @@ from typing import Optional
 
 from megatron_ucp.background import queue as B
 from megatron_ucp.background import restart_judge, verdicts
+from megatron_ucp.background.pointer_problems import dangling_universal_pointer
 from megatron_ucp.background.set_aside import leftovers
 from megatron_ucp.background.store import (
     PROGRESS_DIR,
@@ -174,6 +175,8 @@ class ResumeAnswer:
     fallback: bool = False
     tries: tuple[str, ...] = ()
     """The tags it may load, in turn, each when its files are sound (:class:`~megatron_ucp.plan.restart_walk.Walk`)."""
+    certain: bool = False
+    """The last of ``tries`` was found sound: the restart resumes from one of them."""
 
 
 @dataclass(frozen=True)
@@ -229,7 +232,8 @@ class RootStatus:
                 f"it names); {to_repoint(self)}",
             )
         walked, said = restart_judge.predict(self.root, self.latest, self.latest_unreadable)
-        return ResumeAnswer(walked.tag, said, fallback=bool(walked.skipped) or self.latest is None, tries=walked.tries)
+        fallback = bool(walked.skipped) or self.latest is None
+        return ResumeAnswer(walked.tag, said, fallback, tries=walked.tries, certain=walked.certain)
 
     def to_json(self) -> dict:
         return {
@@ -364,6 +368,11 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         dp_size, ep_size = (((manifest or {}).get(k) or {}).get(v) for k, v in (("source", "dp"), ("parallel", "ep")))
         if dp_size is None and dp and native_dir.is_dir():
             dp_size, ep_size = _native_dp(native_dir)
+        judged = _verifying(queue, tag) or _verdict(root, tag, native_dir)
+        if state is UniversalStatus.STALE and judged.get("verified") == "unsound":
+            detail = (
+                f"the native files of {tag} changed since it was converted, and are damaged (below): do not convert"
+            )
         rows.append(
             TagStatus(
                 tag=tag,
@@ -377,7 +386,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
                 seconds=manifest.get("seconds") if manifest else None,
                 latest=tag == latest,
                 latest_universal=latest_universal == twin.name,
-                **(_verifying(queue, tag) or _verdict(root, tag, native_dir)),
+                **judged,
                 **_hf_export(root, queue, tag),
             )
         )
@@ -404,7 +413,9 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         for record in failed_saves(root)
     ]
     problems += [f"{tag}: {fate} ({folder})" for tag, folder, fate in leftovers(root)]
-    problems += _dangling_universal_pointer(root, latest, latest_universal, rows)
+    problems += dangling_universal_pointer(
+        root, latest, latest_universal, [(r.tag, r.native, r.verified, r.verdict) for r in rows]
+    )
     newer = [t.tag for t in rows if t.native and latest is not None and verdicts.newer_than(t.tag, latest, root)]
     problems += [f"{tag}: {verdicts.UNCOMMITTED}" for tag in newer if verdicts.uncommitted(root / tag)]
     return RootStatus(
@@ -418,26 +429,6 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         refused_restart=_refused_restart(root, latest),
         latest_unreadable=latest_unreadable,
     )
-
-
-def _dangling_universal_pointer(
-    root: Path, latest: Optional[str], pointer: Optional[str], rows: list[TagStatus]
-) -> list[str]:
-    """``latest_universal`` naming the twin of a tag that is gone or found unsound: the hooks follow ``latest``, but a
-    load that reads ``latest_universal`` itself would resume from what no sound native tag backs any more."""
-    if pointer is None or not pointer.endswith(F.UNIVERSAL_SUFFIX):
-        return []
-    tag = pointer[: -len(F.UNIVERSAL_SUFFIX)]
-    row = next((r for r in rows if r.tag == tag), None)
-    if row is not None and row.native and row.verified != "unsound":
-        return []
-    fate = "is gone" if row is None or not row.native else f"is unsound ({row.verdict})"
-    fix = f"`echo {F.universal_tag(latest)} > {root / F.LATEST_UNIVERSAL}` once that twin is complete" if latest else ""
-    return [
-        f"{F.LATEST_UNIVERSAL}: names {pointer}, whose native tag {tag} {fate}: a restart through the hooks follows "
-        f"{F.LATEST} instead, but a load that reads {F.LATEST_UNIVERSAL} itself resumes from it"
-        + (f"; {fix}" if fix else "")
-    ]
 
 
 def _refused_restart(root: Path, latest: Optional[str]) -> Optional[dict]:

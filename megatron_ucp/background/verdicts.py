@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,9 +57,12 @@ class Verdict:
 VERDICT_PROBLEMS_KEPT = 20
 
 
-def record_verdict(root: Path, tag: str, problems: Sequence[str], checked_by: str, source_files: dict) -> Verdict:
-    """Write the tag's verdict into the store (replaced atomically) and log it; a store that cannot be
-    written is said in the log, never raised (the verdict's caller is a converter or a check)."""
+def record_verdict(
+    root: Path, tag: str, problems: Sequence[str], checked_by: str, source_files: dict, say: bool = True
+) -> Verdict:
+    """Write the tag's verdict into the store (replaced atomically) and log it (``say``; a command that prints the
+    problems itself passes False); a store that cannot be written is said in the log, never raised (the verdict's
+    caller is a converter or a check)."""
     verdict = Verdict(tag, not problems, tuple(problems[:VERDICT_PROBLEMS_KEPT]), checked_by, source_files, time.time())
     folder = ucp_dir(root) / VERDICTS_DIR
     record = {
@@ -75,7 +79,8 @@ def record_verdict(root: Path, tag: str, problems: Sequence[str], checked_by: st
         quick_json(folder / f"{tag}.json", record)
     except OSError as exc:
         log.error("%s: cannot record the verdict on %s: %s", folder, tag, exc)
-    (log.info if verdict.sound else log.error)("%s: %s", tag, verdict.describe())
+    if say:
+        (log.info if verdict.sound else log.error)("%s: %s", tag, verdict.describe())
     return verdict
 
 
@@ -181,6 +186,17 @@ def uncommitted(tag_dir: Path) -> bool:
         return False  # unreadable: the tag's damage, said elsewhere
     listed = save_files.read_file_list(tag_dir.parent, tag_dir.name)
     return save_id is not None and (listed is None or listed.save_id != save_id)
+
+
+def never_committed(tag_dir: Path) -> bool:
+    """:func:`uncommitted`, where the root's saves commit with a file list (another tag has one): a root whose saves
+    never write one (a decoupled checkpoint engine, older releases) says nothing by the absence of this one's."""
+    lists = save_files.file_list_path(tag_dir.parent, tag_dir.name).parent
+    try:
+        others = any(name.endswith(".json") and name != f"{tag_dir.name}.json" for name in os.listdir(lists))
+    except OSError:
+        return False
+    return others and uncommitted(tag_dir)
 
 
 def newer_than(tag: str, latest: str, root: Path) -> bool:

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         native = verify_native(tag_dir, progress=not args.no_progress)
         reports.append(native)
         # in the root's store (made if needed), where `megatron-ucp status` and a restart's fallback read it
-        record_verdict(tag_dir.parent, tag_dir.name, native.problems, "megatron-ucp verify", identity)
+        record_verdict(tag_dir.parent, tag_dir.name, native.problems, "megatron-ucp verify", identity, say=False)
         if twin is None:
             if native.ok:  # nothing missing: a DP change reads the native files; the twin is for other changes
                 absent = f"{tag_dir}: no universal twin (`megatron-ucp convert {tag_dir.parent} --tag {tag_dir.name}`"
@@ -58,5 +58,5 @@ def run(args: argparse.Namespace) -> int:
         if len(report.problems) > 50:
             print(f"  ... and {len(report.problems) - 50} more", file=sys.stderr)
     for report in reports:
-        print(report.summary())
+        print(report.summary(listed=True))
     return 0 if all(report.ok for report in reports) else 1

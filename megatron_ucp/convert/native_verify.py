@@ -53,9 +53,11 @@ class NativeReport:
     def ok(self) -> bool:
         return not self.problems
 
-    def summary(self) -> str:
+    def summary(self, listed: bool = False) -> str:
+        """One line; ``listed``: the problems were printed above it (not repeated)."""
         if not self.ok:
-            return f"FAILED: {self.tag_dir}: {len(self.problems)} problem(s); first: {self.problems[0]}"
+            first = "listed above" if listed else f"first: {self.problems[0]}"
+            return f"FAILED: {self.tag_dir}: {len(self.problems)} problem(s); {first}"
         record = (
             f"{self.partitions_checked} partitions matching the checksums the save recorded"
             if self.partitions_checked

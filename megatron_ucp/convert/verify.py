@@ -77,9 +77,11 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems
 
-    def summary(self) -> str:
+    def summary(self, listed: bool = False) -> str:
+        """One line; ``listed``: the problems were printed above it (not repeated)."""
         if not self.ok:
-            return f"FAILED: {self.folder}: {len(self.problems)} problem(s); first: {self.problems[0]}"
+            first = "listed above" if listed else f"first: {self.problems[0]}"
+            return f"FAILED: {self.folder}: {len(self.problems)} problem(s); {first}"
         what = f"bit-exact against {self.compared_with}" if self.compared_with else "complete (shapes and files)"
         tensors = self.state_files - self.step_files
         counts = f"{tensors} tensors"

@@ -302,7 +302,7 @@ SCHEDULE_PROGRESS = ("num_steps",)
 (every other value is set by the run's command line)."""
 SCHEDULE_FLAGS = (
     "Megatron's --override-opt_param-scheduler trains on with this run's values, "
-    "--use-checkpoint-opt_param-scheduler with the checkpoint's"
+    "--use-checkpoint-opt_param-scheduler with the checkpoint's values."
 )
 
 

@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
     t.add_argument("--lr-warmup-iters", type=int, default=0)
     t.add_argument("--lr-decay-iters", type=int, default=None)
+    t.add_argument("--override-opt_param-scheduler", action="store_true")
+    t.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true")
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--adam-beta1", type=float, default=0.9)
     t.add_argument("--adam-beta2", type=float, default=0.999)
@@ -430,6 +432,11 @@ class ParamScheduler:
         self.warmup_steps = args.lr_warmup_iters * gb
         self.decay_steps = (args.lr_decay_iters or args.train_iters) * gb
         self.num_steps = 0
+        # Megatron's two ways past a schedule that differs from the checkpoint's: this run's values, or the checkpoint's
+        self.override_opt_param_scheduler = args.override_opt_param_scheduler
+        self.use_checkpoint_opt_param_scheduler = args.use_checkpoint_opt_param_scheduler
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise SystemExit("both override and use-checkpoint are set.")
         self.step(0)
 
     def get_lr(self) -> float:
@@ -459,6 +466,10 @@ class ParamScheduler:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if self.use_checkpoint_opt_param_scheduler:
+            self.max_lr, self.min_lr = state["max_lr"], state["min_lr"]
+            self.warmup_steps, self.decay_steps = state["warmup_steps"], state["decay_steps"]
+            self.style = state["decay_style"]
         self.num_steps = int(state["num_steps"])
         self.step(0)
 

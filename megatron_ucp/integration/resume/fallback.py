@@ -295,9 +295,17 @@ def _record_refused(root: Path, failed: list[Failed], latest: Optional[str]) -> 
 
 def _none_passed(root: Path, failed: list[Failed]) -> str:
     lines = "\n  ".join(f"{f.tag}: {_short(f.first())}" for f in failed)
+    refused = [f for f in failed if f.kind in (LOAD, TWIN)]
+    why = (
+        f"{len(refused)} load(s) refused for what may be this job's fault, not the tags' files (a model, optimizer or "
+        "command line that differs from the checkpoint's: the first refusal below says which and what to change)"
+        if refused
+        else "every tag's own files are damaged"
+    )
     return (
-        f"cannot resume from {root}: no tag passes ({len(failed)} tried, newest first); nothing was trained:\n  "
-        f"{lines}\n`megatron-ucp status {root}` shows every tag; `megatron-ucp verify {root} --tag TAG` checks one"
+        f"cannot resume from {root}: no tag passes ({len(failed)} tried, newest first; {why}); nothing was "
+        f"trained:\n  {lines}\n`megatron-ucp status {root}` shows every tag; `megatron-ucp verify {root} --tag TAG` "
+        "checks one"
     )
 
 

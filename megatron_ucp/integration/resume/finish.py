@@ -192,7 +192,8 @@ def check_training_state(
                         None,
                         "lr_scheduler",
                         f"this run's learning-rate schedule is not the checkpoint's ({'; '.join(settings)}): this "
-                        "run's --train-iters, --lr-decay-iters, --lr-warmup-iters, --lr or --min-lr set it; "
+                        "run's --lr, --min-lr, --train-iters, --lr-decay-iters and --lr-warmup-iters set it (the "
+                        "last three counted in samples: a change of the global batch changes them too); "
                         f"{SCHEDULE_FLAGS}",
                     )
                 )
