@@ -443,7 +443,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.optimizer,
     )
     log.info(
-        "[1/3] uninterrupted run: DP=%d, %d iterations, saving at %d (megatron-ucp runner, async conversion)",
+        "[1/3] uninterrupted run: DP=%d, %d iterations, saving at %d (megatron-ucp runner, async conversion; "
+        "the save without the true-length record, --ucp-no-record-true-lengths, as stock DeepSpeed writes it, so "
+        "that stock in [3/3] meets the same files)",
         args.dp_train,
         k,
         half,

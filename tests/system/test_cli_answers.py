@@ -234,3 +234,9 @@ def test_each_outcome_is_said_once(tmp_path: Path):
     assert len([x for x in said["convert"] if "latest_universal -> " in x]) == 1, said["convert"]
     assert len([x for x in said["convert"] if x.startswith("converted ")]) == 1, said["convert"]
     assert len(said["again"]) == 1 and "already a complete conversion" in said["again"][0], said["again"]
+    # a damaged tag: verify names the file once (its list of problems), then one summary line
+    victim = next(Path(ck).glob("global_step*/*zero_pp_rank_1_*optim_states.pt"))
+    victim.write_bytes(victim.read_bytes()[:-100])
+    proc = subprocess.run([*cli, "verify", ck, "--no-progress"], capture_output=True, text=True)
+    lines = [x for x in (proc.stdout + proc.stderr).splitlines() if str(victim) in x]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stdout + proc.stderr
