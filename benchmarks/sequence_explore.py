@@ -316,22 +316,32 @@ class Explorer:
         return said
 
     def _hold_to_the_prediction(self, answer, res) -> None:
-        """The restart against what ``status --check`` said before it."""
+        """The restart against what ``status --check`` said before it: it loads one of the tags said, in their order
+        (each one before it refused for its own files, its verdict recorded), one found sound when the last said
+        was; when none was said, it resumes from none; a restart that resumes from none says why (no crash)."""
         if answer is None:
             return
         loaded = None if res.loaded_step is None else f"global_step{res.loaded_step}"
+        if loaded is None and "no tag passes" not in res.log:
+            self._finding(f"a restart resumed from no tag without the fallback's error: {res.log[-400:]}")
         if not answer.tries:
             if loaded is not None:
                 self._finding(f"status said no tag resumes ({answer.said[:300]}); the restart loaded {loaded}")
             return
         if loaded is None:
-            if answer.certain and len(answer.tries) == 1:
+            if answer.certain:
                 self._finding(f"status said {answer.said[:300]}; the restart resumed from no tag")
             return
         if loaded not in answer.tries:
             self._finding(f"status said {answer.said[:300]}; the restart loaded {loaded}")
-        else:
-            self.counts["prediction held"] += 1
+            return
+        from megatron_ucp.background.verdicts import read_verdict
+
+        for passed in answer.tries[: answer.tries.index(loaded)]:
+            verdict = read_verdict(self.root, passed)
+            if verdict is None or verdict.sound:
+                self._finding(f"the restart passed over {passed} (said first) with no verdict against it")
+        self.counts["prediction held"] += 1
 
 
 def _pointer_problems(root: Path) -> list[str]:

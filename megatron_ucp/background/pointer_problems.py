@@ -28,9 +28,13 @@ def dangling_universal_pointer(
         return []
     fate = "is gone" if row is None or not row[1] else f"is unsound ({row[3]})"
     twin = F.universal_tag(latest) if latest else None
+    latest_row = next((r for r in rows if r[0] == latest), None)
     if (
         twin is not None
         and twin != pointer
+        and latest_row is not None
+        and latest_row[1]
+        and latest_row[2] != "unsound"
         and latest is not None
         and universal_state(root / twin, root / latest) == TwinState.COMPLETE
     ):

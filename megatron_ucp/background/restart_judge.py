@@ -18,7 +18,6 @@ from megatron_ucp.background.store import read_refused_restart
 from megatron_ucp.background.verdicts import (
     identity_digest,
     listed_damage,
-    never_committed,
     read_verdict,
     tag_identity,
 )
@@ -28,12 +27,10 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.plan.restart_walk import Candidate, Walk, walk
 from megatron_ucp.plan.tags import chronological, iterations_lost
 
-FILES, LOAD, TWIN, LATEST, CAPPED = "files", "load", "twin", "latest", "capped"
+FILES, LOAD, TWIN, LATEST, CAPPED, UNREAD = "files", "load", "twin", "latest", "capped", "unread"
 """Why a tag was passed over: its own damage (known before a load, or its load refused its files); its load refused
-for what may be the job's fault; its universal twin missing (not the tag's fault); the ``latest`` file; the cap."""
-
-
-UNCOMMITTED_HERE = "its save never committed (killed or failed before every rank's files were durable)"
+for what may be the job's fault; its universal twin missing or refused (not the tag's fault); the ``latest`` file;
+the cap; the judge could not look at it (an I/O error: no verdict)."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +48,11 @@ def older_tags(root: Path, latest: Optional[str]) -> list[str]:
     for entry in os.scandir(root):
         if entry.name == latest or entry.name.startswith(".") or entry.name.endswith(F.UNIVERSAL_SUFFIX):
             continue
-        if entry.is_dir() and is_native_tag(Path(entry.path), model_states=True):
-            tags.append((entry.name, entry.stat().st_mtime))
+        try:
+            if entry.is_dir() and is_native_tag(Path(entry.path), model_states=True):
+                tags.append((entry.name, entry.stat().st_mtime))
+        except OSError:  # a symlink loop, a folder gone meanwhile: not a tag to load
+            continue
     if latest is None:
         return list(reversed([tag for tag, _ in chronological(tags)]))
     try:
@@ -77,8 +77,8 @@ def judge(root: Path, tag: str, through_twin: bool) -> Judgement:
     damage = listed_damage(tag_dir)
     if damage:
         return Judgement(damage, FILES)
-    if never_committed(tag_dir):  # a save killed before its commit, whatever its files look like
-        return Judgement((f"{tag_dir}: {UNCOMMITTED_HERE}",), FILES)
+    if not _loadable_folder(tag_dir):
+        return Judgement((f"{tag_dir}: not a checkpoint (no model states)",), FILES)
     if through_twin:
         twin = root / F.universal_tag(tag)
         if universal_state(twin, tag_dir) != COMPLETE:
@@ -114,8 +114,6 @@ def predict(root: Path, latest: Optional[str], latest_unreadable: Optional[str])
     for tag in names:
         judged = judge(root, tag, through_twin=False)
         problems = judged.problems
-        if tag == latest and not problems and not _loadable_folder(root / tag):
-            problems = (f"{root / tag}: not a checkpoint (no model states)",)
         candidates.append(
             Candidate(tag, problems, sound=not problems and found_sound(root, tag), refused=refused.get(tag))
         )

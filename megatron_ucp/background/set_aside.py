@@ -156,6 +156,7 @@ def mark_committed(
     entry = {"tag": tag, "save_id": save_id, "aside": aside.folder.name if aside is not None else None, **_owner()}
     entry["pointers"] = [[os.path.abspath(p.path), p.value] for p in pointers]
     osio.write_durably(record, json.dumps(entry))
+    _SAVED_HERE.add(os.path.join(os.path.abspath(save_dir), tag))
     return record
 
 
@@ -250,9 +251,8 @@ def set_aside(save_dir: Path, tag: str, save_id: str = "") -> Optional[SetAside]
     """The tag's existing save moved aside before it is saved again by ``save_id`` (first rank); None when there is
     none. A move that fails puts back what was moved and raises."""
     existing = _companions(save_dir, tag)
-    key = os.path.join(os.path.abspath(save_dir), tag)
-    again = key in _SAVED_HERE  # this process saved the tag before: Megatron's save of its last iteration at the end
-    _SAVED_HERE.add(key)
+    # this process committed a save of the tag before: Megatron's save of its last iteration at the end of training
+    again = os.path.join(os.path.abspath(save_dir), tag) in _SAVED_HERE
     if not holds_a_save(existing[tag]):
         return None
     (ucp_dir(save_dir) / REPLACED_DIR).mkdir(parents=True, exist_ok=True)
@@ -291,7 +291,7 @@ def set_aside(save_dir: Path, tag: str, save_id: str = "") -> Optional[SetAside]
 
 
 _SAVED_HERE: set[str] = set()
-"""``<save_dir>/<tag>`` of each save this process made."""
+"""``<save_dir>/<tag>`` of each save this process committed."""
 
 
 def recover(save_dir: Path) -> list[str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,17 +185,6 @@ def uncommitted(tag_dir: Path) -> bool:
         return False  # unreadable: the tag's damage, said elsewhere
     listed = save_files.read_file_list(tag_dir.parent, tag_dir.name)
     return save_id is not None and (listed is None or listed.save_id != save_id)
-
-
-def never_committed(tag_dir: Path) -> bool:
-    """:func:`uncommitted`, where the root's saves commit with a file list (another tag has one): a root whose saves
-    never write one (a decoupled checkpoint engine, older releases) says nothing by the absence of this one's."""
-    lists = save_files.file_list_path(tag_dir.parent, tag_dir.name).parent
-    try:
-        others = any(name.endswith(".json") and name != f"{tag_dir.name}.json" for name in os.listdir(lists))
-    except OSError:
-        return False
-    return others and uncommitted(tag_dir)
 
 
 def newer_than(tag: str, latest: str, root: Path) -> bool:

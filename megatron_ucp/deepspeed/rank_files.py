@@ -252,6 +252,13 @@ def check_presence(model_states: Path, rank_file: RankFile, dp_from: int) -> lis
     if unreadable:
         path, why = unreadable[0]
         more = f" ({len(unreadable)} of the {dp_from} rank files the model states' DP={dp_from} needs are unreadable)"
+        saved = sorted(p.name for p in model_states.parent.glob("*optim_states.pt"))[:2]
+        if len(unreadable) == len(expected) and saved:  # none by the job's names: another optimizer's, not damage
+            raise CheckpointFormatError(
+                f"{path}: {why}: this job names its rank files {path.name!r}, the save's are {saved} (another "
+                "optimizer, precision or ZeRO stage than the save's?)",
+                subject=path,
+            )
         raise CheckpointFormatError(f"{path}: {why}{more if len(unreadable) > 1 else ''}", subject=path, damaged=path)
     problem = rank_file_count_problem(model_states.parent, dp_from, like=expected[0].name)
     if problem is not None:

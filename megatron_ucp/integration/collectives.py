@@ -200,7 +200,7 @@ def raise_gathered(error: Optional[BaseException], what: str, subject: Any = Non
     shown = "\n  ".join(messages[:SHOWN_FAILURES])
     more = f"\n  ... and {len(messages) - SHOWN_FAILURES} more" if len(messages) > SHOWN_FAILURES else ""
     ranks = ", ".join(str(rank) for rank, _, _, _ in reports[:8]) + (" ..." if len(reports) > 8 else "")
-    kind = _error_class(reports[0][1])
+    kind = _one_class([_error_class(name) for _, name, _, _ in reports])
     # one rank's file found damaged makes the checkpoint's damage the error, whatever the other ranks found
     damaged = next((Path(found) for _, _, _, found in reports if found is not None), None)
     raise kind(
@@ -211,6 +211,19 @@ def raise_gathered(error: Optional[BaseException], what: str, subject: Any = Non
 
 
 SHOWN_FAILURES = 10
+
+
+def _one_class(classes: list[type]) -> type:
+    """The class of an error several ranks raised in their own classes, whatever the ranks' order: theirs when they
+    agree; a refusal of the checkpoint when every one is (a format or accounting problem); else the package's base
+    class (what is not a refusal is not taken for one)."""
+    from megatron_ucp import errors
+
+    if len(set(classes)) == 1:
+        return classes[0]
+    if all(issubclass(c, (errors.CheckpointFormatError, errors.AccountingError)) for c in classes):
+        return errors.CheckpointFormatError
+    return errors.UcpError
 
 
 def _error_class(name: str) -> type:

@@ -469,3 +469,19 @@ def test_a_restart_that_resumes_from_no_tag_is_what_status_answers_until_a_file_
     again = resume(3, OPT, root, tmp_path / "again")
     assert again.ok and again.loaded_step == 2, again.log[-3000:]
     assert not (root / ".ucp" / "refused-restart.json").exists()
+
+
+def test_a_job_whose_optimizer_differs_from_the_saves_records_no_verdict_against_a_tag(ds_checkpoint, tmp_path):
+    """A save of AdamW restarted by a job whose torch optimizer is NAdam (a state AdamW never saved): every tag's load
+    is refused for the job, not for the tags' files, so no tag is recorded unsound (the job, fixed, must find them as
+    they were), and ``--check`` says a restart fails again until the job changes; the job as the save's resumes."""
+    ck = ds_checkpoint(OPT, 4, plugin=True)
+    root = private_copy(ck.root, tmp_path / "ckpt")
+    refused = resume(3, OPT, root, tmp_path / "refused", base_optimizer="nadam", expect_failure=True)
+    assert refused.returncode != 0 and refused.losses == [], refused.log[-3000:]
+    assert "may be this job's fault" in refused.log, refused.log[-3000:]
+    assert read_verdict(root, NEW) is None and read_verdict(root, OLD) is None
+    code, said = _check(root)
+    assert code == 1 and said.startswith("a restart fails again: no tag passes"), said
+    again = resume(3, OPT, root, tmp_path / "fixed")
+    assert again.ok and again.loaded_step == 4, again.log[-3000:]

@@ -86,3 +86,15 @@ def test_the_walk_matches_a_simulated_restart_on_random_candidates():
 def test_one_line():
     assert one_line("a\n  b\tc") == "a b c"
     assert len(one_line("x" * 1000)) == 400
+
+
+def test_an_error_raised_in_several_classes_is_a_refusal_only_when_every_rank_refused():
+    """Several ranks failed a load, each in its own class: the one error every rank raises does not depend on the
+    ranks' order, and is a refusal of the checkpoint only when each rank's was."""
+    from megatron_ucp.errors import AccountingError, CheckpointFormatError, PlanError, UcpError
+    from megatron_ucp.integration.collectives import _one_class
+
+    assert _one_class([AccountingError, AccountingError]) is AccountingError
+    assert _one_class([AccountingError, CheckpointFormatError]) is CheckpointFormatError
+    assert _one_class([PlanError, CheckpointFormatError]) is UcpError
+    assert _one_class([CheckpointFormatError, PlanError]) is UcpError

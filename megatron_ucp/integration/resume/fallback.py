@@ -37,7 +37,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from megatron_ucp.background.restart_judge import CAPPED, FILES, LATEST, LOAD, TWIN, Judgement, judge, older_tags
+from megatron_ucp.background.restart_judge import (
+    CAPPED,
+    FILES,
+    LATEST,
+    LOAD,
+    TWIN,
+    UNREAD,
+    Judgement,
+    judge,
+    older_tags,
+)
 from megatron_ucp.background.store import (
     FALLBACKS_LOG,
     clear_refused_restart,
@@ -110,7 +120,7 @@ def load_with_fallback(
         try:
             result = load(None if tag == latest else _name_to_load(tag, universal))
         except UcpError as exc:  # raised on every rank alike (agreed), nothing trained
-            kind = _refusal_kind(exc, root / tag, through_twin)
+            kind = _refusal_kind(exc, root / tag, universal)  # under universal, latest's load reads its twin too
             if kind is None:
                 raise
             failed.append(Failed(tag, (str(exc),), kind))
@@ -128,19 +138,23 @@ def load_with_fallback(
     raise CheckpointFormatError(_none_passed(root, failed), subject=root / F.LATEST)
 
 
-def _refusal_kind(exc: UcpError, tag_dir: Path, through_twin: bool) -> Optional[str]:
+def _refusal_kind(exc: UcpError, tag_dir: Path, universal: bool) -> Optional[str]:
     """Agreed on every rank (every rank has its own error; collective): ``files`` when any rank's error is damage in
-    the tag's own files (:attr:`~megatron_ucp.errors.UcpError.damaged`), else ``load`` (``twin`` through its universal
-    twin); None (raise it) when any rank's error is not a refusal of the checkpoint."""
+    the tag's own files (:attr:`~megatron_ucp.errors.UcpError.damaged`), else ``load`` (``twin`` when the job loads
+    universal folders: the twin's damage is not the tag's); None (raise it) when any rank's error is not a refusal of
+    the checkpoint, or the agreement itself fails (a rank died: its own error says more)."""
     refusal = isinstance(exc, (CheckpointFormatError, AccountingError))
-    if count_across(0 if refusal else 1):
-        return None
     damaged = getattr(exc, "damaged", None)
     here = os.path.abspath(tag_dir)
     own = damaged is not None and (os.path.abspath(damaged) + os.sep).startswith(here + os.sep)
-    if count_across(1 if own else 0):
-        return FILES
-    return TWIN if through_twin else LOAD
+    try:
+        if count_across(0 if refusal else 1):
+            return None
+        if count_across(1 if own else 0):
+            return FILES
+    except Exception:  # the group is broken: raise this rank's own error
+        return None
+    return TWIN if universal else LOAD
 
 
 class SchedulerAsBefore:
@@ -197,8 +211,8 @@ def _name_to_load(tag: str, universal: bool) -> str:
 
 
 def _problems_of(outcome: "Judgement | Failure") -> tuple[tuple[str, ...], str]:
-    if isinstance(outcome, Failure):  # the judge itself failed: this tag cannot be read
-        return (outcome.message,), FILES
+    if isinstance(outcome, Failure):  # the judge itself failed (an I/O error): passed over, no verdict
+        return (outcome.message,), UNREAD
     return outcome.problems, outcome.kind
 
 
@@ -260,10 +274,10 @@ def _record(root: Path, failed: list[Failed], tag: str, latest: Optional[str], r
 
 
 def _verdict_to_record(root: Path, f: Failed) -> bool:
-    """A failed tag whose problems become its verdict: its own (its files, or a load refused while another tag
-    loaded), not already a recorded verdict, its folder there; never a missing universal twin (the tag itself may
-    be sound)."""
-    if f.kind not in (FILES, LOAD) or not f.problems:
+    """A failed tag whose problems become its verdict: damage in its own files (found before a load or by it), not
+    already a recorded verdict, its folder there; never a refusal the job may be at fault for, nor one of its
+    universal twin (the tag itself may be sound)."""
+    if f.kind != FILES or not f.problems:
         return False
     return "(found by " not in f.problems[0] and (root / f.tag).is_dir()
 

@@ -116,7 +116,8 @@ def bind_save(
     )
     if isinstance(facts, Failure):  # StockFormError: a form DeepSpeed's own load takes (the caller steps aside)
         kind = StockFormError if facts.kind == StockFormError.__name__ else CheckpointFormatError
-        raise kind(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states)
+        damaged = Path(facts.damaged) if facts.damaged is not None else None
+        raise kind(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states, damaged=damaged)
     if facts.requantized:  # the same facts on every rank; the live optimizer is the same class everywhere
         blocksize_of_live(job.base)
         if rank == 0:
@@ -285,8 +286,8 @@ def bind_positions(
     if problems:
         for source in sources.values():
             source.close()
-        culprit = problems[0].split(": ", 1)[0]
+        folder = Path(facts.model_states).parent  # every problem the verdict finds is in the tag's own files
         raise CheckpointFormatError(
-            binding_message(Path(facts.model_states).parent, problems), subject=culprit, damaged=culprit
+            binding_message(folder, problems), subject=problems[0].split(": ", 1)[0], damaged=folder
         )
     return sources, seen
