@@ -337,7 +337,10 @@ class Explorer:
             return
         from megatron_ucp.background.verdicts import read_verdict
 
+        saved = {f"global_step{s}" for s in res.steps}  # saved again by this run: its verdict went with the old save
         for passed in answer.tries[: answer.tries.index(loaded)]:
+            if passed in saved:
+                continue
             verdict = read_verdict(self.root, passed)
             if verdict is None or verdict.sound:
                 self._finding(f"the restart passed over {passed} (said first) with no verdict against it")

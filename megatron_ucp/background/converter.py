@@ -43,10 +43,8 @@ from typing import Any, Optional, Sequence
 from megatron_ucp import faults
 from megatron_ucp.background import queue as B
 from megatron_ucp.background.store import (
-    NICE_INCREMENT,
     POLL_S,
     PROGRESS_DIR,
-    STALE_AFTER_S,
     ConverterSettings,
     QueueLock,
     advance_locked,
@@ -213,9 +211,7 @@ class Converter:
         if info is not None and info.attempt_id == job.attempt and share in info.shares_done:
             return  # this node did its share already (an earlier converter of this node exited)
         log_path = ucp_dir(self.root) / B.log_name(job.tag, share, job.share_count)
-        handler = logging.FileHandler(log_path)
-        handler.setFormatter(logging.Formatter(_LOG_FORMAT))
-        logging.getLogger().addHandler(handler)
+        handler = _log_to(log_path)
         progress = _Progress(
             ucp_dir(self.root) / PROGRESS_DIR / f"{job.tag}.node{share}.json", job.attempt, job.tag, self.node
         )
@@ -272,8 +268,7 @@ class Converter:
             self._again_if_saved_again(job, read)
         finally:
             progress.remove()
-            logging.getLogger().removeHandler(handler)
-            handler.close()
+            _stop_logging(handler)
 
     def _verify(self, job: B.Job, share: int) -> None:
         """A verify job: the tag's files read once (:func:`megatron_ucp.convert.native_verify.verify_native`: whole,
@@ -282,9 +277,7 @@ class Converter:
         from megatron_ucp.convert.native_verify import verify_native
 
         log_path = ucp_dir(self.root) / B.log_name(job.tag, share, 1, B.VERIFY)
-        handler = logging.FileHandler(log_path)
-        handler.setFormatter(logging.Formatter(_LOG_FORMAT))
-        logging.getLogger().addHandler(handler)
+        handler = _log_to(log_path)
         said = dict(attempt=job.attempt, log=str(log_path), job=B.VERIFY)
         try:
             identity = tag_identity(self.root / job.tag)  # the files as they are before they are read
@@ -300,8 +293,7 @@ class Converter:
             log.exception("verification of %s failed", job.tag)
             record_event(self.root, job.tag, B.EventKind.FAILED, described(exc), **said)
         finally:
-            logging.getLogger().removeHandler(handler)
-            handler.close()
+            _stop_logging(handler)
 
     def _finish(self, job: B.Job, output: Path, log_path: Path, seconds: float, read: dict) -> None:
         """The committer: read-back verification, then ``latest_universal``, then retention; a tag saved again while
@@ -454,6 +446,30 @@ class Terminated(SystemExit):
         return "SIGTERM"
 
 
+def _log_to(path: Path) -> logging.Handler:
+    """A job's own log file, on the root logger (every module's lines of the job) until :func:`_stop_logging`."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+def _stop_logging(handler: logging.Handler) -> None:
+    logging.getLogger().removeHandler(handler)
+    handler.close()
+
+
+def _add_settings(parser: argparse.ArgumentParser) -> None:
+    """The options :meth:`ConverterSettings.argv` writes (the trigger's command line for this process)."""
+    defaults = ConverterSettings()
+    for name, kind in ConverterSettings.OPTIONS:
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=kind, default=getattr(defaults, name))
+
+
 def _terminate(signum: int, frame: Any) -> None:
     raise Terminated()
 
@@ -466,25 +482,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--root", type=Path, required=True)
     p.add_argument("--node", type=int, required=True)
     p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--keep-last", type=int, default=None)
-    p.add_argument("--export-hf", action="store_true")
-    p.add_argument("--stale-after", type=float, default=STALE_AFTER_S)
-    p.add_argument("--nice", type=int, default=NICE_INCREMENT)
-    p.add_argument("--job-id", default="local")
+    _add_settings(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT, stream=sys.stdout)
     signal.signal(signal.SIGTERM, _terminate)  # run finally blocks: record, unregister, stop heartbeats
-    settings = ConverterSettings(
-        workers=args.workers,
-        threads=args.threads,
-        keep_last=args.keep_last,
-        export_hf=args.export_hf,
-        stale_after=args.stale_after,
-        nice=args.nice,
-        job_id=args.job_id,
-    )
+    settings = ConverterSettings(**{name: getattr(args, name) for name, _ in ConverterSettings.OPTIONS})
     try:
         return run_converter(args.root, args.node, args.nodes, settings)
     except Exception:

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 from megatron_ucp.background import queue as B
 from megatron_ucp.convert.universal import COMPLETE, inspect_staging, universal_state
@@ -449,23 +449,23 @@ class ConverterSettings:
     job_id: str = "local"
     python: str = field(default_factory=lambda: sys.executable)
 
+    OPTIONS: ClassVar[tuple[tuple[str, type], ...]] = tuple(
+        zip(
+            ("workers", "threads", "keep_last", "export_hf", "stale_after", "nice", "job_id"),
+            (int, int, int, bool, float, int, str),
+            strict=True,
+        )
+    )
+    """The settings a converter process takes on its command line, in one place (``python`` is what starts it)."""
+
     def argv(self) -> list[str]:
-        out = [
-            "--workers",
-            str(self.workers),
-            "--threads",
-            str(self.threads),
-            "--stale-after",
-            str(self.stale_after),
-            "--nice",
-            str(self.nice),
-            "--job-id",
-            self.job_id,
-        ]
-        if self.keep_last is not None:
-            out += ["--keep-last", str(self.keep_last)]
-        if self.export_hf:
-            out += ["--export-hf"]
+        out: list[str] = []
+        for name, kind in self.OPTIONS:
+            value, flag = getattr(self, name), "--" + name.replace("_", "-")
+            if kind is bool:
+                out += [flag] if value else []
+            elif value is not None:
+                out += [flag, str(value)]
         return out
 
     @staticmethod

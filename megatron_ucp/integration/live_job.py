@@ -20,7 +20,6 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
@@ -151,10 +150,6 @@ class LiveJob:
         return surface.group_dp_groups(self.optimizer)
 
     @functools.cached_property
-    def group_dp_sizes(self) -> list[int]:
-        return [int(comm().get_world_size(group=pg)) for pg in self.group_dp_groups]
-
-    @functools.cached_property
     def optimized_params(self) -> dict[str, Any]:
         """The optimized parameters on this rank by name (the first rank is model-parallel rank 0)."""
         return {self.names[lp]: lp for group in self.groups for lp in group}
@@ -191,16 +186,6 @@ class LiveJob:
     def node_local_storage(self) -> bool:
         return surface.node_local_storage(self.engine)
 
-    def model_states_file(self, load_dir: str, tag: str) -> Path:
-        """This rank's model-states file of a tag, as the engine names it."""
-        return Path(surface.model_states_file(self.engine, load_dir, tag))
-
-    def own_optimizer_file(self, load_dir: str, tag: str) -> Path:
-        return Path(surface.own_optimizer_file(self.engine, load_dir, tag))
-
-    def rank_optimizer_file(self, load_dir: str, tag: str, mp_rank: int, dp_rank: int, bf16: bool) -> Path:
-        return Path(surface.rank_optimizer_file(self.engine, load_dir, tag, mp_rank, dp_rank, bf16))
-
 
 def live_job(engine: Any) -> LiveJob:
     """The live job of an engine the hooks handle (:func:`megatron_ucp.integration.handled.unhandled_reason` is
@@ -226,14 +211,8 @@ def live_ep(engine: Any) -> int:
     layout = surface.engine_layout(engine)
     if layout is None or layout.per_parameter:
         return 1
-    sizes = live_group_dp_sizes(engine)
+    sizes = surface.group_dp_sizes(engine.optimizer)
     return max(sizes) // min(sizes)
-
-
-def live_group_dp_sizes(engine: Any) -> list[int]:
-    """Each param group's DP size (an expert group's is the expert-data-parallel size), also of an engine the hooks
-    leave to stock DeepSpeed."""
-    return surface.group_dp_sizes(engine.optimizer)
 
 
 @dataclass(frozen=True)
@@ -369,11 +348,6 @@ def expected_state_keys(optimizer: torch.optim.Optimizer, group_index: int) -> O
     if keys is None:
         return frozenset(present) if present else None
     return frozenset(keys | present)
-
-
-def lp_groups_of(optimizer: Any) -> list[list[Any]]:
-    """The live bf16 parameters of each group, where the optimizer's layout keeps them."""
-    return surface.layout_of(optimizer).groups(optimizer)
 
 
 def live_value(portable: Any) -> Any:

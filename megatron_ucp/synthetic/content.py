@@ -33,7 +33,7 @@ from megatron_ucp.deepspeed.versions import SavedFiles, saved_files
 from megatron_ucp.errors import PlanError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import stand_in_class
-from megatron_ucp.plan.conversion import ParamSpec, RankGroupLayout, RankLayout, synthesize_layouts
+from megatron_ucp.plan.conversion import ParamSpec, RankGroupLayout, RankLayout
 from megatron_ucp.plan.experts import global_expert_name
 from megatron_ucp.plan.geometry import GroupGeometry, PaddingStyle
 from megatron_ucp.plan.llama_shapes import (
@@ -49,6 +49,7 @@ from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.reshard import Placement
 from megatron_ucp.plan.save_record import partition_checksums, partition_record, save_identity
 from megatron_ucp.plan.tensor_parallel import TP_LAYOUT_KEY
+from megatron_ucp.synthetic.layouts import synthesize_layouts
 from megatron_ucp.synthetic.optimizers import BASE_OPTIMIZERS
 from megatron_ucp.synthetic.values import flat_range
 
@@ -291,7 +292,7 @@ def _adam(weight_decay: float) -> dict[str, Any]:
 @functools.lru_cache(maxsize=8)
 def rank_layouts(spec: SyntheticSpec, mp_rank: int = 0) -> list[RankLayout]:
     """Every DP rank's file as the reader sees it (fragments, stored lengths, recorded paddings),
-    from metadata alone: :func:`~megatron_ucp.plan.conversion.synthesize_layouts` with this release's
+    from metadata alone: :func:`~megatron_ucp.synthetic.layouts.synthesize_layouts` with this release's
     paddings. The writer takes ``param_slice_mappings`` from it; the 7B/768 plan needs nothing else.
     An expert group is laid out over its expert-DP ranks (every expert-parallel rank's the same)."""
     groups, placement = spec.groups(mp_rank), spec.placement

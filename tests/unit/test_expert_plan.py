@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from megatron_ucp.errors import CheckpointFormatError, PlanError
-from megatron_ucp.plan.conversion import ParamSpec, RankLayout, synthesize_layouts
+from megatron_ucp.plan.conversion import ParamSpec, RankLayout
 from megatron_ucp.plan.expert_plan import build_expert_plan, derive_param_groups
 from megatron_ucp.plan.parallel_layout import ParallelLayout
+from megatron_ucp.synthetic.layouts import synthesize_layouts
 
 EXPERT = "language_model.encoder.layers.{layer}.mlp.deepspeed_moe.experts.deepspeed_experts.{k}.{what}"
 

@@ -9,13 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ucp.errors import CheckpointFormatError, UcpError
-from megatron_ucp.plan.conversion import ParamSpec, RankGroupLayout, RankLayout, build_plan, synthesize_layouts
+from megatron_ucp.plan.conversion import ParamSpec, RankGroupLayout, RankLayout, build_plan
 from megatron_ucp.plan.param_geometry import (
     ParamPartition,
     SubGroupGeometry,
     stock_stage3_problems,
     sub_groups,
 )
+from megatron_ucp.synthetic.layouts import synthesize_layouts
 from tests.support.aurora_shapes import aurora_7b_param_groups
 
 

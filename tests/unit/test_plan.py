@@ -19,9 +19,9 @@ from megatron_ucp.plan.conversion import (
     share_of,
     split_by_bytes,
     split_items,
-    synthesize_layouts,
 )
 from megatron_ucp.plan.tensor_parallel import MegatronPatterns
+from megatron_ucp.synthetic.layouts import synthesize_layouts
 from tests.support.aurora_shapes import aurora_7b_param_groups
 
 

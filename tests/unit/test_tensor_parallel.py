@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from megatron_ucp.errors import PlanError
-from megatron_ucp.plan.conversion import ParamSpec, synthesize_layouts
+from megatron_ucp.plan.conversion import ParamSpec
 from megatron_ucp.plan.model_parallel import CoordinateInput, build_model_parallel_plan
 from megatron_ucp.plan.tensor_parallel import (
     MegatronPatterns,
@@ -24,6 +24,7 @@ from megatron_ucp.plan.tensor_parallel import (
     slice_runs,
     slice_shape,
 )
+from megatron_ucp.synthetic.layouts import synthesize_layouts
 
 LAYOUTS = [TpLayout(), TpLayout(dim=1), TpLayout(sub_params=2), TpLayout(replicated=True), TpLayout(dim=2)]
 

@@ -27,14 +27,14 @@ from typing import Any, Optional
 
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.convert.universal import staging_path, universal_state
-from megatron_ucp.deepspeed import stage3_runtime
+from megatron_ucp.deepspeed import stage3_runtime, surface
 from megatron_ucp.deepspeed.reader import rank_file_count_problem, saved_layout, saved_partition_counts
 from megatron_ucp.errors import CheckpointFormatError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
 from megatron_ucp.integration.collectives import Failure, count_across, decide_on_first, is_first
 from megatron_ucp.integration.handled import warn_once
-from megatron_ucp.integration.live_job import LiveJob, live_group_dp_sizes
+from megatron_ucp.integration.live_job import LiveJob
 from megatron_ucp.plan.experts import expert_layout_change, recorded_experts
 from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.resume import ResumeDecision, TwinState, decide_resume
@@ -203,5 +203,5 @@ def _expert_change(engine: Any, root: Path, tag: Optional[str]) -> Optional[str]
     found = saved_partition_counts(root / tag) if tag is not None and (root / tag).is_dir() else None
     if found is None:
         return None
-    change = expert_layout_change(found[1], live_group_dp_sizes(engine))
+    change = expert_layout_change(found[1], surface.group_dp_sizes(engine.optimizer))
     return None if change is None else f"{found[0]}: {change}"

@@ -183,7 +183,7 @@ def model_states_for(job: LiveJob, folder: Path) -> Optional[Path]:
     (None: DeepSpeed finds its own). A ZeRO-3 rank beyond the saved DP size reads DP rank 0's; a load
     across ZeRO stages reads the other stage's file of its model-parallel rank (universal mode reads only
     the client state from it, which every file holds alike)."""
-    own = job.model_states_file(str(folder.parent), folder.name)
+    own = Path(surface.model_states_file(job.engine, str(folder.parent), folder.name))
     if own.is_file():
         return None
     mp = F.mp_rank_of(own.name)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.optimizer_files import optimizer_state
 from megatron_ucp.deepspeed.rank_files import (
     RankFile,
@@ -225,7 +226,7 @@ def check_expert_groups(job: LiveJob, saved: FlatGroups, dp_to: int, where: Path
 def engine_save_files(job: LiveJob, load_dir: str, tag: str) -> tuple[RankFile, Path]:
     """How the engine names the files of a tag for this rank: old DP rank -> its optimizer file of this
     rank's model-parallel coordinate, and this rank's model-states file."""
-    own = job.own_optimizer_file(load_dir, tag).name
+    own = Path(surface.own_optimizer_file(job.engine, load_dir, tag)).name
     found = F.OPTIM_FILE_RE.match(own)
     if found is None:
         raise UnsupportedError(
@@ -236,9 +237,9 @@ def engine_save_files(job: LiveJob, load_dir: str, tag: str) -> tuple[RankFile, 
     mp_rank, bf16 = int(found["mp"]), found["prefix"] == "bf16_"
 
     def rank_file(dp_rank: int) -> Path:
-        return job.rank_optimizer_file(load_dir, tag, mp_rank, dp_rank, bf16)
+        return Path(surface.rank_optimizer_file(job.engine, load_dir, tag, mp_rank, dp_rank, bf16))
 
-    return rank_file, job.model_states_file(load_dir, tag)
+    return rank_file, Path(surface.model_states_file(job.engine, load_dir, tag))
 
 
 def bind_rank_files(

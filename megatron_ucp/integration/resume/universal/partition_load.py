@@ -55,7 +55,6 @@ from megatron_ucp.integration.live_job import (
     live_groups,
     live_tp_layout,
     live_value,
-    lp_groups_of,
     restore_global_state,
     tensor_parallel_of,
 )
@@ -227,7 +226,10 @@ def load_universal_partitions(
         {}
         if per_parameter
         else live_expert_names(
-            live_names, lp_groups_of(optimizer), surface.group_dp_groups(optimizer), surface.dp_group(optimizer)
+            live_names,
+            surface.layout_of(optimizer).groups(optimizer),
+            surface.group_dp_groups(optimizer),
+            surface.dp_group(optimizer),
         )
     )
     if experts:  # this rank's experts under their global names, as the folder keeps them
