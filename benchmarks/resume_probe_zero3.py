@@ -59,7 +59,7 @@ def native(args) -> dict:
     from megatron_ucp.deepspeed.rank_files import expectation, inspect_file, read_facts
     from megatron_ucp.deepspeed.stage3_files import flat_view
     from megatron_ucp.integration.resume.native.old_file_copy import OldFiles, copy_reads
-    from megatron_ucp.plan.reshard import source_ranks
+    from tests.support.native_reads import source_ranks
 
     tag = args.folder
 

@@ -1,18 +1,7 @@
-"""The old rank files of a ZeRO-1/2 save, read for a resume: the save's facts, each file opened and
-bound to its DP position and to its save, one verdict on every rank.
-
-Call order (collective over the optimizer's DP group, every rank calls it):
-
-1. the group's first rank reads the facts once (:func:`read_facts`: the saved groups' names and
-   shapes, the old DP size, the save's identity, the old rank files present, old rank 0's
-   optimizer-level state) and broadcasts them;
-2. every rank opens the old files it will read, and the files that hold only padding that fall to
-   it (each file is checked by some rank), metadata only (:func:`inspect_file`), and checks each on
-   its own against what its position must hold (:func:`megatron_ucp.plan.rank_binding.file_problems`);
-3. every rank shares what it saw, small (:class:`~megatron_ucp.plan.rank_binding.FileFacts`), and
-   every rank reaches the same verdict on the whole set (one save identity, one optimizer step per
-   group, :func:`~megatron_ucp.plan.rank_binding.cross_check`): a problem anywhere stops every rank with
-   one error naming the file(s) at fault, before anything is copied (:func:`bind_rank_files`).
+"""The old rank files of a save (ZeRO-1/2, and ZeRO-3's through its own view), read for a resume: the save's facts
+(:func:`read_facts`, on the first rank) and each file opened and checked on its own (:func:`inspect_file`),
+metadata only. The bind that puts them together, and the call order, are
+:func:`megatron_ucp.integration.resume.native.binding.bind_save`'s.
 """
 
 from __future__ import annotations
@@ -381,14 +370,6 @@ def _sum_problems(path: str, optim: dict, sums: Any, facts: SavedFacts, exp: Fil
             if entry is None or entry[0] != real:
                 return [f"{path}: {exp.unit} {g}'s recorded checksum of {state!r} is {entry!r}, not [{real}, <sum>]"]
     return []
-
-
-def open_source(path: Path, rank: int, facts: SavedFacts, reads: Sequence[Sequence[Read]]) -> Source:
-    """One file opened and checked on its own, outside a job (tools, tests): raises on its first problem."""
-    source, file_facts = inspect_file(path, facts, expectation(facts, rank, reads))
-    if source is None:
-        raise CheckpointFormatError(file_facts.problems[0], subject=path)
-    return source
 
 
 def verdict(facts: SavedFacts, seen: Sequence[FileFacts]) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from megatron_ucp.errors import UcpError
 
@@ -148,10 +148,6 @@ def stock_loader_crash_ranks(groups: Sequence[GroupGeometry], target_dp: int) ->
         if ranks:
             out[g] = ranks
     return out
-
-
-def dp_sizes_where_stock_loader_crashes(groups: Sequence[GroupGeometry], dp_sizes: Iterable[int]) -> list[int]:
-    return [dp for dp in dp_sizes if stock_loader_crash_ranks(groups, dp)]
 
 
 def parse_dp_range(text: str) -> list[int]:

@@ -126,11 +126,6 @@ def reshard_reads(
     return out
 
 
-def source_ranks(reads: Sequence[Sequence[Read]]) -> list[int]:
-    """The old rank files a new rank opens (sorted, each once)."""
-    return sorted({read.source_rank for group in reads for read in group})
-
-
 def pieces_in(reads: Sequence[Read], start: int, stop: int) -> list[tuple[int, int, int]]:
     """``(old rank file position, first, end)`` of each read of one live partition (``reads``: that partition's)
     that landed in ``[start, stop)`` of it, clipped to it, in order: where the values found there came from (a

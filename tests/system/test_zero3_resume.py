@@ -432,10 +432,10 @@ def test_at_dp_768_sampled_ranks_of_both_routes_equal_the_saved_values(tmp_path)
     from megatron_ucp.deepspeed.stage3_files import flat_view
     from megatron_ucp.plan.llama_shapes import LlamaShape
     from megatron_ucp.plan.param_geometry import per_parameter_reads
-    from megatron_ucp.plan.reshard import source_ranks
     from megatron_ucp.synthetic.content import SyntheticSpec
     from megatron_ucp.synthetic.stage3_content import SUB_GROUP_SIZE, param_range
     from megatron_ucp.synthetic.writer import write_checkpoint
+    from tests.support.native_reads import source_ranks
 
     shape = LlamaShape(layers=2, hidden=8, ffn=16, heads=2, kv_heads=1, vocab=40, original_vocab=37)
     spec = SyntheticSpec(shape=shape, dp=768, optimizer="zero", zero_stage=3, record=True, iteration=7)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterable, Sequence
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,12 +12,15 @@ from megatron_ucp.errors import UcpError
 from megatron_ucp.plan.geometry import (
     GroupGeometry,
     PaddingStyle,
-    dp_sizes_where_stock_loader_crashes,
     parse_dp_range,
     stock_converter_crashes,
     stock_loader_crash_ranks,
 )
 from tests.support.aurora_shapes import aurora_7b_param_groups
+
+
+def dp_sizes_where_stock_loader_crashes(groups: Sequence[GroupGeometry], dp_sizes: Iterable[int]) -> list[int]:
+    return [dp for dp in dp_sizes if stock_loader_crash_ranks(groups, dp)]
 
 
 def aurora_groups(dp: int) -> list[GroupGeometry]:

@@ -22,9 +22,9 @@ from megatron_ucp.format import integrity
 from megatron_ucp.plan.accounting import checksum
 from megatron_ucp.plan.param_geometry import Stage3Groups, per_parameter_reads, same_parameters
 from megatron_ucp.plan.partitioned import first_real
-from megatron_ucp.plan.reshard import source_ranks
 from megatron_ucp.plan.save_record import runs_checksum, stage3_partition_checksums, stage3_partition_record
 from tests.support.aurora_shapes import aurora_7b_param_groups
+from tests.support.native_reads import source_ranks
 
 
 def _groups(numels: list[list[int]], dp: int, sub_group_size=None) -> Stage3Groups:

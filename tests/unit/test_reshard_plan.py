@@ -7,7 +7,8 @@ import pytest
 from megatron_ucp.errors import PlanError
 from megatron_ucp.plan.geometry import GroupGeometry, at_dp
 from megatron_ucp.plan.llama_shapes import preset
-from megatron_ucp.plan.reshard import DENSE, Placement, partition_reads, pieces_in, reshard_reads, source_ranks
+from megatron_ucp.plan.reshard import DENSE, Placement, partition_reads, pieces_in, reshard_reads
+from tests.support.native_reads import source_ranks
 
 
 def _cover(old: GroupGeometry, dp_to: int) -> list[int]:
