@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, Optional
 
@@ -147,6 +148,31 @@ def lagging_universal_pointer(root: Path) -> Optional[tuple[str, Optional[str]]]
     pointer = root / F.LATEST_UNIVERSAL
     named = read_tag_file(pointer) if pointer.is_file() else None
     return None if named == F.universal_tag(native) and (root / named).is_dir() else (native, named)
+
+
+@dataclass(frozen=True)
+class TagToLoad:
+    """Which tag folder a load reads (:func:`tag_to_load`)."""
+
+    tag: Optional[str]
+    """The folder's name; None when the pointer file names none (there is nothing to load)."""
+    pointer: Optional[str]
+    """The pointer file it came from (``latest`` or ``latest_universal``); None: the load named it."""
+    lag: Optional[tuple[str, Optional[str]]] = None
+    """``(latest's tag, latest_universal's tag)`` when ``latest_universal`` was passed over for ``latest``."""
+
+
+def tag_to_load(root: Path, tag: Optional[str], universal: bool) -> TagToLoad:
+    """Which tag folder a load of ``root`` reads, the one rule for the runner, the hooks' decision, the fallback and
+    the universal route: the tag named; else, without ``--universal-checkpoint``, the one ``latest`` names; with it,
+    the one ``latest_universal`` names while that is the twin of ``latest``'s tag, else ``latest``'s tag (converted at
+    load), so that a universal load never resumes from another iteration than ``latest`` without a word
+    (:func:`lagging_universal_pointer`). Raises :class:`CheckpointFormatError` for a pointer file it cannot read."""
+    if tag is not None:
+        return TagToLoad(tag, None)
+    lag = lagging_universal_pointer(root) if universal else None
+    pointer = F.LATEST_UNIVERSAL if universal and lag is None else F.LATEST
+    return TagToLoad(read_tag_file(root / pointer), pointer, lag)
 
 
 def _real(path: Path) -> Path:

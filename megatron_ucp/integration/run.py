@@ -52,15 +52,13 @@ from megatron_ucp.config import (
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.reader import load_raw, model_states_path
 from megatron_ucp.errors import UcpError
-from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.lightpickle import stand_ins_for_unimportable
-from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
+from megatron_ucp.format.paths import tag_to_load
 from megatron_ucp.integration.save.async_trigger import wait_at_end_of_run
 from megatron_ucp.plan.launch import (
     CheckpointFacts,
     MegatronArgs,
     alcf_batch_env,
-    checkpoint_tag_file,
     derived_seed,
     detect_rank,
     detect_ranks_per_node,
@@ -178,12 +176,9 @@ def read_checkpoint_facts(margs: MegatronArgs) -> Optional[CheckpointFacts]:
     if margs.load is None:
         return None
     root = Path(margs.load)
-    tag = margs.load_tag
-    if tag is None:  # the hook's rule: latest_universal only while it names the twin of latest's tag
-        lagging = margs.universal_checkpoint and lagging_universal_pointer(root) is not None
-        tag = read_tag_file(root / (F.LATEST if lagging else checkpoint_tag_file(margs)))
-        if tag is None:
-            return None
+    tag = tag_to_load(root, margs.load_tag, bool(margs.universal_checkpoint)).tag  # the hooks' own rule
+    if tag is None:
+        return None
     path = model_states_path(root / tag) if (root / tag).is_dir() else None
     if path is None:
         return None

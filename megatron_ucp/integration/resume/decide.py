@@ -31,7 +31,7 @@ from megatron_ucp.deepspeed import stage3_runtime, surface
 from megatron_ucp.deepspeed.reader import rank_file_count_problem, saved_layout, saved_partition_counts
 from megatron_ucp.errors import CheckpointFormatError, UnsupportedError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.format.paths import lagging_universal_pointer, read_tag_file
+from megatron_ucp.format.paths import tag_to_load
 from megatron_ucp.integration.collectives import Failure, count_across, decide_on_first, is_first
 from megatron_ucp.integration.handled import warn_once
 from megatron_ucp.integration.live_job import LiveJob
@@ -79,7 +79,8 @@ def _decide_from_facts(
     ``seen`` receives the model states read for the decision (no weight bytes), for this rank's next steps."""
 
     universal_flag = job.load_universal
-    lag = lagging_universal_pointer(Path(load_dir)) if universal_flag and tag is None else None
+    target = tag_to_load(Path(load_dir), tag, universal_flag)
+    lag = target.lag
     follow_latest = lag is not None
     if lag is not None and lag[1] is not None:
         log.warning(
@@ -96,10 +97,8 @@ def _decide_from_facts(
     # Without --universal-checkpoint, or with it (the runner adds it on a TP/PP change) when
     # latest_universal does not name the twin of `latest`'s tag: decide from `latest`, converting
     # its tag when needed.
-    resolved, from_latest = tag, False
-    if resolved is None:
-        resolved = read_tag_file(Path(load_dir) / F.LATEST)
-        from_latest = resolved is not None
+    resolved = target.tag  # the one latest names, when no tag was given (also when latest_universal lags)
+    from_latest = tag is None and resolved is not None
     saved_as: Optional[ParallelLayout] = None
     names_match = True
     tag_is_universal = False
@@ -199,7 +198,7 @@ def refuse_an_expert_layout_change(engine: Any, load_dir: str, tag: Optional[str
 
 
 def _expert_change(engine: Any, root: Path, tag: Optional[str]) -> Optional[str]:
-    tag = tag or read_tag_file(root / F.LATEST)
+    tag = tag_to_load(root, tag, universal=False).tag  # the native tag: its expert layout
     found = saved_partition_counts(root / tag) if tag is not None and (root / tag).is_dir() else None
     if found is None:
         return None

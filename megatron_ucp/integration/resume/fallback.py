@@ -59,7 +59,7 @@ from megatron_ucp.background.store import (
 from megatron_ucp.background.verdicts import identity_digest, record_verdict, tag_identity
 from megatron_ucp.errors import AccountingError, CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.format.paths import read_tag_file
+from megatron_ucp.format.paths import tag_to_load
 from megatron_ucp.integration.collectives import Failure, count_across, decide_on_first, is_first
 from megatron_ucp.plan.restart_walk import MAX_LOADS
 from megatron_ucp.plan.tags import iterations_lost, tag_step
@@ -189,7 +189,7 @@ def _start(root: Path) -> tuple[Optional[str], Optional[str]]:
     shared: a rank that read ``latest`` on its own could see another value than the first (a save committing on a
     shared file system) and take a path without the others' collectives."""
     try:
-        return read_tag_file(root / F.LATEST), None
+        return tag_to_load(root, None, universal=False).tag, None
     except CheckpointFormatError as exc:  # empty after a power loss, garbage: the tags are still there
         return None, str(exc)
 
