@@ -19,8 +19,9 @@ The oracle, after every step: ``latest`` names a folder holding one whole save a
 folder; ``status --check``'s prediction holds for the next restart (it loads one of the tags the prediction lists,
 in its order; one found sound is loaded; when it lists none, the restart resumes from none); after ``verify``,
 ``status`` says what ``verify`` found; a command ``status`` prints runs (exit 0, or 1 for a check that finds
-damage); a fallback that repeats an earlier one says so; a restart's losses follow the uninterrupted run (until a
-global batch change) and its saves hold its rank files alone; a run with a rank killed fails. Each broken promise
+damage); a fallback that repeats an earlier one says so; a restart's losses follow the uninterrupted run at DP 4
+(until a global batch change; to bf16 reduction noise, 1e-3, widened by a quarter for each step its lineage trained
+at another DP size) and its saves hold its rank files alone; a run with a rank killed fails. Each broken promise
 is a finding; the findings, the steps that led to them, and how often each action and outcome occurred are
 printed and written to ``benchmarks/results/sequence-explore-<date>.json``.
 
@@ -60,6 +61,7 @@ from tests.support.elastic_support import (  # noqa: E402
 
 DP_SIZES = (2, 3, 4)
 REFERENCE_STEPS = 60
+REFERENCE_DP = 4
 ACTIONS = {  # weight of each action once a tag exists
     "train": 6,
     "train-batch": 1,
@@ -150,6 +152,7 @@ class Explorer:
         self.root = self.work / f"seed{seed}" / "ckpt"
         self.root.parent.mkdir(parents=True)
         self.diverged = False  # trained at another global batch: the reference curve no longer applies
+        self.off: dict[int, int] = {}  # per saved step: steps its lineage trained at a DP other than the reference's
         self.refused = False  # the last restart resumed from no tag
         done: list[str] = []
         for i in range(len(ops) if ops is not None else steps):
@@ -296,10 +299,16 @@ class Explorer:
         self.refused = not fresh and loaded is None
         if batch != 12 and res.steps:
             self.diverged = True
+        # bf16 gradients reduced over another DP size round in another order: the curve drifts by that noise at
+        # every step trained off the reference's DP, and the drift is carried by every save of that lineage
+        off = (0 if fresh else self.off.get(loaded or 0, 0)) + (len(res.steps) if dp != REFERENCE_DP else 0)
+        for s in res.steps:
+            self.off[s] = off
         if not self.diverged:
             for s, loss in zip(res.steps, res.losses, strict=True):
-                if s in self.reference and abs(loss - self.reference[s]) > LOSS_TOLERANCE * max(1.0, abs(loss)):
-                    self._finding(f"loss at {s}: {loss} vs uninterrupted {self.reference[s]}")
+                tolerance = LOSS_TOLERANCE * (1 + off / 4) * max(1.0, abs(loss))
+                if s in self.reference and abs(loss - self.reference[s]) > tolerance:
+                    self._finding(f"loss at {s}: {loss} vs uninterrupted {self.reference[s]} ({off} steps off DP 4)")
         if killed and res.ok:
             self._finding("a rank was killed writing the last save, and the run exited 0")
         for s in spec.save_at:
@@ -377,7 +386,7 @@ def _fallback_lines(root: Path) -> list[dict]:
 
 
 def explore(seeds: list[int], steps: int, work: Path, ops: Optional[list[str]] = None) -> Explorer:
-    ref = run_training(TrainSpec(dp=4, steps=REFERENCE_STEPS, timeout=900))
+    ref = run_training(TrainSpec(dp=REFERENCE_DP, steps=REFERENCE_STEPS, timeout=900))
     explorer = Explorer(work, dict(zip(ref.steps, ref.losses, strict=True)))
     explorer.sequences = {}
     for seed in seeds:
