@@ -20,7 +20,7 @@ folder; ``status --check``'s prediction holds for the next restart (it loads one
 in its order; one found sound is loaded; when it lists none, the restart resumes from none); after ``verify``,
 ``status`` says what ``verify`` found; a command ``status`` prints runs (exit 0, or 1 for a check that finds
 damage); a fallback that repeats an earlier one says so; a restart's losses follow the uninterrupted run at DP 4
-(until a global batch change; to bf16 reduction noise, 1e-3, widened by a quarter for each step its lineage trained
+(until a global batch change; to bf16 reduction noise, 1e-3, widened by a sixteenth for each step its lineage trained
 at another DP size) and its saves hold its rank files alone; a run with a rank killed fails. Each broken promise
 is a finding; the findings, the steps that led to them, and how often each action and outcome occurred are
 printed and written to ``benchmarks/results/sequence-explore-<date>.json``.
@@ -306,7 +306,7 @@ class Explorer:
             self.off[s] = off
         if not self.diverged:
             for s, loss in zip(res.steps, res.losses, strict=True):
-                tolerance = LOSS_TOLERANCE * (1 + off / 4) * max(1.0, abs(loss))
+                tolerance = LOSS_TOLERANCE * (1 + off / 16) * max(1.0, abs(loss))
                 if s in self.reference and abs(loss - self.reference[s]) > tolerance:
                     self._finding(f"loss at {s}: {loss} vs uninterrupted {self.reference[s]} ({off} steps off DP 4)")
         if killed and res.ok:
