@@ -369,10 +369,11 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         if dp_size is None and dp and native_dir.is_dir():
             dp_size, ep_size = _native_dp(native_dir)
         judged = _verifying(queue, tag) or _verdict(root, tag, native_dir)
-        if state is UniversalStatus.STALE and judged.get("verified") == "unsound":
-            detail = (
-                f"the native files of {tag} changed since it was converted, and are damaged (below): do not convert"
-            )
+        if judged.get("verified") == "unsound" and "`megatron-ucp convert" in detail:  # a conversion would fail
+            if state is UniversalStatus.STALE:
+                detail = f"the native files of {tag} changed since it was converted"
+            kept = detail.split("`megatron-ucp convert")[0].rstrip(" ;:,")
+            detail = (f"{kept}; " if kept else "") + "its files are damaged (below): not to convert"
         rows.append(
             TagStatus(
                 tag=tag,
