@@ -69,7 +69,13 @@ def format_status(rs: RootStatus) -> str:
         lines.append(f"NOTE: {rs.latest_problem()}; {to_repoint(rs)}")
     elif latest_row is not None and latest_row.universal is UniversalStatus.STALE:
         lines.append(f"NOTE: {rs.latest}'s universal checkpoint is stale (see details)")
-    elif latest_row is not None and latest_row.native and latest_row.verified != "unsound" and not rs.latest_converted:
+    elif (
+        latest_row is not None
+        and latest_row.native
+        and latest_row.verified != "unsound"
+        and not rs.latest_converted
+        and not any(problem.startswith(f"{rs.latest}: ") for problem in rs.problems)  # a save of it left unsettled
+    ):
         lines.append(
             f"NOTE: {rs.latest} has no complete universal checkpoint: a DP change reads its native files; "
             f"--universal-checkpoint (and a TP or PP change) needs one: {_to_convert(rs)}"
