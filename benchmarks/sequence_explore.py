@@ -302,13 +302,16 @@ class Explorer:
         # bf16 gradients reduced over another DP size round in another order: the curve drifts by that noise at
         # every step trained off the reference's DP, and the drift is carried by every save of that lineage
         off = (0 if fresh else self.off.get(loaded or 0, 0)) + (len(res.steps) if dp != REFERENCE_DP else 0)
-        for s in res.steps:
-            self.off[s] = off
+        for s in spec.save_at:  # the saves that committed carry the lineage (a killed run's last one does not)
+            if s in res.steps and (res.ok or s != res.steps[-1]):
+                self.off[s] = off
         if not self.diverged:
             for s, loss in zip(res.steps, res.losses, strict=True):
                 tolerance = LOSS_TOLERANCE * (1 + off / 16) * max(1.0, abs(loss))
                 if s in self.reference and abs(loss - self.reference[s]) > tolerance:
-                    self._finding(f"loss at {s}: {loss} vs uninterrupted {self.reference[s]} ({off} steps off DP 4)")
+                    self._finding(
+                        f"loss at {s}: {loss} vs uninterrupted {self.reference[s]} ({off} steps off DP {REFERENCE_DP})"
+                    )
         if killed and res.ok:
             self._finding("a rank was killed writing the last save, and the run exited 0")
         for s in spec.save_at:
@@ -346,7 +349,8 @@ class Explorer:
             return
         from megatron_ucp.background.verdicts import read_verdict
 
-        saved = {f"global_step{s}" for s in res.steps}  # saved again by this run: its verdict went with the old save
+        # saved again by this run (every save but a killed run's last one commits): its verdict went with the old save
+        saved = {f"global_step{s}" for s in res.steps if res.ok or s != res.steps[-1]}
         for passed in answer.tries[: answer.tries.index(loaded)]:
             if passed in saved:
                 continue

@@ -395,11 +395,6 @@ def derived_seed(base_seed: int, iteration: int, rank: int) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def checkpoint_tag_file(margs: MegatronArgs) -> str:
-    """The file DeepSpeed reads the tag from when --load-tag is not given."""
-    return F.LATEST_UNIVERSAL if margs.universal_checkpoint else F.LATEST
-
-
 def facts_from_model_states(load_dir: str, tag: str, states: Mapping[str, Any]) -> CheckpointFacts:
     """Pull DP size, global batch and micro batch out of a loaded model-states dict (pure).
 

@@ -29,7 +29,7 @@ from megatron_ucp.convert.execute import ConvertOptions, convert
 from megatron_ucp.convert.universal import COMPLETE, ConversionInProgress, inspect_staging, universal_state
 from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.format.paths import tag_to_load
+from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.format.torchload import structure_problems, torch_reader_problem
 from megatron_ucp.integration.collectives import broadcast_from_first, comm, raise_together
 from megatron_ucp.integration.live_job import LiveJob
@@ -126,8 +126,10 @@ def universal_load(
 
 
 def _universal_folder(load_dir: Path, tag: Optional[str]) -> Optional[Path]:
-    """The universal folder a load reads (the decision named it when ``latest_universal`` lags ``latest``)."""
-    tag = tag_to_load(load_dir, tag, universal=True).tag
+    """The universal folder DeepSpeed's load reads: the tag the decision named (it names one when ``latest_universal``
+    lags ``latest``, :func:`~megatron_ucp.format.paths.tag_to_load`), else the one ``latest_universal`` names, as
+    DeepSpeed reads it itself."""
+    tag = tag if tag is not None else read_tag_file(load_dir / F.LATEST_UNIVERSAL)
     return load_dir / tag if tag is not None else None
 
 
