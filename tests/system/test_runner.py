@@ -25,21 +25,6 @@ from megatron_ucp.errors import UcpError
 from megatron_ucp.integration import run as R
 from megatron_ucp.plan import launch as L
 
-
-@pytest.fixture(autouse=True)
-def _the_package_logger_as_it_was():
-    """The runner's main configures the package's logger for a process (a handler on the stderr of the moment, no
-    propagation); run in this process, it is put back after each test, so that no later test's stderr meets a
-    handler of a captured stream already closed."""
-    import logging
-
-    pkg = logging.getLogger("megatron_ucp")
-    handlers, propagate, level = list(pkg.handlers), pkg.propagate, pkg.level
-    yield
-    pkg.handlers[:] = handlers
-    pkg.propagate, pkg.level = propagate, level
-
-
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = REPO / "train_scripts" / "megatron_standin" / "pretrain_gpt_standin.py"
 SITE = REPO / "tests" / "support" / "site"
