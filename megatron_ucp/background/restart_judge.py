@@ -39,6 +39,8 @@ class Judgement:
 
     problems: tuple[str, ...] = ()
     kind: str = ""
+    sound: bool = False
+    """No problems, and a sound verdict on its files as they are now (read whole: its load passes)."""
 
 
 def older_tags(root: Path, latest: Optional[str]) -> list[str]:
@@ -72,7 +74,8 @@ def judge(root: Path, tag: str, through_twin: bool) -> Judgement:
     if not tag_dir.is_dir():
         return Judgement((f"{tag_dir}: missing",), FILES)
     verdict = read_verdict(root, tag)
-    if verdict is not None and not verdict.sound and verdict.applies_to(tag_identity(tag_dir)):
+    applies = verdict is not None and verdict.applies_to(tag_identity(tag_dir))  # the files listed once
+    if applies and not verdict.sound:
         return Judgement(tuple(f"{p} (found by {verdict.checked_by})" for p in verdict.problems), FILES)
     damage = listed_damage(tag_dir)
     if damage:
@@ -83,13 +86,7 @@ def judge(root: Path, tag: str, through_twin: bool) -> Judgement:
         twin = root / F.universal_tag(tag)
         if universal_state(twin, tag_dir) != COMPLETE:
             return Judgement((f"{twin}: no complete universal twin to load with --universal-checkpoint",), TWIN)
-    return Judgement()
-
-
-def found_sound(root: Path, tag: str) -> bool:
-    """A sound verdict on the tag's files as they are now."""
-    verdict = read_verdict(root, tag)
-    return verdict is not None and verdict.sound and verdict.applies_to(tag_identity(root / tag))
+    return Judgement(sound=applies)
 
 
 def refused_loads(root: Path) -> dict[str, str]:
@@ -113,10 +110,7 @@ def predict(root: Path, latest: Optional[str], latest_unreadable: Optional[str])
     candidates = []
     for tag in names:
         judged = judge(root, tag, through_twin=False)
-        problems = judged.problems
-        candidates.append(
-            Candidate(tag, problems, sound=not problems and found_sound(root, tag), refused=refused.get(tag))
-        )
+        candidates.append(Candidate(tag, judged.problems, sound=judged.sound, refused=refused.get(tag)))
     result = walk(candidates)
     before = [f"{F.LATEST}: {latest_unreadable}"] if latest is None else []
     return result, _said(root, latest, result, before)

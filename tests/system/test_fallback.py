@@ -190,7 +190,7 @@ def test_the_judge_uses_a_recorded_verdict_and_orders_tags_by_step(tmp_path: Pat
     )
     record_verdict(root, tags[1], ["stale"], "megatron-ucp verify", {"other": [1, 2]})
     assert restart_judge.judge(root, tags[1], through_twin=False) == Judgement()  # judged on other files: checked again
-    problems, kind = astuple(restart_judge.judge(root, tags[1], through_twin=True))
+    problems, kind = astuple(restart_judge.judge(root, tags[1], through_twin=True))[:2]
     assert "no complete universal twin" in problems[0] and kind == "twin"  # not the tag's own verdict
     assert not fallback._verdict_to_record(root, fallback.Failed(tags[1], problems, kind))
 
@@ -224,7 +224,7 @@ def test_the_judge_finds_cut_and_missing_files_from_the_saves_file_list_and_stat
             victim.write_bytes(victim.read_bytes()[:100])
         victims[tag] = victim
     for tag in tags[1:]:
-        problems, kind = astuple(restart_judge.judge(root, tag, through_twin=False))
+        problems, kind = astuple(restart_judge.judge(root, tag, through_twin=False))[:2]
         assert kind == "files" and str(victims[tag]) in problems[0] and "(its save's file list)" in problems[0]
         assert ("is missing" if tag == tags[1] else "cut short?") in problems[0]
     assert restart_judge.judge(root, tags[0], through_twin=False) == Judgement()
