@@ -45,9 +45,9 @@ def rank_file_of(tag: Path):
 
 def plan_ranges(tag: Path, dp_to: int) -> list[Ranges]:
     """Per new rank, the byte ranges of the old rank files its reshard copies (fp32 and every state)."""
-    from megatron_ucp.deepspeed.rank_files import read_facts
     from megatron_ucp.format import dsformat as F
     from megatron_ucp.format.exact_read import file_offset
+    from megatron_ucp.integration.resume.native.binding import read_facts
     from tests.support.native_reads import open_source
 
     rank_file = rank_file_of(tag)

@@ -102,9 +102,9 @@ def exact_against_source(args, copied) -> bool:
 
 
 def native(args) -> int:
-    from megatron_ucp.deepspeed.rank_files import read_facts
-    from megatron_ucp.integration.resume.native.binding import check_live_model
-    from megatron_ucp.integration.resume.native.old_file_copy import OldFiles, copy_reads
+    from megatron_ucp.integration.resume.native.binding import read_facts
+    from megatron_ucp.integration.resume.native.reshard import OldFiles, copy_reads
+    from megatron_ucp.plan.partitioned import check_live_model
     from tests.support.native_reads import open_source, source_ranks
 
     tag = args.folder

@@ -56,9 +56,8 @@ def _exact(spec: SyntheticSpec, new, rank: int, targets: list[dict]) -> bool:
 
 
 def native(args) -> dict:
-    from megatron_ucp.deepspeed.rank_files import expectation, inspect_file, read_facts
-    from megatron_ucp.deepspeed.stage3_files import flat_view
-    from megatron_ucp.integration.resume.native.old_file_copy import OldFiles, copy_reads
+    from megatron_ucp.integration.resume.native.binding import expectation, inspect_file, read_facts
+    from megatron_ucp.integration.resume.native.reshard import OldFiles, copy_reads
     from tests.support.native_reads import source_ranks
 
     tag = args.folder
@@ -78,7 +77,7 @@ def native(args) -> dict:
     t2 = time.perf_counter()
     sources = {}
     for r in source_ranks(reads):
-        source, seen = inspect_file(rank_file(r), facts, expectation(facts, r, reads), view=flat_view)
+        source, seen = inspect_file(rank_file(r), facts, expectation(facts, r, reads))
         if source is None:
             raise RuntimeError(seen.problems[0])
         sources[r] = source

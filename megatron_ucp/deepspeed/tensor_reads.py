@@ -3,6 +3,10 @@ one stored in 8-bit blocks (its codes, the scales of their blocks and its code b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
 import torch
 
 from megatron_ucp.format.blockwise8bit import Blockwise8bit
@@ -34,3 +38,26 @@ def read_tensor_range(reader: RangeReader, tensor: RawTensor, start: int, dest: 
     if buffer is not dest:
         dest.copy_(buffer)
     return dest
+
+
+@dataclass
+class Source:
+    """One old rank file of a native load: where its fp32 partitions and optimizer states per group lie in the
+    file, and the file, opened on first use, to read the planned ranges from (exactly those bytes)."""
+
+    path: Path
+    fp32: list[RawTensor]
+    states: list[dict[str, Any]]
+    sums: Optional[Sequence[dict[str, Any]]] = None
+    """Per group, state -> (real elements, checksum) recorded at save (None: saved without them)."""
+    reader: Optional[RangeReader] = None
+
+    def read_into(self, tensor: RawTensor, start: int, dest: torch.Tensor) -> torch.Tensor:
+        """As :func:`read_tensor_range`, from this file."""
+        if self.reader is None:
+            self.reader = RangeReader(self.path)
+        return read_tensor_range(self.reader, tensor, start, dest)
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()

@@ -1,10 +1,6 @@
-"""Collective helpers of the hooks: the process group's first rank decides, everyone learns.
-
-The hooks run inside training, on every rank. A decision that needs the file system (which route
-a load takes, what a folder holds) is made once, by the group's first rank, and broadcast; if
-that rank fails, every rank raises the same error instead of some waiting forever
-(:func:`decide_on_first`). Collectives go through ``torch.distributed`` itself and the
-accelerator's device (gloo/CPU, ccl/XPU, nccl/CUDA).
+"""The hooks' collectives, in one wrapper (:class:`Collective`): the group's first rank decides and everyone
+learns; sums, gathers and refusals reach every rank alike, so that a failure on one rank is the same error on every
+rank, never a rank left waiting. Through ``torch.distributed`` itself and the accelerator's device.
 """
 
 from __future__ import annotations
@@ -15,12 +11,12 @@ import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, TypeVar
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 import torch
 
 from megatron_ucp.deepspeed import surface
-from megatron_ucp.errors import UcpError, briefly, described
+from megatron_ucp.errors import StockFormError, UcpError, briefly, described, refuse_or_warn
 
 
 def comm() -> Any:
@@ -36,15 +32,6 @@ def comm() -> Any:
 def device() -> torch.device:
     """The accelerator's current device, as DeepSpeed's accelerator abstraction names it."""
     return torch.device(surface.accelerator().current_device_name())
-
-
-def broadcast_from_first(value: Any, group: Any = None) -> Any:
-    """``value`` of the group's first rank on every rank of the group."""
-    dist = comm()
-    box = [value]
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
 
 
 _LENT: "collections.deque[torch.Tensor]" = collections.deque(maxlen=16)
@@ -68,39 +55,6 @@ def _lend(*tensors: torch.Tensor) -> None:
     _LENT.extend(t for t in tensors if t.numel() * t.element_size() <= _LEND_MAX_BYTES)
 
 
-def all_reduce(tensor: torch.Tensor, group: Any = None, op: Any = None) -> torch.Tensor:
-    """``tensor`` summed (or ``op``) across the group, in place; every hooked all-reduce goes through here."""
-    dist = comm()
-    _lend(tensor)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)
-    return tensor
-
-
-def all_gather(boxes: list[torch.Tensor], mine: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
-    """Every rank's ``mine`` into ``boxes`` (small ones held as :data:`_LENT` says)."""
-    _lend(mine, *boxes)
-    comm().all_gather(boxes, mine, group=group)
-    return boxes
-
-
-def count_across(flag: int, group: Any = None) -> int:
-    """Sum of one small integer across the group (also a barrier)."""
-    t = torch.tensor([int(flag)], dtype=torch.int64, device=device())
-    return int(all_reduce(t, group).item())
-
-
-def gather_names(names: Iterable[str], group: Any = None) -> set[str]:
-    """The union of every rank's ``names`` (small: parameter names), on every rank of the group."""
-    dist = comm()
-    boxes: list[Any] = [None] * dist.get_world_size(group=group)
-    dist.all_gather_object(boxes, sorted(names), group=group)
-    return {name for box in boxes for name in box}
-
-
-def is_first(group: Any = None) -> bool:
-    return comm().get_rank(group=group) == 0
-
-
 @dataclass(frozen=True)
 class Failure:
     """An exception on the deciding rank, shipped to the others so that all raise together."""
@@ -119,95 +73,176 @@ class Failure:
 T = TypeVar("T")
 
 
-def decide_on_first(decide: Callable[[], T], group: Any = None) -> "T | Failure":
-    """``decide()`` on the group's first rank, its value on every rank.
+class Collective:
+    """One process group's collectives (None: the whole job), shaped like PyTorch DCP's ``_DistWrapper``: each either
+    gives every rank of the group the same value or raises the same error on every rank, so that no rank is left
+    waiting in a collective another never reaches. Every collective of the save and the resume goes through here,
+    on the accelerator's device (gloo/CPU, ccl/XPU, nccl/CUDA)."""
 
-    When it raises, every rank gets a :class:`Failure` naming the exception (the caller raises its
-    own error with it), so that no rank is left waiting in a collective the first one never reaches; so does every
-    rank when the decision cannot be sent, or cannot be read on any rank (one more small all-reduce: agreed).
-    """
-    payload: Optional[bytes] = None
-    if is_first(group):
-        try:  # what cannot be sent fails here, on the first rank, not inside the broadcast
-            payload = pickle.dumps(decide())
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    @property
+    def rank(self) -> int:
+        return comm().get_rank(group=self.group)
+
+    @property
+    def size(self) -> int:
+        return comm().get_world_size(group=self.group)
+
+    @property
+    def first(self) -> bool:
+        """This rank is the group's first: the one that decides, and the one that speaks."""
+        return self.rank == 0
+
+    def broadcast(self, value: Any) -> Any:
+        """``value`` of the group's first rank on every rank of the group."""
+        dist = comm()
+        box = [value]
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def decide(self, decide: Callable[[], T]) -> "T | Failure":
+        """``decide()`` on the group's first rank, its value on every rank. When it raises, every rank gets a
+        :class:`Failure` naming the exception (the caller raises its own error with it); so does every rank when the
+        decision cannot be sent, or cannot be read on any rank (one more small all-reduce: agreed)."""
+        payload: Optional[bytes] = None
+        if self.first:
+            try:  # what cannot be sent fails here, on the first rank, not inside the broadcast
+                payload = pickle.dumps(decide())
+            except Exception as exc:
+                damaged = getattr(exc, "damaged", None)
+                payload = pickle.dumps(
+                    Failure(described(exc), type(exc).__name__, None if damaged is None else str(damaged))
+                )
+        payload = self.broadcast(payload)  # bytes: every rank receives them
+        try:  # what one rank cannot read (a class only the first rank imports) fails every rank alike
+            outcome, unread = pickle.loads(payload), None
         except Exception as exc:
-            damaged = getattr(exc, "damaged", None)
-            payload = pickle.dumps(
-                Failure(described(exc), type(exc).__name__, None if damaged is None else str(damaged))
-            )
-    payload = broadcast_from_first(payload, group)  # bytes: every rank receives them
-    try:  # what one rank cannot read (a class only the first rank imports) fails every rank alike
-        outcome, unread = pickle.loads(payload), None
-    except Exception as exc:
-        outcome, unread = None, exc
-    if count_across(1 if unread is not None else 0, group):
-        why = described(unread) if unread is not None else "another rank could not read it"
-        return Failure(f"the first rank's decision could not be read here: {why}", "UcpError")
-    return outcome
+            outcome, unread = None, exc
+        if self.count(1 if unread is not None else 0):
+            why = described(unread) if unread is not None else "another rank could not read it"
+            return Failure(f"the first rank's decision could not be read here: {why}", "UcpError")
+        return outcome
 
+    def decided(self, decide: Callable[[], T], what: str, subject: Any = None, kind: Optional[type] = None) -> T:
+        """:meth:`decide`'s value, or its failure raised on every rank as ``what: message``, of ``kind`` (None: the
+        failing exception's own class; a :class:`~megatron_ucp.errors.StockFormError` stays one: the caller steps
+        aside to DeepSpeed's own load)."""
+        outcome = self.decide(decide)
+        if not isinstance(outcome, Failure):
+            return outcome
+        error = outcome.error(f"{what}: {outcome.message}", subject)
+        if kind is not None and not isinstance(error, StockFormError):
+            error = kind(str(error), subject=subject, damaged=error.damaged)
+        raise error
 
-def raise_together(error: Optional[BaseException], what: str, subject: Any = None, group: Any = None) -> None:
-    """The cross-rank failure protocol after a step each rank did on its own: when any rank of the group
-    failed (``error``), every rank raises one error carrying the failing ranks' own messages (each names
-    its file), not "see their log". Collective: every rank calls it, failed or not; a small integer
-    all-reduce when nobody failed, and one gather of the messages when somebody did."""
-    if count_across(1 if error is not None else 0, group):
-        raise_gathered(error, what, subject, group)
+    def sum(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
+        """``tensor`` summed (or ``op``) across the group, in place."""
+        dist = comm()
+        _lend(tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=self.group)
+        return tensor
 
+    def total(self, table: torch.Tensor) -> torch.Tensor:
+        """A host table summed over the group (on the device, back on the host): the same rows on every rank."""
+        return self.sum(table.to(device())).cpu()
 
-def agreed(step: Callable[[], T], what: str, subject: Any = None) -> T:
-    """``step()``'s value, or, when it raised a package error on any rank of the job, that error on every rank.
+    def count(self, flag: int) -> int:
+        """Sum of one small integer across the group (also a barrier)."""
+        return int(self.sum(torch.tensor([int(flag)], dtype=torch.int64, device=device())).item())
 
-    For a step whose own checks agree only within smaller groups (a load binds each DP group's rank files: at TP or
-    PP > 1, or with expert groups, a damaged file refuses it in one group alone) and which must not leave the other
-    ranks going on. One small all-reduce after the step (a gather of the messages when only some ranks failed).
-    Inside ``step``, no rank may start a job-wide collective after a point where another may have raised."""
-    error: Optional[UcpError] = None
-    result: Any = None
-    try:
-        result = step()
-    except UcpError as exc:
-        error = exc
-    try:
-        failed = count_across(1 if error is not None else 0)
-    except Exception as exc:  # a rank died: this rank's own error says more than the broken collective
+    def gather(self, boxes: list[torch.Tensor], mine: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``mine`` into ``boxes``."""
+        _lend(mine, *boxes)
+        comm().all_gather(boxes, mine, group=self.group)
+        return boxes
+
+    def gather_objects(self, mine: Any) -> list[Any]:
+        """Every rank's small picklable ``mine``, in rank order, on every rank."""
+        boxes: list[Any] = [None] * self.size
+        comm().all_gather_object(boxes, mine, group=self.group)
+        return boxes
+
+    def names(self, names: Iterable[str]) -> set[str]:
+        """The union of every rank's ``names`` (small: parameter names)."""
+        return {name for box in self.gather_objects(sorted(names)) for name in box}
+
+    def refuse_or_warn(
+        self, strict: bool, error: UcpError, warnings: Sequence[str], logger: Any, then: str = "continuing"
+    ) -> None:
+        """:func:`~megatron_ucp.errors.refuse_or_warn`, a decision every rank makes alike; the first rank speaks."""
+        refuse_or_warn(strict, error, warnings, logger, say=self.first, then=then)
+
+    def together(self, error: Optional[BaseException], what: str, subject: Any = None) -> None:
+        """After a step each rank did on its own: when any rank failed (``error``), every rank raises one error
+        carrying the failing ranks' own messages (each names its file). A small all-reduce when nobody failed."""
+        if self.count(1 if error is not None else 0):
+            self.raise_gathered(error, what, subject)
+
+    def raise_gathered(self, error: Optional[BaseException], what: str, subject: Any = None) -> None:
+        """The second half of :meth:`together`, for callers that learned "somebody failed" from a collective of
+        their own: every rank calls it, every rank raises the same error."""
+        damaged = getattr(error, "damaged", None)
+        mine = None
         if error is not None:
-            raise error from exc
-        raise UcpError(
-            f"megatron-ucp: {what}: the job's agreement after it failed ({briefly(exc)}): another "
-            "rank died or failed; do not train on this engine, restart the job",
+            mine = (
+                comm().get_rank(),
+                type(error).__name__,
+                str(error).strip(),
+                None if damaged is None else str(damaged),
+            )
+        reports = [box for box in self.gather_objects(mine) if box is not None]
+        messages = list(dict.fromkeys(message for _, _, message, _ in reports))
+        shown = "\n  ".join(messages[:SHOWN_FAILURES])
+        more = f"\n  ... and {len(messages) - SHOWN_FAILURES} more" if len(messages) > SHOWN_FAILURES else ""
+        ranks = ", ".join(str(rank) for rank, _, _, _ in reports[:8]) + (" ..." if len(reports) > 8 else "")
+        kind = _one_class([_error_class(name) for _, name, _, _ in reports])
+        # one rank's file found damaged makes the checkpoint's damage the error, whatever the other ranks found
+        damaged = next((Path(found) for _, _, _, found in reports if found is not None), None)
+        raise kind(
+            f"{what} failed on {len(reports)} rank(s) (global rank {ranks}):\n  {shown}{more}",
             subject=subject,
-        ) from exc
-    if error is not None and failed == comm().get_world_size():
-        raise error  # every rank has its own, naming its files
-    if failed:
-        raise_gathered(error, what, subject)
-    return result
+            damaged=damaged,
+        )
+
+    def agreed(self, step: Callable[[], T], what: str, subject: Any = None) -> T:
+        """``step()``'s value, or, when it raised a package error on any rank of the group, that error on every rank.
+
+        For a step whose own checks agree only within smaller groups (a load binds each DP group's rank files: at TP
+        or PP > 1, or with expert groups, a damaged file refuses it in one group alone) and which must not leave the
+        other ranks going on. Inside ``step``, no rank may start a collective of this group after a point where
+        another may have raised."""
+        error: Optional[UcpError] = None
+        result: Any = None
+        try:
+            result = step()
+        except UcpError as exc:
+            error = exc
+        try:
+            failed = self.count(1 if error is not None else 0)
+        except Exception as exc:  # a rank died: this rank's own error says more than the broken collective
+            if error is not None:
+                raise error from exc
+            raise UcpError(
+                f"megatron-ucp: {what}: the job's agreement after it failed ({briefly(exc)}): another "
+                "rank died or failed; do not train on this engine, restart the job",
+                subject=subject,
+            ) from exc
+        if error is not None and failed == self.size:
+            raise error  # every rank has its own, naming its files
+        if failed:
+            self.raise_gathered(error, what, subject)
+        return result
 
 
-def raise_gathered(error: Optional[BaseException], what: str, subject: Any = None, group: Any = None) -> None:
-    """The second half of :func:`raise_together`, for callers that learned "somebody failed" from a
-    collective of their own: every rank calls it, and every rank raises the same error."""
-    dist = comm()
-    boxes: list[Any] = [None] * dist.get_world_size(group=group)
-    damaged = getattr(error, "damaged", None)
-    mine = None
-    if error is not None:
-        mine = (dist.get_rank(), type(error).__name__, str(error).strip(), None if damaged is None else str(damaged))
-    dist.all_gather_object(boxes, mine, group=group)
-    reports = [box for box in boxes if box is not None]
-    messages = list(dict.fromkeys(message for _, _, message, _ in reports))
-    shown = "\n  ".join(messages[:SHOWN_FAILURES])
-    more = f"\n  ... and {len(messages) - SHOWN_FAILURES} more" if len(messages) > SHOWN_FAILURES else ""
-    ranks = ", ".join(str(rank) for rank, _, _, _ in reports[:8]) + (" ..." if len(reports) > 8 else "")
-    kind = _one_class([_error_class(name) for _, name, _, _ in reports])
-    # one rank's file found damaged makes the checkpoint's damage the error, whatever the other ranks found
-    damaged = next((Path(found) for _, _, _, found in reports if found is not None), None)
-    raise kind(
-        f"{what} failed on {len(reports)} rank(s) (global rank {ranks}):\n  {shown}{more}",
-        subject=subject,
-        damaged=damaged,
-    )
+JOB = Collective()
+"""The whole job's collectives."""
+
+
+def is_first(group: Any = None) -> bool:
+    return comm().get_rank(group=group) == 0
 
 
 SHOWN_FAILURES = 10

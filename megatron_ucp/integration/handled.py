@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from megatron_ucp.deepspeed import stage3_runtime, surface
 from megatron_ucp.errors import UcpError
+from megatron_ucp.integration.collectives import JOB
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,7 @@ def unhandled_reason(engine: Any) -> Optional[str]:
     if agreed is not _UNSET:
         return agreed
     mine = local_reason(engine)
-    reasons: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reasons, mine)
+    reasons = JOB.gather_objects(mine)
     agreed = next(((r, reason) for r, reason in enumerate(reasons) if reason is not None), None)
     verdict = None if agreed is None else agreed[1] if agreed[1] == mine else f"{agreed[1]} (on rank {agreed[0]})"
     if hasattr(engine, "__dict__"):

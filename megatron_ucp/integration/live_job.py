@@ -20,10 +20,11 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import stage3_runtime, surface
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import comm
@@ -386,3 +387,24 @@ def restore_global_state(optimizer: Any, state: dict) -> None:
         stage3_runtime.load_stage3_global_state(optimizer, state)
     else:
         surface.load_global_state(optimizer, state)
+
+
+@dataclass(frozen=True)
+class LoadCall:
+    """One ``engine.load_checkpoint`` call as the resume carries it, from the decision to the finish: the live job,
+    DeepSpeed's own load, the call's folder and arguments, and the plugin's configuration."""
+
+    job: LiveJob
+    original: Callable[..., Any]
+    load_dir: str
+    kwargs: dict
+    config: UcpConfig
+
+    @property
+    def loads_states(self) -> bool:
+        """The call loads the optimizer states (not only the module)."""
+        return bool(self.kwargs["load_optimizer_states"]) and not self.kwargs["load_module_only"]
+
+    def deepspeed(self, tag: Optional[str], **overrides: Any) -> Any:
+        """DeepSpeed's own load of ``tag`` with the call's arguments (``overrides`` replacing some)."""
+        return self.original(self.job.engine, self.load_dir, tag, **{**self.kwargs, **overrides})

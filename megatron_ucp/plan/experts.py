@@ -18,6 +18,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from megatron_ucp.errors import PlanError
 from megatron_ucp.plan.parallel_layout import ParallelLayout
+from megatron_ucp.plan.reshard import DENSE, Placement
 
 EXPERT_FILE_RE = re.compile(r"^layer_(?P<layer>\d+)_expert_(?P<expert>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 
@@ -222,3 +223,15 @@ def global_expert_names(names: Iterable[str], expert_parallel_rank: int) -> dict
         if match:
             out[name] = global_expert_name(name, expert_parallel_rank, len(held[name[: match.start(2)]]))
     return out
+
+
+def saved_placement(counts: Sequence[int], dp: int) -> Placement:
+    """Which groups a save partitioned over fewer ranks than DP (its experts, over expert-DP), from one rank file's
+    ``partition_count`` per group. A file none of whose groups is over DP is taken as dense: the per-file checks name
+    it (a rank file of another save). Raises :class:`PlanError` when the expert groups make no one EP size."""
+    experts = expert_facts((), counts, dp)
+    if experts is None or len(experts.expert_groups) == len(counts):
+        return DENSE
+    if experts.ep is None:  # expert groups over different sizes, or over one that does not divide DP
+        raise PlanError(experts.problems()[0][1])
+    return Placement.of(experts.ep, experts.expert_groups)

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
+from megatron_ucp.errors import UcpError
 from megatron_ucp.plan.geometry import GroupGeometry
-from megatron_ucp.plan.param_geometry import Run
+from megatron_ucp.plan.param_geometry import Run, first_difference, group_count_difference
 from megatron_ucp.plan.rank_binding import Fragments, expected_fragments
 from megatron_ucp.plan.reshard import DENSE, Placement, Read, reshard_reads
 
@@ -166,3 +167,31 @@ def checked_positions(layout: Partitioned, dp_to: int, rank: int, reads: Sequenc
     position falls to it (``position % dp_to``), so that every file of the save is checked by some rank."""
     read = {r.source_rank for g in reads for r in g}
     return sorted(read | {r for r in layout.padding_only_ranks() if r % dp_to == rank})
+
+
+def check_live_model(
+    saved: FlatGroups, live: list[list[tuple[str, tuple[int, ...]]]], flat_sizes: list[int], dp_to: int, where: Any
+) -> FlatGroups:
+    """The live flat groups are the saved ones (order, names, shapes), partitioned as the plan expects at
+    ``dp_to``. Returns the live layout. Raises naming the first difference."""
+    if len(live) != len(saved.shapes):
+        raise UcpError(f"{where}: {group_count_difference(len(saved.shapes), len(live))}", subject=where)
+    for g, (saved_params, live_params) in enumerate(zip(saved.shapes, live, strict=True)):
+        if list(live_params) != list(saved_params):
+            at = first_difference(saved_params, live_params)
+            theirs = saved_params[at] if at < len(saved_params) else "nothing"
+            ours = live_params[at] if at < len(live_params) else "nothing"
+            raise UcpError(
+                f"{where}: param group {g} differs from the model at position {at}: the checkpoint has "
+                f"{theirs}, the model {ours} ({len(saved_params)} vs {len(live_params)} parameters)",
+                subject=where,
+            )
+    new = saved.at_dp(dp_to)
+    for g, (geo, new_geo, flat) in enumerate(zip(saved.geometries, new.geometries, flat_sizes, strict=True)):
+        if new_geo.partition_size != flat:
+            raise UcpError(
+                f"{where}: param group {g} ({geo.numel} elements) has a {flat}-element partition at DP={dp_to}; "
+                f"the plan expects ZeRO's alignment padding only over {new_geo.dp} partitions (per-parameter padding?)",
+                subject=where,
+            )
+    return new

@@ -28,15 +28,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.blockwise8bit import Blockwise8bit
 from megatron_ucp.format.rawtensor import RawTensor
 from megatron_ucp.plan.geometry import GroupGeometry
-
-if TYPE_CHECKING:  # torch only where weights are compared (the hooks): the converter binds files without it
-    import torch
 
 Fragments = tuple[tuple[str, int, int], ...]
 """A rank's fragments of one param group: (parameter name, start in the partition, elements), in order."""
@@ -92,6 +89,8 @@ class FileExpectation:
     partition_counts: Optional[tuple[int, ...]] = None
     """Per group, its number of partitions when not every group has ``dp`` (mixture of experts: the expert
     groups are partitioned over the expert-data-parallel group)."""
+    algorithm: Optional[str] = None
+    """The algorithm of the save's partition checksums (old rank 0's); None: saved without them."""
 
     def counts(self) -> tuple[int, ...]:
         return self.partition_counts or (self.dp,) * len(self.partition_sizes)
@@ -175,7 +174,27 @@ def file_problems(path: str, optim: Mapping, exp: FileExpectation) -> list[str]:
     recorded = _record_problems(path, optim, exp)
     if not recorded:  # a record that names another position says it all; else the fragments tell
         problems += _fragment_problems(path, optim.get(F.PARAM_SLICE_MAPPINGS), exp)
-    return problems + recorded
+    return problems + recorded + _sum_problems(path, optim, exp)
+
+
+def _sum_problems(path: str, optim: Mapping, exp: FileExpectation) -> list[str]:
+    """A hooked save's partition checksums: in every file, of the save's algorithm, one per state of the position's
+    real length."""
+    if exp.algorithm is None:
+        return []
+    record = optim.get(F.ZERO_PARTITION_CHECKSUMS)
+    sums = recorded_sums(optim, len(exp.partition_sizes))
+    if sums is None or not isinstance(record, Mapping) or record.get("algorithm") != exp.algorithm:
+        return [
+            f"{path}: no {exp.algorithm} partition checksums for {len(exp.partition_sizes)} groups, "
+            "although old rank 0's file has them (a rank file of another save?)"
+        ]
+    for g, real in enumerate(exp.true_lengths or ()):
+        for state in (F.FP32_STATE, *exp.states[g]):
+            entry = sums[g].get(state)
+            if entry is None or entry[0] != real:
+                return [f"{path}: {exp.unit} {g}'s recorded checksum of {state!r} is {entry!r}, not [{real}, <sum>]"]
+    return []
 
 
 def _fragment_problems(path: str, mappings: Any, exp: FileExpectation) -> list[str]:
@@ -240,6 +259,14 @@ def recorded_sums(optim: Mapping, groups: int) -> Optional[tuple[Mapping[str, tu
             sums[str(state)] = (int(value[0]), int(value[1]))
         out.append(sums)
     return tuple(out)
+
+
+def step_value(value: Any) -> Any:
+    """An optimizer step as one value to compare (files, groups, folders): a one-element tensor's number, another
+    tensor's shape, else the value itself."""
+    if hasattr(value, "numel") and hasattr(value, "shape"):
+        return float(value) if value.numel() == 1 else ("tensor", tuple(value.shape))
+    return value
 
 
 # ------------------------------------------------------------------------------------------------
@@ -319,47 +346,23 @@ def _odd_ones_out(files: Sequence[FileFacts], values: Sequence[Any], what: str) 
     ]
 
 
+SHOWN_PROBLEMS = 20
+
+
+def binding_message(folder: Any, problems: Sequence[str], loaded: bool = False) -> str:
+    """One error for every rank; ``loaded``: DeepSpeed's own load had already run (the job must stop)."""
+    shown = "\n  ".join(problems[:SHOWN_PROBLEMS])
+    more = f"\n  ... and {len(problems) - SHOWN_PROBLEMS} more" if len(problems) > SHOWN_PROBLEMS else ""
+    state = "the engine is half-loaded: do not train on it" if loaded else "nothing was loaded"
+    return (
+        f"cannot resume from {folder}: its files are damaged or do not belong together ({len(problems)} problem(s)); "
+        f"{state}:\n  {shown}{more}"
+    )
+
+
 # ------------------------------------------------------------------------------------------------
 # the saved weights against the masters
 # ------------------------------------------------------------------------------------------------
-
-_BF16_LOW = 0xFFFF
-_CHUNK = 1 << 22
-
-
-def bracket_misses(master: torch.Tensor, weight: torch.Tensor) -> int:
-    """How many saved weights are not their fp32 masters rounded (same number of elements, flat).
-
-    bf16 weights: a weight must be one of the two bf16 values around its master (a master bf16
-    represents exactly allows only itself): round to nearest, truncation and stochastic rounding
-    all give one of them, a weight of another save or position almost never. Weights of another
-    dtype must equal the master cast to it. The masters may live on an accelerator and the saved
-    weights on the host: each chunk of weights is compared where its masters are.
-    """
-    import torch
-
-    master, weight = master.detach().reshape(-1), weight.detach().reshape(-1)
-    if master.numel() != weight.numel():
-        raise ValueError(f"{master.numel()} masters against {weight.numel()} weights")
-    missed = 0
-    for lo in range(0, master.numel(), _CHUNK):
-        m = master[lo : lo + _CHUNK].float()
-        w = weight[lo : lo + _CHUNK]
-        w = w if w.device == m.device else w.to(m.device)
-        rounded = m.to(w.dtype)
-        if torch.equal(w, rounded):  # rounded to nearest, as DeepSpeed copies: the common case
-            continue
-        differ = w != rounded
-        if w.dtype != torch.bfloat16:
-            missed += int(differ.sum())
-            continue
-        m, w = m[differ], w[differ]  # the bracket for the rest
-        bits = m.contiguous().view(torch.int32)
-        base = bits & ~_BF16_LOW
-        got = w.contiguous().view(torch.int16).to(torch.int32) << 16
-        inexact = (bits & _BF16_LOW) != 0
-        missed += int((~((got == base) | (inexact & (got == base + 0x10000)))).sum())
-    return missed
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_ucp.deepspeed.rank_files import expectation, inspect_file, read_facts, verdict
+from megatron_ucp.integration.resume.native.binding import expectation, inspect_file, read_facts, verdict
 from tests.support.dsharness import TrainResult, TrainSpec, run_training
 
 #: bf16 reduction order differs between DP sizes; everything else must match exactly.

@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from megatron_ucp.deepspeed.rank_files import SavedFacts, Source, expectation, inspect_file
+from megatron_ucp.deepspeed.tensor_reads import Source
 from megatron_ucp.errors import CheckpointFormatError
+from megatron_ucp.integration.resume.native.binding import SavedFacts, expectation, inspect_file
 from megatron_ucp.plan.reshard import Read
 
 

@@ -295,7 +295,7 @@ def _refused_on_one_rank(rank: int, root: str, store: str, out: str) -> None:
     import torch.distributed as dist
 
     from megatron_ucp.errors import CheckpointFormatError
-    from megatron_ucp.integration.collectives import agreed
+    from megatron_ucp.integration.collectives import JOB
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     tried: list = []
@@ -307,7 +307,7 @@ def _refused_on_one_rank(rank: int, root: str, store: str, out: str) -> None:
                 raise CheckpointFormatError(f"{root}/{NEW}/rank1.pt: cut short (rank {rank})", subject=root)
             return name or NEW
 
-        return agreed(step, f"loading {name or 'latest'}")
+        return JOB.agreed(step, f"loading {name or 'latest'}")
 
     try:
         loaded = fallback.load_with_fallback(Path(root), load, universal=False)

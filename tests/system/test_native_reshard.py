@@ -148,12 +148,12 @@ def test_at_dp_768_sampled_ranks_copy_the_saved_values_and_the_ledger_closes(tmp
     and 1536 planned and copied by the hook's own code (``copy_reads``), one process playing
     each: first, middle, last real and an all-padding rank equal the synthetic values bit for bit;
     over every rank of 384 and of 1536 the ledger (against the recorded partition checksums) closes."""
-    from megatron_ucp.deepspeed.rank_files import read_facts
-    from megatron_ucp.integration.resume.native.binding import check_live_model
-    from megatron_ucp.integration.resume.native.old_file_copy import OldFiles, copy_reads
+    from megatron_ucp.integration.resume.native.binding import read_facts
+    from megatron_ucp.integration.resume.native.reshard import OldFiles, copy_reads
     from megatron_ucp.plan.accounting import check_ledger
     from megatron_ucp.plan.geometry import at_dp
     from megatron_ucp.plan.llama_shapes import LlamaShape
+    from megatron_ucp.plan.partitioned import check_live_model
     from megatron_ucp.plan.reshard import reshard_reads
     from megatron_ucp.synthetic.content import SyntheticSpec, state_range
     from megatron_ucp.synthetic.writer import write_checkpoint

@@ -48,9 +48,8 @@ STATES = ("fp32", "exp_avg", "exp_avg_sq")
 LEDGER_PLACES = {
     "load_universal_partitions",
     "load_native_partitions",
-    "settle",
-    "_summed",
-    "count_across",
+    "total",
+    "count",
 }
 """Where the hooks may place a tensor on the accelerator: the ledgers and flags of the one all-reduce each."""
 
@@ -428,8 +427,7 @@ def test_at_dp_768_sampled_ranks_of_both_routes_equal_the_saved_values(tmp_path)
     a middle, the last rank holding a norm weight's elements and one whose slice of it is padding (the norm:
     8 elements, so ranks 8.. of 768 hold only its padding on the old side, and of 512 and 1024 on the new)."""
     from megatron_ucp.convert.execute import ConvertOptions, convert
-    from megatron_ucp.deepspeed.rank_files import expectation, inspect_file, read_facts
-    from megatron_ucp.deepspeed.stage3_files import flat_view
+    from megatron_ucp.integration.resume.native.binding import expectation, inspect_file, read_facts
     from megatron_ucp.plan.llama_shapes import LlamaShape
     from megatron_ucp.plan.param_geometry import per_parameter_reads
     from megatron_ucp.synthetic.content import SyntheticSpec
@@ -458,7 +456,7 @@ def test_at_dp_768_sampled_ranks_of_both_routes_equal_the_saved_values(tmp_path)
             reads = per_parameter_reads(old, new, rank)
             for r in source_ranks(reads):
                 if r not in sources:
-                    source, seen = inspect_file(rank_file(tag, r), facts, expectation(facts, r, reads), view=flat_view)
+                    source, seen = inspect_file(rank_file(tag, r), facts, expectation(facts, r, reads))
                     assert source is not None, seen.problems
                     sources[r] = source
             for h, group_reads in enumerate(reads):

@@ -18,13 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.integration.resume.native.reshard import bracket_misses
 from megatron_ucp.plan.geometry import GroupGeometry
 from megatron_ucp.plan.rank_binding import (
     FileExpectation,
     FileFacts,
     WeightTally,
     blame_weights,
-    bracket_misses,
     cross_check,
     expected_fragments,
     file_problems,

@@ -34,12 +34,13 @@ def test_a_stand_in_of_another_module_is_left_as_it_is():
 
 def test_an_outcome_that_cannot_be_sent_fails_on_the_deciding_rank(monkeypatch: pytest.MonkeyPatch):
     # one process: the first rank's outcome is what every rank gets; an unpicklable one arrives as a Failure
-    monkeypatch.setattr(collectives, "is_first", lambda group=None: True)
-    monkeypatch.setattr(collectives, "broadcast_from_first", lambda outcome, group=None: outcome)
-    monkeypatch.setattr(collectives, "count_across", lambda flag, group=None: flag)
-    outcome = collectives.decide_on_first(lambda: {"fn": lambda: None})
+    C = collectives.Collective
+    monkeypatch.setattr(C, "first", property(lambda self: True))
+    monkeypatch.setattr(C, "broadcast", lambda self, outcome: outcome)
+    monkeypatch.setattr(C, "count", lambda self, flag: flag)
+    outcome = collectives.JOB.decide(lambda: {"fn": lambda: None})
     assert isinstance(outcome, collectives.Failure), outcome
-    assert collectives.decide_on_first(lambda: {"ok": 1}) == {"ok": 1}
+    assert collectives.JOB.decide(lambda: {"ok": 1}) == {"ok": 1}
 
 
 def test_small_collective_tensors_are_held_past_the_call_and_large_buffers_are_not():
@@ -87,13 +88,14 @@ def test_what_cannot_be_set_the_usual_way_is_rebuilt_or_left_and_nothing_raises(
 
 def test_a_decision_one_rank_cannot_read_fails_every_rank(monkeypatch: pytest.MonkeyPatch):
     # this rank is not the first: what it receives names a class it cannot import
-    monkeypatch.setattr(collectives, "is_first", lambda group=None: False)
-    monkeypatch.setattr(collectives, "broadcast_from_first", lambda payload, group=None: b"\x80\x04cno_such_mod\nX\n.")
-    monkeypatch.setattr(collectives, "count_across", lambda flag, group=None: flag)
-    outcome = collectives.decide_on_first(lambda: 1 / 0)  # never called here
+    C = collectives.Collective
+    monkeypatch.setattr(C, "first", property(lambda self: False))
+    monkeypatch.setattr(C, "broadcast", lambda self, payload: b"\x80\x04cno_such_mod\nX\n.")
+    monkeypatch.setattr(C, "count", lambda self, flag: flag)
+    outcome = collectives.JOB.decide(lambda: 1 / 0)  # never called here
     assert isinstance(outcome, collectives.Failure) and "could not be read here" in outcome.message, outcome
     # another rank's failure to read it fails this rank too, though it read it
-    monkeypatch.setattr(collectives, "broadcast_from_first", lambda payload, group=None: pickle.dumps({"ok": 1}))
-    monkeypatch.setattr(collectives, "count_across", lambda flag, group=None: 1)
-    outcome = collectives.decide_on_first(lambda: None)
+    monkeypatch.setattr(C, "broadcast", lambda self, payload: pickle.dumps({"ok": 1}))
+    monkeypatch.setattr(C, "count", lambda self, flag: 1)
+    outcome = collectives.JOB.decide(lambda: None)
     assert isinstance(outcome, collectives.Failure) and "another rank could not read it" in outcome.message

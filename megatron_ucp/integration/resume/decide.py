@@ -4,7 +4,7 @@ and agreed by every rank.
 The first rank reads the requested tag's model states (the DP size recorded in them, the saved names and stage)
 and the state of its universal twin; :func:`megatron_ucp.plan.resume.decide_resume` picks the route (same-DP
 restart, native reshard, universal, or left to stock DeepSpeed) and why; every rank learns the decision
-(:func:`~megatron_ucp.integration.collectives.decide_on_first`). The model states read for it stay on the first rank
+(:meth:`~megatron_ucp.integration.collectives.Collective.decided`). The model states read for it stay on the first rank
 (:attr:`Decided.model_states`) for the route's next steps, so that no file is read twice for one load.
 
 Also here: a mixture-of-experts job the hooks leave to stock DeepSpeed, refused where stock would load the wrong
@@ -32,9 +32,9 @@ from megatron_ucp.deepspeed.reader import rank_file_count_problem, saved_layout,
 from megatron_ucp.errors import CheckpointFormatError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import tag_to_load
-from megatron_ucp.integration.collectives import Failure, count_across, decide_on_first, is_first
+from megatron_ucp.integration.collectives import JOB, Failure
 from megatron_ucp.integration.handled import warn_once
-from megatron_ucp.integration.live_job import LiveJob
+from megatron_ucp.integration.live_job import LiveJob, LoadCall
 from megatron_ucp.plan.experts import expert_layout_change, recorded_experts
 from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.resume import ResumeDecision, TwinState, decide_resume
@@ -54,16 +54,15 @@ class Decided:
     """The first rank's read of the tag's model states (no weight bytes); None on the other ranks."""
 
 
-def decide(job: LiveJob, load_dir: str, tag: Optional[str], loads_states: bool, config: UcpConfig) -> Decided:
+def decide(call: LoadCall, tag: Optional[str]) -> Decided:
     """Collective: the first rank reads the facts and decides, every rank learns the decision; a failure to decide
     is every rank's error."""
     seen: dict = {}
-    outcome = decide_on_first(lambda: _decide_from_facts(job, load_dir, tag, loads_states, config, seen))
-    if isinstance(outcome, Failure):
-        if is_first():
-            log.error("megatron-ucp: deciding how to load %s failed: %s", load_dir, outcome.message)
-        raise outcome.error(f"megatron-ucp could not decide how to load {load_dir}: {outcome.message}", load_dir)
-    decision, native_tag, from_latest = outcome
+    decision, native_tag, from_latest = JOB.decided(
+        lambda: _decide_from_facts(call.job, call.load_dir, tag, call.loads_states, call.config, seen),
+        f"megatron-ucp could not decide how to load {call.load_dir}",
+        call.load_dir,
+    )
     return Decided(decision, native_tag, from_latest, seen.get("model_states"))
 
 
@@ -182,9 +181,9 @@ def refuse_an_expert_layout_change(engine: Any, load_dir: str, tag: Optional[str
     """Collective: the first rank compares its saved partition counts with the live groups; every rank raises
     the same error (strict) or goes on to stock's load."""
     # every rank takes the same way: at PP > 1 only the stages holding MoE layers know of them
-    if not count_across(int(bool(getattr(engine, "has_moe_layers", False)))):
+    if not JOB.count(int(bool(getattr(engine, "has_moe_layers", False)))):
         return
-    verdict = decide_on_first(lambda: _expert_change(engine, Path(load_dir), tag))
+    verdict = JOB.decide(lambda: _expert_change(engine, Path(load_dir), tag))
     if verdict is None or isinstance(verdict, Failure):  # nothing changed, or unreadable: stock's load says it
         return
     if config.strict:

@@ -8,7 +8,7 @@ reshard of :mod:`~megatron_ucp.integration.resume.native.routes`, the universal 
 :mod:`~megatron_ucp.integration.resume.universal.route`, or DeepSpeed's own load where nothing of ours applies),
 each returning one :class:`~megatron_ucp.integration.resume.engine_load.LoadOutcome`; and one finish
 (:func:`~megatron_ucp.integration.resume.finish.finish`). The whole load is agreed across the job
-(:func:`~megatron_ucp.integration.collectives.agreed`): refused on every rank or on none.
+(:meth:`~megatron_ucp.integration.collectives.Collective.agreed`): refused on every rank or on none.
 
 Two DeepSpeed attributes are replaced (entries of :data:`megatron_ucp.deepspeed.surface.SURFACE`, through the
 install's :class:`~megatron_ucp.deepspeed.surface.PatchSet`, so ``uninstall()`` restores them):
@@ -29,10 +29,10 @@ from typing import Any, Callable, Optional
 from megatron_ucp.background.set_aside import recover
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
-from megatron_ucp.integration.collectives import agreed, decide_on_first, is_first
+from megatron_ucp.integration.collectives import JOB, is_first
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.install import make_visible, restore_visibility
-from megatron_ucp.integration.live_job import LiveJob, live_job
+from megatron_ucp.integration.live_job import LoadCall, live_job
 from megatron_ucp.integration.resume.decide import Decided, decide, refuse_an_expert_layout_change
 from megatron_ucp.integration.resume.engine_load import LoadOutcome
 from megatron_ucp.integration.resume.fallback import load_with_fallback
@@ -87,11 +87,12 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
                 refuse_an_expert_layout_change(self, load_dir, tag, config)
             return original(self, load_dir, tag, **kwargs)
         job = live_job(self)  # read once; everything after reads this
-        decide_on_first(lambda: recover(Path(load_dir)))  # what a killed save left settled before anything is read
+        call = LoadCall(job, original, load_dir, kwargs, config)
+        JOB.decide(lambda: recover(Path(load_dir)))  # what a killed save left settled before anything is read
 
         def load(chosen: Optional[str]) -> Any:  # refused on every rank or on none
-            return agreed(
-                lambda: _load_tag(job, original, load_dir, chosen, kwargs, config),
+            return JOB.agreed(
+                lambda: _load_tag(call, chosen),
                 f"loading {chosen or 'latest'}",
             )
 
@@ -107,52 +108,27 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
     return load_checkpoint
 
 
-def _load_tag(
-    job: LiveJob,
-    original: Callable[..., Any],
-    load_dir: str,
-    tag: Optional[str],
-    kwargs: dict,
-    config: UcpConfig,
-) -> Any:
+def _load_tag(call: LoadCall, tag: Optional[str]) -> Any:
     """One load of ``tag`` (None: the one ``latest`` names): decide, route, finish."""
-    loads_states = kwargs["load_optimizer_states"] and not kwargs["load_module_only"]
-    decided = decide(job, load_dir, tag, loads_states, config)
+    decided = decide(call, tag)
     decision = decided.decision
-    if decision.route is Route.NATIVE and (decision.checkpoint_dp is None or not loads_states):
+    if decision.route is Route.NATIVE and (decision.checkpoint_dp is None or not call.loads_states):
         # nothing of ours to do: stock DeepSpeed's load, of the tag the first rank read from `latest` (a rank reading
         # it again could see another value on a shared file system, and load something else)
-        return original(job.engine, load_dir, tag if tag is not None else decided.native_tag, **kwargs)
+        return call.deepspeed(tag if tag is not None else decided.native_tag)
     if is_first():
         log.info("megatron-ucp: %s", decision.message)
         if decision.warning and decision.route is not Route.NATIVE:
             log.warning("megatron-ucp: %s", decision.warning)
-    outcome = _route(job, original, load_dir, decided, kwargs, config)
-    return finish(job, outcome, kwargs, config)
+    return finish(call, _route(call, decided))
 
 
-def _route(
-    job: LiveJob,
-    original: Callable[..., Any],
-    load_dir: str,
-    decided: Decided,
-    kwargs: dict,
-    config: UcpConfig,
-) -> LoadOutcome:
-    """The decided route's load, up to its report: each a straight function of the live job, the saved facts the
+def _route(call: LoadCall, decided: Decided) -> LoadOutcome:
+    """The decided route's load, up to its report: each a straight function of the call, the saved facts the
     decision read, and the decision."""
     decision = decided.decision
     if decision.route is Route.NATIVE:
-        return same_dp_load(job, original, load_dir, decided.native_tag, kwargs, config, decided.model_states)
+        return same_dp_load(call, decided.native_tag, decided.model_states)
     if decision.route is Route.RESHARD:
-        return reshard_load(
-            job,
-            original,
-            load_dir,
-            decision.tag,
-            int(decision.checkpoint_dp),
-            kwargs,
-            config,
-            decided.model_states,
-        )
-    return universal_load(job, original, load_dir, decision, decided.native_tag, decided.from_latest, kwargs, config)
+        return reshard_load(call, decision.tag, int(decision.checkpoint_dp), decided.model_states)
+    return universal_load(call, decision, decided.native_tag, decided.from_latest)

@@ -60,7 +60,7 @@ from megatron_ucp.background.verdicts import identity_digest, record_verdict, ta
 from megatron_ucp.errors import AccountingError, CheckpointFormatError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import tag_to_load
-from megatron_ucp.integration.collectives import Failure, count_across, decide_on_first, is_first
+from megatron_ucp.integration.collectives import JOB, Failure, is_first
 from megatron_ucp.plan.restart_walk import MAX_LOADS
 from megatron_ucp.plan.tags import iterations_lost, tag_step
 
@@ -88,15 +88,14 @@ def load_with_fallback(
     root: Path, load: Callable[[Optional[str]], Any], universal: bool, scheduler: Optional[Any] = None
 ) -> Any:
     """``load(tag)`` of the newest tag that passes (None: the tag ``latest`` names, loaded as today), falling back
-    as the module says. ``load`` raises on every rank or on none (:func:`~megatron_ucp.integration.collectives.
-    agreed`), so that every rank walks the same candidates. ``universal``: the job loads universal folders
+    as the module says. ``load`` raises on every rank or on none (:meth:`~megatron_ucp.integration.collectives.
+    Collective.agreed`), so that every rank walks the same candidates. ``universal``: the job loads universal folders
     (``--universal-checkpoint``), so an older tag is loaded through its complete twin. ``scheduler``: the engine's
     learning-rate scheduler, put back as it was before each load after a refused one (:class:`SchedulerAsBefore`).
     """
-    start = decide_on_first(lambda: _start(root))
-    if isinstance(start, Failure):
-        raise CheckpointFormatError(f"{root}: cannot start the restart: {start.message}", subject=root)
-    latest, unreadable = start
+    latest, unreadable = JOB.decided(
+        lambda: _start(root), f"{root}: cannot start the restart", root, kind=CheckpointFormatError
+    )
     if latest is None and unreadable is None:
         return load(None)  # nothing to fall back from: DeepSpeed says there is no checkpoint
     as_before = SchedulerAsBefore(scheduler)
@@ -104,7 +103,7 @@ def load_with_fallback(
     loads = tried = 0  # loads refused for what may be the job's fault; loads tried
     for tag in _candidates(root, latest):
         through_twin = universal and tag != latest
-        problems, kind = _problems_of(decide_on_first(lambda: judge(root, tag, through_twin)))
+        problems, kind = _problems_of(JOB.decide(lambda: judge(root, tag, through_twin)))
         if problems:
             failed.append(Failed(tag, problems, kind))
             continue
@@ -148,9 +147,9 @@ def _refusal_kind(exc: UcpError, tag_dir: Path, universal: bool) -> Optional[str
     here = os.path.abspath(tag_dir)
     own = damaged is not None and (os.path.abspath(damaged) + os.sep).startswith(here + os.sep)
     try:
-        if count_across(0 if refusal else 1):
+        if JOB.count(0 if refusal else 1):
             return None
-        if count_across(1 if own else 0):
+        if JOB.count(1 if own else 0):
             return FILES
     except Exception:  # the group is broken: raise this rank's own error
         return None
@@ -200,10 +199,12 @@ def _candidates(root: Path, latest: Optional[str]) -> Iterator[str]:
     collectives of the judge and the loads match."""
     if latest is not None:
         yield latest
-    older = decide_on_first(lambda: older_tags(root, latest))
-    if isinstance(older, Failure):
-        raise CheckpointFormatError(f"{root}: cannot list its tags to fall back to: {older.message}", subject=root)
-    yield from older
+    yield from JOB.decided(
+        lambda: older_tags(root, latest),
+        f"{root}: cannot list its tags to fall back to",
+        root,
+        kind=CheckpointFormatError,
+    )
 
 
 def _name_to_load(tag: str, universal: bool) -> str:

@@ -28,13 +28,12 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed.reader import flatten_module_states, load_raw, load_torch_file
 from megatron_ucp.errors import CheckpointFormatError, refuse_or_warn
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.rawtensor import torch_views_from_raw
 from megatron_ucp.integration.collectives import comm, is_first
-from megatron_ucp.integration.live_job import LiveJob, live_groups
+from megatron_ucp.integration.live_job import LiveJob, LoadCall, live_groups
 from megatron_ucp.integration.resume.engine_load import CopiedFrom, LoadOutcome, loaded_path
 from megatron_ucp.integration.resume.module_read import how_module_is_read, with_the_rest_exchanged
 from megatron_ucp.plan.accounting import Problem, ProblemKind
@@ -336,23 +335,24 @@ ENGINE_REPORT_ATTR = "megatron_ucp_load_report"
 """The engine attribute holding the last accounted load's :class:`AccountingReport` (for tools)."""
 
 
-def finish(job: LiveJob, outcome: LoadOutcome, kwargs: dict, config: UcpConfig) -> Any:
+def finish(call: LoadCall, outcome: LoadOutcome) -> Any:
     """Every route's end: where the route accounted for the tensors (its report), the training state and the batch
     checked, the module tensors universal mode skips restored, one summary line, enforced as ``config.strict``
     says; then, on every route the hooks read (not DeepSpeed's own load of a form they do not), every master and
     optimizer state finite. Returns DeepSpeed's result."""
     if outcome.report is not None and outcome.load_path is not None:
-        _account(job, outcome, kwargs, config)
+        _account(call, outcome)
     loaded = loaded_path(outcome.result)
     if loaded is not None and not outcome.stock:
-        refuse_non_finite(job, loaded.parent, config.strict, outcome.origins)
+        refuse_non_finite(call.job, loaded.parent, call.config.strict, outcome.origins)
     return outcome.result
 
 
-def _account(job: LiveJob, outcome: LoadOutcome, kwargs: dict, config: UcpConfig) -> None:
+def _account(call: LoadCall, outcome: LoadOutcome) -> None:
     """The report completed with the training state's and the module's checks, kept on the engine, enforced.
     The model states are what the load already read (the reshard route), else the file mapped, so that only the
     parts read here are paged in."""
+    job, kwargs, config = call.job, call.kwargs, call.config
     engine = job.engine
     load_path, dp_from = outcome.load_path, outcome.dp_from
     folder = load_path.parent
@@ -378,7 +378,7 @@ def _account(job: LiveJob, outcome: LoadOutcome, kwargs: dict, config: UcpConfig
         extras += e
     if outcome.restore_module:
         optimized = set(job.optimized)
-        if how_module_is_read(job, config, kwargs, Route.UNIVERSAL_EXISTING).distributed:  # once across the DP group
+        if how_module_is_read(call, Route.UNIVERSAL_EXISTING).distributed:  # once across the DP group
             states = with_the_rest_exchanged(states, optimized, load_path, job.dp_group)
         p, e = restore_module_tensors(engine.module, optimized, folder, states)
         problems += p

@@ -35,7 +35,6 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from megatron_ucp import faults
-from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.reader import flatten_module_states, load_raw
 from megatron_ucp.deepspeed.tensor_reads import read_tensor_range
@@ -43,8 +42,8 @@ from megatron_ucp.errors import CheckpointFormatError, UcpError, briefly
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.exact_read import RangeReader, file_offset
 from megatron_ucp.format.rawtensor import RawTensor
-from megatron_ucp.integration.collectives import all_gather, all_reduce, comm, device
-from megatron_ucp.integration.live_job import LiveJob
+from megatron_ucp.integration.collectives import Collective, comm, device
+from megatron_ucp.integration.live_job import LiveJob, LoadCall
 from megatron_ucp.plan.resume import Route
 
 log = logging.getLogger(__name__)
@@ -67,25 +66,27 @@ class ModuleRead:
 ZERO3_OWN_READ = "ZeRO-3: DeepSpeed's own optimizer load restores the module from the masters"
 
 
-def how_module_is_read(job: LiveJob, config: UcpConfig, kwargs: dict, route: Route) -> ModuleRead:
+def how_module_is_read(call: LoadCall, route: Route) -> ModuleRead:
     """The one decision, per route. A universal load restores the module tensors from its folder, so only
     ``module_read`` decides; a native load of ZeRO-3 leaves the module to DeepSpeed's optimizer load (the reshard,
     which replaces that load, reads the model states lazily); a native load of ZeRO-1/2 reads the module once
     across the job unless :func:`full_module_reason` says why not."""
+    job, config = call.job, call.config
     if route is not Route.NATIVE and route is not Route.RESHARD:
         why = None if config.module_read == "distributed" else f"module_read={config.module_read}"
         return ModuleRead(why, lazy=why is None or job.per_parameter)
     if job.per_parameter:
         return ModuleRead(ZERO3_OWN_READ, lazy=route is Route.RESHARD)
-    why = full_module_reason(job, config, kwargs)
+    why = full_module_reason(call)
     return ModuleRead(why, lazy=why is None)
 
 
-def full_module_reason(job: LiveJob, config: UcpConfig, kwargs: dict) -> Optional[str]:
+def full_module_reason(call: LoadCall) -> Optional[str]:
     """Why a ZeRO-1/2 native load reads the module as DeepSpeed does (every rank, whole); None: once across the
     job."""
-    if config.module_read != "distributed":
-        return f"module_read={config.module_read}"
+    job, kwargs = call.job, call.kwargs
+    if call.config.module_read != "distributed":
+        return f"module_read={call.config.module_read}"
     if kwargs.get("load_module_only") or not kwargs.get("load_optimizer_states", True):
         return "no optimizer states to rebuild the weights from"
     if kwargs.get("custom_load_fn") is not None:
@@ -232,7 +233,7 @@ def _read_the_rest(path: Path, names: list[str], group: Any, key: Optional[str] 
             at += size
     boxes = [torch.empty(chunk, dtype=torch.uint8, device=device()) for _ in range(world)]
     with exchanging("the exchange of the module tensors without a master"):
-        all_gather(boxes, mine.to(device()), group)
+        Collective(group).gather(boxes, mine.to(device()))
     flat, out, at = torch.cat([box.cpu() for box in boxes]), {}, 0
     for name, tensor in pieces:
         size = tensor.numel() * tensor.element_size()
@@ -341,7 +342,7 @@ def _masters_round_to(job: LiveJob, pairs: Iterable[tuple[torch.Tensor, torch.Te
             differ += int(not torch.equal(master.to(weights.dtype), weights))
     total = torch.tensor([differ], dtype=torch.int64, device=device())
     with exchanging(what):
-        all_reduce(total, job.dp_group)
+        Collective(job.dp_group).sum(total)
     return int(total.item()) == 0
 
 

@@ -57,7 +57,7 @@ from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import SaveFailedError
 from megatron_ucp.format.save_files import SavedFile
-from megatron_ucp.integration.collectives import comm, count_across, device, is_first
+from megatron_ucp.integration.collectives import JOB, comm, device, is_first
 from megatron_ucp.integration.save import megatron_tracker
 from megatron_ucp.integration.save.commit import (
     OpenSave,
@@ -254,7 +254,7 @@ def _commit_before_leaving() -> None:
     deadline = time.monotonic() + wait
     for flight in list(_state.in_flight):
         flight.done.wait(max(0.0, deadline - time.monotonic()))
-    unfinished = count_across(sum(not flight.done.is_set() for flight in _state.in_flight))
+    unfinished = JOB.count(sum(not flight.done.is_set() for flight in _state.in_flight))
     if unfinished:
         log.warning(
             "megatron-ucp: leaving the process group with %d file write(s) unfinished after %.0fs: the saves in "
@@ -487,7 +487,7 @@ def settle(engine: Any, block: bool = False) -> None:
         oldest: InFlight = _state.in_flight[0]
         if must:
             _wait_written(oldest)
-        if count_across(0 if oldest.done.is_set() else 1):  # the same sum on every rank: every rank goes the same way
+        if JOB.count(0 if oldest.done.is_set() else 1):  # the same sum on every rank: every rank goes the same way
             if not must:
                 return
             time.sleep(0.05)  # another rank still writes: ask again

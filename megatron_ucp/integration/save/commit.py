@@ -58,14 +58,7 @@ from megatron_ucp.errors import SaveFailedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
 from megatron_ucp.format.save_files import SavedFile, describe, file_list_path, file_list_text
-from megatron_ucp.integration.collectives import (
-    Failure,
-    comm,
-    count_across,
-    decide_on_first,
-    is_first,
-    raise_gathered,
-)
+from megatron_ucp.integration.collectives import JOB, Failure, comm, is_first
 from megatron_ucp.integration.save import megatron_tracker
 
 log = logging.getLogger(__name__)
@@ -204,7 +197,7 @@ def open_save(
         recover(Path(save_dir))
         return set_aside(Path(save_dir), tag, save_id)
 
-    aside = decide_on_first(on_first)
+    aside = JOB.decide(on_first)
     if isinstance(aside, Failure):
         if is_first():
             log.warning(
@@ -219,17 +212,17 @@ def close_save(save: OpenSave, watch: WriteWatch, tracker: Optional[Pointer] = N
     when every rank wrote every file it was asked to; else the earlier save put back and one
     :class:`SaveFailedError` raised on every rank, naming each failed rank's file."""
     failure = watch.outcome()
-    if count_across(1 if failure is not None else 0):
+    if JOB.count(1 if failure is not None else 0):
         if is_first():
             put_back(save.aside)
-        raise_gathered(
+        JOB.raise_gathered(
             failure,
             f"saving {save.tag} in {save.save_dir} (`latest` still names the previous tag; nothing was marked as "
             "saved)",
             subject=save.folder,
         )
     files = gather_files(watch.files)
-    outcome = decide_on_first(lambda: commit_on_first(save, files, tracker))
+    outcome = JOB.decide(lambda: commit_on_first(save, files, tracker))
     if isinstance(outcome, Failure):
         why = outcome.message.removeprefix(f"{outcome.kind}: ")
         raise SaveFailedError(f"saving {save.tag} in {save.save_dir}: {why}", subject=save.folder)
@@ -237,10 +230,7 @@ def close_save(save: OpenSave, watch: WriteWatch, tracker: Optional[Pointer] = N
 
 def gather_files(files: Sequence[SavedFile]) -> list[SavedFile]:
     """Every rank's files of the save, on every rank."""
-    dist = comm()
-    boxes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(boxes, list(files))
-    return [f for box in boxes for f in box]
+    return [f for box in JOB.gather_objects(list(files)) for f in box]
 
 
 def commit_on_first(save: OpenSave, files: Sequence[SavedFile], tracker: Optional[Pointer] = None, wait: bool = False):

@@ -38,7 +38,7 @@ from megatron_ucp.deepspeed import stage3_runtime, surface
 from megatron_ucp.deepspeed.surface import OptimizerLayout
 from megatron_ucp.errors import UnsupportedError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.integration.collectives import broadcast_from_first, comm
+from megatron_ucp.integration.collectives import JOB, comm
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.live_job import tp_layout_record
 from megatron_ucp.integration.save import async_save
@@ -232,7 +232,7 @@ def _new_save_id() -> str:
     dist = comm()
     if not (dist.is_available() and dist.is_initialized()):
         return uuid.uuid4().hex
-    return broadcast_from_first(uuid.uuid4().hex if dist.get_rank() == 0 else None)
+    return JOB.broadcast(uuid.uuid4().hex if dist.get_rank() == 0 else None)
 
 
 def install(patches: Any, config: UcpConfig) -> None:

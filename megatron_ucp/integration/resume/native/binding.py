@@ -1,58 +1,316 @@
-"""Every old rank file of a save bound to its position and its save, before DeepSpeed's own load touches the
-engine: one entry for every layout and every route that reads the native files.
-
-Call order (collective over the optimizer's DP group, every rank calls :func:`bind_save`):
-
-1. the facts, read once by the group's first rank and broadcast (:class:`~megatron_ucp.deepspeed.rank_files.
-   SavedFacts`, whose ``layout`` says where every saved element sits);
-2. the live optimizer described by a layout of the same kind (:func:`live_layout`), checked against the facts
-   (the same parameters, in the same groups, partitioned as the plan expects) and this rank's reads planned
-   from one layout to the other (``facts.layout.reads_to(new, rank)``);
-3. every old file this rank reads, and the padding-only ones that fall to it, opened (metadata only) and
-   checked against what its position must hold, and one verdict on every rank
-   (:func:`megatron_ucp.deepspeed.rank_files.bind_rank_files`). Files that do not belong together stop
-   every rank here, naming the file(s), with the engine untouched.
-
-What differs between the ZeRO stages is only what their files and their live optimizers are
-(one :func:`~megatron_ucp.deepspeed.rank_files.read_facts`, a ZeRO-3 file seen through
-:func:`megatron_ucp.deepspeed.stage3_files.flat_view`;
-:func:`megatron_ucp.integration.live_job.live_stage3_groups`);
-everything after the binding (the copy, the ledger, the checks after a load) takes the :class:`BoundSave`.
-"""
+"""Every old rank file of a native load bound to its position and its save, before DeepSpeed's own load touches the
+engine: the save's facts, read once by the group's first rank; the live optimizer checked against them; one bind
+of the files, each inspected by the rank that reads it, one verdict on every rank. Every ZeRO stage and route."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_ucp.deepspeed import surface
+from megatron_ucp.deepspeed.model_states import rank_file_count_problem
 from megatron_ucp.deepspeed.optimizer_files import optimizer_state
-from megatron_ucp.deepspeed.rank_files import (
-    RankFile,
-    SavedFacts,
-    Source,
-    binding_message,
-    expectation,
-    inspect_file,
-    read_facts,
-    verdict,
+from megatron_ucp.deepspeed.quantized_states import dequantized_view, expanded, packed_states
+from megatron_ucp.deepspeed.reader import load_raw
+from megatron_ucp.deepspeed.stage3_files import flat_view, model_states_of_another_save, sub_group_owners
+from megatron_ucp.deepspeed.state_kinds import (
+    partition_scalars,
+    portable,
+    tensor_states,
+    unplaceable_error,
+    unplaceable_states,
 )
-from megatron_ucp.deepspeed.stage3_files import flat_view
-from megatron_ucp.deepspeed.state_kinds import unplaceable_error
-from megatron_ucp.errors import CheckpointFormatError, PlanError, StockFormError, UcpError, UnsupportedError
+from megatron_ucp.deepspeed.tensor_reads import Source
+from megatron_ucp.deepspeed.torch_files import with_torch_values
+from megatron_ucp.errors import CheckpointFormatError, PlanError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.integration.collectives import Failure, comm, decide_on_first
+from megatron_ucp.format import integrity, save_files
+from megatron_ucp.format.paths import special_kind
+from megatron_ucp.format.rawtensor import RawTensor
+from megatron_ucp.integration.collectives import Collective, comm
 from megatron_ucp.integration.live_job import LiveJob, live_stage3_groups
 from megatron_ucp.integration.resume.native.requantize import blocksize_of_live
-from megatron_ucp.plan.param_geometry import first_difference, group_count_difference
-from megatron_ucp.plan.partitioned import FlatGroups, Partitioned, checked_positions
-from megatron_ucp.plan.rank_binding import FileFacts
-from megatron_ucp.plan.reshard import Read
+from megatron_ucp.plan.experts import recorded_experts, saved_placement
+from megatron_ucp.plan.param_geometry import Stage3Groups
+from megatron_ucp.plan.partitioned import FlatGroups, Partitioned, check_live_model, checked_positions
+from megatron_ucp.plan.rank_binding import (
+    FileExpectation,
+    FileFacts,
+    binding_message,
+    cross_check,
+    file_problems,
+    recorded_sums,
+    save_record_of,
+    step_value,
+)
+from megatron_ucp.plan.reshard import Placement, Read
 
 log = logging.getLogger(__name__)
+
+_PARTITIONS = (F.BASE_OPTIMIZER_STATE, F.SINGLE_PARTITION_OF_FP32_GROUPS, F.PARAM_SLICE_MAPPINGS)
+"""The per-rank parts of an optimizer file; the rest (loss scaler, clip_grad, ds_version) is global."""
+RankFile = Callable[[int], Path]
+"""Old DP rank -> its optimizer file for this rank's model-parallel coordinate (the engine names it)."""
+
+
+@dataclass(frozen=True)
+class SavedFacts:
+    """What the DP group's first rank reads once and broadcasts: a save of any ZeRO stage, its layout a value."""
+
+    dp_from: int
+    layout: Partitioned
+    """Where each rank file's real elements sit: :class:`~megatron_ucp.plan.partitioned.FlatGroups` (ZeRO-1/2,
+    expert groups over expert-DP) or :class:`~megatron_ucp.plan.param_geometry.Stage3Groups` (ZeRO-3 sub-groups)."""
+    global_state: dict
+    """Old rank 0's optimizer-level state (loss scaler, clip_grad, ds_version, ...)."""
+    param_groups: list[dict]
+    """The base optimizer's hyperparameters per param group (``params`` left out)."""
+    states: list[tuple[str, ...]]
+    """Each group's tensor states in the files (``exp_avg``, ``exp_avg_sq``, ...)."""
+    steps: list[Any]
+    """Each group's optimizer step (old rank 0's), as the optimizer keeps it."""
+    scalars: list[dict[str, Any]] = field(default_factory=list)
+    """Each group's states of one value per partition (NAdam's ``mu_product``, a flag): old rank 0's, the same in
+    every rank file (checked), so carried to any DP size as they are."""
+    unplaceable: tuple[str, ...] = ()
+    """Old rank 0's states no copy places at another DP size (:func:`unplaceable_states`)."""
+    unplaceable_file: str = ""
+    algorithm: Optional[str] = None
+    """The algorithm of old rank 0's ``zero_partition_checksums``; None: saved without them."""
+    save_id: Optional[str] = None
+    """The save's identity in the model states (saved through the hooks); None: saved without it."""
+    model_states: str = ""
+    frozen: tuple[str, ...] = ()
+    """Frozen parameters of a ZeRO-3 save: their slices live in every rank's model states."""
+    requantized: tuple[str, ...] = ()
+    """bitsandbytes' states read as values out of its 8-bit dict (``--ucp-requantize-8bit``), quantized again."""
+    per_parameter: bool = False
+    """A ZeRO-3 save: its files are read under ZeRO-1/2's keys (:func:`~megatron_ucp.deepspeed.stage3_files.
+    flat_view`)."""
+
+    def read(self, path: Path) -> dict:
+        """A rank file of this save as ZeRO-1/2's optimizer dict (tensors located, not read)."""
+        view = flat_view if self.per_parameter else optimizer_state
+        return (dequantized_view(view) if self.requantized else view)(path)
+
+
+def absent(path: Path) -> Optional[str]:
+    """Why ``path`` cannot be read as a rank file (missing, a FIFO, a directory, a symlink loop, a dangling link),
+    or None for a regular file."""
+    if path.is_file():
+        return None
+    kind = special_kind(path)
+    if kind is not None:
+        return f"is {kind}, not a rank file"
+    return "is a dangling symbolic link" if path.is_symlink() else "is missing"
+
+
+def read_facts(
+    model_states: Path,
+    rank_file: RankFile,
+    states: Optional[dict] = None,
+    live_shapes: Optional[list[list[tuple[str, tuple[int, ...]]]]] = None,
+    per_parameter: bool = False,
+    requantize: bool = False,
+) -> SavedFacts:
+    """The facts of any save (first rank), with the old files' presence and DP size checked. ``states``: the model
+    states already read (else read here, without the weights' bytes). ``live_shapes``: the job's param groups, taken
+    as the saved ones for a mixture-of-experts save whose model states list none (DeepSpeed before 0.19: the rank
+    files' ``param_slice_mappings`` are then checked against them). ``per_parameter``: a ZeRO-3 save
+    (``model_states``: DP rank 0's). ``requantize``: bitsandbytes' 8-bit dicts read as their two states."""
+    if states is None:
+        states = load_raw(model_states, random_access=True)
+    saved_shapes = states.get(F.PARAM_SHAPES) if isinstance(states, dict) else None
+    if not isinstance(saved_shapes, list):
+        if per_parameter or live_shapes is None or not recorded_experts(_get(states, "num_experts")):
+            raise CheckpointFormatError(
+                f"{model_states}: no param_shapes (not a ZeRO-1/2 model-states file)", subject=model_states
+            )
+        saved_shapes = [dict(group) for group in live_shapes]
+    saved_shapes = [group for group in saved_shapes if isinstance(group, dict)]
+    dp_from = _get(states, F.DP_WORLD_SIZE)
+    if not isinstance(dp_from, int) or dp_from < 1:
+        raise CheckpointFormatError(f"{model_states}: no valid dp_world_size ({dp_from!r})", subject=model_states)
+    record = states.get(F.UCP_SAVE_RECORD)
+    save_id = str(record["save_id"]) if isinstance(record, dict) and record.get("save_id") is not None else None
+    expected = check_presence(model_states, rank_file, dp_from)
+    save_files.check(model_states.parent, save_id)  # every file of the save (layer and expert files too) as written
+    if per_parameter:
+        _check_stage3_model_states(model_states, dp_from, save_id)
+    try:  # tensors located, not read; a damaged file is said as any rank's is (binding_message)
+        first = (flat_view if per_parameter else optimizer_state)(expected[0])
+    except CheckpointFormatError as exc:
+        raise CheckpointFormatError(
+            binding_message(model_states.parent, [str(exc)]), subject=expected[0], damaged=expected[0]
+        ) from exc
+    per_group_states = first[F.BASE_OPTIMIZER_STATE].get("state", {}).values()
+    packed = packed_states(per_group_states) if requantize and not per_parameter else ()
+    if packed:
+        first = expanded(first, expected[0])
+    base = first[F.BASE_OPTIMIZER_STATE]
+    groups = base.get("param_groups") or []
+    if per_parameter:
+        count = len(first[F.SINGLE_PARTITION_OF_FP32_GROUPS])
+        if len(saved_shapes) != count:
+            raise CheckpointFormatError(
+                f"{expected[0]}: has {count} optimizer sub-groups, {model_states.name} lists {len(saved_shapes)}: "
+                "files of another run, or another sub_group_size?",
+                subject=expected[0],
+                damaged=expected[0],
+            )
+        layout: Partitioned = Stage3Groups(
+            tuple(tuple((str(name), math.prod(shape)) for name, shape in group.items()) for group in saved_shapes),
+            tuple(sub_group_owners(groups, count, expected[0])),
+            dp_from,
+        )
+    else:
+        count = len(groups)
+        layout = FlatGroups.of(
+            [[(name, tuple(shape)) for name, shape in group.items()] for group in saved_shapes],
+            dp_from,
+            _placement(first.get(F.PARTITION_COUNT), dp_from, expected[0]),
+        )
+    per_group = [base["state"].get(g, {}) for g in range(count)]
+    return SavedFacts(
+        dp_from=dp_from,
+        layout=layout,
+        global_state=with_torch_values(
+            {k: v for k, v in first.items() if k not in _PARTITIONS and k != F.UCP_SAVE_RECORD}
+        ),
+        param_groups=[{k: v for k, v in group.items() if k != "params"} for group in groups],
+        states=tensor_states(per_group),
+        steps=[_in_memory(s.get(F.STEP_STATE)) for s in per_group],
+        scalars=[{k: _in_memory(v) for k, v in partition_scalars(s)} for s in per_group],
+        unplaceable=unplaceable_states(per_group, first[F.SINGLE_PARTITION_OF_FP32_GROUPS], layout.unit),
+        unplaceable_file=str(expected[0]),
+        algorithm=_checksum_algorithm(first, expected[0]),
+        save_id=save_id,
+        model_states=str(model_states),
+        frozen=tuple(sorted(states.get(F.FROZEN_PARAM_SHAPES) or ())) if per_parameter else (),
+        requantized=packed,
+        per_parameter=per_parameter,
+    )
+
+
+def _get(states: Any, key: str) -> Any:
+    return states.get(key) if isinstance(states, dict) else None
+
+
+def _check_stage3_model_states(model_states: Path, dp_from: int, save_id: Optional[str]) -> None:
+    """Every ZeRO-3 rank saved its own model states (counters, config, frozen slices): none may be missing, and,
+    saved through the hooks, every one is of this save."""
+    paths = [model_states.parent / F.zero3_model_file(r, F.mp_rank_of(model_states.name)) for r in range(dp_from)]
+    for path in paths:
+        why = absent(path)
+        if why is not None:
+            raise CheckpointFormatError(f"{path}: {why} (the save's DP size is {dp_from})", subject=path, damaged=path)
+    if save_id is not None:
+        others = model_states_of_another_save(paths, model_states, save_id)
+        if others:
+            culprit = others[0].split(": ")[0]
+            raise CheckpointFormatError(binding_message(model_states.parent, others), subject=culprit, damaged=culprit)
+
+
+def _placement(counts: Any, dp_from: int, path: Path) -> Placement:
+    """:func:`~megatron_ucp.plan.experts.saved_placement` of a rank file's ``partition_count``, refusals naming it."""
+    counts = list(counts) if isinstance(counts, (list, tuple)) else [counts]
+    if any(not isinstance(c, int) or c < 1 for c in counts):
+        raise CheckpointFormatError(f"{path}: no valid partition_count ({counts!r})", subject=path)
+    try:
+        return saved_placement(counts, dp_from)
+    except PlanError as exc:
+        raise CheckpointFormatError(f"{path}: {exc}", subject=path) from exc
+
+
+def check_presence(model_states: Path, rank_file: RankFile, dp_from: int) -> list[Path]:
+    """The ``dp_from`` old rank files the model states name, each a readable file, and no other of this
+    model-parallel rank in the folder; raises naming the first that is not. Returns their paths."""
+    expected = [rank_file(r) for r in range(dp_from)]
+    unreadable = [(p, why) for p in expected if (why := absent(p)) is not None]
+    if unreadable:
+        path, why = unreadable[0]
+        more = f" ({len(unreadable)} of the {dp_from} rank files the model states' DP={dp_from} needs are unreadable)"
+        saved = sorted(p.name for p in model_states.parent.glob("*optim_states.pt"))[:2]
+        if len(unreadable) == len(expected) and saved:  # none by the job's names: another optimizer's, not damage
+            raise CheckpointFormatError(
+                f"{path}: {why}: this job names its rank files {path.name!r}, the save's are {saved} (another "
+                "optimizer, precision or ZeRO stage than the save's?)",
+                subject=path,
+            )
+        raise CheckpointFormatError(f"{path}: {why}{more if len(unreadable) > 1 else ''}", subject=path, damaged=path)
+    problem = rank_file_count_problem(model_states.parent, dp_from, like=expected[0].name)
+    if problem is not None:
+        raise CheckpointFormatError(problem, subject=model_states.parent, damaged=model_states.parent)
+    return expected
+
+
+def _checksum_algorithm(optim: dict, path: Path) -> Optional[str]:
+    """The algorithm of a hooked save's partition checksums (None: saved without them); an unknown one is refused."""
+    record = optim.get(F.ZERO_PARTITION_CHECKSUMS)
+    algorithm = record.get("algorithm") if isinstance(record, dict) else None
+    if algorithm is not None and algorithm not in integrity.KNOWN_ALGORITHMS:
+        raise CheckpointFormatError(
+            f"{path}: partition checksums of unknown algorithm {algorithm!r} "
+            f"(known: {', '.join(integrity.KNOWN_ALGORITHMS)})",
+            subject=path,
+        )
+    return algorithm
+
+
+def _in_memory(value: Any) -> Any:
+    """A value as the optimizer keeps it: a torch tensor of its own (copied out of the file), or a number."""
+    return value.to_torch().clone() if isinstance(value, RawTensor) else value
+
+
+def expectation(facts: SavedFacts, position: int, reads: Sequence[Sequence[Read]]) -> FileExpectation:
+    """What the file at ``position`` must hold, for ``reads`` (those of the rank that opens it)."""
+    layout = facts.layout
+    return FileExpectation(
+        position=position,
+        dp=facts.dp_from,
+        partition_sizes=tuple(layout.partition_sizes()),
+        states=tuple(facts.states),
+        needs=tuple(layout.needs(position, reads)),
+        fragments=layout.fragments(position),
+        true_lengths=tuple(layout.true_lengths(position)),
+        save_id=facts.save_id,
+        unit=layout.unit,
+        partition_counts=layout.partition_counts(),
+        algorithm=facts.algorithm,
+    )
+
+
+def inspect_file(path: Path, facts: SavedFacts, exp: FileExpectation) -> tuple[Optional[Source], FileFacts]:
+    """One file opened (metadata only) and checked on its own. Never raises for a bad file: what is wrong is in the
+    returned facts (and no source)."""
+    try:
+        optim = facts.read(path)
+    except UcpError as exc:
+        return None, FileFacts(exp.position, str(path), problems=(str(exc),))
+    problems = file_problems(str(path), optim, exp)
+    base = optim[F.BASE_OPTIMIZER_STATE].get("state", {})
+    states = [base.get(g, {}) for g in range(len(exp.partition_sizes))]
+    record = save_record_of(optim)
+    sums = recorded_sums(optim, len(exp.partition_sizes)) if facts.algorithm is not None else None
+    steps = tuple(step_value(s.get(F.STEP_STATE)) if isinstance(s, dict) else None for s in states)
+    scalars = tuple(
+        tuple((k, portable(v)) for k, v in partition_scalars(s)) if isinstance(s, dict) else () for s in states
+    )
+    save_id = str(record.get("save_id")) if record is not None and record.get("save_id") is not None else None
+    file_facts = FileFacts(exp.position, str(path), steps, save_id, tuple(problems), sums, scalars)
+    if problems:
+        return None, file_facts
+    return Source(path, list(optim[F.SINGLE_PARTITION_OF_FP32_GROUPS]), states, sums), file_facts
+
+
+def verdict(facts: SavedFacts, seen: Sequence[FileFacts]) -> list[str]:
+    """Every problem the files of a save have, on their own (by position) and together."""
+    problems = list(dict.fromkeys(p for f in sorted(seen, key=lambda f: f.position) for p in f.problems))
+    return problems + cross_check(facts.model_states, facts.save_id, seen, facts.layout.unit)
 
 
 @dataclass
@@ -92,19 +350,17 @@ def bind_save(
     same_dp: bool = False,
     requantize: bool = False,
 ) -> Optional[BoundSave]:
-    """Steps 1 to 3 (collective over the optimizer's DP group); raises the same error on every rank when the
-    files do not belong together. ``model_states``: this rank's model-states file as the engine names it (at
-    ZeRO-3 the facts are read from DP rank 0's). ``states``: the model states the first rank already read
-    (else read here, without the weights). ``same_dp``: a restart at the saved DP size, where DeepSpeed reads
-    each rank's own file itself; a ZeRO-1/2 model the flat plan cannot describe (per-parameter padding, other
-    names) is then left to DeepSpeed unbound (returns None) instead of refused. ``requantize``: at a DP change,
-    bitsandbytes' 8-bit state is read as values, to be quantized again (``--ucp-requantize-8bit``)."""
+    """The binding (collective over the optimizer's DP group); the same error on every rank when the files do not
+    belong together. ``model_states``: this rank's, as the engine names it. ``states``: the model states the first
+    rank already read. ``same_dp``: a restart at the saved DP size, where a ZeRO-1/2 model the flat plan cannot
+    describe is left to DeepSpeed unbound (None) instead of refused. ``requantize``: ``--ucp-requantize-8bit``."""
     t0 = time.perf_counter()
     group, rank = job.dp_group, job.dp_rank
     per_parameter = job.per_parameter
     if per_parameter:  # every ZeRO-3 rank saves its own model states; the facts are in DP rank 0's
         model_states = model_states.parent / F.zero3_model_file(0, F.mp_rank_of(rank_file(0).name))
-    facts = decide_on_first(
+    calls = Collective(group)
+    facts = calls.decided(
         lambda: read_facts(
             model_states,
             rank_file,
@@ -113,12 +369,10 @@ def bind_save(
             per_parameter,
             requantize=requantize and not same_dp,
         ),
-        group,
+        f"cannot resume from {model_states.parent}",
+        subject=model_states,
+        kind=CheckpointFormatError,  # a StockFormError stays one: a form DeepSpeed's own load takes
     )
-    if isinstance(facts, Failure):  # StockFormError: a form DeepSpeed's own load takes (the caller steps aside)
-        kind = StockFormError if facts.kind == StockFormError.__name__ else CheckpointFormatError
-        damaged = Path(facts.damaged) if facts.damaged is not None else None
-        raise kind(f"cannot resume from {model_states.parent}: {facts.message}", subject=model_states, damaged=damaged)
     if facts.requantized:  # the same facts on every rank; the live optimizer is the same class everywhere
         blocksize_of_live(job.base)
         if rank == 0:
@@ -128,8 +382,7 @@ def bind_save(
                 "/".join(facts.requantized),
             )
     if facts.unplaceable:  # the same facts on every rank: the same decision everywhere
-        name = type(job.base).__name__
-        error = unplaceable_error(facts.unplaceable_file, facts.unplaceable, name)
+        error = unplaceable_error(facts.unplaceable_file, facts.unplaceable, type(job.base).__name__)
         if not same_dp:
             raise error
         if rank == 0:
@@ -144,16 +397,39 @@ def bind_save(
         if same_dp and not per_parameter:
             return None  # the same answer on every rank: the facts and the live model are the same everywhere
         raise
-    positions = checked_positions(facts.layout, new.dp, rank, reads)
-    view = facts.view(flat_view if per_parameter else optimizer_state)
-    sources, files = bind_rank_files(facts, reads, positions, rank_file, group, view)
+    sources, files = _bind_files(facts, reads, checked_positions(facts.layout, new.dp, rank, reads), rank_file, calls)
     return BoundSave(facts, new, reads, sources, rank_file, rank, time.perf_counter() - t0, files)
+
+
+def _bind_files(
+    facts: SavedFacts, reads: Sequence[Sequence[Read]], positions: Sequence[int], rank_file: RankFile, calls: Collective
+) -> tuple[dict[int, Source], list[FileFacts]]:
+    """This rank inspects ``positions`` (the files it reads, and the padding-only ones that fall to it) and keeps the
+    sources of those it reads; every rank shares what it saw; every rank raises the same error when any file, or the
+    set, is wrong. Returns the sources and what every rank saw of every file."""
+    readers = {r.source_rank for g in reads for r in g}
+    mine: list[FileFacts] = []
+    sources: dict[int, Source] = {}
+    for position in positions:
+        source, seen = inspect_file(rank_file(position), facts, expectation(facts, position, reads))
+        mine.append(replace(seen, sums=None))
+        if source is not None and position in readers:
+            sources[position] = source
+    seen = [f for box in calls.gather_objects(mine) for f in box]
+    problems = verdict(facts, seen)
+    if problems:
+        for source in sources.values():
+            source.close()
+        folder = Path(facts.model_states).parent  # every problem the verdict finds is in the tag's own files
+        raise CheckpointFormatError(
+            binding_message(folder, problems), subject=problems[0].split(": ", 1)[0], damaged=folder
+        )
+    return sources, seen
 
 
 def live_layout(job: LiveJob, facts: SavedFacts, model_states: Path, same_dp: bool = False) -> Partitioned:
     """The live optimizer as a layout of the save's kind, checked against the facts; raises naming the first
-    difference (another model, another expert layout, padding the plan does not describe). ``same_dp``: a
-    restart at the saved DP size and sub-groups (DeepSpeed's own load follows)."""
+    difference (another model, another expert layout, padding the plan does not describe)."""
     where = model_states.parent
     if not isinstance(facts.layout, FlatGroups):
         if facts.frozen and not same_dp:
@@ -174,38 +450,10 @@ def _live_shapes(job: LiveJob) -> list[list[tuple[str, tuple[int, ...]]]]:
     return [[(job.names[lp], tuple(lp.shape)) for lp in lps] for lps in job.groups]
 
 
-def check_live_model(
-    saved: FlatGroups, live: list[list[tuple[str, tuple[int, ...]]]], flat_sizes: list[int], dp_to: int, where: Path
-) -> FlatGroups:
-    """The live flat groups are the saved ones (order, names, shapes), partitioned as the plan expects at
-    ``dp_to``. Returns the live layout. Raises naming the first difference."""
-    if len(live) != len(saved.shapes):
-        raise UcpError(f"{where}: {group_count_difference(len(saved.shapes), len(live))}", subject=where)
-    for g, (saved_params, live_params) in enumerate(zip(saved.shapes, live, strict=True)):
-        if list(live_params) != list(saved_params):
-            at = first_difference(saved_params, live_params)
-            theirs = saved_params[at] if at < len(saved_params) else "nothing"
-            ours = live_params[at] if at < len(live_params) else "nothing"
-            raise UcpError(
-                f"{where}: param group {g} differs from the model at position {at}: the checkpoint has "
-                f"{theirs}, the model {ours} ({len(saved_params)} vs {len(live_params)} parameters)",
-                subject=where,
-            )
-    new = saved.at_dp(dp_to)
-    for g, (geo, new_geo, flat) in enumerate(zip(saved.geometries, new.geometries, flat_sizes, strict=True)):
-        if new_geo.partition_size != flat:
-            raise UcpError(
-                f"{where}: param group {g} ({geo.numel} elements) has a {flat}-element partition at DP={dp_to}; "
-                f"the plan expects ZeRO's alignment padding only over {new_geo.dp} partitions (per-parameter padding?)",
-                subject=where,
-            )
-    return new
-
-
 def check_expert_groups(job: LiveJob, saved: FlatGroups, dp_to: int, where: Path) -> None:
-    """The live groups are partitioned over as many ranks as the save's placement gives them at this DP size
-    (the same expert-parallel size), and this rank holds the partition the placement says (its place in each
-    group's own process group). Raises naming what differs: an expert layout change is the universal route's."""
+    """The live groups are partitioned over as many ranks as the save's placement gives them at this DP size (the
+    same expert-parallel size), and this rank holds the partition the placement says. Raises naming what differs:
+    an expert layout change is the universal route's."""
     dist = comm()
     placement, rank = saved.placement, job.dp_rank
     groups = job.group_dp_groups
@@ -224,8 +472,8 @@ def check_expert_groups(job: LiveJob, saved: FlatGroups, dp_to: int, where: Path
 
 
 def engine_save_files(job: LiveJob, load_dir: str, tag: str) -> tuple[RankFile, Path]:
-    """How the engine names the files of a tag for this rank: old DP rank -> its optimizer file of this
-    rank's model-parallel coordinate, and this rank's model-states file."""
+    """How the engine names the files of a tag for this rank: old DP rank -> its optimizer file of this rank's
+    model-parallel coordinate, and this rank's model-states file."""
     own = Path(surface.own_optimizer_file(job.engine, load_dir, tag)).name
     found = F.OPTIM_FILE_RE.match(own)
     if found is None:
@@ -240,55 +488,3 @@ def engine_save_files(job: LiveJob, load_dir: str, tag: str) -> tuple[RankFile, 
         return Path(surface.rank_optimizer_file(job.engine, load_dir, tag, mp_rank, dp_rank, bf16))
 
     return rank_file, Path(surface.model_states_file(job.engine, load_dir, tag))
-
-
-def bind_rank_files(
-    facts: SavedFacts,
-    reads: Sequence[Sequence[Read]],
-    positions: Sequence[int],
-    rank_file: RankFile,
-    group: Any,
-    view: Callable[[Path], dict] = optimizer_state,
-) -> tuple[dict[int, Source], list[FileFacts]]:
-    """Steps 2 and 3 (collective over ``group``): this rank opens ``positions`` (the files it reads,
-    and the padding-only ones that fall to it), every rank shares what it saw, and every rank
-    raises the same error when any file, or the set, is wrong. Returns the sources this rank reads and
-    what every rank saw of every file (the same on every rank). ``view``: as :func:`inspect_file`."""
-    readers = {r.source_rank for g in reads for r in g}
-
-    def inspect(position: int) -> tuple[Optional[Source], FileFacts]:
-        return inspect_file(rank_file(position), facts, expectation(facts, position, reads), view)
-
-    return bind_positions(facts, positions, readers, inspect, group)
-
-
-def bind_positions(
-    facts: SavedFacts,
-    positions: Sequence[int],
-    readers: set[int],
-    inspect: Callable[[int], tuple[Optional[Source], FileFacts]],
-    group: Any,
-) -> tuple[dict[int, Source], list[FileFacts]]:
-    """The collective part of binding (over ``group``): this rank inspects ``positions`` and keeps the
-    sources of those it reads (``readers``), every rank shares what it saw, and every rank raises the
-    same error when any file, or the set, is wrong."""
-    mine: list[FileFacts] = []
-    sources: dict[int, Source] = {}
-    for position in positions:
-        source, seen = inspect(position)
-        mine.append(replace(seen, sums=None))
-        if source is not None and position in readers:
-            sources[position] = source
-    dist = comm()
-    everyone: list[Any] = [None] * dist.get_world_size(group=group)
-    dist.all_gather_object(everyone, mine, group=group)
-    seen = [f for box in everyone for f in box]
-    problems = verdict(facts, seen)
-    if problems:
-        for source in sources.values():
-            source.close()
-        folder = Path(facts.model_states).parent  # every problem the verdict finds is in the tag's own files
-        raise CheckpointFormatError(
-            binding_message(folder, problems), subject=problems[0].split(": ", 1)[0], damaged=folder
-        )
-    return sources, seen

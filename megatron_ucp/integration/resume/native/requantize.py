@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from megatron_ucp.errors import UnsupportedError
-from megatron_ucp.integration.collectives import all_reduce, comm, device
+from megatron_ucp.integration.collectives import Collective, comm, device
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,9 @@ def requantize_partitions(base: Any, masters: Sequence[torch.Tensor], group: Any
         [float(sum(d.elements for d in done)), float(sum(d.kept for d in done))], dtype=torch.float64, device=device()
     )
     worst = torch.tensor([max((d.max_error for d in done), default=0.0)], dtype=torch.float64, device=device())
-    all_reduce(totals, group)
-    all_reduce(worst, group, op=comm().ReduceOp.MAX)
+    calls = Collective(group)
+    calls.sum(totals)
+    calls.sum(worst, op=comm().ReduceOp.MAX)
     quantized, kept = (int(x) for x in totals.tolist())
     return (
         f"bitsandbytes' 8-bit states read as values and quantized again (--ucp-requantize-8bit, not exact): partitions "

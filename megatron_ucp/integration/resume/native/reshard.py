@@ -1,66 +1,41 @@
-"""Elastic resume straight from the native rank files: a DP change with no conversion and no second copy.
-
-Every layout the same way: a rank of the resized job needs a few ranges of a few old rank files
-(``old.reads_to(new, rank)``: one contiguous range of each ZeRO-1/2 param group's flat order, a slice of each
-parameter of a ZeRO-3 sub-group; :mod:`megatron_ucp.plan.reshard`). Those files are memory-mapped and only those
-ranges of the fp32 master and of every optimizer state are copied into this rank's partitions: each old byte is
-read by one rank, nothing is written to disk.
-
-Call order (collective over the optimizer's DP group, every rank calls each step):
-
-1. :func:`megatron_ucp.integration.resume.native.binding.bind_save`, before DeepSpeed's own load touches the engine
-   (the one binding of every layout): the facts, the live model checked against them, the plan, and
-   every old rank file bound to its position and to this save.
-2. DeepSpeed loads the module, the scheduler and the counters (the caller's part; at ZeRO-3 step 3 runs in
-   place of its optimizer load).
-3. :func:`load_native_partitions`: the fp32 masters' ranges copied first and, at ZeRO-1/2, each compared with
-   the bf16 weights DeepSpeed just loaded (:func:`megatron_ucp.plan.rank_binding.bracket_misses`: after a
-   ZeRO-1/2 save they are the masters rounded); a file whose ranges are not is named on every rank
-   before any optimizer state is read. Then the states; what landed is hashed at its place in the new
-   partitions, and the source side of the ledger is the checksum each old rank file recorded of its
-   partitions at save time (``zero_partition_checksums``, saved through the hooks), added by the rank
-   that reads the file's first element, or, for files saved without it (stock DeepSpeed), the hash of
-   what was read at its flat position in the old files. One all-reduce of the ledger
-   (:mod:`megatron_ucp.plan.accounting`) proves every real element placed exactly once (and, with the
-   record, unchanged since the save).
-
-A same-DP restart, at any ZeRO stage, runs step 1, DeepSpeed's own load and then :func:`verify_loaded`: the
-masters DeepSpeed loaded against the saved weights (ZeRO-1/2), and (saved through the hooks) every partition
-against its recorded checksum.
-"""
+"""The native load's copy: each rank's new partitions out of the few ranges of the old rank files the plan gives it
+(:mod:`megatron_ucp.plan.reshard`), every layout alike, each old byte read by one rank, nothing written; the ledger
+that proves every real element placed exactly once, unchanged since the save; the saved weights held against the
+masters. A same-DP restart checks what DeepSpeed's own load put in place instead (:func:`verify_loaded`)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
 from megatron_ucp.deepspeed import stage3_runtime
-from megatron_ucp.deepspeed.rank_files import RankFile, SavedFacts, binding_message
-from megatron_ucp.errors import CheckpointFormatError, refuse_or_warn
+from megatron_ucp.deepspeed.tensor_reads import Source
+from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
-from megatron_ucp.integration.collectives import all_reduce, comm, device
+from megatron_ucp.format import integrity
+from megatron_ucp.integration.collectives import Collective
 from megatron_ucp.integration.live_job import LiveJob, expected_state_keys, install_group_state, restore_global_state
-from megatron_ucp.integration.resume.native.binding import BoundSave
-from megatron_ucp.integration.resume.native.old_file_copy import (
-    OldFiles,
-    Timing,
-    against_the_save,
-    changed_states,
-    copy_reads,
-    refuse_changed,
-    settle,
-)
+from megatron_ucp.integration.resume.native.binding import BoundSave, RankFile, SavedFacts
 from megatron_ucp.integration.resume.native.requantize import requantize_partitions
 from megatron_ucp.plan.accounting import (
     AccountingReport,
+    Ledger,
     Problem,
+    check_ledger,
     check_optimizer_states,
+    checksum,
+    enter_old_file_copy,
+    ledger_totals,
 )
-from megatron_ucp.plan.rank_binding import WeightTally, blame_weights, bracket_misses
+from megatron_ucp.plan.partitioned import Partitioned, first_real, real_length
+from megatron_ucp.plan.rank_binding import WeightTally, binding_message, blame_weights, step_value
+from megatron_ucp.plan.reshard import Read
+from megatron_ucp.plan.save_record import runs_checksum
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +45,90 @@ STRICT_OVERRIDE = (
     "MEGATRON_UCP_STRICT=0 loads it, the masters winning"
 )
 
-
 SavedSlice = Callable[[int], Optional[torch.Tensor]]
-"""Group -> this rank's real range of the saved weights, at its place in the new partition (the module
-DeepSpeed loaded, or the range read from the model-states file); None: not compared (saved through the
-hooks, whose records bind the files instead)."""
+"""Group -> this rank's real range of the saved weights, at its place in the new partition (the module DeepSpeed
+loaded, or the range read from the model-states file); None: not compared."""
+Targets = list[dict[str, torch.Tensor]]
+"""Per live group: state (``fp32`` first) -> this rank's partition, zeroed (padding stays zero)."""
+
+
+@dataclass(frozen=True)
+class OldFiles:
+    """A save's old rank files as the ledger counts them: a row per (file, its group, state) holding real elements;
+    ``layout`` says where each file's real elements sit."""
+
+    rank_file: RankFile
+    layout: Partitioned
+    states: Sequence[tuple[str, ...]]
+    algorithm: Optional[str]
+
+    @classmethod
+    def of(cls, facts: SavedFacts, rank_file: RankFile) -> "OldFiles":
+        return cls(rank_file, facts.layout, facts.states, facts.algorithm)
+
+    def row(self, position: int, group: int) -> str:
+        return f"{self.rank_file(position)}: {self.layout.unit} {group}"
+
+    def ledger(self) -> Ledger:
+        return Ledger.from_listing(
+            {
+                self.row(r, g): (F.FP32_STATE, *states)
+                for g, states in enumerate(self.states)
+                for r in range(self.layout.dp)
+                if real_length(self.layout, r, g) > 0
+            }
+        )
+
+    def source(self, row: str, state: str) -> str:
+        """What a ledger row stands for, in a problem's words."""
+        return f"{row.replace(f': {self.layout.unit}', f', {self.layout.unit}', 1)}'s {state!r}"
+
+
+def copy_reads(
+    files: OldFiles,
+    reads: Sequence[Sequence[Read]],
+    sources: dict[int, Source],
+    targets: Targets,
+    ledger: Ledger,
+    table: torch.Tensor,
+    only: Optional[tuple[str, ...]] = None,
+) -> float:
+    """Every planned read of every state (of ``only``) copied into ``targets`` and entered in ``table``, in the row of
+    the file read: what landed hashed at its place in its param group; the file's real count and recorded checksum by
+    the reader of its first real element. No collective. Returns the seconds spent on the ledger."""
+    accounting = 0.0
+    algorithm = files.algorithm or integrity.ALGORITHM  # both sides of the ledger alike
+    firsts: dict[tuple[int, int], int] = {}
+    with torch.no_grad():
+        for h, group_reads in enumerate(reads):
+            wanted = [(state, t) for state, t in targets[h].items() if only is None or state in only]
+            for read in group_reads:
+                src, g, r = sources[read.source_rank], read.source_group, read.source_rank
+                if (g, r) not in firsts:
+                    firsts[g, r] = first_real(files.layout, r, g)
+                first = read.source_offset == firsts[g, r]
+                for state, target in wanted:
+                    stored = src.fp32[g] if state == F.FP32_STATE else src.states[g][state]
+                    landed = target.narrow(0, read.target_offset, read.length)
+                    held = src.read_into(stored, read.source_offset, landed)  # 8-bit codes: what the save hashed
+                    t0 = time.perf_counter()
+                    enter_old_file_copy(
+                        table,
+                        ledger.index(files.row(r, g), state),
+                        read.length,
+                        checksum(held, read.position, algorithm),  # the same at the old and the new size
+                        real_length(files.layout, r, g) if first else None,
+                        int(src.sums[g][state][1]) if first and src.sums is not None else None,
+                        has_record=src.sums is not None,
+                    )
+                    accounting += time.perf_counter() - t0
+    return accounting
 
 
 def loaded_weights(job: LiveJob, bound: BoundSave) -> SavedSlice:
     """The saved weights as DeepSpeed's own module load put them in this rank's partition."""
     new = bound.new
-    lp = job.lp_partitions()
-    parts = [parts[new.index(g, bound.rank)] for g, parts in enumerate(lp)]
+    parts = [parts[new.index(g, bound.rank)] for g, parts in enumerate(job.lp_partitions())]
     reals = new.true_lengths(bound.rank)
     return lambda g: parts[g][: reals[g]]
 
@@ -89,13 +136,12 @@ def loaded_weights(job: LiveJob, bound: BoundSave) -> SavedSlice:
 def load_native_partitions(
     job: LiveJob, bound: BoundSave, strict: bool = True, saved: Optional[SavedSlice] = None
 ) -> AccountingReport:
-    """Steps 3 and 4, every layout: this rank's partitions of a save at another DP size (or another ZeRO-3
-    sub-group cut), from the files step 1 bound, after DeepSpeed loaded the rest (``saved``: where the saved
-    weights are; default, ZeRO-1/2, the loaded module; ZeRO-3 keeps none to compare). Returns the report (the
-    same on every rank); enforcing it is the caller's, except for saved weights that are not the masters
-    rounded (raised here when ``strict``)."""
+    """This rank's partitions of a save at another DP size (or another ZeRO-3 sub-group cut), from the bound files,
+    after DeepSpeed loaded the rest: the masters first, held against the saved weights (``saved``; default, ZeRO-1/2,
+    the loaded module), then the states, then the ledger closed over the DP group. Returns the report (the same on
+    every rank); enforcing it is the caller's, except for weights that are not the masters rounded (``strict``)."""
     t_start = time.perf_counter()
-    optimizer, group, base = job.optimizer, job.dp_group, job.base
+    optimizer, calls, base = job.optimizer, Collective(job.dp_group), job.base
     facts, new, reads = bound.facts, bound.new, bound.reads
     masters = job.masters()
     links = [[] for _ in masters] if job.per_parameter else job.groups
@@ -106,12 +152,12 @@ def load_native_partitions(
     table = ledger.new_table(device="cpu")
     try:
         states = [_states_of(bound, h) for h in range(len(masters))]
-        steps = [_step_of(bound, h) for h in range(len(masters))]
-        scalars = [_scalars_of(bound, h) for h in range(len(masters))]
+        steps = [_drawn_value(bound, h, facts.steps, "are at different optimizer steps") for h in range(len(masters))]
+        scalars = [dict(_drawn_value(bound, h, facts.scalars, _DIFFERENT_SCALARS) or {}) for h in range(len(masters))]
         targets = [_targets(base, master, names) for master, names in zip(masters, states)]
         accounting = copy_reads(files, reads, bound.sources, targets, ledger, table, (F.FP32_STATE,))
         if saved is not None:
-            _check_weights(bound, targets, saved, group, strict)
+            _check_weights(bound, targets, saved, calls, strict)
         rest = tuple(sorted({name for names in states for name in names}))
         accounting += copy_reads(files, reads, bound.sources, targets, ledger, table, rest)
         for master, lps, buffers, step, extra in zip(masters, links, targets, steps, scalars):
@@ -130,31 +176,57 @@ def load_native_partitions(
         expected = expected_state_keys(base, new.param_group(h))
         problems += check_optimizer_states(h, new.names(h), expected, keys, type(base).__name__)
     # after the check of what the live optimizer holds: its 8-bit form adds scales and code books to the states
-    requantized = requantize_partitions(base, masters, group) if facts.requantized else None
+    requantized = requantize_partitions(base, masters, job.dp_group) if facts.requantized else None
     old = bound.old
     groups = range(len(old.partition_sizes()))
-    n_states = sum(len(old.names(g)) * (1 + len(facts.states[g])) for g in groups)
     what = f"{old.unit}s {len(groups)} -> {len(masters)}; rank files bound to their positions"
-    report = settle(
-        files,
-        ledger,
-        table,
-        group,
-        counts=(sum(len(old.names(g)) for g in groups), n_states),
-        dp_to=bound.dp_to,
-        problems=problems,
-        carried=([F.STEP_STATE] if any(step is not None for step in facts.steps) else [])
-        + sorted({name for extra in scalars for name in extra}),
-        checked=against_the_save(facts.algorithm, what + (" and the saved weights" if saved is not None else "")),
-        timing=Timing(t_start, bound.seconds, accounting),
+    what += " and the saved weights" if saved is not None else ""
+    t_wait = time.perf_counter()
+    totals = calls.total(table)
+    collective = time.perf_counter() - t_wait
+    _, _, elements, names = ledger_totals(ledger, totals)
+    load = time.perf_counter() - t_start - accounting - collective
+    report = AccountingReport(
+        sum(len(old.names(g)) for g in groups),
+        sum(len(old.names(g)) * (1 + len(facts.states[g])) for g in groups),
+        (
+            *names,
+            *([F.STEP_STATE] if any(s is not None for s in facts.steps) else []),
+            *sorted({name for extra in scalars for name in extra}),
+        ),
+        elements,
+        facts.dp_from,
+        bound.dp_to,
+        tuple(check_ledger(ledger, totals, source=files.source) + problems),
+        (_against_the_save(facts.algorithm, what),),
+        seconds=(
+            ("bind", round(bound.seconds, 4)),
+            ("load", round(load, 4)),
+            ("accounting", round(accounting, 4)),
+            ("collective", round(collective, 4)),
+        ),
+        route="native reshard",
     )
     return report.with_more(extras=[requantized]) if requantized else report
 
 
+_DIFFERENT_SCALARS = "hold different values of their per-partition optimizer states"
+
+
+def _against_the_save(algorithm: Optional[str], what: str) -> str:
+    """The report's line on what the copies were checked against (``algorithm``: the save's checksums')."""
+    if algorithm:
+        return f"{what}; checked against the save's partition checksums"
+    return (
+        f"{what}; rank files without partition checksums (not saved through the hooks): copies checked for "
+        "placement, not against the save"
+    )
+
+
 def _targets(base: Any, master: torch.Tensor, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """One live group's fp32 partition and one buffer per saved state, all zeroed: the optimizer's own
-    tensor where it has one of the right size (so that it stays where the engine keeps it: host memory
-    under offload), else a new one beside the master."""
+    """One live group's fp32 partition and one buffer per saved state, all zeroed: the optimizer's own tensor where it
+    has one of the right size (so that it stays where the engine keeps it: host memory under offload), else a new one
+    beside the master."""
     kept = base.state.get(master, {})
     buffers = {F.FP32_STATE: master}
     for name in names:
@@ -180,14 +252,12 @@ def _states_of(bound: BoundSave, h: int) -> tuple[str, ...]:
     return found.pop() if found else ()
 
 
-def _drawn_value(
-    bound: BoundSave, h: int, per_group: Sequence[Any], comparable: Callable[[Any], Any], what: str
-) -> Any:
+def _drawn_value(bound: BoundSave, h: int, per_group: Sequence[Any], what: str) -> Any:
     """The value live group ``h`` gets of something each saved group holds once (its step, its states of one value
     per partition): that of the saved groups it draws from, which must agree (None: it draws from none)."""
     drawn = bound.new.drawn_from(bound.old, h)
     found = [per_group[g] for g in drawn]
-    values = {comparable(v) for v in found}
+    values = {_comparable(v) for v in found}
     if len(values) > 1:
         raise CheckpointFormatError(
             f"{bound.facts.model_states}: the saved {bound.old.unit}s {list(drawn)} {what} {sorted(values, key=str)}",
@@ -196,35 +266,56 @@ def _drawn_value(
     return found[0] if found else None
 
 
-def _step_of(bound: BoundSave, h: int) -> Any:
-    """The optimizer step live group ``h`` gets."""
-    return _drawn_value(
-        bound,
-        h,
-        bound.facts.steps,
-        lambda s: float(s) if torch.is_tensor(s) or isinstance(s, (int, float)) else repr(s),
-        "are at different optimizer steps",
-    )
+def _comparable(value: Any) -> Any:
+    """A step, or a group's states of one value per partition, as one hashable value to compare."""
+    if isinstance(value, Mapping):
+        return tuple((k, _comparable(v)) for k, v in sorted(value.items()))
+    value = step_value(value)
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
 
 
-def _scalars_of(bound: BoundSave, h: int) -> dict[str, Any]:
-    """The states of one value per partition live group ``h`` gets (each saved partition's are the same in every
-    rank file: the binding checks)."""
-    found = _drawn_value(
-        bound,
-        h,
-        bound.facts.scalars,
-        lambda s: tuple((k, float(v) if torch.is_tensor(v) else v) for k, v in sorted(s.items())),
-        "hold different values of their per-partition optimizer states",
-    )
-    return dict(found or {})
+_BF16_LOW = 0xFFFF
+_CHUNK = 1 << 22
 
 
-def _check_weights(bound: BoundSave, targets: list, saved: SavedSlice, group: Any, strict: bool) -> None:
-    """The masters just copied against the saved weights, per old file (collective): a file whose ranges are
-    not its masters rounded is named on every rank before any optimizer state is read."""
-    facts = bound.facts
-    tally = torch.zeros((facts.dp_from, 2), dtype=torch.int64)
+def bracket_misses(master: torch.Tensor, weight: torch.Tensor) -> int:
+    """How many saved weights are not their fp32 masters rounded (same number of elements, flat).
+
+    A bf16 weight must be one of the two bf16 values around its master (only itself when the master is exact): round
+    to nearest, truncation and stochastic rounding all give one of them, a weight of another save or position almost
+    never. Weights of another dtype must equal the master cast to it. Compared where the masters live."""
+    master, weight = master.detach().reshape(-1), weight.detach().reshape(-1)
+    if master.numel() != weight.numel():
+        raise ValueError(f"{master.numel()} masters against {weight.numel()} weights")
+    missed = 0
+    for lo in range(0, master.numel(), _CHUNK):
+        m = master[lo : lo + _CHUNK].float()
+        w = weight[lo : lo + _CHUNK]
+        w = w if w.device == m.device else w.to(m.device)
+        rounded = m.to(w.dtype)
+        if torch.equal(w, rounded):  # rounded to nearest, as DeepSpeed copies: the common case
+            continue
+        differ = w != rounded
+        if w.dtype != torch.bfloat16:
+            missed += int(differ.sum())
+            continue
+        m, w = m[differ], w[differ]  # the bracket for the rest
+        bits = m.contiguous().view(torch.int32)
+        base = bits & ~_BF16_LOW
+        got = w.contiguous().view(torch.int16).to(torch.int32) << 16
+        inexact = (bits & _BF16_LOW) != 0
+        missed += int((~((got == base) | (inexact & (got == base + 0x10000)))).sum())
+    return missed
+
+
+def _check_weights(bound: BoundSave, targets: Targets, saved: SavedSlice, calls: Collective, strict: bool) -> None:
+    """The masters just copied against the saved weights, per old file (collective): a file whose ranges are not its
+    masters rounded is named on every rank before any optimizer state is read."""
+    tally = torch.zeros((bound.facts.dp_from, 2), dtype=torch.int64)
     with torch.no_grad():
         for g, group_reads in enumerate(bound.reads):
             weights = saved(g)
@@ -232,48 +323,68 @@ def _check_weights(bound: BoundSave, targets: list, saved: SavedSlice, group: An
                 at = slice(read.target_offset, read.target_offset + read.length)
                 tally[read.source_rank, 0] += read.length
                 tally[read.source_rank, 1] += bracket_misses(targets[g][F.FP32_STATE][at], weights[at])
-    _judge_weights(facts, bound.rank_file, _summed(tally, group), group, strict)
+    _refuse(bound, calls.total(tally).tolist(), calls, strict)
 
 
-def _summed(tally: torch.Tensor, group: Any) -> list[list[int]]:
-    """A per-old-file tally (rows: old DP ranks) summed over the group: the same rows on every rank."""
-    totals = tally.to(device())
-    all_reduce(totals, group)
-    return totals.cpu().tolist()
-
-
-def _judge_weights(facts: SavedFacts, rank_file: RankFile, totals: list[list[int]], group: Any, strict: bool) -> None:
-    """Saved weights that are not their masters rounded (``totals``: per old file, elements compared and
-    missed) stop every rank (``strict``), naming the files, or are reported once and the masters win."""
+def _refuse(bound: BoundSave, totals: list[list[int]], calls: Collective, strict: bool) -> None:
+    """What the checks after the copy or the load found, per old file (``totals``: rows of elements compared, weights
+    outside their masters' bracket and, when counted, partitions changed since their recorded checksum), refused on
+    every rank naming the files (``strict``), else said once. Weights of a save whose record binds its files are
+    that save's weights: said, never refused."""
+    facts = bound.facts
     tally = WeightTally({r: row[0] for r, row in enumerate(totals)}, {r: row[1] for r, row in enumerate(totals)})
-    problems = blame_weights(
-        facts.model_states, {r: str(rank_file(r)) for r, row in enumerate(totals) if row[1]}, tally
-    )
-    if not problems:
-        return
-    if facts.save_id is not None:  # the save's identity binds the files: weights of this save, not its masters
-        if comm().get_rank(group=group) == 0:
+    problems = blame_weights(facts.model_states, {r: str(bound.rank_file(r)) for r, row in enumerate(totals)}, tally)
+    if problems and facts.save_id is not None:
+        if calls.first:
             for problem in problems:
                 log.warning(
                     "megatron-ucp: %s (the files are of one save, by its record: its weights were not its "
                     "masters rounded when it was saved, or the file changed since)",
                     problem,
                 )
-        return
-    error = CheckpointFormatError(
-        binding_message(Path(facts.model_states).parent, problems, loaded=True) + f"\n({STRICT_OVERRIDE})",
-        subject=problems[0].split(": ", 1)[0],
-        damaged=problems[0].split(": ", 1)[0],
-    )
-    refuse_or_warn(strict, error, problems, log, say=comm().get_rank(group=group) == 0, then="the fp32 masters win")
+        problems = []
+    why = f"\n({STRICT_OVERRIDE})" if problems else ""
+    problems += [
+        f"{bound.rank_file(r)}: a partition differs from the checksum its save recorded (changed on disk since the "
+        "save)"
+        for r, row in enumerate(totals)
+        if len(row) > 2 and row[2]
+    ]
+    if problems:
+        culprit = problems[0].split(": ", 1)[0]
+        error = CheckpointFormatError(
+            binding_message(Path(facts.model_states).parent, problems, loaded=True) + why,
+            subject=culprit,
+            damaged=culprit,
+        )
+        calls.refuse_or_warn(strict, error, problems, log, then="the fp32 masters win" if why else "continuing")
+
+
+def changed_states(
+    layout: Partitioned,
+    position: int,
+    group: int,
+    recorded: Mapping[str, Sequence[int]],
+    live: Callable[[str], Optional[torch.Tensor]],
+    algorithm: str,
+) -> int:
+    """How many of the states a rank file recorded for its partition of ``group`` differ from the live ones
+    (``live(state)``: this rank's partition of it, None when the optimizer has no such state), each hashed over the
+    partition's real runs at their positions, as the save hashed them."""
+    runs = layout.runs(position, group)
+    changed = 0
+    for state, (_, expected) in recorded.items():
+        tensor = live(state)
+        changed += int(tensor is None or runs_checksum(tensor.detach(), runs, algorithm) != expected)
+    return changed
 
 
 def verify_loaded(job: LiveJob, bound: BoundSave, strict: bool = True, saved: Optional[SavedSlice] = None) -> str:
-    """After DeepSpeed's own load at the saved DP size, any ZeRO stage (collective over the DP group): the masters
-    it loaded against the saved weights (``saved``, where the route has them; None: not compared), and, saved
-    through the hooks, every partition against the checksum its file recorded. Raises the same error on every
-    rank naming the file(s) (``strict``; else warns once). Returns what was checked, for the log."""
-    group, base, masters = job.dp_group, job.base, job.masters()
+    """After DeepSpeed's own load at the saved DP size, any ZeRO stage (collective over the DP group): the masters it
+    loaded against the saved weights (``saved``; None: not compared) and, saved through the hooks, every partition
+    against the checksum its file recorded. Refused on every rank naming the files (``strict``; else said once).
+    Returns what was checked, for the log."""
+    base, masters = job.base, job.masters()
     facts, rank = bound.facts, bound.rank
     tally = torch.zeros((facts.dp_from, 3), dtype=torch.int64)
     mine = bound.sources.get(rank)
@@ -295,10 +406,8 @@ def verify_loaded(job: LiveJob, bound: BoundSave, strict: bool = True, saved: Op
                 facts.algorithm,
             )
     bound.close()
-    totals = _summed(tally, group)
-    _judge_weights(facts, bound.rank_file, totals, group, strict)
-    bad = [str(bound.rank_file(r)) for r, row in enumerate(totals) if row[2]]
-    refuse_changed(bad, Path(facts.model_states).parent, strict, group)
+    calls = Collective(job.dp_group)
+    _refuse(bound, calls.total(tally).tolist(), calls, strict)
     if saved is None:
         return (
             "every partition checked against the save's checksums"

@@ -1,38 +1,25 @@
-"""The two loads straight from the native rank files, every ZeRO stage: a DP change (the reshard) and a
-same-DP restart.
-
-Both bind every old rank file to its position and its save before DeepSpeed's own load touches the
-engine (:func:`megatron_ucp.integration.resume.native.binding.bind_save`), then let DeepSpeed load what it
-loads, then finish: the reshard copies each rank's new partitions out of the old files, the same-DP
-restart checks what DeepSpeed loaded.
-
-With ``module_read = distributed`` (the default) neither reads the module's weights: DeepSpeed's
-model-states loader reads the pickle only and its module load takes only what has no master, read
-once across the DP group (:mod:`megatron_ucp.integration.resume.module_read`); the weights are rebuilt from
-the loaded masters with one all-gather. A restart at the saved DP size must give exactly what
-DeepSpeed's own load gives, the saved weights: it rebuilds only when it has proven, on every rank,
-that the masters round to them (the save's recorded checksums, or each rank's 1/DP slice of the saved
-weights, read), else it reads the module in full, as DeepSpeed does, with one warning. A reshard
-always ends with the weights the masters round to (what the universal route gives), reading the 1/DP
-slice only to check, for a save without the hooks' record, that the files belong together.
-"""
+"""The two loads straight from the native rank files, every ZeRO stage: a DP change (:func:`reshard_load`) and a
+same-DP restart (:func:`same_dp_load`). Both bind the old files (:mod:`.binding`) before DeepSpeed's own load, let it
+load what it loads, then copy (:mod:`.reshard`) or check what it loaded. With ``module_read = distributed`` neither
+reads the module's weights in full: they are rebuilt from the loaded masters, at the saved DP size only once proven
+equal to the saved ones (:mod:`~megatron_ucp.integration.resume.module_read`)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from megatron_ucp.config import UcpConfig
 from megatron_ucp.errors import StockFormError, UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import is_first
 from megatron_ucp.integration.handled import warn_once
-from megatron_ucp.integration.live_job import LiveJob
+from megatron_ucp.integration.live_job import LiveJob, LoadCall
 from megatron_ucp.integration.resume.engine_load import (
     ClientStates,
     CopiedFrom,
@@ -53,18 +40,14 @@ from megatron_ucp.integration.resume.module_read import (
     weight_sources,
 )
 from megatron_ucp.integration.resume.native.binding import BoundSave, bind_save, engine_save_files
-from megatron_ucp.integration.resume.native.reshard import (
-    SavedSlice,
-    load_native_partitions,
-    loaded_weights,
-    verify_loaded,
-)
+from megatron_ucp.integration.resume.native.reshard import load_native_partitions, loaded_weights, verify_loaded
 from megatron_ucp.plan.accounting import AccountingReport
 from megatron_ucp.plan.resume import Route
 
 log = logging.getLogger(__name__)
 
 REBUILT = "module weights rebuilt from the masters (one all-gather; of the module, only what has no master read)"
+_NO_STATES = {"load_optimizer_states": False}
 
 
 def _module_reads(job: LiveJob, model_states: Path, distributed: bool) -> Any:
@@ -76,54 +59,51 @@ def _layers(job: LiveJob, model_states: Path, distributed: bool) -> Any:
     return layer_hook(job, model_states.parent) if distributed and job.pipeline else None
 
 
-def _saved_slices(job: LiveJob, bound: BoundSave, model_states: Path) -> SavedSlice:
-    """This rank's real range of the saved weights per group, read from the model-states file (or the
-    pipeline model's layer files) on first use (1/DP of the weights)."""
-    weights = SavedWeights(bound.facts.layout.shapes, weight_sources(job, model_states))
-    starts, reals = bound.new.starts(bound.rank), bound.new.true_lengths(bound.rank)
-    dtypes = [parts[0].dtype for parts in job.lp_partitions()]
-    cache: dict[int, torch.Tensor] = {}
+@dataclass
+class SavedSlices:
+    """This rank's real range of the saved weights per group, read from the model-states file (or the pipeline
+    model's layer files) on first use: 1/DP of the weights."""
 
-    def saved(g: int) -> torch.Tensor:
-        if g not in cache:
-            cache[g] = torch.empty(reals[g], dtype=dtypes[g])
-            weights.read(g, starts[g], cache[g])
-        return cache[g]
+    weights: SavedWeights
+    starts: list[int]
+    reals: list[int]
+    dtypes: list[torch.dtype]
+    cache: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    saved.close = weights.close  # type: ignore[attr-defined]
-    saved.bytes_read = lambda: weights.bytes_read  # type: ignore[attr-defined]
-    return saved
+    @classmethod
+    def of(cls, job: LiveJob, bound: BoundSave, model_states: Path) -> "SavedSlices":
+        weights = SavedWeights(bound.facts.layout.shapes, weight_sources(job, model_states))
+        dtypes = [parts[0].dtype for parts in job.lp_partitions()]
+        return cls(weights, bound.new.starts(bound.rank), bound.new.true_lengths(bound.rank), dtypes)
+
+    def __call__(self, g: int) -> torch.Tensor:
+        if g not in self.cache:
+            self.cache[g] = torch.empty(self.reals[g], dtype=self.dtypes[g])
+            self.weights.read(g, self.starts[g], self.cache[g])
+        return self.cache[g]
+
+    def read(self) -> str:
+        return f"{self.weights.bytes_read / 1e6:.1f} MB"
+
+    def close(self) -> None:
+        self.weights.close()
 
 
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.1f} MB"
-
-
-def reshard_load(
-    job: LiveJob,
-    original: Callable[..., Any],
-    load_dir: str,
-    tag: str,
-    dp_from: int,
-    kwargs: dict,
-    config: UcpConfig,
-    seen_states: Optional[dict] = None,
-) -> LoadOutcome:
-    """Route RESHARD, every stage, up to the report: files bound, DeepSpeed's load of everything but the
-    optimizer states (and, distributed, but the optimized weights), the partitions from the old rank files
-    (:func:`~megatron_ucp.integration.resume.native.reshard.load_native_partitions`), the weights the masters round to.
-    ZeRO-1/2 load the partitions after DeepSpeed's load (``load_optimizer_states`` off); ZeRO-3 in place of its
-    optimizer load, which restores the module from the masters. The caller finishes (training state, summary)."""
-    engine = job.engine
-    rank_file, model_states = engine_save_files(job, load_dir, tag)
+def reshard_load(call: LoadCall, tag: str, dp_from: int, seen_states: Optional[dict] = None) -> LoadOutcome:
+    """Route RESHARD, every stage, up to the report: files bound, DeepSpeed's load of everything but the optimizer
+    states (and, distributed, but the optimized weights), the partitions copied from the old rank files, the weights
+    the masters round to. ZeRO-1/2 copy after DeepSpeed's load; ZeRO-3 in place of its optimizer load, which restores
+    the module from the masters. The caller finishes."""
+    job, config = call.job, call.config
+    rank_file, model_states = engine_save_files(job, call.load_dir, tag)
     per_parameter = job.per_parameter
-    how = how_module_is_read(job, config, kwargs, Route.RESHARD)
+    how = how_module_is_read(call, Route.RESHARD)
     distributed = how.distributed
-    first_read = seen_states if is_first() else None
     try:
+        first_read = seen_states if is_first() else None
         bound = bind_save(job, model_states, rank_file, first_read, requantize=config.requantize_8bit)
     except StockFormError as exc:  # a form of the files the hooks do not read, before anything was loaded
-        return _deepspeeds_own_load(job, original, load_dir, tag, kwargs, exc)
+        return _deepspeeds_own_load(call, tag, exc)
     reports: list[AccountingReport] = []
     origins = CopiedFrom(bound.reads, rank_file)
 
@@ -134,16 +114,16 @@ def reshard_load(
     try:
         with (
             one_model_states_file_per_rank(
-                engine,
+                job.engine,
                 always=True,
                 lazy=how.lazy,
                 layer_hook=_layers(job, model_states, distributed),
-                path=model_states_for(job, Path(load_dir) / tag) if per_parameter else None,
+                path=model_states_for(job, Path(call.load_dir) / tag) if per_parameter else None,
             ) as read,
             _module_reads(job, model_states, distributed),
             replacing_optimizer_load(partitions) if per_parameter else contextlib.nullcontext(),
         ):
-            result = original(engine, load_dir, tag, **(kwargs if per_parameter else {**kwargs, **_NO_STATES}))
+            result = call.deepspeed(tag, **({} if per_parameter else _NO_STATES))
     except BaseException:
         bound.close()
         raise
@@ -155,22 +135,23 @@ def reshard_load(
     if per_parameter:
         if not reports:
             raise UcpError(
-                f"DeepSpeed's load of {Path(load_dir) / tag} did not reach its optimizer load: the partitions were "
-                "not restored",
-                subject=Path(load_dir) / tag,
+                f"DeepSpeed's load of {Path(call.load_dir) / tag} did not reach its optimizer load: the partitions "
+                "were not restored",
+                subject=Path(call.load_dir) / tag,
             )
         return LoadOutcome(result, load_path, reports[0], dp_from, states=read.of(load_path), origins=origins)
-    saved = _saved_slices(job, bound, model_states) if distributed else None
+    saved = SavedSlices.of(job, bound, model_states) if distributed else None
     try:
         report = load_native_partitions(job, bound, strict=config.strict, saved=saved)
     finally:
-        getattr(saved, "close", lambda: None)()
-    if distributed:
+        if saved is not None:
+            saved.close()
+    if saved is not None:
         rebuild(job)  # the weights the masters round to, as the universal route gives
         optimizer_bytes = sum(src.reader.bytes_read for src in bound.sources.values() if src.reader is not None)
         module = (
-            f"{REBUILT}; rank {bound.rank} read {_mb(optimizer_bytes)} of the old rank files and "
-            f"{_mb(saved.bytes_read())} of the saved weights"
+            f"{REBUILT}; rank {bound.rank} read {optimizer_bytes / 1e6:.1f} MB of the old rank files and "
+            f"{saved.read()} of the saved weights"
         )
     else:
         refreshed = refresh_lp_params(job)
@@ -184,53 +165,37 @@ def reshard_load(
     return LoadOutcome(result, load_path, report, dp_from, states=read.of(load_path), origins=origins)
 
 
-_NO_STATES = {"load_optimizer_states": False}
-
-
-def _deepspeeds_own_load(
-    job: LiveJob, original: Callable[..., Any], load_dir: str, tag: str, kwargs: dict, why: StockFormError
-) -> LoadOutcome:
-    """A save in a form the hooks do not read (the same error on every rank: the first rank's read, shared): loaded
-    as stock DeepSpeed loads it, with one warning (it may refuse what it cannot load, as without the hooks)."""
+def _deepspeeds_own_load(call: LoadCall, tag: str, why: StockFormError) -> LoadOutcome:
+    """A save in a form the hooks do not read (the same error on every rank): loaded as stock DeepSpeed loads it,
+    with one warning (it may refuse what it cannot load, as without the hooks)."""
     warn_once(str(why), "loaded by DeepSpeed's own load, as without megatron-ucp")
-    return LoadOutcome(original(job.engine, load_dir, tag, **kwargs), stock=True)
+    return LoadOutcome(call.deepspeed(tag), stock=True)
 
 
-def same_dp_load(
-    job: LiveJob,
-    original: Callable[..., Any],
-    load_dir: str,
-    tag: Optional[str],
-    kwargs: dict,
-    config: UcpConfig,
-    seen_states: Optional[dict] = None,
-) -> LoadOutcome:
-    """Route NATIVE at the saved DP size, every ZeRO stage: the old rank files bound before DeepSpeed's own
-    load (each rank its own file, named when it is another position's or another save's), then DeepSpeed's
-    load as it is (ZeRO-1/2 distributed: without the optimized weights), then what it loaded checked
-    (:func:`~megatron_ucp.integration.resume.native.reshard.verify_loaded`) and, at ZeRO-1/2, the weights rebuilt or
-    read (ZeRO-3's own load restores them from the masters)."""
-    engine = job.engine
-    if tag is None:
-        return LoadOutcome(original(engine, load_dir, tag, **kwargs))
-    rank_file, model_states = engine_save_files(job, load_dir, tag)
+def same_dp_load(call: LoadCall, tag: str, seen_states: Optional[dict] = None) -> LoadOutcome:
+    """Route NATIVE at the saved DP size, every ZeRO stage: the old rank files bound before DeepSpeed's own load
+    (each rank its own file, named when it is another position's or another save's), DeepSpeed's load as it is
+    (ZeRO-1/2 distributed: without the optimized weights), then what it loaded checked and, at ZeRO-1/2, the weights
+    rebuilt or read (ZeRO-3's own load restores them from the masters)."""
+    job, config = call.job, call.config
+    rank_file, model_states = engine_save_files(job, call.load_dir, tag)
     try:
         bound = bind_save(job, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
     except StockFormError as exc:  # a form of the files the hooks do not read, before anything was loaded
-        return _deepspeeds_own_load(job, original, load_dir, tag, kwargs, exc)
+        return _deepspeeds_own_load(call, tag, exc)
     flat = not job.per_parameter
-    how = how_module_is_read(job, config, kwargs, Route.NATIVE)
+    how = how_module_is_read(call, Route.NATIVE)
     distributed = bound is not None and how.distributed
     try:
         with (
             one_model_states_file_per_rank(
-                engine, always=True, lazy=how.lazy, layer_hook=_layers(job, model_states, distributed)
+                job.engine, always=True, lazy=how.lazy, layer_hook=_layers(job, model_states, distributed)
             )
             if distributed
             else contextlib.nullcontext(ClientStates()) as read,
             _module_reads(job, model_states, distributed),
         ):
-            result = original(engine, load_dir, tag, **kwargs)
+            result = call.deepspeed(tag)
     except BaseException:
         if bound is not None:
             bound.close()
@@ -240,22 +205,23 @@ def same_dp_load(
             bound.close()
         return LoadOutcome(result)
     t0 = time.perf_counter()
-    saved = _saved_slices(job, bound, model_states) if distributed else None
+    saved = SavedSlices.of(job, bound, model_states) if distributed else None
     try:
         weights = (saved or loaded_weights(job, bound)) if flat else None
         what = verify_loaded(job, bound, config.strict, weights)
-        if distributed:
+        if saved is not None:
             exact = rebuild_from_masters(job, bound.new.true_lengths(bound.rank), saved)
             what += "; " + (
                 "module weights rebuilt from the masters (one all-gather), proven equal to the saved ones "
-                f"(rank {bound.rank} read {_mb(saved.bytes_read())} of them, its 1/DP)"
+                f"(rank {bound.rank} read {saved.read()} of them, its 1/DP)"
                 if exact
-                else _read_in_full(engine, read, model_states, kwargs)
+                else _read_in_full(call, read, model_states)
             )
         elif flat:
             what += f"; module read in full ({how.why_full})"
     finally:
-        getattr(saved, "close", lambda: None)()
+        if saved is not None:
+            saved.close()
     if is_first():
         log.info(
             "megatron-ucp: %s loaded at DP %d: %s (%.3fs before DeepSpeed's load, %.3fs after)",
@@ -268,16 +234,16 @@ def same_dp_load(
     return LoadOutcome(result)
 
 
-def _read_in_full(engine: Any, read: ClientStates, model_states: Path, kwargs: dict) -> str:
-    """The saved weights are not the masters rounded to nearest somewhere: DeepSpeed's own module load,
-    every rank the whole module (collective decision: every rank is here)."""
+def _read_in_full(call: LoadCall, read: ClientStates, model_states: Path) -> str:
+    """The saved weights are not the masters rounded to nearest somewhere: DeepSpeed's own module load, every rank the
+    whole module (collective decision: every rank is here)."""
     if is_first():
         log.warning(
             "megatron-ucp: %s: the saved weights are not the fp32 masters rounded to nearest; reading the module "
             "in full on every rank, as DeepSpeed does",
             model_states,
         )
-    engine.load_module_state_dict(
-        checkpoint={**(read.states or {}), F.MODULE: read.module}, strict=kwargs.get("load_module_strict", True)
+    call.job.engine.load_module_state_dict(
+        checkpoint={**(read.states or {}), F.MODULE: read.module}, strict=call.kwargs.get("load_module_strict", True)
     )
     return "module read in full: its saved weights are not the masters rounded to nearest"

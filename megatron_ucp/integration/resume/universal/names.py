@@ -20,7 +20,7 @@ import logging
 from typing import Any, Optional
 
 from megatron_ucp.errors import CheckpointFormatError, PlanError, UnsupportedError
-from megatron_ucp.integration.collectives import comm, count_across, gather_names, is_first
+from megatron_ucp.integration.collectives import Collective, comm, is_first
 from megatron_ucp.plan.experts import global_expert_names
 from megatron_ucp.plan.names import is_pipeline_names, name_map
 from megatron_ucp.plan.parallel_layout import ParallelLayout
@@ -34,9 +34,10 @@ def saved_names(names: dict[Any, str], listing: dict[str, tuple[str, ...]], grou
     Collective over ``group``: the pipeline model's names are only complete across its stages. ``names``:
     live parameter -> name (the optimizer's or the engine's map)."""
     local = set(names.values())
-    if not count_across(0 if local <= set(listing) else 1, group):
+    calls = Collective(group)
+    if not calls.count(0 if local <= set(listing) else 1):
         return None
-    live = gather_names(local, group)
+    live = calls.names(local)
     try:
         mapping = name_map(live, listing)
     except PlanError as exc:

@@ -37,16 +37,7 @@ from megatron_ucp.errors import CheckpointFormatError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity
 from megatron_ucp.format.integrity import RecordedChecksums, recorded_checksums
-from megatron_ucp.integration.collectives import (
-    Failure,
-    all_reduce,
-    comm,
-    count_across,
-    decide_on_first,
-    device,
-    is_first,
-    raise_gathered,
-)
+from megatron_ucp.integration.collectives import JOB, Collective, Failure, comm, is_first
 from megatron_ucp.integration.live_job import (
     LiveGroup,
     TpPlace,
@@ -75,6 +66,7 @@ from megatron_ucp.plan.accounting import (
     ledger_totals,
 )
 from megatron_ucp.plan.param_geometry import group_count_difference
+from megatron_ucp.plan.rank_binding import step_value
 from megatron_ucp.plan.tensor_parallel import full_shape, runs_between, slice_runs
 
 log = logging.getLogger(__name__)
@@ -181,12 +173,6 @@ def _recorded_source(
     return count, value
 
 
-def _same_step(a: Any, b: Any) -> bool:
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
-    return a == b
-
-
 def load_universal_partitions(
     optimizer: Any,
     checkpoint_dir: Path,
@@ -241,8 +227,8 @@ def load_universal_partitions(
     optimized = {n for group_names in names for n in group_names}
     frozen = set(live_names.values()) - optimized
 
-    facts = decide_on_first(
-        lambda: _FolderFacts(_state_listing(zero_dir), recorded_checksums(read_manifest(checkpoint_dir))), group
+    facts = Collective(group).decide(
+        lambda: _FolderFacts(_state_listing(zero_dir), recorded_checksums(read_manifest(checkpoint_dir)))
     )
     if isinstance(facts, Failure):
         raise CheckpointFormatError(f"cannot read {zero_dir}: {facts.message}", subject=zero_dir)
@@ -260,7 +246,7 @@ def load_universal_partitions(
             checkpoint_dir,
             F.MANIFEST_FILE,
         )
-    if model_parallel and count_across(1 if frozen else 0):  # rows must agree on every rank of the world
+    if model_parallel and JOB.count(1 if frozen else 0):  # rows must agree on every rank of the world
         raise UnsupportedError(
             f"{zero_dir}: frozen parameters in a model with TP or PP > 1 are not supported yet "
             "(their state is restored per TP slice by no one)",
@@ -314,12 +300,10 @@ def load_universal_partitions(
     t_wait = time.perf_counter()  # the all-reduce also waits for the slowest rank: timed on its own
     flags = torch.zeros((1, len(Column)), dtype=torch.int64)
     flags[0, 0] = 1 if failure is not None else 0
-    totals = torch.cat([table, flags]).to(device())
-    all_reduce(totals, group)
-    totals = totals.cpu()
+    totals = Collective(group).total(torch.cat([table, flags]))
     collective = time.perf_counter() - t_wait
     if int(totals[-1, 0]):
-        raise_gathered(failure, f"loading {zero_dir}", subject=zero_dir, group=group)
+        Collective(group).raise_gathered(failure, f"loading {zero_dir}", subject=zero_dir)
     totals = totals[:-1]
 
     with clock:
@@ -384,7 +368,7 @@ def _common_step(optim_sd: dict, path: Path) -> Any:
     steps = [v.get(F.STEP_STATE) for v in (state or {}).values() if isinstance(v, dict) and F.STEP_STATE in v]
     if not steps:
         return None
-    values = {float(s) if torch.is_tensor(s) else s for s in steps}
+    values = {step_value(s) for s in steps}
     if len(values) > 1:
         raise CheckpointFormatError(
             f"{path}: its optimizer groups are at different steps {sorted(values)}", subject=path
@@ -434,7 +418,7 @@ def _load_group(
                 if state == F.STEP_STATE:
                     step = load_torch_file(path, mmap=False)
                     table[row, Column.CONSUMERS] += 1
-                    table[row, Column.STEP_MISMATCH] += 0 if _same_step(step, group_step) else 1
+                    table[row, Column.STEP_MISMATCH] += 0 if step_value(step) == step_value(group_step) else 1
                     continue
                 if state != F.FP32_STATE and state not in buffers:
                     continue  # not one of this group's states: check_folders reports the odd file

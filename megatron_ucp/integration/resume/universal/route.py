@@ -31,8 +31,8 @@ from megatron_ucp.errors import CheckpointFormatError, OutputExistsError, UcpErr
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.format.torchload import structure_problems, torch_reader_problem
-from megatron_ucp.integration.collectives import broadcast_from_first, comm, raise_together
-from megatron_ucp.integration.live_job import LiveJob
+from megatron_ucp.integration.collectives import JOB, comm
+from megatron_ucp.integration.live_job import LiveJob, LoadCall
 from megatron_ucp.integration.resume.engine_load import (
     LoadOutcome,
     loaded_path,
@@ -69,18 +69,12 @@ def _stage3_partition_loader(job: LiveJob, config: UcpConfig) -> Any:
 
 
 def universal_load(
-    job: LiveJob,
-    original: Callable[..., Any],
-    load_dir: str,
-    decision: ResumeDecision,
-    native_tag: Optional[str],
-    from_latest: bool,
-    kwargs: dict,
-    config: UcpConfig,
+    call: LoadCall, decision: ResumeDecision, native_tag: Optional[str], from_latest: bool
 ) -> LoadOutcome:
     """Route UNIVERSAL (a TP/PP change, ``--ucp-resume-route universal``, or the explicit universal flag): the twin
     converted when missing or stale, then DeepSpeed's universal load with our partition loader; the report and
     what the finish restores (the module tensors universal mode skips)."""
+    job, load_dir, config = call.job, call.load_dir, call.config
     engine = job.engine
     if decision.convert and job.node_local_storage:
         raise UnsupportedError(
@@ -97,12 +91,12 @@ def universal_load(
         collecting_reports() as reports,
         universal_mode(
             engine,
-            lazy=how_module_is_read(job, config, kwargs, decision.route).lazy,
+            lazy=how_module_is_read(call, decision.route).lazy,
             path=model_states_for(job, folder) if folder is not None else None,
         ) as read,
         _stage3_partition_loader(job, config) if job.per_parameter else contextlib.nullcontext(),
     ):
-        result = original(engine, load_dir, decision.tag, **kwargs)
+        result = call.deepspeed(decision.tag)
     load_path = loaded_path(result)
     if load_path is None:
         return LoadOutcome(result)
@@ -174,7 +168,7 @@ def convert_synchronously(
         rank, world, launchenv.local_rank(os.environ), launchenv.local_size(os.environ), config.ranks_per_node
     )
     share = (where.node, where.nodes) if where.launcher else None
-    attempt = broadcast_from_first(f"elastic-load-{uuid.uuid4().hex}" if rank == 0 else None)
+    attempt = JOB.broadcast(f"elastic-load-{uuid.uuid4().hex}" if rank == 0 else None)
     twin = load_dir / decision.tag
     error: Optional[BaseException] = None
     t0 = time.perf_counter()
@@ -185,7 +179,7 @@ def convert_synchronously(
             error = exc
             log.error("megatron-ucp: converting %s on rank %d failed: %s", native_tag, rank, exc)
     # also the barrier: every converter finished
-    raise_together(error, f"converting {native_tag} to {decision.tag}", subject=twin)
+    JOB.together(error, f"converting {native_tag} to {decision.tag}", subject=twin)
     if universal_state(twin) != COMPLETE:
         raise UcpError(
             f"{twin}: conversion reported success but the folder is not complete on rank {rank} "
