@@ -2,9 +2,9 @@
 
 A native reshard's rank reads, of the old rank files, the fp32 master and every optimizer state of the ranges
 its plan names (and a little metadata). The floor plans those ranges with the hooks' own planner
-(:func:`megatron_ucp.deepspeed.rank_files.read_facts`, ``layout.reads_to``), outside the timing, then starts one
-plain process per new rank (no torch, no DeepSpeed, no process group), lines them up on a barrier and has each
-``os.pread`` its ranges (adjacent ones merged) from the cold files. The time is the slowest rank's, between the
+(:func:`megatron_ucp.integration.resume.native.binding.read_facts`, ``layout.reads_to``), outside the timing, then
+starts one plain process per new rank (no torch, no DeepSpeed, no process group), lines them up on a barrier and has
+each ``os.pread`` its ranges (adjacent ones merged) from the cold files. The time is the slowest rank's, between the
 barrier and its last byte: what any route that reads each needed byte once cannot beat on this machine. Left out
 of the floor: the model-states file and the rank files' pickle records (small), so it is a little lower than the
 true floor, never higher.

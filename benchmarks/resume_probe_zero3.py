@@ -1,7 +1,7 @@
 """One process plays DP rank ``r`` of a ``W``-rank resume of a synthetic ZeRO-3 save, from the native files or
 from a universal folder (the stage-3 counterpart of ``resume_probe.py``; the same JSON keys).
 
-``--native``: the native reshard's own code (``deepspeed/rank_files``: the facts, each old rank file the
+``--native``: the native reshard's own code (``integration/resume/native/binding``: the facts, each old rank file the
 rank reads opened and checked through its view; ``plan/reshard``: the slice reads), each slice of fp32 and
 of every state copied into the rank's partitions and hashed at its position, as the hook does before its one
 all-reduce. Without it: the rank's slice of every parameter's state files in the universal folder

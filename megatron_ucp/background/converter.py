@@ -159,10 +159,9 @@ class _Progress:
 class Converter:
     """Node ``node``'s background converter; :meth:`run` until the queue is empty."""
 
-    def __init__(self, root: Path, node: int, nodes: int, settings: ConverterSettings):
+    def __init__(self, root: Path, node: int, settings: ConverterSettings):
         self.root = Path(root).resolve()
         self.node = node
-        self.nodes = nodes
         self.settings = settings
         self.pid = os.getpid()
 
@@ -433,7 +432,7 @@ def run_converter(root: Path, node: int, nodes: int, settings: ConverterSettings
     # No torch here: the converter reads and writes torch files without it (OMP_NUM_THREADS, set by
     # converter_env, bounds torch's threads where a rare fallback imports it).
     log.info("converter of node %d/%d for %s: priority %s, %d worker(s)", node, nodes, root, priority, settings.workers)
-    return Converter(root, node, nodes, settings).run()
+    return Converter(root, node, settings).run()
 
 
 class Terminated(SystemExit):

@@ -146,11 +146,6 @@ def _pickle(obj: Any) -> tuple[bytes, list[_StorageRecord]]:
     return buf.value(), pickler.storages
 
 
-def entry_pickle(entry: dict) -> bytes:
-    """``data.pkl`` of ``torch.save(entry)`` where the one :class:`TensorSpec` value is the tensor."""
-    return _pickle(entry)[0]
-
-
 class _BytesSink:
     def __init__(self) -> None:
         self.parts: list[bytes] = []

@@ -136,10 +136,6 @@ class ParamPlan:
             return None
         return (self.shape[0] - self.out_shape[0], *self.shape[1:])
 
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return tuple(sorted({item.rank for item in self.items}))
-
 
 def split_items(items: Sequence[CopyItem], at: int) -> tuple[tuple[CopyItem, ...], tuple[CopyItem, ...]]:
     """Items (in output order) cut at output element ``at``: those before, and those after it

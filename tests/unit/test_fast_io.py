@@ -15,8 +15,8 @@ from megatron_ucp.format import lightpickle, osio
 from megatron_ucp.format.torchfile import (
     FastWriterUnsupported,
     TensorSpec,
+    _pickle,
     _serialization_id_of,
-    entry_pickle,
     matches_torch_save,
     tensor_bytes,
     write_tensor_file,
@@ -84,7 +84,7 @@ def test_entry_pickle_matches_torch(tmp_path):
     t = torch.zeros(4, 2, dtype=torch.bfloat16)
     torch.save({"param": t, "cat_dim": 0}, tmp_path / "ref.pt")
     with zipfile.ZipFile(tmp_path / "ref.pt") as z:
-        assert z.read("ref/data.pkl") == entry_pickle({"param": TensorSpec(t.dtype, t.shape), "cat_dim": 0})
+        assert z.read("ref/data.pkl") == _pickle({"param": TensorSpec(t.dtype, t.shape), "cat_dim": 0})[0]
 
 
 FAKE_MODULE = textwrap.dedent("""

@@ -1,21 +1,8 @@
-"""Which way one load goes: decided once, on the first rank, from the live job and the saved checkpoint's facts,
-and agreed by every rank.
-
-The first rank reads the requested tag's model states (the DP size recorded in them, the saved names and stage)
-and the state of its universal twin; :func:`megatron_ucp.plan.resume.decide_resume` picks the route (same-DP
-restart, native reshard, universal, or left to stock DeepSpeed) and why; every rank learns the decision
-(:meth:`~megatron_ucp.integration.collectives.Collective.decided`). The model states read for it stay on the first rank
-(:attr:`Decided.model_states`) for the route's next steps, so that no file is read twice for one load.
-
-Also here: a mixture-of-experts job the hooks leave to stock DeepSpeed, refused where stock would load the wrong
-experts (:func:`refuse_an_expert_layout_change`). At TP = PP = 1 the hooks handle expert groups (a DP or EP change
-goes through the universal folder). A job they leave to stock (:mod:`megatron_ucp.integration.handled`: experts at
-TP or PP > 1, or at ZeRO-3) loads as stock DeepSpeed loads it. At another DP size stock refuses by itself
-(``ZeRORuntimeException``). At the same DP size with another EP it does not: every rank loads its own saved
-partition, which held other experts (DP rank ``d`` holds experts of expert-parallel rank ``d % EP``), and training
-goes on with experts' masters and states exchanged. That one case is refused before anything is loaded, with what
-changed and what to do (``MEGATRON_UCP_STRICT=0``: one warning and stock's load, for a user who knows what they
-resume).
+"""Which way one load goes: decided once, on the first rank, from the live job and the saved tag's facts (its model
+states, its universal twin; :func:`megatron_ucp.plan.resume.decide_resume`), agreed by every rank. The model states
+read for it stay on the first rank for the route (:attr:`Decided.model_states`): no file read twice. Also a
+mixture-of-experts job left to stock DeepSpeed, refused where stock would load other experts silently
+(:func:`refuse_an_expert_layout_change`).
 """
 
 from __future__ import annotations

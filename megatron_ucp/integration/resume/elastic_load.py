@@ -1,22 +1,23 @@
 """Elastic resume's entry: ``engine.load_checkpoint`` at any DP size, with every tensor accounted for.
 
-One load is one straight path, read top to bottom here: the live job read once (:func:`~megatron_ucp.integration.
-live_job.live_job`); with no tag given, the restart's judge and fallback around the rest
-(:mod:`~megatron_ucp.integration.resume.fallback`); one decision made on the first rank and agreed
-(:mod:`~megatron_ucp.integration.resume.decide`); one route (:func:`_route`: the same-DP restart and the native
-reshard of :mod:`~megatron_ucp.integration.resume.native.routes`, the universal twin of
-:mod:`~megatron_ucp.integration.resume.universal.route`, or DeepSpeed's own load where nothing of ours applies),
-each returning one :class:`~megatron_ucp.integration.resume.engine_load.LoadOutcome`; and one finish
-(:func:`~megatron_ucp.integration.resume.finish.finish`). The whole load is agreed across the job
-(:meth:`~megatron_ucp.integration.collectives.Collective.agreed`): refused on every rank or on none.
+The call order of a load, told once here (every step collective; one :class:`~megatron_ucp.integration.live_job.
+LoadCall` carried through):
 
-Two DeepSpeed attributes are replaced (entries of :data:`megatron_ucp.deepspeed.surface.SURFACE`, through the
-install's :class:`~megatron_ucp.deepspeed.surface.PatchSet`, so ``uninstall()`` restores them):
-``DeepSpeedEngine.load_checkpoint`` (the entry above) and ZeRO-1/2's
-``load_hp_checkpoint_state_from_checkpoint_dir`` (our partition loader for a universal folder, installed by the
-universal route: zeros where a rank holds only padding, where stock DeepSpeed dies with ``IndexError``, and one
-``all_reduce`` proving that every element of every file landed exactly once). A job no optimizer layout handles
-loads as stock DeepSpeed loads it, with one warning.
+1. the live job read once (:func:`~megatron_ucp.integration.live_job.live_job`); what a killed save left, settled;
+2. with no tag given, the restart's judge and fallback around the rest (:mod:`.fallback`);
+3. one decision, on the first rank, agreed (:mod:`.decide`);
+4. one route, each returning a :class:`~megatron_ucp.integration.resume.engine_load.LoadOutcome`:
+   the native ones (:mod:`.native.routes`): the old files bound (:mod:`.native.binding`), DeepSpeed's own load,
+   then the copy and its ledger (:mod:`.native.reshard`) or the check of what DeepSpeed loaded; the universal twin
+   (:mod:`.universal.route`); or DeepSpeed's own load where nothing of ours applies;
+5. one finish (:func:`~megatron_ucp.integration.resume.finish.finish`): training state, module tensors, finite
+   masters and states, the summary and the report enforced.
+
+The whole load is agreed across the job (:meth:`~megatron_ucp.integration.collectives.Collective.agreed`): refused
+on every rank or on none. Two DeepSpeed attributes are replaced, through the install's
+:class:`~megatron_ucp.deepspeed.surface.PatchSet` (``uninstall()`` restores them): ``DeepSpeedEngine.load_checkpoint``
+and ZeRO-1/2's ``load_hp_checkpoint_state_from_checkpoint_dir`` (the universal partition loader). A job no optimizer
+layout handles loads as stock DeepSpeed loads it, with one warning.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""DeepSpeed's own ``load_checkpoint`` as every route calls it, and what a route's load gives.
-
-For one load, through :func:`megatron_ucp.deepspeed.surface.scoped_replace` (undone when the load returns or
-raises): DeepSpeed's model-states loader replaced, each rank reading one existing ``mp_rank_XX_model_states.pt``
-as it is, once (:func:`one_model_states_file_per_rank`); a ZeRO-3 engine's optimizer load replaced
-(:func:`replacing_optimizer_load`), and the model-states file a ZeRO-3 rank reads where DeepSpeed's own name finds
-none (:func:`model_states_for`). Every route returns one :class:`LoadOutcome` to the one finish.
+"""DeepSpeed's own ``load_checkpoint`` as every route calls it (its model-states loader and, at ZeRO-3, its optimizer
+load replaced for one load, undone after), and the :class:`LoadOutcome` every route returns to the one finish.
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
-"""A restart that falls back to the newest sound tag when the one ``latest`` names is not.
+"""A restart that falls back to the newest sound tag when the one ``latest`` names is not (docs/resume.md).
 
-A 768-rank job whose newest tag is damaged (a truncated or deleted rank file, a flipped bit, a NaN that reached
-the save, a file of another run) dies at restart until somebody edits ``latest`` by hand, although an older tag
-is sound. When a load names no tag (Megatron's and DeepSpeed's default: the tag in ``latest``), each candidate,
-newest first, is judged before anything is loaded, on the first rank, from what is already known about it:
-
-* its folder there, and its verdict (:func:`megatron_ucp.background.verdicts.read_verdict`: the background
-  conversion's read of every file, or ``megatron-ucp verify``'s) when that says unsound and applies to the
-  files as they are now (their names, sizes and modification times): nothing of the tag's bytes is read, so a
-  restart still reads each byte of the checkpoint once.
-
-The first candidate that passes is loaded by the route it needs, and the load itself judges the rest: every
-rank file bound to its position and its save before DeepSpeed's load (a file missing, cut short, of another
-run, a folder in its place), the rank-file count, every partition against the checksums its save recorded.
-When it refuses the tag (one :class:`~megatron_ucp.errors.CheckpointFormatError` or
-:class:`~megatron_ucp.errors.AccountingError` on every rank, nothing trained), the next candidate is tried: a
-full load replaces everything the refused one placed. A refusal for damage in the tag's own files (the error's
-``damaged`` lies in its folder on some rank) is the tag's verdict, so that the next restart skips it without a
-load; only refusals that may be the job's fault (a changed model or optimizer) count against the load cap
-(:data:`~megatron_ucp.plan.restart_walk.MAX_LOADS`). ``status --check`` walks the same candidates with the same
-judge (:mod:`megatron_ucp.background.restart_judge`). Loudly: which tag failed and why (file and problem),
-which loads instead, how many iterations that loses; the restart is recorded in the store
-(``.ucp/fallbacks.jsonl``) and the failed tag's verdict with it. Nothing of a bad tag is modified. A tag named
-by the user (``load_checkpoint(tag=...)``, Megatron's ``--load-tag``) or ``--ucp-no-fallback`` gets the error of
-that tag alone. If no tag passes, one error lists each tag's problem, and the store keeps that refusal
-(``.ucp/refused-restart.json``, no verdict: the job itself may be at fault) for ``status`` while nothing changes.
+Each candidate, newest first, is judged on the first rank from what is known without reading its bytes (its folder,
+its verdict: :mod:`megatron_ucp.background.restart_judge`, shared with ``status --check``); the first that passes is
+loaded, and the load judges the rest. A refusal for damage in the tag's own files becomes its verdict; refusals that
+may be the job's fault count against the load cap. Loudly, recorded in the store, nothing of a bad tag modified.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """The one finish of every route's load: the training state and the global batch checked, what universal mode skips
-restored, every master and optimizer state known to be finite, one summary line and one report.
-
-Universal mode loads no module state dict and no client state beyond the model-states file:
-:func:`restore_module_tensors` brings back buffers and frozen parameters (strict about what the checkpoint holds,
-listing what it never held), and :func:`check_training_state` compares the iteration, sample counters and
-learning-rate schedule with the checkpoint's, so that one summary line says what was and was not restored.
-
-A NaN or Inf that reached a save (a step that diverged, a corrupt replica: NVIDIA/Megatron-LM#5281 restarted 44
-times into NaN losses) matches the checksums its save recorded, so the binding and the partition checks let it
-through, and training resumes into NaN. :func:`refuse_non_finite` looks at what the load placed, on every route and
-stage, where the engine keeps it (host or device), in chunks; a refusal is a
-:class:`~megatron_ucp.errors.CheckpointFormatError`, every rank's through the load's agreement
-(:func:`~megatron_ucp.integration.collectives.agreed`): the restart falls back to the newest older tag
-(:mod:`megatron_ucp.integration.resume.fallback`), or stops naming the folder. ``strict=False``: one warning per
-rank instead. Only real elements are looked at (:func:`~megatron_ucp.integration.live_job.live_groups`: each
-parameter's fragment in this rank's partition), named by parameter and state: ZeRO-3 leaves a partition's padding
-uninitialized, and what sits there is no one's value. After a native reshard
-(:class:`~megatron_ucp.integration.resume.engine_load.CopiedFrom`) each finding names the old rank file(s) its elements
-were copied from: the file to look at, or to restore.
+restored (:func:`restore_module_tensors`), every master and optimizer state finite (:func:`refuse_non_finite`: a NaN
+that reached a save matches its checksums, so only this look at what the load placed stops it), one summary line and
+one report, enforced.
 """
 
 from __future__ import annotations

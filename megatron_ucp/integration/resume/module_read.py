@@ -1,26 +1,7 @@
-"""The module of a restart, each byte read once across the job (``module_read = distributed``).
-
-A DeepSpeed restart reads the whole model-states file on every rank: 13.5 GB of bf16 weights at
-AuroraGPT-7B, 768 times at DP 768. Yet after a ZeRO-1/2 save every optimized weight is its fp32
-master rounded to nearest (DeepSpeed copies the masters into the weights at the end of every step),
-and each rank loads 1/DP of the masters. So, for one load (:func:`module_from_masters`):
-
-1. DeepSpeed's model-states loader reads the pickle only, its tensors mapped, not read
-   (:func:`megatron_ucp.integration.resume.engine_load.one_model_states_file_per_rank`, ``lazy``);
-2. its module load (``load_module_state_dict``) leaves the optimized parameters as they are; what
-   has no master (frozen parameters, persistent buffers) is read as one 1/DP byte slice per rank and
-   exchanged in one all-gather (:func:`_read_the_rest`);
-3. after the optimizer load, each rank reads its own partition's range of the saved weights
-   (:class:`SavedWeights`, 1/DP of them: each weight byte is read once across the job) and
-   :func:`rebuild_from_masters` decides, on every rank alike, whether the weights the masters round to
-   are exactly those. Exact: the weights are rebuilt with one all-gather on the DP group
-   (``update_lp_params``, what DeepSpeed does after every step). Not exact (a save whose weights are
-   not its masters rounded to nearest: taken between a step's update and its all-gather, rounded
-   otherwise by a fused optimizer, or the file edited since): the module is read in full, as DeepSpeed
-   reads it, with one warning naming the file. A checksum the save hook records could not stand in
-   for the read: it is taken on each rank's memory, not on the file the model states hold.
-
-Whether a load reads the module so, and how each route reads the model-states file, is decided in one place:
+"""The module of a restart, each byte read once across the job (``module_read = distributed``): after a ZeRO-1/2 save
+every optimized weight is its fp32 master rounded, so the weights are rebuilt from the loaded masters (one
+all-gather) instead of read whole on every rank, once proven equal to the saved ones where that matters; what has
+no master is read as 1/DP slices and exchanged. How each route reads the module is decided in one place:
 :func:`how_module_is_read`.
 """
 

@@ -1,13 +1,7 @@
 """bitsandbytes' 8-bit optimizer state quantized again at a new cut (``--ucp-requantize-8bit``): explicit, never the
-default, not exact.
-
-bitsandbytes' blocks start at each partition's first element, so at almost every new DP size a new block would mix
-codes of two scales (docs/limitations.md). The native reshard reads each old code as its value
-(:mod:`megatron_ucp.deepspeed.quantized_states`, exact) into this rank's new partitions, and this module hands them to
-the live optimizer in the form it would have made for a partition of that size: blocks of 8-bit codes quantized by
-bitsandbytes' own ``quantize_blockwise`` (what its CPU step does after every update), or fp32 values for a partition
-under ``min_8bit_size``. The error is what one more quantization of bitsandbytes' makes; it is measured, reported, and
-the loss curve after the resume is the test.
+default, not exact. Its blocks start at each partition's first element, so a new DP size mixes scales; the reshard
+reads each old code as its value and this module quantizes the new partitions with bitsandbytes' own
+``quantize_blockwise``, the error measured and reported.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""The live model's parameter names as a universal folder keeps them.
-
-Two differences between a job and the folder it loads are bridged here, each checked so that a topology megatron-ucp
-does not know stops the load by name:
-
-* the other GPT model class saved it (``GPTModel`` <-> ``GPTModelPipe``, :mod:`megatron_ucp.plan.names`):
-  :func:`saved_names` maps live names to the folder's;
-* a mixture-of-experts job's optimizer names each rank's experts by their local index
-  (``...deepspeed_experts.<k>...``, ``k < E/EP``) and partitions each expert param group over the
-  expert-data-parallel group; a universal folder keeps every expert under its global index (``r * E/EP + k``, as
-  the expert files do), so that a job at any EP finds its own: :func:`live_expert_names` derives this rank's
-  expert-parallel rank ``r`` from its place in the DP group and the groups' sizes (DeepSpeed-MoE's E + D layout,
-  :class:`~megatron_ucp.plan.parallel_layout.ParallelLayout`), checked against its place in the expert group's own
-  process group.
+"""The live model's parameter names as a universal folder keeps them: the other GPT model class's names mapped
+(:func:`saved_names`), and a mixture-of-experts rank's local expert indices as the folder's global ones
+(:func:`live_expert_names`), each checked, so that a topology this tool does not know stops the load by name.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""Our loader of ZeRO partitions from a universal folder, with the accounting that proves it.
-
-Replaces ``load_hp_checkpoint_state_from_checkpoint_dir`` for BF16_Optimizer and
-DeepSpeedZeroOptimizer (:func:`install_partition_loader`, at the install), and DeepSpeed's whole optimizer load for
-ZeRO-3 for one load (:mod:`megatron_ucp.integration.resume.universal.route`). Inside the universal route the loader
-hands its report to the route (:func:`collecting_reports`: DeepSpeed calls the loader, not the route); called by stock
-DeepSpeed outside it (a job the hooks leave to it), the loader enforces its report itself. Call order in
-:func:`load_universal_partitions`: the group's first rank lists ``zero/`` and reads the manifest's
-checksums once, everyone learns them; each rank restores the global optimizer state, then per live
-group (:class:`LiveGroup`: a ZeRO-1/2 param group's flat partition, or a ZeRO-3 sub-group's) copies only
-its fragments (:class:`LiveFragment`) of fp32 and of every optimizer state out of the memory-mapped files
-(:class:`~megatron_ucp.integration.resume.universal.state_layout.StateLayout`), hashes what landed, and adds the file's
-recorded count and checksum when it owns the parameter's first element; one all-reduce of the
-ledger (:mod:`megatron_ucp.plan.accounting`) closes the account, and the live optimizer's state
-names are checked against what was restored.
+"""Our loader of ZeRO partitions from a universal folder, with the ledger that proves it: each rank copies only its
+fragments of fp32 and every state out of the mapped files, hashes what landed, and one all-reduce closes the account
+(:func:`load_universal_partitions`). It replaces ZeRO-1/2's ``load_hp_checkpoint_state_from_checkpoint_dir`` for good
+(:func:`install_partition_loader`) and ZeRO-3's optimizer load for one universal load.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""The universal route: a tag's universal twin (``<tag>_universal``) loaded by DeepSpeed's universal mode.
-
-:func:`universal_load` converts the twin first when the decision says so (one converter per node, every rank
-waiting: :func:`convert_synchronously`), then runs DeepSpeed's ``load_checkpoint`` with the engine's
-``load_universal`` flag set for the call and restored afterwards. DeepSpeed's universal mode calls the optimizer's
-own loader: for BF16_Optimizer and DeepSpeedZeroOptimizer (ZeRO-1/2) ours replaces it for good
-(:func:`~megatron_ucp.integration.resume.universal.partition_load.install_partition_loader`), for a ZeRO-3 engine its
-whole optimizer load is replaced for the call; both read the folder with
-:func:`~megatron_ucp.integration.resume.universal.partition_load.load_universal_partitions`, each rank only its slice
-of each parameter's state files, with the ledger. The loader hands its report to this route
-(:func:`~megatron_ucp.integration.resume.universal.partition_load.collecting_reports`), which returns it in its
+"""The universal route: a tag's universal twin (``<tag>_universal``), converted first when the decision says so (one
+converter per node, every rank waiting), loaded by DeepSpeed's universal mode with our partition loader
+(:mod:`.partition_load`); its report returned in the route's
 :class:`~megatron_ucp.integration.resume.engine_load.LoadOutcome` for the one finish.
 """
 
