@@ -28,7 +28,13 @@
 #     or EP change, or MEGATRON_UCP_RESUME_ROUTE=universal, loads <tag>_universal,
 #     converting it first, one converter per node, if it is not there yet);
 #   * new checkpoints are converted to universal ones in the background (UCP_ASYNC_CONVERT=1),
-#     so the next resume at yet another node count starts at once.
+#     so the next resume at yet another node count starts at once;
+#   * when the launch fails with nodes down, those nodes are dropped and the launch
+#     repeated on the rest, at the new node count, from the newest checkpoint
+#     (`megatron-ucp relaunch`), at most UCP_MAX_RESTARTS times (default 3; 0: one
+#     launch). A node is down when `ssh <node> true` fails (UCP_PROBE overrides the
+#     probe command, {host} replaced). Each launch is recorded in
+#     $CKPT_DIR/.ucp/relaunch.jsonl.
 #
 # Requirements: megatron-ucp installed in the Python environment that
 # train_aGPT_7B.sh activates (pip install -e /path/to/megatron-ucp), and a
@@ -68,4 +74,17 @@ fi
 echo "pbs_resume_elastic.sh: ${nodes} node(s) x ${NGPU_PER_HOST} ranks, resuming ${CKPT_DIR} from ${here}"
 
 # Any arguments (e.g. --train-iters=...) go to train_aGPT_7B.sh, as they would without megatron-ucp.
+max_restarts="${UCP_MAX_RESTARTS:-3}"
+if [[ "${max_restarts}" != 0 && -f "${PBS_NODEFILE:-}" ]]; then
+	relaunch=("${PYTHON:-python3}" -m megatron_ucp.cli relaunch --max-restarts "${max_restarts}"
+		--record "${CKPT_DIR}/.ucp/relaunch.jsonl")
+	if [[ -n "${UCP_PROBE:-}" ]]; then
+		relaunch+=(--probe "${UCP_PROBE}")
+	fi
+	if [[ "${UCP_DRY_RUN:-0}" == 1 ]]; then
+		PYTHONPATH="${megatron_ucp_home}${PYTHONPATH:+:${PYTHONPATH}}" "${relaunch[@]}" --dry-run -- bash "${wrapper}" "$@"
+		exec bash "${wrapper}" "$@" # its own dry run: what the first launch runs
+	fi
+	exec env PYTHONPATH="${megatron_ucp_home}${PYTHONPATH:+:${PYTHONPATH}}" "${relaunch[@]}" -- bash "${wrapper}" "$@"
+fi
 bash "${wrapper}" "$@"

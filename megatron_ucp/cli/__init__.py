@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_ucp.errors import UcpError
 
-COMMANDS = ("convert", "inspect", "verify", "status", "synthesize", "export_hf")
+COMMANDS = ("convert", "inspect", "verify", "status", "synthesize", "export_hf", "relaunch")
 
 SHARED_OPTIONS: dict[str, dict[str, Any]] = {
     "root": dict(type=Path),

@@ -154,7 +154,8 @@ def file_problems(path: str, optim: Mapping, exp: FileExpectation) -> list[str]:
     groups = len(exp.partition_sizes)
     if not isinstance(fp32, (list, tuple)) or len(fp32) != groups:
         held = len(fp32) if isinstance(fp32, (list, tuple)) else 0
-        return problems + [f"{path}: {held} fp32 partitions for the model states' {groups} {exp.unit}s"]
+        wrong = f"{path}: {held} fp32 partitions for the model states' {groups} {exp.unit}s"
+        return problems + [wrong] + _sum_problems(path, optim, exp)
     for g, size in enumerate(exp.partition_sizes):
         master = fp32[g]
         if not _flat_fp32(master) or master.numel() < exp.needs[g]:
@@ -262,10 +263,14 @@ def recorded_sums(optim: Mapping, groups: int) -> Optional[tuple[Mapping[str, tu
 
 
 def step_value(value: Any) -> Any:
-    """An optimizer step as one value to compare (files, groups, folders): a one-element tensor's number, another
-    tensor's shape, else the value itself."""
+    """An optimizer step as one value to compare (files, groups, folders): a one-element tensor's number (a step
+    saved as a tensor is the same step as that number), another tensor's shape and values (its shape alone where
+    its values are not in memory), else the value itself."""
     if hasattr(value, "numel") and hasattr(value, "shape"):
-        return float(value) if value.numel() == 1 else ("tensor", tuple(value.shape))
+        if value.numel() == 1:
+            return float(value)
+        values = tuple(value.reshape(-1).tolist()) if hasattr(value, "tolist") else ()
+        return ("tensor", tuple(value.shape), values)
     return value
 
 

@@ -80,6 +80,13 @@ RULES: list[tuple[str, object]] = [
             "mpiexec- and torchrun-style launches of several processes",
         ),
     ),
+    (
+        r"^megatron-ucp relaunch ",
+        Covered(
+            "tests/system/test_relaunch_command.py::test_a_node_down_is_dropped_and_the_launch_goes_on_on_the_rest",
+            "the loop around stand-in launches and probes (a documented launch would start a training job)",
+        ),
+    ),
     (r"^megatron-ucp ", RunHere()),
     (r"^python -m megatron_ucp\.run ", RunHere()),
     (

@@ -231,6 +231,30 @@ def test_pbs_example_dry_run(checkout, tmp_path):
     assert missing.returncode == 2 and "set CKPT_DIR" in missing.stderr
 
 
+def test_pbs_example_relaunches_on_the_nodes_left(checkout, tmp_path):
+    """Under PBS the launch runs inside `megatron-ucp relaunch`: its dry run says so, then shows the first launch."""
+    ckpt = _fake_checkpoint(tmp_path, dp=768, batch=3072)
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("".join(f"x4000c0s{i}b0n0\n" for i in range(32)))
+    env = {
+        "UCP_DRY_RUN": "1",
+        "PBS_O_WORKDIR": str(checkout),
+        "MEGATRON_UCP_HOME": str(REPO),
+        "CKPT_DIR": str(ckpt),
+        "PBS_NODEFILE": str(nodefile),
+        "PYTHON": sys.executable,
+        "UCP_MAX_RESTARTS": "2",
+    }
+    out = run(["bash", str(PBS), "--train-iters=100"], env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (
+        "(dry run) launch 1 on 32 node(s) (x4000c0s0b0n0, x4000c0s1b0n0, x4000c0s2b0n0, x4000c0s3b0n0 and 28 more)"
+        in (out.stderr)
+    )
+    assert "at most 2 time(s)" in out.stderr and "train_aGPT_7B_ucp.sh --train-iters=100" in out.stderr
+    assert f"bash {checkout}/train_aGPT_7B.sh --train-iters=100" in out.stdout  # the first launch's own dry run
+
+
 def test_cpu_demo_dry_run(tmp_path):
     out = run(["bash", str(CPU_DEMO), "--train-iters", "4"], env={"NPROC": "3", "UCP_DRY_RUN": "1"}, cwd=tmp_path)
     assert out.returncode == 0, out.stderr

@@ -92,7 +92,7 @@ def _loaded(job: LiveJob) -> Iterator[tuple[int, int, str, str, torch.Tensor]]:
 
 def refuse_non_finite(job: LiveJob, folder: Path, strict: bool, origins: Optional[CopiedFrom] = None) -> None:
     """Raises on the ranks whose masters or optimizer states hold NaN or Inf (``strict``; else warns there); the
-    load's agreement (:func:`~megatron_ucp.integration.collectives.agreed`) makes it every rank's error. No
+    load's agreement (:meth:`~megatron_ucp.integration.collectives.Collective.agreed`) makes it every rank's error. No
     collective here: another group's load may have failed before this point. ``origins``: a native reshard's,
     so that each finding names the old rank file(s) it came from."""
     rank = comm().get_rank()

@@ -329,35 +329,37 @@ def _check_weights(bound: BoundSave, targets: Targets, saved: SavedSlice, calls:
 def _refuse(bound: BoundSave, totals: list[list[int]], calls: Collective, strict: bool) -> None:
     """What the checks after the copy or the load found, per old file (``totals``: rows of elements compared, weights
     outside their masters' bracket and, when counted, partitions changed since their recorded checksum), refused on
-    every rank naming the files (``strict``), else said once. Weights of a save whose record binds its files are
-    that save's weights: said, never refused."""
+    every rank naming the files (``strict``), else said once: the weights first, then the partitions. Weights of a save
+    whose record binds its files are that save's weights: said, never refused."""
     facts = bound.facts
     tally = WeightTally({r: row[0] for r, row in enumerate(totals)}, {r: row[1] for r, row in enumerate(totals)})
-    problems = blame_weights(facts.model_states, {r: str(bound.rank_file(r)) for r, row in enumerate(totals)}, tally)
-    if problems and facts.save_id is not None:
+    weights = blame_weights(facts.model_states, {r: str(bound.rank_file(r)) for r, row in enumerate(totals)}, tally)
+    if weights and facts.save_id is not None:
         if calls.first:
-            for problem in problems:
+            for problem in weights:
                 log.warning(
                     "megatron-ucp: %s (the files are of one save, by its record: its weights were not its "
                     "masters rounded when it was saved, or the file changed since)",
                     problem,
                 )
-        problems = []
-    why = f"\n({STRICT_OVERRIDE})" if problems else ""
-    problems += [
+        weights = []
+    changed = [
         f"{bound.rank_file(r)}: a partition differs from the checksum its save recorded (changed on disk since the "
         "save)"
         for r, row in enumerate(totals)
         if len(row) > 2 and row[2]
     ]
-    if problems:
-        culprit = problems[0].split(": ", 1)[0]
-        error = CheckpointFormatError(
-            binding_message(Path(facts.model_states).parent, problems, loaded=True) + why,
-            subject=culprit,
-            damaged=culprit,
-        )
-        calls.refuse_or_warn(strict, error, problems, log, then="the fp32 masters win" if why else "continuing")
+    folder = Path(facts.model_states).parent
+    for problems, why, then in (
+        (weights, f"\n({STRICT_OVERRIDE})", "the fp32 masters win"),
+        (changed, "", "continuing"),
+    ):
+        if problems:
+            culprit = problems[0].split(": ", 1)[0]
+            error = CheckpointFormatError(
+                binding_message(folder, problems, loaded=True) + why, subject=culprit, damaged=culprit
+            )
+            calls.refuse_or_warn(strict, error, problems, log, then=then)
 
 
 def changed_states(

@@ -360,7 +360,7 @@ def _common_step(optim_sd: dict, path: Path) -> Any:
     values = {step_value(s) for s in steps}
     if len(values) > 1:
         raise CheckpointFormatError(
-            f"{path}: its optimizer groups are at different steps {sorted(values)}", subject=path
+            f"{path}: its optimizer groups are at different steps {sorted(values, key=str)}", subject=path
         )
     return steps[0]
 

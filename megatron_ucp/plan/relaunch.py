@@ -1,0 +1,53 @@
+"""A training launch relaunched on the nodes left after a node failure, decided (pure).
+
+Within one allocation a node that dies takes the whole launch down with it; the job can go on on the rest at the new
+node count (the elastic resume reshards the checkpoint to it). After a failed launch, the nodes that no longer answer
+are dropped and the launch is repeated on the others, at most a given number of times; a launch that failed with every
+node up is not a node failure, and is not repeated (the same error would end it again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+
+def hosts_of(lines: Iterable[str]) -> list[str]:
+    """The hosts of a host file (PBS_NODEFILE, a hostfile): one per node, in order, comments and blank lines left
+    out, a host listed once per slot counted once; ``host slots=N`` (DeepSpeed's hostfile) is the host."""
+    hosts: list[str] = []
+    for line in lines:
+        word = line.split("#", 1)[0].strip().split()
+        if word and word[0] not in hosts:
+            hosts.append(word[0])
+    return hosts
+
+
+@dataclass(frozen=True)
+class Next:
+    """What follows a failed launch: ``hosts`` to relaunch on (None: stop, with ``code``), and why, in words."""
+
+    hosts: Optional[tuple[str, ...]]
+    why: str
+    code: int = 0
+
+
+def after_failure(
+    hosts: Sequence[str], down: Sequence[str], code: int, restarts_done: int, max_restarts: int, min_nodes: int = 1
+) -> Next:
+    """The decision after a launch on ``hosts`` ended with exit ``code`` (non-zero) and the probe found ``down``."""
+    lost = [h for h in hosts if h in set(down)]
+    left = tuple(h for h in hosts if h not in set(down))
+    if not lost:
+        return Next(
+            None,
+            f"the launch failed (exit {code}) with all {len(hosts)} node(s) up: not a node failure, "
+            "not relaunched (the same error would end it again)",
+            code,
+        )
+    said = f"{len(lost)} of {len(hosts)} node(s) down ({', '.join(lost)})"
+    if restarts_done >= max_restarts:
+        return Next(None, f"{said}; {max_restarts} relaunch(es) already made: stopping", code)
+    if len(left) < max(1, min_nodes):
+        return Next(None, f"{said}; {len(left)} left, fewer than the {max(1, min_nodes)} needed: stopping", code)
+    return Next(left, f"{said}: relaunching on the {len(left)} left (relaunch {restarts_done + 1} of {max_restarts})")
