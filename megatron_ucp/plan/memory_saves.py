@@ -1,0 +1,124 @@
+"""Memory saves across nodes, planned (pure): whose replica each node keeps, which generation a restart on the
+surviving nodes can resume from, and which survivor sends which old file to which new node.
+
+A memory save writes each node's files of one generation (its ranks' files of a save, named as in the tag folder) to
+its own local folder and one replica of them to its ring partner's (:func:`partner`), and is committed across the
+job: a node's commit marker on a generation proves that every rank wrote and replicated its files. After a failure,
+the survivors' folders say what is left (:class:`Holding`); :func:`choose` takes the newest committed generation of
+which every old node's files are held by some survivor, and says for each newer one which nodes' copies are gone;
+:func:`transfers` plans who sends what so that each new node holds every file its ranks read.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+
+def partner(node: int, nodes: int) -> Optional[int]:
+    """The node that keeps node ``node``'s replica: the next one on the ring; None with one node (no replica)."""
+    if not 0 <= node < nodes:
+        raise ValueError(f"node {node} outside {nodes} nodes")
+    return (node + 1) % nodes if nodes > 1 else None
+
+
+def replica_of(node: int, nodes: int) -> Optional[int]:
+    """The node whose replica node ``node`` keeps (the previous one on the ring); None with one node."""
+    if not 0 <= node < nodes:
+        raise ValueError(f"node {node} outside {nodes} nodes")
+    return (node - 1) % nodes if nodes > 1 else None
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one surviving node's local folder holds of one generation: one old node's files, its own or a replica."""
+
+    holder: str
+    """The survivor that holds them (its host)."""
+    step: int
+    """The generation: the iteration the memory save was taken at."""
+    node: int
+    """The old node whose files these are."""
+    nodes: int
+    """How many nodes the job that saved them had."""
+    files: frozenset[str]
+    replica: bool = False
+    committed: bool = False
+    """The job's commit marker is on it: every rank of the old job wrote and replicated its files."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a restart resumes from: ``step`` (None: no generation newer than the durable save is whole), each file's
+    holders (own copy first, then the replica) and, for each newer generation passed over, why."""
+
+    step: Optional[int]
+    sources: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    passed_over: tuple[str, ...] = ()
+
+
+def choose(holdings: Sequence[Holding], durable_step: Optional[int] = None) -> Choice:
+    """The newest committed generation newer than ``durable_step`` whose every old node's files some survivor holds.
+    A generation saved by jobs of different node counts, or without a commit marker anywhere, is passed over, said
+    why; so is one missing a node's files (its own copy and its replica both gone)."""
+    steps = sorted({h.step for h in holdings}, reverse=True)
+    why: list[str] = []
+    for step in steps:
+        if durable_step is not None and step <= durable_step:
+            break
+        mine = [h for h in holdings if h.step == step]
+        counts = {h.nodes for h in mine}
+        if len(counts) > 1:
+            why.append(f"iteration {step}: held as saved by jobs of {sorted(counts)} nodes (folders of two runs?)")
+            continue
+        if not any(h.committed for h in mine):
+            why.append(f"iteration {step}: not committed (the job stopped while saving it)")
+            continue
+        nodes = counts.pop()
+        held = {h.node for h in mine}
+        missing = [n for n in range(nodes) if n not in held]
+        if missing:
+            shown = ", ".join(f"node {n} (its copy and its replica on node {partner(n, nodes)})" for n in missing)
+            why.append(f"iteration {step}: no survivor holds the files of {shown}")
+            continue
+        sources: dict[str, list[str]] = {}
+        for h in sorted(mine, key=lambda h: (h.replica, h.holder)):
+            for name in sorted(h.files):
+                sources.setdefault(name, []).append(h.holder)
+        return Choice(step, {name: tuple(hs) for name, hs in sources.items()}, tuple(why))
+    return Choice(None, {}, tuple(why))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One file sent from a survivor that holds it to a new node that does not."""
+
+    name: str
+    source: str
+    destination: str
+
+
+def transfers(needs: Mapping[str, Sequence[str]], sources: Mapping[str, Sequence[str]]) -> list[Transfer]:
+    """Who sends what: for each new node (``needs``: node -> the files its ranks read), each file it does not hold
+    itself, from the holder with the fewest sends so far (own copies before replicas on a tie). Raises
+    :class:`KeyError` naming a file no survivor holds."""
+    sends: Counter[str] = Counter()
+    planned: list[Transfer] = []
+    for destination in sorted(needs):
+        for name in sorted(set(needs[destination])):
+            holders = sources.get(name)
+            if not holders:
+                raise KeyError(f"{name}: no survivor holds it")
+            if destination in holders:
+                continue
+            source = min(holders, key=lambda h: (sends[h], holders.index(h)))
+            sends[source] += 1
+            planned.append(Transfer(name, source, destination))
+    return planned
+
+
+def generations_to_drop(committed: Sequence[int], newest_committed: int) -> list[int]:
+    """The generations a node removes once ``newest_committed`` is committed: every older one (at most two stay on a
+    node: the newest committed one, and the one being written)."""
+    return sorted(step for step in committed if step < newest_committed)

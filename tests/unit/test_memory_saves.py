@@ -1,0 +1,110 @@
+"""Memory saves across nodes, planned (plan/memory_saves.py): pure, no files.
+
+Each node's files and their replica on the next node of the ring: a restart on the survivors resumes from the newest
+committed generation exactly when no node lost both its copy and its replica, says which nodes' copies are gone
+otherwise, and plans each missing file once per new node, from a holder.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_ucp.plan.memory_saves import (
+    Holding,
+    choose,
+    generations_to_drop,
+    partner,
+    replica_of,
+    transfers,
+)
+
+
+def _files(node: int, ranks_per_node: int = 2) -> frozenset[str]:
+    return frozenset(f"bf16_zero_pp_rank_{node * ranks_per_node + r}_mp_rank_00_optim_states.pt" for r in range(2))
+
+
+def _holdings(nodes: int, survivors: set[int], step: int, committed: bool = True) -> list[Holding]:
+    """What the survivors hold of one generation: each its own files and its ring predecessor's replica."""
+    out = []
+    for n in sorted(survivors):
+        out.append(Holding(f"host{n}", step, n, nodes, _files(n), committed=committed))
+        if nodes > 1:
+            before = replica_of(n, nodes)
+            out.append(Holding(f"host{n}", step, before, nodes, _files(before), replica=True, committed=committed))
+    return out
+
+
+def test_the_ring_pairs_every_node_with_one_partner_and_one_replica() -> None:
+    for nodes in range(2, 9):
+        assert sorted(partner(n, nodes) for n in range(nodes)) == list(range(nodes))
+        assert all(replica_of(partner(n, nodes), nodes) == n for n in range(nodes))
+    assert partner(0, 1) is None and replica_of(0, 1) is None
+    with pytest.raises(ValueError):
+        partner(3, 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 12), st.data())
+def test_a_generation_is_whole_exactly_when_no_node_lost_its_copy_and_its_replica(nodes: int, data) -> None:
+    lost = data.draw(st.sets(st.integers(0, nodes - 1), max_size=nodes - 1))
+    survivors = set(range(nodes)) - lost
+    choice = choose(_holdings(nodes, survivors, step=13), durable_step=10)
+    whole = all(n in survivors or partner(n, nodes) in survivors for n in range(nodes))
+    assert (choice.step == 13) == whole, (lost, choice)
+    if whole:
+        assert set(choice.sources) == {f for n in range(nodes) for f in _files(n)}
+        for name, holders in choice.sources.items():
+            assert holders and set(holders) <= {f"host{s}" for s in survivors}
+    else:
+        gone = [n for n in range(nodes) if n in lost and partner(n, nodes) in lost]
+        assert any(f"node {gone[0]} " in why for why in choice.passed_over), choice.passed_over
+
+
+def test_the_own_copy_is_listed_before_the_replica() -> None:
+    choice = choose(_holdings(4, {0, 1, 2, 3}, step=13))
+    assert choice.sources[next(iter(_files(1)))] == ("host1", "host2")
+
+
+def test_the_newest_committed_generation_newer_than_the_durable_save_is_taken() -> None:
+    held = _holdings(4, {0, 1, 3}, step=12) + _holdings(4, {0, 1, 3}, step=13, committed=False)
+    choice = choose(held, durable_step=10)
+    assert choice.step == 12
+    assert choice.passed_over == ("iteration 13: not committed (the job stopped while saving it)",)
+    assert choose(held, durable_step=12).step is None  # nothing newer than the durable save
+
+
+def test_a_generation_held_as_two_jobs_saved_it_is_passed_over() -> None:
+    held = _holdings(4, {0, 1, 2, 3}, step=13) + [Holding("host9", 13, 0, 2, _files(0), committed=True)]
+    choice = choose(held)
+    assert choice.step is None and "2, 4" in choice.passed_over[0]
+
+
+def test_two_adjacent_nodes_lost_leave_the_durable_save_and_say_which_node() -> None:
+    choice = choose(_holdings(4, {0, 3}, step=13), durable_step=10)
+    assert choice.step is None
+    assert choice.passed_over == (
+        "iteration 13: no survivor holds the files of node 1 (its copy and its replica on node 2)",
+    )
+
+
+def test_each_missing_file_is_sent_once_per_node_from_a_holder_spreading_the_sends() -> None:
+    choice = choose(_holdings(4, {0, 1, 2}, step=13))  # node 3's files: only host0's replica
+    every = sorted(choice.sources)
+    needs = {"host0": every, "host1": every, "host2": every}
+    plan = transfers(needs, choice.sources)
+    for dest, wanted in needs.items():
+        got = {t.name for t in plan if t.destination == dest}
+        assert got == {n for n in wanted if dest not in choice.sources[n]}
+        assert all(t.source in choice.sources[t.name] and t.source != t.destination for t in plan)
+    assert len({(t.name, t.destination) for t in plan}) == len(plan)
+    sends = {h: sum(t.source == h for t in plan) for h in ("host0", "host1", "host2")}
+    assert max(sends.values()) - min(sends.values()) <= 4, sends
+    with pytest.raises(KeyError, match="no survivor holds it"):
+        transfers({"host0": ["nowhere.pt"]}, choice.sources)
+
+
+def test_a_node_keeps_the_newest_committed_generation_and_the_one_being_written() -> None:
+    assert generations_to_drop([10, 11, 12], 12) == [10, 11]
+    assert generations_to_drop([12], 12) == []
