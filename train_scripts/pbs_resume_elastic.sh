@@ -33,8 +33,8 @@
 #     repeated on the rest, at the new node count, from the newest checkpoint
 #     (`megatron-ucp relaunch`), at most UCP_MAX_RESTARTS times (default 3; 0: one
 #     launch). A node is down when `ssh <node> true` fails (UCP_PROBE overrides the
-#     probe command, {host} replaced). Each launch is recorded in
-#     $CKPT_DIR/.ucp/relaunch.jsonl.
+#     probe command, {host} replaced). Each launch is recorded in the
+#     checkpoint's store; `megatron-ucp status $CKPT_DIR` shows the last.
 #
 # Requirements: megatron-ucp installed in the Python environment that
 # train_aGPT_7B.sh activates (pip install -e /path/to/megatron-ucp), and a
@@ -77,7 +77,7 @@ echo "pbs_resume_elastic.sh: ${nodes} node(s) x ${NGPU_PER_HOST} ranks, resuming
 max_restarts="${UCP_MAX_RESTARTS:-3}"
 if [[ "${max_restarts}" != 0 && -f "${PBS_NODEFILE:-}" ]]; then
 	relaunch=("${PYTHON:-python3}" -m megatron_ucp.cli relaunch --max-restarts "${max_restarts}"
-		--record "${CKPT_DIR}/.ucp/relaunch.jsonl")
+		--root "${CKPT_DIR}")
 	if [[ -n "${UCP_PROBE:-}" ]]; then
 		relaunch+=(--probe "${UCP_PROBE}")
 	fi

@@ -25,9 +25,11 @@ from megatron_ucp.background.pointer_problems import dangling_universal_pointer
 from megatron_ucp.background.set_aside import leftovers
 from megatron_ucp.background.store import (
     PROGRESS_DIR,
+    RELAUNCHES_LOG,
     failed_saves,
     job_facts,
     read_fallbacks,
+    read_lines,
     read_queue,
     read_refused_restart,
     read_registrations,
@@ -42,6 +44,7 @@ from megatron_ucp.export.hf_export import EXPORT_MARKER
 from megatron_ucp.export.hf_source import hf_name
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.paths import read_tag_file
+from megatron_ucp.plan.relaunch import last_loop
 from megatron_ucp.plan.resume import TwinState
 from megatron_ucp.plan.tags import chronological
 
@@ -195,6 +198,8 @@ class RootStatus:
     """The last restart, when it resumed from no tag and ``latest`` and every tag it tried are as they were then."""
     latest_unreadable: Optional[str] = None
     """Why ``latest`` names no tag (empty after a power loss, garbage): a restart falls back."""
+    relaunches: tuple[dict, ...] = ()
+    """The launches of the last ``megatron-ucp relaunch`` loop that relaunched (``.ucp/relaunches.jsonl``)."""
 
     @property
     def latest_converted(self) -> bool:
@@ -248,6 +253,7 @@ class RootStatus:
             "last_fallback": self.last_fallback,
             "refused_restart": self.refused_restart,
             "latest_unreadable": self.latest_unreadable,
+            "relaunches": list(self.relaunches),
         }
 
 
@@ -427,6 +433,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         converters=converters,
         problems=tuple(problems),
         last_fallback=(read_fallbacks(root) or [None])[-1],
+        relaunches=last_loop(read_lines(root, RELAUNCHES_LOG)),
         refused_restart=_refused_restart(root, latest),
         latest_unreadable=latest_unreadable,
     )

@@ -13,6 +13,7 @@ from megatron_ucp.background.status import RootStatus, TwinState, UniversalStatu
 from megatron_ucp.deepspeed.folder import is_native_tag
 from megatron_ucp.deepspeed.reader import human_bytes
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.plan.relaunch import loop_summary
 
 
 def _size(n: Optional[int]) -> str:
@@ -60,6 +61,9 @@ def format_status(rs: RootStatus) -> str:
         notes.append(
             f"  last restart that fell back ({when}): loaded {f.get('loaded')} ({f.get('lost')} lost): {failed}"
         )
+    if rs.relaunches:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(rs.relaunches[0].get("at", 0))))
+        notes.append(f"  last relaunch loop ({when}): {loop_summary(rs.relaunches)}")
     if notes:
         lines += ["", "details:"] + notes
     lines += [""] + ([f"background converters: {c}" for c in rs.converters] or ["background converters: none running"])

@@ -356,12 +356,14 @@ def record_event(root: Path, tag: str, kind: B.EventKind, message: str, **extra:
 
 FALLBACKS_LOG = "fallbacks.jsonl"
 """One JSON line per restart that fell back to an older tag (:mod:`megatron_ucp.integration.resume.fallback`)."""
+RELAUNCHES_LOG = "relaunches.jsonl"
+"""One JSON line per launch of ``megatron-ucp relaunch`` (its nodes, how it ended, the nodes found down)."""
 SAVES_LOG = "async-saves.jsonl"
 """One JSON line per asynchronous save's outcome (:mod:`megatron_ucp.integration.save.async_save`): committed, or
 failed with why."""
 
 
-def _append_line(root: Path, name: str, entry: dict, what: str) -> None:
+def append_line(root: Path, name: str, entry: dict, what: str) -> None:
     """One JSON line appended to a log of the store; a store that cannot be written is said in the log."""
     try:
         ucp_dir(root).mkdir(exist_ok=True)
@@ -371,7 +373,7 @@ def _append_line(root: Path, name: str, entry: dict, what: str) -> None:
         log.error("megatron-ucp: cannot record %s in %s: %s", what, ucp_dir(root), exc)
 
 
-def _read_lines(root: Path, name: str) -> list[dict]:
+def read_lines(root: Path, name: str) -> list[dict]:
     """A log of the store, oldest first; unreadable lines skipped."""
     try:
         lines = (ucp_dir(root) / name).read_text().splitlines()
@@ -386,12 +388,12 @@ def _read_lines(root: Path, name: str) -> list[dict]:
 
 def record_fallback(root: Path, entry: dict) -> None:
     """Append a restart's fallback to the store."""
-    _append_line(root, FALLBACKS_LOG, entry, "the fallback")
+    append_line(root, FALLBACKS_LOG, entry, "the fallback")
 
 
 def read_fallbacks(root: Path) -> list[dict]:
     """The restarts that fell back, oldest first."""
-    return _read_lines(root, FALLBACKS_LOG)
+    return read_lines(root, FALLBACKS_LOG)
 
 
 REFUSED_RESTART = "refused-restart.json"
@@ -425,12 +427,12 @@ def clear_refused_restart(root: Path) -> None:
 
 def record_save_outcome(root: Path, tag: str, failure: Optional[str] = None) -> None:
     """An asynchronous save of ``tag`` committed (``failure`` None) or failed, never becoming ``latest``."""
-    _append_line(root, SAVES_LOG, {"tag": tag, "at": time.time(), "failure": failure}, f"the save of {tag}")
+    append_line(root, SAVES_LOG, {"tag": tag, "at": time.time(), "failure": failure}, f"the save of {tag}")
 
 
 def failed_saves(root: Path) -> list[dict]:
     """The tags whose last asynchronous save failed (a later save of the tag that committed clears it)."""
-    last = {entry.get("tag"): entry for entry in _read_lines(root, SAVES_LOG)}
+    last = {entry.get("tag"): entry for entry in read_lines(root, SAVES_LOG)}
     return [entry for entry in last.values() if entry.get("failure")]
 
 

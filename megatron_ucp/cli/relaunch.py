@@ -9,7 +9,7 @@ replaced), so that a launcher that reads either (ezpz and ALCF's helpers.sh read
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import shlex
 import signal
@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from megatron_ucp.background.store import RELAUNCHES_LOG, append_line
 from megatron_ucp.cli import add_shared
 from megatron_ucp.errors import UcpError
 from megatron_ucp.plan.relaunch import after_failure, hosts_of
@@ -50,7 +51,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="where each launch's host file is written; must be visible on every node (default: "
         ".cache/megatron_ucp/relaunch under the current folder)",
     )
-    p.add_argument("--record", type=Path, help="append one JSON line per launch here (what ran, how it ended)")
+    p.add_argument(
+        "--root",
+        type=Path,
+        help="the checkpoint root: each launch (its nodes, how it ended, the nodes found down) is recorded in its "
+        ".ucp/ store, where `megatron-ucp status` shows the last",
+    )
     add_shared(p, "--no-progress", "accepted as every command accepts it (the loop draws no progress bar)")
     p.add_argument("--dry-run", action="store_true", help="print what would run; launch nothing (also UCP_DRY_RUN=1)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the launch command")
@@ -84,12 +90,12 @@ def run(args: argparse.Namespace) -> int:
         }
         if code == 0:
             _say(f"launch {restarts + 1} ended well after {record['seconds']}s")
-            _record(args.record, record)
+            _record(args.root, record)
             return 0
         down = _probe(hosts, args.probe, args.probe_timeout)
         decision = after_failure(hosts, down, code, restarts, args.max_restarts, args.min_nodes)
         _say(f"launch {restarts + 1} failed (exit {code}) after {record['seconds']}s: {decision.why}")
-        _record(args.record, {**record, "down": down, "decision": decision.why})
+        _record(args.root, {**record, "down": down, "decision": decision.why})
         if decision.hosts is None:
             return decision.code or 1
         hosts, restarts = list(decision.hosts), restarts + 1
@@ -154,12 +160,11 @@ def _probe(hosts: Sequence[str], probe: str, timeout: float) -> list[str]:
         return [host for host, bad in zip(hosts, pool.map(down, hosts)) if bad]
 
 
-def _record(path: Optional[Path], record: dict[str, Any]) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as out:
-        out.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), **record}) + "\n")
+def _record(root: Optional[Path], record: dict[str, Any]) -> None:
+    if root is not None:
+        with contextlib.suppress(OSError):  # the folder the job saves into; append_line says what it cannot write
+            root.mkdir(parents=True, exist_ok=True)
+        append_line(root, RELAUNCHES_LOG, {"at": time.time(), **record}, "the launch")
 
 
 def _shown(hosts: Sequence[str], at_most: int = 4) -> str:

@@ -51,3 +51,21 @@ def after_failure(
     if len(left) < max(1, min_nodes):
         return Next(None, f"{said}; {len(left)} left, fewer than the {max(1, min_nodes)} needed: stopping", code)
     return Next(left, f"{said}: relaunching on the {len(left)} left (relaunch {restarts_done + 1} of {max_restarts})")
+
+
+def last_loop(records: Sequence[dict]) -> tuple[dict, ...]:
+    """The launches of the newest relaunch loop that relaunched (records as ``megatron-ucp relaunch`` writes them,
+    oldest first); () when the newest loop launched once."""
+    starts = [i for i, r in enumerate(records) if r.get("launch") == 1]
+    loop = tuple(records[starts[-1] :]) if starts else ()
+    return loop if len(loop) > 1 else ()
+
+
+def loop_summary(loop: Sequence[dict]) -> str:
+    """One line of what a relaunch loop did: each launch's nodes, how it ended, and the nodes it lost."""
+    parts = []
+    for r in loop:
+        ended = "running or killed" if "exit" not in r else "ended well" if r["exit"] == 0 else f"exit {r['exit']}"
+        down = f", down: {', '.join(r['down'])}" if r.get("down") else ""
+        parts.append(f"launch {r.get('launch')} on {len(r.get('hosts') or [])} node(s) {ended}{down}")
+    return "; ".join(parts)

@@ -26,7 +26,7 @@ def _relaunch(folder: Path, *options: str, **env: str) -> subprocess.CompletedPr
     script = folder / "launch.sh"
     script.write_text(LAUNCH)
     script.chmod(0o755)
-    argv = [sys.executable, "-m", "megatron_ucp.cli", "relaunch", "--hostfile", "hosts", "--record", "rec.jsonl"]
+    argv = [sys.executable, "-m", "megatron_ucp.cli", "relaunch", "--hostfile", "hosts", "--root", "ckpt"]
     argv += [*options, "--", "./launch.sh", "--nnodes", "{nodes}"]
     return subprocess.run(argv, cwd=folder, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
 
@@ -36,9 +36,14 @@ def test_a_node_down_is_dropped_and_the_launch_goes_on_on_the_rest(tmp_path: Pat
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "launches.txt").read_text().splitlines() == ["n0,n1,n2,n3 --nnodes 4", "n0,n1,n3 --nnodes 3"]
     assert "1 of 4 node(s) down (n2): relaunching on the 3 left (relaunch 1 of 3)" in done.stderr
-    records = [json.loads(line) for line in (tmp_path / "rec.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "ckpt" / ".ucp" / "relaunches.jsonl").read_text().splitlines()]
     assert [(r["launch"], r["exit"], r.get("down")) for r in records] == [(1, 7, ["n2"]), (2, 0, None)]
     assert (tmp_path / ".cache/megatron_ucp/relaunch/hosts.1").read_text() == "n0\nn1\nn3\n"
+    shown = subprocess.run(
+        [sys.executable, "-m", "megatron_ucp.cli", "status", "ckpt"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert "last relaunch loop (" in shown.stdout, shown.stdout + shown.stderr
+    assert "launch 1 on 4 node(s) exit 7, down: n2; launch 2 on 3 node(s) ended well" in shown.stdout
 
 
 def test_a_failure_with_every_node_up_ends_the_loop_with_its_exit_code(tmp_path: Path) -> None:

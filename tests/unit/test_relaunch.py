@@ -34,3 +34,18 @@ def test_the_loop_stops_after_its_relaunches_or_below_its_node_floor() -> None:
     stop = after_failure(HOSTS, HOSTS[:3], 1, 0, 3, min_nodes=2)
     assert stop.hosts is None and "1 left, fewer than the 2 needed" in stop.why
     assert after_failure(HOSTS, HOSTS, 1, 0, 3).hosts is None  # none left
+
+
+def test_status_shows_the_newest_loop_that_relaunched() -> None:
+    from megatron_ucp.plan.relaunch import last_loop, loop_summary
+
+    first = [{"launch": 1, "hosts": HOSTS, "exit": 0}]
+    loop = [
+        {"launch": 1, "hosts": HOSTS, "exit": 1, "down": [HOSTS[2]]},
+        {"launch": 2, "hosts": HOSTS[:2] + HOSTS[3:], "exit": 0},
+    ]
+    assert last_loop(first + loop) == tuple(loop)
+    assert last_loop(loop + first) == ()  # the newest loop launched once: nothing to say
+    assert last_loop([*loop[:1], {"launch": 2, "hosts": HOSTS[:3]}]) != ()
+    assert loop_summary(loop) == (f"launch 1 on 4 node(s) exit 1, down: {HOSTS[2]}; launch 2 on 3 node(s) ended well")
+    assert loop_summary([{"launch": 2, "hosts": HOSTS}]) == "launch 2 on 4 node(s) running or killed"
