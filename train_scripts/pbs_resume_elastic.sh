@@ -29,12 +29,14 @@
 #     converting it first, one converter per node, if it is not there yet);
 #   * new checkpoints are converted to universal ones in the background (UCP_ASYNC_CONVERT=1),
 #     so the next resume at yet another node count starts at once;
-#   * when the launch fails with nodes down, those nodes are dropped and the launch
-#     repeated on the rest, at the new node count, from the newest checkpoint
-#     (`megatron-ucp relaunch`), at most UCP_MAX_RESTARTS times (default 3; 0: one
-#     launch). A node is down when `ssh <node> true` fails (UCP_PROBE overrides the
-#     probe command, {host} replaced). Each launch is recorded in the
-#     checkpoint's store; `megatron-ucp status $CKPT_DIR` shows the last.
+#   * with LAUNCH_WITH=deepspeed (helpers.sh's DeepSpeed launcher, which starts on
+#     HOSTFILE), when the launch fails with nodes down, those nodes are dropped and
+#     the launch repeated on the rest, at the new node count, from the newest
+#     checkpoint (`megatron-ucp relaunch`), at most UCP_MAX_RESTARTS times (default 3;
+#     0: one launch). A node is down when `ssh <node> true` fails (UCP_PROBE overrides
+#     the probe command, {host} replaced). Each launch is recorded in the checkpoint's
+#     store; `megatron-ucp status $CKPT_DIR` shows the last. Submit with
+#     `-W tolerate_node_failures=all` so that PBS keeps the job when a node fails.
 #
 # Requirements: megatron-ucp installed in the Python environment that
 # train_aGPT_7B.sh activates (pip install -e /path/to/megatron-ucp), and a
@@ -74,17 +76,27 @@ fi
 echo "pbs_resume_elastic.sh: ${nodes} node(s) x ${NGPU_PER_HOST} ranks, resuming ${CKPT_DIR} from ${here}"
 
 # Any arguments (e.g. --train-iters=...) go to train_aGPT_7B.sh, as they would without megatron-ucp.
+# The relaunch loop (megatron-ucp relaunch) needs a launcher that starts on the host file it is given: helpers.sh's
+# DeepSpeed launcher (LAUNCH_WITH=deepspeed) reads HOSTFILE; its default, `ezpz launch`, reads the job's own node
+# file and would start on a lost node again.
+python="${PYTHON:-python3}"
 max_restarts="${UCP_MAX_RESTARTS:-3}"
+launcher="${LAUNCH_WITH:-${LAUNCH_CMD:-MPICH}}"
 if [[ "${max_restarts}" != 0 && -f "${PBS_NODEFILE:-}" ]]; then
-	relaunch=("${PYTHON:-python3}" -m megatron_ucp.cli relaunch --max-restarts "${max_restarts}"
-		--root "${CKPT_DIR}")
-	if [[ -n "${UCP_PROBE:-}" ]]; then
-		relaunch+=(--probe "${UCP_PROBE}")
+	if [[ "${launcher}" != deepspeed ]]; then
+		echo "pbs_resume_elastic.sh: no relaunch after a node failure: the ${launcher} launcher (ezpz launch) starts on the job's own node file; set LAUNCH_WITH=deepspeed for the relaunch loop (UCP_MAX_RESTARTS=0 says nothing)" >&2
+	elif ! "${python}" -c 'from megatron_ucp.cli import build_parser; build_parser()' 2>/dev/null; then
+		echo "pbs_resume_elastic.sh: no relaunch after a node failure: ${python} cannot run megatron-ucp here (set PYTHON to the environment's interpreter)" >&2
+	else
+		relaunch=("${python}" -m megatron_ucp.cli relaunch --max-restarts "${max_restarts}" --root "${CKPT_DIR}")
+		if [[ -n "${UCP_PROBE:-}" ]]; then
+			relaunch+=(--probe "${UCP_PROBE}")
+		fi
+		if [[ "${UCP_DRY_RUN:-0}" == 1 ]]; then
+			"${relaunch[@]}" --dry-run -- bash "${wrapper}" "$@"
+			exec bash "${wrapper}" "$@" # its own dry run: what the first launch runs
+		fi
+		exec "${relaunch[@]}" -- bash "${wrapper}" "$@"
 	fi
-	if [[ "${UCP_DRY_RUN:-0}" == 1 ]]; then
-		PYTHONPATH="${megatron_ucp_home}${PYTHONPATH:+:${PYTHONPATH}}" "${relaunch[@]}" --dry-run -- bash "${wrapper}" "$@"
-		exec bash "${wrapper}" "$@" # its own dry run: what the first launch runs
-	fi
-	exec env PYTHONPATH="${megatron_ucp_home}${PYTHONPATH:+:${PYTHONPATH}}" "${relaunch[@]}" -- bash "${wrapper}" "$@"
 fi
 bash "${wrapper}" "$@"

@@ -1,9 +1,9 @@
 """``megatron-ucp relaunch [options] -- COMMAND...``: a launch repeated on the nodes left after a node failure.
 
-Each launch gets its own host file (``PBS_NODEFILE`` in its environment; ``{hostfile}`` and ``{nodes}`` in COMMAND
-replaced), so that a launcher that reads either (ezpz and ALCF's helpers.sh read ``PBS_NODEFILE``; mpiexec takes
-``--hostfile {hostfile}``, torchrun ``--nnodes {nodes}``) starts on the nodes left. The decision after each failure is
-:func:`megatron_ucp.plan.relaunch.after_failure`'s.
+Each launch gets its own host file, in the original's form (``PBS_NODEFILE`` and ``HOSTFILE`` in its environment;
+``{hostfile}`` and ``{nodes}`` in COMMAND replaced), for a launcher that reads one of them (ALCF helpers.sh's DeepSpeed
+launcher reads ``HOSTFILE``; mpiexec takes ``--hostfile {hostfile}``, torchrun ``--nnodes {nodes}``). The decision
+after each failure is :func:`megatron_ucp.plan.relaunch.after_failure`'s.
 """
 
 from __future__ import annotations
@@ -23,21 +23,23 @@ from typing import Any, Optional, Sequence
 from megatron_ucp.background.store import RELAUNCHES_LOG, append_line
 from megatron_ucp.cli import add_shared
 from megatron_ucp.errors import UcpError
-from megatron_ucp.plan.relaunch import after_failure, hosts_of
+from megatron_ucp.plan.relaunch import after_failure, hosts_of, lines_for
 
 DEFAULT_PROBE = "ssh -o BatchMode=yes -o ConnectTimeout=10 {host} true"
+CANNOT_RUN = "the probe cannot run"
+GRACE_S = 30.0
+"""How long a launch has to end after the signal passed on to it, before it is killed."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "relaunch",
         help="run a training launch; when it fails, drop the nodes that are down and relaunch on the rest",
-        description="Runs COMMAND on the allocation's nodes. When it fails, each node is probed; the ones that do not "
-        "answer are dropped and COMMAND runs again on the rest, at the new node count (the elastic resume reshards "
-        "the checkpoint to it; train_aGPT_7B_ucp.sh keeps the checkpoint's global batch where it divides). A launch "
-        "that fails with every node up is not repeated. Each launch's host file is in PBS_NODEFILE; {hostfile} and "
-        "{nodes} in COMMAND are replaced by it and by its node count. UCP_DRY_RUN=1 (or --dry-run) prints what it "
-        "would do and launches nothing.",
+        description="Runs COMMAND on the allocation's nodes. When it fails, each node of that launch is probed; the "
+        "ones that do not answer are dropped and COMMAND runs again on the rest, at the new node count (the elastic "
+        "resume reshards the checkpoint to it). A launch that fails with every node up is not repeated. Each launch's "
+        "host file is in PBS_NODEFILE and HOSTFILE; {hostfile} and {nodes} in COMMAND are replaced by it and by its "
+        "node count. UCP_DRY_RUN=1 (or --dry-run) prints what it would do and launches nothing.",
     )
     p.add_argument("--hostfile", type=Path, help="the allocation's nodes (default: $PBS_NODEFILE)")
     p.add_argument("--max-restarts", type=int, default=3, help="relaunches at most (default 3)")
@@ -47,117 +49,157 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--state-dir",
         type=Path,
-        default=Path(".cache/megatron_ucp/relaunch"),
         help="where each launch's host file is written; must be visible on every node (default: "
-        ".cache/megatron_ucp/relaunch under the current folder)",
+        ".cache/megatron_ucp/relaunch/<PBS_JOBID, else this process> under the current folder)",
     )
     p.add_argument(
         "--root",
         type=Path,
         help="the checkpoint root: each launch (its nodes, how it ended, the nodes found down) is recorded in its "
-        ".ucp/ store, where `megatron-ucp status` shows the last",
+        ".ucp/ store, where `megatron-ucp status` shows the last loop that relaunched",
     )
     add_shared(p, "--no-progress", "accepted as every command accepts it (the loop draws no progress bar)")
     p.add_argument("--dry-run", action="store_true", help="print what would run; launch nothing (also UCP_DRY_RUN=1)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the launch command")
+    p.add_argument("launch", nargs=argparse.REMAINDER, help="-- then the launch command")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = args.launch[1:] if args.launch[:1] == ["--"] else args.launch
     if not command:
         raise UcpError("relaunch: no command given (megatron-ucp relaunch [options] -- COMMAND...)")
     source = args.hostfile or (Path(os.environ["PBS_NODEFILE"]) if os.environ.get("PBS_NODEFILE") else None)
     if source is None:
         raise UcpError("relaunch: no host file (--hostfile, or PBS_NODEFILE set by the scheduler)")
-    hosts = hosts_of(source.read_text().splitlines())
+    lines = source.read_text().splitlines()
+    hosts = hosts_of(lines)
     if not hosts:
         raise UcpError(f"{source}: lists no host", subject=source)
+    state = args.state_dir or Path(".cache/megatron_ucp/relaunch") / os.environ.get("PBS_JOBID", f"pid{os.getpid()}")
     if args.dry_run or os.environ.get("UCP_DRY_RUN") == "1":
-        return _dry_run(args, hosts, command)
-    restarts = 0
+        return _dry_run(args, hosts, command, state)
+    max_restarts = args.max_restarts
+    before = _probe(hosts, args.probe, args.probe_timeout)  # a probe that cannot tell a lost node turns the loop off
+    if any(why.startswith(CANNOT_RUN) for why in before.values()) or len(before) == len(hosts):
+        _say(
+            f"the probe `{args.probe}` fails before the first launch ({_reasons(before)}): it cannot tell a lost "
+            "node here; launching once, no relaunch (set --probe to a command that works on every node)"
+        )
+        max_restarts = 0
+    elif before:
+        _say(
+            f"the probe fails on {_reasons(before)} before the first launch; launching on every node as given: "
+            "those that still fail after a failed launch are dropped"
+        )
+    loop, restarts = time.time(), 0
     while True:
-        hostfile = _write_hostfile(args.state_dir, restarts, hosts)
-        argv = _filled(command, hostfile, hosts)
+        hostfile = _write_hostfile(state, restarts, lines_for(lines, hosts))
+        argv = [w.replace("{hostfile}", str(hostfile)).replace("{nodes}", str(len(hosts))) for w in command]
         _say(f"launch {restarts + 1} on {len(hosts)} node(s) ({_shown(hosts)}): {shlex.join(argv)}")
+        record: dict[str, Any] = {"loop": loop, "launch": restarts + 1, "hosts": hosts}
+        _record(args.root, {**record, "at": time.time()})
         t0 = time.time()
-        code = _launch(argv, {"PBS_NODEFILE": str(hostfile), "UCP_RELAUNCH": str(restarts)})
-        record: dict[str, Any] = {
-            "launch": restarts + 1,
-            "hosts": hosts,
-            "exit": code,
-            "seconds": round(time.time() - t0),
-        }
+        code, signalled = _launch(argv, {"PBS_NODEFILE": str(hostfile), "HOSTFILE": str(hostfile)})
+        record.update(exit=code, seconds=round(time.time() - t0))
+        if signalled is not None:
+            _say(
+                f"stopped by {signal.Signals(signalled).name} after {record['seconds']}s: launch {restarts + 1} "
+                f"ended with exit {code}; no relaunch"
+            )
+            _record(args.root, {**record, "decision": f"stopped by {signal.Signals(signalled).name}"})
+            return 128 + signalled
         if code == 0:
             _say(f"launch {restarts + 1} ended well after {record['seconds']}s")
             _record(args.root, record)
             return 0
         down = _probe(hosts, args.probe, args.probe_timeout)
-        decision = after_failure(hosts, down, code, restarts, args.max_restarts, args.min_nodes)
-        _say(f"launch {restarts + 1} failed (exit {code}) after {record['seconds']}s: {decision.why}")
-        _record(args.root, {**record, "down": down, "decision": decision.why})
+        decision = after_failure(hosts, list(down), code, restarts, max_restarts, args.min_nodes)
+        _say(
+            f"launch {restarts + 1} failed (exit {code}) after {record['seconds']}s: {decision.why}"
+            + (f" [probe: {_reasons(down)}]" if down else "")
+        )
+        _record(args.root, {**record, "down": list(down), "why_down": down, "decision": decision.why})
         if decision.hosts is None:
             return decision.code or 1
         hosts, restarts = list(decision.hosts), restarts + 1
 
 
-def _dry_run(args: argparse.Namespace, hosts: list[str], command: Sequence[str]) -> int:
-    hostfile = args.state_dir / "hosts.0"
+def _dry_run(args: argparse.Namespace, hosts: list[str], command: Sequence[str], state: Path) -> int:
+    hostfile = state / "hosts.0"
+    argv = [w.replace("{hostfile}", str(hostfile)).replace("{nodes}", str(len(hosts))) for w in command]
     _say(
-        f"(dry run) launch 1 on {len(hosts)} node(s) ({_shown(hosts)}): PBS_NODEFILE={hostfile} "
-        f"{shlex.join(_filled(command, hostfile, hosts))}"
+        f"(dry run) launch 1 on {len(hosts)} node(s) ({_shown(hosts)}): PBS_NODEFILE=HOSTFILE={hostfile} "
+        f"{shlex.join(argv)}"
     )
     _say(
-        f"(dry run) on a failure: each node probed with `{args.probe}` ({args.probe_timeout:g}s), those that do not "
-        f"answer dropped, the launch repeated on the rest, at most {args.max_restarts} time(s), while at least "
-        f"{max(1, args.min_nodes)} node(s) are left; a failure with every node up ends the loop"
+        f"(dry run) on a failure: each node of the launch probed with `{args.probe}` ({args.probe_timeout:g}s), "
+        f"those that do not answer dropped, the launch repeated on the rest, at most {args.max_restarts} time(s), "
+        f"while at least {max(1, args.min_nodes)} node(s) are left; a failure with every node up ends the loop"
     )
     return 0
 
 
-def _filled(command: Sequence[str], hostfile: Path, hosts: Sequence[str]) -> list[str]:
-    return [word.replace("{hostfile}", str(hostfile)).replace("{nodes}", str(len(hosts))) for word in command]
-
-
-def _write_hostfile(folder: Path, restarts: int, hosts: Sequence[str]) -> Path:
+def _write_hostfile(folder: Path, restarts: int, lines: Sequence[str]) -> Path:
     """This launch's host file, written whole before it is used (a temporary name, then renamed)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = (folder / f"hosts.{restarts}").resolve()
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(f"{host}\n" for host in hosts))
+    tmp.write_text("".join(f"{line}\n" for line in lines))
     os.replace(tmp, path)
     return path
 
 
-def _launch(argv: Sequence[str], env: dict[str, str]) -> int:
-    """The launch, its output the job's; a SIGTERM (walltime, qdel) is passed on to it and ends the loop."""
+def _launch(argv: Sequence[str], env: dict[str, str]) -> tuple[int, Optional[int]]:
+    """The launch, its output the job's, in the loop's process group (so that whatever ends the job's processes ends
+    it too). A SIGTERM to the loop (walltime, qdel) is passed on to it (a Ctrl-C already reached it); a second signal,
+    or ``GRACE_S`` without an end after the first, kills it. Returns its exit code (128 + the signal that ended it) and
+    the signal the loop got (None: none)."""
     child = subprocess.Popen(list(argv), env={**os.environ, **env})
+    got: list[tuple[int, float]] = []
 
-    def forward(signum: int, _frame: Any) -> None:
-        child.send_signal(signum)
-        child.wait()
-        sys.exit(128 + signum)
+    def pass_on(signum: int, _frame: Any) -> None:
+        if got or signum == signal.SIGTERM:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGKILL if got else signum)
+        got.append((signum, time.monotonic()))
 
-    before = signal.signal(signal.SIGTERM, forward)
+    before = {s: signal.signal(s, pass_on) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return child.wait()
+        while True:
+            try:
+                code = child.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if got and time.monotonic() - got[0][1] > GRACE_S:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child.pid, signal.SIGKILL)
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    return (128 - code if code < 0 else code), (got[0][0] if got else None)
 
 
-def _probe(hosts: Sequence[str], probe: str, timeout: float) -> list[str]:
-    """The hosts whose probe fails or does not answer in time, in order (probed at once)."""
+def _probe(hosts: Sequence[str], probe: str, timeout: float) -> dict[str, str]:
+    """The hosts whose probe fails or does not answer in time, each with why (probed at once), in order."""
 
-    def down(host: str) -> bool:
+    def why(host: str) -> Optional[str]:
+        argv = [word.replace("{host}", host) for word in shlex.split(probe)]
         try:
-            argv = [word.replace("{host}", host) for word in shlex.split(probe)]
-            done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
-            return done.returncode != 0
-        except (subprocess.TimeoutExpired, OSError):
-            return True
+            done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout, text=True)
+        except subprocess.TimeoutExpired:
+            return f"no answer in {timeout:g}s"
+        except OSError as exc:
+            return f"{CANNOT_RUN}: {exc.strerror or exc}"
+        tail = (done.stderr or "").strip().splitlines()[-1:] or [""]
+        return None if done.returncode == 0 else f"exit {done.returncode}" + (f": {tail[0][:120]}" if tail[0] else "")
 
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        return [host for host, bad in zip(hosts, pool.map(down, hosts)) if bad]
+        return {host: bad for host, bad in zip(hosts, pool.map(why, hosts)) if bad is not None}
+
+
+def _reasons(down: dict[str, str], at_most: int = 4) -> str:
+    shown = "; ".join(f"{host} ({why})" for host, why in list(down.items())[:at_most])
+    return shown + (f"; and {len(down) - at_most} more" if len(down) > at_most else "")
 
 
 def _record(root: Optional[Path], record: dict[str, Any]) -> None:

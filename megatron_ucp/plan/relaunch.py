@@ -17,10 +17,22 @@ def hosts_of(lines: Iterable[str]) -> list[str]:
     out, a host listed once per slot counted once; ``host slots=N`` (DeepSpeed's hostfile) is the host."""
     hosts: list[str] = []
     for line in lines:
-        word = line.split("#", 1)[0].strip().split()
-        if word and word[0] not in hosts:
-            hosts.append(word[0])
+        word = _host(line)
+        if word is not None and word not in hosts:
+            hosts.append(word)
     return hosts
+
+
+def lines_for(lines: Sequence[str], hosts: Iterable[str]) -> list[str]:
+    """The lines of a host file that name one of ``hosts``, as they are (slots, a host once per rank): the host file
+    of a launch on those nodes, in the form the original had."""
+    kept = set(hosts)
+    return [line for line in lines if _host(line) in kept]
+
+
+def _host(line: str) -> Optional[str]:
+    words = line.split("#", 1)[0].split()
+    return words[0] if words else None
 
 
 @dataclass(frozen=True)
@@ -35,9 +47,17 @@ class Next:
 def after_failure(
     hosts: Sequence[str], down: Sequence[str], code: int, restarts_done: int, max_restarts: int, min_nodes: int = 1
 ) -> Next:
-    """The decision after a launch on ``hosts`` ended with exit ``code`` (non-zero) and the probe found ``down``."""
+    """The decision after a launch on ``hosts`` ended with exit ``code`` (non-zero) and the probe found ``down``.
+    Every node down at once is taken for a probe that does not work (likelier than every node lost): not relaunched."""
     lost = [h for h in hosts if h in set(down)]
     left = tuple(h for h in hosts if h not in set(down))
+    if lost and not left:
+        return Next(
+            None,
+            f"the probe fails on all {len(hosts)} node(s) at once: more likely the probe than the nodes; "
+            "not relaunched",
+            code,
+        )
     if not lost:
         return Next(
             None,
@@ -54,18 +74,26 @@ def after_failure(
 
 
 def last_loop(records: Sequence[dict]) -> tuple[dict, ...]:
-    """The launches of the newest relaunch loop that relaunched (records as ``megatron-ucp relaunch`` writes them,
-    oldest first); () when the newest loop launched once."""
-    starts = [i for i, r in enumerate(records) if r.get("launch") == 1]
-    loop = tuple(records[starts[-1] :]) if starts else ()
-    return loop if len(loop) > 1 else ()
+    """The launches of the newest relaunch loop that launched more than once, each its start and end records merged
+    (records as ``megatron-ucp relaunch`` writes them, oldest first); () when the newest loop launched once."""
+    loops = [r.get("loop") for r in records if r.get("loop") is not None]
+    if not loops:
+        return ()
+    launches: dict[int, dict] = {}
+    for r in records:
+        if r.get("loop") == loops[-1]:
+            launches.setdefault(int(r.get("launch", 0)), {}).update(r)
+    return tuple(launches[n] for n in sorted(launches)) if len(launches) > 1 else ()
 
 
 def loop_summary(loop: Sequence[dict]) -> str:
     """One line of what a relaunch loop did: each launch's nodes, how it ended, and the nodes it lost."""
     parts = []
     for r in loop:
-        ended = "running or killed" if "exit" not in r else "ended well" if r["exit"] == 0 else f"exit {r['exit']}"
+        if "exit" not in r:
+            ended = "running, or its loop was killed"
+        else:
+            ended = "ended well" if r["exit"] == 0 else f"exit {r['exit']}"
         down = f", down: {', '.join(r['down'])}" if r.get("down") else ""
         parts.append(f"launch {r.get('launch')} on {len(r.get('hosts') or [])} node(s) {ended}{down}")
     return "; ".join(parts)

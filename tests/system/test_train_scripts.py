@@ -232,7 +232,8 @@ def test_pbs_example_dry_run(checkout, tmp_path):
 
 
 def test_pbs_example_relaunches_on_the_nodes_left(checkout, tmp_path):
-    """Under PBS the launch runs inside `megatron-ucp relaunch`: its dry run says so, then shows the first launch."""
+    """Under PBS with helpers.sh's DeepSpeed launcher the launch runs inside `megatron-ucp relaunch`: its dry run says
+    so, then shows the first launch; with ezpz's launcher (which reads the job's own node file) it says why not."""
     ckpt = _fake_checkpoint(tmp_path, dp=768, batch=3072)
     nodefile = tmp_path / "nodefile"
     nodefile.write_text("".join(f"x4000c0s{i}b0n0\n" for i in range(32)))
@@ -244,6 +245,7 @@ def test_pbs_example_relaunches_on_the_nodes_left(checkout, tmp_path):
         "PBS_NODEFILE": str(nodefile),
         "PYTHON": sys.executable,
         "UCP_MAX_RESTARTS": "2",
+        "LAUNCH_WITH": "deepspeed",
     }
     out = run(["bash", str(PBS), "--train-iters=100"], env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -253,6 +255,35 @@ def test_pbs_example_relaunches_on_the_nodes_left(checkout, tmp_path):
     )
     assert "at most 2 time(s)" in out.stderr and "train_aGPT_7B_ucp.sh --train-iters=100" in out.stderr
     assert f"bash {checkout}/train_aGPT_7B.sh --train-iters=100" in out.stdout  # the first launch's own dry run
+    ezpz = run(["bash", str(PBS)], env={**env, "LAUNCH_WITH": ""}, cwd=tmp_path)
+    assert ezpz.returncode == 0 and "no relaunch after a node failure: the MPICH launcher (ezpz launch)" in ezpz.stderr
+
+
+def test_pbs_example_relaunch_runs_on_the_nodes_left(checkout, tmp_path):
+    """Not a dry run: the first launch fails while a node the probe finds down is in its host file; the second runs
+    on the other two, from the same job script."""
+    seen = tmp_path / "seen.txt"
+    train = checkout / "train_stand_in.sh"
+    train.write_text('#!/bin/bash\ncat "$HOSTFILE" >> "$SEEN"; echo --- >> "$SEEN"\n! grep -q nbad "$HOSTFILE"\n')
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text("n0\nnbad\nn2\n")
+    env = {
+        "PBS_O_WORKDIR": str(checkout),
+        "MEGATRON_UCP_HOME": str(REPO),
+        "CKPT_DIR": str(tmp_path / "ckpt"),
+        "PBS_NODEFILE": str(nodefile),
+        "PYTHON": sys.executable,
+        "LAUNCH_WITH": "deepspeed",
+        "UCP_PROBE": "test {host} != nbad",
+        "UCP_TRAIN_SCRIPT": str(train),
+        "GLOBAL_BATCH": "8",
+        "NGPU_PER_HOST": "1",
+        "SEEN": str(seen),
+    }
+    out = run(["bash", str(PBS)], env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert seen.read_text().split("---\n")[:2] == ["n0\nnbad\nn2\n", "n0\nn2\n"]
+    assert "1 of 3 node(s) down (nbad): relaunching on the 2 left" in out.stderr
 
 
 def test_cpu_demo_dry_run(tmp_path):

@@ -6,7 +6,7 @@ are left; one that fails with every node up is not repeated.
 
 from __future__ import annotations
 
-from megatron_ucp.plan.relaunch import after_failure, hosts_of
+from megatron_ucp.plan.relaunch import after_failure, hosts_of, last_loop, lines_for, loop_summary
 
 HOSTS = ["x1000c0s0b0n0", "x1000c0s0b1n0", "x1000c0s1b0n0", "x1000c0s1b1n0"]
 
@@ -14,6 +14,7 @@ HOSTS = ["x1000c0s0b0n0", "x1000c0s0b1n0", "x1000c0s1b0n0", "x1000c0s1b1n0"]
 def test_a_host_file_lists_each_node_once_in_order() -> None:
     lines = ["# nodes", "b slots=12", "a", "", "b", "a  # again", "c"]
     assert hosts_of(lines) == ["b", "a", "c"]
+    assert lines_for(lines, ["b", "c"]) == ["b slots=12", "b", "c"]  # the survivors' lines, in their own form
 
 
 def test_the_nodes_down_are_dropped_and_the_launch_repeated_on_the_rest() -> None:
@@ -33,19 +34,21 @@ def test_the_loop_stops_after_its_relaunches_or_below_its_node_floor() -> None:
     assert "already made" in after_failure(HOSTS, [HOSTS[0]], 1, 3, 3).why
     stop = after_failure(HOSTS, HOSTS[:3], 1, 0, 3, min_nodes=2)
     assert stop.hosts is None and "1 left, fewer than the 2 needed" in stop.why
-    assert after_failure(HOSTS, HOSTS, 1, 0, 3).hosts is None  # none left
+    everyone = after_failure(HOSTS, HOSTS, 1, 0, 3)  # every node at once: the probe, not the nodes
+    assert everyone.hosts is None and "more likely the probe than the nodes" in everyone.why
 
 
 def test_status_shows_the_newest_loop_that_relaunched() -> None:
-    from megatron_ucp.plan.relaunch import last_loop, loop_summary
-
-    first = [{"launch": 1, "hosts": HOSTS, "exit": 0}]
+    once = [{"loop": 1.0, "launch": 1, "hosts": HOSTS, "at": 1}, {"loop": 1.0, "launch": 1, "hosts": HOSTS, "exit": 0}]
     loop = [
-        {"launch": 1, "hosts": HOSTS, "exit": 1, "down": [HOSTS[2]]},
-        {"launch": 2, "hosts": HOSTS[:2] + HOSTS[3:], "exit": 0},
+        {"loop": 2.0, "launch": 1, "hosts": HOSTS, "at": 2},
+        {"loop": 2.0, "launch": 1, "hosts": HOSTS, "exit": 1, "down": [HOSTS[2]]},
+        {"loop": 2.0, "launch": 2, "hosts": HOSTS[:2] + HOSTS[3:], "at": 3},
     ]
-    assert last_loop(first + loop) == tuple(loop)
-    assert last_loop(loop + first) == ()  # the newest loop launched once: nothing to say
-    assert last_loop([*loop[:1], {"launch": 2, "hosts": HOSTS[:3]}]) != ()
-    assert loop_summary(loop) == (f"launch 1 on 4 node(s) exit 1, down: {HOSTS[2]}; launch 2 on 3 node(s) ended well")
-    assert loop_summary([{"launch": 2, "hosts": HOSTS}]) == "launch 2 on 4 node(s) running or killed"
+    merged = last_loop(once + loop)
+    assert [r["launch"] for r in merged] == [1, 2] and merged[0]["down"] == [HOSTS[2]]
+    assert last_loop(loop + [{**r, "loop": 3.0} for r in once]) == ()  # the newest loop launched once
+    assert loop_summary(merged) == (
+        f"launch 1 on 4 node(s) exit 1, down: {HOSTS[2]}; launch 2 on 3 node(s) running, or its loop was killed"
+    )
+    assert loop_summary([{"launch": 2, "hosts": HOSTS, "exit": 0}]) == "launch 2 on 4 node(s) ended well"
