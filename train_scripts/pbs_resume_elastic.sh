@@ -35,8 +35,10 @@
 #     checkpoint (`megatron-ucp relaunch`), at most UCP_MAX_RESTARTS times (default 3;
 #     0: one launch). A node is down when `ssh <node> true` fails (UCP_PROBE overrides
 #     the probe command, {host} replaced). Each launch is recorded in the checkpoint's
-#     store; `megatron-ucp status $CKPT_DIR` shows the last. Submit with
+#     store; `megatron-ucp status $CKPT_DIR` shows it. Submit with
 #     `-W tolerate_node_failures=all` so that PBS keeps the job when a node fails.
+#     The loop runs before train_aGPT_7B.sh sets up its environment: PYTHON names an
+#     interpreter with megatron-ucp (default python3).
 #
 # Requirements: megatron-ucp installed in the Python environment that
 # train_aGPT_7B.sh activates (pip install -e /path/to/megatron-ucp), and a
@@ -83,17 +85,23 @@ python="${PYTHON:-python3}"
 max_restarts="${UCP_MAX_RESTARTS:-3}"
 launcher="${LAUNCH_WITH:-${LAUNCH_CMD:-MPICH}}"
 if [[ "${max_restarts}" != 0 && -f "${PBS_NODEFILE:-}" ]]; then
-	if [[ "${launcher}" != deepspeed ]]; then
-		echo "pbs_resume_elastic.sh: no relaunch after a node failure: the ${launcher} launcher (ezpz launch) starts on the job's own node file; set LAUNCH_WITH=deepspeed for the relaunch loop (UCP_MAX_RESTARTS=0 says nothing)" >&2
-	elif ! "${python}" -c 'from megatron_ucp.cli import build_parser; build_parser()' 2>/dev/null; then
-		echo "pbs_resume_elastic.sh: no relaunch after a node failure: ${python} cannot run megatron-ucp here (set PYTHON to the environment's interpreter)" >&2
+	why_not=""
+	if [[ ! "${max_restarts}" =~ ^[0-9]+$ ]]; then
+		why_not="UCP_MAX_RESTARTS=${max_restarts} is not a number"
+	elif [[ "${launcher}" != deepspeed ]]; then
+		why_not="the ${launcher} launcher (ezpz launch) starts on the job's own node file; set LAUNCH_WITH=deepspeed for the relaunch loop (UCP_MAX_RESTARTS=0 says nothing)"
+	elif ! check="$("${python}" -c 'from megatron_ucp.cli import build_parser; build_parser()' 2>&1)"; then
+		why_not="${python} cannot run megatron-ucp before train_aGPT_7B.sh sets up its environment ($(tail -n 1 <<<"${check}")); set PYTHON to that environment's interpreter"
+	fi
+	if [[ -n "${why_not}" ]]; then
+		echo "pbs_resume_elastic.sh: no relaunch after a node failure: ${why_not}" >&2
 	else
 		relaunch=("${python}" -m megatron_ucp.cli relaunch --max-restarts "${max_restarts}" --root "${CKPT_DIR}")
 		if [[ -n "${UCP_PROBE:-}" ]]; then
 			relaunch+=(--probe "${UCP_PROBE}")
 		fi
 		if [[ "${UCP_DRY_RUN:-0}" == 1 ]]; then
-			"${relaunch[@]}" --dry-run -- bash "${wrapper}" "$@"
+			"${relaunch[@]}" --dry-run -- bash "${wrapper}" "$@" || true
 			exec bash "${wrapper}" "$@" # its own dry run: what the first launch runs
 		fi
 		exec "${relaunch[@]}" -- bash "${wrapper}" "$@"

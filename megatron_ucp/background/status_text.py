@@ -62,7 +62,8 @@ def format_status(rs: RootStatus) -> str:
             f"  last restart that fell back ({when}): loaded {f.get('loaded')} ({f.get('lost')} lost): {failed}"
         )
     if rs.relaunches:
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(rs.relaunches[0].get("at", 0))))
+        first = rs.relaunches[0]
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(first.get("started", first.get("at", 0)))))
         notes.append(f"  last relaunch loop ({when}): {loop_summary(rs.relaunches)}")
     if notes:
         lines += ["", "details:"] + notes

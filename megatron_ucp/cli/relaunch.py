@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 from megatron_ucp.background.store import RELAUNCHES_LOG, append_line
 from megatron_ucp.cli import add_shared
 from megatron_ucp.errors import UcpError
-from megatron_ucp.plan.relaunch import after_failure, hosts_of, lines_for
+from megatron_ucp.plan.relaunch import after_failure, before_first, hosts_of, lines_for
 
 DEFAULT_PROBE = "ssh -o BatchMode=yes -o ConnectTimeout=10 {host} true"
 CANNOT_RUN = "the probe cannot run"
@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--root",
         type=Path,
         help="the checkpoint root: each launch (its nodes, how it ended, the nodes found down) is recorded in its "
-        ".ucp/ store, where `megatron-ucp status` shows the last loop that relaunched",
+        ".ucp/ store, where `megatron-ucp status` shows the newest loop when it relaunched",
     )
     add_shared(p, "--no-progress", "accepted as every command accepts it (the loop draws no progress bar)")
     p.add_argument("--dry-run", action="store_true", help="print what would run; launch nothing (also UCP_DRY_RUN=1)")
@@ -78,41 +78,54 @@ def run(args: argparse.Namespace) -> int:
     state = args.state_dir or Path(".cache/megatron_ucp/relaunch") / os.environ.get("PBS_JOBID", f"pid{os.getpid()}")
     if args.dry_run or os.environ.get("UCP_DRY_RUN") == "1":
         return _dry_run(args, hosts, command, state)
+    stop = _Stop()
+    before = {sig: signal.signal(sig, stop.handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _loop(args, lines, hosts, command, state, stop)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _loop(
+    args: argparse.Namespace, lines: list[str], hosts: list[str], command: Sequence[str], state: Path, stop: "_Stop"
+) -> int:
     max_restarts = args.max_restarts
-    before = _probe(hosts, args.probe, args.probe_timeout)  # a probe that cannot tell a lost node turns the loop off
-    if any(why.startswith(CANNOT_RUN) for why in before.values()) or len(before) == len(hosts):
+    down = _probe(hosts, args.probe, args.probe_timeout)
+    first = before_first(hosts, list(down), any(why.startswith(CANNOT_RUN) for why in down.values()), args.min_nodes)
+    if first.hosts is None:
         _say(
-            f"the probe `{args.probe}` fails before the first launch ({_reasons(before)}): it cannot tell a lost "
-            "node here; launching once, no relaunch (set --probe to a command that works on every node)"
+            f"the probe `{args.probe}` fails before the first launch ({_reasons(down)}): {first.why} (set --probe "
+            "to a command that works on every node)"
         )
         max_restarts = 0
-    elif before:
-        _say(
-            f"the probe fails on {_reasons(before)} before the first launch; launching on every node as given: "
-            "those that still fail after a failed launch are dropped"
-        )
+    else:
+        if first.why:
+            _say(f"{first.why} [probe: {_reasons(down)}]")
+        hosts = list(first.hosts)
     loop, restarts = time.time(), 0
-    while True:
+    while stop.signal is None:
         hostfile = _write_hostfile(state, restarts, lines_for(lines, hosts))
         argv = [w.replace("{hostfile}", str(hostfile)).replace("{nodes}", str(len(hosts))) for w in command]
         _say(f"launch {restarts + 1} on {len(hosts)} node(s) ({_shown(hosts)}): {shlex.join(argv)}")
         record: dict[str, Any] = {"loop": loop, "launch": restarts + 1, "hosts": hosts}
-        _record(args.root, {**record, "at": time.time()})
+        _record(args.root, {**record, "started": time.time()})
         t0 = time.time()
-        code, signalled = _launch(argv, {"PBS_NODEFILE": str(hostfile), "HOSTFILE": str(hostfile)})
+        code = _launch(argv, {"PBS_NODEFILE": str(hostfile), "HOSTFILE": str(hostfile)}, stop)
         record.update(exit=code, seconds=round(time.time() - t0))
-        if signalled is not None:
-            _say(
-                f"stopped by {signal.Signals(signalled).name} after {record['seconds']}s: launch {restarts + 1} "
-                f"ended with exit {code}; no relaunch"
-            )
-            _record(args.root, {**record, "decision": f"stopped by {signal.Signals(signalled).name}"})
-            return 128 + signalled
-        if code == 0:
+        if code == 0 and stop.signal is None:
             _say(f"launch {restarts + 1} ended well after {record['seconds']}s")
             _record(args.root, record)
             return 0
-        down = _probe(hosts, args.probe, args.probe_timeout)
+        down = _probe(hosts, args.probe, args.probe_timeout) if stop.signal is None else {}
+        if stop.signal is not None:  # walltime, qdel, Ctrl-C: the job ends here
+            name = signal.Signals(stop.signal).name
+            _say(
+                f"stopped by {name}: launch {restarts + 1} ended with exit {code} after {record['seconds']}s; "
+                "no relaunch"
+            )
+            _record(args.root, {**record, "decision": f"stopped by {name}"})
+            return 128 + stop.signal
         decision = after_failure(hosts, list(down), code, restarts, max_restarts, args.min_nodes)
         _say(
             f"launch {restarts + 1} failed (exit {code}) after {record['seconds']}s: {decision.why}"
@@ -122,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         if decision.hosts is None:
             return decision.code or 1
         hosts, restarts = list(decision.hosts), restarts + 1
+    return 128 + stop.signal
 
 
 def _dry_run(args: argparse.Namespace, hosts: list[str], command: Sequence[str], state: Path) -> int:
@@ -149,34 +163,52 @@ def _write_hostfile(folder: Path, restarts: int, lines: Sequence[str]) -> Path:
     return path
 
 
-def _launch(argv: Sequence[str], env: dict[str, str]) -> tuple[int, Optional[int]]:
-    """The launch, its output the job's, in the loop's process group (so that whatever ends the job's processes ends
-    it too). A SIGTERM to the loop (walltime, qdel) is passed on to it (a Ctrl-C already reached it); a second signal,
-    or ``GRACE_S`` without an end after the first, kills it. Returns its exit code (128 + the signal that ended it) and
-    the signal the loop got (None: none)."""
-    child = subprocess.Popen(list(argv), env={**os.environ, **env})
-    got: list[tuple[int, float]] = []
+class _Stop:
+    """The signals the loop got (SIGTERM: walltime, qdel; SIGINT: Ctrl-C), each passed on to the launch's process
+    group while one runs; a second signal kills it."""
 
-    def pass_on(signum: int, _frame: Any) -> None:
-        if got or signum == signal.SIGTERM:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child.pid, signal.SIGKILL if got else signum)
-        got.append((signum, time.monotonic()))
+    def __init__(self) -> None:
+        self.got: list[tuple[int, float]] = []
+        self.child: Optional[subprocess.Popen] = None
 
-    before = {s: signal.signal(s, pass_on) for s in (signal.SIGTERM, signal.SIGINT)}
+    @property
+    def signal(self) -> Optional[int]:
+        return self.got[0][0] if self.got else None
+
+    def handler(self, signum: int, _frame: Any) -> None:
+        if self.child is not None:
+            _kill_group(self.child.pid, signal.SIGKILL if self.got else signum)
+        self.got.append((signum, time.monotonic()))
+
+
+def _launch(argv: Sequence[str], env: dict[str, str], stop: _Stop) -> int:
+    """The launch, its output the job's, in a process group of its own within the job's session (whatever ends the
+    job's processes ends it too; a signal to the loop reaches all of it). Killed when it has not ended ``GRACE_S``
+    after a signal. Returns its exit code, 128 + the signal that ended it, 127 when it cannot start."""
+    try:
+        child = subprocess.Popen(list(argv), env={**os.environ, **env}, process_group=0)
+    except OSError as exc:
+        _say(f"cannot start the launch {argv[0]}: {exc.strerror or exc}")
+        return 127
+    stop.child = child
+    if stop.got:  # a signal before the launch started
+        _kill_group(child.pid, stop.got[0][0])
     try:
         while True:
             try:
                 code = child.wait(timeout=1.0)
                 break
             except subprocess.TimeoutExpired:
-                if got and time.monotonic() - got[0][1] > GRACE_S:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(child.pid, signal.SIGKILL)
+                if stop.got and time.monotonic() - stop.got[0][1] > GRACE_S:
+                    _kill_group(child.pid, signal.SIGKILL)
     finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
-    return (128 - code if code < 0 else code), (got[0][0] if got else None)
+        stop.child = None
+    return 128 - code if code < 0 else code
+
+
+def _kill_group(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signum)
 
 
 def _probe(hosts: Sequence[str], probe: str, timeout: float) -> dict[str, str]:

@@ -44,6 +44,29 @@ class Next:
     code: int = 0
 
 
+def before_first(hosts: Sequence[str], down: Sequence[str], probe_broken: bool, min_nodes: int = 1) -> Next:
+    """The nodes the first launch starts on, given the nodes that did not answer the probe before it (``down``):
+    those left, when enough are (a launch that includes a lost node fails, or hangs until its timeout). ``hosts``
+    None: the probe cannot tell a lost node here (it cannot run, or fails on every node): one launch, no loop."""
+    lost = [h for h in hosts if h in set(down)]
+    left = tuple(h for h in hosts if h not in set(down))
+    if probe_broken or not left:
+        return Next(None, "it cannot tell a lost node here; launching once on every node, no relaunch")
+    if lost and len(left) >= max(1, min_nodes):
+        return Next(
+            left,
+            f"{len(lost)} of {len(hosts)} node(s) down before the first launch ({', '.join(lost)}): "
+            f"launching on the {len(left)} left",
+        )
+    return Next(
+        tuple(hosts),
+        f"{len(lost)} of {len(hosts)} node(s) down before the first launch; too few left: "
+        "launching on every node as given"
+        if lost
+        else "",
+    )
+
+
 def after_failure(
     hosts: Sequence[str], down: Sequence[str], code: int, restarts_done: int, max_restarts: int, min_nodes: int = 1
 ) -> Next:

@@ -17,13 +17,19 @@ import sys
 import time
 from pathlib import Path
 
-LAUNCH = """#!/bin/bash
+import pytest
+
+LAUNCH = r"""#!/bin/bash
+[ -n "${KILLS:-}" ] && echo "$KILLS" >> down.txt
 nodes="$(grep -v '^#' "$PBS_NODEFILE" | cut -d' ' -f1 | paste -sd, -)"
 echo "$nodes $* HOSTFILE=$([ "$HOSTFILE" = "$PBS_NODEFILE" ] && echo same)" >> launches.txt
 grep -q "${FAILS_WITH:-none}" "$PBS_NODEFILE" && exit 7
 [ -n "${KILLS_LAST:-}" ] && tail -1 "$PBS_NODEFILE" | cut -d' ' -f1 >> down.txt
 [ -n "${SELF_KILL:-}" ] && kill -9 $$
-if [ -n "${SLEEPS:-}" ]; then trap 'echo terminated >> launches.txt; exit 143' TERM; sleep 60 & wait; fi
+if [ -n "${SLEEPS:-}" ]; then
+  bash -c "trap 'echo grandchild \$1 >> launches.txt; exit 1' TERM INT; sleep 60 & wait" _ got &  # a launcher's rank
+  trap 'echo terminated >> launches.txt' TERM INT; wait; wait; exit 143
+fi
 exit "${ALWAYS:-0}"
 """
 HOSTS = "# allocation\nn0 slots=2\nn1 slots=2\nn2 slots=2\nn3 slots=2\n"
@@ -53,7 +59,8 @@ def _records(folder: Path) -> list[dict]:
 
 
 def test_a_node_down_is_dropped_and_the_launch_goes_on_on_the_rest(tmp_path: Path) -> None:
-    done = _relaunch(tmp_path, "--probe", "test {host} != n2", FAILS_WITH="n2")
+    probe = "sh -c '! grep -qx {host} down.txt'"  # n2 answers until the first launch takes it down
+    done = _relaunch(tmp_path, "--probe", probe, FAILS_WITH="n2", KILLS="n2")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "launches.txt").read_text().splitlines() == [
         "n0,n1,n2,n3 --nnodes 4 HOSTFILE=same",
@@ -96,12 +103,13 @@ def test_the_loop_stops_after_its_relaunches(tmp_path: Path) -> None:
 def test_a_probe_that_fails_before_the_first_launch_turns_the_loop_off(tmp_path: Path) -> None:
     done = _relaunch(tmp_path, "--probe", "no-such-probe-command {host}", FAILS_WITH="n2")
     assert done.returncode == 7, done.stderr
-    assert "it cannot tell a lost node here; launching once, no relaunch" in done.stderr
+    assert "it cannot tell a lost node here; launching once on every node, no relaunch" in done.stderr
     assert "the probe cannot run" in done.stderr
     assert len((tmp_path / "launches.txt").read_text().splitlines()) == 1
 
 
-def test_a_sigterm_reaches_the_launch_and_ends_the_loop(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_loop_reaches_the_whole_launch_and_ends_the_loop(tmp_path: Path, signum: int) -> None:
     _setup(tmp_path)
     loop = subprocess.Popen(
         _argv("--probe", "true"), cwd=tmp_path, env={**os.environ, "SLEEPS": "1"}, stderr=subprocess.PIPE, text=True
@@ -109,13 +117,33 @@ def test_a_sigterm_reaches_the_launch_and_ends_the_loop(tmp_path: Path) -> None:
     deadline = time.time() + 60
     while not (tmp_path / "launches.txt").exists() and time.time() < deadline:
         time.sleep(0.2)
-    time.sleep(0.5)  # the launch's trap is set
-    loop.send_signal(signal.SIGTERM)
+    time.sleep(1.0)  # the launch's traps are set
+    loop.send_signal(signum)
     _, err = loop.communicate(timeout=60)
-    assert loop.returncode == 143, err
-    assert (tmp_path / "launches.txt").read_text().splitlines()[-1] == "terminated"
-    assert "stopped by SIGTERM" in err and "no relaunch" in err
-    assert _records(tmp_path)[-1]["decision"] == "stopped by SIGTERM"
+    assert loop.returncode == 128 + signum, err
+    seen = (tmp_path / "launches.txt").read_text().splitlines()
+    assert "terminated" in seen, seen
+    if signum == signal.SIGTERM:  # and what the launch started (a shell's background job ignores SIGINT)
+        assert "grandchild got" in seen, seen
+    name = signal.Signals(signum).name
+    assert f"stopped by {name}" in err and "no relaunch" in err
+    assert _records(tmp_path)[-1]["decision"] == f"stopped by {name}"
+
+
+def test_a_launch_that_cannot_start_is_said_and_ends_the_loop(tmp_path: Path) -> None:
+    _setup(tmp_path)
+    argv = [*_argv("--probe", "true")[:-3], "./no-such-launch.sh"]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 127, done.stderr
+    assert "cannot start the launch ./no-such-launch.sh" in done.stderr
+    assert [r.get("exit") for r in _records(tmp_path) if "exit" in r] == [127]
+
+
+def test_a_node_down_before_the_first_launch_is_left_out_of_it(tmp_path: Path) -> None:
+    done = _relaunch(tmp_path, "--probe", "test {host} != n1")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "launches.txt").read_text().split()[0] == "n0,n2,n3"
+    assert "1 of 4 node(s) down before the first launch (n1): launching on the 3 left" in done.stderr
 
 
 def test_the_dry_run_launches_nothing_and_says_what_it_would_do(tmp_path: Path) -> None:

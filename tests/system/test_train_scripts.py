@@ -264,7 +264,11 @@ def test_pbs_example_relaunch_runs_on_the_nodes_left(checkout, tmp_path):
     on the other two, from the same job script."""
     seen = tmp_path / "seen.txt"
     train = checkout / "train_stand_in.sh"
-    train.write_text('#!/bin/bash\ncat "$HOSTFILE" >> "$SEEN"; echo --- >> "$SEEN"\n! grep -q nbad "$HOSTFILE"\n')
+    down = tmp_path / "down.txt"  # nbad answers until the first launch takes it down
+    train.write_text(
+        '#!/bin/bash\ncat "$HOSTFILE" >> "$SEEN"; echo --- >> "$SEEN"\n'
+        f'grep -q nbad "$HOSTFILE" && {{ echo nbad >> {down}; exit 1; }}\nexit 0\n'
+    )
     nodefile = tmp_path / "nodefile"
     nodefile.write_text("n0\nnbad\nn2\n")
     env = {
@@ -274,7 +278,7 @@ def test_pbs_example_relaunch_runs_on_the_nodes_left(checkout, tmp_path):
         "PBS_NODEFILE": str(nodefile),
         "PYTHON": sys.executable,
         "LAUNCH_WITH": "deepspeed",
-        "UCP_PROBE": "test {host} != nbad",
+        "UCP_PROBE": f"sh -c '! grep -qx {{host}} {down}'",
         "UCP_TRAIN_SCRIPT": str(train),
         "GLOBAL_BATCH": "8",
         "NGPU_PER_HOST": "1",

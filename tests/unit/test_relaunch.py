@@ -6,7 +6,7 @@ are left; one that fails with every node up is not repeated.
 
 from __future__ import annotations
 
-from megatron_ucp.plan.relaunch import after_failure, hosts_of, last_loop, lines_for, loop_summary
+from megatron_ucp.plan.relaunch import after_failure, before_first, hosts_of, last_loop, lines_for, loop_summary
 
 HOSTS = ["x1000c0s0b0n0", "x1000c0s0b1n0", "x1000c0s1b0n0", "x1000c0s1b1n0"]
 
@@ -52,3 +52,13 @@ def test_status_shows_the_newest_loop_that_relaunched() -> None:
         f"launch 1 on 4 node(s) exit 1, down: {HOSTS[2]}; launch 2 on 3 node(s) running, or its loop was killed"
     )
     assert loop_summary([{"launch": 2, "hosts": HOSTS, "exit": 0}]) == "launch 2 on 4 node(s) ended well"
+
+
+def test_nodes_down_before_the_first_launch_are_left_out_when_enough_are_left() -> None:
+    assert before_first(HOSTS, [HOSTS[1]], False).hosts == (HOSTS[0], HOSTS[2], HOSTS[3])
+    assert before_first(HOSTS, [], False) == before_first(HOSTS, [], False, 4)
+    assert before_first(HOSTS, [], False).hosts == tuple(HOSTS) and before_first(HOSTS, [], False).why == ""
+    kept = before_first(HOSTS, HOSTS[:2], False, min_nodes=3)
+    assert kept.hosts == tuple(HOSTS) and "too few left" in kept.why
+    assert before_first(HOSTS, HOSTS, False).hosts is None  # every node: the probe
+    assert before_first(HOSTS, [HOSTS[0]], True).hosts is None  # a probe that cannot run
