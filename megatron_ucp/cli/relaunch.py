@@ -186,7 +186,8 @@ def _launch(argv: Sequence[str], env: dict[str, str], stop: _Stop) -> int:
     job's processes ends it too; a signal to the loop reaches all of it). Killed when it has not ended ``GRACE_S``
     after a signal. Returns its exit code, 128 + the signal that ended it, 127 when it cannot start."""
     try:
-        child = subprocess.Popen(list(argv), env={**os.environ, **env}, process_group=0)
+        own_group: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+        child = subprocess.Popen(list(argv), env={**os.environ, **env}, **own_group)
     except OSError as exc:
         _say(f"cannot start the launch {argv[0]}: {exc.strerror or exc}")
         return 127
