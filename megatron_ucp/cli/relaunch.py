@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 from megatron_ucp.background.store import RELAUNCHES_LOG, append_line
 from megatron_ucp.cli import add_shared
 from megatron_ucp.errors import UcpError
+from megatron_ucp.format.osio import write_durably
 from megatron_ucp.plan.relaunch import after_failure, before_first, hosts_of, lines_for
 
 DEFAULT_PROBE = "ssh -o BatchMode=yes -o ConnectTimeout=10 {host} true"
@@ -106,7 +107,7 @@ def _loop(
     loop, restarts = time.time(), 0
     while stop.signal is None:
         hostfile = _write_hostfile(state, restarts, lines_for(lines, hosts))
-        argv = [w.replace("{hostfile}", str(hostfile)).replace("{nodes}", str(len(hosts))) for w in command]
+        argv = _filled(command, hostfile, hosts)
         _say(f"launch {restarts + 1} on {len(hosts)} node(s) ({_shown(hosts)}): {shlex.join(argv)}")
         record: dict[str, Any] = {"loop": loop, "launch": restarts + 1, "hosts": hosts}
         _record(args.root, {**record, "started": time.time()})
@@ -140,7 +141,7 @@ def _loop(
 
 def _dry_run(args: argparse.Namespace, hosts: list[str], command: Sequence[str], state: Path) -> int:
     hostfile = state / "hosts.0"
-    argv = [w.replace("{hostfile}", str(hostfile)).replace("{nodes}", str(len(hosts))) for w in command]
+    argv = _filled(command, hostfile, hosts)
     _say(
         f"(dry run) launch 1 on {len(hosts)} node(s) ({_shown(hosts)}): PBS_NODEFILE=HOSTFILE={hostfile} "
         f"{shlex.join(argv)}"
@@ -153,13 +154,16 @@ def _dry_run(args: argparse.Namespace, hosts: list[str], command: Sequence[str],
     return 0
 
 
+def _filled(command: Sequence[str], hostfile: Path, hosts: Sequence[str]) -> list[str]:
+    """The launch command with ``{hostfile}`` and ``{nodes}`` replaced."""
+    return [word.replace("{hostfile}", str(hostfile)).replace("{nodes}", str(len(hosts))) for word in command]
+
+
 def _write_hostfile(folder: Path, restarts: int, lines: Sequence[str]) -> Path:
-    """This launch's host file, written whole before it is used (a temporary name, then renamed)."""
+    """This launch's host file, whole on disk before any node reads it."""
     folder.mkdir(parents=True, exist_ok=True)
     path = (folder / f"hosts.{restarts}").resolve()
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in lines))
-    os.replace(tmp, path)
+    write_durably(path, "".join(f"{line}\n" for line in lines))
     return path
 
 

@@ -242,7 +242,7 @@ JOB = Collective()
 
 
 def is_first(group: Any = None) -> bool:
-    return comm().get_rank(group=group) == 0
+    return Collective(group).first
 
 
 SHOWN_FAILURES = 10

@@ -333,7 +333,8 @@ def _refuse(bound: BoundSave, totals: list[list[int]], calls: Collective, strict
     whose record binds its files are that save's weights: said, never refused."""
     facts = bound.facts
     tally = WeightTally({r: row[0] for r, row in enumerate(totals)}, {r: row[1] for r, row in enumerate(totals)})
-    weights = blame_weights(facts.model_states, {r: str(bound.rank_file(r)) for r, row in enumerate(totals)}, tally)
+    missed = {r: str(bound.rank_file(r)) for r, row in enumerate(totals) if row[1]}  # only the files named
+    weights = blame_weights(facts.model_states, missed, tally)
     if weights and facts.save_id is not None:
         if calls.first:
             for problem in weights:
