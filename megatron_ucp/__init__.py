@@ -7,12 +7,24 @@ The converter, verifier and inspector are plain library functions behind the ``m
 
 from __future__ import annotations
 
+import os
+from typing import Any, Callable
+
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.errors import UcpError
 from megatron_ucp.integration.install import active_config, install, uninstall
 from megatron_ucp.version import __version__
 
-__all__ = ["UcpConfig", "UcpError", "install", "uninstall", "active_config", "wait_for_saves", "__version__"]
+__all__ = [
+    "UcpConfig",
+    "UcpError",
+    "install",
+    "uninstall",
+    "active_config",
+    "wait_for_saves",
+    "save_to_memory",
+    "__version__",
+]
 
 
 def wait_for_saves() -> None:
@@ -21,3 +33,17 @@ def wait_for_saves() -> None:
     from megatron_ucp.integration.save.async_save import wait_for_saves as wait
 
     wait()
+
+
+def save_to_memory(root: "os.PathLike | str", iteration: int, save: Callable[[str], Any]) -> bool:
+    """Collective: a memory save at ``iteration`` (``--ucp-memory-save-interval``) of the job whose durable saves go
+    to ``root``: ``save(folder)`` is the job's own save into ``folder`` (``engine.save_checkpoint(folder, ...)``, or
+    Megatron's ``save_checkpoint`` with ``args.save`` there), written to the node's memory and replicated on the next
+    node. True when committed; False when it failed (said on every rank; training goes on). The runner calls it by
+    itself for Megatron-DeepSpeed scripts."""
+    from megatron_ucp.integration.save.memory_save import save_to_memory as save_now
+
+    config = active_config()
+    if config is None or config.memory_save_interval is None:
+        raise UcpError("save_to_memory needs the hooks installed with memory_save_interval set")
+    return save_now(config, root, iteration, save)

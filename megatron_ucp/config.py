@@ -66,6 +66,15 @@ class UcpConfig:
     saves_in_flight: int = 1
     """With :attr:`async_save`: how many saves may be written at once (each holds a host copy of the state)."""
 
+    # --- memory saves ---------------------------------------------------------------------------
+    memory_save_interval: Optional[int] = None
+    """Every this many iterations, a save to each node's memory (:attr:`local_dir`) with a replica on the next node:
+    a restart on the surviving nodes resumes from it at the new node count
+    (:mod:`megatron_ucp.integration.save.memory_save`). None: no memory saves."""
+    local_dir: str = ""
+    """Each node's folder for memory saves (``{node}`` replaced by the node's name); empty: a folder under
+    ``/dev/shm`` named after the checkpoint root."""
+
     # --- background conversion (issue: async conversion) ---------------------------------------
     async_convert: bool = False
     """Convert every saved tag to the universal layout in background processes."""
@@ -103,6 +112,8 @@ class UcpConfig:
             raise UcpError(f"converter_threads must be >= 1, got {self.converter_threads}")
         if self.converter_exit_wait < 0:
             raise UcpError(f"converter_exit_wait must be >= 0 seconds, got {self.converter_exit_wait}")
+        if self.memory_save_interval is not None and self.memory_save_interval < 1:
+            raise UcpError(f"memory_save_interval must be >= 1 or none, got {self.memory_save_interval}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise UcpError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         if self.resume_route not in RESUME_ROUTES:
@@ -196,6 +207,11 @@ _HELP = {
     "of what each rank saves, per save in flight)",
     "saves_in_flight": "with --ucp-async-save: how many saves may be written at once (a save that finds as many "
     "still writing waits for them)",
+    "memory_save_interval": "every N iterations, save each rank's state to its node's memory (--ucp-local-dir) with "
+    "a replica on the next node; a restart on the surviving nodes resumes from the newest whole one, at the new node "
+    "count, when it is newer than the durable 'latest' ('none': no memory saves)",
+    "local_dir": "each node's folder for memory saves ({node} is replaced by the node's name; default: a folder "
+    "under /dev/shm named after the checkpoint root)",
     "async_convert": "convert every saved tag to the universal layout in the background",
     "verify_saves": "without --ucp-async-convert: verify every saved tag in the background (every file read once: "
     "whole, of one save, as recorded, finite) and record its verdict for status and the restart's fallback",

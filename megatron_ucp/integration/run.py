@@ -54,6 +54,7 @@ from megatron_ucp.deepspeed.reader import load_raw, model_states_path
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format.lightpickle import stand_ins_for_unimportable
 from megatron_ucp.format.paths import tag_to_load
+from megatron_ucp.integration.save import memory_trigger
 from megatron_ucp.integration.save.async_trigger import wait_at_end_of_run
 from megatron_ucp.plan.launch import (
     CheckpointFacts,
@@ -450,6 +451,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UcpError as exc:
         print(f"megatron-ucp run: error: {exc}", file=sys.stderr)
         return 2
+    memory_trigger.install(config)
     ended_normally = False
     try:
         with reseed_after_load(plan.reseed_base) if plan.reseed_base is not None else contextlib.nullcontext():
@@ -462,6 +464,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if ended_normally:  # the last save's background conversion, before uninstall stops the wait
             wait_at_end_of_run()
+        memory_trigger.uninstall()
         megatron_ucp.uninstall()
 
 

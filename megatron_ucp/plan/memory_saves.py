@@ -46,6 +46,12 @@ class Holding:
     replica: bool = False
     committed: bool = False
     """The job's commit marker is on it: every rank of the old job wrote and replicated its files."""
+    damaged: frozenset[str] = frozenset()
+    """Those of ``files`` whose bytes no longer match the sums recorded at the save (or that are gone)."""
+
+    @property
+    def sound(self) -> frozenset[str]:
+        return self.files - self.damaged
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,17 @@ def choose(holdings: Sequence[Holding], durable_step: Optional[int] = None) -> C
         sources: dict[str, list[str]] = {}
         for h in sorted(mine, key=lambda h: (h.replica, h.holder)):
             for name in sorted(h.files):
-                sources.setdefault(name, []).append(h.holder)
+                holders = sources.setdefault(name, [])
+                if name in h.sound:
+                    holders.append(h.holder)
+        unsound = sorted(name for name, holders in sources.items() if not holders)
+        if unsound:
+            where = sorted({h.holder for h in mine if set(unsound) & h.damaged})
+            why.append(
+                f"iteration {step}: every copy of {', '.join(unsound[:3])}"
+                f"{f' and {len(unsound) - 3} more' if len(unsound) > 3 else ''} is damaged (on {', '.join(where)})"
+            )
+            continue
         return Choice(step, {name: tuple(hs) for name, hs in sources.items()}, tuple(why))
     return Choice(None, {}, tuple(why))
 

@@ -876,3 +876,78 @@ def test_a_job_killed_while_an_async_save_is_written_resumes_from_the_previous_o
     assert (ckpt / F.LATEST).read_text() == "global_step6"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
     assert len(list((ckpt / "global_step6").glob("*optim_states.pt"))) == 3  # the new save alone
+
+
+def _memory_args(folder: Path) -> list[str]:
+    return ["--ucp-memory-save-interval", "1", "--ucp-local-dir", str(folder / "local" / "{node}")]
+
+
+@pytest.mark.parametrize("trained", ["bf16"], indirect=True)
+def test_a_lost_node_resumes_from_the_memory_save_at_the_new_node_count_on_the_curve(trained, mds_checkout, tmp_path):
+    """Four ranks as four nodes, a memory save at the entry of every iteration (durable at 3): rank 1 dies right
+    after the memory save of iteration 5 commits; its node's folder is gone. The three survivors resume from
+    iteration 5 (node 1's files from their replica on node 2, nothing read from the checkpoint root) at DP 3, through
+    the native reshard, and iteration 6 continues the uninterrupted run."""
+    _, _, reference = trained
+    ckpt = tmp_path / "ckpt"
+    killed = run_mds(
+        mds_checkout,
+        MdsRun(
+            nproc=4,
+            ckpt=ckpt,
+            optimizer="bf16",
+            extra_args=_memory_args(tmp_path),
+            env={"MEGATRON_UCP_NODE_NAMES": "n0,n1,n2,n3", "MEGATRON_UCP_TEST_DIE": "memory 5: committed:1"},
+            expect_failure=True,
+        ),
+    )
+    assert killed.returncode != 0 and "exits at memory 5: committed" in killed.log, killed.log[-3000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"  # the durable saves untouched
+    assert not (ckpt / "lr_state_dict.yaml").exists() or "iteration: 3" in (ckpt / "lr_state_dict.yaml").read_text()
+    shutil.rmtree(tmp_path / "local" / "n1")
+    resumed = run_mds(
+        mds_checkout,
+        MdsRun(
+            nproc=3,
+            ckpt=ckpt,
+            optimizer="bf16",
+            extra_args=_memory_args(tmp_path),
+            env={"MEGATRON_UCP_NODE_NAMES": "n0,n2,n3"},
+        ),
+    )
+    said = "\n".join(resumed.ucp_lines())
+    assert "restarting from the memory save of iteration 5 (global_step5, saved by 4 node(s)) on 3 node(s)" in said, (
+        said[-3000:]
+    )
+    assert "replicas used for node 1" in said
+    assert assert_accounted(resumed).startswith("megatron-ucp native reshard:")
+    assert sorted(resumed.losses) == [6], sorted(resumed.losses)
+    assert_continues(resumed, reference, steps=(6,))
+
+
+def test_a_pipeline_job_that_lost_a_node_resumes_from_memory_at_half_the_data_parallel_size(
+    mds_checkout, mds_runs, tmp_path
+):
+    """``GPTModelPipe`` at PP 2 x DP 2, four ranks as four nodes, a memory save at every iteration the durable saves
+    (every 2) do not take: rank 1 dies after the memory save of iteration 5; the survivors n0 and n2 resume from it at
+    PP 2 x DP 1 (each stage's layer files and rank files from the nodes' memory), on the curve."""
+    from tests.integration.shared_runs import SAME_PADDING
+    from tests.integration.shared_runs import train as shared_train
+
+    _, reference = shared_train(mds_checkout, mds_runs, "pp2")
+    ckpt = tmp_path / "ckpt"
+    common = dict(ckpt=ckpt, pp=2, pipeline=True, train_iters=6, save_interval=2, optimizer="bf16")
+    args = (*SAME_PADDING, *_memory_args(tmp_path))
+    die = {"MEGATRON_UCP_NODE_NAMES": "n0,n1,n2,n3", "MEGATRON_UCP_TEST_DIE": "memory 5: committed:1"}
+    killed = run_mds(mds_checkout, MdsRun(nproc=4, extra_args=args, env=die, expect_failure=True, **common))
+    assert killed.returncode != 0 and "exits at memory 5: committed" in killed.log, killed.log[-3000:]
+    shutil.rmtree(tmp_path / "local" / "n1")
+    resumed = run_mds(
+        mds_checkout, MdsRun(nproc=2, extra_args=args, env={"MEGATRON_UCP_NODE_NAMES": "n0,n2"}, **common)
+    )
+    said = "\n".join(resumed.ucp_lines())
+    assert "restarting from the memory save of iteration 5 (global_step5, saved by 4 node(s)) on 2 node(s)" in said, (
+        said[-3000:]
+    )
+    assert sorted(resumed.losses) == [6], (sorted(resumed.losses), resumed.log[-3000:])
+    assert_continues(resumed, reference, steps=(6,))

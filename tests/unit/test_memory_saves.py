@@ -108,3 +108,40 @@ def test_each_missing_file_is_sent_once_per_node_from_a_holder_spreading_the_sen
 def test_a_node_keeps_the_newest_committed_generation_and_the_one_being_written() -> None:
     assert generations_to_drop([10, 11, 12], 12) == [10, 11]
     assert generations_to_drop([12], 12) == []
+
+
+def test_a_damaged_copy_gives_way_to_its_replica_and_both_damaged_pass_the_generation_over() -> None:
+    held = _holdings(4, {0, 1, 2, 3}, step=13)
+    name = sorted(_files(0))[0]
+    own = [h for h in held if h.node == 0 and not h.replica][0]
+    damaged = [
+        Holding(
+            h.holder,
+            h.step,
+            h.node,
+            h.nodes,
+            h.files,
+            h.replica,
+            h.committed,
+            frozenset({name}) if h is own else frozenset(),
+        )
+        for h in held
+    ]
+    choice = choose(damaged, durable_step=10)
+    assert choice.step == 13 and choice.sources[name] == ("host1",)  # the replica alone
+    both = [
+        Holding(
+            h.holder,
+            h.step,
+            h.node,
+            h.nodes,
+            h.files,
+            h.replica,
+            h.committed,
+            frozenset({name}) if h.node == 0 else frozenset(),
+        )
+        for h in held
+    ]
+    choice = choose(both + _holdings(4, {0, 1, 2, 3}, step=12), durable_step=10)
+    assert choice.step == 12
+    assert choice.passed_over == (f"iteration 13: every copy of {name} is damaged (on host0, host1)",)

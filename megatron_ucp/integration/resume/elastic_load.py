@@ -22,6 +22,7 @@ layout handles loads as stock DeepSpeed loads it, with one warning.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -30,10 +31,12 @@ from typing import Any, Callable, Optional
 from megatron_ucp.background.set_aside import recover
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
+from megatron_ucp.errors import UcpError
 from megatron_ucp.integration.collectives import JOB, is_first
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.install import make_visible, restore_visibility
 from megatron_ucp.integration.live_job import LoadCall, live_job
+from megatron_ucp.integration.resume import from_memory
 from megatron_ucp.integration.resume.decide import Decided, decide, refuse_an_expert_layout_change
 from megatron_ucp.integration.resume.engine_load import LoadOutcome
 from megatron_ucp.integration.resume.fallback import load_with_fallback
@@ -90,6 +93,10 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
         job = live_job(self)  # read once; everything after reads this
         call = LoadCall(job, original, load_dir, kwargs, config)
         JOB.decide(lambda: recover(Path(load_dir)))  # what a killed save left settled before anything is read
+        if tag is None and from_memory.wanted(config):
+            loaded = _from_memory(call)
+            if loaded is not None:
+                return loaded
 
         def load(chosen: Optional[str]) -> Any:  # refused on every rank or on none
             return JOB.agreed(
@@ -107,6 +114,29 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
         return load(tag)
 
     return load_checkpoint
+
+
+def _from_memory(call: LoadCall) -> Any:
+    """A restart from the nodes' memory saves when one newer than the durable ``latest`` is whole
+    (:mod:`.from_memory`); None: load the durable checkpoint (said why)."""
+    restored = from_memory.restore(call.config, call.load_dir)
+    if restored is None:
+        return None
+    if is_first():
+        log.warning("megatron-ucp: %s", restored.summary)
+    memory = dataclasses.replace(call, load_dir=str(restored.load_dir))
+    try:
+        return JOB.agreed(lambda: _load_tag(memory, restored.tag), f"loading the memory save {restored.tag}")
+    except UcpError as exc:
+        if is_first():
+            log.error(
+                "megatron-ucp: restart: the memory save of iteration %d was refused (%s); loading the durable "
+                "checkpoint %s instead",
+                restored.step,
+                exc,
+                restored.durable or "(none)",
+            )
+        return None
 
 
 def _load_tag(call: LoadCall, tag: Optional[str]) -> Any:

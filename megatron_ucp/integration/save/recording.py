@@ -41,7 +41,7 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import JOB, comm
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.live_job import tp_layout_record
-from megatron_ucp.integration.save import async_save
+from megatron_ucp.integration.save import async_save, memory_save
 from megatron_ucp.integration.save.commit import committed_save
 from megatron_ucp.plan.param_geometry import Stage3Groups
 from megatron_ucp.plan.save_record import (
@@ -210,6 +210,9 @@ def _identify_save(original: Any) -> Any:
     def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
         reason = unhandled_reason(self)
         if reason is not None:
+            if memory_save.target() is not None:  # no memory save of a job left to stock DeepSpeed: nothing written
+                memory_save.target().refused = reason  # type: ignore[union-attr]
+                return None
             warn_once(reason, STOCK)
             stock = _STOCK_SAVE.set(True)
             try:
@@ -218,6 +221,8 @@ def _identify_save(original: Any) -> Any:
                 _STOCK_SAVE.reset(stock)
         token = _SAVE_ID.set(_new_save_id())
         try:
+            if memory_save.target() is not None:
+                return memory_save.write(self, original, args, kwargs, _SAVE_ID.get() or "")
             if async_save.enabled() and async_save.supported(self):
                 return async_save.async_save(self, original, args, kwargs, _SAVE_ID.get())
             return committed_save(self, original, args, kwargs, _SAVE_ID.get() or "")

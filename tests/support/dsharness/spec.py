@@ -61,6 +61,9 @@ class TrainSpec:
     crash: Optional[tuple[int, int]] = None
     """``(step, rank)``: that rank raises ``RuntimeError`` right after that step's saves (the others go on to the next
     step's collectives, where they wait): a job dying of an exception on one rank."""
+    memory_every: int = 0
+    """After every this many steps (0: never), a memory save (``megatron_ucp.save_to_memory``, with the hooks'
+    configuration: ``plugin_kwargs`` or ``MEGATRON_UCP_*`` in ``env``), after the step's durable saves."""
     base_optimizer: str = "adamw"
     """The torch optimizer ZeRO wraps: ``"adamw"``, or ``"nadam"`` (its ``mu_product`` is a 0-dim tensor per
     partition: state that is not one number per element)."""

@@ -427,6 +427,16 @@ class Rank:
                 if not self.save(client_state, step):
                     continue
                 self.dump("")
+            if spec.memory_every and step % spec.memory_every == 0:
+                import megatron_ucp
+
+                if (
+                    megatron_ucp.save_to_memory(
+                        spec.save_dir, step, lambda into: engine.save_checkpoint(into, client_state={"iteration": step})
+                    )
+                    and step not in spec.save_at
+                ):
+                    self.dump("")
             if spec.crash is not None and spec.crash == (step, self.rank):
                 raise RuntimeError(f"harness: rank {self.rank} dies of an exception after step {step}")
         self.mark("train")

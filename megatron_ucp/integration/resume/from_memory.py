@@ -1,0 +1,217 @@
+"""A restart from the nodes' memory saves (``--ucp-memory-save-interval``), at the new node count.
+
+Collective, before the durable ``latest`` is read (:func:`restore`): each surviving node's leader reads what its
+folder holds, every file checked against its recorded crc32 (:func:`~megatron_ucp.integration.node_memory.
+read_holdings`); the first rank takes the newest committed generation newer than the durable ``latest`` of which
+every old node's files have a sound copy on some survivor (:func:`~megatron_ucp.plan.memory_saves.choose`: a damaged
+copy gives way to its replica) and says why each newer one is passed over. The chosen generation is assembled on
+every node as a checkpoint root of its own (the tag folder, its file list, ``latest``, Megatron's tracker): each
+file a node lacks is sent by a survivor that holds it, over the job's process group, and checked against its crc32
+on arrival; nothing is read from the parallel file system. The load then reads that root, at the new world size,
+through the same routes as any load (the native reshard for a DP change). Any failure on the way: the durable tag,
+loudly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.format import osio
+from megatron_ucp.format.save_files import describe, file_list_path, file_list_text
+from megatron_ucp.integration.collectives import JOB, comm, is_first
+from megatron_ucp.integration.node_memory import (
+    Nodes,
+    Send,
+    generation,
+    job_nodes,
+    local_folder,
+    node_files,
+    read_holdings,
+    remove,
+    send_files,
+)
+from megatron_ucp.plan.memory_saves import Choice, Holding, choose, transfers
+from megatron_ucp.plan.tags import tag_step
+
+log = logging.getLogger(__name__)
+
+RESTORED = "restored"
+"""The folder (in a node's memory-save folder) where a restart assembles the generation it resumes from."""
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a restart from memory loads: the assembled checkpoint root on this node, and what it came from."""
+
+    load_dir: Path
+    step: int
+    tag: str
+    durable: Optional[str]
+    summary: str
+
+
+def wanted(config: UcpConfig) -> bool:
+    return config.memory_save_interval is not None
+
+
+def restore(config: UcpConfig, load_dir: os.PathLike | str) -> Optional[Restored]:
+    """Collective: the newest whole memory save newer than the durable ``latest`` of ``load_dir``, assembled on every
+    node (None: there is none, or it could not be assembled; said why, on the first rank)."""
+    started = time.monotonic()
+    nodes = job_nodes()
+    me = comm().get_rank()
+    node = nodes.index(me)
+    folder = local_folder(config, load_dir, nodes.of_rank[me])
+    leader = me == nodes.leader(node)
+    mine: tuple[list[Holding], dict] = read_holdings(folder, nodes.of_rank[me]) if leader else ([], {})
+    gathered = JOB.gather_objects(mine)
+    holdings = [h for held, _ in gathered for h in held]
+    records = {key: record for _, recs in gathered for key, record in recs.items()}
+    if not holdings:
+        return None
+
+    def decide() -> tuple[Optional[str], Choice]:
+        durable = _durable_tag(Path(load_dir))
+        return durable, choose(holdings, tag_step(durable) if durable else None)
+
+    durable, choice = JOB.decided(decide, "choosing a memory save to restart from")
+    if choice.step is None:
+        if is_first():
+            newest = max(h.step for h in holdings)
+            log.warning(
+                "megatron-ucp: restart: the nodes hold memory saves up to iteration %d, but none newer than the "
+                "durable %s is whole%s; loading the durable checkpoint",
+                newest,
+                durable or "checkpoint (none)",
+                f" ({'; '.join(choice.passed_over)})" if choice.passed_over else "",
+            )
+        return None
+    step = int(choice.step)
+    old_nodes = {h.node for h in holdings if h.step == step}
+    tag = str(records[(step, min(old_nodes))]["tag"])
+    save_id = str(records[(step, min(old_nodes))].get("save_id", ""))
+    of_file = {
+        name: (n, *records[(step, n)]["files"][name])
+        for (s, n) in records
+        if s == step
+        for name in records[(s, n)]["files"]
+    }
+    root = folder / RESTORED
+    failure = _assemble(nodes, me, folder, root, step, tag, choice, of_file, leader)
+    failures = [f for f in JOB.gather_objects(failure) if f is not None]
+    if not failures:
+        if leader:
+            try:
+                _write_root(root, tag, step, save_id)
+            except Exception as exc:  # of any type: said on every rank, the durable tag loaded
+                failure = f"{root}: {type(exc).__name__}: {exc}"
+        failures = [f for f in JOB.gather_objects(failure) if f is not None]
+    if failures:
+        if leader:
+            remove(root)
+        if is_first():
+            log.error(
+                "megatron-ucp: restart: the memory save of iteration %d could not be assembled (%s); loading the "
+                "durable %s",
+                step,
+                "; ".join(failures[:4]),
+                durable or "checkpoint",
+            )
+        return None
+    own_sound = {name for h in holdings if h.step == step and not h.replica for name in h.sound}
+    from_replicas = sorted({f"node {of_file[name][0]}" for name in choice.sources if name not in own_sound})
+    summary = (
+        f"restarting from the memory save of iteration {step} ({tag}, saved by {len(old_nodes)} node(s)) on "
+        f"{nodes.count} node(s), newer than the durable {durable or 'checkpoint (none)'}"
+        + (f" by {step - tag_step(durable)} iteration(s)" if durable and tag_step(durable) is not None else "")
+        + (f"; replicas used for {', '.join(from_replicas[:4])}" if from_replicas else "")
+        + (f"; passed over: {'; '.join(choice.passed_over)}" if choice.passed_over else "")
+        + f"; assembled in {time.monotonic() - started:.2f} s from the nodes' memory (nothing read from the "
+        f"checkpoint root); what the run did after iteration {step} is lost"
+    )
+    return Restored(root, step, tag, durable, summary)
+
+
+def _durable_tag(load_dir: Path) -> Optional[str]:
+    try:
+        return (load_dir / F.LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _assemble(
+    nodes: Nodes,
+    me: int,
+    folder: Path,
+    root: Path,
+    step: int,
+    tag: str,
+    choice: Choice,
+    of_file: dict[str, tuple[int, int, int]],
+    leader: bool,
+) -> Optional[str]:
+    """Collective: every file of the generation into each node's ``root``/``tag``: linked from this node's own sound
+    copy, or received from a survivor that holds one. Returns this rank's failure."""
+    gen = generation(folder, step)
+    failure: Optional[str] = None
+    if leader:
+        try:
+            remove(root)
+            (root / tag).mkdir(parents=True, exist_ok=True)
+            here = nodes.names[nodes.index(me)]
+            for name, holders in choice.sources.items():
+                if here in holders:
+                    _link(node_files(gen, of_file[name][0], tag) / name, root / tag / name)
+        except Exception as exc:  # of any type
+            failure = f"{root}: {type(exc).__name__}: {exc}"
+    JOB.count(0)  # the folder exists on every node before anything is received into it
+    needs = {name: list(choice.sources) for name in nodes.names}
+    sends, spread = [], {}
+    for t in transfers(needs, choice.sources):
+        old, size, crc = of_file[t.name]
+        src_ranks = nodes.ranks(nodes.names.index(t.source))
+        dst_ranks = nodes.ranks(nodes.names.index(t.destination))
+        k = spread.setdefault((t.source, t.destination), 0)
+        spread[(t.source, t.destination)] = k + 1
+        sends.append(
+            Send(
+                src_ranks[k % len(src_ranks)],
+                dst_ranks[k % len(dst_ranks)],
+                str(node_files(gen, old, tag) / t.name),
+                str(root / tag / t.name),
+                size,
+                crc,
+            )
+        )
+    sent = send_files(sends)
+    return failure or sent
+
+
+def _link(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+def _write_root(root: Path, tag: str, step: int, save_id: str) -> None:
+    """The assembled folder as a checkpoint root: the save's file list, Megatron's tracker, ``latest`` last."""
+    folder = root / tag
+    files = [describe(p) for p in sorted(folder.rglob("*")) if p.is_file()]
+    listing = file_list_path(root, tag)
+    listing.parent.mkdir(parents=True, exist_ok=True)
+    osio.write_durably(listing, file_list_text(folder, save_id, files))
+    osio.write_durably(root / TRACKER, str(step))
+    osio.write_durably(root / F.LATEST, tag)
+    osio.write_durably(root / F.UCP_DIR / "memory_restart.json", json.dumps({"iteration": step, "tag": tag}))

@@ -1,0 +1,220 @@
+"""Memory saves and the restart from them, with real DeepSpeed (CPU, gloo): four ranks as four nodes (each its own
+local folder, ``MEGATRON_UCP_NODE_NAMES``), a memory save every step, a durable save at step 10, the job dying after
+step 13; then a restart on the survivors at the new node count.
+
+* one node lost: the survivors resume from step 13 (that node's files from their replica), bit for bit, and the
+  losses continue the uninterrupted run;
+* two adjacent nodes lost (a node's copy and its replica): the durable step 10, said why;
+* a flipped bit in a memory copy: its replica; in the copy and the replica: the durable tag;
+* a job killed during a memory save (before it replicated): the previous generation.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.support.dsharness import TrainResult, TrainSpec, run_training
+from tests.support.elastic_support import ElasticRuns, assert_losses_continue, assert_same_state, flip_a_data_bit
+
+pytestmark = pytest.mark.slow
+
+NODES = ("n0", "n1", "n2", "n3")
+STEPS = 16
+DURABLE = 10
+CRASH = 13
+
+
+def _memory(base: Path) -> dict:
+    return {"memory_save_interval": 1, "local_dir": str(base / "local" / "{node}")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> ElasticRuns:
+    return ElasticRuns(tmp_path_factory.mktemp("memory"))
+
+
+def _reference(runs: ElasticRuns) -> TrainResult:
+    return runs.get("reference", lambda f: run_training(TrainSpec(dp=4, steps=STEPS, plugin=True, timeout=300)))
+
+
+def _crashed(runs: ElasticRuns, name: str = "crashed", env: dict | None = None) -> Path:
+    """A job of four nodes that saved to memory every step and durably at step 10, dead after step 13's saves."""
+
+    def make(folder: Path) -> Path:
+        result = run_training(
+            TrainSpec(
+                dp=4,
+                steps=STEPS,
+                save_dir=folder / "ckpt",
+                save_at=(DURABLE,),
+                memory_every=1,
+                crash=(CRASH, 1),
+                expect_failure=True,
+                dump_dir=folder / "dumps",
+                plugin=True,
+                plugin_kwargs=_memory(folder),
+                env={"MEGATRON_UCP_NODE_NAMES": ",".join(NODES), **(env or {})},
+                timeout=300,
+            )
+        )
+        assert result.returncode != 0 and result.steps[-1] >= CRASH - 1, result.log[-3000:]
+        return folder
+
+    return runs.get(name, make)
+
+
+def _restart(crashed: Path, folder: Path, survivors: tuple[str, ...], damage=lambda local: None) -> TrainResult:
+    """The survivors' restart: a private copy of the job's checkpoint root and node folders, the lost nodes'
+    folders gone, ``damage`` done, one rank per survivor."""
+    shutil.copytree(crashed / "ckpt", folder / "ckpt")
+    for node in survivors:
+        shutil.copytree(crashed / "local" / node, folder / "local" / node)
+    damage(folder / "local")
+    return run_training(
+        TrainSpec(
+            dp=len(survivors),
+            steps=STEPS,
+            load_dir=folder / "ckpt",
+            save_dir=folder / "ckpt",
+            dump_dir=folder / "dumps",
+            plugin=True,
+            plugin_kwargs=_memory(folder),
+            env={"MEGATRON_UCP_NODE_NAMES": ",".join(survivors)},
+            timeout=300,
+        )
+    )
+
+
+def _rank_file(local: Path, holder: str, node: int, step: int = CRASH) -> Path:
+    return (
+        local
+        / holder
+        / f"iter_{step:07d}"
+        / f"node{node}"
+        / f"global_step{step}"
+        / (f"bf16_zero_pp_rank_{node}_mp_rank_00_optim_states.pt")
+    )
+
+
+def test_a_lost_node_costs_only_the_steps_since_the_last_memory_save(runs: ElasticRuns, tmp_path: Path) -> None:
+    crashed = _crashed(runs)
+    resumed = _restart(crashed, tmp_path, ("n0", "n2", "n3"))
+    assert resumed.loaded_step == CRASH, resumed.log[-4000:]
+    assert resumed.info["loaded_path"].startswith(str(tmp_path / "local" / "n0")), resumed.info["loaded_path"]
+    log = resumed.rank_logs()[0]
+    assert f"restarting from the memory save of iteration {CRASH} (global_step{CRASH}, saved by 4 node(s))" in log
+    assert f"newer than the durable global_step{DURABLE} by 3 iteration(s); replicas used for node 1" in log
+    assert_same_state(crashed / "dumps" / f"state_step{CRASH}.pt", tmp_path / "dumps" / f"state_step{CRASH}_loaded.pt")
+    assert_losses_continue(resumed, _reference(runs).loss_at)
+
+
+def test_a_node_and_its_replica_lost_together_load_the_durable_tag_saying_why(
+    runs: ElasticRuns, tmp_path: Path
+) -> None:
+    resumed = _restart(_crashed(runs), tmp_path, ("n0", "n3"))
+    assert resumed.loaded_step == DURABLE, resumed.log[-4000:]
+    log = resumed.rank_logs()[0]
+    assert f"iteration {CRASH}: no survivor holds the files of node 1 (its copy and its replica on node 2)" in log
+    assert f"none newer than the durable global_step{DURABLE} is whole" in log
+    assert_losses_continue(resumed, _reference(runs).loss_at)
+
+
+def test_a_flipped_bit_in_a_memory_copy_is_read_from_its_replica(runs: ElasticRuns, tmp_path: Path) -> None:
+    crashed = _crashed(runs)
+    resumed = _restart(
+        crashed, tmp_path, ("n0", "n1", "n2"), damage=lambda local: flip_a_data_bit(_rank_file(local, "n0", 0))
+    )
+    assert resumed.loaded_step == CRASH, resumed.log[-4000:]
+    log = resumed.rank_logs()[0]
+    assert "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt of node 0 do not match their sums" in log
+    assert "replicas used for node 0" in log
+    assert_same_state(crashed / "dumps" / f"state_step{CRASH}.pt", tmp_path / "dumps" / f"state_step{CRASH}_loaded.pt")
+
+
+def test_a_memory_save_damaged_in_its_copy_and_its_replica_gives_way_to_the_durable_tag(
+    runs: ElasticRuns, tmp_path: Path
+) -> None:
+    def damage(local: Path) -> None:
+        flip_a_data_bit(_rank_file(local, "n0", 0))
+        flip_a_data_bit(_rank_file(local, "n1", 0))
+
+    resumed = _restart(_crashed(runs), tmp_path, ("n0", "n1", "n2"), damage=damage)
+    assert resumed.loaded_step == DURABLE, resumed.log[-4000:]
+    assert (
+        f"iteration {CRASH}: every copy of bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt is damaged (on n0, n1)"
+        in (resumed.rank_logs()[0])
+    )
+
+
+def test_a_job_killed_during_a_memory_save_resumes_from_the_previous_generation(
+    runs: ElasticRuns, tmp_path: Path
+) -> None:
+    crashed = _crashed(runs, "killed", env={"MEGATRON_UCP_TEST_FAULT": f"memory {CRASH}: replicate:2:kill"})
+    held = sorted(p.name for p in (crashed / "local" / "n0").iterdir())
+    assert held == [f"iter_{CRASH - 1:07d}", f"iter_{CRASH:07d}"], held  # the newest committed one, and the one cut
+    resumed = _restart(crashed, tmp_path, ("n0", "n1", "n3"))
+    assert resumed.loaded_step == CRASH - 1, resumed.log[-4000:]
+    assert f"iteration {CRASH}: not committed (the job stopped while saving it)" in resumed.rank_logs()[0]
+    assert_losses_continue(resumed, _reference(runs).loss_at)
+
+
+LAYOUTS = {
+    "zero1-zero": {"optimizer": "zero", "zero_stage": 1},
+    "zero2": {"optimizer": "zero", "zero_stage": 2},
+    "zero3": {"optimizer": "zero", "zero_stage": 3},
+    "offload": {
+        "optimizer": "zero",
+        "zero_stage": 2,
+        "extra_config": {
+            "zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+            "zero_force_ds_cpu_optimizer": False,
+        },
+    },
+    "nadam": {"optimizer": "bf16", "base_optimizer": "nadam"},
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_zero_layout_resumes_from_memory_at_the_new_node_count_bit_for_bit(layout: str, tmp_path: Path) -> None:
+    """Each other layout the fork trains (the fork's own: tests/integration): a memory save every step, the job dead
+    after step 3, a node lost, the survivors at DP 3 from step 3, every master and state as saved."""
+    fields = LAYOUTS[layout]
+    crashed = run_training(
+        TrainSpec(
+            dp=4,
+            steps=5,
+            save_dir=tmp_path / "job" / "ckpt",
+            memory_every=1,
+            crash=(3, 1),
+            expect_failure=True,
+            dump_dir=tmp_path / "job" / "dumps",
+            plugin=True,
+            plugin_kwargs=_memory(tmp_path / "job"),
+            env={"MEGATRON_UCP_NODE_NAMES": ",".join(NODES)},
+            timeout=300,
+            **fields,
+        )
+    )
+    assert crashed.returncode != 0, crashed.log[-3000:]
+    (tmp_path / "job" / "ckpt").mkdir(exist_ok=True)  # no durable save yet: the root exists, empty
+    shutil.rmtree(tmp_path / "job" / "local" / "n1")
+    resumed = run_training(
+        TrainSpec(
+            dp=3,
+            steps=4,
+            load_dir=tmp_path / "job" / "ckpt",
+            save_dir=tmp_path / "job" / "ckpt",
+            dump_dir=tmp_path / "resumed",
+            plugin=True,
+            plugin_kwargs=_memory(tmp_path / "job"),
+            env={"MEGATRON_UCP_NODE_NAMES": "n0,n2,n3"},
+            timeout=300,
+            **fields,
+        ),
+    )
+    assert resumed.loaded_step == 3, resumed.log[-4000:]
+    assert "newer than the durable checkpoint (none)" in resumed.rank_logs()[0]
+    assert_same_state(tmp_path / "job" / "dumps" / "state_step3.pt", tmp_path / "resumed" / "state_step3_loaded.pt")
