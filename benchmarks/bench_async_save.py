@@ -7,7 +7,10 @@ harness's GPT-like model) trains and saves ``--saves`` times, ``--gap`` steps ap
 * ``decoupled``: DeepSpeed's decoupled checkpoint engine (``checkpoint.writer``: python writer, decoupled; 0.17+),
   no hooks;
 * ``sync``: the hooks' save (record, commit across the job);
-* ``async``: the hooks with ``async_save`` (the state copied into host memory, written in the background).
+* ``async``: the hooks with ``async_save`` (the state copied into host memory, written in the background);
+* ``memory``: the hooks' memory save (``megatron_ucp.save_to_memory``: each rank's files into its node's folder in
+  ``/dev/shm``, here one node per rank, each node's files replicated on the next node over gloo, committed across the
+  job), in place of the save; its folder's size per node is reported (two generations and a replica at most).
 
 Per save, on the slowest rank: the time inside ``save_checkpoint``, and the extra time of the next step over an idle
 step (a write that still holds the CPU, the commit's all-reduce, a decoupled engine's commit); their sum is the
@@ -50,9 +53,10 @@ from worker_launch import run_worker, timed_step  # noqa: E402
 from worker_launch import slowest as _slowest  # noqa: E402
 
 MARKER = "ASYNC_SAVE "
-MODES = ("stock", "decoupled", "sync", "async")
+MODES = ("stock", "decoupled", "sync", "async", "memory")
 MODELS = {
     "demo": dict(hidden=3, num_layers=1, vocab=64, seq=4),
+    "m25": dict(hidden=512, num_layers=6, vocab=8192, seq=16),
     "m100": dict(hidden=768, num_layers=12, vocab=10240, seq=16),
     "llama1b": dict(hidden=2048, num_layers=16, vocab=32000, seq=16),
 }
@@ -83,14 +87,20 @@ def _worker(cfg: WorkerConfig) -> None:
     from tests.support.dsharness.worker import Rank
 
     shape = MODELS[cfg.model]
-    hooked = cfg.mode in ("sync", "async")
+    hooked = cfg.mode in ("sync", "async", "memory")
+    local = shm_folder(cfg.root)
+    if cfg.mode == "memory":  # one node per rank, each its own folder
+        os.environ["MEGATRON_UCP_NODE_NAMES"] = ",".join(f"n{r}" for r in range(cfg.dp))
+    kwargs = {"async_save": cfg.mode == "async"}
+    if cfg.mode == "memory":
+        kwargs = {"memory_save_interval": 1, "local_dir": str(local / "{node}")}
     spec = TrainSpec(
         dp=cfg.dp,
         optimizer=cfg.optimizer,
         steps=0,
         global_batch=cfg.dp,
         plugin=hooked,
-        plugin_kwargs={"async_save": cfg.mode == "async"} if hooked else {},
+        plugin_kwargs=kwargs if hooked else {},
         extra_config=DECOUPLED if cfg.mode == "decoupled" else {},
         **shape,
     )
@@ -114,7 +124,12 @@ def _worker(cfg: WorkerConfig) -> None:
     for _ in range(cfg.saves):
         dist.barrier()
         t0 = time.perf_counter()
-        engine.save_checkpoint(cfg.root)
+        if cfg.mode == "memory":
+            import megatron_ucp
+
+            megatron_ucp.save_to_memory(cfg.root, engine.global_steps, lambda into: engine.save_checkpoint(into))
+        else:
+            engine.save_checkpoint(cfg.root)
         out["save"].append(slowest(time.perf_counter() - t0))
         out["next"].append(slowest(step()))
         out["after"].append([slowest(step()) for _ in range(cfg.gap - 1)])
@@ -144,7 +159,18 @@ def _worker(cfg: WorkerConfig) -> None:
     dist.barrier()
     if rank.rank == 0:
         out.update(floor=floor, rss_kb=int(rss.item()), params=sum(p.numel() for p in engine.module.parameters()))
+        if cfg.mode == "memory":
+            sizes = [sum(f.stat().st_size for f in n.rglob("*") if f.is_file()) for n in local.iterdir()]
+            out["node_bytes"] = max(sizes)
         print(MARKER + json.dumps(out), flush=True)
+
+
+def shm_folder(root: str) -> Path:
+    """Where a memory save's node folders go: node memory (``/dev/shm``), as on a cluster's nodes, named after the
+    run's root (removed after it)."""
+    import hashlib
+
+    return Path("/dev/shm") / f"megatron-ucp-bench-{hashlib.sha256(str(root).encode()).hexdigest()[:10]}"
 
 
 def _launch(cfg: WorkerConfig, log_dir: Path) -> dict:
@@ -159,8 +185,11 @@ def run_mode(model: str, mode: str, optimizer: str, dp: int, saves: int, gap: in
     root = work / f"{model}-{mode}"
     shutil.rmtree(root, ignore_errors=True)
     t0 = time.perf_counter()
-    raw = _launch(WorkerConfig(model, mode, optimizer, dp, saves, gap, str(root)), work / "logs")
-    shutil.rmtree(root, ignore_errors=True)
+    try:
+        raw = _launch(WorkerConfig(model, mode, optimizer, dp, saves, gap, str(root)), work / "logs")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(shm_folder(str(root)), ignore_errors=True)
     idle = _median(raw["idle"])
     stalls = [s + max(0.0, n - idle) for s, n in zip(raw["save"], raw["next"], strict=True)]
     beside = [sum(max(0.0, step - idle) for step in after) for after in raw["after"]]
@@ -180,6 +209,7 @@ def run_mode(model: str, mode: str, optimizer: str, dp: int, saves: int, gap: in
         "copied_mb": round(max(raw["copied"]) / 1e6, 1) if raw["copied"] else None,
         "floor_s": _median(raw["floor"]),
         "peak_rss_mb": round(raw["rss_kb"] / 1024, 1),
+        "memory_per_node_mb": round(raw["node_bytes"] / 1e6, 1) if "node_bytes" in raw else None,
         "wall_s": round(time.perf_counter() - t0, 1),
         "raw": {k: raw[k] for k in ("save", "next", "idle", "after", "floor")},
     }
@@ -188,7 +218,7 @@ def run_mode(model: str, mode: str, optimizer: str, dp: int, saves: int, gap: in
 def table(results: list[dict]) -> str:
     stock = next((r["stall_s"] for r in results if r["mode"] == "stock"), None)
     rows = [("mode", "DP", "in save (s)", "next step (s)", "idle step (s)", "stall (s)", "x stock", "copy floor (s)")]
-    rows[0] += ("x floor", "steps after (s)", "beside (s)", "copied MB", "peak RSS MB")
+    rows[0] += ("x floor", "steps after (s)", "beside (s)", "copied MB", "peak RSS MB", "memory per node MB")
     for r in results:
         x_stock = f"{r['stall_s'] / stock:.2f}" if stock else "-"
         x_floor = f"{r['stall_s'] / r['floor_s']:.2f}" if r["floor_s"] else "-"
@@ -209,6 +239,7 @@ def table(results: list[dict]) -> str:
                     r["beside_s"],
                     r["copied_mb"] or "-",
                     r["peak_rss_mb"],
+                    r.get("memory_per_node_mb") or "-",
                 )
             )
         )

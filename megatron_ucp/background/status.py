@@ -24,6 +24,7 @@ from megatron_ucp.background import restart_judge, verdicts
 from megatron_ucp.background.pointer_problems import dangling_universal_pointer
 from megatron_ucp.background.set_aside import leftovers
 from megatron_ucp.background.store import (
+    MEMORY_RESTARTS_LOG,
     PROGRESS_DIR,
     RELAUNCHES_LOG,
     failed_saves,
@@ -200,6 +201,8 @@ class RootStatus:
     """Why ``latest`` names no tag (empty after a power loss, garbage): a restart falls back."""
     relaunches: tuple[dict, ...] = ()
     """The launches of the last ``megatron-ucp relaunch`` loop that relaunched (``.ucp/relaunches.jsonl``)."""
+    memory_restart: Optional[dict] = None
+    """The last restart that found memory saves on its nodes (``.ucp/memory-restarts.jsonl``)."""
 
     @property
     def latest_converted(self) -> bool:
@@ -254,6 +257,7 @@ class RootStatus:
             "refused_restart": self.refused_restart,
             "latest_unreadable": self.latest_unreadable,
             "relaunches": list(self.relaunches),
+            "memory_restart": self.memory_restart,
         }
 
 
@@ -434,6 +438,7 @@ def root_status(root: os.PathLike | str, sizes: bool = True, dp: bool = True) ->
         problems=tuple(problems),
         last_fallback=(read_fallbacks(root) or [None])[-1],
         relaunches=last_loop(read_lines(root, RELAUNCHES_LOG)),
+        memory_restart=(read_lines(root, MEMORY_RESTARTS_LOG) or [None])[-1],
         refused_restart=_refused_restart(root, latest),
         latest_unreadable=latest_unreadable,
     )

@@ -65,6 +65,10 @@ def format_status(rs: RootStatus) -> str:
         first = rs.relaunches[0]
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(first.get("started", first.get("at", 0)))))
         notes.append(f"  last relaunch loop ({when}): {loop_summary(rs.relaunches)}")
+    if rs.memory_restart is not None:
+        m = rs.memory_restart
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(m.get("at", 0))))
+        notes.append(f"  last restart with memory saves on its nodes ({when}): {m.get('said')}")
     if notes:
         lines += ["", "details:"] + notes
     lines += [""] + ([f"background converters: {c}" for c in rs.converters] or ["background converters: none running"])

@@ -358,9 +358,10 @@ FALLBACKS_LOG = "fallbacks.jsonl"
 """One JSON line per restart that fell back to an older tag (:mod:`megatron_ucp.integration.resume.fallback`)."""
 RELAUNCHES_LOG = "relaunches.jsonl"
 """One JSON line per launch of ``megatron-ucp relaunch`` (its nodes, how it ended, the nodes found down)."""
+MEMORY_RESTARTS_LOG = "memory-restarts.jsonl"
+"""One JSON line per restart that found memory saves on its nodes: what it resumed from, or why not."""
 SAVES_LOG = "async-saves.jsonl"
-"""One JSON line per asynchronous save's outcome (:mod:`megatron_ucp.integration.save.async_save`): committed, or
-failed with why."""
+"""One JSON line per asynchronous save's outcome: committed, or failed with why."""
 
 
 def append_line(root: Path, name: str, entry: dict, what: str) -> None:

@@ -205,6 +205,28 @@ def read_holdings(folder: Path, holder: str, verify: bool = True) -> tuple[list[
     return holdings, records
 
 
+PROGRESS = "progress"
+
+
+def note_progress(folder: Path, rank: int, iteration: int) -> None:
+    """The iteration this rank is about to train (its node's folder; a restart says how many iterations after the
+    memory save it resumes from were lost). Memory only, never raised: a note, not a save."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{PROGRESS}.{rank}"
+        tmp.write_text(str(iteration))
+        os.replace(tmp, folder / PROGRESS)
+    except OSError:
+        pass
+
+
+def read_progress(folder: Path) -> Optional[int]:
+    try:
+        return int((folder / PROGRESS).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def remove(path: Path) -> None:
     """A generation (or a half-written one) gone; said, never raised."""
     try:
@@ -247,7 +269,7 @@ def send_files(sends: Sequence[Send]) -> Optional[str]:
             if s.destination == me:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
             try:
-                opened[i] = np.memmap(path, dtype=np.uint8, mode="r" if s.source == me else "w+", shape=(s.size,))
+                opened[i] = np.memmap(path, dtype=np.uint8, mode="c" if s.source == me else "w+", shape=(s.size,))
             except (OSError, ValueError) as exc:
                 failure = failure or f"{path}: cannot open: {exc}"
                 opened[i] = np.zeros(s.size, dtype=np.uint8)  # still sent/received: the peer is not left waiting

@@ -920,6 +920,7 @@ def test_a_lost_node_resumes_from_the_memory_save_at_the_new_node_count_on_the_c
         said[-3000:]
     )
     assert "replicas used for node 1" in said
+    assert "0 iteration(s) lost (the run had completed iteration 5)" in said  # it died right after that memory save
     assert assert_accounted(resumed).startswith("megatron-ucp native reshard:")
     assert sorted(resumed.losses) == [6], sorted(resumed.losses)
     assert_continues(resumed, reference, steps=(6,))

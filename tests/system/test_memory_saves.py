@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ucp.background.status import root_status
+from megatron_ucp.background.status_text import format_status
 from tests.support.dsharness import TrainResult, TrainSpec, run_training
 from tests.support.elastic_support import ElasticRuns, assert_losses_continue, assert_same_state, flip_a_data_bit
 
@@ -109,6 +111,10 @@ def test_a_lost_node_costs_only_the_steps_since_the_last_memory_save(runs: Elast
     assert f"newer than the durable global_step{DURABLE} by 3 iteration(s); replicas used for node 1" in log
     assert_same_state(crashed / "dumps" / f"state_step{CRASH}.pt", tmp_path / "dumps" / f"state_step{CRASH}_loaded.pt")
     assert_losses_continue(resumed, _reference(runs).loss_at)
+    said = format_status(root_status(tmp_path / "ckpt"))  # what the morning's `megatron-ucp status` says
+    assert "last restart with memory saves on its nodes (" in said and (
+        f"): restarting from the memory save of iteration {CRASH}" in said
+    ), said
 
 
 def test_a_node_and_its_replica_lost_together_load_the_durable_tag_saying_why(
@@ -119,6 +125,7 @@ def test_a_node_and_its_replica_lost_together_load_the_durable_tag_saying_why(
     log = resumed.rank_logs()[0]
     assert f"iteration {CRASH}: no survivor holds the files of node 1 (its copy and its replica on node 2)" in log
     assert f"none newer than the durable global_step{DURABLE} is whole" in log
+    assert "no survivor holds the files of node 1" in format_status(root_status(tmp_path / "ckpt"))
     assert_losses_continue(resumed, _reference(runs).loss_at)
 
 
@@ -218,3 +225,43 @@ def test_every_zero_layout_resumes_from_memory_at_the_new_node_count_bit_for_bit
     assert resumed.loaded_step == 3, resumed.log[-4000:]
     assert "newer than the durable checkpoint (none)" in resumed.rank_logs()[0]
     assert_same_state(tmp_path / "job" / "dumps" / "state_step3.pt", tmp_path / "resumed" / "state_step3_loaded.pt")
+
+
+def test_a_restart_whose_load_needs_the_universal_twin_loads_the_durable_tag_saying_why(tmp_path: Path) -> None:
+    """A restart whose load goes through the universal twin (here ``--ucp-resume-route universal``; also a TP, PP or
+    ZeRO-3 change), which would be converted into a folder each node holds alone: the durable tag, converted and
+    loaded as without memory saves, and the reason said."""
+    job = tmp_path / "job"
+    crashed = run_training(
+        TrainSpec(
+            dp=4,
+            optimizer="zero",
+            steps=4,
+            save_dir=job / "ckpt",
+            save_at=(2,),
+            memory_every=1,
+            crash=(3, 1),
+            expect_failure=True,
+            plugin=True,
+            plugin_kwargs=_memory(job),
+            env={"MEGATRON_UCP_NODE_NAMES": ",".join(NODES)},
+            timeout=300,
+        )
+    )
+    assert crashed.returncode != 0, crashed.log[-3000:]
+    shutil.rmtree(job / "local" / "n1")
+    resumed = run_training(
+        TrainSpec(
+            dp=3,
+            optimizer="zero",
+            steps=4,
+            load_dir=job / "ckpt",
+            plugin=True,
+            plugin_kwargs={**_memory(job), "resume_route": "universal"},
+            env={"MEGATRON_UCP_NODE_NAMES": "n0,n2,n3"},
+            timeout=300,
+        )
+    )
+    assert resumed.loaded_step == 2, resumed.log[-4000:]
+    log = resumed.rank_logs()[0]
+    assert "restart: the memory save of iteration 3 was refused" in log and "only by the native routes" in log, log

@@ -126,23 +126,32 @@ def _from_memory(call: LoadCall) -> Any:
         log.warning("megatron-ucp: %s", restored.summary)
     memory = dataclasses.replace(call, load_dir=str(restored.load_dir))
     try:
-        return JOB.agreed(lambda: _load_tag(memory, restored.tag), f"loading the memory save {restored.tag}")
+        return JOB.agreed(
+            lambda: _load_tag(memory, restored.tag, native_only=True), f"loading the memory save {restored.tag}"
+        )
     except UcpError as exc:
         if is_first():
-            log.error(
-                "megatron-ucp: restart: the memory save of iteration %d was refused (%s); loading the durable "
-                "checkpoint %s instead",
-                restored.step,
-                exc,
-                restored.durable or "(none)",
+            said = (
+                f"the memory save of iteration {restored.step} was refused ({exc}); loading the durable checkpoint "
+                f"{restored.durable or '(none)'} instead"
             )
+            log.error("megatron-ucp: restart: %s", said)
+            from_memory.record(call.load_dir, said, None)
         return None
 
 
-def _load_tag(call: LoadCall, tag: Optional[str]) -> Any:
-    """One load of ``tag`` (None: the one ``latest`` names): decide, route, finish."""
+def _load_tag(call: LoadCall, tag: Optional[str], native_only: bool = False) -> Any:
+    """One load of ``tag`` (None: the one ``latest`` names): decide, route, finish. ``native_only``: a memory save's
+    folder, which exists on each node alone: a route through the universal twin (converted into the checkpoint's
+    folder, read by every rank) is refused before anything loads."""
     decided = decide(call, tag)
     decision = decided.decision
+    if native_only and decision.route not in (Route.NATIVE, Route.RESHARD):
+        raise UcpError(
+            f"{decision.message}: a memory save is loaded only by the native routes (its folder is on each node "
+            "alone, the universal twin would be converted into it)",
+            subject=call.load_dir,
+        )
     if decision.route is Route.NATIVE and (decision.checkpoint_dp is None or not call.loads_states):
         # nothing of ours to do: stock DeepSpeed's load, of the tag the first rank read from `latest` (a rank reading
         # it again could see another value on a shared file system, and load something else)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from megatron_ucp.background.store import MEMORY_RESTARTS_LOG, append_line
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
@@ -36,6 +37,7 @@ from megatron_ucp.integration.node_memory import (
     local_folder,
     node_files,
     read_holdings,
+    read_progress,
     remove,
     send_files,
 )
@@ -74,9 +76,10 @@ def restore(config: UcpConfig, load_dir: os.PathLike | str) -> Optional[Restored
     folder = local_folder(config, load_dir, nodes.of_rank[me])
     leader = me == nodes.leader(node)
     mine: tuple[list[Holding], dict] = read_holdings(folder, nodes.of_rank[me]) if leader else ([], {})
-    gathered = JOB.gather_objects(mine)
-    holdings = [h for held, _ in gathered for h in held]
-    records = {key: record for _, recs in gathered for key, record in recs.items()}
+    gathered = JOB.gather_objects((*mine, read_progress(folder) if leader else None))
+    holdings = [h for held, _, _ in gathered for h in held]
+    records = {key: record for _, recs, _ in gathered for key, record in recs.items()}
+    reached = max((p for _, _, p in gathered if p is not None), default=None)
     if not holdings:
         return None
 
@@ -87,14 +90,16 @@ def restore(config: UcpConfig, load_dir: os.PathLike | str) -> Optional[Restored
     durable, choice = JOB.decided(decide, "choosing a memory save to restart from")
     if choice.step is None:
         if is_first():
-            newest = max(h.step for h in holdings)
-            log.warning(
-                "megatron-ucp: restart: the nodes hold memory saves up to iteration %d, but none newer than the "
-                "durable %s is whole%s; loading the durable checkpoint",
-                newest,
-                durable or "checkpoint (none)",
-                f" ({'; '.join(choice.passed_over)})" if choice.passed_over else "",
-            )
+            newest, durable_step = max(h.step for h in holdings), tag_step(durable) if durable else None
+            said = (
+                f"the nodes' newest memory save (iteration {newest}) is not newer than the durable {durable}"
+                if durable_step is not None and newest <= durable_step
+                else f"the nodes hold memory saves up to iteration {newest}, but none newer than the durable "
+                f"{durable or 'checkpoint (none)'} is whole"
+                + (f" ({'; '.join(choice.passed_over)})" if choice.passed_over else "")
+            ) + "; loading the durable checkpoint"
+            log.warning("megatron-ucp: restart: %s", said)
+            record(load_dir, said, None)
         return None
     step = int(choice.step)
     old_nodes = {h.node for h in holdings if h.step == step}
@@ -120,13 +125,12 @@ def restore(config: UcpConfig, load_dir: os.PathLike | str) -> Optional[Restored
         if leader:
             remove(root)
         if is_first():
-            log.error(
-                "megatron-ucp: restart: the memory save of iteration %d could not be assembled (%s); loading the "
-                "durable %s",
-                step,
-                "; ".join(failures[:4]),
-                durable or "checkpoint",
+            said = (
+                f"the memory save of iteration {step} could not be assembled ({'; '.join(failures[:4])}); loading "
+                f"the durable {durable or 'checkpoint'}"
             )
+            log.error("megatron-ucp: restart: %s", said)
+            record(load_dir, said, None)
         return None
     own_sound = {name for h in holdings if h.step == step and not h.replica for name in h.sound}
     from_replicas = sorted({f"node {of_file[name][0]}" for name in choice.sources if name not in own_sound})
@@ -137,9 +141,21 @@ def restore(config: UcpConfig, load_dir: os.PathLike | str) -> Optional[Restored
         + (f"; replicas used for {', '.join(from_replicas[:4])}" if from_replicas else "")
         + (f"; passed over: {'; '.join(choice.passed_over)}" if choice.passed_over else "")
         + f"; assembled in {time.monotonic() - started:.2f} s from the nodes' memory (nothing read from the "
-        f"checkpoint root); what the run did after iteration {step} is lost"
+        f"checkpoint root); "
+        + (
+            f"{max(reached - step, 0)} iteration(s) lost (the run had completed iteration {reached})"
+            if reached is not None
+            else f"what the run did after iteration {step} is lost"
+        )
     )
+    if is_first():
+        record(load_dir, summary, step)
     return Restored(root, step, tag, durable, summary)
+
+
+def record(load_dir: os.PathLike | str, said: str, step: Optional[int]) -> None:
+    """The restart's decision in the checkpoint root's store, for ``status`` (first rank)."""
+    append_line(Path(load_dir), MEMORY_RESTARTS_LOG, {"at": time.time(), "iteration": step, "said": said}, "restart")
 
 
 def _durable_tag(load_dir: Path) -> Optional[str]:

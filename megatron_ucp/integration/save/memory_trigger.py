@@ -19,12 +19,13 @@ import sys
 from typing import Any, Optional
 
 from megatron_ucp.config import UcpConfig
+from megatron_ucp.integration.node_memory import local_folder, node_name, note_progress
 from megatron_ucp.integration.save.memory_save import save_to_memory
 
 log = logging.getLogger(__name__)
 
 MODULE = "megatron.training"
-_STATE: dict[str, Any] = {"finder": None, "last": None}
+_STATE: dict[str, Any] = {"finder": None, "last": None, "folder": None}
 
 
 def install(config: UcpConfig) -> None:
@@ -82,6 +83,19 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _note(config: UcpConfig, save_dir: str, iteration: int) -> None:
+    """The iteration about to be trained, in the node's folder (what a restart counts as lost)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    rank = dist.get_rank()
+    folder = _STATE.get("folder")
+    if folder is None:
+        folder = _STATE["folder"] = local_folder(config, save_dir, node_name(rank))
+    note_progress(folder, rank, iteration)
+
+
 def _wrap(module: Any, config: UcpConfig) -> None:
     original = getattr(module, "train_step", None)
     if original is None or hasattr(original, "__wrapped_by_megatron_ucp__"):
@@ -99,6 +113,8 @@ def _wrap(module: Any, config: UcpConfig) -> None:
         iteration = int(getattr(margs, "iteration", 0) or 0)
         save_dir = getattr(margs, "save", None)
         durable = getattr(margs, "save_interval", None)
+        if save_dir:
+            _note(config, save_dir, iteration)
         if (
             save_dir
             and iteration > 0
