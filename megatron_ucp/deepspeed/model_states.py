@@ -215,13 +215,16 @@ def saved_partition_counts(tag_dir: Path) -> Optional[tuple[Path, tuple[int, ...
     return (first, tuple(int(c) for c in counts)) if isinstance(counts, (list, tuple)) else None
 
 
-def rank_file_count_problem(tag_dir: Path, dp: int, like: Optional[str] = None) -> Optional[str]:
+def rank_file_count_problem(
+    tag_dir: Path, dp: int, like: Optional[str] = None, held: Sequence[str] = ()
+) -> Optional[str]:
     """Whether the folder holds the ``dp`` optimizer files its model states say, of one model-parallel rank (``like``'s,
     a rank file's name; else rank 0's, any prefix); else which side is wrong (the files' own ``partition_count``
-    breaks the tie), in words. None when they agree, or when the folder holds no such optimizer file at all."""
+    breaks the tie), in words. None when they agree, or when the folder holds no such optimizer file at all.
+    ``held``: names of files another node holds for this folder (a memory save's), counted as in it."""
     wanted = F.OPTIM_FILE_RE.match(like) if like is not None else None
     found = {}
-    for path in Path(tag_dir).iterdir():
+    for path in [*Path(tag_dir).iterdir(), *(Path(tag_dir) / name for name in held)]:
         match = F.OPTIM_FILE_RE.match(path.name)
         if match is None or int(match["mp"]) != (int(wanted["mp"]) if wanted else 0):
             continue

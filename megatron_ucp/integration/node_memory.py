@@ -19,6 +19,8 @@ Shared by the save (:mod:`~megatron_ucp.integration.save.memory_save`) and the r
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import logging
@@ -29,7 +31,7 @@ import socket
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -130,6 +132,13 @@ class FileSum:
     rank: int
     size: int
     crc: int
+
+
+def human_size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
 
 
 def crc_of(path: os.PathLike | str) -> int:
@@ -312,3 +321,40 @@ def send_files(sends: Sequence[Send]) -> Optional[str]:
     finally:
         opened.clear()
     return failure
+
+
+class Restoring(Protocol):
+    """A restart from memory in progress: which files of its folder are held on other nodes, and the collective that
+    brings some here."""
+
+    def held_elsewhere(self, path: Path) -> bool: ...
+
+    def fetch(self, paths: Sequence[Path]) -> None: ...
+
+
+_RESTORING: contextvars.ContextVar[Optional[Restoring]] = contextvars.ContextVar("memory_restart", default=None)
+
+
+@contextlib.contextmanager
+def restoring(assembly: Restoring) -> Iterator[None]:
+    """Around the load of a memory save's folder: the binding asks for the rank files it reads (:func:`fetch`)."""
+    token = _RESTORING.set(assembly)
+    try:
+        yield
+    finally:
+        _RESTORING.reset(token)
+
+
+def fetch(paths: Sequence[Path]) -> None:
+    """Collective (every rank of the job, in the same order): each rank's ``paths`` present on its node. Nothing to do
+    outside a restart from memory, where every file is in the folder already."""
+    assembly = _RESTORING.get()
+    if assembly is not None:
+        assembly.fetch(paths)
+
+
+def held_elsewhere(path: Path) -> bool:
+    """``path`` is a file of the memory save being loaded that another node holds (not missing: brought here by
+    :func:`fetch` when a rank of this node reads it)."""
+    assembly = _RESTORING.get()
+    return assembly is not None and assembly.held_elsewhere(path)

@@ -36,6 +36,7 @@ from megatron_ucp.integration.collectives import JOB, is_first
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.install import make_visible, restore_visibility
 from megatron_ucp.integration.live_job import LoadCall, live_job
+from megatron_ucp.integration.node_memory import human_size, restoring
 from megatron_ucp.integration.resume import from_memory
 from megatron_ucp.integration.resume.decide import Decided, decide, refuse_an_expert_layout_change
 from megatron_ucp.integration.resume.engine_load import LoadOutcome
@@ -126,9 +127,19 @@ def _from_memory(call: LoadCall) -> Any:
         log.warning("megatron-ucp: %s", restored.summary)
     memory = dataclasses.replace(call, load_dir=str(restored.load_dir))
     try:
-        return JOB.agreed(
-            lambda: _load_tag(memory, restored.tag, native_only=True), f"loading the memory save {restored.tag}"
-        )
+        with restoring(restored.assembly):
+            loaded = JOB.agreed(
+                lambda: _load_tag(memory, restored.tag, native_only=True), f"loading the memory save {restored.tag}"
+            )
+        if is_first():
+            log.info(
+                "megatron-ucp: the memory save of iteration %d: %s of its files sent between nodes over the process "
+                "group (of %s in all)",
+                restored.step,
+                human_size(restored.assembly.received),
+                human_size(sum(size for _, size, _ in restored.assembly.of_file.values())),
+            )
+        return loaded
     except UcpError as exc:
         if is_first():
             said = (

@@ -19,12 +19,13 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron_ucp.background.store import MEMORY_RESTARTS_LOG, append_line
 from megatron_ucp.config import UcpConfig
+from megatron_ucp.errors import UcpError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
 from megatron_ucp.format.save_files import describe, file_list_path, file_list_text
@@ -60,6 +61,7 @@ class Restored:
     tag: str
     durable: Optional[str]
     summary: str
+    assembly: "Assembly"
 
 
 def wanted(config: UcpConfig) -> bool:
@@ -112,7 +114,15 @@ def restore(config: UcpConfig, load_dir: os.PathLike | str) -> Optional[Restored
         for name in records[(s, n)]["files"]
     }
     root = folder / RESTORED
-    failure = _assemble(nodes, me, folder, root, step, tag, choice, of_file, leader)
+    assembly = Assembly(nodes, me, generation(folder, step), root, tag, choice, of_file)
+    failure = None
+    if leader:
+        remove(root)
+    JOB.count(0)  # the folder is new on every node before anything is brought into it
+    # what every rank reads whole (model states, layer and expert files) on every node; the rank files when a rank's
+    # binding asks for them (Assembly.fetch), each on the nodes whose ranks read it
+    everywhere = {name for name in of_file if not F.OPTIM_FILE_RE.match(name)}
+    failure = assembly.bring({name: set(everywhere) for name in nodes.names})
     failures = [f for f in JOB.gather_objects(failure) if f is not None]
     if not failures:
         if leader:
@@ -140,8 +150,8 @@ def restore(config: UcpConfig, load_dir: os.PathLike | str) -> Optional[Restored
         + (f" by {step - tag_step(durable)} iteration(s)" if durable and tag_step(durable) is not None else "")
         + (f"; replicas used for {', '.join(from_replicas[:4])}" if from_replicas else "")
         + (f"; passed over: {'; '.join(choice.passed_over)}" if choice.passed_over else "")
-        + f"; assembled in {time.monotonic() - started:.2f} s from the nodes' memory (nothing read from the "
-        f"checkpoint root); "
+        + f"; its model states on every node in {time.monotonic() - started:.2f} s, each rank file brought to the "
+        "nodes that read it, from the nodes' memory (nothing read from the checkpoint root); "
         + (
             f"{max(reached - step, 0)} iteration(s) lost (the run had completed iteration {reached})"
             if reached is not None
@@ -150,7 +160,7 @@ def restore(config: UcpConfig, load_dir: os.PathLike | str) -> Optional[Restored
     )
     if is_first():
         record(load_dir, summary, step)
-    return Restored(root, step, tag, durable, summary)
+    return Restored(root, step, tag, durable, summary, assembly)
 
 
 def record(load_dir: os.PathLike | str, said: str, step: Optional[int]) -> None:
@@ -165,52 +175,78 @@ def _durable_tag(load_dir: Path) -> Optional[str]:
         return None
 
 
-def _assemble(
-    nodes: Nodes,
-    me: int,
-    folder: Path,
-    root: Path,
-    step: int,
-    tag: str,
-    choice: Choice,
-    of_file: dict[str, tuple[int, int, int]],
-    leader: bool,
-) -> Optional[str]:
-    """Collective: every file of the generation into each node's ``root``/``tag``: linked from this node's own sound
-    copy, or received from a survivor that holds one. Returns this rank's failure."""
-    gen = generation(folder, step)
-    failure: Optional[str] = None
-    if leader:
-        try:
-            remove(root)
-            (root / tag).mkdir(parents=True, exist_ok=True)
-            here = nodes.names[nodes.index(me)]
-            for name, holders in choice.sources.items():
-                if here in holders:
-                    _link(node_files(gen, of_file[name][0], tag) / name, root / tag / name)
-        except Exception as exc:  # of any type
-            failure = f"{root}: {type(exc).__name__}: {exc}"
-    JOB.count(0)  # the folder exists on every node before anything is received into it
-    needs = {name: list(choice.sources) for name in nodes.names}
-    sends, spread = [], {}
-    for t in transfers(needs, choice.sources):
-        old, size, crc = of_file[t.name]
-        src_ranks = nodes.ranks(nodes.names.index(t.source))
-        dst_ranks = nodes.ranks(nodes.names.index(t.destination))
-        k = spread.setdefault((t.source, t.destination), 0)
-        spread[(t.source, t.destination)] = k + 1
-        sends.append(
-            Send(
-                src_ranks[k % len(src_ranks)],
-                dst_ranks[k % len(dst_ranks)],
-                str(node_files(gen, old, tag) / t.name),
-                str(root / tag / t.name),
-                size,
-                crc,
+@dataclass
+class Assembly:
+    """A memory save's generation being assembled on every node, as a checkpoint folder (``root``/``tag``): what each
+    node has brought into its folder so far (the same on every rank: decided from gathered needs, not from disk), and
+    the collective that brings more."""
+
+    nodes: Nodes
+    me: int
+    gen: Path
+    root: Path
+    tag: str
+    choice: Choice
+    of_file: dict[str, tuple[int, int, int]]
+    """Each file's old node, size and crc32."""
+    present: dict[str, set[str]] = field(default_factory=dict)
+    received: int = 0
+    """Bytes sent between nodes so far (the same on every rank)."""
+
+    @property
+    def here(self) -> str:
+        return self.nodes.of_rank[self.me]
+
+    def bring(self, needs: dict[str, set[str]]) -> Optional[str]:
+        """Collective: each node's needed files into its folder, linked from its own sound copy or sent by a survivor
+        that holds one, checked against its crc32 on arrival. Returns this rank's failure."""
+        failure: Optional[str] = None
+        wanted = {node: set(names) - self.present.setdefault(node, set()) for node, names in needs.items()}
+        if self.me == self.nodes.leader(self.nodes.index(self.me)):
+            try:
+                (self.root / self.tag).mkdir(parents=True, exist_ok=True)
+                for name in sorted(wanted.get(self.here, ())):
+                    if self.here in self.choice.sources[name]:
+                        _link(node_files(self.gen, self.of_file[name][0], self.tag) / name, self.root / self.tag / name)
+            except Exception as exc:  # of any type
+                failure = f"{self.root}: {type(exc).__name__}: {exc}"
+        sends, spread = [], {}
+        for t in transfers({node: sorted(names) for node, names in wanted.items()}, self.choice.sources):
+            old, size, crc = self.of_file[t.name]
+            src_ranks = self.nodes.ranks(self.nodes.names.index(t.source))
+            dst_ranks = self.nodes.ranks(self.nodes.names.index(t.destination))
+            k = spread[(t.source, t.destination)] = spread.get((t.source, t.destination), -1) + 1
+            read = node_files(self.gen, old, self.tag) / t.name
+            sends.append(
+                Send(
+                    src_ranks[k % len(src_ranks)],
+                    dst_ranks[k % len(dst_ranks)],
+                    str(read),
+                    str(self.root / self.tag / t.name),
+                    size,
+                    crc,
+                )
             )
+            self.received += size
+        for node, names in wanted.items():
+            self.present[node] |= names
+        return send_files(sends) or failure
+
+    def fetch(self, paths: Sequence[Path]) -> None:
+        """Collective: the rank files each rank's binding reads, present on its node (raises on every rank when one
+        cannot be brought: the memory save is then refused, and the durable checkpoint loaded)."""
+        mine = sorted({p.name for p in paths if Path(p).parent == self.root / self.tag and p.name in self.of_file})
+        needs: dict[str, set[str]] = {}
+        for node, names in JOB.gather_objects((self.here, mine)):
+            needs.setdefault(node, set()).update(names)
+        JOB.together(
+            UcpError(failure) if (failure := self.bring(needs)) else None,
+            f"bringing the memory save's rank files to the nodes that read them ({self.tag})",
+            subject=self.root,
         )
-    sent = send_files(sends)
-    return failure or sent
+
+    def held_elsewhere(self, path: Path) -> bool:
+        return Path(path).parent == self.root / self.tag and Path(path).name in self.of_file
 
 
 def _link(source: Path, target: Path) -> None:

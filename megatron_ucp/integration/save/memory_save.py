@@ -37,6 +37,7 @@ from megatron_ucp.integration.node_memory import (
     crc_of,
     generation,
     generations,
+    human_size,
     job_nodes,
     local_folder,
     node_files,
@@ -174,7 +175,7 @@ def save_to_memory(
             tag,
             len(every),
             nodes.count,
-            _size(per_node),
+            human_size(per_node),
             ", each replicated on the next node" if nodes.count > 1 else " (one node: no replica)",
             time.monotonic() - started,
         )
@@ -227,10 +228,3 @@ def _commit(gen: Path, folder: Path, step: int, nodes: Nodes, save_id: str) -> N
         return
     for old in generations_to_drop(sorted(generations(folder)), step):
         remove(generations(folder)[old])
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"

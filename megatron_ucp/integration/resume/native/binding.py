@@ -31,6 +31,7 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import integrity, save_files
 from megatron_ucp.format.paths import special_kind
 from megatron_ucp.format.rawtensor import RawTensor
+from megatron_ucp.integration import node_memory
 from megatron_ucp.integration.collectives import Collective, comm
 from megatron_ucp.integration.live_job import LiveJob, live_stage3_groups
 from megatron_ucp.integration.resume.native.requantize import blocksize_of_live
@@ -230,7 +231,7 @@ def check_presence(model_states: Path, rank_file: RankFile, dp_from: int) -> lis
     """The ``dp_from`` old rank files the model states name, each a readable file, and no other of this
     model-parallel rank in the folder; raises naming the first that is not. Returns their paths."""
     expected = [rank_file(r) for r in range(dp_from)]
-    unreadable = [(p, why) for p in expected if (why := absent(p)) is not None]
+    unreadable = [(p, why) for p in expected if (why := absent(p)) is not None and not node_memory.held_elsewhere(p)]
     if unreadable:
         path, why = unreadable[0]
         more = f" ({len(unreadable)} of the {dp_from} rank files the model states' DP={dp_from} needs are unreadable)"
@@ -242,7 +243,8 @@ def check_presence(model_states: Path, rank_file: RankFile, dp_from: int) -> lis
                 subject=path,
             )
         raise CheckpointFormatError(f"{path}: {why}{more if len(unreadable) > 1 else ''}", subject=path, damaged=path)
-    problem = rank_file_count_problem(model_states.parent, dp_from, like=expected[0].name)
+    held = [p.name for p in expected if node_memory.held_elsewhere(p)]
+    problem = rank_file_count_problem(model_states.parent, dp_from, like=expected[0].name, held=held)
     if problem is not None:
         raise CheckpointFormatError(problem, subject=model_states.parent, damaged=model_states.parent)
     return expected
@@ -360,6 +362,7 @@ def bind_save(
     if per_parameter:  # every ZeRO-3 rank saves its own model states; the facts are in DP rank 0's
         model_states = model_states.parent / F.zero3_model_file(0, F.mp_rank_of(rank_file(0).name))
     calls = Collective(group)
+    node_memory.fetch([rank_file(0)] if rank == 0 else [])  # a memory save's: the file the facts are read from
     facts = calls.decided(
         lambda: read_facts(
             model_states,
@@ -408,6 +411,7 @@ def _bind_files(
     sources of those it reads; every rank shares what it saw; every rank raises the same error when any file, or the
     set, is wrong. Returns the sources and what every rank saw of every file."""
     readers = {r.source_rank for g in reads for r in g}
+    node_memory.fetch([rank_file(p) for p in positions])  # a memory save's: the files this rank reads, brought here
     mine: list[FileFacts] = []
     sources: dict[int, Source] = {}
     for position in positions:
