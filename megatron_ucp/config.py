@@ -114,6 +114,8 @@ class UcpConfig:
             raise UcpError(f"converter_exit_wait must be >= 0 seconds, got {self.converter_exit_wait}")
         if self.memory_save_interval is not None and self.memory_save_interval < 1:
             raise UcpError(f"memory_save_interval must be >= 1 or none, got {self.memory_save_interval}")
+        if self.memory_save_interval is not None and not self.record_true_lengths:
+            raise UcpError("memory_save_interval needs record_true_lengths (a memory save goes through the save hook)")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise UcpError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         if self.resume_route not in RESUME_ROUTES:

@@ -31,6 +31,7 @@ HOOK_MODULES = (
     "megatron_ucp.integration.resume.elastic_load",
     "megatron_ucp.integration.save.async_trigger",
     "megatron_ucp.integration.save.async_save",
+    "megatron_ucp.integration.save.memory_save",
 )
 
 _lock = threading.Lock()

@@ -53,26 +53,42 @@ _CHUNK = 64 << 20
 
 @dataclass(frozen=True)
 class Nodes:
-    """The job's nodes: each global rank's node name, the nodes in order of their first rank."""
+    """The job's nodes: each global rank's node name, the nodes in order of their first rank (indexed once: the job
+    asks them for every file of every save)."""
 
     of_rank: tuple[str, ...]
 
+    def __post_init__(self) -> None:
+        names = tuple(dict.fromkeys(self.of_rank))
+        where = {name: i for i, name in enumerate(names)}
+        members: list[list[int]] = [[] for _ in names]
+        for rank, name in enumerate(self.of_rank):
+            members[where[name]].append(rank)
+        object.__setattr__(self, "_names", names)
+        object.__setattr__(self, "_where", where)
+        object.__setattr__(self, "_node_of", tuple(where[name] for name in self.of_rank))
+        object.__setattr__(self, "_members", tuple(tuple(m) for m in members))
+
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(self.of_rank))
+        return self._names  # type: ignore[attr-defined]
 
     @property
     def count(self) -> int:
         return len(self.names)
 
     def index(self, rank: int) -> int:
-        return self.names.index(self.of_rank[rank])
+        return self._node_of[rank]  # type: ignore[attr-defined]
 
-    def ranks(self, node: int) -> list[int]:
-        return [r for r, name in enumerate(self.of_rank) if name == self.names[node]]
+    def ranks(self, node: int) -> tuple[int, ...]:
+        return self._members[node]  # type: ignore[attr-defined]
 
     def leader(self, node: int) -> int:
         return self.ranks(node)[0]
+
+    def named(self, name: str) -> int:
+        """The index of the node of that name."""
+        return self._where[name]  # type: ignore[attr-defined]
 
 
 def node_name(rank: int) -> str:
@@ -92,12 +108,38 @@ def job_nodes() -> Nodes:
 
 
 def local_folder(config: UcpConfig, root: os.PathLike | str, node: str) -> Path:
-    """The node-local folder of the checkpoint root ``root`` on node ``node``."""
-    if config.local_dir:
-        return Path(config.local_dir.replace("{node}", node))
+    """The node-local folder of the checkpoint root ``root`` on node ``node``: ``<local dir>/<root's name>-<hash of its
+    path>``, so that two jobs (two roots) sharing a local dir never touch each other's generations."""
     absolute = os.path.abspath(str(root))
     digest = hashlib.sha256(absolute.encode()).hexdigest()[:10]
-    return Path("/dev/shm") / "megatron-ucp" / f"{Path(absolute).name or 'root'}-{digest}"
+    base = Path(config.local_dir.replace("{node}", node)) if config.local_dir else _default_base()
+    return base / f"{Path(absolute).name or 'root'}-{digest}"
+
+
+def _default_base() -> Path:
+    return Path("/dev/shm") / f"megatron-ucp-{os.getuid()}"
+
+
+ORIGIN = "memory-origin"
+"""In the checkpoint root's store: the identity every memory save of this root carries (made at its first one); a
+restart takes only generations that carry it (not another root's, or an earlier run's of a root made anew)."""
+
+
+def root_origin(root: os.PathLike | str, create: bool = False) -> Optional[str]:
+    """The root's memory-save identity (first rank; ``create``: made when missing). None: the root has none."""
+    path = Path(root) / ".ucp" / ORIGIN
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        if not create:
+            return None
+    except OSError:
+        return None
+    import uuid
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    osio.write_durably(path, uuid.uuid4().hex)
+    return path.read_text().strip()
 
 
 def generation(folder: Path, step: int) -> Path:
@@ -152,9 +194,12 @@ def crc_of(path: os.PathLike | str) -> int:
             crc = zlib.crc32(block, crc)
 
 
-def write_record(gen: Path, node: int, nodes: int, tag: str, save_id: str, files: Sequence[FileSum], replica: bool):
+def write_record(
+    gen: Path, node: int, nodes: int, tag: str, save_id: str, files: Sequence[FileSum], replica: bool, origin: str
+):
     """The record of one old node's files in a generation (what a restart checks them against)."""
     record = {
+        "origin": origin,
         "node": node,
         "nodes": nodes,
         "tag": tag,
@@ -209,6 +254,8 @@ def read_holdings(folder: Path, holder: str, verify: bool = True) -> tuple[list[
                     replica=bool(record.get("replica")),
                     committed=committed(gen),
                     damaged=frozenset(damaged),
+                    origin=str(record.get("origin", "")),
+                    save_id=str(record.get("save_id", "")),
                 )
             )
     return holdings, records
@@ -258,68 +305,131 @@ class Send:
     crc: int
 
 
+_WINDOW = 4
+"""Chunks a rank has in flight at once (its staging memory: this many times :data:`_CHUNK`, on the host and on the
+accelerator), whatever the number and size of the files it sends and receives."""
+
+
+@dataclass
+class _End:
+    """This rank's end of one send: the open file (None once it failed here: zeros are sent, or what arrives is
+    dropped, so that the peer is never left waiting) and, when receiving, the crc32 of what arrived so far."""
+
+    send: Send
+    sending: bool
+    fd: Optional[int] = None
+    crc: int = 0
+    failed: Optional[str] = None
+
+
 def send_files(sends: Sequence[Send]) -> Optional[str]:
-    """Collective: every send carried out over the job's process group, each file in chunks through the
-    accelerator's device, all pairs at once; each received file written to a temporary name, its crc32 compared,
-    then renamed. Returns this rank's first failure (a file that cannot be read, written, or arrived damaged)."""
+    """Collective (every rank with the same ``sends``, in the same order): each file read on its source rank and
+    written on its destination rank (a temporary name, its crc32 compared on arrival, then renamed), in chunks through
+    the accelerator's device, all pairs at once, at most :data:`_WINDOW` chunks in flight per rank. Each rank takes its
+    chunks in one global order (chunk index, then the send's place in ``sends``) and waits for a window before the
+    next: the earliest chunk not yet moved always has both ends posted, so no rank waits forever. A failure here (a
+    file that cannot be read or written, or arrives damaged) is kept and the exchange goes on to its end. Returns this
+    rank's first failure."""
     dist = comm()
     me = dist.get_rank()
-    mine = [s for s in sends if me in (s.source, s.destination)]
-    failure: Optional[str] = None
-    opened: dict[int, np.memmap] = {}
+    ends = [_open(s, s.source == me) for s in sends if me in (s.source, s.destination) and s.source != s.destination]
+    ops = sorted(
+        ((start // _CHUNK, i, start) for i, e in enumerate(ends) for start in range(0, e.send.size, _CHUNK)),
+        key=lambda op: (op[0], op[1]),
+    )
+    dev = device()
+    host = [np.empty(min(_CHUNK, max((e.send.size for e in ends), default=0)), dtype=np.uint8) for _ in range(_WINDOW)]
+    for w in range(0, len(ops), _WINDOW):
+        window = ops[w : w + _WINDOW]
+        works, landing = [], []
+        for slot, (_, i, start) in enumerate(window):
+            e = ends[i]
+            n = min(_CHUNK, e.send.size - start)
+            buffer = host[slot][:n]
+            if e.sending:
+                _read_into(e, buffer, start)
+                chunk = torch.from_numpy(buffer).to(dev)
+                works.append(dist.isend(chunk, e.send.destination))
+            else:
+                chunk = torch.from_numpy(buffer).to(dev)  # the host buffer itself where the device is the host
+                works.append(dist.irecv(chunk, e.send.source))
+                landing.append((e, buffer, start, chunk))
+        for work in works:
+            work.wait()
+        for e, buffer, start, chunk in landing:
+            if chunk.data_ptr() != buffer.ctypes.data:
+                np.copyto(buffer, chunk.cpu().numpy())
+            _write_from(e, buffer, start)
+    return _close(ends)
+
+
+def _open(send: Send, sending: bool) -> _End:
+    end = _End(send, sending)
+    path = send.read if sending else send.write + ".partial"
     try:
-        for i, s in enumerate(mine):
-            path = s.read if s.source == me else s.write + ".partial"
-            if s.size == 0:
-                if s.destination == me:
-                    Path(path).parent.mkdir(parents=True, exist_ok=True)
-                    Path(path).write_bytes(b"")
-                continue
-            if s.destination == me:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
-            try:
-                opened[i] = np.memmap(path, dtype=np.uint8, mode="c" if s.source == me else "w+", shape=(s.size,))
-            except (OSError, ValueError) as exc:
-                failure = failure or f"{path}: cannot open: {exc}"
-                opened[i] = np.zeros(s.size, dtype=np.uint8)  # still sent/received: the peer is not left waiting
-        dev = device()
-        longest = max((s.size for s in mine), default=0)
-        for start in range(0, longest, _CHUNK):
-            works, landing = [], []
-            for i, s in enumerate(mine):
-                if s.size <= start:
-                    continue
-                end = min(s.size, start + _CHUNK)
-                if s.source == me:
-                    chunk = torch.from_numpy(np.asarray(opened[i][start:end])).to(dev)
-                    works.append(dist.isend(chunk, s.destination))
-                    landing.append(chunk)
-                else:
-                    chunk = torch.empty(end - start, dtype=torch.uint8, device=dev)
-                    works.append(dist.irecv(chunk, s.source))
-                    landing.append((i, start, chunk))
-            for work in works:
-                work.wait()
-            for item in landing:
-                if isinstance(item, tuple):
-                    i, at, chunk = item
-                    opened[i][at : at + chunk.numel()] = chunk.cpu().numpy()
-        for i, s in enumerate(mine):
-            if s.destination != me:
-                continue
-            if i in opened and isinstance(opened[i], np.memmap):
-                opened[i].flush()
-            partial = Path(s.write + ".partial")
-            if failure is None and partial.exists() and crc_of(partial) != s.crc:
-                failure = f"{s.write}: arrived from rank {s.source} with another crc32 than recorded"
-            if failure is None and partial.exists():
-                os.replace(partial, s.write)
+        if sending:
+            end.fd = os.open(path, os.O_RDONLY)
+            if os.fstat(end.fd).st_size != send.size:
+                raise OSError(f"{os.fstat(end.fd).st_size} bytes, {send.size} recorded")
+        else:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            end.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            if send.size:
+                os.posix_fallocate(end.fd, 0, send.size)  # no room: said now, not a SIGBUS or a short file later
+    except Exception as exc:  # of any type: this end fails, the exchange goes on
+        end.failed = f"{path}: cannot {'read' if sending else 'write'} it: {exc}"
+        if end.fd is not None:
+            os.close(end.fd)
+            end.fd = None
+    return end
+
+
+def _read_into(end: _End, buffer: np.ndarray, start: int) -> None:
+    if end.fd is not None:
+        try:
+            if os.preadv(end.fd, [memoryview(buffer)], start) == len(buffer):
+                return
+            raise OSError("the file ended early")
+        except Exception as exc:
+            end.failed = end.failed or f"{end.send.read}: reading it: {exc}"
+            os.close(end.fd)
+            end.fd = None
+    buffer[:] = 0  # the peer still gets its bytes; the failure is said
+
+
+def _write_from(end: _End, buffer: np.ndarray, start: int) -> None:
+    end.crc = zlib.crc32(buffer, end.crc)  # chunks of one send arrive in order
+    if end.fd is None:
+        return
+    try:
+        if os.pwritev(end.fd, [memoryview(buffer)], start) != len(buffer):
+            raise OSError("short write")
+    except Exception as exc:
+        end.failed = end.failed or f"{end.send.write}: writing it: {exc}"
+        os.close(end.fd)
+        end.fd = None
+
+
+def _close(ends: list[_End]) -> Optional[str]:
+    """Every file closed; each received one renamed into place when whole and of its recorded crc32, else removed."""
+    failure: Optional[str] = None
+    for e in ends:
+        if e.fd is not None:
+            os.close(e.fd)
+        if e.sending:
+            failure = failure or e.failed
+            continue
+        partial = Path(e.send.write + ".partial")
+        if e.failed is None and e.crc != e.send.crc:
+            e.failed = f"{e.send.write}: arrived from rank {e.send.source} with another crc32 than recorded"
+        try:
+            if e.failed is None:
+                os.replace(partial, e.send.write)
             else:
                 partial.unlink(missing_ok=True)
-    except Exception as exc:  # of any type: this rank's failure, said on every rank by the caller
-        failure = failure or f"sending memory save files: {type(exc).__name__}: {exc}"
-    finally:
-        opened.clear()
+        except OSError as exc:
+            e.failed = e.failed or f"{e.send.write}: {exc}"
+        failure = failure or e.failed
     return failure
 
 

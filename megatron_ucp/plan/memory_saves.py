@@ -48,6 +48,10 @@ class Holding:
     """The job's commit marker is on it: every rank of the old job wrote and replicated its files."""
     damaged: frozenset[str] = frozenset()
     """Those of ``files`` whose bytes no longer match the sums recorded at the save (or that are gone)."""
+    origin: str = ""
+    """The checkpoint root's memory-save identity the save carried."""
+    save_id: str = ""
+    """The save's identity (the same in every file of one save)."""
 
     @property
     def sound(self) -> frozenset[str]:
@@ -64,16 +68,24 @@ class Choice:
     passed_over: tuple[str, ...] = ()
 
 
-def choose(holdings: Sequence[Holding], durable_step: Optional[int] = None) -> Choice:
-    """The newest committed generation newer than ``durable_step`` whose every old node's files some survivor holds.
-    A generation saved by jobs of different node counts, or without a commit marker anywhere, is passed over, said
-    why; so is one missing a node's files (its own copy and its replica both gone)."""
+def choose(holdings: Sequence[Holding], durable_step: Optional[int] = None, origin: Optional[str] = None) -> Choice:
+    """The newest committed generation newer than ``durable_step`` whose every old node's files some survivor holds,
+    of the checkpoint root whose memory-save identity is ``origin`` (None: the root has none, so no generation is
+    its). A generation of another root, saved by two saves or by jobs of different node counts, or without a commit
+    marker anywhere, is passed over, said why; so is one missing a node's files (its own copy and its replica both
+    gone) or whose every copy of a file is damaged."""
     steps = sorted({h.step for h in holdings}, reverse=True)
     why: list[str] = []
     for step in steps:
         if durable_step is not None and step <= durable_step:
             break
-        mine = [h for h in holdings if h.step == step]
+        mine = [h for h in holdings if h.step == step and origin is not None and h.origin == origin]
+        if not mine:  # what another root's saves left (a local dir shared, a root made anew) is never this one's
+            why.append(f"iteration {step}: saved for another checkpoint root (or an earlier run of this one)")
+            continue
+        if len({h.save_id for h in mine}) > 1:
+            why.append(f"iteration {step}: held as two saves (folders of two runs?)")
+            continue
         counts = {h.nodes for h in mine}
         if len(counts) > 1:
             why.append(f"iteration {step}: held as saved by jobs of {sorted(counts)} nodes (folders of two runs?)")

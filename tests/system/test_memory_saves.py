@@ -18,6 +18,8 @@ import pytest
 
 from megatron_ucp.background.status import root_status
 from megatron_ucp.background.status_text import format_status
+from megatron_ucp.config import UcpConfig
+from megatron_ucp.integration.node_memory import local_folder
 from tests.support.dsharness import TrainResult, TrainSpec, run_training
 from tests.support.elastic_support import ElasticRuns, assert_losses_continue, assert_same_state, flip_a_data_bit
 
@@ -31,6 +33,11 @@ CRASH = 13
 
 def _memory(base: Path) -> dict:
     return {"memory_save_interval": 1, "local_dir": str(base / "local" / "{node}")}
+
+
+def _node_folder(base: Path, node: str) -> Path:
+    """A node's memory-save folder of the checkpoint root ``base/ckpt``."""
+    return local_folder(UcpConfig(**_memory(base)), base / "ckpt", node)
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +79,9 @@ def _restart(crashed: Path, folder: Path, survivors: tuple[str, ...], damage=lam
     """The survivors' restart: a private copy of the job's checkpoint root and node folders, the lost nodes'
     folders gone, ``damage`` done, one rank per survivor."""
     shutil.copytree(crashed / "ckpt", folder / "ckpt")
-    for node in survivors:
-        shutil.copytree(crashed / "local" / node, folder / "local" / node)
-    damage(folder / "local")
+    for node in survivors:  # as they were, for this copy's root
+        shutil.copytree(_node_folder(crashed, node), _node_folder(folder, node))
+    damage(folder)
     return run_training(
         TrainSpec(
             dp=len(survivors),
@@ -90,10 +97,9 @@ def _restart(crashed: Path, folder: Path, survivors: tuple[str, ...], damage=lam
     )
 
 
-def _rank_file(local: Path, holder: str, node: int, step: int = CRASH) -> Path:
+def _rank_file(base: Path, holder: str, node: int, step: int = CRASH) -> Path:
     return (
-        local
-        / holder
+        _node_folder(base, holder)
         / f"iter_{step:07d}"
         / f"node{node}"
         / f"global_step{step}"
@@ -132,7 +138,7 @@ def test_a_node_and_its_replica_lost_together_load_the_durable_tag_saying_why(
 def test_a_flipped_bit_in_a_memory_copy_is_read_from_its_replica(runs: ElasticRuns, tmp_path: Path) -> None:
     crashed = _crashed(runs)
     resumed = _restart(
-        crashed, tmp_path, ("n0", "n1", "n2"), damage=lambda local: flip_a_data_bit(_rank_file(local, "n0", 0))
+        crashed, tmp_path, ("n0", "n1", "n2"), damage=lambda base: flip_a_data_bit(_rank_file(base, "n0", 0))
     )
     assert resumed.loaded_step == CRASH, resumed.log[-4000:]
     log = resumed.rank_logs()[0]
@@ -144,9 +150,9 @@ def test_a_flipped_bit_in_a_memory_copy_is_read_from_its_replica(runs: ElasticRu
 def test_a_memory_save_damaged_in_its_copy_and_its_replica_gives_way_to_the_durable_tag(
     runs: ElasticRuns, tmp_path: Path
 ) -> None:
-    def damage(local: Path) -> None:
-        flip_a_data_bit(_rank_file(local, "n0", 0))
-        flip_a_data_bit(_rank_file(local, "n1", 0))
+    def damage(base: Path) -> None:
+        flip_a_data_bit(_rank_file(base, "n0", 0))
+        flip_a_data_bit(_rank_file(base, "n1", 0))
 
     resumed = _restart(_crashed(runs), tmp_path, ("n0", "n1", "n2"), damage=damage)
     assert resumed.loaded_step == DURABLE, resumed.log[-4000:]
@@ -160,7 +166,7 @@ def test_a_job_killed_during_a_memory_save_resumes_from_the_previous_generation(
     runs: ElasticRuns, tmp_path: Path
 ) -> None:
     crashed = _crashed(runs, "killed", env={"MEGATRON_UCP_TEST_FAULT": f"memory {CRASH}: replicate:2:kill"})
-    held = sorted(p.name for p in (crashed / "local" / "n0").iterdir())
+    held = sorted(p.name for p in _node_folder(crashed, "n0").iterdir() if p.name.startswith("iter_"))
     assert held == [f"iter_{CRASH - 1:07d}", f"iter_{CRASH:07d}"], held  # the newest committed one, and the one cut
     resumed = _restart(crashed, tmp_path, ("n0", "n1", "n3"))
     assert resumed.loaded_step == CRASH - 1, resumed.log[-4000:]
@@ -265,3 +271,32 @@ def test_a_restart_whose_load_needs_the_universal_twin_loads_the_durable_tag_say
     assert resumed.loaded_step == 2, resumed.log[-4000:]
     log = resumed.rank_logs()[0]
     assert "restart: the memory save of iteration 3 was refused" in log and "only by the native routes" in log, log
+
+
+def test_a_failed_memory_save_is_removed_said_and_training_goes_on_with_the_previous_one(tmp_path: Path) -> None:
+    """A write of any type failing on one rank (here ``ValueError`` in rank 1's file of step 3), with the background
+    conversion on: that memory save fails on every rank, is removed, the previous generation stays until the next
+    commits; training goes on; only the durable save is converted (never a memory save's folder)."""
+    fault = "write the memory save global_step3/*:1:ValueError"
+    result = run_training(
+        TrainSpec(
+            dp=2,
+            steps=4,
+            save_dir=tmp_path / "ckpt",
+            save_at=(2,),
+            memory_every=1,
+            plugin=True,
+            plugin_kwargs={**_memory(tmp_path), "async_convert": True},
+            env={"MEGATRON_UCP_NODE_NAMES": "n0,n1", "MEGATRON_UCP_TEST_FAULT": fault},
+            timeout=300,
+        )
+    )
+    assert result.ok and result.steps[-1] == 4, result.log[-3000:]
+    log = result.rank_logs()[0]
+    assert "the memory save of iteration 3 failed writing" in log and "ValueError" in log, log[-3000:]
+    assert "memory save of iteration 4 (global_step4): 3 file(s) on 2 node(s)" in log
+    for node in ("n0", "n1"):
+        folder = _node_folder(tmp_path, node)
+        assert sorted(p.name for p in folder.iterdir() if p.name.startswith("iter_")) == ["iter_0000004"]
+        assert not list(folder.rglob(".ucp")) and not list(folder.rglob("*_universal"))
+    assert (tmp_path / "ckpt" / "global_step2_universal").is_dir()

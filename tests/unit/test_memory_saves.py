@@ -11,14 +11,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_ucp.plan import memory_saves
 from megatron_ucp.plan.memory_saves import (
     Holding,
-    choose,
     generations_to_drop,
     partner,
     replica_of,
     transfers,
 )
+
+ROOT = "the-root's-identity"
+
+
+def choose(holdings: list[Holding], durable_step: int | None = None, origin: str | None = ROOT):
+    """The plan's choice for the root these holdings were saved for."""
+    return memory_saves.choose(holdings, durable_step, origin)
 
 
 def _files(node: int, ranks_per_node: int = 2) -> frozenset[str]:
@@ -29,10 +36,12 @@ def _holdings(nodes: int, survivors: set[int], step: int, committed: bool = True
     """What the survivors hold of one generation: each its own files and its ring predecessor's replica."""
     out = []
     for n in sorted(survivors):
-        out.append(Holding(f"host{n}", step, n, nodes, _files(n), committed=committed))
+        out.append(Holding(f"host{n}", step, n, nodes, _files(n), committed=committed, origin=ROOT))
         if nodes > 1:
             before = replica_of(n, nodes)
-            out.append(Holding(f"host{n}", step, before, nodes, _files(before), replica=True, committed=committed))
+            out.append(
+                Holding(f"host{n}", step, before, nodes, _files(before), replica=True, committed=committed, origin=ROOT)
+            )
     return out
 
 
@@ -76,7 +85,7 @@ def test_the_newest_committed_generation_newer_than_the_durable_save_is_taken() 
 
 
 def test_a_generation_held_as_two_jobs_saved_it_is_passed_over() -> None:
-    held = _holdings(4, {0, 1, 2, 3}, step=13) + [Holding("host9", 13, 0, 2, _files(0), committed=True)]
+    held = _holdings(4, {0, 1, 2, 3}, step=13) + [Holding("host9", 13, 0, 2, _files(0), committed=True, origin=ROOT)]
     choice = choose(held)
     assert choice.step is None and "2, 4" in choice.passed_over[0]
 
@@ -124,6 +133,7 @@ def test_a_damaged_copy_gives_way_to_its_replica_and_both_damaged_pass_the_gener
             h.replica,
             h.committed,
             frozenset({name}) if h is own else frozenset(),
+            origin=ROOT,
         )
         for h in held
     ]
@@ -139,9 +149,37 @@ def test_a_damaged_copy_gives_way_to_its_replica_and_both_damaged_pass_the_gener
             h.replica,
             h.committed,
             frozenset({name}) if h.node == 0 else frozenset(),
+            origin=ROOT,
         )
         for h in held
     ]
     choice = choose(both + _holdings(4, {0, 1, 2, 3}, step=12), durable_step=10)
     assert choice.step == 12
     assert choice.passed_over == (f"iteration 13: every copy of {name} is damaged (on host0, host1)",)
+
+
+def test_only_the_roots_own_generations_are_taken_and_one_save_per_generation() -> None:
+    held = _holdings(4, {0, 1, 2, 3}, step=12) + _holdings(4, {0, 1, 2, 3}, step=13)
+    other = [
+        Holding(h.holder, h.step + 1, h.node, h.nodes, h.files, h.replica, h.committed, origin="another") for h in held
+    ]
+    choice = choose(held + other, durable_step=10)  # a newer generation of another root (a shared local dir)
+    assert choice.step == 13
+    assert choice.passed_over == ("iteration 14: saved for another checkpoint root (or an earlier run of this one)",)
+    assert choose(held, durable_step=10, origin=None).step is None  # a root with no identity has no memory saves
+    two = [
+        Holding(
+            h.holder,
+            h.step,
+            h.node,
+            h.nodes,
+            h.files,
+            h.replica,
+            h.committed,
+            origin=ROOT,
+            save_id="a" if h.holder == "host0" else "b",
+        )
+        for h in _holdings(4, {0, 1, 2, 3}, step=13)
+    ]
+    choice = choose(two + _holdings(4, {0, 1, 2, 3}, step=12), durable_step=10)
+    assert choice.step == 12 and choice.passed_over == ("iteration 13: held as two saves (folders of two runs?)",)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 from megatron_ucp.background.set_aside import recover
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
-from megatron_ucp.errors import UcpError
+from megatron_ucp.errors import AccountingError, CheckpointFormatError, PlanError, UcpError, UnsupportedError
 from megatron_ucp.integration.collectives import JOB, is_first
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.install import make_visible, restore_visibility
@@ -40,7 +40,7 @@ from megatron_ucp.integration.node_memory import human_size, restoring
 from megatron_ucp.integration.resume import from_memory
 from megatron_ucp.integration.resume.decide import Decided, decide, refuse_an_expert_layout_change
 from megatron_ucp.integration.resume.engine_load import LoadOutcome
-from megatron_ucp.integration.resume.fallback import load_with_fallback
+from megatron_ucp.integration.resume.fallback import SchedulerAsBefore, load_with_fallback
 from megatron_ucp.integration.resume.finish import finish
 from megatron_ucp.integration.resume.native.routes import reshard_load, same_dp_load
 from megatron_ucp.integration.resume.universal.partition_load import install_partition_loader
@@ -120,12 +120,13 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
 def _from_memory(call: LoadCall) -> Any:
     """A restart from the nodes' memory saves when one newer than the durable ``latest`` is whole
     (:mod:`.from_memory`); None: load the durable checkpoint (said why)."""
-    restored = from_memory.restore(call.config, call.load_dir)
+    restored = from_memory.restore(call)
     if restored is None:
         return None
     if is_first():
         log.warning("megatron-ucp: %s", restored.summary)
     memory = dataclasses.replace(call, load_dir=str(restored.load_dir))
+    as_before = SchedulerAsBefore(getattr(call.job.engine, "lr_scheduler", None))
     try:
         with restoring(restored.assembly):
             loaded = JOB.agreed(
@@ -141,6 +142,14 @@ def _from_memory(call: LoadCall) -> Any:
             )
         return loaded
     except UcpError as exc:
+        refusal = isinstance(exc, (CheckpointFormatError, AccountingError, UnsupportedError, PlanError))
+        try:
+            others = JOB.count(0 if refusal else 1)  # a refusal on every rank, or the job's own failure
+        except Exception:  # the group is broken (a rank died): this rank's own error
+            raise exc from None
+        if others:
+            raise
+        as_before.restore()  # a refused load may have added its steps to Megatron's scheduler already
         if is_first():
             said = (
                 f"the memory save of iteration {restored.step} was refused ({exc}); loading the durable checkpoint "
@@ -149,6 +158,8 @@ def _from_memory(call: LoadCall) -> Any:
             log.error("megatron-ucp: restart: %s", said)
             from_memory.record(call.load_dir, said, None)
         return None
+    finally:
+        restored.assembly.clear()  # the memory save's generation stays where it was saved
 
 
 def _load_tag(call: LoadCall, tag: Optional[str], native_only: bool = False) -> Any:
@@ -158,7 +169,7 @@ def _load_tag(call: LoadCall, tag: Optional[str], native_only: bool = False) -> 
     decided = decide(call, tag)
     decision = decided.decision
     if native_only and decision.route not in (Route.NATIVE, Route.RESHARD):
-        raise UcpError(
+        raise UnsupportedError(
             f"{decision.message}: a memory save is loaded only by the native routes (its folder is on each node "
             "alone, the universal twin would be converted into it)",
             subject=call.load_dir,

@@ -30,6 +30,7 @@ from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
 from megatron_ucp.format.save_files import describe, file_list_path, file_list_text
 from megatron_ucp.integration.collectives import JOB, comm, is_first
+from megatron_ucp.integration.live_job import LoadCall
 from megatron_ucp.integration.node_memory import (
     Nodes,
     Send,
@@ -40,8 +41,10 @@ from megatron_ucp.integration.node_memory import (
     read_holdings,
     read_progress,
     remove,
+    root_origin,
     send_files,
 )
+from megatron_ucp.plan.experts import EXPERT_FILE_RE
 from megatron_ucp.plan.memory_saves import Choice, Holding, choose, transfers
 from megatron_ucp.plan.tags import tag_step
 
@@ -68,26 +71,36 @@ def wanted(config: UcpConfig) -> bool:
     return config.memory_save_interval is not None
 
 
-def restore(config: UcpConfig, load_dir: os.PathLike | str) -> Optional[Restored]:
-    """Collective: the newest whole memory save newer than the durable ``latest`` of ``load_dir``, assembled on every
-    node (None: there is none, or it could not be assembled; said why, on the first rank)."""
+def restore(call: LoadCall) -> Optional[Restored]:
+    """Collective: the newest whole memory save newer than the durable ``latest`` of the call's folder, being
+    assembled on every node (None: there is none, or it could not be assembled; said why, on the first rank)."""
+    config, load_dir = call.config, call.load_dir
     started = time.monotonic()
     nodes = job_nodes()
     me = comm().get_rank()
     node = nodes.index(me)
     folder = local_folder(config, load_dir, nodes.of_rank[me])
     leader = me == nodes.leader(node)
-    mine: tuple[list[Holding], dict] = read_holdings(folder, nodes.of_rank[me]) if leader else ([], {})
-    gathered = JOB.gather_objects((*mine, read_progress(folder) if leader else None))
-    holdings = [h for held, _, _ in gathered for h in held]
-    records = {key: record for _, recs, _ in gathered for key, record in recs.items()}
-    reached = max((p for _, _, p in gathered if p is not None), default=None)
+    mine: tuple[list[Holding], dict, Optional[int]] = ([], {}, None)
+    unread: Optional[str] = None
+    if leader:
+        try:
+            mine = (*read_holdings(folder, nodes.of_rank[me]), read_progress(folder))
+        except Exception as exc:  # of any type: this node's memory saves are left out, said; nobody waits for it
+            unread = f"{folder}: cannot be read ({type(exc).__name__}: {exc}); its memory saves are left out"
+    gathered = JOB.gather_objects((*mine, unread))
+    holdings = [h for held, _, _, _ in gathered for h in held]
+    records = {key: record for _, recs, _, _ in gathered for key, record in recs.items()}
+    reached = max((p for _, _, p, _ in gathered if p is not None), default=None)
+    if is_first():
+        for why in (u for _, _, _, u in gathered if u is not None):
+            log.warning("megatron-ucp: restart: %s", why)
     if not holdings:
         return None
 
     def decide() -> tuple[Optional[str], Choice]:
         durable = _durable_tag(Path(load_dir))
-        return durable, choose(holdings, tag_step(durable) if durable else None)
+        return durable, choose(holdings, tag_step(durable) if durable else None, root_origin(load_dir))
 
     durable, choice = JOB.decided(decide, "choosing a memory save to restart from")
     if choice.step is None:
@@ -119,9 +132,13 @@ def restore(config: UcpConfig, load_dir: os.PathLike | str) -> Optional[Restored
     if leader:
         remove(root)
     JOB.count(0)  # the folder is new on every node before anything is brought into it
-    # what every rank reads whole (model states, layer and expert files) on every node; the rank files when a rank's
-    # binding asks for them (Assembly.fetch), each on the nodes whose ranks read it
-    everywhere = {name for name in of_file if not F.OPTIM_FILE_RE.match(name)}
+    # what every rank reads whole (model states, layer and expert files) on every node; in a job of one DP group and
+    # no experts, the rank files only when a rank's binding asks for them (Assembly.fetch), each on the nodes whose
+    # ranks read it; else every file on every node (the bindings of several groups would ask at different times)
+    experts = any(EXPERT_FILE_RE.match(name) or name.startswith("expp_rank_") for name in of_file)
+    lazy = call.job.dp_size == comm().get_world_size() and not experts
+    everywhere = {name for name in of_file if not (lazy and F.OPTIM_FILE_RE.match(name))}
+    assembly.lazy = lazy
     failure = assembly.bring({name: set(everywhere) for name in nodes.names})
     failures = [f for f in JOB.gather_objects(failure) if f is not None]
     if not failures:
@@ -150,8 +167,9 @@ def restore(config: UcpConfig, load_dir: os.PathLike | str) -> Optional[Restored
         + (f" by {step - tag_step(durable)} iteration(s)" if durable and tag_step(durable) is not None else "")
         + (f"; replicas used for {', '.join(from_replicas[:4])}" if from_replicas else "")
         + (f"; passed over: {'; '.join(choice.passed_over)}" if choice.passed_over else "")
-        + f"; its model states on every node in {time.monotonic() - started:.2f} s, each rank file brought to the "
-        "nodes that read it, from the nodes' memory (nothing read from the checkpoint root); "
+        + f"; its model states on every node in {time.monotonic() - started:.2f} s, "
+        + ("each rank file brought to the nodes that read it" if assembly.lazy else "every file on every node")
+        + ", from the nodes' memory (nothing read from the checkpoint root); "
         + (
             f"{max(reached - step, 0)} iteration(s) lost (the run had completed iteration {reached})"
             if reached is not None
@@ -190,6 +208,8 @@ class Assembly:
     of_file: dict[str, tuple[int, int, int]]
     """Each file's old node, size and crc32."""
     present: dict[str, set[str]] = field(default_factory=dict)
+    lazy: bool = True
+    """Rank files brought when the binding asks (one DP group, no experts), else every file brought up front."""
     received: int = 0
     """Bytes sent between nodes so far (the same on every rank)."""
 
@@ -210,22 +230,18 @@ class Assembly:
                         _link(node_files(self.gen, self.of_file[name][0], self.tag) / name, self.root / self.tag / name)
             except Exception as exc:  # of any type
                 failure = f"{self.root}: {type(exc).__name__}: {exc}"
-        sends, spread = [], {}
+        sends: list[Send] = []
+        sent: dict[str, int] = {}  # per node, sends so far: spread over its ranks (so is what each node receives)
+        got: dict[str, int] = {}
         for t in transfers({node: sorted(names) for node, names in wanted.items()}, self.choice.sources):
             old, size, crc = self.of_file[t.name]
-            src_ranks = self.nodes.ranks(self.nodes.names.index(t.source))
-            dst_ranks = self.nodes.ranks(self.nodes.names.index(t.destination))
-            k = spread[(t.source, t.destination)] = spread.get((t.source, t.destination), -1) + 1
-            read = node_files(self.gen, old, self.tag) / t.name
+            src_ranks = self.nodes.ranks(self.nodes.named(t.source))
+            dst_ranks = self.nodes.ranks(self.nodes.named(t.destination))
+            i, j = sent.get(t.source, 0), got.get(t.destination, 0)
+            sent[t.source], got[t.destination] = i + 1, j + 1
+            read, write = node_files(self.gen, old, self.tag) / t.name, self.root / self.tag / t.name
             sends.append(
-                Send(
-                    src_ranks[k % len(src_ranks)],
-                    dst_ranks[k % len(dst_ranks)],
-                    str(read),
-                    str(self.root / self.tag / t.name),
-                    size,
-                    crc,
-                )
+                Send(src_ranks[i % len(src_ranks)], dst_ranks[j % len(dst_ranks)], str(read), str(write), size, crc)
             )
             self.received += size
         for node, names in wanted.items():
@@ -235,6 +251,8 @@ class Assembly:
     def fetch(self, paths: Sequence[Path]) -> None:
         """Collective: the rank files each rank's binding reads, present on its node (raises on every rank when one
         cannot be brought: the memory save is then refused, and the durable checkpoint loaded)."""
+        if not self.lazy:
+            return  # every file is here already
         mine = sorted({p.name for p in paths if Path(p).parent == self.root / self.tag and p.name in self.of_file})
         needs: dict[str, set[str]] = {}
         for node, names in JOB.gather_objects((self.here, mine)):
@@ -245,8 +263,13 @@ class Assembly:
             subject=self.root,
         )
 
+    def clear(self) -> None:
+        """The assembled folder removed on each node once the load is over (never raised)."""
+        if self.me == self.nodes.leader(self.nodes.index(self.me)):
+            remove(self.root)
+
     def held_elsewhere(self, path: Path) -> bool:
-        return Path(path).parent == self.root / self.tag and Path(path).name in self.of_file
+        return self.lazy and Path(path).parent == self.root / self.tag and Path(path).name in self.of_file
 
 
 def _link(source: Path, target: Path) -> None:

@@ -43,7 +43,7 @@ from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.deepspeed.versions import internals
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
-from megatron_ucp.integration.save import async_save
+from megatron_ucp.integration.save import async_save, memory_save
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,8 @@ def _wrap_save(original: Callable[..., Any], config: UcpConfig) -> Callable[...,
     def save_checkpoint(self: Any, save_dir: str, tag: Optional[str] = None, *args: Any, **kwargs: Any) -> Any:
         result = original(self, save_dir, tag, *args, **kwargs)
         # decoupled: the files are committed later, see _wrap_decoupled; asynchronous: at its commit (after_commit)
+        if memory_save.target() is not None:  # a memory save: no tag of the checkpoint root, nothing to convert
+            return result
         if not surface.decoupled_checkpoint_engine(self) and not (async_save.enabled() and async_save.supported(self)):
             _after_commit(self, save_dir, str(tag) if tag is not None else f"global_step{self.global_steps}", config)
         return result

@@ -20,6 +20,7 @@ import inspect
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any, Callable, Iterator, Optional
 from megatron_ucp import faults
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.format import osio
-from megatron_ucp.integration.collectives import JOB, comm, is_first
+from megatron_ucp.integration.collectives import JOB, Failure, comm, is_first
 from megatron_ucp.integration.node_memory import (
     COMMITTED,
     FileSum,
@@ -42,6 +43,7 @@ from megatron_ucp.integration.node_memory import (
     local_folder,
     node_files,
     remove,
+    root_origin,
     send_files,
     write_record,
 )
@@ -61,6 +63,51 @@ class _Target:
     watch: WriteWatch = field(default_factory=WriteWatch)
     refused: Optional[str] = None
     """Why the hooks leave this job's saves to stock DeepSpeed (then no memory save is taken)."""
+
+
+_REFUSED = "memory saves need a job the hooks handle"
+_STATE = {"disabled": False}
+"""A job the hooks leave to stock DeepSpeed takes no memory save (said once, at the first)."""
+_MARGIN = 1.1
+"""Free room a node's folder needs before a memory save, over what its newest generation holds (the next one is
+written before the newest is dropped)."""
+
+
+def wanted(config: UcpConfig) -> bool:
+    return config.memory_save_interval is not None
+
+
+def install(patches: Any, config: UcpConfig) -> None:
+    """Nothing replaced: a memory save goes through the save hook (:func:`target`); a new installation starts
+    with memory saves allowed again."""
+    _STATE["disabled"] = False
+
+
+def on_uninstall() -> None:
+    _STATE["disabled"] = False
+
+
+def _prepare(folder: Path, own: Path, step: int) -> Optional[str]:
+    """A node leader's part before the writes: generations of this iteration or newer (an earlier run's, stale) gone,
+    the node's folder made, and room for another generation like the newest. Returns the failure, never raises."""
+    try:
+        held = generations(folder)
+        for old_step, old in held.items():
+            if old_step >= step:
+                remove(old)
+        own.mkdir(parents=True, exist_ok=True)
+        newest = max((s for s in held if s < step), default=None)
+        last = _bytes(held[newest]) if newest is not None else 0
+        free = shutil.disk_usage(folder).free
+        if free < _MARGIN * last:
+            return f"{folder}: {human_size(free)} free, the last memory save holds {human_size(last)}"
+    except Exception as exc:  # of any type
+        return f"{folder}: {reason_of(exc)}"
+    return None
+
+
+def _bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 _TARGET: contextvars.ContextVar[Optional[_Target]] = contextvars.ContextVar("memory_save_target", default=None)
@@ -104,6 +151,8 @@ def save_to_memory(
     """Collective: one memory save at iteration ``step`` of the job whose durable saves go to ``root``. ``save(dir)``
     is the job's own save into ``dir`` (the engine's ``save_checkpoint``, or Megatron's ``save_checkpoint`` with
     ``args.save`` pointed there). True when committed on every node; False when it failed (said; nothing kept)."""
+    if _STATE["disabled"]:
+        return False
     started = time.monotonic()
     nodes = job_nodes()
     me = comm().get_rank()
@@ -111,18 +160,18 @@ def save_to_memory(
     folder = local_folder(config, root, nodes.of_rank[me])
     gen = generation(folder, step)
     leader = me == nodes.leader(node)
-    failure: Optional[str] = None
-    if leader:  # a generation of this iteration or newer is a stale one (an earlier run's): gone before the writes
-        for old_step, old in generations(folder).items():
-            if old_step >= step:
-                remove(old)
-    JOB.count(0)
+    origin = JOB.decide(lambda: root_origin(root, create=True))  # the root's identity, carried by every record
+    failure: Optional[str] = origin.message if isinstance(origin, Failure) else None
+    if leader and failure is None:
+        failure = _prepare(folder, gen / f"node{node}", step)
+    if not _all_well(failure, gen, leader, step, "preparing"):
+        return False
     with _saving_into(gen / f"node{node}") as into:
         try:
             save(str(into.save_dir))
             error = into.watch.outcome()
             if into.refused is not None:
-                failure = f"memory saves need a job the hooks handle: {into.refused}"
+                failure = f"{_REFUSED}: {into.refused}; no more memory saves in this run"
             elif into.tag is None:
                 failure = "the save never reached DeepSpeed's save_checkpoint"
             elif error is not None:
@@ -147,18 +196,21 @@ def save_to_memory(
         try:
             faults.fault_point(f"memory {step}: record")
             mine = [s for s in every if nodes.index(s.rank) == node]
-            write_record(gen, node, nodes.count, tag, into.save_id, mine, replica=False)
+            write_record(gen, node, nodes.count, tag, into.save_id, mine, replica=False, origin=str(origin))
         except Exception as exc:
             failure = f"recording {gen}: {reason_of(exc)}"
     if not _all_well(failure, gen, leader, step, "recording"):
         return False
-    faults.fault_point(f"memory {step}: replicate")
-    failure = send_files(_replica_sends(nodes, every, gen, tag))
+    try:
+        faults.fault_point(f"memory {step}: replicate")
+    except Exception as exc:  # of any type: this rank's failure, and every rank still meets in the sends
+        failure = f"replicating: {reason_of(exc)}"
+    failure = send_files(_replica_sends(nodes, every, gen, tag)) or failure
     before = replica_of(node, nodes.count)
     if failure is None and leader and before is not None:
         try:
             theirs = [s for s in every if nodes.index(s.rank) == before]
-            write_record(gen, before, nodes.count, tag, into.save_id, theirs, replica=True)
+            write_record(gen, before, nodes.count, tag, into.save_id, theirs, replica=True, origin=str(origin))
         except Exception as exc:
             failure = f"recording {gen}: {reason_of(exc)}"
     if not _all_well(failure, gen, leader, step, "replicating"):
@@ -204,6 +256,8 @@ def _all_well(failure: Optional[str], gen: Path, leader: bool, step: int, doing:
     failures = [f for f in JOB.gather_objects(failure) if f is not None]
     if not failures:
         return True
+    if any(f.startswith(_REFUSED) for f in failures):  # the same on every rank: no memory save of this job, ever
+        _STATE["disabled"] = True
     if leader:
         remove(gen)
     if is_first():
@@ -226,5 +280,9 @@ def _commit(gen: Path, folder: Path, step: int, nodes: Nodes, save_id: str) -> N
     except Exception as exc:
         log.error("megatron-ucp: cannot mark the memory save %s committed: %s", gen, reason_of(exc))
         return
-    for old in generations_to_drop(sorted(generations(folder)), step):
-        remove(generations(folder)[old])
+    try:
+        held = generations(folder)
+        for old in generations_to_drop(sorted(held), step):
+            remove(held[old])
+    except OSError as exc:
+        log.warning("megatron-ucp: cannot list %s to drop its older memory saves: %s", folder, exc)

@@ -11,12 +11,14 @@ Megatron-DeepSpeed is edited: ``train_step`` is replaced on the module when ``me
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.util
 import logging
+import os
 import sys
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.integration.node_memory import local_folder, node_name, note_progress
@@ -43,6 +45,7 @@ def install(config: UcpConfig) -> None:
 
 
 def uninstall() -> None:
+    _STATE.update(last=None, folder=None)
     finder = _STATE["finder"]
     if finder is not None and finder in sys.meta_path:
         sys.meta_path.remove(finder)
@@ -96,6 +99,22 @@ def _note(config: UcpConfig, save_dir: str, iteration: int) -> None:
     note_progress(folder, rank, iteration)
 
 
+@contextlib.contextmanager
+def _quiet_rank0_writes() -> Iterator[None]:
+    """Megatron's own small writes of a save, on the first rank alone, between its barriers (``lr_state_dict.yaml``,
+    its tracker) left out of a memory save: a failure there (a full node folder) would raise on that rank alone, past
+    a barrier the others wait in. The restart writes its own tracker."""
+    from megatron import checkpointing
+
+    saved = checkpointing.save_lr_state_dict, checkpointing.get_checkpoint_tracker_filename
+    checkpointing.save_lr_state_dict = lambda *a, **k: None
+    checkpointing.get_checkpoint_tracker_filename = lambda *a, **k: os.devnull
+    try:
+        yield
+    finally:
+        checkpointing.save_lr_state_dict, checkpointing.get_checkpoint_tracker_filename = saved
+
+
 def _wrap(module: Any, config: UcpConfig) -> None:
     original = getattr(module, "train_step", None)
     if original is None or hasattr(original, "__wrapped_by_megatron_ucp__"):
@@ -115,6 +134,8 @@ def _wrap(module: Any, config: UcpConfig) -> None:
         durable = getattr(margs, "save_interval", None)
         if save_dir:
             _note(config, save_dir, iteration)
+        if _STATE["last"] is None:  # the run's first step: its state is what it loaded (or its start), never saved
+            _STATE["last"] = iteration
         if (
             save_dir
             and iteration > 0
@@ -125,11 +146,12 @@ def _wrap(module: Any, config: UcpConfig) -> None:
             _STATE["last"] = iteration
 
             def save(into: str) -> None:
-                margs.save = into
-                try:
-                    save_checkpoint(iteration, model, optimizer, scheduler)
-                finally:
-                    margs.save = save_dir
+                with _quiet_rank0_writes():
+                    margs.save = into
+                    try:
+                        save_checkpoint(iteration, model, optimizer, scheduler)
+                    finally:
+                        margs.save = save_dir
 
             save_to_memory(config, save_dir, iteration, save)
         return original(forward_step_func, data_iterator, model, optimizer, scheduler, *args, **kw)
