@@ -48,6 +48,13 @@ def _memory(work: Path) -> dict:
     return {"memory_save_interval": 1, "local_dir": str(shm_folder(str(work)) / "{node}")}
 
 
+def _node_folder(work: Path, node: str) -> Path:
+    from megatron_ucp.config import UcpConfig
+    from megatron_ucp.integration.node_memory import local_folder
+
+    return local_folder(UcpConfig(**_memory(work)), work / "ckpt", node)
+
+
 def _load_s(result) -> float:
     times = result.info["times"]
     return round(times["load"] - times["initialize"], 4)
@@ -94,9 +101,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         for route in ("memory", "disk") if r % 2 == 0 else ("disk", "memory"):
             here = work / f"round{r}-{route}"
             shutil.copytree(job / "ckpt", here / "ckpt")
-            if route == "memory":
+            if route == "memory":  # the survivors' folders as they were, for this copy's root
                 for node in survivors:
-                    shutil.copytree(shm_folder(str(job)) / node, shm_folder(str(here)) / node)
+                    shutil.copytree(_node_folder(job, node), _node_folder(here, node))
             else:
                 evict(here / "ckpt")
             res = run_training(

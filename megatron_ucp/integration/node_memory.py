@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import hashlib
 import json
 import logging
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 
 NODE_NAMES_ENV = "MEGATRON_UCP_NODE_NAMES"
 COMMITTED = "COMMITTED"
+RESTORED = "restored"
+"""In a node's folder: where a restart assembles the generation it resumes from (removed after the load)."""
 _GENERATION = re.compile(r"^iter_(\d+)$")
 _RECORD = re.compile(r"^node(\d+)\.json$")
 _CHUNK = 64 << 20
@@ -110,7 +113,7 @@ def job_nodes() -> Nodes:
 def local_folder(config: UcpConfig, root: os.PathLike | str, node: str) -> Path:
     """The node-local folder of the checkpoint root ``root`` on node ``node``: ``<local dir>/<root's name>-<hash of its
     path>``, so that two jobs (two roots) sharing a local dir never touch each other's generations."""
-    absolute = os.path.abspath(str(root))
+    absolute = os.path.realpath(str(root))  # the save's --save and the restart's --load may differ in spelling
     digest = hashlib.sha256(absolute.encode()).hexdigest()[:10]
     base = Path(config.local_dir.replace("{node}", node)) if config.local_dir else _default_base()
     return base / f"{Path(absolute).name or 'root'}-{digest}"
@@ -162,10 +165,6 @@ def generations(folder: Path) -> dict[int, Path]:
     return found
 
 
-def committed(gen: Path) -> bool:
-    return (gen / COMMITTED).is_file()
-
-
 @dataclass(frozen=True)
 class FileSum:
     """One file of a memory save: its name in the tag folder, the rank that wrote it, its size and crc32."""
@@ -210,55 +209,76 @@ def write_record(
     osio.write_durably(gen / f"node{node}.json", json.dumps(record, indent=1, sort_keys=True))
 
 
-def read_holdings(folder: Path, holder: str, verify: bool = True) -> tuple[list[Holding], dict[tuple[int, int], dict]]:
-    """What a node's folder holds, generation by generation: one :class:`Holding` per record (``verify``: every file
-    read and its crc32 compared with the record's: a damaged or missing file is named in ``damaged``), and each
-    record by (iteration, old node). A record that cannot be read is said and left out."""
+Records = dict[tuple[int, int, str], dict]
+"""Each record read, by (iteration, old node, save identity)."""
+
+
+def read_holdings(folder: Path, holder: str) -> tuple[list[Holding], Records]:
+    """What a node's folder holds, generation by generation: one :class:`Holding` per record (committed when the
+    generation's marker names the same save), nothing read but the records (:func:`verify` reads the files). A
+    record that cannot be read is said and left out."""
     holdings: list[Holding] = []
-    records: dict[tuple[int, int], dict] = {}
+    records: Records = {}
     for step, gen in sorted(generations(folder).items()):
+        marker = committed_save(gen)
         for entry in sorted(gen.iterdir()):
-            match = _RECORD.match(entry.name)
-            if not match:
+            if not _RECORD.match(entry.name):
                 continue
             try:
                 record = json.loads(entry.read_text())
-                files = {str(k): (int(v[0]), int(v[1])) for k, v in record["files"].items()}
-                node, nodes, tag = int(record["node"]), int(record["nodes"]), str(record["tag"])
-            except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+                files = frozenset(str(k) for k in record["files"])
+                node, nodes, save_id = int(record["node"]), int(record["nodes"]), str(record.get("save_id", ""))
+                if not str(record["tag"]):
+                    raise ValueError("no tag")
+            except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
                 log.warning("megatron-ucp: memory save record %s cannot be read (%s); left out", entry, exc)
                 continue
-            damaged = set()
-            if verify:
-                where = node_files(gen, node, tag)
-                for name, (size, crc) in files.items():
-                    path = where / name
-                    if not path.is_file() or path.stat().st_size != size or crc_of(path) != crc:
-                        damaged.add(name)
-                if damaged:
-                    log.warning(
-                        "megatron-ucp: memory save of iteration %d on %s: %s of node %d do not match their sums",
-                        step,
-                        holder,
-                        ", ".join(sorted(damaged)),
-                        node,
-                    )
-            records[(step, node)] = record
+            records[(step, node, save_id)] = record
             holdings.append(
                 Holding(
                     holder,
                     step,
                     node,
                     nodes,
-                    frozenset(files),
+                    files,
                     replica=bool(record.get("replica")),
-                    committed=committed(gen),
-                    damaged=frozenset(damaged),
+                    committed=marker is not None and marker == save_id,
                     origin=str(record.get("origin", "")),
-                    save_id=str(record.get("save_id", "")),
+                    save_id=save_id,
                 )
             )
     return holdings, records
+
+
+def committed_save(gen: Path) -> Optional[str]:
+    """The save a generation's commit marker names (None: not committed, or the marker unreadable)."""
+    try:
+        return str(json.loads((gen / COMMITTED).read_text())["save_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def verify(folder: Path, holding: Holding, record: dict) -> Holding:
+    """``holding`` (this node's) with every file read and its crc32 compared with the record's: a damaged or missing
+    file named in ``damaged`` (said)."""
+    where = node_files(generation(folder, holding.step), holding.node, str(record["tag"]))
+    damaged = set()
+    for name, (size, crc) in record["files"].items():
+        path = where / name
+        try:
+            if not path.is_file() or path.stat().st_size != int(size) or crc_of(path) != int(crc):
+                damaged.add(name)
+        except OSError:
+            damaged.add(name)
+    if damaged:
+        log.warning(
+            "megatron-ucp: memory save of iteration %d on %s: %s of node %d do not match their sums",
+            holding.step,
+            holding.holder,
+            ", ".join(sorted(damaged)),
+            holding.node,
+        )
+    return dataclasses.replace(holding, damaged=frozenset(damaged))
 
 
 PROGRESS = "progress"
@@ -337,21 +357,29 @@ def send_files(sends: Sequence[Send]) -> Optional[str]:
         ((start // _CHUNK, i, start) for i, e in enumerate(ends) for start in range(0, e.send.size, _CHUNK)),
         key=lambda op: (op[0], op[1]),
     )
+    width = min(_CHUNK, max((e.send.size for e in ends), default=0))
     dev = device()
-    host = [np.empty(min(_CHUNK, max((e.send.size for e in ends), default=0)), dtype=np.uint8) for _ in range(_WINDOW)]
+    try:  # the window's buffers, on the host and the device, before any rank posts anything
+        host = [np.empty(width, dtype=np.uint8) for _ in range(_WINDOW)]
+        staged = [torch.from_numpy(h).to(dev) for h in host]  # the host buffers themselves where the device is
+        short = None
+    except Exception as exc:  # of any type (no memory on the device): every rank learns it, nobody posts
+        host, staged, short = [], [], f"staging {_WINDOW} chunks of {width} bytes for the sends: {exc}"
+    if JOB.count(1 if short else 0):
+        return short or "another rank could not stage its sends"
     for w in range(0, len(ops), _WINDOW):
         window = ops[w : w + _WINDOW]
         works, landing = [], []
         for slot, (_, i, start) in enumerate(window):
             e = ends[i]
             n = min(_CHUNK, e.send.size - start)
-            buffer = host[slot][:n]
+            buffer, chunk = host[slot][:n], staged[slot][:n]
             if e.sending:
                 _read_into(e, buffer, start)
-                chunk = torch.from_numpy(buffer).to(dev)
+                if chunk.data_ptr() != buffer.ctypes.data:
+                    chunk.copy_(torch.from_numpy(buffer))
                 works.append(dist.isend(chunk, e.send.destination))
             else:
-                chunk = torch.from_numpy(buffer).to(dev)  # the host buffer itself where the device is the host
                 works.append(dist.irecv(chunk, e.send.source))
                 landing.append((e, buffer, start, chunk))
         for work in works:
@@ -441,6 +469,8 @@ class Restoring(Protocol):
 
     def fetch(self, paths: Sequence[Path]) -> None: ...
 
+    def names_elsewhere(self, folder: Path) -> list[str]: ...
+
 
 _RESTORING: contextvars.ContextVar[Optional[Restoring]] = contextvars.ContextVar("memory_restart", default=None)
 
@@ -468,3 +498,10 @@ def held_elsewhere(path: Path) -> bool:
     :func:`fetch` when a rank of this node reads it)."""
     assembly = _RESTORING.get()
     return assembly is not None and assembly.held_elsewhere(path)
+
+
+def names_elsewhere(folder: Path) -> list[str]:
+    """The names of the files of ``folder`` (a memory save's tag folder being loaded) that other nodes hold, for the
+    checks that count a tag's rank files; [] outside a restart from memory."""
+    assembly = _RESTORING.get()
+    return assembly.names_elsewhere(folder) if assembly is not None else []

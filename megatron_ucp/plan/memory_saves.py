@@ -60,20 +60,27 @@ class Holding:
 
 @dataclass(frozen=True)
 class Choice:
-    """What a restart resumes from: ``step`` (None: no generation newer than the durable save is whole), each file's
-    holders (own copy first, then the replica) and, for each newer generation passed over, why."""
+    """What a restart resumes from: ``step`` (None: no generation newer than the durable save is whole) and the save it
+    is (``save_id``), each file's holders (own copy first, then the replica) and, for each newer generation passed
+    over, why."""
 
     step: Optional[int]
     sources: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     passed_over: tuple[str, ...] = ()
+    save_id: str = ""
+
+    def holdings(self, holdings: Sequence[Holding], origin: Optional[str]) -> list[Holding]:
+        """Of ``holdings``, those of the chosen save."""
+        return [h for h in holdings if (h.step, h.origin, h.save_id) == (self.step, origin, self.save_id)]
 
 
 def choose(holdings: Sequence[Holding], durable_step: Optional[int] = None, origin: Optional[str] = None) -> Choice:
     """The newest committed generation newer than ``durable_step`` whose every old node's files some survivor holds,
     of the checkpoint root whose memory-save identity is ``origin`` (None: the root has none, so no generation is
-    its). A generation of another root, saved by two saves or by jobs of different node counts, or without a commit
-    marker anywhere, is passed over, said why; so is one missing a node's files (its own copy and its replica both
-    gone) or whose every copy of a file is damaged."""
+    its). At one iteration, each save held there is judged on its own (a node back from an earlier run of the root
+    may hold another); one of another root, saved by jobs of different node counts, or without a commit marker
+    anywhere, is passed over, said why; so is one missing a node's files (its own copy and its replica both gone) or
+    whose every copy of a file is damaged."""
     steps = sorted({h.step for h in holdings}, reverse=True)
     why: list[str] = []
     for step in steps:
@@ -83,39 +90,42 @@ def choose(holdings: Sequence[Holding], durable_step: Optional[int] = None, orig
         if not mine:  # what another root's saves left (a local dir shared, a root made anew) is never this one's
             why.append(f"iteration {step}: saved for another checkpoint root (or an earlier run of this one)")
             continue
-        if len({h.save_id for h in mine}) > 1:
-            why.append(f"iteration {step}: held as two saves (folders of two runs?)")
-            continue
-        counts = {h.nodes for h in mine}
-        if len(counts) > 1:
-            why.append(f"iteration {step}: held as saved by jobs of {sorted(counts)} nodes (folders of two runs?)")
-            continue
-        if not any(h.committed for h in mine):
-            why.append(f"iteration {step}: not committed (the job stopped while saving it)")
-            continue
-        nodes = counts.pop()
-        held = {h.node for h in mine}
-        missing = [n for n in range(nodes) if n not in held]
-        if missing:
-            shown = ", ".join(f"node {n} (its copy and its replica on node {partner(n, nodes)})" for n in missing)
-            why.append(f"iteration {step}: no survivor holds the files of {shown}")
-            continue
-        sources: dict[str, list[str]] = {}
-        for h in sorted(mine, key=lambda h: (h.replica, h.holder)):
-            for name in sorted(h.files):
-                holders = sources.setdefault(name, [])
-                if name in h.sound:
-                    holders.append(h.holder)
-        unsound = sorted(name for name, holders in sources.items() if not holders)
-        if unsound:
-            where = sorted({h.holder for h in mine if set(unsound) & h.damaged})
-            why.append(
-                f"iteration {step}: every copy of {', '.join(unsound[:3])}"
-                f"{f' and {len(unsound) - 3} more' if len(unsound) > 3 else ''} is damaged (on {', '.join(where)})"
-            )
-            continue
-        return Choice(step, {name: tuple(hs) for name, hs in sources.items()}, tuple(why))
+        saves = sorted(
+            {h.save_id for h in mine}, key=lambda i: (not any(h.committed for h in mine if h.save_id == i), i)
+        )
+        for save_id in saves:
+            sources, problem = _whole(step, [h for h in mine if h.save_id == save_id])
+            if problem is None:
+                return Choice(step, sources, tuple(why), save_id)
+            why.append(problem + (" (one of the saves held at that iteration)" if len(saves) > 1 else ""))
     return Choice(None, {}, tuple(why))
+
+
+def _whole(step: int, mine: Sequence[Holding]) -> tuple[dict[str, tuple[str, ...]], Optional[str]]:
+    """One save's holdings at one iteration: each file's sound holders, or why they are not a whole generation."""
+    counts = {h.nodes for h in mine}
+    if len(counts) > 1:
+        return {}, f"iteration {step}: held as saved by jobs of {sorted(counts)} nodes (folders of two runs?)"
+    if not any(h.committed for h in mine):
+        return {}, f"iteration {step}: not committed (the job stopped while saving it)"
+    nodes = counts.pop()
+    held = {h.node for h in mine}
+    missing = [n for n in range(nodes) if n not in held]
+    if missing:
+        shown = ", ".join(f"node {n} (its copy and its replica on node {partner(n, nodes)})" for n in missing)
+        return {}, f"iteration {step}: no survivor holds the files of {shown}"
+    sources: dict[str, list[str]] = {}
+    for h in sorted(mine, key=lambda h: (h.replica, h.holder)):
+        for name in sorted(h.files):
+            holders = sources.setdefault(name, [])
+            if name in h.sound:
+                holders.append(h.holder)
+    unsound = sorted(name for name, holders in sources.items() if not holders)
+    if unsound:
+        where = sorted({h.holder for h in mine if set(unsound) & h.damaged})
+        more = f" and {len(unsound) - 3} more" if len(unsound) > 3 else ""
+        return {}, f"iteration {step}: every copy of {', '.join(unsound[:3])}{more} is damaged (on {', '.join(where)})"
+    return {name: tuple(hs) for name, hs in sources.items()}, None
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,9 @@ def _crashed(runs: ElasticRuns, name: str = "crashed", env: dict | None = None) 
     return runs.get(name, make)
 
 
-def _restart(crashed: Path, folder: Path, survivors: tuple[str, ...], damage=lambda local: None) -> TrainResult:
+def _restart(
+    crashed: Path, folder: Path, survivors: tuple[str, ...], damage=lambda local: None, env: dict | None = None
+) -> TrainResult:
     """The survivors' restart: a private copy of the job's checkpoint root and node folders, the lost nodes'
     folders gone, ``damage`` done, one rank per survivor."""
     shutil.copytree(crashed / "ckpt", folder / "ckpt")
@@ -91,7 +93,7 @@ def _restart(crashed: Path, folder: Path, survivors: tuple[str, ...], damage=lam
             dump_dir=folder / "dumps",
             plugin=True,
             plugin_kwargs=_memory(folder),
-            env={"MEGATRON_UCP_NODE_NAMES": ",".join(survivors)},
+            env={"MEGATRON_UCP_NODE_NAMES": ",".join(survivors), **(env or {})},
             timeout=300,
         )
     )
@@ -300,3 +302,20 @@ def test_a_failed_memory_save_is_removed_said_and_training_goes_on_with_the_prev
         assert sorted(p.name for p in folder.iterdir() if p.name.startswith("iter_")) == ["iter_0000004"]
         assert not list(folder.rglob(".ucp")) and not list(folder.rglob("*_universal"))
     assert (tmp_path / "ckpt" / "global_step2_universal").is_dir()
+
+
+def test_a_rank_file_that_cannot_be_brought_to_its_reader_gives_way_to_the_durable_tag(
+    runs: ElasticRuns, tmp_path: Path
+) -> None:
+    """The restart's binding asks for the rank files its ranks read; one that cannot be brought (here a fault on rank
+    1) refuses the memory save on every rank, before DeepSpeed's load: the durable tag is loaded, saying why."""
+    crashed = _crashed(runs)
+    fault = {"MEGATRON_UCP_TEST_FAULT": f"memory restart global_step{CRASH}: fetch:1:OSError"}
+    resumed = _restart(crashed, tmp_path, ("n0", "n2", "n3"), env=fault)
+    assert resumed.loaded_step == DURABLE, resumed.log[-4000:]
+    log = resumed.rank_logs()[0]
+    assert f"restart: the memory save of iteration {CRASH} was refused" in log, log[-4000:]
+    assert "bringing the memory save's rank files to the nodes that read them" in log
+    reference = _reference(runs)
+    for step in (DURABLE + 1, DURABLE + 2):  # the durable tag's state, untouched by the refused load (bf16 DP noise
+        assert abs(resumed.loss_at(step) - reference.loss_at(step)) <= 1e-3, step  # grows over 6 steps at DP 3)

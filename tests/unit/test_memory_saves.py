@@ -181,5 +181,17 @@ def test_only_the_roots_own_generations_are_taken_and_one_save_per_generation() 
         )
         for h in _holdings(4, {0, 1, 2, 3}, step=13)
     ]
-    choice = choose(two + _holdings(4, {0, 1, 2, 3}, step=12), durable_step=10)
-    assert choice.step == 12 and choice.passed_over == ("iteration 13: held as two saves (folders of two runs?)",)
+    choice = choose(two + _holdings(4, {0, 1, 2, 3}, step=12), durable_step=10)  # each save judged on its own
+    assert choice.step == 13 and choice.save_id == "b", choice  # host1-3 hold every node's files of save b
+    assert choice.passed_over == (
+        "iteration 13: no survivor holds the files of node 1 (its copy and its replica on node 2), node 2 (its copy "
+        "and its replica on node 3) (one of the saves held at that iteration)",
+    )
+    assert {h for hs in choice.sources.values() for h in hs} == {"host1", "host2", "host3"}
+    stale = [
+        Holding("host9", 13, 0, 4, _files(0), committed=False, origin=ROOT, save_id="old")
+    ]  # a node back from an earlier run of the root, holding another save of the same iteration
+    choice = choose(_holdings(4, {0, 1, 2, 3}, step=13) + stale, durable_step=10)
+    assert (
+        choice.step == 13 and choice.save_id == "" and "host9" not in {h for hs in choice.sources.values() for h in hs}
+    )

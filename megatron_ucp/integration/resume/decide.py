@@ -22,6 +22,7 @@ from megatron_ucp.format.paths import tag_to_load
 from megatron_ucp.integration.collectives import JOB, Failure
 from megatron_ucp.integration.handled import warn_once
 from megatron_ucp.integration.live_job import LiveJob, LoadCall
+from megatron_ucp.integration.node_memory import names_elsewhere
 from megatron_ucp.plan.experts import expert_layout_change, recorded_experts
 from megatron_ucp.plan.parallel_layout import ParallelLayout
 from megatron_ucp.plan.resume import ResumeDecision, TwinState, decide_resume
@@ -107,7 +108,7 @@ def _decide_from_facts(
             regrouped = stage_change is None and _regrouped(job, saved.states)
             seen["model_states"] = saved.states
             if loads_optimizer_states and not tag_is_universal and saved_as is not None:
-                problem = rank_file_count_problem(tag_dir, saved_as.dp)
+                problem = rank_file_count_problem(tag_dir, saved_as.dp, held=names_elsewhere(tag_dir))
                 if problem is not None:
                     raise CheckpointFormatError(problem, subject=tag_dir, damaged=tag_dir)
         twin_dir = Path(load_dir) / F.universal_tag(resolved)

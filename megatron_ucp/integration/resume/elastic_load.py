@@ -57,6 +57,7 @@ def wanted(config: UcpConfig) -> bool:
 def install(patches: Any, config: UcpConfig) -> None:
     """Patch the engine's load entry point and the ZeRO-1/2 universal loader (the install checked the
     whole surface they rely on)."""
+    from_memory.reset()
     surface.replace(patches, surface.ENGINE, "load_checkpoint", lambda original: _engine_load(original, config))
     install_partition_loader(patches, config)
     make_visible()
@@ -147,7 +148,7 @@ def _from_memory(call: LoadCall) -> Any:
             others = JOB.count(0 if refusal else 1)  # a refusal on every rank, or the job's own failure
         except Exception:  # the group is broken (a rank died): this rank's own error
             raise exc from None
-        if others:
+        if others or restored.durable is None:  # nothing durable to fall back to: the engine may be half-loaded
             raise
         as_before.restore()  # a refused load may have added its steps to Megatron's scheduler already
         if is_first():

@@ -14,6 +14,7 @@ loudly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -23,16 +24,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megatron_ucp import faults
 from megatron_ucp.background.store import MEMORY_RESTARTS_LOG, append_line
 from megatron_ucp.config import UcpConfig
-from megatron_ucp.errors import UcpError
+from megatron_ucp.deepspeed import surface
+from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
 from megatron_ucp.format.save_files import describe, file_list_path, file_list_text
 from megatron_ucp.integration.collectives import JOB, comm, is_first
 from megatron_ucp.integration.live_job import LoadCall
 from megatron_ucp.integration.node_memory import (
+    RESTORED,
     Nodes,
+    Records,
     Send,
     generation,
     job_nodes,
@@ -43,15 +48,15 @@ from megatron_ucp.integration.node_memory import (
     remove,
     root_origin,
     send_files,
+    verify,
 )
+from megatron_ucp.integration.resume.native.binding import engine_save_files
 from megatron_ucp.plan.experts import EXPERT_FILE_RE
 from megatron_ucp.plan.memory_saves import Choice, Holding, choose, transfers
 from megatron_ucp.plan.tags import tag_step
 
 log = logging.getLogger(__name__)
 
-RESTORED = "restored"
-"""The folder (in a node's memory-save folder) where a restart assembles the generation it resumes from."""
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -73,7 +78,11 @@ def wanted(config: UcpConfig) -> bool:
 
 def restore(call: LoadCall) -> Optional[Restored]:
     """Collective: the newest whole memory save newer than the durable ``latest`` of the call's folder, being
-    assembled on every node (None: there is none, or it could not be assembled; said why, on the first rank)."""
+    assembled on every node (None: there is none, or it could not be assembled; said why, on the first rank). Only
+    the process's first load that names no tag asks (a later one, a rollback within the run, loads as it is)."""
+    if _STATE["asked"]:
+        return None
+    _STATE["asked"] = True
     config, load_dir = call.config, call.load_dir
     started = time.monotonic()
     nodes = job_nodes()
@@ -81,7 +90,7 @@ def restore(call: LoadCall) -> Optional[Restored]:
     node = nodes.index(me)
     folder = local_folder(config, load_dir, nodes.of_rank[me])
     leader = me == nodes.leader(node)
-    mine: tuple[list[Holding], dict, Optional[int]] = ([], {}, None)
+    mine: tuple[list[Holding], Records, Optional[int]] = ([], {}, None)
     unread: Optional[str] = None
     if leader:
         try:
@@ -97,12 +106,9 @@ def restore(call: LoadCall) -> Optional[Restored]:
             log.warning("megatron-ucp: restart: %s", why)
     if not holdings:
         return None
-
-    def decide() -> tuple[Optional[str], Choice]:
-        durable = _durable_tag(Path(load_dir))
-        return durable, choose(holdings, tag_step(durable) if durable else None, root_origin(load_dir))
-
-    durable, choice = JOB.decided(decide, "choosing a memory save to restart from")
+    durable, origin, choice, holdings = _choose_verified(
+        folder, holdings, records, Path(load_dir), nodes.of_rank[me], leader
+    )
     if choice.step is None:
         if is_first():
             newest, durable_step = max(h.step for h in holdings), tag_step(durable) if durable else None
@@ -116,30 +122,19 @@ def restore(call: LoadCall) -> Optional[Restored]:
             log.warning("megatron-ucp: restart: %s", said)
             record(load_dir, said, None)
         return None
-    step = int(choice.step)
-    old_nodes = {h.node for h in holdings if h.step == step}
-    tag = str(records[(step, min(old_nodes))]["tag"])
-    save_id = str(records[(step, min(old_nodes))].get("save_id", ""))
-    of_file = {
-        name: (n, *records[(step, n)]["files"][name])
-        for (s, n) in records
-        if s == step
-        for name in records[(s, n)]["files"]
-    }
+    step, save_id = int(choice.step), choice.save_id
+    holdings = choice.holdings(holdings, origin)
+    old_nodes = {h.node for h in holdings}
+    chosen = {n: records[(step, n, save_id)] for n in old_nodes}
+    tag = str(chosen[min(old_nodes)]["tag"])
+    of_file = {name: (n, int(v[0]), int(v[1])) for n, r in chosen.items() for name, v in r["files"].items()}
     root = folder / RESTORED
     assembly = Assembly(nodes, me, generation(folder, step), root, tag, choice, of_file)
-    failure = None
     if leader:
         remove(root)
     JOB.count(0)  # the folder is new on every node before anything is brought into it
-    # what every rank reads whole (model states, layer and expert files) on every node; in a job of one DP group and
-    # no experts, the rank files only when a rank's binding asks for them (Assembly.fetch), each on the nodes whose
-    # ranks read it; else every file on every node (the bindings of several groups would ask at different times)
-    experts = any(EXPERT_FILE_RE.match(name) or name.startswith("expp_rank_") for name in of_file)
-    lazy = call.job.dp_size == comm().get_world_size() and not experts
-    everywhere = {name for name in of_file if not (lazy and F.OPTIM_FILE_RE.match(name))}
-    assembly.lazy = lazy
-    failure = assembly.bring({name: set(everywhere) for name in nodes.names})
+    assembly.lazy = _lazy(call, of_file)
+    failure = assembly.bring(_first_needs(call, nodes, of_file, assembly.lazy))
     failures = [f for f in JOB.gather_objects(failure) if f is not None]
     if not failures:
         if leader:
@@ -179,6 +174,79 @@ def restore(call: LoadCall) -> Optional[Restored]:
     if is_first():
         record(load_dir, summary, step)
     return Restored(root, step, tag, durable, summary, assembly)
+
+
+_STATE = {"asked": False}
+
+
+def reset() -> None:
+    """A new installation asks again at its first load."""
+    _STATE["asked"] = False
+
+
+def _choose_verified(
+    folder: Path, holdings: list[Holding], records: Records, load_dir: Path, here: str, leader: bool
+) -> tuple[Optional[str], Optional[str], Choice, list[Holding]]:
+    """Collective: the choice (first rank: the durable ``latest``, the root's identity), its copies then read whole on
+    the nodes that hold them (each node's leader) and the choice made again while a copy it takes turns out damaged:
+    only the generation a restart may take is read, never every file of every generation. Returns the holdings with
+    what was found damaged."""
+    checked: set[tuple[int, int, str]] = set()
+    while True:
+
+        def decide() -> tuple[Optional[str], Optional[str], Choice]:
+            durable = _durable_tag(load_dir)
+            origin = root_origin(load_dir)
+            return durable, origin, choose(holdings, tag_step(durable) if durable else None, origin)
+
+        durable, origin, choice = JOB.decided(decide, "choosing a memory save to restart from")
+        if choice.step is None:
+            return durable, origin, choice, holdings
+        verified: list[Holding] = []
+        if leader:
+            for h in choice.holdings(holdings, origin):
+                key = (h.step, h.node, h.save_id)
+                if h.holder == here and key not in checked:
+                    try:
+                        verified.append(verify(folder, h, records[key]))
+                    except Exception as exc:  # of any type: every file of that copy taken as damaged, said
+                        log.warning("megatron-ucp: restart: %s: %s", folder, exc)
+                        verified.append(dataclasses.replace(h, damaged=h.files))
+        news = [h for box in JOB.gather_objects(verified) for h in box]
+        checked |= {(h.step, h.node, h.save_id) for h in news}
+        damaged = {(h.holder, h.step, h.node, h.save_id): h for h in news if h.damaged}
+        if not damaged:
+            return durable, origin, choice, holdings
+        holdings = [damaged.get((h.holder, h.step, h.node, h.save_id), h) for h in holdings]
+
+
+def _lazy(call: LoadCall, of_file: dict[str, tuple[int, int, int]]) -> bool:
+    """Rank files brought when the binding asks for them: a job of one DP group, no experts, and not DeepSpeed's
+    elastic checkpoint form (whose own load reads every rank file on every rank)."""
+    experts = any(EXPERT_FILE_RE.match(name) or name.startswith("expp_rank_") for name in of_file)
+    one_group = call.job.dp_size == comm().get_world_size()
+    return one_group and not experts and not surface.elastic_checkpoint(call.job.optimizer)
+
+
+def _first_needs(
+    call: LoadCall, nodes: Nodes, of_file: dict[str, tuple[int, int, int]], lazy: bool
+) -> dict[str, set[str]]:
+    """Collective: what each node gets before the load: every file every rank reads whole (model states, layer and
+    expert files), and of the rank files, those of its ranks' model-parallel coordinates, or (``lazy``) only each
+    rank's own (what DeepSpeed's own load reads at the saved DP size); the binding asks for the rest."""
+    rank_file, _ = engine_save_files(call.job, call.load_dir, "")
+    own = Path(rank_file(call.job.dp_rank)).name
+    mp = F.OPTIM_FILE_RE.match(own)
+    wanted = JOB.gather_objects((nodes.of_rank[comm().get_rank()], own, mp["mp"] if mp else None))
+    needs: dict[str, set[str]] = {name: set() for name in nodes.names}
+    for node, name, coordinate in wanted:
+        for file in of_file:
+            match = F.OPTIM_FILE_RE.match(file)
+            if match is None:
+                needs[node].add(file)
+            elif file == name or (not lazy and match["mp"] == coordinate):
+                needs[node].add(file)
+    return needs
 
 
 def record(load_dir: os.PathLike | str, said: str, step: Optional[int]) -> None:
@@ -233,7 +301,11 @@ class Assembly:
         sends: list[Send] = []
         sent: dict[str, int] = {}  # per node, sends so far: spread over its ranks (so is what each node receives)
         got: dict[str, int] = {}
-        for t in transfers({node: sorted(names) for node, names in wanted.items()}, self.choice.sources):
+        try:
+            planned = transfers({node: sorted(names) for node, names in wanted.items()}, self.choice.sources)
+        except KeyError as exc:  # the same plan on every rank: nobody sends, every rank says it
+            return failure or f"{self.tag}: {exc.args[0]}"
+        for t in planned:
             old, size, crc = self.of_file[t.name]
             src_ranks = self.nodes.ranks(self.nodes.named(t.source))
             dst_ranks = self.nodes.ranks(self.nodes.named(t.destination))
@@ -257,8 +329,14 @@ class Assembly:
         needs: dict[str, set[str]] = {}
         for node, names in JOB.gather_objects((self.here, mine)):
             needs.setdefault(node, set()).update(names)
+        try:
+            faults.fault_point(f"memory restart {self.tag}: fetch")
+            injected = None
+        except Exception as exc:  # the tests' fault: this rank's failure, the exchange still run
+            injected = f"{type(exc).__name__}: {exc}"
+        failure = self.bring(needs) or injected
         JOB.together(
-            UcpError(failure) if (failure := self.bring(needs)) else None,
+            CheckpointFormatError(failure) if failure else None,
             f"bringing the memory save's rank files to the nodes that read them ({self.tag})",
             subject=self.root,
         )
@@ -267,6 +345,9 @@ class Assembly:
         """The assembled folder removed on each node once the load is over (never raised)."""
         if self.me == self.nodes.leader(self.nodes.index(self.me)):
             remove(self.root)
+
+    def names_elsewhere(self, folder: Path) -> list[str]:
+        return sorted(self.of_file) if self.lazy and Path(folder) == self.root / self.tag else []
 
     def held_elsewhere(self, path: Path) -> bool:
         return self.lazy and Path(path).parent == self.root / self.tag and Path(path).name in self.of_file

@@ -28,10 +28,12 @@ from typing import Any, Callable, Iterator, Optional
 
 from megatron_ucp import faults
 from megatron_ucp.config import UcpConfig
+from megatron_ucp.deepspeed import surface
 from megatron_ucp.format import osio
 from megatron_ucp.integration.collectives import JOB, Failure, comm, is_first
 from megatron_ucp.integration.node_memory import (
     COMMITTED,
+    RESTORED,
     FileSum,
     Nodes,
     Send,
@@ -92,9 +94,10 @@ def _prepare(folder: Path, own: Path, step: int) -> Optional[str]:
     the node's folder made, and room for another generation like the newest. Returns the failure, never raises."""
     try:
         held = generations(folder)
-        for old_step, old in held.items():
-            if old_step >= step:
-                remove(old)
+        for old in [g for s, g in held.items() if s >= step] + [folder / RESTORED]:  # stale, or a restart's leftover
+            remove(old)
+            if old.exists():
+                return f"{old}: cannot be removed"
         own.mkdir(parents=True, exist_ok=True)
         newest = max((s for s in held if s < step), default=None)
         last = _bytes(held[newest]) if newest is not None else 0
@@ -122,6 +125,9 @@ def write(engine: Any, original: Callable[..., Any], args: tuple, kwargs: dict, 
     """DeepSpeed's ``save_checkpoint`` into the memory save's folder, ``latest`` off, every write watched."""
     into = _TARGET.get()
     assert into is not None
+    if surface.decoupled_checkpoint_engine(engine) or surface.node_local_storage(engine):
+        into.refused = "a decoupled checkpoint engine or node-local storage writes the files after the save returns"
+        return None
     bound = inspect.signature(original).bind(engine, *args, **kwargs)
     bound.apply_defaults()
     tag = bound.arguments["tag"]

@@ -4,8 +4,9 @@ save_to_memory` inside Megatron's training loop, every ``--ucp-memory-save-inter
 At the entry of ``megatron.training.train_step``, when ``args.iteration`` is a multiple of the interval (and not an
 iteration the durable save just saved), the state is as Megatron's own save of that iteration sees it: Megatron's
 ``save_checkpoint`` runs with ``args.save`` pointed at the node's memory-save folder for that one call, so that the
-memory save holds exactly what a durable save holds (args, iteration, tokens, RNG states, the engine's files) and
-Megatron's tracker and ``lr_state_dict.yaml`` go there too, never into the checkpoint root. Nothing in
+memory save holds exactly what a durable save holds (args, iteration, tokens, RNG states, the engine's files);
+Megatron's tracker and ``lr_state_dict.yaml`` are not written (the restart writes its own tracker), never into the
+checkpoint root. Nothing in
 Megatron-DeepSpeed is edited: ``train_step`` is replaced on the module when ``megatron.training`` is imported.
 """
 

@@ -17,6 +17,7 @@ import torch
 
 from megatron_ucp.errors import StockFormError, UcpError
 from megatron_ucp.format import dsformat as F
+from megatron_ucp.integration import node_memory
 from megatron_ucp.integration.collectives import is_first
 from megatron_ucp.integration.handled import warn_once
 from megatron_ucp.integration.live_job import LiveJob, LoadCall
@@ -103,7 +104,7 @@ def reshard_load(call: LoadCall, tag: str, dp_from: int, seen_states: Optional[d
         first_read = seen_states if is_first() else None
         bound = bind_save(job, model_states, rank_file, first_read, requantize=config.requantize_8bit)
     except StockFormError as exc:  # a form of the files the hooks do not read, before anything was loaded
-        return _deepspeeds_own_load(call, tag, exc)
+        return _deepspeeds_own_load(call, tag, exc, [rank_file(r) for r in range(dp_from)])
     reports: list[AccountingReport] = []
     origins = CopiedFrom(bound.reads, rank_file)
 
@@ -165,9 +166,11 @@ def reshard_load(call: LoadCall, tag: str, dp_from: int, seen_states: Optional[d
     return LoadOutcome(result, load_path, report, dp_from, states=read.of(load_path), origins=origins)
 
 
-def _deepspeeds_own_load(call: LoadCall, tag: str, why: StockFormError) -> LoadOutcome:
+def _deepspeeds_own_load(call: LoadCall, tag: str, why: StockFormError, rank_files: list[Path]) -> LoadOutcome:
     """A save in a form the hooks do not read (the same error on every rank): loaded as stock DeepSpeed loads it,
-    with one warning (it may refuse what it cannot load, as without the hooks)."""
+    with one warning (it may refuse what it cannot load, as without the hooks). ``rank_files``: what its load may read
+    (a memory save's are brought to this node first)."""
+    node_memory.fetch(rank_files)
     warn_once(str(why), "loaded by DeepSpeed's own load, as without megatron-ucp")
     return LoadOutcome(call.deepspeed(tag), stock=True)
 
@@ -182,7 +185,7 @@ def same_dp_load(call: LoadCall, tag: str, seen_states: Optional[dict] = None) -
     try:
         bound = bind_save(job, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
     except StockFormError as exc:  # a form of the files the hooks do not read, before anything was loaded
-        return _deepspeeds_own_load(call, tag, exc)
+        return _deepspeeds_own_load(call, tag, exc, [rank_file(r) for r in range(job.dp_size)])
     flat = not job.per_parameter
     how = how_module_is_read(call, Route.NATIVE)
     distributed = bound is not None and how.distributed
