@@ -135,6 +135,8 @@ class Transfer:
     name: str
     source: str
     destination: str
+    relay: bool = False
+    """The source sends the copy it received in an earlier round (not a copy of the save it holds)."""
 
 
 def transfers(needs: Mapping[str, Sequence[str]], sources: Mapping[str, Sequence[str]]) -> list[Transfer]:
@@ -154,6 +156,40 @@ def transfers(needs: Mapping[str, Sequence[str]], sources: Mapping[str, Sequence
             sends[source] += 1
             planned.append(Transfer(name, source, destination))
     return planned
+
+
+SPREAD_ABOVE = 2
+"""A file more new nodes need than this (the model states, which every rank reads) is spread in rounds: each node that
+has it sends it to one more, so that the nodes holding it double each round instead of two holders sending it to all."""
+
+
+def transfer_rounds(
+    needs: Mapping[str, Sequence[str]], sources: Mapping[str, Sequence[str]], spread_above: int = SPREAD_ABOVE
+) -> list[list[Transfer]]:
+    """Who sends what, in rounds (each round's sends at once, the next after it): a file few nodes lack as
+    :func:`transfers` plans it, in the first round; a file more than ``spread_above`` nodes lack, from every node that
+    has it by then (its holders, then those that received it: ``relay``), one new node each per round. Raises
+    :class:`KeyError` naming a file no survivor holds."""
+    lacking: dict[str, list[str]] = {}
+    for destination in sorted(needs):
+        for name in sorted(set(needs[destination])):
+            if not sources.get(name):
+                raise KeyError(f"{name}: no survivor holds it")
+            if destination not in sources[name]:
+                lacking.setdefault(name, []).append(destination)
+    spread = {name for name, nodes in lacking.items() if len(nodes) > spread_above}
+    rounds: list[list[Transfer]] = [transfers({d: [n for n in needs[d] if n not in spread] for d in needs}, sources)]
+    for name in sorted(spread):
+        holders, waiting, r = list(sources[name]), list(lacking[name]), 0
+        while waiting:
+            if r == len(rounds):
+                rounds.append([])
+            served = waiting[: len(holders)]
+            waiting = waiting[len(holders) :]
+            rounds[r] += [Transfer(name, h, d, relay=h not in sources[name]) for h, d in zip(holders, served)]
+            holders += served
+            r += 1
+    return [r for r in rounds if r]
 
 
 def generations_to_drop(committed: Sequence[int], newest_committed: int) -> list[int]:

@@ -76,13 +76,19 @@ def _crashed(runs: ElasticRuns, name: str = "crashed", env: dict | None = None) 
 
 
 def _restart(
-    crashed: Path, folder: Path, survivors: tuple[str, ...], damage=lambda local: None, env: dict | None = None
+    crashed: Path,
+    folder: Path,
+    survivors: tuple[str, ...],
+    damage=lambda local: None,
+    env: dict | None = None,
+    fresh: tuple[str, ...] = (),
 ) -> TrainResult:
     """The survivors' restart: a private copy of the job's checkpoint root and node folders, the lost nodes'
     folders gone, ``damage`` done, one rank per survivor."""
     shutil.copytree(crashed / "ckpt", folder / "ckpt")
-    for node in survivors:  # as they were, for this copy's root
-        shutil.copytree(_node_folder(crashed, node), _node_folder(folder, node))
+    for node in survivors:  # as they were, for this copy's root; a fresh node's is empty
+        if node not in fresh:
+            shutil.copytree(_node_folder(crashed, node), _node_folder(folder, node))
     damage(folder)
     return run_training(
         TrainSpec(
@@ -319,3 +325,17 @@ def test_a_rank_file_that_cannot_be_brought_to_its_reader_gives_way_to_the_durab
     reference = _reference(runs)
     for step in (DURABLE + 1, DURABLE + 2):  # the durable tag's state, untouched by the refused load (bf16 DP noise
         assert abs(resumed.loss_at(step) - reference.loss_at(step)) <= 1e-3, step  # grows over 6 steps at DP 3)
+
+
+def test_fresh_nodes_joining_the_survivors_get_the_model_states_relayed_through_each_other(
+    runs: ElasticRuns, tmp_path: Path
+) -> None:
+    """Three survivors and three fresh nodes (empty folders), DP 6: the model states, which five nodes lack, are spread
+    in rounds (a node that received them sends them on), every rank file goes where it is read, and the job resumes
+    from the memory save, bit for bit."""
+    crashed = _crashed(runs)
+    resumed = _restart(crashed, tmp_path, ("n0", "n2", "n3", "n4", "n5", "n6"), fresh=("n4", "n5", "n6"))
+    assert resumed.loaded_step == CRASH, resumed.log[-4000:]
+    assert f"restarting from the memory save of iteration {CRASH}" in resumed.rank_logs()[0]
+    assert "in up to 3 round(s)" in resumed.rank_logs()[0]  # 1 holder -> 2 -> 4 -> 6 nodes
+    assert_same_state(crashed / "dumps" / f"state_step{CRASH}.pt", tmp_path / "dumps" / f"state_step{CRASH}_loaded.pt")

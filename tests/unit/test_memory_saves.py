@@ -195,3 +195,24 @@ def test_only_the_roots_own_generations_are_taken_and_one_save_per_generation() 
     assert (
         choice.step == 13 and choice.save_id == "" and "host9" not in {h for hs in choice.sources.values() for h in hs}
     )
+
+
+def test_a_file_every_node_needs_is_spread_in_doubling_rounds_and_the_rest_in_the_first() -> None:
+    nodes = [f"new{i}" for i in range(10)]
+    sources = {"model_states": ("new0", "new1"), "rank_3": ("new5",), "rank_4": ("new9",)}
+    needs = {n: ["model_states"] + (["rank_3", "rank_4"] if n == "new2" else []) for n in nodes}
+    rounds = memory_saves.transfer_rounds(needs, sources)
+    got = {}
+    for i, sends in enumerate(rounds):
+        senders = [t.source for t in sends if t.name == "model_states"]
+        assert len(senders) == len(set(senders)), senders  # one copy per holder per round
+        for t in sends:
+            assert (t.name, t.destination) not in got, t  # each file reaches each node once
+            if t.relay:  # a relay sends what it received in an earlier round
+                assert got.get((t.name, t.source), i) < i, t
+            got[(t.name, t.destination)] = i
+    assert {d for (name, d) in got if name == "model_states"} == set(nodes) - {"new0", "new1"}
+    assert got[("rank_3", "new2")] == 0 and got[("rank_4", "new2")] == 0  # few lack it: the first round
+    assert len(rounds) == 3  # 2 holders -> 4 -> 8 -> 10: 8 nodes lacking it served in rounds of 2, 4, 2
+    with pytest.raises(KeyError, match="rank_7: no survivor holds it"):
+        memory_saves.transfer_rounds({"new2": ["rank_7"]}, sources)

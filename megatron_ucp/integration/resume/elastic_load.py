@@ -136,10 +136,11 @@ def _from_memory(call: LoadCall) -> Any:
         if is_first():
             log.info(
                 "megatron-ucp: the memory save of iteration %d: %s of its files sent between nodes over the process "
-                "group (of %s in all)",
+                "group (of %s in all), in up to %d round(s)",
                 restored.step,
                 human_size(restored.assembly.received),
                 human_size(sum(size for _, size, _ in restored.assembly.of_file.values())),
+                restored.assembly.rounds,
             )
         return loaded
     except UcpError as exc:

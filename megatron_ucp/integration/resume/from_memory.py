@@ -52,7 +52,7 @@ from megatron_ucp.integration.node_memory import (
 )
 from megatron_ucp.integration.resume.native.binding import engine_save_files
 from megatron_ucp.plan.experts import EXPERT_FILE_RE
-from megatron_ucp.plan.memory_saves import Choice, Holding, choose, transfers
+from megatron_ucp.plan.memory_saves import Choice, Holding, choose, transfer_rounds
 from megatron_ucp.plan.tags import tag_step
 
 log = logging.getLogger(__name__)
@@ -278,6 +278,8 @@ class Assembly:
     present: dict[str, set[str]] = field(default_factory=dict)
     lazy: bool = True
     """Rank files brought when the binding asks (one DP group, no experts), else every file brought up front."""
+    rounds: int = 0
+    """Rounds of sends of the most spread one of its exchanges (a file many nodes lack is relayed)."""
     received: int = 0
     """Bytes sent between nodes so far (the same on every rank)."""
 
@@ -298,27 +300,31 @@ class Assembly:
                         _link(node_files(self.gen, self.of_file[name][0], self.tag) / name, self.root / self.tag / name)
             except Exception as exc:  # of any type
                 failure = f"{self.root}: {type(exc).__name__}: {exc}"
-        sends: list[Send] = []
         sent: dict[str, int] = {}  # per node, sends so far: spread over its ranks (so is what each node receives)
         got: dict[str, int] = {}
         try:
-            planned = transfers({node: sorted(names) for node, names in wanted.items()}, self.choice.sources)
+            rounds = transfer_rounds({node: sorted(names) for node, names in wanted.items()}, self.choice.sources)
         except KeyError as exc:  # the same plan on every rank: nobody sends, every rank says it
             return failure or f"{self.tag}: {exc.args[0]}"
-        for t in planned:
-            old, size, crc = self.of_file[t.name]
-            src_ranks = self.nodes.ranks(self.nodes.named(t.source))
-            dst_ranks = self.nodes.ranks(self.nodes.named(t.destination))
-            i, j = sent.get(t.source, 0), got.get(t.destination, 0)
-            sent[t.source], got[t.destination] = i + 1, j + 1
-            read, write = node_files(self.gen, old, self.tag) / t.name, self.root / self.tag / t.name
-            sends.append(
-                Send(src_ranks[i % len(src_ranks)], dst_ranks[j % len(dst_ranks)], str(read), str(write), size, crc)
-            )
-            self.received += size
         for node, names in wanted.items():
             self.present[node] |= names
-        return send_files(sends) or failure
+        self.rounds = max(self.rounds, len(rounds))
+        for planned in rounds:  # each round's files in place (checked) before the next relays them
+            sends: list[Send] = []
+            for t in planned:
+                old, size, crc = self.of_file[t.name]
+                src_ranks = self.nodes.ranks(self.nodes.named(t.source))
+                dst_ranks = self.nodes.ranks(self.nodes.named(t.destination))
+                i, j = sent.get(t.source, 0), got.get(t.destination, 0)
+                sent[t.source], got[t.destination] = i + 1, j + 1
+                write = self.root / self.tag / t.name
+                read = write if t.relay else node_files(self.gen, old, self.tag) / t.name
+                sends.append(
+                    Send(src_ranks[i % len(src_ranks)], dst_ranks[j % len(dst_ranks)], str(read), str(write), size, crc)
+                )
+                self.received += size
+            failure = send_files(sends) or failure
+        return failure
 
     def fetch(self, paths: Sequence[Path]) -> None:
         """Collective: the rank files each rank's binding reads, present on its node (raises on every rank when one
