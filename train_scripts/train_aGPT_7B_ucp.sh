@@ -39,6 +39,10 @@
 #   UCP_KEEP_LAST         keep at most N universal folders and HF exports (default: all)
 #   UCP_ASYNC_SAVE        1: saves return once each rank's state is in host memory; the files are
 #                         written in the background, latest names a save once all are durable
+#   UCP_MEMORY_SAVE_INTERVAL  N: every N iterations, also save to each node's memory with a replica on
+#                         the next node; a restart on the nodes left after a node failure resumes from
+#                         it (docs/memory_saves.md)
+#   UCP_LOCAL_DIR         each node's folder for memory saves (default: under /dev/shm)
 #   UCP_EXPORT_HF         1: export every converted checkpoint as a Hugging Face model folder
 #                         <tag>_hf in the background (needs UCP_ASYNC_CONVERT=1 and the [hf] extra)
 #   UCP_CONVERTER_WORKERS worker processes per converter (default 1)
@@ -125,6 +129,8 @@ if [[ "${UCP_ASYNC_CONVERT:-1}" != 1 && "${UCP_VERIFY_SAVES:-1}" == 1 ]]; then u
 if [[ -n "${UCP_KEEP_LAST:-}" ]]; then ucp_args+=(--ucp-keep-last "${UCP_KEEP_LAST}"); fi
 if [[ "${UCP_EXPORT_HF:-0}" == 1 ]]; then ucp_args+=(--ucp-export-hf); fi
 if [[ "${UCP_ASYNC_SAVE:-0}" == 1 ]]; then ucp_args+=(--ucp-async-save); fi
+if [[ -n "${UCP_MEMORY_SAVE_INTERVAL:-}" ]]; then ucp_args+=(--ucp-memory-save-interval "${UCP_MEMORY_SAVE_INTERVAL}"); fi
+if [[ -n "${UCP_LOCAL_DIR:-}" ]]; then ucp_args+=(--ucp-local-dir "${UCP_LOCAL_DIR}"); fi
 if [[ -n "${UCP_CONVERTER_WORKERS:-}" ]]; then ucp_args+=(--ucp-converter-workers "${UCP_CONVERTER_WORKERS}"); fi
 if [[ "${UCP_STRICT:-1}" == 0 ]]; then ucp_args+=(--ucp-no-strict); fi
 if [[ "${UCP_ELASTIC:-1}" == 0 ]]; then ucp_args+=(--ucp-no-elastic-resume); fi

@@ -122,7 +122,7 @@ def test_wrapper_without_ucp_runs_the_script_unchanged(checkout):
 def test_wrapper_dry_run_prints_the_final_command_lines(checkout, switch):
     argv = ["bash", str(WRAPPER), "--train-iters=10", "--tag", "a b"] + ([switch["ARG"]] if "ARG" in switch else [])
     env = {"UCP_DRY_RUN": "1", "NGPU_PER_HOST": "12", "UCP_KEEP_LAST": "2", "CKPT_DIR": str(checkout / "none")}
-    env["UCP_EXPORT_HF"] = "1"
+    env.update(UCP_EXPORT_HF="1", UCP_MEMORY_SAVE_INTERVAL="50", UCP_LOCAL_DIR="/dev/shm/ucp-{node}")
     env.update({k: v for k, v in switch.items() if k != "ARG"})
     out = run(argv, env=env, cwd=checkout)
     assert out.returncode == 0, out.stderr
@@ -130,7 +130,8 @@ def test_wrapper_dry_run_prints_the_final_command_lines(checkout, switch):
     lines = out.stdout.splitlines()
     assert f"sys.exit(main(['{checkout}/pretrain_gpt_alcf.py', *sys.argv[1:]]))" in lines
     assert f"export EXEC={shim}" in lines and not any("NGPU_PER_HOST" in line for line in lines)
-    ucp = "--ucp-async-convert --ucp-keep-last 2 --ucp-export-hf --ucp-ranks-per-node 12"
+    ucp = "--ucp-async-convert --ucp-keep-last 2 --ucp-export-hf --ucp-memory-save-interval 50 --ucp-local-dir "
+    ucp += "/dev/shm/ucp-\\{node\\} --ucp-ranks-per-node 12"
     assert f"bash {checkout}/train_aGPT_7B.sh --train-iters=10 --tag a\\ b {ucp}" in lines
     launch = next(line for line in lines if line.startswith("ezpz launch"))
     assert f" {shim} <helpers.sh training arguments> --train-iters=10 --tag a\\ b {ucp}" in launch
