@@ -27,24 +27,10 @@ from megatron_ucp.format.save_files import read_file_list
 from tests.integration.shared_runs import moe_trained, train
 from tests.support.dsharness import TrainSpec, run_training
 from tests.support.dsharness.checkpoints import session_cache
+from tests.support.harness_layouts import HARNESS_LAYOUTS
 from tests.support.state_compare import tag_differences
 
 TRACKER = "latest_checkpointed_iteration.txt"
-HARNESS_LAYOUTS = {
-    "zero1-bf16": {"optimizer": "bf16"},
-    "zero1-zero": {"optimizer": "zero", "zero_stage": 1},
-    "zero2": {"optimizer": "zero", "zero_stage": 2},
-    "zero3": {"optimizer": "zero", "zero_stage": 3},
-    "offload": {
-        "optimizer": "zero",
-        "zero_stage": 2,
-        "extra_config": {
-            "zero_optimization": {"offload_optimizer": {"device": "cpu"}},
-            "zero_force_ds_cpu_optimizer": False,
-        },
-    },
-    "nadam": {"optimizer": "bf16", "base_optimizer": "nadam"},
-}
 SAVES = (2, 3, 4)
 
 

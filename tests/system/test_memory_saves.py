@@ -22,6 +22,7 @@ from megatron_ucp.config import UcpConfig
 from megatron_ucp.integration.node_memory import local_folder
 from tests.support.dsharness import TrainResult, TrainSpec, run_training
 from tests.support.elastic_support import ElasticRuns, assert_losses_continue, assert_same_state, flip_a_data_bit
+from tests.support.harness_layouts import HARNESS_LAYOUTS
 
 pytestmark = pytest.mark.slow
 
@@ -182,20 +183,7 @@ def test_a_job_killed_during_a_memory_save_resumes_from_the_previous_generation(
     assert_losses_continue(resumed, _reference(runs).loss_at)
 
 
-LAYOUTS = {
-    "zero1-zero": {"optimizer": "zero", "zero_stage": 1},
-    "zero2": {"optimizer": "zero", "zero_stage": 2},
-    "zero3": {"optimizer": "zero", "zero_stage": 3},
-    "offload": {
-        "optimizer": "zero",
-        "zero_stage": 2,
-        "extra_config": {
-            "zero_optimization": {"offload_optimizer": {"device": "cpu"}},
-            "zero_force_ds_cpu_optimizer": False,
-        },
-    },
-    "nadam": {"optimizer": "bf16", "base_optimizer": "nadam"},
-}
+LAYOUTS = {name: fields for name, fields in HARNESS_LAYOUTS.items() if name != "zero1-bf16"}  # bf16: above
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -7,6 +7,8 @@ otherwise, and plans each missing file once per new node, from a holder.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -123,36 +125,10 @@ def test_a_damaged_copy_gives_way_to_its_replica_and_both_damaged_pass_the_gener
     held = _holdings(4, {0, 1, 2, 3}, step=13)
     name = sorted(_files(0))[0]
     own = [h for h in held if h.node == 0 and not h.replica][0]
-    damaged = [
-        Holding(
-            h.holder,
-            h.step,
-            h.node,
-            h.nodes,
-            h.files,
-            h.replica,
-            h.committed,
-            frozenset({name}) if h is own else frozenset(),
-            origin=ROOT,
-        )
-        for h in held
-    ]
+    damaged = [replace(h, damaged=frozenset({name}) if h is own else frozenset()) for h in held]
     choice = choose(damaged, durable_step=10)
     assert choice.step == 13 and choice.sources[name] == ("host1",)  # the replica alone
-    both = [
-        Holding(
-            h.holder,
-            h.step,
-            h.node,
-            h.nodes,
-            h.files,
-            h.replica,
-            h.committed,
-            frozenset({name}) if h.node == 0 else frozenset(),
-            origin=ROOT,
-        )
-        for h in held
-    ]
+    both = [replace(h, damaged=frozenset({name}) if h.node == 0 else frozenset()) for h in held]
     choice = choose(both + _holdings(4, {0, 1, 2, 3}, step=12), durable_step=10)
     assert choice.step == 12
     assert choice.passed_over == (f"iteration 13: every copy of {name} is damaged (on host0, host1)",)

@@ -198,13 +198,22 @@ def save_to_memory(
     every = [s for _, box in gathered for s in box]
     tag = str(into.tag)
     failure = None if len(tags) == 1 else f"the ranks saved different tags: {sorted(map(str, tags))}"
-    if failure is None and leader:  # the node's own copy recorded (a restart sees it, uncommitted, if the job dies)
+
+    def record(of: Optional[int], replica: bool) -> Optional[str]:
+        """A node leader's record of one old node's files here (its own, or the replica it keeps)."""
+        if not leader or of is None:
+            return None
         try:
             faults.fault_point(f"memory {step}: record")
-            mine = [s for s in every if nodes.index(s.rank) == node]
-            write_record(gen, node, nodes.count, tag, into.save_id, mine, replica=False, origin=str(origin))
-        except Exception as exc:
-            failure = f"recording {gen}: {reason_of(exc)}"
+            files = [s for s in every if nodes.index(s.rank) == of]
+            write_record(gen, of, nodes.count, tag, into.save_id, files, replica=replica, origin=str(origin))
+        except Exception as exc:  # of any type: this rank's failure, said on every rank
+            return f"recording {gen}: {reason_of(exc)}"
+        return None
+
+    # the node's own copy recorded first (a restart sees it, uncommitted, if the job dies while replicating)
+    failure = None if len(tags) == 1 else f"the ranks saved different tags: {sorted(map(str, tags))}"
+    failure = failure or record(node, replica=False)
     if not _all_well(failure, gen, leader, step, "recording"):
         return False
     try:
@@ -212,13 +221,7 @@ def save_to_memory(
     except Exception as exc:  # of any type: this rank's failure, and every rank still meets in the sends
         failure = f"replicating: {reason_of(exc)}"
     failure = send_files(_replica_sends(nodes, every, gen, tag)) or failure
-    before = replica_of(node, nodes.count)
-    if failure is None and leader and before is not None:
-        try:
-            theirs = [s for s in every if nodes.index(s.rank) == before]
-            write_record(gen, before, nodes.count, tag, into.save_id, theirs, replica=True, origin=str(origin))
-        except Exception as exc:
-            failure = f"recording {gen}: {reason_of(exc)}"
+    failure = failure or record(replica_of(node, nodes.count), replica=True)
     if not _all_well(failure, gen, leader, step, "replicating"):
         return False
     if leader:
