@@ -352,12 +352,8 @@ def send_files(sends: Sequence[Send]) -> Optional[str]:
     rank's first failure."""
     dist = comm()
     me = dist.get_rank()
-    ends = [_open(s, s.source == me) for s in sends if me in (s.source, s.destination) and s.source != s.destination]
-    ops = sorted(
-        ((start // _CHUNK, i, start) for i, e in enumerate(ends) for start in range(0, e.send.size, _CHUNK)),
-        key=lambda op: (op[0], op[1]),
-    )
-    width = min(_CHUNK, max((e.send.size for e in ends), default=0))
+    mine = [s for s in sends if me in (s.source, s.destination) and s.source != s.destination]
+    width = min(_CHUNK, max((s.size for s in mine), default=0))
     dev = device()
     try:  # the window's buffers, on the host and the device, before any rank posts anything
         host = [np.empty(width, dtype=np.uint8) for _ in range(_WINDOW)]
@@ -365,8 +361,13 @@ def send_files(sends: Sequence[Send]) -> Optional[str]:
         short = None
     except Exception as exc:  # of any type (no memory on the device): every rank learns it, nobody posts
         host, staged, short = [], [], f"staging {_WINDOW} chunks of {width} bytes for the sends: {exc}"
-    if JOB.count(1 if short else 0):
+    if JOB.count(1 if short else 0):  # also a barrier: what a rank received before this call is in place
         return short or "another rank could not stage its sends"
+    ends = [_open(s, s.source == me) for s in mine]  # after the barrier: a relay reads what arrived in the last call
+    ops = sorted(
+        ((start // _CHUNK, i, start) for i, e in enumerate(ends) for start in range(0, e.send.size, _CHUNK)),
+        key=lambda op: (op[0], op[1]),
+    )
     for w in range(0, len(ops), _WINDOW):
         window = ops[w : w + _WINDOW]
         works, landing = [], []

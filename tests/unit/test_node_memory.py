@@ -14,12 +14,14 @@ from megatron_ucp.integration.node_memory import (
     COMMITTED,
     FileSum,
     Nodes,
+    committed_save,
     crc_of,
     generation,
     local_folder,
     node_files,
     node_name,
     read_holdings,
+    verify,
     write_record,
 )
 
@@ -55,14 +57,19 @@ def test_a_folder_holds_what_its_records_say_and_a_changed_file_is_damaged(tmp_p
         (where / f"f{i}.pt").write_bytes(data)
         sums.append(FileSum(f"f{i}.pt", 1, len(data), crc_of(where / f"f{i}.pt")))
     write_record(gen, 1, 4, "global_step13", "id", sums, replica=True, origin="root-id")
-    (held,), records = read_holdings(tmp_path, "n2")
+    (held,), records = read_holdings(tmp_path, "n2")  # the records alone: nothing read
     assert (held.step, held.node, held.nodes, held.replica, held.committed) == (13, 1, 4, True, False)
     assert held.files == {"f0.pt", "f1.pt"} and not held.damaged and held.origin == "root-id"
-    assert records[(13, 1)]["save_id"] == "id"
-    (gen / COMMITTED).write_text(json.dumps({"iteration": 13}))
+    assert records[(13, 1, "id")]["save_id"] == "id"
+    (gen / COMMITTED).write_text(json.dumps({"iteration": 13, "save_id": "another"}))
+    assert committed_save(gen) == "another" and not read_holdings(tmp_path, "n2")[0][0].committed  # not this save
+    (gen / COMMITTED).write_text(json.dumps({"iteration": 13, "save_id": "id"}))
+    (held,), records = read_holdings(tmp_path, "n2")
+    assert held.committed and verify(tmp_path, held, records[(13, 1, "id")]).damaged == frozenset()
     (where / "f1.pt").write_bytes(b"defh")  # same size, another byte
-    (held,), _ = read_holdings(tmp_path, "n2")
-    assert held.committed and held.damaged == {"f1.pt"} and held.sound == {"f0.pt"}
+    (where / "f0.pt").unlink()
+    checked = verify(tmp_path, held, records[(13, 1, "id")])
+    assert checked.damaged == {"f0.pt", "f1.pt"} and checked.sound == frozenset()
     (gen / "node1.json").write_text("{")  # a record that cannot be read is left out, said
     assert read_holdings(tmp_path, "n2")[0] == []
 

@@ -31,7 +31,14 @@ from typing import Any, Callable, Optional
 from megatron_ucp.background.set_aside import recover
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
-from megatron_ucp.errors import AccountingError, CheckpointFormatError, PlanError, UcpError, UnsupportedError
+from megatron_ucp.errors import (
+    AccountingError,
+    CheckpointFormatError,
+    PlanError,
+    UcpError,
+    UnsupportedError,
+    briefly,
+)
 from megatron_ucp.integration.collectives import JOB, is_first
 from megatron_ucp.integration.handled import STOCK, unhandled_reason, warn_once
 from megatron_ucp.integration.install import make_visible, restore_visibility
@@ -95,7 +102,7 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
         job = live_job(self)  # read once; everything after reads this
         call = LoadCall(job, original, load_dir, kwargs, config)
         JOB.decide(lambda: recover(Path(load_dir)))  # what a killed save left settled before anything is read
-        if tag is None and from_memory.wanted(config):
+        if from_memory.first_load() and tag is None and from_memory.wanted(config):
             loaded = _from_memory(call)
             if loaded is not None:
                 return loaded
@@ -121,7 +128,17 @@ def _engine_load(original: Callable[..., Any], config: UcpConfig) -> Callable[..
 def _from_memory(call: LoadCall) -> Any:
     """A restart from the nodes' memory saves when one newer than the durable ``latest`` is whole
     (:mod:`.from_memory`); None: load the durable checkpoint (said why)."""
-    restored = from_memory.restore(call)
+    try:
+        restored, error = from_memory.restore(call), None
+    except Exception as exc:  # of any type, on every rank alike (what restore reads, it shares first): the durable
+        restored, error = None, exc
+    if JOB.count(1 if error is not None else 0):
+        if restored is not None:
+            restored.assembly.clear()
+        if is_first():
+            said = f"reading the nodes' memory saves failed ({briefly(error) if error else 'on another rank'})"
+            log.error("megatron-ucp: restart: %s; loading the durable checkpoint", said)
+        return None
     if restored is None:
         return None
     if is_first():

@@ -1,13 +1,14 @@
 """A restart from the nodes' memory saves (``--ucp-memory-save-interval``), at the new node count.
 
-Collective, before the durable ``latest`` is read (:func:`restore`): each surviving node's leader reads what its
-folder holds, every file checked against its recorded crc32 (:func:`~megatron_ucp.integration.node_memory.
-read_holdings`); the first rank takes the newest committed generation newer than the durable ``latest`` of which
-every old node's files have a sound copy on some survivor (:func:`~megatron_ucp.plan.memory_saves.choose`: a damaged
-copy gives way to its replica) and says why each newer one is passed over. The chosen generation is assembled on
-every node as a checkpoint root of its own (the tag folder, its file list, ``latest``, Megatron's tracker): each
-file a node lacks is sent by a survivor that holds it, over the job's process group, and checked against its crc32
-on arrival; nothing is read from the parallel file system. The load then reads that root, at the new world size,
+Collective, before the durable ``latest`` is read (:func:`restore`): each surviving node's leader reads the records
+of what its folder holds (:func:`~megatron_ucp.integration.node_memory.read_holdings`); the first rank takes the
+newest committed generation newer than the durable ``latest`` of which every old node's files have a sound copy on
+some survivor (:func:`~megatron_ucp.plan.memory_saves.choose`) and says why each newer one is passed over; the
+copies of that one are read whole and checked against their crc32, and the choice made again while one is damaged
+(a damaged copy gives way to its replica). The chosen generation is assembled on every node as a checkpoint root of
+its own (the tag folder, its file list, ``latest``, Megatron's tracker): each file a node's ranks read is sent by a
+survivor that holds it, over the job's process group, and checked against its crc32 on arrival; nothing is read
+from the parallel file system. The load then reads that root, at the new world size,
 through the same routes as any load (the native reshard for a DP change). Any failure on the way: the durable tag,
 loudly.
 """
@@ -78,11 +79,7 @@ def wanted(config: UcpConfig) -> bool:
 
 def restore(call: LoadCall) -> Optional[Restored]:
     """Collective: the newest whole memory save newer than the durable ``latest`` of the call's folder, being
-    assembled on every node (None: there is none, or it could not be assembled; said why, on the first rank). Only
-    the process's first load that names no tag asks (a later one, a rollback within the run, loads as it is)."""
-    if _STATE["asked"]:
-        return None
-    _STATE["asked"] = True
+    assembled on every node (None: there is none, or it could not be assembled; said why, on the first rank)."""
     config, load_dir = call.config, call.load_dir
     started = time.monotonic()
     nodes = job_nodes()
@@ -182,6 +179,13 @@ _STATE = {"asked": False}
 def reset() -> None:
     """A new installation asks again at its first load."""
     _STATE["asked"] = False
+
+
+def first_load() -> bool:
+    """True at the process's first load (whatever it names): the only one a restart from memory may serve; a later
+    load within the run (a rollback) loads the checkpoint root as it is."""
+    first, _STATE["asked"] = not _STATE["asked"], True
+    return first
 
 
 def _choose_verified(
