@@ -1,4 +1,4 @@
-"""Files sent between ranks over the process group (integration/node_memory.send_files), with real torch.distributed
+"""Files sent between ranks over the process group (integration/node_sends.send_files), with real torch.distributed
 (gloo, three processes): many files each way between one pair, empty ones, files of many chunks with few chunks in
 flight, a file that cannot be written on one rank and one that arrives with another crc32 than recorded. The
 exchange always runs to its end on every rank (no rank left waiting); each rank says its own failures; what arrived
@@ -23,15 +23,15 @@ def _rank(rank: int, world: int, port: int, base: str) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch.distributed as dist
 
-    from megatron_ucp.integration import node_memory
+    from megatron_ucp.integration import node_sends
 
-    node_memory._CHUNK = 7  # many chunks per file
-    node_memory._WINDOW = 2  # few in flight
+    node_sends._CHUNK = 7  # many chunks per file
+    node_sends._WINDOW = 2  # few in flight
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     root = Path(base)
     plan = json.loads((root / "plan.json").read_text())
-    sends = [node_memory.Send(*s) for s in plan]
-    failure = node_memory.send_files(sends)
+    sends = [node_sends.Send(*s) for s in plan]
+    failure = node_sends.send_files(sends)
     (root / f"outcome{rank}.json").write_text(json.dumps(failure))
     dist.barrier()
     dist.destroy_process_group()

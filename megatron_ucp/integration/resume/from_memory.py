@@ -39,7 +39,6 @@ from megatron_ucp.integration.node_memory import (
     RESTORED,
     Nodes,
     Records,
-    Send,
     generation,
     job_nodes,
     local_folder,
@@ -48,9 +47,9 @@ from megatron_ucp.integration.node_memory import (
     read_progress,
     remove,
     root_origin,
-    send_files,
     verify,
 )
+from megatron_ucp.integration.node_sends import Send, send_files
 from megatron_ucp.integration.resume.native.binding import engine_save_files
 from megatron_ucp.plan.experts import EXPERT_FILE_RE
 from megatron_ucp.plan.memory_saves import Choice, Holding, choose, transfer_rounds

@@ -36,7 +36,6 @@ from megatron_ucp.integration.node_memory import (
     RESTORED,
     FileSum,
     Nodes,
-    Send,
     crc_of,
     generation,
     generations,
@@ -46,9 +45,9 @@ from megatron_ucp.integration.node_memory import (
     node_files,
     remove,
     root_origin,
-    send_files,
     write_record,
 )
+from megatron_ucp.integration.node_sends import Send, send_files
 from megatron_ucp.integration.save.commit import WriteWatch, reason_of, watched_writes
 from megatron_ucp.plan.memory_saves import generations_to_drop, partner, replica_of
 
