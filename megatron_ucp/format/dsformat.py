@@ -12,6 +12,8 @@ import re
 # ---- DeepSpeed file names -------------------------------------------------------------------
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+"""Megatron's own pointer to the newest save: the iteration, beside ``latest``."""
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 OPTIM_FILE_RE = re.compile(r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
 MODEL_FILE_RE = re.compile(r"^mp_rank_(?P<mp>\d+)(?:_(?P<pp>\d+))?_model_states\.pt$")

@@ -315,8 +315,6 @@ class Restoring(Protocol):
     """A restart from memory in progress: which files of its folder are held on other nodes, and the collective that
     brings some here."""
 
-    def held_elsewhere(self, path: Path) -> bool: ...
-
     def fetch(self, paths: Sequence[Path]) -> None: ...
 
     def names_elsewhere(self, folder: Path) -> list[str]: ...
@@ -343,15 +341,9 @@ def fetch(paths: Sequence[Path]) -> None:
         assembly.fetch(paths)
 
 
-def held_elsewhere(path: Path) -> bool:
-    """``path`` is a file of the memory save being loaded that another node holds (not missing: brought here by
-    :func:`fetch` when a rank of this node reads it)."""
-    assembly = _RESTORING.get()
-    return assembly is not None and assembly.held_elsewhere(path)
-
-
 def names_elsewhere(folder: Path) -> list[str]:
-    """The names of the files of ``folder`` (a memory save's tag folder being loaded) that other nodes hold, for the
-    checks that count a tag's rank files; [] outside a restart from memory."""
+    """The names of the files of ``folder`` (a memory save's tag folder being loaded) that other nodes hold (not
+    missing: brought here by :func:`fetch` when a rank of this node reads one), for the checks that look for a tag's
+    rank files; [] outside a restart from memory."""
     assembly = _RESTORING.get()
     return assembly.names_elsewhere(folder) if assembly is not None else []

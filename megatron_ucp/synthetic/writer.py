@@ -135,7 +135,7 @@ def write_checkpoint(
     if rank_files is None:
         _recovery_scripts(spec, root)
         if spec.flavour == "megatron":
-            _replace_text(root / "latest_checkpointed_iteration.txt", str(spec.iteration))
+            _replace_text(root / F.MEGATRON_TRACKER, str(spec.iteration))
         _replace_text(root / F.LATEST, spec.tag)
     seconds = time.perf_counter() - started
     log.debug(  # the CLI prints its own completion line

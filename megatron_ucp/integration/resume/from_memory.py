@@ -16,7 +16,6 @@ loudly.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -32,6 +31,7 @@ from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import CheckpointFormatError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format import osio
+from megatron_ucp.format.paths import read_tag_file
 from megatron_ucp.format.save_files import describe, file_list_path, file_list_text
 from megatron_ucp.integration.collectives import JOB, comm, is_first
 from megatron_ucp.integration.live_job import LoadCall
@@ -56,8 +56,6 @@ from megatron_ucp.plan.memory_saves import Choice, Holding, choose, transfer_rou
 from megatron_ucp.plan.tags import tag_step
 
 log = logging.getLogger(__name__)
-
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 @dataclass(frozen=True)
@@ -150,7 +148,7 @@ def restore(call: LoadCall) -> Optional[Restored]:
             log.error("megatron-ucp: restart: %s", said)
             record(load_dir, said, None)
         return None
-    own_sound = {name for h in holdings if h.step == step and not h.replica for name in h.sound}
+    own_sound = {name for h in holdings if not h.replica for name in h.sound}  # the chosen save's holdings
     from_replicas = sorted({f"node {of_file[name][0]}" for name in choice.sources if name not in own_sound})
     summary = (
         f"restarting from the memory save of iteration {step} ({tag}, saved by {len(old_nodes)} node(s)) on "
@@ -258,9 +256,10 @@ def record(load_dir: os.PathLike | str, said: str, step: Optional[int]) -> None:
 
 
 def _durable_tag(load_dir: Path) -> Optional[str]:
+    """The tag the durable ``latest`` names (None: none, or unreadable: the durable load's own fallback says why)."""
     try:
-        return (load_dir / F.LATEST).read_text().strip() or None
-    except OSError:
+        return read_tag_file(load_dir / F.LATEST)
+    except CheckpointFormatError:
         return None
 
 
@@ -358,9 +357,6 @@ class Assembly:
     def names_elsewhere(self, folder: Path) -> list[str]:
         return sorted(self.of_file) if self.lazy and Path(folder) == self.root / self.tag else []
 
-    def held_elsewhere(self, path: Path) -> bool:
-        return self.lazy and Path(path).parent == self.root / self.tag and Path(path).name in self.of_file
-
 
 def _link(source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -377,6 +373,5 @@ def _write_root(root: Path, tag: str, step: int, save_id: str) -> None:
     listing = file_list_path(root, tag)
     listing.parent.mkdir(parents=True, exist_ok=True)
     osio.write_durably(listing, file_list_text(folder, save_id, files))
-    osio.write_durably(root / TRACKER, str(step))
+    osio.write_durably(root / F.MEGATRON_TRACKER, str(step))
     osio.write_durably(root / F.LATEST, tag)
-    osio.write_durably(root / F.UCP_DIR / "memory_restart.json", json.dumps({"iteration": step, "tag": tag}))

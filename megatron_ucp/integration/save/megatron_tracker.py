@@ -22,8 +22,9 @@ from typing import Any, Optional
 
 from megatron_ucp.background.set_aside import Pointer
 from megatron_ucp.background.store import ucp_dir
+from megatron_ucp.format import dsformat as F
 
-TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER = F.MEGATRON_TRACKER
 _NEXT: dict[str, Path] = {}
 """Save folder -> where Megatron's next tracker write goes instead (set after a save returns, taken by that write)."""
 

@@ -196,7 +196,6 @@ def save_to_memory(
     tags = {t for t, _ in gathered}
     every = [s for _, box in gathered for s in box]
     tag = str(into.tag)
-    failure = None if len(tags) == 1 else f"the ranks saved different tags: {sorted(map(str, tags))}"
 
     def record(of: Optional[int], replica: bool) -> Optional[str]:
         """A node leader's record of one old node's files here (its own, or the replica it keeps)."""

@@ -231,7 +231,8 @@ def check_presence(model_states: Path, rank_file: RankFile, dp_from: int) -> lis
     """The ``dp_from`` old rank files the model states name, each a readable file, and no other of this
     model-parallel rank in the folder; raises naming the first that is not. Returns their paths."""
     expected = [rank_file(r) for r in range(dp_from)]
-    unreadable = [(p, why) for p in expected if (why := absent(p)) is not None and not node_memory.held_elsewhere(p)]
+    elsewhere = set(node_memory.names_elsewhere(model_states.parent))  # a memory save's, on other nodes: not missing
+    unreadable = [(p, why) for p in expected if (why := absent(p)) is not None and p.name not in elsewhere]
     if unreadable:
         path, why = unreadable[0]
         more = f" ({len(unreadable)} of the {dp_from} rank files the model states' DP={dp_from} needs are unreadable)"
@@ -243,8 +244,7 @@ def check_presence(model_states: Path, rank_file: RankFile, dp_from: int) -> lis
                 subject=path,
             )
         raise CheckpointFormatError(f"{path}: {why}{more if len(unreadable) > 1 else ''}", subject=path, damaged=path)
-    held = [p.name for p in expected if node_memory.held_elsewhere(p)]
-    problem = rank_file_count_problem(model_states.parent, dp_from, like=expected[0].name, held=held)
+    problem = rank_file_count_problem(model_states.parent, dp_from, like=expected[0].name, held=sorted(elsewhere))
     if problem is not None:
         raise CheckpointFormatError(problem, subject=model_states.parent, damaged=model_states.parent)
     return expected
