@@ -8,9 +8,11 @@ harness's GPT-like model) trains and saves ``--saves`` times, ``--gap`` steps ap
   no hooks;
 * ``sync``: the hooks' save (record, commit across the job);
 * ``async``: the hooks with ``async_save`` (the state copied into host memory, written in the background);
-* ``memory``: the hooks' memory save (``megatron_ucp.save_to_memory``: each rank's files into its node's folder in
-  ``/dev/shm``, here one node per rank, each node's files replicated on the next node over gloo, committed across the
-  job), in place of the save; its folder's size per node is reported (two generations and a replica at most).
+* ``memory``: the hooks' memory save (``megatron_ucp.save_to_memory``: each rank's state copied into host memory,
+  its files written into its node's folder in ``/dev/shm`` by the memory saves' writer thread, here one node per rank,
+  each node's files replicated on the next node over their own gloo group and committed, in that thread), in place of
+  the save; its folder's size per node at rest is reported (one generation and a replica; two while the next one is
+  written).
 
 Per save, on the slowest rank: the time inside ``save_checkpoint``, and the extra time of the next step over an idle
 step (a write that still holds the CPU, the commit's all-reduce, a decoupled engine's commit); their sum is the
@@ -141,6 +143,11 @@ def _worker(cfg: WorkerConfig) -> None:
         import megatron_ucp
 
         megatron_ucp.uninstall()  # the last save committed while the ranks still meet
+    if cfg.mode == "memory":  # the last memory save committed (in the writer threads): the folders at rest
+        from megatron_ucp.integration.save import memory_save
+
+        memory_save.wait()
+        dist.barrier()
     if cfg.mode == "decoupled":  # its last save committed and its writer process ended (it outlives the rank else)
         engine._commit_decoupled_checkpoint()
         engine.checkpoint_engine.cleanup()

@@ -28,10 +28,13 @@ __all__ = [
 
 
 def wait_for_saves() -> None:
-    """Collective: this process's asynchronous saves written and committed (for a script that reads a save's files
-    itself right after ``save_checkpoint``; a load through the engine waits by itself). Nothing to do without them."""
+    """Collective: this process's asynchronous saves written and committed, and its memory save's commit done (for a
+    script that reads a save's files itself right after ``save_checkpoint``, or that leaves its process group through
+    ``torch.distributed`` itself; a load through the engine waits by itself). Nothing to do without them."""
     from megatron_ucp.integration.save.async_save import wait_for_saves as wait
+    from megatron_ucp.integration.save.memory_save import wait as wait_for_memory
 
+    wait_for_memory()
     wait()
 
 
@@ -39,8 +42,9 @@ def save_to_memory(root: "os.PathLike | str", iteration: int, save: Callable[[st
     """Collective: a memory save at ``iteration`` (``--ucp-memory-save-interval``) of the job whose durable saves go
     to ``root``: ``save(folder)`` is the job's own save into ``folder`` (``engine.save_checkpoint(folder, ...)``, or
     Megatron's ``save_checkpoint`` with ``args.save`` there), written to the node's memory and replicated on the next
-    node. True when committed; False when it failed (said on every rank; training goes on). The runner calls it by
-    itself for Megatron-DeepSpeed scripts."""
+    node. True once every rank's state is copied into host memory (the files are written and the save committed by
+    the memory saves' writer thread, beside training); False when it failed (said on every rank; training goes on).
+    The runner calls it by itself for Megatron-DeepSpeed scripts."""
     from megatron_ucp.integration.save.memory_save import save_to_memory as save_now
 
     config = active_config()

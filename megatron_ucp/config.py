@@ -95,7 +95,8 @@ class UcpConfig:
     ranks_per_node: Optional[int] = None
     """Processes per node, to pick one converter per node; None reads LOCAL_WORLD_SIZE / launcher env."""
     converter_exit_wait: int = 900
-    """Seconds a node's launcher process waits at exit for its background converter (0: no wait)."""
+    """Seconds a node's launcher process waits at exit for its background converter, and each rank for its saves in
+    flight (asynchronous saves, the last memory save's commit) (0: no wait)."""
 
     # --- safety -------------------------------------------------------------------------------
     allow_untested_deepspeed: bool = False
@@ -223,7 +224,8 @@ _HELP = {
     "safetensors, config, tokenizer) in the background converter",
     "converter_workers": "worker processes per converter (one converter per node)",
     "converter_threads": "OpenMP/torch threads of each converter process (torch is only used for rare fallbacks)",
-    "converter_exit_wait": "seconds a node waits at exit for its background converter to finish (0: do not wait)",
+    "converter_exit_wait": "seconds a node waits at exit for its background converter to finish, and each rank for its "
+    "saves in flight (asynchronous saves, the last memory save's commit) (0: do not wait)",
     "ranks_per_node": "processes per node, to run one converter per node ('auto': LOCAL_WORLD_SIZE)",
     "allow_untested_deepspeed": "install the hooks on a DeepSpeed version they were not written for",
     "keep_global_batch": "on a DP change, keep the checkpoint's global batch unless --global-batch-size is given",

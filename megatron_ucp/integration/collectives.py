@@ -48,6 +48,12 @@ _EXIT_GRACE_S = 0.05
 _AT_EXIT = {"registered": False}
 
 
+def let_go_at_exit() -> None:
+    """At the exit, after collectives an exit handler waited for: the backend's threads given the moment to let go of
+    their tensors (:data:`_LENT`)."""
+    time.sleep(_EXIT_GRACE_S)
+
+
 def _lend(*tensors: torch.Tensor) -> None:
     if not _AT_EXIT["registered"]:
         _AT_EXIT["registered"] = True
@@ -77,10 +83,17 @@ class Collective:
     """One process group's collectives (None: the whole job), shaped like PyTorch DCP's ``_DistWrapper``: each either
     gives every rank of the group the same value or raises the same error on every rank, so that no rank is left
     waiting in a collective another never reaches. Every collective of the save and the resume goes through here,
-    on the accelerator's device (gloo/CPU, ccl/XPU, nccl/CUDA)."""
+    on the accelerator's device (gloo/CPU, ccl/XPU, nccl/CUDA), or on the host for a gloo group beside them
+    (``host``: the memory saves')."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, host: bool = False) -> None:
         self.group = group
+        self.host = host
+        """Its tensors on the host: a gloo group beside an accelerator's backend."""
+
+    def tensor_device(self) -> torch.device:
+        """Where this group's tensors live: the host for a host group, else the accelerator's device."""
+        return torch.device("cpu") if self.host else device()
 
     @property
     def rank(self) -> int:
@@ -147,11 +160,11 @@ class Collective:
 
     def total(self, table: torch.Tensor) -> torch.Tensor:
         """A host table summed over the group (on the device, back on the host): the same rows on every rank."""
-        return self.sum(table.to(device())).cpu()
+        return self.sum(table.to(self.tensor_device())).cpu()
 
     def count(self, flag: int) -> int:
         """Sum of one small integer across the group (also a barrier)."""
-        return int(self.sum(torch.tensor([int(flag)], dtype=torch.int64, device=device())).item())
+        return int(self.sum(torch.tensor([int(flag)], dtype=torch.int64, device=self.tensor_device())).item())
 
     def gather(self, boxes: list[torch.Tensor], mine: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``mine`` into ``boxes``."""

@@ -1,5 +1,6 @@
-"""Files sent between ranks over the job's own process group (the memory saves' replicas, and a restart's files
-brought to the nodes that read them): chunks through the accelerator's device, a bounded window in flight, every
+"""Files sent between ranks over a process group of the whole job (the memory saves' replicas, over their own gloo
+group; a restart's files brought to the nodes that read them, over the job's): chunks through the group's device (the
+accelerator's, or the host for a gloo group), a bounded window in flight, every
 file checked against its crc32 on arrival, and every failure on a rank kept while the exchange runs to its end on
 every rank.
 """
@@ -15,7 +16,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from megatron_ucp.integration.collectives import JOB, comm, device
+from megatron_ucp.integration.collectives import JOB, Collective, comm
 
 _CHUNK = 64 << 20
 """Bytes per message of a file sent between nodes."""
@@ -50,26 +51,26 @@ class _End:
     failed: Optional[str] = None
 
 
-def send_files(sends: Sequence[Send]) -> Optional[str]:
+def send_files(sends: Sequence[Send], over: Collective = JOB) -> Optional[str]:
     """Collective (every rank with the same ``sends``, in the same order): each file read on its source rank and
     written on its destination rank (a temporary name, its crc32 compared on arrival, then renamed), in chunks through
-    the accelerator's device, all pairs at once, at most :data:`_WINDOW` chunks in flight per rank. Each rank takes its
+    the group's device, all pairs at once, at most :data:`_WINDOW` chunks in flight per rank. Each rank takes its
     chunks in one global order (chunk index, then the send's place in ``sends``) and waits for a window before the
     next: the earliest chunk not yet moved always has both ends posted, so no rank waits forever. A failure here (a
     file that cannot be read or written, or arrives damaged) is kept and the exchange goes on to its end. Returns this
-    rank's first failure."""
+    rank's first failure. ``over``: the process group the sends go through (every rank of the job is in it)."""
     dist = comm()
     me = dist.get_rank()
     mine = [s for s in sends if me in (s.source, s.destination) and s.source != s.destination]
     width = min(_CHUNK, max((s.size for s in mine), default=0))
-    dev = device()
+    dev = over.tensor_device()
     try:  # the window's buffers, on the host and the device, before any rank posts anything
         host = [np.empty(width, dtype=np.uint8) for _ in range(_WINDOW)]
         staged = [torch.from_numpy(h).to(dev) for h in host]  # the host buffers themselves where the device is
         short = None
     except Exception as exc:  # of any type (no memory on the device): every rank learns it, nobody posts
         host, staged, short = [], [], f"staging {_WINDOW} chunks of {width} bytes for the sends: {exc}"
-    if JOB.count(1 if short else 0):  # also a barrier: what a rank received before this call is in place
+    if over.count(1 if short else 0):  # also a barrier: what a rank received before this call is in place
         return short or "another rank could not stage its sends"
     ends = [_open(s, s.source == me) for s in mine]  # after the barrier: a relay reads what arrived in the last call
     ops = sorted(
@@ -87,9 +88,9 @@ def send_files(sends: Sequence[Send]) -> Optional[str]:
                 _read_into(e, buffer, start)
                 if chunk.data_ptr() != buffer.ctypes.data:
                     chunk.copy_(torch.from_numpy(buffer))
-                works.append(dist.isend(chunk, e.send.destination))
+                works.append(dist.isend(chunk, e.send.destination, group=over.group))
             else:
-                works.append(dist.irecv(chunk, e.send.source))
+                works.append(dist.irecv(chunk, e.send.source, group=over.group))
                 landing.append((e, buffer, start, chunk))
         for work in works:
             work.wait()

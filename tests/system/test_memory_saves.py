@@ -1,6 +1,7 @@
 """Memory saves and the restart from them, with real DeepSpeed (CPU, gloo): four ranks as four nodes (each its own
 local folder, ``MEGATRON_UCP_NODE_NAMES``), a memory save every step, a durable save at step 10, the job dying after
-step 13; then a restart on the survivors at the new node count.
+step 14 (the memory save of step 13 taken at its start and committed by the writer threads before the crash); then a
+restart on the survivors at the new node count.
 
 * one node lost: the survivors resume from step 13 (that node's files from their replica), bit for bit, and the
   losses continue the uninterrupted run;
@@ -30,6 +31,7 @@ NODES = ("n0", "n1", "n2", "n3")
 STEPS = 16
 DURABLE = 10
 CRASH = 13
+"""The newest memory save the crashed job committed: it dies after the next step."""
 
 
 def _memory(base: Path) -> dict:
@@ -51,7 +53,8 @@ def _reference(runs: ElasticRuns) -> TrainResult:
 
 
 def _crashed(runs: ElasticRuns, name: str = "crashed", env: dict | None = None) -> Path:
-    """A job of four nodes that saved to memory every step and durably at step 10, dead after step 13's saves."""
+    """A job of four nodes that saved to memory every step and durably at step 10, dead after step 14 (its memory
+    save of step 13 committed)."""
 
     def make(folder: Path) -> Path:
         result = run_training(
@@ -61,7 +64,7 @@ def _crashed(runs: ElasticRuns, name: str = "crashed", env: dict | None = None) 
                 save_dir=folder / "ckpt",
                 save_at=(DURABLE,),
                 memory_every=1,
-                crash=(CRASH, 1),
+                crash=(CRASH + 1, 1),
                 expect_failure=True,
                 dump_dir=folder / "dumps",
                 plugin=True,
@@ -174,10 +177,19 @@ def test_a_memory_save_damaged_in_its_copy_and_its_replica_gives_way_to_the_dura
 def test_a_job_killed_during_a_memory_save_resumes_from_the_previous_generation(
     runs: ElasticRuns, tmp_path: Path
 ) -> None:
+    """Rank 2 killed while its writer thread replicates the memory save of step 13: that node keeps the generation it
+    was cutting (nothing ran after the kill); the others' commits break off, and each removes its part when its
+    process lives long enough. The restart (node 1 lost) passes the cut generation over, saying why, and resumes from
+    step 12, on the curve."""
     crashed = _crashed(runs, "killed", env={"MEGATRON_UCP_TEST_FAULT": f"memory {CRASH}: replicate:2:kill"})
-    held = sorted(p.name for p in _node_folder(crashed, "n0").iterdir() if p.name.startswith("iter_"))
-    assert held == [f"iter_{CRASH - 1:07d}", f"iter_{CRASH:07d}"], held  # the newest committed one, and the one cut
-    resumed = _restart(crashed, tmp_path, ("n0", "n1", "n3"))
+
+    def held(node: str) -> list[str]:
+        return sorted(p.name for p in _node_folder(crashed, node).iterdir() if p.name.startswith("iter_"))
+
+    newest, cut = f"iter_{CRASH - 1:07d}", f"iter_{CRASH:07d}"
+    assert held("n2") == [newest, cut], held("n2")  # the newest committed one, and the one cut
+    assert held("n0") in ([newest], [newest, cut]), held("n0")
+    resumed = _restart(crashed, tmp_path, ("n0", "n2", "n3"))
     assert resumed.loaded_step == CRASH - 1, resumed.log[-4000:]
     assert f"iteration {CRASH}: not committed (the job stopped while saving it)" in resumed.rank_logs()[0]
     assert_losses_continue(resumed, _reference(runs).loss_at)
@@ -189,7 +201,8 @@ LAYOUTS = {name: fields for name, fields in HARNESS_LAYOUTS.items() if name != "
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_every_zero_layout_resumes_from_memory_at_the_new_node_count_bit_for_bit(layout: str, tmp_path: Path) -> None:
     """Each other layout the fork trains (the fork's own: tests/integration): a memory save every step, the job dead
-    after step 3, a node lost, the survivors at DP 3 from step 3, every master and state as saved."""
+    after step 4 (its memory save of step 3 committed), a node lost, the survivors at DP 3 from step 3, every master
+    and state as saved."""
     fields = LAYOUTS[layout]
     crashed = run_training(
         TrainSpec(
@@ -197,7 +210,7 @@ def test_every_zero_layout_resumes_from_memory_at_the_new_node_count_bit_for_bit
             steps=5,
             save_dir=tmp_path / "job" / "ckpt",
             memory_every=1,
-            crash=(3, 1),
+            crash=(4, 1),
             expect_failure=True,
             dump_dir=tmp_path / "job" / "dumps",
             plugin=True,
@@ -242,7 +255,7 @@ def test_a_restart_whose_load_needs_the_universal_twin_loads_the_durable_tag_say
             save_dir=job / "ckpt",
             save_at=(2,),
             memory_every=1,
-            crash=(3, 1),
+            crash=(4, 1),
             expect_failure=True,
             plugin=True,
             plugin_kwargs=_memory(job),
@@ -277,7 +290,7 @@ def test_a_failed_memory_save_is_removed_said_and_training_goes_on_with_the_prev
     result = run_training(
         TrainSpec(
             dp=2,
-            steps=4,
+            steps=5,
             save_dir=tmp_path / "ckpt",
             save_at=(2,),
             memory_every=1,
@@ -287,7 +300,7 @@ def test_a_failed_memory_save_is_removed_said_and_training_goes_on_with_the_prev
             timeout=300,
         )
     )
-    assert result.ok and result.steps[-1] == 4, result.log[-3000:]
+    assert result.ok and result.steps[-1] == 5, result.log[-3000:]
     log = result.rank_logs()[0]
     assert "the memory save of iteration 3 failed writing" in log and "ValueError" in log, log[-3000:]
     assert "memory save of iteration 4 (global_step4): 3 file(s) on 2 node(s)" in log
@@ -327,3 +340,100 @@ def test_fresh_nodes_joining_the_survivors_get_the_model_states_relayed_through_
     assert f"restarting from the memory save of iteration {CRASH}" in resumed.rank_logs()[0]
     assert "in up to 3 round(s)" in resumed.rank_logs()[0]  # 1 holder -> 2 -> 4 -> 6 nodes
     assert_same_state(crashed / "dumps" / f"state_step{CRASH}.pt", tmp_path / "dumps" / f"state_step{CRASH}_loaded.pt")
+
+
+def test_memory_saves_beside_asynchronous_durable_saves_resume_from_the_newest_bit_for_bit(tmp_path: Path) -> None:
+    """Asynchronous durable saves (every 2 steps, written by their writer) and memory saves (every step, written and
+    committed by theirs) in one job: each durable save waits for the memory save in flight, neither stalls the
+    other's files; the job dies after step 6 (its asynchronous save still in flight), a node is lost, and the
+    survivors resume from the memory save of step 5 (newer than the durable step 4), bit for bit."""
+    job = tmp_path / "job"
+    kwargs = {**_memory(job), "async_save": True}
+    crashed = run_training(
+        TrainSpec(
+            dp=4,
+            steps=8,
+            save_dir=job / "ckpt",
+            save_at=(2, 4, 6),
+            memory_every=1,
+            crash=(6, 1),
+            expect_failure=True,
+            dump_dir=job / "dumps",
+            plugin=True,
+            plugin_kwargs=kwargs,
+            env={"MEGATRON_UCP_NODE_NAMES": ",".join(NODES)},
+            timeout=300,
+        )
+    )
+    assert crashed.returncode != 0, crashed.log[-3000:]
+    # the asynchronous save of step 6 was in flight when rank 1 died of an exception: never committed
+    assert (job / "ckpt" / "latest").read_text().strip() == "global_step4", crashed.log[-3000:]
+    shutil.rmtree(job / "local" / "n1")
+    resumed = run_training(
+        TrainSpec(
+            dp=3,
+            steps=8,
+            load_dir=job / "ckpt",
+            save_dir=job / "ckpt",
+            dump_dir=tmp_path / "resumed",
+            plugin=True,
+            plugin_kwargs=kwargs,
+            env={"MEGATRON_UCP_NODE_NAMES": "n0,n2,n3"},
+            timeout=300,
+        )
+    )
+    said = resumed.rank_logs()[0]
+    assert resumed.loaded_step == 5 and "restarting from the memory save of iteration 5" in said, said[-4000:]
+    assert_same_state(job / "dumps" / "state_step5.pt", tmp_path / "resumed" / "state_step5_loaded.pt")
+    assert resumed.ok and resumed.steps[-1] == 8, resumed.log[-3000:]
+
+
+def test_a_second_node_lost_after_a_restart_from_memory_resumes_from_the_restarted_jobs_memory_save(
+    runs: ElasticRuns, tmp_path: Path
+) -> None:
+    """The sequence a long job meets: four nodes, one lost, the three survivors restart from memory at DP 3 and take
+    memory saves of their own on their new ring; then another node is lost (dying after step 15), and the two left
+    resume from the DP 3 job's memory save of step 14 (the lost node's files from its replica), bit for bit."""
+    crashed = _crashed(runs)
+    survivors = ("n0", "n2", "n3")
+    shutil.copytree(crashed / "ckpt", tmp_path / "ckpt")
+    for node in survivors:
+        shutil.copytree(_node_folder(crashed, node), _node_folder(tmp_path, node))
+    second = run_training(
+        TrainSpec(
+            dp=3,
+            steps=STEPS,
+            load_dir=tmp_path / "ckpt",
+            save_dir=tmp_path / "ckpt",
+            memory_every=1,
+            crash=(CRASH + 2, 1),
+            expect_failure=True,
+            dump_dir=tmp_path / "dumps",
+            plugin=True,
+            plugin_kwargs=_memory(tmp_path),
+            env={"MEGATRON_UCP_NODE_NAMES": ",".join(survivors)},
+            timeout=300,
+        )
+    )
+    assert second.returncode != 0 and second.loaded_step == CRASH, second.log[-4000:]
+    shutil.rmtree(_node_folder(tmp_path, "n3"))
+    third = run_training(
+        TrainSpec(
+            dp=2,
+            steps=STEPS,
+            load_dir=tmp_path / "ckpt",
+            save_dir=tmp_path / "ckpt",
+            dump_dir=tmp_path / "third",
+            plugin=True,
+            plugin_kwargs=_memory(tmp_path),
+            env={"MEGATRON_UCP_NODE_NAMES": "n0,n2"},
+            timeout=300,
+        )
+    )
+    said = third.rank_logs()[0]
+    step = CRASH + 1
+    assert third.loaded_step == step, third.log[-4000:]
+    assert f"restarting from the memory save of iteration {step} (global_step{step}, saved by 3 node(s))" in said, said
+    assert "replicas used for node 2" in said, said[-3000:]
+    assert_same_state(tmp_path / "dumps" / f"state_step{step}.pt", tmp_path / "third" / f"state_step{step}_loaded.pt")
+    assert third.ok and third.steps[-1] == STEPS, third.log[-3000:]

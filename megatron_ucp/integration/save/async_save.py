@@ -27,9 +27,9 @@ written fails it too. A job that dies of an exception does not wait at its exit 
 meet: its saves in flight stay uncommitted, ``latest`` names the previous one, and the next start puts back what
 they set aside (:func:`~megatron_ucp.background.set_aside.recover`).
 
-Size: one save's life, from its copy through the writer thread to its commit at a step or at the end of the run,
-shares one state (the saves in flight, the host slots, the writer and its queue); split, each part would reach into
-the others'.
+Size: one save's life, from its copy to its commit at a step or at the end of the run, shares one state (the saves
+in flight, the host slots, the writer); split, each part would reach into the others'. The writer thread itself is
+:mod:`~megatron_ucp.integration.save.writer` (the memory saves have one too).
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
-import queue
 import sys
 import threading
 import time
@@ -52,7 +50,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_ucp import faults
-from megatron_ucp.background.store import NICE_INCREMENT, record_save_outcome, ucp_dir
+from megatron_ucp.background.store import record_save_outcome, ucp_dir
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import SaveFailedError
@@ -72,6 +70,7 @@ from megatron_ucp.integration.save.commit import (
     write_pointer,
 )
 from megatron_ucp.integration.save.host_copy import HostBuffers, HostCopy, HostMemoryShort, WhenWritten, written_form
+from megatron_ucp.integration.save.writer import Writer, write
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +103,10 @@ class InFlight:
     engine: Any = None
     """The engine that saved: its configuration decides what follows the commit (the background conversion), whichever
     engine's step, load or exit commits it."""
+    after_write: Optional[Callable[[str], None]] = None
+    """Called by the writer on each file written (a memory save's checksums, off the training thread)."""
+    then: Optional[Callable[[], None]] = None
+    """Called by the writer once the files are done, written or not (a memory save's commit)."""
 
 
 @dataclass
@@ -112,8 +115,7 @@ class _State:
     in_flight: collections.deque = field(default_factory=collections.deque)
     slots: list[HostBuffers] = field(default_factory=list)
     saves: int = 0
-    work: "queue.Queue[Optional[InFlight]]" = field(default_factory=queue.Queue)
-    writer: Optional[threading.Thread] = None
+    writer: Writer = field(default_factory=lambda: Writer("megatron-ucp-writer"))
     failed: list[str] = field(default_factory=list)
     short_warned: bool = False
     unsupported_warned: bool = False
@@ -143,7 +145,7 @@ def install(patches: Any, config: UcpConfig) -> None:
     """Asynchronous saves for this process: the save hook routes here (:func:`enabled`); each optimizer step
     commits what every rank finished writing; the end of the run commits the rest."""
     _state.config = config
-    _state.slots = [HostBuffers(pin=_pinning()) for _ in range(config.saves_in_flight)]
+    _state.slots = [HostBuffers(pin=pinning()) for _ in range(config.saves_in_flight)]
     surface.replace(patches, surface.ENGINE, "_take_model_step", _committing_step)
     surface.replace(patches, surface.ENGINE, "load_checkpoint", _loading_after_the_saves, stack=True)
     surface.replace(patches, surface.TORCH_BACKEND, "destroy_process_group", _committing_before_leaving)
@@ -267,7 +269,7 @@ def _commit_before_leaving() -> None:
         settle(None, block=True)
 
 
-def _pinning() -> Optional[Callable[[Any], Any]]:
+def pinning() -> Optional[Callable[[Any], Any]]:
     """How host buffers are pinned where the state lives on an accelerator (page-locked: copies at the link's speed,
     overlapped), through the accelerator's own ``pin_memory``; None on the CPU."""
     import torch
@@ -317,22 +319,17 @@ def async_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: d
         watch=WriteWatch(save.tag, rank),
         engine=engine,
     )
-    host = HostCopy(_state.slots[_state.saves % len(_state.slots)])
+    slot = _state.slots[_state.saves % len(_state.slots)]
     _state.saves += 1
     t0 = time.perf_counter()
-    copying = _COPYING.set(True)
-    try:
-        with put_back_if_raised(save), watched_writes(engine, lambda ce_save: _capture(ce_save, flight, host)):
-            result = original(*bound.args, **bound.kwargs)
-            host.finish(surface.accelerator().synchronize)
-    finally:
-        _COPYING.reset(copying)
+    with put_back_if_raised(save):
+        result, host = copy_to_host(engine, lambda: original(*bound.args, **bound.kwargs), flight, slot)
     flight.returned = time.monotonic()
     _state.last_copied = host.copied_bytes
     if flight.iteration is not None and not _state.redirected:  # Megatron writes its tracker next: aside
         flight.tracker = megatron_tracker.aside_next_write(save.save_dir, save.tag)
     _state.in_flight.append(flight)
-    _start_writer().put(flight)
+    _state.writer.put(flight)
     if is_first():
         log.info(
             "megatron-ucp: %s copied into host memory in %.3fs (%.1f MB on this rank); written in the background, "
@@ -342,6 +339,20 @@ def async_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: d
             host.copied_bytes / 1e6,
         )
     return result
+
+
+def copy_to_host(engine: Any, call: Callable[[], Any], flight: InFlight, slot: HostBuffers) -> tuple[Any, HostCopy]:
+    """``call()`` (DeepSpeed's ``save_checkpoint``) with every file it saves copied into ``slot`` for ``flight``
+    instead of written (the writer writes them): its result, once the copies are taken."""
+    host = HostCopy(slot)
+    copying = _COPYING.set(True)
+    try:
+        with watched_writes(engine, lambda ce_save: _capture(ce_save, flight, host)):
+            result = call()
+            host.finish(surface.accelerator().synchronize)
+    finally:
+        _COPYING.reset(copying)
+    return result, host
 
 
 def when_written(compute: Callable[..., Any], *args: Any) -> Any:
@@ -361,96 +372,12 @@ def _capture(ce_save: Callable[..., Any], flight: InFlight, host: HostCopy) -> C
                 _state.short_warned = True
                 why = str(exc) if isinstance(exc, HostMemoryShort) else f"its copy failed ({reason_of(exc)})"
                 log.warning("megatron-ucp: %s: %s: written before the save returns", path, why)
-            _write(flight, lambda target: ce_save(written_form(state_dict), target, *args, **kwargs), str(path))
+            write(flight, lambda target: ce_save(written_form(state_dict), target, *args, **kwargs), str(path))
             return None
         flight.files.append((lambda s, target: ce_save(s, target, *args, **kwargs), copied, str(path)))
         return None
 
     return save
-
-
-# ------------------------------------------------------------------------------------------------
-# the writer thread: each file to a temporary name, fsync'd, renamed into place
-# ------------------------------------------------------------------------------------------------
-
-
-def _start_writer() -> "queue.Queue[Optional[InFlight]]":
-    if _state.writer is None or not _state.writer.is_alive():
-        _state.writer = threading.Thread(target=_write_saves, name="megatron-ucp-writer", daemon=True)
-        _state.writer.start()
-    return _state.work
-
-
-def _write_saves() -> None:
-    _lower_priority()
-    while True:
-        flight = _state.work.get()
-        if flight is None:
-            return
-        try:
-            for ce_save, copied, path in flight.files:
-                _write(flight, lambda target, save=ce_save, copied=copied: save(written_form(copied), target), path)
-            _fsync_folders(flight)
-        except BaseException as exc:  # of any type: this save fails, named; the writer goes on with the next
-            flight.watch.fail(flight.save.folder, exc)
-        finally:
-            flight.files.clear()  # the host copies go back to their buffers
-            flight.done.set()
-
-
-def _wait_written(flight: InFlight) -> None:
-    """This rank's writer done with ``flight`` (a writer that ended is started again: the queue outlives it)."""
-    while not flight.done.wait(5.0):
-        if _state.writer is None or not _state.writer.is_alive():
-            log.error("megatron-ucp: the writer thread ended; starting it again for %s", flight.save.tag)
-            _start_writer()
-
-
-def _lower_priority() -> None:
-    """The writer thread yields the CPU to training (Linux nices a thread on its own): the files go out on the cycles
-    training leaves; elsewhere it keeps the process's priority."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + NICE_INCREMENT)
-    except (AttributeError, OSError) as exc:
-        log.debug("megatron-ucp: the writer thread keeps the process's priority: %s", exc)
-
-
-def _write(flight: InFlight, save: Callable[[str], Any], path: str) -> None:
-    """One file written durably under a temporary name, then renamed; the first failure stops the save's writes."""
-    target = Path(path)
-    partial = target.with_name(f".{target.name}.ucp-writing")
-
-    def durably() -> None:
-        faults.die_point(f"async write {flight.save.tag}")
-        point = f"{flight.save.tag}/{target.name}"
-        try:
-            faults.fault_point(f"write {point}")
-            save(str(partial))
-            faults.fault_point(f"fsync {point}")
-            with open(partial, "rb") as handle:
-                os.fsync(handle.fileno())
-            faults.fault_point(f"rename {point}")
-            os.replace(partial, target)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
-
-    flight.watch.write(durably, path)
-
-
-def _fsync_folders(flight: InFlight) -> None:
-    """The renames durable: each folder written into, fsync'd once."""
-    for folder in sorted({os.path.dirname(p) for p in flight.watch.written}):
-        try:
-            fd = os.open(folder, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -486,7 +413,7 @@ def settle(engine: Any, block: bool = False) -> None:
     while _state.in_flight:
         oldest: InFlight = _state.in_flight[0]
         if must:
-            _wait_written(oldest)
+            _state.writer.wait(oldest)
         if JOB.count(0 if oldest.done.is_set() else 1):  # the same sum on every rank: every rank goes the same way
             if not must:
                 return
@@ -533,7 +460,7 @@ def at_end_of_run(wait: float) -> None:
             flight.watch.fail(flight.save.folder, RuntimeError(f"global rank {flight.rank} died of an exception"))
         elif not flight.done.is_set():
             log.warning("megatron-ucp: waiting for this rank's files of %s to be written", flight.save.tag)
-            _wait_written(flight)
+            _state.writer.wait(flight)
         folder = ucp_dir(flight.save.save_dir) / OUTCOMES_DIR / f"{flight.save.tag}.{flight.save_id}"
         folder.mkdir(parents=True, exist_ok=True)
         failure = flight.watch.outcome()
@@ -638,6 +565,5 @@ def reset() -> None:
     tracker name given back."""
     global _state
     megatron_tracker.restore()
-    if _state.writer is not None and _state.writer.is_alive():
-        _state.work.put(None)
+    _state.writer.stop()
     _state = _State()

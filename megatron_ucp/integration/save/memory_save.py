@@ -1,26 +1,39 @@
 """A memory save (``--ucp-memory-save-interval``): every few iterations each rank's save goes to its node's memory,
 and one replica of each node's files to the next node on the ring, so that the loss of any one node loses no file.
 
-:func:`save_to_memory` is collective. Each rank's files are written by DeepSpeed's own ``save_checkpoint`` (the same
-files and save record a save writes; every write watched as a durable save's are) into the node's folder
-(:mod:`~megatron_ucp.integration.node_memory`), not committed as a durable save is: ``latest``, Megatron's tracker in
-the checkpoint root and the background conversion are untouched. Then every file's crc32 is gathered, each node's
-files are sent to its ring partner over the job's own process group (and checked there), each node records what it
-holds, and, once every node has, writes the generation's commit marker and drops its older generations: at most two
-generations per node, the newest committed one staying until the next commits. A memory save that fails anywhere
-(a write, a send, a record: an exception of any type) is removed on every node, said on every rank, and training
-goes on; the previous generation stays.
+:func:`save_to_memory` is collective and returns once every rank's state is copied into host memory, as an
+asynchronous save does: DeepSpeed's own ``save_checkpoint`` (the same files and save record a save writes) runs with
+each file copied into the memory saves' own host buffer (:func:`~megatron_ucp.integration.save.async_save.
+copy_to_host`), and their own writer thread (:mod:`~megatron_ucp.integration.save.writer`) writes the files into the
+node's folder (:mod:`~megatron_ucp.integration.node_memory`) and takes each one's crc32, beside training. Nothing is
+committed as a durable save is: ``latest``, Megatron's tracker in the checkpoint root and the background conversion
+are untouched.
+
+The writer thread then commits it, beside training, over the memory saves' own process group (gloo, every rank; so
+that it never meets the collectives training issues meanwhile): every rank's crc32 are gathered, each node's files are
+sent to its ring partner (and checked there), each node records what it holds, and, once every node has, writes the
+generation's commit marker and drops its older generations: at most two generations per node, the newest committed
+one staying until the next commits. The next memory save, a durable save, a load, the job leaving its process group
+through DeepSpeed and the process's exit wait for that commit first. A memory save that fails anywhere (the copy, a
+write, a send, a record: an exception of any type) is removed on every node, said on every rank, and training goes
+on; the previous generation stays. A commit that breaks off (a peer gone) is said, its generation removed on that
+node, and the next memory save stops them for the run on every rank. A job that dies before the commit leaves the
+generation uncommitted: a restart passes it over.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
+import datetime
+import functools
 import inspect
 import json
 import logging
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +42,9 @@ from typing import Any, Callable, Iterator, Optional
 from megatron_ucp import faults
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
+from megatron_ucp.errors import UcpError
 from megatron_ucp.format import osio
-from megatron_ucp.integration.collectives import JOB, Failure, comm, is_first
+from megatron_ucp.integration.collectives import JOB, Collective, Failure, comm, is_first, let_go_at_exit
 from megatron_ucp.integration.node_memory import (
     COMMITTED,
     RESTORED,
@@ -48,7 +62,10 @@ from megatron_ucp.integration.node_memory import (
     write_record,
 )
 from megatron_ucp.integration.node_sends import Send, send_files
-from megatron_ucp.integration.save.commit import WriteWatch, reason_of, watched_writes
+from megatron_ucp.integration.save import async_save
+from megatron_ucp.integration.save.commit import OpenSave, WriteWatch, reason_of
+from megatron_ucp.integration.save.host_copy import HostBuffers
+from megatron_ucp.integration.save.writer import Writer
 from megatron_ucp.plan.memory_saves import generations_to_drop, partner, replica_of
 
 log = logging.getLogger(__name__)
@@ -61,17 +78,28 @@ class _Target:
     save_dir: Path
     tag: Optional[str] = None
     save_id: str = ""
-    watch: WriteWatch = field(default_factory=WriteWatch)
     refused: Optional[str] = None
     """Why the hooks leave this job's saves to stock DeepSpeed (then no memory save is taken)."""
+    flight: Optional[async_save.InFlight] = None
+    """The files handed to the writer; their crc32 in ``sums`` as they are written."""
+    sums: list[FileSum] = field(default_factory=list)
+    copied: int = 0
 
 
 _REFUSED = "memory saves need a job the hooks handle"
-_STATE = {"disabled": False}
-"""A job the hooks leave to stock DeepSpeed takes no memory save (said once, at the first)."""
+_STATE: dict[str, Any] = {}
+"""``disabled``: no more memory saves in this run (a job the hooks leave to stock DeepSpeed; a commit that broke off;
+said once); ``broken``: a commit of this run broke off on this rank (kept for the next memory save's agreement);
+``pending``: the memory save handed to the writer, its commit not yet seen done by this thread; ``slot``,
+``writer``, ``over``: the memory saves' host buffer, writer thread and process group (their own: a memory save never
+waits for a durable save's slot or files, and its commit never meets training's collectives); ``exit_wait``: how long
+the process's exit waits for the last commit."""
 _MARGIN = 1.1
 """Free room a node's folder needs before a memory save, over what its newest generation holds (the next one is
 written before the newest is dropped)."""
+_GROUP_TIMEOUT_S = 3600
+"""How long a collective of the memory saves' group waits for a rank: longer than the slowest writer takes (node 0's
+first rank writes and sums the model states), so that only a peer gone ends a commit."""
 
 
 def wanted(config: UcpConfig) -> bool:
@@ -79,13 +107,95 @@ def wanted(config: UcpConfig) -> bool:
 
 
 def install(patches: Any, config: UcpConfig) -> None:
-    """Nothing replaced: a memory save goes through the save hook (:func:`target`); a new installation starts
-    with memory saves allowed again."""
-    _STATE["disabled"] = False
+    """A memory save goes through the save hook (:func:`target`); its commit runs in the memory saves' writer thread.
+    The next memory save, a durable save (the save hook), a load, the job leaving its process group through DeepSpeed,
+    and the process's exit wait for it first (:func:`wait`)."""
+    _reset()
+    _STATE.update(writer=Writer("megatron-ucp-memory-writer"), exit_wait=float(config.converter_exit_wait))
+    surface.replace(patches, surface.ENGINE, "load_checkpoint", _waiting_first, stack=True)
+    surface.replace(patches, surface.TORCH_BACKEND, "destroy_process_group", _waiting_first, stack=True)
+    atexit.register(_at_exit)
+    async_save.watch_for_crash()
 
 
 def on_uninstall() -> None:
-    _STATE["disabled"] = False
+    """The memory save in flight waited for as at the exit (unless the hooks go while an exception propagates), the
+    writer stopped."""
+    atexit.unregister(_at_exit)
+    if sys.exc_info()[0] is None:
+        _at_exit()
+    if _STATE["writer"] is not None:
+        _STATE["writer"].stop()
+    _reset()
+
+
+def _at_exit() -> None:
+    """The process ends: the last memory save's commit waited for, up to ``converter_exit_wait`` seconds (every rank
+    ends alike and its writer thread meets the others' by itself; 0: not waited for, the save may stay uncommitted);
+    not when the process dies of an exception (its peers may never meet it)."""
+    if _STATE["pending"] is not None and not async_save.crashed():
+        wait(_STATE["exit_wait"])
+        let_go_at_exit()
+
+
+def _reset() -> None:
+    _STATE.update(disabled=False, broken=False, pending=None, slot=None, writer=None, over=None, exit_wait=0.0)
+
+
+_reset()  # the keys of :data:`_STATE`, as before any installation
+
+
+def _waiting_first(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The memory save in flight committed before a load reads anything (a folder a restart reads), and before the job
+    leaves its process group (the memory saves' group goes with it): this rank waits for its writer thread."""
+
+    @functools.wraps(original)
+    def waiting(*args: Any, **kwargs: Any) -> Any:
+        wait()
+        return original(*args, **kwargs)
+
+    return waiting
+
+
+def wait(timeout: Optional[float] = None) -> bool:
+    """This rank's writer done with the memory save in flight, its commit included (no collective of this thread: the
+    writer threads meet in their own group), or ``timeout`` seconds passed. True when a commit of this run broke off
+    (an exception out of it: the ranks' writers may no longer be in step; kept until the next memory save's agreement
+    reads it, whoever waits first) or did not end in time."""
+    pending: Optional[_Pending] = _STATE["pending"]
+    if pending is not None:
+        flight, writer = pending.into.flight, _STATE["writer"]
+        if flight is not None and writer is not None:
+            if timeout is None:
+                writer.wait(flight)
+            elif not flight.done.wait(timeout):
+                log.warning(
+                    "megatron-ucp: the memory save of iteration %d did not commit in %.0f s", pending.step, timeout
+                )
+                return True
+        _STATE["pending"] = None
+        _STATE["broken"] = _STATE["broken"] or pending.broken
+    return bool(_STATE["broken"])
+
+
+def _memory_group() -> Optional[str]:
+    """The memory saves' own process group (collective, at the first memory save): every rank, gloo (host tensors,
+    whatever the job's backend). Their commit runs in the writer thread, so it never shares a group with the
+    collectives training issues meanwhile. Returns why it cannot be had (every rank learns it), never raises."""
+    if _STATE["over"] is not None:
+        return None
+    dist = comm()
+    failure = None if dist.is_gloo_available() else "this torch has no gloo backend"
+    if JOB.count(1 if failure else 0):
+        return failure or "another rank has no gloo backend"
+    try:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_GROUP_TIMEOUT_S))
+    except Exception as exc:  # of any type: said on every rank, no memory saves
+        failure = f"making their gloo process group: {reason_of(exc)}"
+    if JOB.count(1 if failure else 0):
+        return failure or "another rank could not make the memory saves' gloo process group"
+    _STATE["over"] = Collective(group, host=True)
+    return None
 
 
 def _prepare(folder: Path, own: Path, step: int) -> Optional[str]:
@@ -121,7 +231,8 @@ def target() -> Optional[_Target]:
 
 
 def write(engine: Any, original: Callable[..., Any], args: tuple, kwargs: dict, save_id: str) -> Any:
-    """DeepSpeed's ``save_checkpoint`` into the memory save's folder, ``latest`` off, every write watched."""
+    """DeepSpeed's ``save_checkpoint`` into the memory save's folder, ``latest`` off: every file copied into the
+    memory saves' host buffer and handed to their writer (the files and their crc32 written beside training)."""
     into = _TARGET.get()
     assert into is not None
     if surface.decoupled_checkpoint_engine(engine) or surface.node_local_storage(engine):
@@ -131,11 +242,37 @@ def write(engine: Any, original: Callable[..., Any], args: tuple, kwargs: dict, 
     bound.apply_defaults()
     tag = bound.arguments["tag"]
     into.tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    if into.flight is not None:  # a second engine save in one memory save: the first one's files would go unwritten
+        raise UcpError("a memory save takes one save_checkpoint of one engine; this save() called it again")
     bound.arguments.update(save_dir=str(into.save_dir), tag=into.tag, save_latest=False)
     into.save_id = save_id
-    into.watch = WriteWatch(f"the memory save {into.tag}")
-    with watched_writes(engine, into.watch.wrap):
-        return original(*bound.args, **bound.kwargs)
+    rank = comm().get_rank()
+    tag_dir = into.save_dir / into.tag
+    sums: list[FileSum] = []
+    flight = async_save.InFlight(
+        OpenSave(into.save_dir, into.tag, False, None, save_id),
+        None,
+        save_id=save_id,
+        rank=rank,
+        watch=WriteWatch(f"the memory save {into.tag}", rank),
+        engine=engine,
+        after_write=lambda path: sums.append(
+            FileSum(os.path.relpath(path, tag_dir), rank, os.path.getsize(path), crc_of(path))
+        ),
+    )
+    into.sums = sums
+    result, host = async_save.copy_to_host(engine, lambda: original(*bound.args, **bound.kwargs), flight, _slot())
+    into.copied = host.copied_bytes
+    into.flight = flight  # handed to the writer once every rank has its copy (save_to_memory)
+    return result
+
+
+def _slot() -> HostBuffers:
+    """The memory saves' host buffer (one: a memory save is committed before the next is copied), made at the
+    first."""
+    if _STATE["slot"] is None:
+        _STATE["slot"] = HostBuffers(pin=async_save.pinning())
+    return _STATE["slot"]  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
@@ -147,6 +284,23 @@ def _saving_into(save_dir: Path) -> Iterator[_Target]:
         _TARGET.reset(token)
 
 
+@dataclass
+class _Pending:
+    """A memory save copied and handed to the writer, committed by it (:func:`_commit`)."""
+
+    step: int
+    gen: Path
+    folder: Path
+    nodes: Nodes
+    leader: bool
+    origin: str
+    into: _Target
+    started: float
+    copied: float
+    broken: bool = False
+    """Its commit broke off (an exception out of it)."""
+
+
 def save_to_memory(
     config: UcpConfig,
     root: os.PathLike | str,
@@ -155,9 +309,22 @@ def save_to_memory(
 ) -> bool:
     """Collective: one memory save at iteration ``step`` of the job whose durable saves go to ``root``. ``save(dir)``
     is the job's own save into ``dir`` (the engine's ``save_checkpoint``, or Megatron's ``save_checkpoint`` with
-    ``args.save`` pointed there). True when committed on every node; False when it failed (said; nothing kept)."""
+    ``args.save`` pointed there). Returns once every rank's state is copied into host memory (True): the writer
+    thread writes the files and commits the save beside training (:func:`_commit`); False when the copy failed
+    (said; nothing kept)."""
     if _STATE["disabled"]:
         return False
+    waited = time.monotonic()
+    broken = wait()
+    waited = time.monotonic() - waited
+    if JOB.count(1 if broken else 0):  # a commit broke off somewhere: the writers may be out of step
+        return _stop("a memory save's commit broke off (said above on the ranks where it did)")
+    if waited > 0.05 and is_first():
+        log.warning("megatron-ucp: this memory save waited %.2f s for the previous one's commit", waited)
+    unavailable = _memory_group()
+    if unavailable is not None:
+        return _stop(unavailable)
+    over: Collective = _STATE["over"]
     started = time.monotonic()
     nodes = job_nodes()
     me = comm().get_rank()
@@ -169,30 +336,63 @@ def save_to_memory(
     failure: Optional[str] = origin.message if isinstance(origin, Failure) else None
     if leader and failure is None:
         failure = _prepare(folder, gen / f"node{node}", step)
-    if not _all_well(failure, gen, leader, step, "preparing"):
+    if not _all_well(JOB, failure, gen, leader, step, "preparing"):
         return False
     with _saving_into(gen / f"node{node}") as into:
         try:
             save(str(into.save_dir))
-            error = into.watch.outcome()
             if into.refused is not None:
                 failure = f"{_REFUSED}: {into.refused}; no more memory saves in this run"
-            elif into.tag is None:
+            elif into.tag is None or into.flight is None:
                 failure = "the save never reached DeepSpeed's save_checkpoint"
-            elif error is not None:
-                failure = str(error)
         except Exception as exc:  # of any type: this rank's failure, said on every rank
             failure = f"the save raised {reason_of(exc)}"
-    sums: list[FileSum] = []
-    if failure is None:
-        try:
-            tag_dir = into.save_dir / str(into.tag)
-            sums = [FileSum(os.path.relpath(p, tag_dir), me, os.path.getsize(p), crc_of(p)) for p in into.watch.written]
-        except OSError as exc:
-            failure = f"summing the files written: {exc}"
-    if not _all_well(failure, gen, leader, step, "writing"):
+    if not _all_well(JOB, failure, gen, leader, step, "copying"):
         return False
-    gathered = JOB.gather_objects((into.tag, sums))
+    pending = _Pending(step, gen, folder, nodes, leader, str(origin), into, started, time.monotonic())
+    into.flight.then = lambda: _committing(pending, over)  # type: ignore[union-attr]
+    _STATE["writer"].put(into.flight)
+    _STATE["pending"] = pending
+    return True
+
+
+def _stop(why: str) -> bool:
+    """No more memory saves in this run (every rank, said once); their host buffer let go. Returns False."""
+    _STATE.update(disabled=True, slot=None)
+    if is_first():
+        log.error("megatron-ucp: %s: no more memory saves in this run", why)
+    return False
+
+
+def _committing(pending: _Pending, over: Collective) -> None:
+    """The writer thread's commit of ``pending``, once this rank's files are done; an exception out of it (a peer
+    gone) is said, and the next memory save's agreement stops them."""
+    try:
+        _commit(pending, over)
+    except BaseException as exc:
+        pending.broken = True
+        if pending.leader and not (pending.gen / COMMITTED).exists():
+            remove(pending.gen)  # this node's part of it (the others' leaders remove theirs)
+        log.error(
+            "megatron-ucp: the commit of the memory save of iteration %d broke off (%s); it is removed on this node, "
+            "the previous generation stays",
+            pending.step,
+            reason_of(exc),
+        )
+
+
+def _commit(pending: _Pending, over: Collective) -> bool:
+    """Collective over the memory saves' group (every rank's writer thread): one memory save's commit, once this
+    rank's files are written. True when committed on every node; False when it failed anywhere (said; removed on
+    every node)."""
+    step, gen, nodes, leader, into = pending.step, pending.gen, pending.nodes, pending.leader, pending.into
+    node = nodes.index(comm().get_rank())
+    written = time.monotonic()
+    error = into.flight.watch.outcome() if into.flight is not None else None
+    failure = None if error is None else str(error)
+    if not _all_well(over, failure, gen, leader, step, "writing"):
+        return False
+    gathered = over.gather_objects((into.tag, into.sums))
     tags = {t for t, _ in gathered}
     every = [s for _, box in gathered for s in box]
     tag = str(into.tag)
@@ -204,7 +404,7 @@ def save_to_memory(
         try:
             faults.fault_point(f"memory {step}: record")
             files = [s for s in every if nodes.index(s.rank) == of]
-            write_record(gen, of, nodes.count, tag, into.save_id, files, replica=replica, origin=str(origin))
+            write_record(gen, of, nodes.count, tag, into.save_id, files, replica=replica, origin=pending.origin)
         except Exception as exc:  # of any type: this rank's failure, said on every rank
             return f"recording {gen}: {reason_of(exc)}"
         return None
@@ -212,31 +412,34 @@ def save_to_memory(
     # the node's own copy recorded first (a restart sees it, uncommitted, if the job dies while replicating)
     failure = None if len(tags) == 1 else f"the ranks saved different tags: {sorted(map(str, tags))}"
     failure = failure or record(node, replica=False)
-    if not _all_well(failure, gen, leader, step, "recording"):
+    if not _all_well(over, failure, gen, leader, step, "recording"):
         return False
     try:
         faults.fault_point(f"memory {step}: replicate")
     except Exception as exc:  # of any type: this rank's failure, and every rank still meets in the sends
         failure = f"replicating: {reason_of(exc)}"
-    failure = send_files(_replica_sends(nodes, every, gen, tag)) or failure
+    failure = send_files(_replica_sends(nodes, every, gen, tag), over) or failure
     failure = failure or record(replica_of(node, nodes.count), replica=True)
-    if not _all_well(failure, gen, leader, step, "replicating"):
+    if not _all_well(over, failure, gen, leader, step, "replicating"):
         return False
     if leader:
-        _commit(gen, folder, step, nodes, into.save_id)
-    JOB.count(0)  # every node's marker written before training goes on
+        _mark_committed(gen, pending.folder, step, nodes, into.save_id)
+    over.count(0)  # every node's marker written before the save is said committed
     faults.die_point(f"memory {step}: committed")
     if is_first():
         per_node = max(sum(s.size for s in every if nodes.index(s.rank) == n) for n in range(nodes.count))
         log.info(
-            "megatron-ucp: memory save of iteration %d (%s): %d file(s) on %d node(s), up to %s per node%s, in %.2f s",
+            "megatron-ucp: memory save of iteration %d (%s): %d file(s) on %d node(s), up to %s per node%s; "
+            "copied in %.2f s, committed in the background %.2f s later (the replica and records: %.2f s)",
             step,
             tag,
             len(every),
             nodes.count,
             human_size(per_node),
             ", each replicated on the next node" if nodes.count > 1 else " (one node: no replica)",
-            time.monotonic() - started,
+            pending.copied - pending.started,
+            time.monotonic() - pending.copied,
+            time.monotonic() - written,
         )
     return True
 
@@ -258,9 +461,10 @@ def _replica_sends(nodes: Nodes, every: list[FileSum], gen: Path, tag: str) -> l
     return sends
 
 
-def _all_well(failure: Optional[str], gen: Path, leader: bool, step: int, doing: str) -> bool:
-    """Collective: True when no rank failed; else the generation removed on every node and the failures said."""
-    failures = [f for f in JOB.gather_objects(failure) if f is not None]
+def _all_well(over: Collective, failure: Optional[str], gen: Path, leader: bool, step: int, doing: str) -> bool:
+    """Collective over ``over``: True when no rank failed; else the generation removed on every node and the failures
+    said."""
+    failures = [f for f in over.gather_objects(failure) if f is not None]
     if not failures:
         return True
     if any(f.startswith(_REFUSED) for f in failures):  # the same on every rank: no memory save of this job, ever
@@ -278,7 +482,7 @@ def _all_well(failure: Optional[str], gen: Path, leader: bool, step: int, doing:
     return False
 
 
-def _commit(gen: Path, folder: Path, step: int, nodes: Nodes, save_id: str) -> None:
+def _mark_committed(gen: Path, folder: Path, step: int, nodes: Nodes, save_id: str) -> None:
     """A node leader's part of the commit: the marker, then its older generations dropped (said, never raised: the
     generation is whole on every node already)."""
     try:

@@ -219,6 +219,8 @@ def _identify_save(original: Any) -> Any:
                 return original(self, *args, **kwargs)
             finally:
                 _STOCK_SAVE.reset(stock)
+        if memory_save.target() is None:  # a durable save follows the memory save in flight (committed first)
+            memory_save.wait()
         token = _SAVE_ID.set(_new_save_id())
         try:
             if memory_save.target() is not None:

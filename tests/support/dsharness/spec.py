@@ -62,8 +62,10 @@ class TrainSpec:
     """``(step, rank)``: that rank raises ``RuntimeError`` right after that step's saves (the others go on to the next
     step's collectives, where they wait): a job dying of an exception on one rank."""
     memory_every: int = 0
-    """After every this many steps (0: never), a memory save (``megatron_ucp.save_to_memory``, with the hooks'
-    configuration: ``plugin_kwargs`` or ``MEGATRON_UCP_*`` in ``env``), after the step's durable saves."""
+    """Every this many steps (0: never), a memory save (``megatron_ucp.save_to_memory``, with the hooks'
+    configuration: ``plugin_kwargs`` or ``MEGATRON_UCP_*`` in ``env``) at the start of the next step, as the runner
+    takes them (committed by the memory saves' writer thread, beside training); none of the run's first state nor of
+    a durable save's step. A rank that crashes (``crash``) waits for the memory save in flight to commit first."""
     base_optimizer: str = "adamw"
     """The torch optimizer ZeRO wraps: ``"adamw"``, or ``"nadam"`` (its ``mu_product`` is a 0-dim tensor per
     partition: state that is not one number per element)."""

@@ -402,8 +402,10 @@ class Rank:
         spec, engine = self.spec, self.engine
         from .model import rank_batch
 
+        first = engine.global_steps
         while engine.global_steps < spec.steps:
             index = engine.global_steps  # 0-based data step: the same samples at any DP size
+            self.memory_save(first)
             tokens, labels = rank_batch(
                 index, self.rank, self.world, spec.global_batch, spec.seq, spec.vocab, spec.seed
             )
@@ -427,19 +429,26 @@ class Rank:
                 if not self.save(client_state, step):
                     continue
                 self.dump("")
-            if spec.memory_every and step % spec.memory_every == 0:
-                import megatron_ucp
-
-                if (
-                    megatron_ucp.save_to_memory(
-                        spec.save_dir, step, lambda into: engine.save_checkpoint(into, client_state={"iteration": step})
-                    )
-                    and step not in spec.save_at
-                ):
-                    self.dump("")
             if spec.crash is not None and spec.crash == (step, self.rank):
+                if spec.memory_every:  # its memory save in flight committed first (in the writer threads)
+                    from megatron_ucp.integration.save import memory_save
+
+                    memory_save.wait()
                 raise RuntimeError(f"harness: rank {self.rank} dies of an exception after step {step}")
         self.mark("train")
+
+    def memory_save(self, first: int) -> None:
+        """At a step's start, as the runner's trigger in Megatron's ``train_step``: a memory save of the steps done,
+        every ``memory_every``, never of the run's first state (what it loaded) nor of a step saved durably."""
+        spec, engine, step = self.spec, self.engine, self.engine.global_steps
+        if not spec.memory_every or step == first or step % spec.memory_every or step in spec.save_at:
+            return
+        import megatron_ucp
+
+        if megatron_ucp.save_to_memory(
+            spec.save_dir, step, lambda into: engine.save_checkpoint(into, client_state={"iteration": step})
+        ):
+            self.dump("")
 
     def save(self, client_state: dict, step: int) -> bool:
         """One save (then Megatron's tracker, ``spec.tracker``); False when it failed and failures are tolerated."""
@@ -598,6 +607,9 @@ def _tear_down() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        memory_save = sys.modules.get("megatron_ucp.integration.save.memory_save")
+        if memory_save is not None:  # the last memory save's commit (the writer threads') before the group goes
+            memory_save.wait()
         dist.barrier()
         dist.destroy_process_group()
     sys.stdout.flush()
