@@ -177,7 +177,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{s['sync_stall_s']} s, memory stall {s['memory_stall_s']} s), a memory save can run every "
             f"{s['memory_every_at_the_same_stall']} iterations: a failure loses {s['iterations_lost_durable_alone']} "
             f"iterations on average with durable saves alone, {s['iterations_lost_with_memory_saves']} with memory "
-            "saves (plus, in both, the step in progress and the requeue's wait).",
+            "saves (plus, in both, the step in progress and the requeue's wait). The stall alone: what a memory "
+            "save's writer thread takes from the steps beside it is not counted (docs/benchmarks.md).",
         ]
     (RESULTS / f"memory_restart-{args.model}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

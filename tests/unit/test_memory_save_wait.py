@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_ucp.integration.save import memory_save
+from megatron_ucp.integration.save.memory_commit import Pending, Target
 from megatron_ucp.integration.save.writer import Writer
 
 
@@ -21,12 +22,12 @@ def state():
     memory_save._reset()
 
 
-def _pending(tmp_path: Path, broken: bool, done: bool = True) -> memory_save._Pending:
+def _pending(tmp_path: Path, broken: bool, done: bool = True) -> Pending:
     flight = SimpleNamespace(done=threading.Event(), save=SimpleNamespace(tag="global_step3"))
     if done:
         flight.done.set()
-    into = memory_save._Target(tmp_path, flight=flight)  # type: ignore[arg-type]
-    return memory_save._Pending(3, tmp_path / "iter_0000003", tmp_path, None, False, "", into, 0.0, 0.0, broken)  # type: ignore[arg-type]
+    into = Target(tmp_path, flight=flight)  # type: ignore[arg-type]
+    return Pending(3, tmp_path / "iter_0000003", tmp_path, None, False, "", into, 0.0, 0.0, broken)  # type: ignore[arg-type]
 
 
 def test_a_commit_that_broke_off_is_still_known_after_another_wait(state, tmp_path: Path) -> None:

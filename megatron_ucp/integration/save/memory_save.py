@@ -10,15 +10,15 @@ committed as a durable save is: ``latest``, Megatron's tracker in the checkpoint
 are untouched.
 
 The writer thread then commits it, beside training, over the memory saves' own process group (gloo, every rank; so
-that it never meets the collectives training issues meanwhile): every rank's crc32 are gathered, each node's files are
-sent to its ring partner (and checked there), each node records what it holds, and, once every node has, writes the
-generation's commit marker and drops its older generations: at most two generations per node, the newest committed
-one staying until the next commits. The next memory save, a durable save, a load, the job leaving its process group
-through DeepSpeed and the process's exit wait for that commit first. A memory save that fails anywhere (the copy, a
-write, a send, a record: an exception of any type) is removed on every node, said on every rank, and training goes
-on; the previous generation stays. A commit that breaks off (a peer gone) is said, its generation removed on that
-node, and the next memory save stops them for the run on every rank. A job that dies before the commit leaves the
-generation uncommitted: a restart passes it over.
+that it never meets the collectives training issues meanwhile; :mod:`~megatron_ucp.integration.save.memory_commit`):
+each node's files recorded, replicated on its ring partner and recorded there, the commit marker written on every
+node, then the older generations dropped: at most two generations per node, the newest committed one staying until
+the next commits. The next memory save, a durable save, a load, the job leaving its process group through DeepSpeed
+and the process's exit wait for that commit first. A memory save that fails anywhere (the copy, a write, a send, a
+record: an exception of any type) is removed on every node, said on every rank, and training goes on; the previous
+generation stays. A commit that breaks off (a peer gone) is said, its generation left uncommitted, and the next memory
+save stops them for the run on every rank. A job that dies before the commit leaves the generation uncommitted: a
+restart passes it over.
 """
 
 from __future__ import annotations
@@ -29,61 +29,37 @@ import contextvars
 import datetime
 import functools
 import inspect
-import json
 import logging
 import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from megatron_ucp import faults
 from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed import surface
 from megatron_ucp.errors import UcpError
-from megatron_ucp.format import osio
 from megatron_ucp.integration.collectives import JOB, Collective, Failure, comm, is_first, let_go_at_exit
 from megatron_ucp.integration.node_memory import (
-    COMMITTED,
     RESTORED,
     FileSum,
-    Nodes,
     crc_of,
     generation,
     generations,
     human_size,
     job_nodes,
     local_folder,
-    node_files,
     remove,
     root_origin,
-    write_record,
 )
-from megatron_ucp.integration.node_sends import Send, send_files
 from megatron_ucp.integration.save import async_save
 from megatron_ucp.integration.save.commit import OpenSave, WriteWatch, reason_of
 from megatron_ucp.integration.save.host_copy import HostBuffers
+from megatron_ucp.integration.save.memory_commit import Pending, Target, all_well, committing, failures_of
 from megatron_ucp.integration.save.writer import Writer
-from megatron_ucp.plan.memory_saves import generations_to_drop, partner, replica_of
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Target:
-    """The memory save in progress on this rank: the folder its files go to, what the hooked save wrote."""
-
-    save_dir: Path
-    tag: Optional[str] = None
-    save_id: str = ""
-    refused: Optional[str] = None
-    """Why the hooks leave this job's saves to stock DeepSpeed (then no memory save is taken)."""
-    flight: Optional[async_save.InFlight] = None
-    """The files handed to the writer; their crc32 in ``sums`` as they are written."""
-    sums: list[FileSum] = field(default_factory=list)
-    copied: int = 0
 
 
 _REFUSED = "memory saves need a job the hooks handle"
@@ -113,7 +89,7 @@ def install(patches: Any, config: UcpConfig) -> None:
     _reset()
     _STATE.update(writer=Writer("megatron-ucp-memory-writer"), exit_wait=float(config.converter_exit_wait))
     surface.replace(patches, surface.ENGINE, "load_checkpoint", _waiting_first, stack=True)
-    surface.replace(patches, surface.TORCH_BACKEND, "destroy_process_group", _waiting_first, stack=True)
+    surface.replace(patches, surface.TORCH_BACKEND, "destroy_process_group", _leaving_after_the_commit, stack=True)
     atexit.register(_at_exit)
     async_save.watch_for_crash()
 
@@ -122,11 +98,19 @@ def on_uninstall() -> None:
     """The memory save in flight waited for as at the exit (unless the hooks go while an exception propagates), the
     writer stopped."""
     atexit.unregister(_at_exit)
-    if sys.exc_info()[0] is None:
+    if not _dying():
         _at_exit()
     if _STATE["writer"] is not None:
         _STATE["writer"].stop()
     _reset()
+    async_save.stop_watching_for_crash()
+
+
+def _dying() -> bool:
+    """An exception propagates through the uninstall (a ``finally``): the peers may never meet this rank again. A
+    clean ``sys.exit`` is not one."""
+    exc = sys.exc_info()[1]
+    return exc is not None and not (isinstance(exc, SystemExit) and exc.code in (None, 0))
 
 
 def _at_exit() -> None:
@@ -146,8 +130,8 @@ _reset()  # the keys of :data:`_STATE`, as before any installation
 
 
 def _waiting_first(original: Callable[..., Any]) -> Callable[..., Any]:
-    """The memory save in flight committed before a load reads anything (a folder a restart reads), and before the job
-    leaves its process group (the memory saves' group goes with it): this rank waits for its writer thread."""
+    """The memory save in flight committed before a load reads anything (a folder a restart reads): this rank waits
+    for its writer thread."""
 
     @functools.wraps(original)
     def waiting(*args: Any, **kwargs: Any) -> Any:
@@ -157,12 +141,31 @@ def _waiting_first(original: Callable[..., Any]) -> Callable[..., Any]:
     return waiting
 
 
+def _leaving_after_the_commit(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The job leaves its process group: the memory save in flight committed first (up to ``converter_exit_wait``
+    seconds, as at the exit), and the memory saves' group forgotten with it (a new process group gets its own)."""
+
+    @functools.wraps(original)
+    def destroy_process_group(self: Any, group: Any = None, *args: Any, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        whole = group is None or group is dist.GroupMember.WORLD
+        if whole and _STATE["pending"] is not None:
+            wait(_STATE["exit_wait"])
+        result = original(self, group, *args, **kwargs)
+        if whole:
+            _STATE.update(over=None, broken=False, pending=None)
+        return result
+
+    return destroy_process_group
+
+
 def wait(timeout: Optional[float] = None) -> bool:
     """This rank's writer done with the memory save in flight, its commit included (no collective of this thread: the
     writer threads meet in their own group), or ``timeout`` seconds passed. True when a commit of this run broke off
     (an exception out of it: the ranks' writers may no longer be in step; kept until the next memory save's agreement
     reads it, whoever waits first) or did not end in time."""
-    pending: Optional[_Pending] = _STATE["pending"]
+    pending: Optional[Pending] = _STATE["pending"]
     if pending is not None:
         flight, writer = pending.into.flight, _STATE["writer"]
         if flight is not None and writer is not None:
@@ -222,10 +225,10 @@ def _bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-_TARGET: contextvars.ContextVar[Optional[_Target]] = contextvars.ContextVar("memory_save_target", default=None)
+_TARGET: contextvars.ContextVar[Optional[Target]] = contextvars.ContextVar("memory_save_target", default=None)
 
 
-def target() -> Optional[_Target]:
+def target() -> Optional[Target]:
     """The memory save this rank is inside, if any (the save hook then writes through :func:`write`)."""
     return _TARGET.get()
 
@@ -276,29 +279,12 @@ def _slot() -> HostBuffers:
 
 
 @contextlib.contextmanager
-def _saving_into(save_dir: Path) -> Iterator[_Target]:
-    token = _TARGET.set(_Target(save_dir))
+def _saving_into(save_dir: Path) -> Iterator[Target]:
+    token = _TARGET.set(Target(save_dir))
     try:
         yield _TARGET.get()  # type: ignore[misc]
     finally:
         _TARGET.reset(token)
-
-
-@dataclass
-class _Pending:
-    """A memory save copied and handed to the writer, committed by it (:func:`_commit`)."""
-
-    step: int
-    gen: Path
-    folder: Path
-    nodes: Nodes
-    leader: bool
-    origin: str
-    into: _Target
-    started: float
-    copied: float
-    broken: bool = False
-    """Its commit broke off (an exception out of it)."""
 
 
 def save_to_memory(
@@ -312,7 +298,7 @@ def save_to_memory(
     ``args.save`` pointed there). Returns once every rank's state is copied into host memory (True): the writer
     thread writes the files and commits the save beside training (:func:`_commit`); False when the copy failed
     (said; nothing kept)."""
-    if _STATE["disabled"]:
+    if _STATE["disabled"] or _STATE["writer"] is None:  # stopped for this run, or the hooks no longer installed
         return False
     waited = time.monotonic()
     broken = wait()
@@ -336,7 +322,7 @@ def save_to_memory(
     failure: Optional[str] = origin.message if isinstance(origin, Failure) else None
     if leader and failure is None:
         failure = _prepare(folder, gen / f"node{node}", step)
-    if not _all_well(JOB, failure, gen, leader, step, "preparing"):
+    if not all_well(JOB, failure, gen, leader, step, "preparing"):
         return False
     with _saving_into(gen / f"node{node}") as into:
         try:
@@ -347,10 +333,13 @@ def save_to_memory(
                 failure = "the save never reached DeepSpeed's save_checkpoint"
         except Exception as exc:  # of any type: this rank's failure, said on every rank
             failure = f"the save raised {reason_of(exc)}"
-    if not _all_well(JOB, failure, gen, leader, step, "copying"):
+    failures = failures_of(JOB, failure, gen, leader, step, "copying")
+    if any(f.startswith(_REFUSED) for f in failures):  # the same on every rank: no memory save of this job, ever
+        _STATE["disabled"] = True
+    if failures:
         return False
-    pending = _Pending(step, gen, folder, nodes, leader, str(origin), into, started, time.monotonic())
-    into.flight.then = lambda: _committing(pending, over)  # type: ignore[union-attr]
+    pending = Pending(step, gen, folder, nodes, leader, str(origin), into, started, time.monotonic())
+    into.flight.then = lambda: committing(pending, over)  # type: ignore[union-attr]
     _STATE["writer"].put(into.flight)
     _STATE["pending"] = pending
     return True
@@ -362,138 +351,3 @@ def _stop(why: str) -> bool:
     if is_first():
         log.error("megatron-ucp: %s: no more memory saves in this run", why)
     return False
-
-
-def _committing(pending: _Pending, over: Collective) -> None:
-    """The writer thread's commit of ``pending``, once this rank's files are done; an exception out of it (a peer
-    gone) is said, and the next memory save's agreement stops them."""
-    try:
-        _commit(pending, over)
-    except BaseException as exc:
-        pending.broken = True
-        if pending.leader and not (pending.gen / COMMITTED).exists():
-            remove(pending.gen)  # this node's part of it (the others' leaders remove theirs)
-        log.error(
-            "megatron-ucp: the commit of the memory save of iteration %d broke off (%s); it is removed on this node, "
-            "the previous generation stays",
-            pending.step,
-            reason_of(exc),
-        )
-
-
-def _commit(pending: _Pending, over: Collective) -> bool:
-    """Collective over the memory saves' group (every rank's writer thread): one memory save's commit, once this
-    rank's files are written. True when committed on every node; False when it failed anywhere (said; removed on
-    every node)."""
-    step, gen, nodes, leader, into = pending.step, pending.gen, pending.nodes, pending.leader, pending.into
-    node = nodes.index(comm().get_rank())
-    written = time.monotonic()
-    error = into.flight.watch.outcome() if into.flight is not None else None
-    failure = None if error is None else str(error)
-    if not _all_well(over, failure, gen, leader, step, "writing"):
-        return False
-    gathered = over.gather_objects((into.tag, into.sums))
-    tags = {t for t, _ in gathered}
-    every = [s for _, box in gathered for s in box]
-    tag = str(into.tag)
-
-    def record(of: Optional[int], replica: bool) -> Optional[str]:
-        """A node leader's record of one old node's files here (its own, or the replica it keeps)."""
-        if not leader or of is None:
-            return None
-        try:
-            faults.fault_point(f"memory {step}: record")
-            files = [s for s in every if nodes.index(s.rank) == of]
-            write_record(gen, of, nodes.count, tag, into.save_id, files, replica=replica, origin=pending.origin)
-        except Exception as exc:  # of any type: this rank's failure, said on every rank
-            return f"recording {gen}: {reason_of(exc)}"
-        return None
-
-    # the node's own copy recorded first (a restart sees it, uncommitted, if the job dies while replicating)
-    failure = None if len(tags) == 1 else f"the ranks saved different tags: {sorted(map(str, tags))}"
-    failure = failure or record(node, replica=False)
-    if not _all_well(over, failure, gen, leader, step, "recording"):
-        return False
-    try:
-        faults.fault_point(f"memory {step}: replicate")
-    except Exception as exc:  # of any type: this rank's failure, and every rank still meets in the sends
-        failure = f"replicating: {reason_of(exc)}"
-    failure = send_files(_replica_sends(nodes, every, gen, tag), over) or failure
-    failure = failure or record(replica_of(node, nodes.count), replica=True)
-    if not _all_well(over, failure, gen, leader, step, "replicating"):
-        return False
-    if leader:
-        _mark_committed(gen, pending.folder, step, nodes, into.save_id)
-    over.count(0)  # every node's marker written before the save is said committed
-    faults.die_point(f"memory {step}: committed")
-    if is_first():
-        per_node = max(sum(s.size for s in every if nodes.index(s.rank) == n) for n in range(nodes.count))
-        log.info(
-            "megatron-ucp: memory save of iteration %d (%s): %d file(s) on %d node(s), up to %s per node%s; "
-            "copied in %.2f s, committed in the background %.2f s later (the replica and records: %.2f s)",
-            step,
-            tag,
-            len(every),
-            nodes.count,
-            human_size(per_node),
-            ", each replicated on the next node" if nodes.count > 1 else " (one node: no replica)",
-            pending.copied - pending.started,
-            time.monotonic() - pending.copied,
-            time.monotonic() - written,
-        )
-    return True
-
-
-def _replica_sends(nodes: Nodes, every: list[FileSum], gen: Path, tag: str) -> list[Send]:
-    """Each file to a rank of its node's ring partner (ranks paired by their place in their node, so that the
-    sends spread over the partner's ranks). The paths are this rank's: read where it sends, written where it
-    receives (each side's folder is its own)."""
-    sends = []
-    for s in every:
-        node = nodes.index(s.rank)
-        to = partner(node, nodes.count)
-        if to is None:
-            continue
-        theirs = nodes.ranks(to)
-        destination = theirs[nodes.ranks(node).index(s.rank) % len(theirs)]
-        path = str(node_files(gen, node, tag) / s.name)
-        sends.append(Send(s.rank, destination, path, path, s.size, s.crc))
-    return sends
-
-
-def _all_well(over: Collective, failure: Optional[str], gen: Path, leader: bool, step: int, doing: str) -> bool:
-    """Collective over ``over``: True when no rank failed; else the generation removed on every node and the failures
-    said."""
-    failures = [f for f in over.gather_objects(failure) if f is not None]
-    if not failures:
-        return True
-    if any(f.startswith(_REFUSED) for f in failures):  # the same on every rank: no memory save of this job, ever
-        _STATE["disabled"] = True
-    if leader:
-        remove(gen)
-    if is_first():
-        log.error(
-            "megatron-ucp: the memory save of iteration %d failed %s (%s); it is removed, the previous generation "
-            "stays, training goes on",
-            step,
-            doing,
-            "; ".join(failures[:4]) + (f"; and {len(failures) - 4} more" if len(failures) > 4 else ""),
-        )
-    return False
-
-
-def _mark_committed(gen: Path, folder: Path, step: int, nodes: Nodes, save_id: str) -> None:
-    """A node leader's part of the commit: the marker, then its older generations dropped (said, never raised: the
-    generation is whole on every node already)."""
-    try:
-        faults.fault_point(f"memory {step}: commit")
-        osio.write_durably(gen / COMMITTED, json.dumps({"iteration": step, "nodes": nodes.count, "save_id": save_id}))
-    except Exception as exc:
-        log.error("megatron-ucp: cannot mark the memory save %s committed: %s", gen, reason_of(exc))
-        return
-    try:
-        held = generations(folder)
-        for old in generations_to_drop(sorted(held), step):
-            remove(held[old])
-    except OSError as exc:
-        log.warning("megatron-ucp: cannot list %s to drop its older memory saves: %s", folder, exc)
