@@ -13,6 +13,7 @@ restart on the survivors at the new node count.
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -437,3 +438,51 @@ def test_a_second_node_lost_after_a_restart_from_memory_resumes_from_the_restart
     assert "replicas used for node 2" in said, said[-3000:]
     assert_same_state(tmp_path / "dumps" / f"state_step{step}.pt", tmp_path / "third" / f"state_step{step}_loaded.pt")
     assert third.ok and third.steps[-1] == STEPS, third.log[-3000:]
+
+
+def test_a_rank_dying_with_its_memory_commit_in_flight_ends_the_job_and_the_restart_takes_a_committed_one(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 raises right after step 5 while the memory save of step 4 (taken at that step's start) may still be
+    committing in the writer threads: the job ends without waiting for peers it can no longer meet (well within the
+    harness's timeout, not the memory group's hour), and the survivors resume from whichever memory save committed on
+    every node (step 4 if it did, else step 3), bit for bit, saying so."""
+    job = tmp_path / "job"
+    started = time.monotonic()
+    crashed = run_training(
+        TrainSpec(
+            dp=4,
+            steps=7,
+            save_dir=job / "ckpt",
+            memory_every=1,
+            crash=(5, 1),
+            crash_in_commit=True,
+            expect_failure=True,
+            dump_dir=job / "dumps",
+            plugin=True,
+            plugin_kwargs=_memory(job),
+            env={"MEGATRON_UCP_NODE_NAMES": ",".join(NODES)},
+            timeout=300,
+        )
+    )
+    assert crashed.returncode != 0 and time.monotonic() - started < 240, crashed.log[-3000:]
+    (job / "ckpt").mkdir(exist_ok=True)
+    shutil.rmtree(job / "local" / "n1")
+    resumed = run_training(
+        TrainSpec(
+            dp=3,
+            steps=7,
+            load_dir=job / "ckpt",
+            save_dir=job / "ckpt",
+            dump_dir=tmp_path / "resumed",
+            plugin=True,
+            plugin_kwargs=_memory(job),
+            env={"MEGATRON_UCP_NODE_NAMES": "n0,n2,n3"},
+            timeout=300,
+        )
+    )
+    step = resumed.loaded_step
+    said = resumed.rank_logs()[0]
+    assert step in (3, 4) and f"restarting from the memory save of iteration {step}" in said, said[-4000:]
+    assert_same_state(job / "dumps" / f"state_step{step}.pt", tmp_path / "resumed" / f"state_step{step}_loaded.pt")
+    assert resumed.ok and resumed.steps[-1] == 7, resumed.log[-3000:]

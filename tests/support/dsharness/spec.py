@@ -65,7 +65,10 @@ class TrainSpec:
     """Every this many steps (0: never), a memory save (``megatron_ucp.save_to_memory``, with the hooks'
     configuration: ``plugin_kwargs`` or ``MEGATRON_UCP_*`` in ``env``) at the start of the next step, as the runner
     takes them (committed by the memory saves' writer thread, beside training); none of the run's first state nor of
-    a durable save's step. A rank that crashes (``crash``) waits for the memory save in flight to commit first."""
+    a durable save's step. A rank that crashes (``crash``) waits for the memory save in flight to commit first, unless
+    ``crash_in_commit``."""
+    crash_in_commit: bool = False
+    """The crashing rank raises with its memory save's commit still in flight (its writer thread ended with it)."""
     base_optimizer: str = "adamw"
     """The torch optimizer ZeRO wraps: ``"adamw"``, or ``"nadam"`` (its ``mu_product`` is a 0-dim tensor per
     partition: state that is not one number per element)."""

@@ -430,7 +430,7 @@ class Rank:
                     continue
                 self.dump("")
             if spec.crash is not None and spec.crash == (step, self.rank):
-                if spec.memory_every:  # its memory save in flight committed first (in the writer threads)
+                if spec.memory_every and not spec.crash_in_commit:  # its memory save committed first (writer threads)
                     from megatron_ucp.integration.save import memory_save
 
                     memory_save.wait()
