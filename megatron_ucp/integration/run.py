@@ -54,7 +54,7 @@ from megatron_ucp.deepspeed.reader import load_raw, model_states_path
 from megatron_ucp.errors import UcpError
 from megatron_ucp.format.lightpickle import stand_ins_for_unimportable
 from megatron_ucp.format.paths import tag_to_load
-from megatron_ucp.integration.save import memory_trigger
+from megatron_ucp.integration.save import async_save, memory_trigger
 from megatron_ucp.integration.save.async_trigger import wait_at_end_of_run
 from megatron_ucp.plan.launch import (
     CheckpointFacts,
@@ -464,6 +464,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if ended_normally:  # the last save's background conversion, before uninstall stops the wait
             wait_at_end_of_run()
+        else:  # the saves in flight wait for nobody: the peers this rank can no longer meet
+            async_save.note_crash()
         memory_trigger.uninstall()
         megatron_ucp.uninstall()
 

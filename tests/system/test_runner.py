@@ -756,3 +756,38 @@ def test_resume_at_dp1_configured_by_environment(saved_at_dp2, tmp_path):
     assert "keeping the checkpoint's global batch 6 (gradient accumulation 6 x micro batch 1 x DP 1)" in text
     assert "sha256(seed=99, iteration=2, r)" in text
     assert {i: (c, dp) for i, (c, _, dp) in losses.items()} == {3: (18, 1), 4: (24, 1)}
+
+
+@pytest.fixture()
+def environ_restored():
+    """The runner exports its configuration into the environment (for the script's own processes): put back after."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.usefixtures("environ_restored")
+def test_a_script_that_dies_of_an_exception_leaves_the_saves_in_flight_waiting_for_nobody(tmp_path, monkeypatch):
+    """The runner's uninstall comes before the interpreter's exception hook: it says the job is ending by an exception
+    first, so that the exit handlers of the saves in flight (asynchronous saves, the last memory save's commit) do not
+    wait for peers this rank can no longer meet."""
+    from megatron_ucp.integration.save import async_save
+
+    monkeypatch.setitem(async_save._crash, "crashed", False)
+    script = tmp_path / "train.py"
+    script.write_text("raise RuntimeError('a step failed')\n")
+    with pytest.raises(RuntimeError, match="a step failed"):
+        R.main([str(script), "--ucp-async-save", "--ucp-memory-save-interval", "1"])
+    assert async_save.crashed()
+
+
+@pytest.mark.usefixtures("environ_restored")
+def test_a_script_that_exits_cleanly_is_not_taken_for_a_crash(tmp_path, monkeypatch):
+    from megatron_ucp.integration.save import async_save
+
+    monkeypatch.setitem(async_save._crash, "crashed", False)
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit(0)\n")
+    assert R.main([str(script), "--ucp-async-save"]) == 0
+    assert not async_save.crashed()

@@ -180,6 +180,12 @@ def _excepthook(kind: type, value: BaseException, tb: Any) -> None:
     (_crash["excepthook"] or sys.__excepthook__)(kind, value, tb)
 
 
+def note_crash() -> None:
+    """The job is ending by an exception, said by whoever knows before the interpreter's hook runs (the runner, whose
+    uninstall comes first): its exit handlers wait for nobody."""
+    _crash["crashed"] = True
+
+
 def crashed() -> bool:
     """The process is dying of an uncaught exception: its ranks will not meet again."""
     return bool(_crash["crashed"])
