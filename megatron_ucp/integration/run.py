@@ -455,19 +455,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ended_normally = False
     try:
         with reseed_after_load(plan.reseed_base) if plan.reseed_base is not None else contextlib.nullcontext():
-            status = _run_target(split.target, final_args)
-        ended_normally = True
+            status = _run_target(split.target, final_args)  # Megatron's --exit-interval: sys.exit(), status 0
+        ended_normally = status == 0
         return status
-    except SystemExit as exc:  # Megatron's --exit-interval ends with sys.exit()
-        ended_normally = exc.code in (None, 0)
-        raise
     finally:
-        if ended_normally:  # the last save's background conversion, before uninstall stops the wait
-            wait_at_end_of_run()
-        else:  # the saves in flight wait for nobody: the peers this rank can no longer meet
-            async_save.note_crash()
-        memory_trigger.uninstall()
-        megatron_ucp.uninstall()
+        try:
+            if ended_normally:  # the last save's background conversion, before uninstall stops the wait
+                wait_at_end_of_run()
+            else:  # an exception or a failing exit status: the saves in flight wait for nobody at the exit
+                async_save.note_crash()
+        finally:
+            try:
+                memory_trigger.uninstall()
+                megatron_ucp.uninstall()
+            finally:
+                async_save.forget_crash()  # the exit handlers went with the hooks: a later run here starts clean
 
 
 if __name__ == "__main__":

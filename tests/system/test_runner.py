@@ -759,35 +759,63 @@ def test_resume_at_dp1_configured_by_environment(saved_at_dp2, tmp_path):
 
 
 @pytest.fixture()
-def environ_restored():
-    """The runner exports its configuration into the environment (for the script's own processes): put back after."""
-    saved = dict(os.environ)
+def process_restored():
+    """The runner exports its configuration into the environment (for the script's own processes) and puts the
+    script's folder first on ``sys.path``: both put back after."""
+    saved, path = dict(os.environ), sys.path[:]
     yield
     os.environ.clear()
     os.environ.update(saved)
+    sys.path[:] = path
 
 
-@pytest.mark.usefixtures("environ_restored")
-def test_a_script_that_dies_of_an_exception_leaves_the_saves_in_flight_waiting_for_nobody(tmp_path, monkeypatch):
-    """The runner's uninstall comes before the interpreter's exception hook: it says the job is ending by an exception
-    first, so that the exit handlers of the saves in flight (asynchronous saves, the last memory save's commit) do not
-    wait for peers this rank can no longer meet."""
+def _crashed_at_uninstall(monkeypatch) -> list[bool]:
+    """What ``crashed()`` says when the runner uninstalls the hooks (where the exit handlers of the saves in flight
+    decide whether to wait)."""
     from megatron_ucp.integration.save import async_save
 
-    monkeypatch.setitem(async_save._crash, "crashed", False)
-    script = tmp_path / "train.py"
-    script.write_text("raise RuntimeError('a step failed')\n")
-    with pytest.raises(RuntimeError, match="a step failed"):
-        R.main([str(script), "--ucp-async-save", "--ucp-memory-save-interval", "1"])
-    assert async_save.crashed()
+    seen: list[bool] = []
+    uninstall = R.megatron_ucp.uninstall
+
+    def watched() -> None:
+        seen.append(async_save.crashed())
+        uninstall()
+
+    monkeypatch.setattr(R.megatron_ucp, "uninstall", watched)
+    return seen
 
 
-@pytest.mark.usefixtures("environ_restored")
-def test_a_script_that_exits_cleanly_is_not_taken_for_a_crash(tmp_path, monkeypatch):
+@pytest.mark.usefixtures("process_restored")
+@pytest.mark.parametrize(
+    "body, raised",
+    [("raise RuntimeError('a step failed')", RuntimeError), ("import sys; sys.exit(1)", None)],
+    ids=["exception", "failing-exit"],
+)
+def test_a_script_that_fails_leaves_the_saves_in_flight_waiting_for_nobody(tmp_path, monkeypatch, body, raised):
+    """The runner's uninstall comes before the interpreter's exception hook: a script that dies of an exception, or
+    exits with a failing status, is said to be dying before the uninstall, so that the exit handlers of the saves in
+    flight (asynchronous saves, the last memory save's commit) do not wait for peers this rank can no longer meet; a
+    later run in the same process starts clean."""
     from megatron_ucp.integration.save import async_save
 
-    monkeypatch.setitem(async_save._crash, "crashed", False)
+    seen = _crashed_at_uninstall(monkeypatch)
     script = tmp_path / "train.py"
-    script.write_text("raise SystemExit(0)\n")
+    script.write_text(body + "\n")
+    argv = [str(script), "--ucp-async-save", "--ucp-memory-save-interval", "1"]
+    if raised is not None:
+        with pytest.raises(raised):
+            R.main(argv)
+    else:
+        assert R.main(argv) == 1
+    assert seen == [True] and not async_save.crashed()
+
+
+@pytest.mark.usefixtures("process_restored")
+@pytest.mark.parametrize("body", ["pass", "import sys; sys.exit()", "import sys; sys.exit(0)"])
+def test_a_script_that_ends_well_is_not_taken_for_a_crash(tmp_path, monkeypatch, body):
+    """Megatron's --exit-interval ends with ``sys.exit()``: a normal end, whose saves in flight are waited for."""
+    seen = _crashed_at_uninstall(monkeypatch)
+    script = tmp_path / "train.py"
+    script.write_text(body + "\n")
     assert R.main([str(script), "--ucp-async-save"]) == 0
-    assert not async_save.crashed()
+    assert seen == [False]

@@ -181,9 +181,15 @@ def _excepthook(kind: type, value: BaseException, tb: Any) -> None:
 
 
 def note_crash() -> None:
-    """The job is ending by an exception, said by whoever knows before the interpreter's hook runs (the runner, whose
-    uninstall comes first): its exit handlers wait for nobody."""
+    """The job is ending by an exception (or a failing exit status), said by whoever knows before the interpreter's
+    hook runs (the runner, whose uninstall comes first): its exit handlers wait for nobody."""
     _crash["crashed"] = True
+
+
+def forget_crash() -> None:
+    """A crash noted by :func:`note_crash` forgotten once the hooks are gone (a later run in this process starts
+    clean)."""
+    _crash["crashed"] = False
 
 
 def crashed() -> bool:

@@ -107,10 +107,11 @@ def on_uninstall() -> None:
 
 
 def _dying() -> bool:
-    """An exception propagates through the uninstall (a ``finally``): the peers may never meet this rank again. A
-    clean ``sys.exit`` is not one."""
+    """The job is dying: an exception propagates through the uninstall (a ``finally``; a clean ``sys.exit`` is not
+    one), or the runner said so (:func:`~megatron_ucp.integration.save.async_save.note_crash`). The peers may never
+    meet this rank again."""
     exc = sys.exc_info()[1]
-    return exc is not None and not (isinstance(exc, SystemExit) and exc.code in (None, 0))
+    return async_save.crashed() or (exc is not None and not (isinstance(exc, SystemExit) and exc.code in (None, 0)))
 
 
 def _at_exit() -> None:

@@ -68,7 +68,7 @@ class TrainSpec:
     a durable save's step. A rank that crashes (``crash``) waits for the memory save in flight to commit first, unless
     ``crash_in_commit``."""
     crash_in_commit: bool = False
-    """The crashing rank raises with its memory save's commit still in flight (its writer thread ended with it)."""
+    """The crashing rank raises without waiting for its memory save's commit (the process exits without it)."""
     base_optimizer: str = "adamw"
     """The torch optimizer ZeRO wraps: ``"adamw"``, or ``"nadam"`` (its ``mu_product`` is a 0-dim tensor per
     partition: state that is not one number per element)."""
