@@ -928,47 +928,25 @@ def test_a_lost_node_resumes_from_the_memory_save_at_the_new_node_count_on_the_c
     assert_continues(resumed, reference, steps=(6,))
 
 
-def test_a_pipeline_job_that_lost_a_node_resumes_from_memory_at_half_the_data_parallel_size(
-    mds_checkout, mds_runs, tmp_path
+MEMORY_LAYOUTS = {"pp2": dict(pp=2, pipeline=True), "tp2": dict(tp=2)}
+"""The model-parallel layouts resumed from memory (the shared training of the same name is the curve)."""
+
+
+@pytest.mark.parametrize("layout", sorted(MEMORY_LAYOUTS))
+def test_a_model_parallel_job_that_lost_a_node_resumes_from_memory_at_half_the_data_parallel_size(
+    mds_checkout, mds_runs, tmp_path, layout
 ):
-    """``GPTModelPipe`` at PP 2 x DP 2, four ranks as four nodes, a memory save at every iteration the durable saves
-    (every 2) do not take: rank 1 dies after the memory save of iteration 5; the survivors n0 and n2 resume from it at
-    PP 2 x DP 1 (each stage's layer files and rank files from the nodes' memory), on the curve."""
+    """``GPTModelPipe`` at PP 2 x DP 2, or TP 2 x DP 2, four ranks as four nodes, a memory save at every iteration
+    the durable saves (every 2) do not take: rank 1 dies after the memory save of iteration 5 commits; the survivors
+    n0 and n2 resume from it at DP 1 (node 1's files from its replica on node 2: each stage's layer files and rank
+    files, or every rank file of the node's model-parallel coordinates, brought up front), through the native
+    reshard, on the curve."""
     from tests.integration.shared_runs import SAME_PADDING
     from tests.integration.shared_runs import train as shared_train
 
-    _, reference = shared_train(mds_checkout, mds_runs, "pp2")
+    _, reference = shared_train(mds_checkout, mds_runs, layout)
     ckpt = tmp_path / "ckpt"
-    common = dict(ckpt=ckpt, pp=2, pipeline=True, train_iters=6, save_interval=2, optimizer="bf16")
-    args = (*SAME_PADDING, *_memory_args(tmp_path))
-    die = {"MEGATRON_UCP_NODE_NAMES": "n0,n1,n2,n3", "MEGATRON_UCP_TEST_DIE": "memory 5: committed:1"}
-    killed = run_mds(mds_checkout, MdsRun(nproc=4, extra_args=args, env=die, expect_failure=True, **common))
-    assert killed.returncode != 0 and "exits at memory 5: committed" in killed.log, killed.log[-3000:]
-    shutil.rmtree(tmp_path / "local" / "n1")
-    resumed = run_mds(
-        mds_checkout, MdsRun(nproc=2, extra_args=args, env={"MEGATRON_UCP_NODE_NAMES": "n0,n2"}, **common)
-    )
-    said = "\n".join(resumed.ucp_lines())
-    assert "restarting from the memory save of iteration 5 (global_step5, saved by 4 node(s)) on 2 node(s)" in said, (
-        said[-3000:]
-    )
-    assert sorted(resumed.losses) == [6], (sorted(resumed.losses), resumed.log[-3000:])
-    assert_continues(resumed, reference, steps=(6,))
-
-
-def test_a_tensor_parallel_job_that_lost_a_node_resumes_from_memory_at_half_the_data_parallel_size(
-    mds_checkout, mds_runs, tmp_path
-):
-    """TP 2 x DP 2, four ranks as four nodes, memory saves beside the durable saves (every 2): rank 1 (TP rank 1 of
-    the first DP group) dies after the memory save of iteration 5 commits; the survivors n0 and n2 resume from it at
-    TP 2 x DP 1 (node 1's rank files from its replica on node 2, every rank file of the node's model-parallel
-    coordinates brought up front), through the native reshard, on the curve."""
-    from tests.integration.shared_runs import SAME_PADDING
-    from tests.integration.shared_runs import train as shared_train
-
-    _, reference = shared_train(mds_checkout, mds_runs, "tp2")
-    ckpt = tmp_path / "ckpt"
-    common = dict(ckpt=ckpt, tp=2, train_iters=6, save_interval=2, optimizer="bf16")
+    common = dict(ckpt=ckpt, train_iters=6, save_interval=2, optimizer="bf16", **MEMORY_LAYOUTS[layout])
     args = (*SAME_PADDING, *_memory_args(tmp_path))
     die = {"MEGATRON_UCP_NODE_NAMES": "n0,n1,n2,n3", "MEGATRON_UCP_TEST_DIE": "memory 5: committed:1"}
     killed = run_mds(mds_checkout, MdsRun(nproc=4, extra_args=args, env=die, expect_failure=True, **common))

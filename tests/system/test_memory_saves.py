@@ -94,17 +94,32 @@ def _restart(
         if node not in fresh:
             shutil.copytree(_node_folder(crashed, node), _node_folder(folder, node))
     damage(folder)
+    return _resume(folder, survivors, folder / "dumps", env=env)
+
+
+def _resume(
+    base: Path,
+    survivors: tuple[str, ...],
+    dump_dir: Path,
+    steps: int = STEPS,
+    env: dict | None = None,
+    plugin_kwargs: dict | None = None,
+    **fields,
+) -> TrainResult:
+    """The survivors' run from the checkpoint root ``base/ckpt`` and their node folders under ``base``, one rank per
+    survivor, memory saves on (``plugin_kwargs``: the hooks' settings, if others)."""
     return run_training(
         TrainSpec(
             dp=len(survivors),
-            steps=STEPS,
-            load_dir=folder / "ckpt",
-            save_dir=folder / "ckpt",
-            dump_dir=folder / "dumps",
+            steps=steps,
+            load_dir=base / "ckpt",
+            save_dir=base / "ckpt",
+            dump_dir=dump_dir,
             plugin=True,
-            plugin_kwargs=_memory(folder),
+            plugin_kwargs=plugin_kwargs or _memory(base),
             env={"MEGATRON_UCP_NODE_NAMES": ",".join(survivors), **(env or {})},
             timeout=300,
+            **fields,
         )
     )
 
@@ -223,20 +238,7 @@ def test_every_zero_layout_resumes_from_memory_at_the_new_node_count_bit_for_bit
     assert crashed.returncode != 0, crashed.log[-3000:]
     (tmp_path / "job" / "ckpt").mkdir(exist_ok=True)  # no durable save yet: the root exists, empty
     shutil.rmtree(tmp_path / "job" / "local" / "n1")
-    resumed = run_training(
-        TrainSpec(
-            dp=3,
-            steps=4,
-            load_dir=tmp_path / "job" / "ckpt",
-            save_dir=tmp_path / "job" / "ckpt",
-            dump_dir=tmp_path / "resumed",
-            plugin=True,
-            plugin_kwargs=_memory(tmp_path / "job"),
-            env={"MEGATRON_UCP_NODE_NAMES": "n0,n2,n3"},
-            timeout=300,
-            **fields,
-        ),
-    )
+    resumed = _resume(tmp_path / "job", ("n0", "n2", "n3"), tmp_path / "resumed", steps=4, **fields)
     assert resumed.loaded_step == 3, resumed.log[-4000:]
     assert "newer than the durable checkpoint (none)" in resumed.rank_logs()[0]
     assert_same_state(tmp_path / "job" / "dumps" / "state_step3.pt", tmp_path / "resumed" / "state_step3_loaded.pt")
@@ -369,19 +371,7 @@ def test_memory_saves_beside_asynchronous_durable_saves_resume_from_the_newest_b
     # the asynchronous save of step 6 was in flight when rank 1 died of an exception: never committed
     assert (job / "ckpt" / "latest").read_text().strip() == "global_step4", crashed.log[-3000:]
     shutil.rmtree(job / "local" / "n1")
-    resumed = run_training(
-        TrainSpec(
-            dp=3,
-            steps=8,
-            load_dir=job / "ckpt",
-            save_dir=job / "ckpt",
-            dump_dir=tmp_path / "resumed",
-            plugin=True,
-            plugin_kwargs=kwargs,
-            env={"MEGATRON_UCP_NODE_NAMES": "n0,n2,n3"},
-            timeout=300,
-        )
-    )
+    resumed = _resume(job, ("n0", "n2", "n3"), tmp_path / "resumed", steps=8, plugin_kwargs=kwargs)
     said = resumed.rank_logs()[0]
     assert resumed.loaded_step == 5 and "restarting from the memory save of iteration 5" in said, said[-4000:]
     assert_same_state(job / "dumps" / "state_step5.pt", tmp_path / "resumed" / "state_step5_loaded.pt")
@@ -417,19 +407,7 @@ def test_a_second_node_lost_after_a_restart_from_memory_resumes_from_the_restart
     )
     assert second.returncode != 0 and second.loaded_step == CRASH, second.log[-4000:]
     shutil.rmtree(_node_folder(tmp_path, "n3"))
-    third = run_training(
-        TrainSpec(
-            dp=2,
-            steps=STEPS,
-            load_dir=tmp_path / "ckpt",
-            save_dir=tmp_path / "ckpt",
-            dump_dir=tmp_path / "third",
-            plugin=True,
-            plugin_kwargs=_memory(tmp_path),
-            env={"MEGATRON_UCP_NODE_NAMES": "n0,n2"},
-            timeout=300,
-        )
-    )
+    third = _resume(tmp_path, ("n0", "n2"), tmp_path / "third")
     said = third.rank_logs()[0]
     step = CRASH + 1
     assert third.loaded_step == step, third.log[-4000:]
@@ -470,19 +448,7 @@ def test_a_rank_dying_with_its_memory_commit_in_flight_ends_the_job_and_the_rest
     assert "harness: rank 1 dies of an exception after step 5" in crashed.log, crashed.log[-3000:]
     (job / "ckpt").mkdir(exist_ok=True)
     shutil.rmtree(job / "local" / "n1")
-    resumed = run_training(
-        TrainSpec(
-            dp=3,
-            steps=7,
-            load_dir=job / "ckpt",
-            save_dir=job / "ckpt",
-            dump_dir=tmp_path / "resumed",
-            plugin=True,
-            plugin_kwargs=_memory(job),
-            env={"MEGATRON_UCP_NODE_NAMES": "n0,n2,n3"},
-            timeout=300,
-        )
-    )
+    resumed = _resume(job, ("n0", "n2", "n3"), tmp_path / "resumed", steps=7)
     said = resumed.rank_logs()[0]
     assert resumed.loaded_step == 3 and "restarting from the memory save of iteration 3" in said, said[-4000:]
     assert "iteration 4: not committed" in said, said[-4000:]

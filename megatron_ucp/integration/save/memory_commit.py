@@ -50,7 +50,6 @@ class Target:
     flight: Optional[InFlight] = None
     """The files handed to the writer; their crc32 in ``sums`` as they are written."""
     sums: list[FileSum] = field(default_factory=list)
-    copied: int = 0
 
 
 @dataclass

@@ -265,8 +265,7 @@ def write(engine: Any, original: Callable[..., Any], args: tuple, kwargs: dict, 
         ),
     )
     into.sums = sums
-    result, host = async_save.copy_to_host(engine, lambda: original(*bound.args, **bound.kwargs), flight, _slot())
-    into.copied = host.copied_bytes
+    result, _ = async_save.copy_to_host(engine, lambda: original(*bound.args, **bound.kwargs), flight, _slot())
     into.flight = flight  # handed to the writer once every rank has its copy (save_to_memory)
     return result
 
