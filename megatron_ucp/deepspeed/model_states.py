@@ -119,6 +119,18 @@ def flatten_module_states(saved: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def with_leaves_replaced(nested: dict, values: dict[str, Any], prefix: str = "") -> dict:
+    """A copy of a ``module`` dict (the same dict types, the same nesting) with the leaves named in ``values`` (flat
+    names, as :func:`flatten_module_states` gives them) replaced."""
+    out = type(nested)()
+    for key, value in nested.items():
+        name = f"{prefix}{key}"
+        out[key] = (
+            with_leaves_replaced(value, values, name + ".") if isinstance(value, dict) else values.get(name, value)
+        )
+    return out
+
+
 def _check_shapes_against_module(path: Path, groups: Sequence[Sequence[ParamSpec]], module: Any) -> None:
     """``param_shapes`` must agree with the module's own tensors where the file holds them: the
     output's shape comes from ``param_shapes``, and a transposed entry has the same element count."""

@@ -114,6 +114,12 @@ SURFACE: tuple[Internal, ...] = (
     ),
     Internal(ENGINE, "zero_load_from_fp32_weights", C, "whether a native load takes the masters from the files"),
     Internal(PIPE_MODULE, "ckpt_layer_path_list", C, "a pipeline model's layer files, which its layers load"),
+    Internal(
+        PIPE_MODULE,
+        "ckpt_layer_path",
+        C,
+        "the layer file a pipeline model's save writes (a memory save leaves the optimized weights out of it)",
+    ),
     Internal(PIPE_GRID, "get_slice_parallel_rank", C, "which of a layer's model-parallel files this rank loads"),
     Internal(PIPE_GRID, "get_slice_parallel_world_size", C, "how many model-parallel files a layer has"),
     Internal(ENGINE, "_load_checkpoint", C, "DeepSpeed's module + training-state load, called by load_checkpoint"),

@@ -167,6 +167,13 @@ class LiveJob:
         """Each group's bf16 weights as the DP ranks' partitions of them."""
         return self.optimizer_layout.lp_partitions_of(self.optimizer)
 
+    def weight_partitions(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each group's fp32 master partition on this rank beside this rank's partition of its bf16 weights."""
+        return [
+            (master, parts[comm().get_rank(group=group)])
+            for parts, master, group in zip(self.lp_partitions(), self.masters(), self.group_dp_groups, strict=True)
+        ]
+
     # What a load asks of the engine.
 
     @functools.cached_property
@@ -186,6 +193,17 @@ class LiveJob:
     @functools.cached_property
     def node_local_storage(self) -> bool:
         return surface.node_local_storage(self.engine)
+
+
+def differing_partitions(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """How many (master, weights) pairs differ: the master not rounding exactly to the weights (compared where the
+    masters live). Local."""
+    differ = 0
+    with torch.no_grad():
+        for master, weights in pairs:
+            weights = weights if weights.device == master.device else weights.to(master.device)
+            differ += int(not torch.equal(master.to(weights.dtype), weights))
+    return differ
 
 
 def live_job(engine: Any) -> LiveJob:

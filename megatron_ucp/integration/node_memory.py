@@ -192,10 +192,20 @@ def crc_of(path: os.PathLike | str) -> int:
 
 
 def write_record(
-    gen: Path, node: int, nodes: int, tag: str, save_id: str, files: Sequence[FileSum], replica: bool, origin: str
+    gen: Path,
+    node: int,
+    nodes: int,
+    tag: str,
+    save_id: str,
+    files: Sequence[FileSum],
+    replica: bool,
+    origin: str,
+    weights_from_masters: bool = False,
 ):
-    """The record of one old node's files in a generation (what a restart checks them against)."""
+    """The record of one old node's files in a generation (what a restart checks them against, and whether they leave
+    the optimized weights to the masters)."""
     record = {
+        "weights_from_masters": weights_from_masters,
         "origin": origin,
         "node": node,
         "nodes": nodes,
@@ -319,6 +329,9 @@ class Restoring(Protocol):
 
     def names_elsewhere(self, folder: Path) -> list[str]: ...
 
+    @property
+    def weights_from_masters(self) -> bool: ...
+
 
 _RESTORING: contextvars.ContextVar[Optional[Restoring]] = contextvars.ContextVar("memory_restart", default=None)
 
@@ -347,3 +360,11 @@ def names_elsewhere(folder: Path) -> list[str]:
     rank files; [] outside a restart from memory."""
     assembly = _RESTORING.get()
     return assembly.names_elsewhere(folder) if assembly is not None else []
+
+
+def weights_from_masters() -> bool:
+    """True while a memory save whose files leave the model's optimized weights to the masters is loaded (its record
+    says so): the load rebuilds them from the masters, or is refused (:mod:`~megatron_ucp.integration.save.
+    memory_weights`)."""
+    assembly = _RESTORING.get()
+    return assembly is not None and assembly.weights_from_masters

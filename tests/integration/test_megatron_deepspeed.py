@@ -882,6 +882,19 @@ def _memory_args(folder: Path) -> list[str]:
     return ["--ucp-memory-save-interval", "1", "--ucp-local-dir", str(folder / "local" / "{node}")]
 
 
+def _assert_weights_left_to_the_masters(folder: Path, step: int, durable: Path) -> None:
+    """Node 0's memory save of ``step`` (under ``folder``) says it left the optimized weights to the masters, and each
+    of its weight files (a pipeline model's layer files, else the model states) is smaller than the durable save's."""
+    gen = next(folder.rglob(f"iter_{step:07d}"))
+    assert json.loads((gen / "node0.json").read_text())["weights_from_masters"] is True
+    files = sorted((gen / "node0" / f"global_step{step}").glob("layer_*")) or sorted(
+        (gen / "node0" / f"global_step{step}").glob("mp_rank_*_model_states.pt")
+    )
+    assert files
+    for path in files:
+        assert path.stat().st_size < (durable / path.name).stat().st_size, path.name
+
+
 @pytest.mark.parametrize("trained", ["bf16"], indirect=True)
 def test_a_lost_node_resumes_from_the_memory_save_at_the_new_node_count_on_the_curve(trained, mds_checkout, tmp_path):
     """Four ranks as four nodes, a memory save at the entry of every iteration (durable at 3 and 6): rank 1 dies right
@@ -906,6 +919,7 @@ def test_a_lost_node_resumes_from_the_memory_save_at_the_new_node_count_on_the_c
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"  # the durable saves untouched
     lr_state = ckpt / "lr_state_dict.yaml"  # Megatron's, written as a durable save starts: never by a memory save
     assert not lr_state.exists() or "iteration: 5" not in lr_state.read_text(), lr_state.read_text()
+    _assert_weights_left_to_the_masters(tmp_path / "local" / "n0", 5, ckpt / "global_step3")
     shutil.rmtree(tmp_path / "local" / "n1")
     resumed = run_mds(
         mds_checkout,
@@ -921,7 +935,7 @@ def test_a_lost_node_resumes_from_the_memory_save_at_the_new_node_count_on_the_c
     assert "restarting from the memory save of iteration 5 (global_step5, saved by 4 node(s)) on 3 node(s)" in said, (
         said[-3000:]
     )
-    assert "replicas used for node 1" in said
+    assert "replicas used for node 1; its weights to be rebuilt from the masters" in said, said[-3000:]
     assert "0 iteration(s) lost (the run had completed iteration 5)" in said  # it died right after that memory save
     assert assert_accounted(resumed).startswith("megatron-ucp native reshard:")
     assert sorted(resumed.losses) == [6], sorted(resumed.losses)
@@ -951,6 +965,7 @@ def test_a_model_parallel_job_that_lost_a_node_resumes_from_memory_at_half_the_d
     die = {"MEGATRON_UCP_NODE_NAMES": "n0,n1,n2,n3", "MEGATRON_UCP_TEST_DIE": "memory 5: committed:1"}
     killed = run_mds(mds_checkout, MdsRun(nproc=4, extra_args=args, env=die, expect_failure=True, **common))
     assert killed.returncode != 0 and "exits at memory 5: committed" in killed.log, killed.log[-3000:]
+    _assert_weights_left_to_the_masters(tmp_path / "local" / "n0", 5, ckpt / "global_step4")
     shutil.rmtree(tmp_path / "local" / "n1")
     resumed = run_mds(
         mds_checkout, MdsRun(nproc=2, extra_args=args, env={"MEGATRON_UCP_NODE_NAMES": "n0,n2"}, **common)
@@ -959,7 +974,7 @@ def test_a_model_parallel_job_that_lost_a_node_resumes_from_memory_at_half_the_d
     assert "restarting from the memory save of iteration 5 (global_step5, saved by 4 node(s)) on 2 node(s)" in said, (
         said[-3000:]
     )
-    assert "replicas used for node 1" in said
+    assert "replicas used for node 1" in said and "; its weights to be rebuilt from the masters;" in said, said[-3000:]
     assert assert_accounted(resumed).startswith("megatron-ucp native reshard:")
     assert sorted(resumed.losses) == [6], (sorted(resumed.losses), resumed.log[-3000:])
     assert_continues(resumed, reference, steps=(6,))

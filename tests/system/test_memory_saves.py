@@ -12,10 +12,12 @@ restart on the survivors at the new node count.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_ucp.background.status import root_status
 from megatron_ucp.background.status_text import format_status
@@ -86,6 +88,7 @@ def _restart(
     damage=lambda local: None,
     env: dict | None = None,
     fresh: tuple[str, ...] = (),
+    plugin_kwargs: dict | None = None,
 ) -> TrainResult:
     """The survivors' restart: a private copy of the job's checkpoint root and node folders, the lost nodes'
     folders gone, ``damage`` done, one rank per survivor."""
@@ -94,7 +97,7 @@ def _restart(
         if node not in fresh:
             shutil.copytree(_node_folder(crashed, node), _node_folder(folder, node))
     damage(folder)
-    return _resume(folder, survivors, folder / "dumps", env=env)
+    return _resume(folder, survivors, folder / "dumps", env=env, plugin_kwargs=plugin_kwargs)
 
 
 def _resume(
@@ -134,20 +137,119 @@ def _rank_file(base: Path, holder: str, node: int, step: int = CRASH) -> Path:
     )
 
 
+def _model_states(base: Path, holder: str = "n0", node: int = 0, step: int = CRASH) -> dict:
+    path = _node_folder(base, holder) / f"iter_{step:07d}" / f"node{node}" / f"global_step{step}"
+    return torch.load(path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+
+
+def _record(base: Path, holder: str = "n0", node: int = 0, step: int = CRASH) -> dict:
+    return json.loads((_node_folder(base, holder) / f"iter_{step:07d}" / f"node{node}.json").read_text())
+
+
+def _assert_same_weights(saved: Path, loaded: Path) -> None:
+    """The module on rank 0 after the load, bit for bit the one the crashed job had at that step."""
+    a, b = (torch.load(p, map_location="cpu", weights_only=False)["module"] for p in (saved, loaded))
+    assert a.keys() == b.keys() and a, (sorted(a), sorted(b))
+    for name, tensor in a.items():
+        assert tensor.dtype == b[name].dtype and torch.equal(tensor, b[name]), f"{name} differs after the load"
+
+
 def test_a_lost_node_costs_only_the_steps_since_the_last_memory_save(runs: ElasticRuns, tmp_path: Path) -> None:
+    """...and the memory save held none of the optimized weights (empty placeholders, its record saying so): the
+    restart rebuilt them from the masters, every one as the job had it."""
     crashed = _crashed(runs)
+    module = _model_states(crashed)["module"]
+    assert module and all(t.numel() == 0 for t in module.values()), {k: t.shape for k, t in module.items()}
+    assert _record(crashed)["weights_from_masters"] is True
     resumed = _restart(crashed, tmp_path, ("n0", "n2", "n3"))
     assert resumed.loaded_step == CRASH, resumed.log[-4000:]
     assert resumed.info["loaded_path"].startswith(str(tmp_path / "local" / "n0")), resumed.info["loaded_path"]
     log = resumed.rank_logs()[0]
     assert f"restarting from the memory save of iteration {CRASH} (global_step{CRASH}, saved by 4 node(s))" in log
     assert f"newer than the durable global_step{DURABLE} by 3 iteration(s); replicas used for node 1" in log
+    assert "its weights to be rebuilt from the masters" in log
     assert_same_state(crashed / "dumps" / f"state_step{CRASH}.pt", tmp_path / "dumps" / f"state_step{CRASH}_loaded.pt")
+    _assert_same_weights(
+        crashed / "dumps" / f"rank0_step{CRASH}.pt", tmp_path / "dumps" / f"rank0_step{CRASH}_loaded.pt"
+    )
     assert_losses_continue(resumed, _reference(runs).loss_at)
     said = format_status(root_status(tmp_path / "ckpt"))  # what the morning's `megatron-ucp status` says
     assert "last restart with memory saves on its nodes (" in said and (
         f"): restarting from the memory save of iteration {CRASH}" in said
     ), said
+
+
+def test_a_job_requeued_on_the_same_nodes_resumes_from_memory_at_the_same_size_bit_for_bit(
+    runs: ElasticRuns, tmp_path: Path
+) -> None:
+    """No node lost (the job requeued in its allocation): the same-DP load of the memory save, its weights rebuilt from
+    the masters, every master, state and weight as the job had them."""
+    crashed = _crashed(runs)
+    resumed = _restart(crashed, tmp_path, NODES)
+    assert resumed.loaded_step == CRASH, resumed.log[-4000:]
+    log = resumed.rank_logs()[0]
+    assert "module weights rebuilt from the masters (one all-gather; the memory save left them to the masters)" in log
+    assert_same_state(crashed / "dumps" / f"state_step{CRASH}.pt", tmp_path / "dumps" / f"state_step{CRASH}_loaded.pt")
+    _assert_same_weights(
+        crashed / "dumps" / f"rank0_step{CRASH}.pt", tmp_path / "dumps" / f"rank0_step{CRASH}_loaded.pt"
+    )
+    assert_losses_continue(resumed, _reference(runs).loss_at)
+
+
+def test_a_restart_that_would_read_the_weights_from_the_files_loads_the_durable_tag_saying_why(
+    runs: ElasticRuns, tmp_path: Path
+) -> None:
+    """``module_read = full``: the load would read the weights from the memory save's files, which left them to the
+    masters: refused before anything is loaded, the durable tag loaded, with the losses of the same restart on nodes
+    that never held memory saves."""
+    crashed = _crashed(runs)
+    survivors, full = ("n0", "n2", "n3"), {"module_read": "full"}
+    resumed = _restart(crashed, tmp_path / "memory", survivors, plugin_kwargs={**_memory(tmp_path / "memory"), **full})
+    assert resumed.loaded_step == DURABLE, resumed.log[-4000:]
+    log = resumed.rank_logs()[0]
+    assert "this memory save left the model's weights to the fp32 masters, and this load would read them" in log
+    assert f"loading the durable checkpoint global_step{DURABLE} instead" in log
+    shutil.copytree(crashed / "ckpt", tmp_path / "durable" / "ckpt")
+    durable = _resume(tmp_path / "durable", survivors, tmp_path / "durable" / "dumps", plugin_kwargs=full)
+    assert durable.loaded_step == DURABLE and resumed.losses == durable.losses, (resumed.losses, durable.losses)
+
+
+def test_a_job_whose_load_derives_the_masters_from_the_weights_keeps_them_in_its_memory_saves(
+    tmp_path: Path,
+) -> None:
+    """``load_from_fp32_weights`` off: a load takes the masters from the weights, so the memory saves keep them (said
+    why), and the restart from one at DP 3 reads them, bit for bit."""
+    fields = {"extra_config": {"zero_optimization": {"load_from_fp32_weights": False}}}
+    job = tmp_path / "job"
+    crashed = run_training(
+        TrainSpec(
+            dp=4,
+            steps=5,
+            save_dir=job / "ckpt",
+            memory_every=1,
+            crash=(4, 1),
+            expect_failure=True,
+            dump_dir=job / "dumps",
+            plugin=True,
+            plugin_kwargs=_memory(job),
+            env={"MEGATRON_UCP_NODE_NAMES": ",".join(NODES)},
+            timeout=300,
+            **fields,
+        )
+    )
+    assert crashed.returncode != 0, crashed.log[-3000:]
+    assert (
+        "memory saves keep the model's weights in their files: zero_optimization.load_from_fp32_weights is off"
+        in (crashed.rank_logs()[0])
+    )
+    assert _record(job, step=3)["weights_from_masters"] is False
+    assert all(t.numel() > 0 for t in _model_states(job, step=3)["module"].values())
+    (job / "ckpt").mkdir(exist_ok=True)
+    shutil.rmtree(job / "local" / "n1")
+    resumed = _resume(job, ("n0", "n2", "n3"), tmp_path / "resumed", steps=4, **fields)
+    assert resumed.loaded_step == 3, resumed.log[-4000:]
+    assert_same_state(job / "dumps" / "state_step3.pt", tmp_path / "resumed" / "state_step3_loaded.pt")
+    _assert_same_weights(job / "dumps" / "rank0_step3.pt", tmp_path / "resumed" / "rank0_step3_loaded.pt")
 
 
 def test_a_node_and_its_replica_lost_together_load_the_durable_tag_saying_why(
@@ -215,9 +317,9 @@ LAYOUTS = {name: fields for name, fields in HARNESS_LAYOUTS.items() if name != "
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_every_zero_layout_resumes_from_memory_at_the_new_node_count_bit_for_bit(layout: str, tmp_path: Path) -> None:
-    """Each other layout the fork trains (the fork's own: tests/integration): a memory save every step, the job dead
-    after step 4 (its memory save of step 3 committed), a node lost, the survivors at DP 3 from step 3, every master
-    and state as saved."""
+    """Each other layout the fork trains (the fork's own: tests/integration): a memory save every step (the weights
+    left to the masters but at ZeRO-3), the job dead after step 4 (its memory save of step 3 committed), a node lost,
+    the survivors at DP 3 from step 3, every master, state and weight as saved."""
     fields = LAYOUTS[layout]
     crashed = run_training(
         TrainSpec(
@@ -236,12 +338,18 @@ def test_every_zero_layout_resumes_from_memory_at_the_new_node_count_bit_for_bit
         )
     )
     assert crashed.returncode != 0, crashed.log[-3000:]
+    # the weights left to the masters but at ZeRO-3 (whose model states hold none)
+    assert _record(tmp_path / "job", step=3)["weights_from_masters"] is (layout != "zero3")
     (tmp_path / "job" / "ckpt").mkdir(exist_ok=True)  # no durable save yet: the root exists, empty
     shutil.rmtree(tmp_path / "job" / "local" / "n1")
     resumed = _resume(tmp_path / "job", ("n0", "n2", "n3"), tmp_path / "resumed", steps=4, **fields)
     assert resumed.loaded_step == 3, resumed.log[-4000:]
     assert "newer than the durable checkpoint (none)" in resumed.rank_logs()[0]
     assert_same_state(tmp_path / "job" / "dumps" / "state_step3.pt", tmp_path / "resumed" / "state_step3_loaded.pt")
+    if layout != "zero3":  # ZeRO-3's module holds only its partitions: its masters compared above are the weights
+        _assert_same_weights(
+            tmp_path / "job" / "dumps" / "rank0_step3.pt", tmp_path / "resumed" / "rank0_step3_loaded.pt"
+        )
 
 
 def test_a_restart_whose_load_needs_the_universal_twin_loads_the_durable_tag_saying_why(tmp_path: Path) -> None:

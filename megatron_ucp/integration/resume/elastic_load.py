@@ -49,7 +49,7 @@ from megatron_ucp.integration.resume.decide import Decided, decide, refuse_an_ex
 from megatron_ucp.integration.resume.engine_load import LoadOutcome
 from megatron_ucp.integration.resume.fallback import SchedulerAsBefore, load_with_fallback
 from megatron_ucp.integration.resume.finish import finish
-from megatron_ucp.integration.resume.native.routes import reshard_load, same_dp_load
+from megatron_ucp.integration.resume.native.routes import refuse_weights_left_out, reshard_load, same_dp_load
 from megatron_ucp.integration.resume.universal.partition_load import install_partition_loader
 from megatron_ucp.integration.resume.universal.route import universal_load
 from megatron_ucp.plan.resume import Route
@@ -196,6 +196,7 @@ def _load_tag(call: LoadCall, tag: Optional[str], native_only: bool = False) -> 
     if decision.route is Route.NATIVE and (decision.checkpoint_dp is None or not call.loads_states):
         # nothing of ours to do: stock DeepSpeed's load, of the tag the first rank read from `latest` (a rank reading
         # it again could see another value on a shared file system, and load something else)
+        refuse_weights_left_out(call, "this load is DeepSpeed's own (no optimizer states, or no partition record)")
         return call.deepspeed(tag if tag is not None else decided.native_tag)
     if is_first():
         log.info("megatron-ucp: %s", decision.message)

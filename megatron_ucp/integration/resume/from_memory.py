@@ -124,6 +124,7 @@ def restore(call: LoadCall) -> Optional[Restored]:
     of_file = {name: (n, int(v[0]), int(v[1])) for n, r in chosen.items() for name, v in r["files"].items()}
     root = folder / RESTORED
     assembly = Assembly(nodes, me, generation(folder, step), root, tag, choice, of_file)
+    assembly.weights_from_masters = any(bool(r.get("weights_from_masters")) for r in chosen.values())
     if leader:
         remove(root)
     JOB.count(0)  # the folder is new on every node before anything is brought into it
@@ -156,6 +157,7 @@ def restore(call: LoadCall) -> Optional[Restored]:
         + (f" by {step - tag_step(durable)} iteration(s)" if durable and tag_step(durable) is not None else "")
         + (f"; replicas used for {', '.join(from_replicas[:4])}" if from_replicas else "")
         + (f"; passed over: {'; '.join(choice.passed_over)}" if choice.passed_over else "")
+        + ("; its weights to be rebuilt from the masters" if assembly.weights_from_masters else "")
         + f"; its model states on every node in {time.monotonic() - started:.2f} s, "
         + ("each rank file brought to the nodes that read it" if assembly.lazy else "every file on every node")
         + ", from the nodes' memory (nothing read from the checkpoint root); "
@@ -284,6 +286,8 @@ class Assembly:
     """Rounds of sends of the most spread one of its exchanges (a file many nodes lack is relayed)."""
     received: int = 0
     """Bytes sent between nodes so far (the same on every rank)."""
+    weights_from_masters: bool = False
+    """Its files leave the optimized weights to the masters: the load rebuilds them (or is refused)."""
 
     @property
     def here(self) -> str:

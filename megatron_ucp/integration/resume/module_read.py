@@ -17,14 +17,16 @@ import torch
 
 from megatron_ucp import faults
 from megatron_ucp.deepspeed import surface
+from megatron_ucp.deepspeed.model_states import with_leaves_replaced
 from megatron_ucp.deepspeed.reader import flatten_module_states, load_raw
 from megatron_ucp.deepspeed.tensor_reads import read_tensor_range
-from megatron_ucp.errors import CheckpointFormatError, UcpError, briefly
+from megatron_ucp.errors import CheckpointFormatError, UcpError, UnsupportedError, briefly
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.format.exact_read import RangeReader, file_offset
 from megatron_ucp.format.rawtensor import RawTensor
+from megatron_ucp.integration import node_memory
 from megatron_ucp.integration.collectives import Collective, comm, device
-from megatron_ucp.integration.live_job import LiveJob, LoadCall
+from megatron_ucp.integration.live_job import LiveJob, LoadCall, differing_partitions
 from megatron_ucp.plan.resume import Route
 
 log = logging.getLogger(__name__)
@@ -56,10 +58,14 @@ def how_module_is_read(call: LoadCall, route: Route) -> ModuleRead:
     if route is not Route.NATIVE and route is not Route.RESHARD:
         why = None if config.module_read == "distributed" else f"module_read={config.module_read}"
         return ModuleRead(why, lazy=why is None or job.per_parameter)
-    if job.per_parameter:
-        return ModuleRead(ZERO3_OWN_READ, lazy=route is Route.RESHARD)
-    why = full_module_reason(call)
-    return ModuleRead(why, lazy=why is None)
+    why = ZERO3_OWN_READ if job.per_parameter else full_module_reason(call)
+    if why is not None and node_memory.weights_from_masters():
+        raise UnsupportedError(
+            f"{call.load_dir}: this memory save left the model's weights to the fp32 masters, and this load would "
+            f"read them from its files ({why})",
+            subject=call.load_dir,
+        )
+    return ModuleRead(why, lazy=why is None or (job.per_parameter and route is Route.RESHARD))
 
 
 def full_module_reason(call: LoadCall) -> Optional[str]:
@@ -177,15 +183,6 @@ def _leaves(nested: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield f"{prefix}{key}", value
 
 
-def _replaced(nested: dict, values: dict[str, Any], prefix: str = "") -> dict:
-    """A copy of the nested module dict (same dict types) with the leaves named in ``values`` replaced."""
-    out = type(nested)()
-    for key, value in nested.items():
-        name = f"{prefix}{key}"
-        out[key] = _replaced(value, values, name + ".") if isinstance(value, dict) else values.get(name, value)
-    return out
-
-
 def _read_the_rest(path: Path, names: list[str], group: Any, key: Optional[str] = F.MODULE) -> dict[str, torch.Tensor]:
     """The module tensors without a master, each byte read by one rank of ``group``: their bytes laid end
     to end, one slice per rank (read exactly), one all-gather. Every rank of the group holds the same
@@ -233,7 +230,7 @@ def with_the_rest_exchanged(states: dict, optimized: set[str], model_states: Pat
         return states
     names = sorted(n for n, _ in _leaves(saved) if n not in optimized)
     rest = _read_the_rest(model_states, names, group) if names else {}
-    return {**states, F.MODULE: _replaced(saved, rest)} if rest else states
+    return {**states, F.MODULE: with_leaves_replaced(saved, rest)} if rest else states
 
 
 def layer_hook(job: LiveJob, folder: Path) -> Callable[[Path, dict], dict]:
@@ -272,7 +269,7 @@ def module_from_masters(job: LiveJob, model_states: Path) -> Iterator[None]:
             own = {name: optimized[name].detach() for name in leaves if name in optimized}
             names = sorted(n for n in leaves if n not in own)  # the same on every rank: one file per group
             rest = _read_the_rest(model_states, names, job.dp_group) if names else {}
-            module = _replaced(saved, {**own, **rest})
+            module = with_leaves_replaced(saved, {**own, **rest})
             return original(self, {**checkpoint, F.MODULE: module}, strict, *args, **kwargs)
 
         return load_module_state_dict
@@ -303,11 +300,7 @@ def refresh_lp_params(job: LiveJob) -> bool:
     copying the masters into it, so the weights it just loaded already are (1.1 s of a 1.6 s reshard
     of 100M parameters on 4 CPU ranks, for nothing). Collective over the DP group. Returns whether
     the weights had to be refreshed."""
-    mine = (
-        (master, parts[comm().get_rank(group=group)])
-        for parts, master, group in zip(job.lp_partitions(), job.masters(), job.group_dp_groups, strict=True)
-    )
-    fresh = _masters_round_to(job, mine, "comparing the weights with the masters (all-reduce)")
+    fresh = _masters_round_to(job, job.weight_partitions(), "comparing the weights with the masters (all-reduce)")
     if not fresh:
         rebuild(job)
     return not fresh
@@ -316,12 +309,7 @@ def refresh_lp_params(job: LiveJob) -> bool:
 def _masters_round_to(job: LiveJob, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], what: str) -> bool:
     """Collective over the DP group: whether, on every rank, each master of ``pairs`` rounds exactly to its weights
     (compared where the masters live)."""
-    differ = 0
-    with torch.no_grad():
-        for master, weights in pairs:
-            weights = weights if weights.device == master.device else weights.to(master.device)
-            differ += int(not torch.equal(master.to(weights.dtype), weights))
-    total = torch.tensor([differ], dtype=torch.int64, device=device())
+    total = torch.tensor([differing_partitions(pairs)], dtype=torch.int64, device=device())
     with exchanging(what):
         Collective(job.dp_group).sum(total)
     return int(total.item()) == 0

@@ -353,13 +353,20 @@ def async_save(engine: Any, original: Callable[..., Any], args: tuple, kwargs: d
     return result
 
 
-def copy_to_host(engine: Any, call: Callable[[], Any], flight: InFlight, slot: HostBuffers) -> tuple[Any, HostCopy]:
+def copy_to_host(
+    engine: Any,
+    call: Callable[[], Any],
+    flight: InFlight,
+    slot: HostBuffers,
+    shape: Optional[Callable[[Any, str], Any]] = None,
+) -> tuple[Any, HostCopy]:
     """``call()`` (DeepSpeed's ``save_checkpoint``) with every file it saves copied into ``slot`` for ``flight``
-    instead of written (the writer writes them): its result, once the copies are taken."""
+    instead of written (the writer writes them): its result, once the copies are taken. ``shape(state_dict, path)``:
+    what of each state dict is written (a memory save's leaves the weights to the masters)."""
     host = HostCopy(slot)
     copying = _COPYING.set(True)
     try:
-        with watched_writes(engine, lambda ce_save: _capture(ce_save, flight, host)):
+        with watched_writes(engine, lambda ce_save: _capture(ce_save, flight, host, shape)):
             result = call()
             host.finish(surface.accelerator().synchronize)
     finally:
@@ -373,12 +380,14 @@ def when_written(compute: Callable[..., Any], *args: Any) -> Any:
     return WhenWritten(compute, args) if _COPYING.get() else compute(*args)
 
 
-def _capture(ce_save: Callable[..., Any], flight: InFlight, host: HostCopy) -> Callable[..., Any]:
+def _capture(
+    ce_save: Callable[..., Any], flight: InFlight, host: HostCopy, shape: Optional[Callable[[Any, str], Any]]
+) -> Callable[..., Any]:
     def save(state_dict: Any, path: Any, *args: Any, **kwargs: Any) -> None:
         flight.watch.expect(path)
         try:
             faults.fault_point(f"copy {flight.save.tag}/{Path(str(path)).name}")
-            copied = host.of(state_dict)
+            copied = host.of(shape(state_dict, str(path)) if shape is not None else state_dict)
         except Exception as exc:  # no host memory, or a copy that cannot be taken: this file written now
             if not _state.short_warned:
                 _state.short_warned = True

@@ -50,6 +50,8 @@ class Target:
     flight: Optional[InFlight] = None
     """The files handed to the writer; their crc32 in ``sums`` as they are written."""
     sums: list[FileSum] = field(default_factory=list)
+    weights_from_masters: bool = False
+    """Its files leave the optimized weights to the masters (:mod:`.memory_weights`; the same on every rank)."""
 
 
 @dataclass
@@ -107,7 +109,17 @@ def _commit(pending: Pending, over: Collective) -> bool:
         try:
             faults.fault_point(f"memory {step}: record")
             files = [s for s in every if nodes.index(s.rank) == of]
-            write_record(gen, of, nodes.count, tag, into.save_id, files, replica=replica, origin=pending.origin)
+            write_record(
+                gen,
+                of,
+                nodes.count,
+                tag,
+                into.save_id,
+                files,
+                replica=replica,
+                origin=pending.origin,
+                weights_from_masters=into.weights_from_masters,
+            )
         except Exception as exc:  # of any type: this rank's failure, said on every rank
             return f"recording {gen}: {reason_of(exc)}"
         return None

@@ -53,7 +53,7 @@ from megatron_ucp.integration.node_memory import (
     remove,
     root_origin,
 )
-from megatron_ucp.integration.save import async_save
+from megatron_ucp.integration.save import async_save, memory_weights
 from megatron_ucp.integration.save.commit import OpenSave, WriteWatch, reason_of
 from megatron_ucp.integration.save.host_copy import HostBuffers
 from megatron_ucp.integration.save.memory_commit import Pending, Target, all_well, committing, failures_of
@@ -265,7 +265,9 @@ def write(engine: Any, original: Callable[..., Any], args: tuple, kwargs: dict, 
         ),
     )
     into.sums = sums
-    result, _ = async_save.copy_to_host(engine, lambda: original(*bound.args, **bound.kwargs), flight, _slot())
+    shape = memory_weights.decided(engine, tag_dir)  # collective: every rank is in this engine's save
+    into.weights_from_masters = shape is not None
+    result, _ = async_save.copy_to_host(engine, lambda: original(*bound.args, **bound.kwargs), flight, _slot(), shape)
     into.flight = flight  # handed to the writer once every rank has its copy (save_to_memory)
     return result
 

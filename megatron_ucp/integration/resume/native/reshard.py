@@ -134,18 +134,19 @@ def loaded_weights(job: LiveJob, bound: BoundSave) -> SavedSlice:
 
 
 def load_native_partitions(
-    job: LiveJob, bound: BoundSave, strict: bool = True, saved: Optional[SavedSlice] = None
+    job: LiveJob, bound: BoundSave, strict: bool = True, saved: Optional[SavedSlice] = None, weights: bool = True
 ) -> AccountingReport:
     """This rank's partitions of a save at another DP size (or another ZeRO-3 sub-group cut), from the bound files,
     after DeepSpeed loaded the rest: the masters first, held against the saved weights (``saved``; default, ZeRO-1/2,
-    the loaded module), then the states, then the ledger closed over the DP group. Returns the report (the same on
-    every rank); enforcing it is the caller's, except for weights that are not the masters rounded (``strict``)."""
+    the loaded module; ``weights`` False: the save holds none to hold them against), then the states, then the ledger
+    closed over the DP group. Returns the report (the same on every rank); enforcing it is the caller's, except for
+    weights that are not the masters rounded (``strict``)."""
     t_start = time.perf_counter()
     optimizer, calls, base = job.optimizer, Collective(job.dp_group), job.base
     facts, new, reads = bound.facts, bound.new, bound.reads
     masters = job.masters()
     links = [[] for _ in masters] if job.per_parameter else job.groups
-    if saved is None and not job.per_parameter:
+    if saved is None and weights and not job.per_parameter:
         saved = loaded_weights(job, bound)
     files = OldFiles.of(facts, bound.rank_file)
     ledger = files.ledger()

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_ucp.errors import StockFormError, UcpError
+from megatron_ucp.errors import StockFormError, UcpError, UnsupportedError
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration import node_memory
 from megatron_ucp.integration.collectives import is_first
@@ -48,6 +48,7 @@ from megatron_ucp.plan.resume import Route
 log = logging.getLogger(__name__)
 
 REBUILT = "module weights rebuilt from the masters (one all-gather; of the module, only what has no master read)"
+NO_WEIGHTS = "the memory save left them to the masters"
 _NO_STATES = {"load_optimizer_states": False}
 
 
@@ -141,18 +142,18 @@ def reshard_load(call: LoadCall, tag: str, dp_from: int, seen_states: Optional[d
                 subject=Path(call.load_dir) / tag,
             )
         return LoadOutcome(result, load_path, reports[0], dp_from, states=read.of(load_path), origins=origins)
-    saved = SavedSlices.of(job, bound, model_states) if distributed else None
+    masters_only = node_memory.weights_from_masters()
+    saved = SavedSlices.of(job, bound, model_states) if distributed and not masters_only else None
     try:
-        report = load_native_partitions(job, bound, strict=config.strict, saved=saved)
+        report = load_native_partitions(job, bound, strict=config.strict, saved=saved, weights=not masters_only)
     finally:
         if saved is not None:
             saved.close()
-    if saved is not None:
+    if distributed:
         rebuild(job)  # the weights the masters round to, as the universal route gives
         optimizer_bytes = sum(src.reader.bytes_read for src in bound.sources.values() if src.reader is not None)
-        module = (
-            f"{REBUILT}; rank {bound.rank} read {optimizer_bytes / 1e6:.1f} MB of the old rank files and "
-            f"{saved.read()} of the saved weights"
+        module = f"{REBUILT}; rank {bound.rank} read {optimizer_bytes / 1e6:.1f} MB of the old rank files and " + (
+            f"{saved.read()} of the saved weights" if saved is not None else f"none of the weights ({NO_WEIGHTS})"
         )
     else:
         refreshed = refresh_lp_params(job)
@@ -170,9 +171,20 @@ def _deepspeeds_own_load(call: LoadCall, tag: str, why: StockFormError, rank_fil
     """A save in a form the hooks do not read (the same error on every rank): loaded as stock DeepSpeed loads it,
     with one warning (it may refuse what it cannot load, as without the hooks). ``rank_files``: what its load may read
     (a memory save's are brought to this node first)."""
+    refuse_weights_left_out(call, "DeepSpeed's own load reads them from its files")
     node_memory.fetch(rank_files)
     warn_once(str(why), "loaded by DeepSpeed's own load, as without megatron-ucp")
     return LoadOutcome(call.deepspeed(tag), stock=True)
+
+
+def refuse_weights_left_out(call: LoadCall, why: str) -> None:
+    """A memory save that left the weights to the masters, loaded where they would be read from its files: refused on
+    every rank alike, before anything is loaded (the restart then loads the durable checkpoint)."""
+    if node_memory.weights_from_masters():
+        raise UnsupportedError(
+            f"{call.load_dir}: this memory save left the model's weights to the fp32 masters, and {why}",
+            subject=call.load_dir,
+        )
 
 
 def same_dp_load(call: LoadCall, tag: str, seen_states: Optional[dict] = None) -> LoadOutcome:
@@ -187,8 +199,11 @@ def same_dp_load(call: LoadCall, tag: str, seen_states: Optional[dict] = None) -
     except StockFormError as exc:  # a form of the files the hooks do not read, before anything was loaded
         return _deepspeeds_own_load(call, tag, exc, [rank_file(r) for r in range(job.dp_size)])
     flat = not job.per_parameter
+    if bound is None:
+        refuse_weights_left_out(call, "this model is loaded unbound, by DeepSpeed's own load")
     how = how_module_is_read(call, Route.NATIVE)
     distributed = bound is not None and how.distributed
+    masters_only = node_memory.weights_from_masters()
     try:
         with (
             one_model_states_file_per_rank(
@@ -208,11 +223,14 @@ def same_dp_load(call: LoadCall, tag: str, seen_states: Optional[dict] = None) -
             bound.close()
         return LoadOutcome(result)
     t0 = time.perf_counter()
-    saved = SavedSlices.of(job, bound, model_states) if distributed else None
+    saved = SavedSlices.of(job, bound, model_states) if distributed and not masters_only else None
     try:
-        weights = (saved or loaded_weights(job, bound)) if flat else None
+        weights = (saved or loaded_weights(job, bound)) if flat and not masters_only else None
         what = verify_loaded(job, bound, config.strict, weights)
-        if saved is not None:
+        if distributed and masters_only:
+            rebuild(job)
+            what += f"; module weights rebuilt from the masters (one all-gather; {NO_WEIGHTS})"
+        elif saved is not None:
             exact = rebuild_from_masters(job, bound.new.true_lengths(bound.rank), saved)
             what += "; " + (
                 "module weights rebuilt from the masters (one all-gather), proven equal to the saved ones "

@@ -1,0 +1,113 @@
+"""What a memory save leaves to the masters: the model's optimized weights.
+
+After a ZeRO-1/2 optimizer step every optimized bf16 weight is its fp32 master rounded to nearest, and every rank's
+optimizer file holds its masters; the model states (node 0's first rank: 13.5 GB at AuroraGPT-7B, most of what a
+memory save writes, sums and replicates) repeat them. A memory save therefore writes each optimized weight as an
+empty placeholder (the shape ``(0,)`` ZeRO-3 gives its partitioned parameters), in the model states' ``module`` and
+in a pipeline model's layer files; buffers, frozen parameters and the client state stay. Its record says so, and a
+restart from it rebuilds the weights from the loaded masters on every route that can (the native reshard and the
+same-DP load, reading the module once across the job) and refuses the others before anything is loaded, so that the
+durable checkpoint is loaded instead.
+
+Only where it is exact: not ZeRO-3 (its model states hold no weights anyway), not a mixture of experts (DeepSpeed's
+own module load reads the experts' files), not when the masters are derived from the weights at a load
+(``load_from_fp32_weights`` off), and only when on every rank the live weights are exactly the masters rounded
+(checked at each memory save, over this rank's partition: a job that changed its weights after the step keeps them).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_ucp.deepspeed.model_states import flatten_module_states, with_leaves_replaced
+from megatron_ucp.format import dsformat as F
+from megatron_ucp.integration.collectives import JOB, is_first
+from megatron_ucp.integration.live_job import LiveJob, differing_partitions, live_job
+
+log = logging.getLogger(__name__)
+
+Shape = Callable[[Any, str], Any]
+"""A saved state dict as it is written into ``path`` (:func:`leaving_out`)."""
+
+_SAID: set[str] = set()
+
+
+def why_kept(job: LiveJob) -> Optional[str]:
+    """Why this rank's memory save must keep the weights (None: the masters hold them exactly). Local."""
+    if job.per_parameter:
+        return "ZeRO-3 saves no weights in its model states"
+    if getattr(job.engine, "has_moe_layers", False):
+        return "a mixture of experts: DeepSpeed's own module load reads the experts' files"
+    if not job.loads_fp32_masters:
+        return "zero_optimization.load_from_fp32_weights is off: a load derives the masters from the weights"
+    if differing_partitions(job.weight_partitions()):
+        return "the live weights are not the fp32 masters rounded to nearest"
+    return None
+
+
+def decided(engine: Any, tag_dir: Path) -> Optional[Shape]:
+    """Collective (every rank, the main group; never raises before it): what this memory save writes of each state
+    dict when every rank's masters hold its weights (:func:`leaving_out`), else None (the files as a save writes
+    them; why said once per reason, on the first rank)."""
+    try:
+        job: Optional[LiveJob] = live_job(engine)
+        why = why_kept(job)
+    except Exception as exc:  # of any type: this rank keeps them, said here, and every rank still meets below
+        job, why = None, f"the check of the weights failed ({type(exc).__name__}: {exc})"
+        log.warning("megatron-ucp: %s: %s", tag_dir, why)
+    kept = JOB.count(1 if why is not None else 0)
+    if kept:
+        said = why if why is not None else f"the live weights are not the fp32 masters rounded on {kept} rank(s)"
+        if is_first() and said not in _SAID:  # once per reason and run
+            _SAID.add(said)
+            log.warning("megatron-ucp: memory saves keep the model's weights in their files: %s", said)
+        return None
+    try:
+        return leaving_out(job, tag_dir)  # type: ignore[arg-type]
+    except Exception as exc:  # of any type: this rank's files keep them (a restart rebuilds from the masters anyway)
+        log.warning("megatron-ucp: %s: the weights stay in this rank's memory save files (%s)", tag_dir, exc)
+        return _as_it_is
+
+
+def _as_it_is(state_dict: Any, path: str) -> Any:
+    return state_dict
+
+
+def leaving_out(job: LiveJob, tag_dir: Path) -> Shape:
+    """The save's state dicts with the optimized weights as empty placeholders: the model states' ``module`` (by the
+    names the engine gives its parameters), and each of a pipeline stage's layer files (by identity with the live
+    parameters, per file name as DeepSpeed's save names it). Any other file is written as it is."""
+    optimized = job.optimized_params
+    layers: dict[str, set[str]] = {}
+    if job.pipeline:
+        module, ids = job.engine.module, {id(lp) for lp in optimized.values()}
+        for idx, layer in enumerate(module.forward_funcs):
+            if hasattr(layer, "state_dict"):
+                keys = {k for k, t in layer.state_dict(keep_vars=True).items() if id(t) in ids}
+                layers[Path(module.ckpt_layer_path(str(tag_dir), idx)).name] = keys
+
+    def shape(state_dict: Any, path: str) -> Any:
+        name = Path(path).name
+        if not isinstance(state_dict, dict):
+            return state_dict
+        if name in layers:
+            return {k: _placeholder(v) if k in layers[name] else v for k, v in state_dict.items()}
+        module = state_dict.get(F.MODULE)
+        if F.MODEL_FILE_RE.match(name) and isinstance(module, dict):
+            out = {
+                n: _placeholder(t)
+                for n, t in flatten_module_states(module).items()
+                if n in optimized and isinstance(t, torch.Tensor) and t.numel() == optimized[n].numel()
+            }
+            return {**state_dict, F.MODULE: with_leaves_replaced(module, out)}
+        return state_dict
+
+    return shape
+
+
+def _placeholder(value: Any) -> Any:
+    return torch.empty(0, dtype=value.dtype) if isinstance(value, torch.Tensor) else value
