@@ -120,14 +120,16 @@ def flatten_module_states(saved: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def with_leaves_replaced(nested: dict, values: dict[str, Any], prefix: str = "") -> dict:
-    """A copy of a ``module`` dict (the same dict types, the same nesting) with the leaves named in ``values`` (flat
-    names, as :func:`flatten_module_states` gives them) replaced."""
+    """A copy of a ``module`` dict (the same dict types, the same nesting, torch's ``_metadata``) with the leaves named
+    in ``values`` (flat names, as :func:`flatten_module_states` gives them) replaced."""
     out = type(nested)()
     for key, value in nested.items():
         name = f"{prefix}{key}"
         out[key] = (
             with_leaves_replaced(value, values, name + ".") if isinstance(value, dict) else values.get(name, value)
         )
+    if hasattr(nested, "_metadata"):  # torch's per-module versions, which load_state_dict hands each module
+        out._metadata = nested._metadata  # type: ignore[attr-defined]
     return out
 
 

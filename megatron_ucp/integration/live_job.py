@@ -195,14 +195,24 @@ class LiveJob:
         return surface.node_local_storage(self.engine)
 
 
+_COMPARED_AT_ONCE = 1 << 24
+"""Elements of a partition rounded (and moved, under offload) at once: what the check costs in memory, bounded."""
+
+
 def differing_partitions(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
     """How many (master, weights) pairs differ: the master not rounding exactly to the weights (compared where the
-    masters live). Local."""
+    masters live, a bounded slice at a time). Local."""
     differ = 0
     with torch.no_grad():
         for master, weights in pairs:
-            weights = weights if weights.device == master.device else weights.to(master.device)
-            differ += int(not torch.equal(master.to(weights.dtype), weights))
+            m, w = master.reshape(-1), weights.reshape(-1)
+            same = m.numel() == w.numel()
+            for at in range(0, m.numel() if same else 0, _COMPARED_AT_ONCE):
+                a, b = m[at : at + _COMPARED_AT_ONCE], w[at : at + _COMPARED_AT_ONCE]
+                if not torch.equal(a.to(b.dtype), b if b.device == a.device else b.to(a.device)):
+                    same = False
+                    break
+            differ += int(not same)
     return differ
 
 

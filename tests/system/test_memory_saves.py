@@ -22,7 +22,7 @@ import torch
 from megatron_ucp.background.status import root_status
 from megatron_ucp.background.status_text import format_status
 from megatron_ucp.config import UcpConfig
-from megatron_ucp.integration.node_memory import local_folder
+from megatron_ucp.integration.node_memory import crc_of, local_folder
 from tests.support.dsharness import TrainResult, TrainSpec, run_training
 from tests.support.elastic_support import ElasticRuns, assert_losses_continue, assert_same_state, flip_a_data_bit
 from tests.support.harness_layouts import HARNESS_LAYOUTS
@@ -214,12 +214,23 @@ def test_a_restart_that_would_read_the_weights_from_the_files_loads_the_durable_
     assert durable.loaded_step == DURABLE and resumed.losses == durable.losses, (resumed.losses, durable.losses)
 
 
-def test_a_job_whose_load_derives_the_masters_from_the_weights_keeps_them_in_its_memory_saves(
-    tmp_path: Path,
-) -> None:
-    """``load_from_fp32_weights`` off: a load takes the masters from the weights, so the memory saves keep them (said
-    why), and the restart from one at DP 3 reads them, bit for bit."""
-    fields = {"extra_config": {"zero_optimization": {"load_from_fp32_weights": False}}}
+KEPT = {
+    "masters-from-weights": (
+        {"extra_config": {"zero_optimization": {"load_from_fp32_weights": False}}},
+        {},
+        "zero_optimization.load_from_fp32_weights is off: a load derives the masters from the weights",
+    ),
+    "module-read-full": ({}, {"module_read": "full"}, "module_read=full: a restart reads the module from the files"),
+}
+"""Jobs whose memory saves keep the weights: harness fields, the hooks' settings, what the first rank says."""
+
+
+@pytest.mark.parametrize("case", sorted(KEPT))
+def test_a_job_whose_restart_reads_the_weights_keeps_them_in_its_memory_saves(case: str, tmp_path: Path) -> None:
+    """``load_from_fp32_weights`` off (a load takes the masters from the weights) or ``module_read = full`` (a restart
+    reads the module from the files): the memory saves keep the weights, said why, and the restart from one at DP 3
+    reads them, bit for bit."""
+    fields, settings, said = KEPT[case]
     job = tmp_path / "job"
     crashed = run_training(
         TrainSpec(
@@ -231,25 +242,60 @@ def test_a_job_whose_load_derives_the_masters_from_the_weights_keeps_them_in_its
             expect_failure=True,
             dump_dir=job / "dumps",
             plugin=True,
-            plugin_kwargs=_memory(job),
+            plugin_kwargs={**_memory(job), **settings},
             env={"MEGATRON_UCP_NODE_NAMES": ",".join(NODES)},
             timeout=300,
             **fields,
         )
     )
     assert crashed.returncode != 0, crashed.log[-3000:]
-    assert (
-        "memory saves keep the model's weights in their files: zero_optimization.load_from_fp32_weights is off"
-        in (crashed.rank_logs()[0])
-    )
+    assert crashed.rank_logs()[0].count(f"memory saves keep the model's weights in their files: {said}") == 1
     assert _record(job, step=3)["weights_from_masters"] is False
     assert all(t.numel() > 0 for t in _model_states(job, step=3)["module"].values())
     (job / "ckpt").mkdir(exist_ok=True)
     shutil.rmtree(job / "local" / "n1")
-    resumed = _resume(job, ("n0", "n2", "n3"), tmp_path / "resumed", steps=4, **fields)
+    resumed = _resume(
+        job, ("n0", "n2", "n3"), tmp_path / "resumed", steps=4, plugin_kwargs={**_memory(job), **settings}, **fields
+    )
     assert resumed.loaded_step == 3, resumed.log[-4000:]
     assert_same_state(job / "dumps" / "state_step3.pt", tmp_path / "resumed" / "state_step3_loaded.pt")
     _assert_same_weights(job / "dumps" / "rank0_step3.pt", tmp_path / "resumed" / "rank0_step3_loaded.pt")
+
+
+def _with_a_dict_state(base: Path, step: int = CRASH) -> None:
+    """Every copy of the memory save of ``step`` under ``base`` (each node's own and the replica it keeps) with a dict
+    added to every group's state in every rank file (the shape of bitsandbytes' quantization state), its record's
+    sizes and crc32 made anew: a state no copy places, which a same-DP load leaves to DeepSpeed's own load, unbound."""
+    for node in NODES:
+        gen = _node_folder(base, node) / f"iter_{step:07d}"
+        for record_path in sorted(gen.glob("node*.json")):
+            record = json.loads(record_path.read_text())
+            folder = gen / f"node{record['node']}" / record["tag"]
+            for name in [n for n in record["files"] if n.endswith("optim_states.pt")]:
+                sd = torch.load(folder / name, weights_only=False)
+                for state in sd["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+                    state["quant_state"] = {"blocksize": 256}
+                torch.save(sd, folder / name)
+                record["files"][name] = [(folder / name).stat().st_size, crc_of(folder / name)]
+            record_path.write_text(json.dumps(record))
+
+
+def test_a_same_size_restart_left_to_deepspeeds_own_load_rebuilds_the_weights_from_the_masters(
+    runs: ElasticRuns, tmp_path: Path
+) -> None:
+    """The job requeued on its four nodes, its memory save holding a state no copy places (the rank files then left
+    unbound, to DeepSpeed's own load at the saved size): DeepSpeed loads the masters, the weights are rebuilt from
+    them, every one as the job had it."""
+    crashed = _crashed(runs)
+    resumed = _restart(crashed, tmp_path, NODES, damage=_with_a_dict_state)
+    assert resumed.loaded_step == CRASH, resumed.log[-4000:]
+    log = resumed.rank_logs()[0]
+    assert "keeps optimizer state that megatron-ucp cannot place at another DP size: 'quant_state'" in log
+    assert f"global_step{CRASH}: module weights rebuilt from the masters (the memory save left them" in log
+    _assert_same_weights(
+        crashed / "dumps" / f"rank0_step{CRASH}.pt", tmp_path / "dumps" / f"rank0_step{CRASH}_loaded.pt"
+    )
+    assert_losses_continue(resumed, _reference(runs).loss_at)
 
 
 def test_a_node_and_its_replica_lost_together_load_the_durable_tag_saying_why(

@@ -381,7 +381,7 @@ def when_written(compute: Callable[..., Any], *args: Any) -> Any:
 
 
 def _capture(
-    ce_save: Callable[..., Any], flight: InFlight, host: HostCopy, shape: Optional[Callable[[Any, str], Any]]
+    ce_save: Callable[..., Any], flight: InFlight, host: HostCopy, shape: Optional[Callable[[Any, str], Any]] = None
 ) -> Callable[..., Any]:
     def save(state_dict: Any, path: Any, *args: Any, **kwargs: Any) -> None:
         flight.watch.expect(path)

@@ -69,7 +69,7 @@ said once); ``broken``: a commit of this run broke off on this rank (kept for th
 ``pending``: the memory save handed to the writer, its commit not yet seen done by this thread; ``slot``,
 ``writer``, ``over``: the memory saves' host buffer, writer thread and process group (their own: a memory save never
 waits for a durable save's slot or files, and its commit never meets training's collectives); ``exit_wait``: how long
-the process's exit waits for the last commit."""
+the process's exit waits for the last commit; ``config``: the hooks' settings (what a restart will read)."""
 _MARGIN = 1.1
 """Free room a node's folder needs before a memory save, over what its newest generation holds (the next one is
 written before the newest is dropped)."""
@@ -87,7 +87,9 @@ def install(patches: Any, config: UcpConfig) -> None:
     The next memory save, a durable save (the save hook), a load, the job leaving its process group through DeepSpeed,
     and the process's exit wait for it first (:func:`wait`)."""
     _reset()
-    _STATE.update(writer=Writer("megatron-ucp-memory-writer"), exit_wait=float(config.converter_exit_wait))
+    _STATE.update(
+        writer=Writer("megatron-ucp-memory-writer"), exit_wait=float(config.converter_exit_wait), config=config
+    )
     surface.replace(patches, surface.ENGINE, "load_checkpoint", _waiting_first, stack=True)
     surface.replace(patches, surface.TORCH_BACKEND, "destroy_process_group", _leaving_after_the_commit, stack=True)
     atexit.register(_at_exit)
@@ -124,7 +126,9 @@ def _at_exit() -> None:
 
 
 def _reset() -> None:
-    _STATE.update(disabled=False, broken=False, pending=None, slot=None, writer=None, over=None, exit_wait=0.0)
+    _STATE.update(
+        disabled=False, broken=False, pending=None, slot=None, writer=None, over=None, exit_wait=0.0, config=None
+    )
 
 
 _reset()  # the keys of :data:`_STATE`, as before any installation
@@ -265,7 +269,7 @@ def write(engine: Any, original: Callable[..., Any], args: tuple, kwargs: dict, 
         ),
     )
     into.sums = sums
-    shape = memory_weights.decided(engine, tag_dir)  # collective: every rank is in this engine's save
+    shape = memory_weights.decided(engine, tag_dir, _STATE["config"])  # collective: every rank is in this save
     into.weights_from_masters = shape is not None
     result, _ = async_save.copy_to_host(engine, lambda: original(*bound.args, **bound.kwargs), flight, _slot(), shape)
     into.flight = flight  # handed to the writer once every rank has its copy (save_to_memory)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_ucp.config import UcpConfig
 from megatron_ucp.deepspeed.model_states import flatten_module_states, with_leaves_replaced
 from megatron_ucp.format import dsformat as F
 from megatron_ucp.integration.collectives import JOB, is_first
@@ -36,8 +37,11 @@ Shape = Callable[[Any, str], Any]
 _SAID: set[str] = set()
 
 
-def why_kept(job: LiveJob) -> Optional[str]:
-    """Why this rank's memory save must keep the weights (None: the masters hold them exactly). Local."""
+def why_kept(job: LiveJob, config: Optional[UcpConfig]) -> Optional[str]:
+    """Why this rank's memory save must keep the weights (None: the masters hold them exactly, and a restart with
+    these settings rebuilds them). Local."""
+    if config is not None and config.module_read != "distributed":
+        return f"module_read={config.module_read}: a restart reads the module from the files"
     if job.per_parameter:
         return "ZeRO-3 saves no weights in its model states"
     if getattr(job.engine, "has_moe_layers", False):
@@ -49,28 +53,36 @@ def why_kept(job: LiveJob) -> Optional[str]:
     return None
 
 
-def decided(engine: Any, tag_dir: Path) -> Optional[Shape]:
+def decided(engine: Any, tag_dir: Path, config: Optional[UcpConfig]) -> Optional[Shape]:
     """Collective (every rank, the main group; never raises before it): what this memory save writes of each state
     dict when every rank's masters hold its weights (:func:`leaving_out`), else None (the files as a save writes
     them; why said once per reason, on the first rank)."""
     try:
         job: Optional[LiveJob] = live_job(engine)
-        why = why_kept(job)
-    except Exception as exc:  # of any type: this rank keeps them, said here, and every rank still meets below
-        job, why = None, f"the check of the weights failed ({type(exc).__name__}: {exc})"
-        log.warning("megatron-ucp: %s: %s", tag_dir, why)
+        why = why_kept(job, config)
+    except Exception as exc:  # of any type: this rank keeps them, said here once, and every rank still meets below
+        job, why = None, f"the check of the weights failed ({type(exc).__name__})"
+        _say_once(why, f"{why}: {exc}")
     kept = JOB.count(1 if why is not None else 0)
     if kept:
-        said = why if why is not None else f"the live weights are not the fp32 masters rounded on {kept} rank(s)"
-        if is_first() and said not in _SAID:  # once per reason and run
-            _SAID.add(said)
-            log.warning("megatron-ucp: memory saves keep the model's weights in their files: %s", said)
+        if is_first() and why is not None:
+            _say_once(why, why)
+        elif is_first():
+            _say_once("elsewhere", f"on {kept} rank(s) the weights are not the masters rounded, or their check failed")
         return None
     try:
         return leaving_out(job, tag_dir)  # type: ignore[arg-type]
     except Exception as exc:  # of any type: this rank's files keep them (a restart rebuilds from the masters anyway)
-        log.warning("megatron-ucp: %s: the weights stay in this rank's memory save files (%s)", tag_dir, exc)
+        if "leaving out" not in _SAID:
+            _SAID.add("leaving out")
+            log.warning("megatron-ucp: %s: the weights stay in this rank's memory save files (%s)", tag_dir, exc)
         return _as_it_is
+
+
+def _say_once(key: str, said: str) -> None:
+    if key not in _SAID:  # once per reason and run
+        _SAID.add(key)
+        log.warning("megatron-ucp: memory saves keep the model's weights in their files: %s", said)
 
 
 def _as_it_is(state_dict: Any, path: str) -> Any:
@@ -95,7 +107,9 @@ def leaving_out(job: LiveJob, tag_dir: Path) -> Shape:
         if not isinstance(state_dict, dict):
             return state_dict
         if name in layers:
-            return {k: _placeholder(v) if k in layers[name] else v for k, v in state_dict.items()}
+            return with_leaves_replaced(
+                state_dict, {k: _placeholder(state_dict[k]) for k in layers[name] if k in state_dict}
+            )
         module = state_dict.get(F.MODULE)
         if F.MODEL_FILE_RE.match(name) and isinstance(module, dict):
             out = {

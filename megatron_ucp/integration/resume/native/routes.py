@@ -199,11 +199,9 @@ def same_dp_load(call: LoadCall, tag: str, seen_states: Optional[dict] = None) -
     except StockFormError as exc:  # a form of the files the hooks do not read, before anything was loaded
         return _deepspeeds_own_load(call, tag, exc, [rank_file(r) for r in range(job.dp_size)])
     flat = not job.per_parameter
-    if bound is None:
-        refuse_weights_left_out(call, "this model is loaded unbound, by DeepSpeed's own load")
     how = how_module_is_read(call, Route.NATIVE)
-    distributed = bound is not None and how.distributed
-    masters_only = node_memory.weights_from_masters()
+    masters_only = node_memory.weights_from_masters()  # then distributed: how_module_is_read refused otherwise
+    distributed = how.distributed and (bound is not None or masters_only)
     try:
         with (
             one_model_states_file_per_rank(
@@ -221,6 +219,10 @@ def same_dp_load(call: LoadCall, tag: str, seen_states: Optional[dict] = None) -
     if bound is None or loaded_path(result) is None:
         if bound is not None:
             bound.close()
+        elif masters_only and loaded_path(result) is not None:  # unbound: DeepSpeed's own load of the masters
+            rebuild(job)
+            if is_first():
+                log.info("megatron-ucp: %s: module weights rebuilt from the masters (%s)", tag, NO_WEIGHTS)
         return LoadOutcome(result)
     t0 = time.perf_counter()
     saved = SavedSlices.of(job, bound, model_states) if distributed and not masters_only else None
