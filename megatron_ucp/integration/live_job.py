@@ -200,8 +200,8 @@ _COMPARED_AT_ONCE = 1 << 24
 
 
 def differing_partitions(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """How many (master, weights) pairs differ: the master not rounding exactly to the weights (compared where the
-    masters live, a bounded slice at a time). Local."""
+    """How many (master, weights) pairs differ: the master not rounding exactly to the weights, bit for bit (compared
+    where the masters live, a bounded slice at a time). Local."""
     differ = 0
     with torch.no_grad():
         for master, weights in pairs:
@@ -209,7 +209,8 @@ def differing_partitions(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> 
             same = m.numel() == w.numel()
             for at in range(0, m.numel() if same else 0, _COMPARED_AT_ONCE):
                 a, b = m[at : at + _COMPARED_AT_ONCE], w[at : at + _COMPARED_AT_ONCE]
-                if not torch.equal(a.to(b.dtype), b if b.device == a.device else b.to(a.device)):
+                b = b if b.device == a.device else b.to(a.device)
+                if not torch.equal(a.to(b.dtype).view(torch.uint8), b.contiguous().view(torch.uint8)):  # bits: -0.0
                     same = False
                     break
             differ += int(not same)

@@ -262,6 +262,34 @@ def test_a_job_whose_restart_reads_the_weights_keeps_them_in_its_memory_saves(ca
     _assert_same_weights(job / "dumps" / "rank0_step3.pt", tmp_path / "resumed" / "rank0_step3_loaded.pt")
 
 
+def test_a_memory_save_keeps_the_weights_where_they_are_not_the_masters_rounded(tmp_path: Path) -> None:
+    """Every rank changes one weight after step 2 (a job that edits its weights after the step): the memory save of
+    step 2 keeps the weights, said why (the rank whose partition holds that weight sees it; every rank learns it)."""
+    job = tmp_path / "job"
+    result = run_training(
+        TrainSpec(
+            dp=4,
+            steps=3,
+            save_dir=job / "ckpt",
+            memory_every=1,
+            nudge=2,
+            plugin=True,
+            plugin_kwargs=_memory(job),
+            env={"MEGATRON_UCP_NODE_NAMES": ",".join(NODES)},
+            timeout=300,
+        )
+    )
+    assert result.ok, result.log[-3000:]
+    log = result.rank_logs()[0]
+    said = "memory saves keep the model's weights in their files: "
+    assert log.count(said) == 1, log[-3000:]
+    assert f"{said}the live weights are not the fp32 masters rounded to nearest" in log or (
+        f"{said}on 1 rank(s) the weights are not the masters rounded, or their check failed" in log
+    ), log[-3000:]
+    assert _record(job, step=2)["weights_from_masters"] is False
+    assert all(t.numel() > 0 for t in _model_states(job, step=2)["module"].values())
+
+
 def _with_a_dict_state(base: Path, step: int = CRASH) -> None:
     """Every copy of the memory save of ``step`` under ``base`` (each node's own and the replica it keeps) with a dict
     added to every group's state in every rank file (the shape of bitsandbytes' quantization state), its record's

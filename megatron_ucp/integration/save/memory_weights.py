@@ -1,8 +1,8 @@
 """What a memory save leaves to the masters: the model's optimized weights.
 
 After a ZeRO-1/2 optimizer step every optimized bf16 weight is its fp32 master rounded to nearest, and every rank's
-optimizer file holds its masters; the model states (node 0's first rank: 13.5 GB at AuroraGPT-7B, most of what a
-memory save writes, sums and replicates) repeat them. A memory save therefore writes each optimized weight as an
+optimizer file holds its masters; the model states repeat them (13.5 GB at AuroraGPT-7B, a seventh of a save, all of
+it written, summed and replicated by node 0's first rank). A memory save therefore writes each optimized weight as an
 empty placeholder (the shape ``(0,)`` ZeRO-3 gives its partitioned parameters), in the model states' ``module`` and
 in a pipeline model's layer files; buffers, frozen parameters and the client state stay. Its record says so, and a
 restart from it rebuilds the weights from the loaded masters on every route that can (the native reshard and the
@@ -37,6 +37,9 @@ Shape = Callable[[Any, str], Any]
 _SAID: set[str] = set()
 
 
+_MISMATCH = "the live weights are not the fp32 masters rounded to nearest"
+
+
 def why_kept(job: LiveJob, config: Optional[UcpConfig]) -> Optional[str]:
     """Why this rank's memory save must keep the weights (None: the masters hold them exactly, and a restart with
     these settings rebuilds them). Local."""
@@ -49,14 +52,15 @@ def why_kept(job: LiveJob, config: Optional[UcpConfig]) -> Optional[str]:
     if not job.loads_fp32_masters:
         return "zero_optimization.load_from_fp32_weights is off: a load derives the masters from the weights"
     if differing_partitions(job.weight_partitions()):
-        return "the live weights are not the fp32 masters rounded to nearest"
+        return _MISMATCH
     return None
 
 
 def decided(engine: Any, tag_dir: Path, config: Optional[UcpConfig]) -> Optional[Shape]:
     """Collective (every rank, the main group; never raises before it): what this memory save writes of each state
     dict when every rank's masters hold its weights (:func:`leaving_out`), else None (the files as a save writes
-    them; why said once per reason, on the first rank)."""
+    them). Why is said once per reason and run: on the first rank (a warning when the weights differ from the masters,
+    else a note: nothing is lost), and where the check itself failed."""
     try:
         job: Optional[LiveJob] = live_job(engine)
         why = why_kept(job, config)
@@ -82,7 +86,12 @@ def decided(engine: Any, tag_dir: Path, config: Optional[UcpConfig]) -> Optional
 def _say_once(key: str, said: str) -> None:
     if key not in _SAID:  # once per reason and run
         _SAID.add(key)
-        log.warning("megatron-ucp: memory saves keep the model's weights in their files: %s", said)
+        mismatch = key in (_MISMATCH, "elsewhere") or key.startswith("the check")
+        log.log(
+            logging.WARNING if mismatch else logging.INFO,
+            "megatron-ucp: memory saves keep the model's weights in their files: %s",
+            said,
+        )
 
 
 def _as_it_is(state_dict: Any, path: str) -> Any:

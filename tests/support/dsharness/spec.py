@@ -69,6 +69,9 @@ class TrainSpec:
     ``crash_in_commit``."""
     crash_in_commit: bool = False
     """The crashing rank raises without waiting for its memory save's commit (the process exits without it)."""
+    nudge: Optional[int] = None
+    """After this step, every rank adds 1 to the first element of the model's first parameter (the same on every
+    rank): a job whose live weights are no longer its fp32 masters rounded, until the next step rounds them again."""
     base_optimizer: str = "adamw"
     """The torch optimizer ZeRO wraps: ``"adamw"``, or ``"nadam"`` (its ``mu_product`` is a 0-dim tensor per
     partition: state that is not one number per element)."""

@@ -412,6 +412,9 @@ class Rank:
             loss = engine(tokens.to(self.dev), labels.to(self.dev))
             engine.backward(loss)
             engine.step()
+            if spec.nudge == engine.global_steps:
+                with self.torch.no_grad():
+                    next(engine.module.parameters()).data.view(-1)[0] += 1.0
             mean = loss.detach().float().clone().reshape(1)
             self.dist.all_reduce(mean)
             mean = float(mean.item()) / self.world

@@ -194,12 +194,12 @@ def same_dp_load(call: LoadCall, tag: str, seen_states: Optional[dict] = None) -
     rebuilt or read (ZeRO-3's own load restores them from the masters)."""
     job, config = call.job, call.config
     rank_file, model_states = engine_save_files(job, call.load_dir, tag)
+    how = how_module_is_read(call, Route.NATIVE)  # a refusal before anything is bound or brought
     try:
         bound = bind_save(job, model_states, rank_file, seen_states if is_first() else None, same_dp=True)
     except StockFormError as exc:  # a form of the files the hooks do not read, before anything was loaded
         return _deepspeeds_own_load(call, tag, exc, [rank_file(r) for r in range(job.dp_size)])
     flat = not job.per_parameter
-    how = how_module_is_read(call, Route.NATIVE)
     masters_only = node_memory.weights_from_masters()  # then distributed: how_module_is_read refused otherwise
     distributed = how.distributed and (bound is not None or masters_only)
     try:
