@@ -146,12 +146,19 @@ def _record(base: Path, holder: str = "n0", node: int = 0, step: int = CRASH) ->
     return json.loads((_node_folder(base, holder) / f"iter_{step:07d}" / f"node{node}.json").read_text())
 
 
-def _assert_same_weights(saved: Path, loaded: Path) -> None:
-    """The module on rank 0 after the load, bit for bit the one the crashed job had at that step."""
-    a, b = (torch.load(p, map_location="cpu", weights_only=False)["module"] for p in (saved, loaded))
-    assert a.keys() == b.keys() and a, (sorted(a), sorted(b))
-    for name, tensor in a.items():
-        assert tensor.dtype == b[name].dtype and torch.equal(tensor, b[name]), f"{name} differs after the load"
+def _as_the_job_had(saved: Path, loaded: Path, step: int, state: bool = True, weights: bool = True) -> None:
+    """After the load, in the dumps folder ``loaded``, what the job had at ``step`` (its dumps in ``saved``), bit for
+    bit: every master and optimizer state (``state``) and the module on rank 0 (``weights``)."""
+    if state:
+        assert_same_state(saved / f"state_step{step}.pt", loaded / f"state_step{step}_loaded.pt")
+    if weights:
+        a, b = (
+            torch.load(p, map_location="cpu", weights_only=False)["module"]
+            for p in (saved / f"rank0_step{step}.pt", loaded / f"rank0_step{step}_loaded.pt")
+        )
+        assert a.keys() == b.keys() and a, (sorted(a), sorted(b))
+        for name, tensor in a.items():
+            assert tensor.dtype == b[name].dtype and torch.equal(tensor, b[name]), f"{name} differs after the load"
 
 
 def test_a_lost_node_costs_only_the_steps_since_the_last_memory_save(runs: ElasticRuns, tmp_path: Path) -> None:
@@ -168,10 +175,7 @@ def test_a_lost_node_costs_only_the_steps_since_the_last_memory_save(runs: Elast
     assert f"restarting from the memory save of iteration {CRASH} (global_step{CRASH}, saved by 4 node(s))" in log
     assert f"newer than the durable global_step{DURABLE} by 3 iteration(s); replicas used for node 1" in log
     assert "its weights to be rebuilt from the masters" in log
-    assert_same_state(crashed / "dumps" / f"state_step{CRASH}.pt", tmp_path / "dumps" / f"state_step{CRASH}_loaded.pt")
-    _assert_same_weights(
-        crashed / "dumps" / f"rank0_step{CRASH}.pt", tmp_path / "dumps" / f"rank0_step{CRASH}_loaded.pt"
-    )
+    _as_the_job_had(crashed / "dumps", tmp_path / "dumps", CRASH)
     assert_losses_continue(resumed, _reference(runs).loss_at)
     said = format_status(root_status(tmp_path / "ckpt"))  # what the morning's `megatron-ucp status` says
     assert "last restart with memory saves on its nodes (" in said and (
@@ -189,10 +193,7 @@ def test_a_job_requeued_on_the_same_nodes_resumes_from_memory_at_the_same_size_b
     assert resumed.loaded_step == CRASH, resumed.log[-4000:]
     log = resumed.rank_logs()[0]
     assert "module weights rebuilt from the masters (one all-gather; the memory save left them to the masters)" in log
-    assert_same_state(crashed / "dumps" / f"state_step{CRASH}.pt", tmp_path / "dumps" / f"state_step{CRASH}_loaded.pt")
-    _assert_same_weights(
-        crashed / "dumps" / f"rank0_step{CRASH}.pt", tmp_path / "dumps" / f"rank0_step{CRASH}_loaded.pt"
-    )
+    _as_the_job_had(crashed / "dumps", tmp_path / "dumps", CRASH)
     assert_losses_continue(resumed, _reference(runs).loss_at)
 
 
@@ -258,8 +259,7 @@ def test_a_job_whose_restart_reads_the_weights_keeps_them_in_its_memory_saves(ca
         job, ("n0", "n2", "n3"), tmp_path / "resumed", steps=4, plugin_kwargs={**_memory(job), **settings}, **fields
     )
     assert resumed.loaded_step == 3, resumed.log[-4000:]
-    assert_same_state(job / "dumps" / "state_step3.pt", tmp_path / "resumed" / "state_step3_loaded.pt")
-    _assert_same_weights(job / "dumps" / "rank0_step3.pt", tmp_path / "resumed" / "rank0_step3_loaded.pt")
+    _as_the_job_had(job / "dumps", tmp_path / "resumed", 3)
 
 
 def test_a_memory_save_keeps_the_weights_where_they_are_not_the_masters_rounded(tmp_path: Path) -> None:
@@ -320,9 +320,7 @@ def test_a_same_size_restart_left_to_deepspeeds_own_load_rebuilds_the_weights_fr
     log = resumed.rank_logs()[0]
     assert "keeps optimizer state that megatron-ucp cannot place at another DP size: 'quant_state'" in log
     assert f"global_step{CRASH}: module weights rebuilt from the masters (the memory save left them" in log
-    _assert_same_weights(
-        crashed / "dumps" / f"rank0_step{CRASH}.pt", tmp_path / "dumps" / f"rank0_step{CRASH}_loaded.pt"
-    )
+    _as_the_job_had(crashed / "dumps", tmp_path / "dumps", CRASH, state=False)
     assert_losses_continue(resumed, _reference(runs).loss_at)
 
 
@@ -419,11 +417,8 @@ def test_every_zero_layout_resumes_from_memory_at_the_new_node_count_bit_for_bit
     resumed = _resume(tmp_path / "job", ("n0", "n2", "n3"), tmp_path / "resumed", steps=4, **fields)
     assert resumed.loaded_step == 3, resumed.log[-4000:]
     assert "newer than the durable checkpoint (none)" in resumed.rank_logs()[0]
-    assert_same_state(tmp_path / "job" / "dumps" / "state_step3.pt", tmp_path / "resumed" / "state_step3_loaded.pt")
-    if layout != "zero3":  # ZeRO-3's module holds only its partitions: its masters compared above are the weights
-        _assert_same_weights(
-            tmp_path / "job" / "dumps" / "rank0_step3.pt", tmp_path / "resumed" / "rank0_step3_loaded.pt"
-        )
+    # ZeRO-3's module holds only its partitions: its masters (the state) are the weights
+    _as_the_job_had(tmp_path / "job" / "dumps", tmp_path / "resumed", 3, weights=layout != "zero3")
 
 
 def test_a_restart_whose_load_needs_the_universal_twin_loads_the_durable_tag_saying_why(tmp_path: Path) -> None:

@@ -175,14 +175,6 @@ def _layer_files(job: LiveJob, folder: Path) -> list[tuple[Path, Any]]:
 # ------------------------------------------------------------------------------------------------
 
 
-def _leaves(nested: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    for key, value in nested.items():
-        if isinstance(value, dict):
-            yield from _leaves(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
-
-
 def _read_the_rest(path: Path, names: list[str], group: Any, key: Optional[str] = F.MODULE) -> dict[str, torch.Tensor]:
     """The module tensors without a master, each byte read by one rank of ``group``: their bytes laid end
     to end, one slice per rank (read exactly), one all-gather. Every rank of the group holds the same
@@ -228,7 +220,7 @@ def with_the_rest_exchanged(states: dict, optimized: set[str], model_states: Pat
     saved = states.get(F.MODULE) if isinstance(states, dict) else None
     if not isinstance(saved, dict):
         return states
-    names = sorted(n for n, _ in _leaves(saved) if n not in optimized)
+    names = sorted(n for n in flatten_module_states(saved) if n not in optimized)
     rest = _read_the_rest(model_states, names, group) if names else {}
     return {**states, F.MODULE: with_leaves_replaced(saved, rest)} if rest else states
 
@@ -265,7 +257,7 @@ def module_from_masters(job: LiveJob, model_states: Path) -> Iterator[None]:
             saved = checkpoint.get(F.MODULE) if isinstance(checkpoint, dict) else None
             if self is not job.engine or not isinstance(saved, dict) or kwargs.get("custom_load_fn"):
                 return original(self, checkpoint, strict, *args, **kwargs)
-            leaves = dict(_leaves(saved))
+            leaves = flatten_module_states(saved)
             own = {name: optimized[name].detach() for name in leaves if name in optimized}
             names = sorted(n for n in leaves if n not in own)  # the same on every rank: one file per group
             rest = _read_the_rest(model_states, names, job.dp_group) if names else {}

@@ -11,8 +11,9 @@ durable checkpoint is loaded instead.
 
 Only where it is exact: not ZeRO-3 (its model states hold no weights anyway), not a mixture of experts (DeepSpeed's
 own module load reads the experts' files), not when the masters are derived from the weights at a load
-(``load_from_fp32_weights`` off), and only when on every rank the live weights are exactly the masters rounded
-(checked at each memory save, over this rank's partition: a job that changed its weights after the step keeps them).
+(``load_from_fp32_weights`` off) or the restart reads the module from the files (``module_read = full``), and only
+when on every rank the live weights are exactly the masters rounded (checked at each memory save, over this rank's
+partition: a job that changed its weights after the step keeps them).
 """
 
 from __future__ import annotations
@@ -66,13 +67,18 @@ def decided(engine: Any, tag_dir: Path, config: Optional[UcpConfig]) -> Optional
         why = why_kept(job, config)
     except Exception as exc:  # of any type: this rank keeps them, said here once, and every rank still meets below
         job, why = None, f"the check of the weights failed ({type(exc).__name__})"
-        _say_once(why, f"{why}: {exc}")
+        _say_once(why, f"{why}: {exc}", logging.WARNING)
     kept = JOB.count(1 if why is not None else 0)
+    if kept and is_first():  # a mismatch (here or elsewhere) is a warning; a setting that keeps them, a note
+        if why is not None:
+            _say_once(why, why, logging.WARNING if why == _MISMATCH else logging.INFO)
+        else:
+            _say_once(
+                "elsewhere",
+                f"on {kept} rank(s) the weights are not the masters rounded, or their check failed",
+                logging.WARNING,
+            )
     if kept:
-        if is_first() and why is not None:
-            _say_once(why, why)
-        elif is_first():
-            _say_once("elsewhere", f"on {kept} rank(s) the weights are not the masters rounded, or their check failed")
         return None
     try:
         return leaving_out(job, tag_dir)  # type: ignore[arg-type]
@@ -83,15 +89,10 @@ def decided(engine: Any, tag_dir: Path, config: Optional[UcpConfig]) -> Optional
         return _as_it_is
 
 
-def _say_once(key: str, said: str) -> None:
+def _say_once(key: str, said: str, level: int) -> None:
     if key not in _SAID:  # once per reason and run
         _SAID.add(key)
-        mismatch = key in (_MISMATCH, "elsewhere") or key.startswith("the check")
-        log.log(
-            logging.WARNING if mismatch else logging.INFO,
-            "megatron-ucp: memory saves keep the model's weights in their files: %s",
-            said,
-        )
+        log.log(level, "megatron-ucp: memory saves keep the model's weights in their files: %s", said)
 
 
 def _as_it_is(state_dict: Any, path: str) -> Any:
